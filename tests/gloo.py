@@ -1,0 +1,91 @@
+"""Run a function on N real processes joined in a gloo process group (the CPU stand-in for NCCL).
+
+    results = run_ranks(my_fn, world_size=4, args=(cfg,))   # my_fn(rank, world_size, *args)
+
+`my_fn` must be importable (a module-level function in a test module or in trainer/). Each rank's
+return value comes back in rank order; an exception in any rank fails the call with that rank's
+traceback. Keep models tiny: every rank shares the machine's two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    # one thread per rank: N ranks on 2 cores oversubscribe badly otherwise
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        out.write_bytes(pickle.dumps(("ok", value)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], *, world_size: int, args: tuple = (), timeout_s: float = 180.0
+) -> list[Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), tmp, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            import time
+
+            deadline = time.monotonic() + timeout_s
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} gloo ranks still running after {timeout_s}s")
+        except mp.ProcessRaisedException:
+            pass
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            path = Path(tmp) / f"rank{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} died without a result")
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

@@ -1,0 +1,1 @@
+"""Pure-PyTorch trainer: models, data, training loop and the parallel engines."""

@@ -1,0 +1,52 @@
+"""`python -m trainer --spec job.json`: run one job without the service.
+
+Protocol lines (JSON, one per line) go to stdout from rank 0; see trainer/protocol.py. A failure
+prints an `error` line with the reason and exits 1 (2 for a bad spec)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from trainer.config import ConfigError, JobConfig
+from trainer.distributed import env_rank, env_world_size, teardown
+from trainer.protocol import FileStopSignal, JsonlSink
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    ap.add_argument("--spec", required=True, help="JobSpec JSON file ('-' for stdin)")
+    ap.add_argument("--checkpoint-dir", type=Path, default=None)
+    ap.add_argument("--stop-file", default=None, help="stop cleanly once this file exists")
+    args = ap.parse_args(argv)
+
+    rank = env_rank()
+    sink = JsonlSink(sys.stdout, enabled=rank == 0)
+    try:
+        raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
+        job = JobConfig.from_dict(raw)
+    except (OSError, ValueError) as e:
+        sink.error(f"bad spec: {e}")
+        return 2
+    try:
+        from trainer.runner import run
+
+        run(job, sink=sink, stop=FileStopSignal(args.stop_file), checkpoint_dir=args.checkpoint_dir)
+    except ConfigError as e:
+        sink.error(f"bad spec: {e}")
+        return 2
+    except Exception as e:  # noqa: BLE001 - the reason goes to the worker, the trace to stderr
+        traceback.print_exc()
+        where = f" (rank {rank} of {env_world_size()})" if env_world_size() > 1 else ""
+        sink.error(f"{type(e).__name__}: {e}{where}")
+        return 1
+    finally:
+        teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The single-process training loop: the reference every parallel engine is checked against."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import JobConfig, TrainConfig
+from trainer.data import BatchStream, TextData
+from trainer.device import peak_memory_mb, pick_device
+from trainer.models import build_model, count_params, lm_loss
+from trainer.protocol import MetricsSink, StopSignal, should_stop
+
+
+class TrainingError(RuntimeError):
+    """A terminal failure of the run itself (NaN loss, ...): retrying will not help."""
+
+
+def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TextData, *, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean loss over a fixed set of validation batches (same set at every evaluation)."""
+    was_training = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(cfg.seed + 7919)
+    total = 0.0
+    for _ in range(cfg.eval_batches):
+        x, y = data.batch(split="val", batch_size=cfg.batch_size, generator=g)
+        total += lm_loss(model(x.to(device)), y.to(device)).item()
+    model.train(was_training)
+    return total / cfg.eval_batches
+
+
+def check_finite(loss: float, step: int) -> None:
+    if not math.isfinite(loss):
+        raise TrainingError(f"loss is {loss} at step {step}; lower train.lr or enable grad_clip")
+
+
+def train(
+    job: JobConfig,
+    *,
+    sink: MetricsSink,
+    stop: StopSignal,
+    checkpoint_dir: Path | None = None,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """Train `job` on one device. Returns the result dict (also sent to `sink.result`)."""
+    cfg = job.train
+    device = device or pick_device(job.resources.device)
+    model = build_model(job.model, seed=cfg.seed).to(device)
+    opt = build_optimizer(model.parameters(), cfg)
+    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
+
+    start = 0
+    if (path := latest_checkpoint(checkpoint_dir)) is not None:
+        state = load_checkpoint(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        sink.log(f"resumed from {path.name} at step {start}")
+    n_params = count_params(model)
+    sink.log(f"model {job.model.kind}: {n_params:,} parameters on {device}")
+    sink.event("start", {"params": n_params, "device": str(device), "start_step": start})
+
+    tokens_per_step = cfg.batch_size * job.model.seq_len
+    loss_value = float("nan")
+    val_loss = float("nan")
+    stopped = False
+    t_run = time.perf_counter()
+    step = start
+    for step in range(start + 1, cfg.steps + 1):
+        if should_stop(stop):
+            stopped = True
+            step -= 1
+            break
+        t0 = time.perf_counter()
+        x, y = stream.batch_for(step - 1)
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        loss_value = loss.item()  # note: a CPU-GPU sync point, once per step
+        check_finite(loss_value, step)
+        dt = time.perf_counter() - t0
+        sink.metric(step, "loss", loss_value)
+        sink.metric(step, "step_time_ms", dt * 1e3)
+        sink.metric(step, "tokens_per_s", tokens_per_step / dt)
+        sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            val_loss = evaluate(model, data, cfg=cfg, device=device)
+            sink.metric(step, "val_loss", val_loss)
+        if checkpoint_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0:
+            p = save_checkpoint(
+                checkpoint_dir,
+                step=step,
+                state={"model": model.state_dict(), "optimizer": opt.state_dict()},
+            )
+            sink.event("checkpoint", {"step": step, "path": str(p)})
+
+    if checkpoint_dir is not None and step > start:
+        save_checkpoint(
+            checkpoint_dir,
+            step=step,
+            state={"model": model.state_dict(), "optimizer": opt.state_dict()},
+        )
+    elapsed = time.perf_counter() - t_run
+    result = {
+        "steps": step,
+        "stopped": stopped,
+        "final_loss": loss_value,
+        "val_loss": val_loss,
+        "params": n_params,
+        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
+        "device": str(device),
+    }
+    sink.result(result)
+    return result

@@ -1,0 +1,129 @@
+"""How the trainer talks to whoever runs it, without knowing who that is.
+
+The worker launches `python -m trainer` (or torchrun) and reads one JSON object per line from the
+trainer's stdout:
+
+    {"kind": "metric", "step": 12, "name": "loss", "value": 3.91, "time": 1732.1}
+    {"kind": "log", "message": "...", "time": ...}
+    {"kind": "event", "event": "checkpoint", "data": {...}, "time": ...}
+    {"kind": "result", "data": {...}, "time": ...}
+
+Only rank 0 writes. The worker asks the trainer to stop by creating the stop file; the trainer
+checks it once per step (all ranks agree on the answer, see `should_stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+
+class MetricsSink(Protocol):
+    def metric(self, step: int, name: str, value: float) -> None: ...
+
+    def log(self, message: str) -> None: ...
+
+    def event(self, event: str, data: dict[str, Any]) -> None: ...
+
+    def result(self, data: dict[str, Any]) -> None: ...
+
+
+class StopSignal(Protocol):
+    def requested(self) -> bool: ...
+
+
+class JsonlSink:
+    """Writes protocol lines to a text stream (stdout by default), flushing each line."""
+
+    def __init__(self, stream: TextIO | None = None, *, enabled: bool = True) -> None:
+        self._stream = stream or sys.stdout
+        self._enabled = enabled
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        if self._enabled:
+            obj["time"] = time.time()
+            self._stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
+            self._stream.flush()
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        self._write({"kind": "metric", "step": step, "name": name, "value": float(value)})
+
+    def log(self, message: str) -> None:
+        self._write({"kind": "log", "message": message})
+
+    def event(self, event: str, data: dict[str, Any]) -> None:
+        self._write({"kind": "event", "event": event, "data": data})
+
+    def result(self, data: dict[str, Any]) -> None:
+        self._write({"kind": "result", "data": data})
+
+    def error(self, message: str) -> None:
+        """Written even by non-zero ranks: the worker reports the first error it reads."""
+        self._enabled = True
+        self._write({"kind": "error", "message": message})
+
+
+class ListSink:
+    """Keeps everything in memory; for tests and benchmarks."""
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[int, str, float]] = []
+        self.logs: list[str] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.results: list[dict[str, Any]] = []
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        self.metrics.append((step, name, float(value)))
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+    def event(self, event: str, data: dict[str, Any]) -> None:
+        self.events.append((event, data))
+
+    def result(self, data: dict[str, Any]) -> None:
+        self.results.append(data)
+
+    def series(self, name: str) -> list[float]:
+        return [v for _, n, v in self.metrics if n == name]
+
+
+class NullSink(ListSink):
+    """Swallows everything (non-zero ranks)."""
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        pass
+
+    def log(self, message: str) -> None:
+        pass
+
+
+class FileStopSignal:
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self._path = Path(path) if path else None
+
+    def requested(self) -> bool:
+        return self._path is not None and self._path.exists()
+
+
+class NeverStop:
+    def requested(self) -> bool:
+        return False
+
+
+def should_stop(stop: StopSignal) -> bool:
+    """Every rank must leave the loop at the same step, or collectives deadlock: rank 0 reads the
+    signal and broadcasts it when a process group exists."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stop.requested()
+    flag = torch.tensor([1 if (dist.get_rank() == 0 and stop.requested()) else 0])
+    # note: a collective per step; a few microseconds on gloo, negligible beside a training step
+    dist.all_reduce(flag)
+    return bool(flag.item())
