@@ -55,9 +55,7 @@ def table(rows: list[dict[str, Any]], *, title: str = "") -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = [
-        "| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in cells
-    ]
+    body = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in cells]
     out = "\n".join([line, sep, *body])
     return f"{title}\n{out}\n" if title else out + "\n"
 

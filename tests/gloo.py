@@ -27,9 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple
-) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 

@@ -46,23 +46,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.kind in ("gpt", "mlp"), f"model.kind must be gpt or mlp, got {self.kind!r}")
         _require(1 <= self.layers <= 256, f"model.layers must be in [1, 256], got {self.layers}")
-        _require(
-            8 <= self.d_model <= 16384, f"model.d_model must be in [8, 16384], got {self.d_model}"
-        )
+        _require(8 <= self.d_model <= 16384, f"model.d_model must be in [8, 16384], got {self.d_model}")
         _require(1 <= self.heads <= 256, f"model.heads must be in [1, 256], got {self.heads}")
         _require(
             self.d_model % self.heads == 0,
             f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})",
         )
-        _require(
-            1 <= self.seq_len <= 8192, f"model.seq_len must be in [1, 8192], got {self.seq_len}"
-        )
-        _require(
-            self.vocab_size == 128, f"model.vocab_size must be 128 (ASCII), got {self.vocab_size}"
-        )
-        _require(
-            1 <= self.mlp_ratio <= 16, f"model.mlp_ratio must be in [1, 16], got {self.mlp_ratio}"
-        )
+        _require(1 <= self.seq_len <= 8192, f"model.seq_len must be in [1, 8192], got {self.seq_len}")
+        _require(self.vocab_size == 128, f"model.vocab_size must be 128 (ASCII), got {self.vocab_size}")
+        _require(1 <= self.mlp_ratio <= 16, f"model.mlp_ratio must be in [1, 16], got {self.mlp_ratio}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,9 +97,7 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables."""
 
     def __post_init__(self) -> None:
-        _require(
-            1 <= self.steps <= 10_000_000, f"train.steps must be in [1, 1e7], got {self.steps}"
-        )
+        _require(1 <= self.steps <= 10_000_000, f"train.steps must be in [1, 1e7], got {self.steps}")
         _require(
             1 <= self.batch_size <= 65536,
             f"train.batch_size must be in [1, 65536], got {self.batch_size}",
@@ -118,9 +108,7 @@ class TrainConfig:
             f"train.optimizer must be adamw or sgd, got {self.optimizer!r}",
         )
         _require(self.eval_every >= 1, f"train.eval_every must be >= 1, got {self.eval_every}")
-        _require(
-            self.eval_batches >= 1, f"train.eval_batches must be >= 1, got {self.eval_batches}"
-        )
+        _require(self.eval_batches >= 1, f"train.eval_batches must be >= 1, got {self.eval_batches}")
         _require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
 
 
@@ -186,9 +174,7 @@ class TensorConfig:
             self.mode in ("1d", "2d", "2.5d"),
             f"parallel.tensor.mode must be 1d, 2d or 2.5d, got {self.mode!r}",
         )
-        _require(
-            self.size >= 1 and self.q >= 1 and self.d >= 1, "parallel.tensor sizes must be >= 1"
-        )
+        _require(self.size >= 1 and self.q >= 1 and self.d >= 1, "parallel.tensor sizes must be >= 1")
 
     @property
     def world_size(self) -> int:

@@ -24,9 +24,7 @@ class TrainingError(RuntimeError):
 
 def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 

@@ -116,12 +116,9 @@ class Residual(nn.Module):
 
 
 def build_gpt(cfg: ModelConfig) -> nn.Sequential:
-    layers: list[nn.Module] = [
-        Embedding(vocab_size=cfg.vocab_size, d_model=cfg.d_model, seq_len=cfg.seq_len)
-    ]
+    layers: list[nn.Module] = [Embedding(vocab_size=cfg.vocab_size, d_model=cfg.d_model, seq_len=cfg.seq_len)]
     layers += [
-        Block(d_model=cfg.d_model, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio)
-        for _ in range(cfg.layers)
+        Block(d_model=cfg.d_model, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio) for _ in range(cfg.layers)
     ]
     layers.append(Head(d_model=cfg.d_model, vocab_size=cfg.vocab_size))
     return nn.Sequential(*layers)

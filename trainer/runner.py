@@ -40,9 +40,7 @@ def run(
 
         return train_spilled(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir)
     if par.data_parallel > 1:
-        raise ConfigError(
-            "parallel.data_parallel > 1 without a pipeline or tensor axis is not supported yet"
-        )
+        raise ConfigError("parallel.data_parallel > 1 without a pipeline or tensor axis is not supported yet")
     from trainer.loop import train
 
     return train(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir)
