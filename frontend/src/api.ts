@@ -1,0 +1,178 @@
+// The REST surface the dashboard reads (DESIGN.md); the dashboard talks to nothing else.
+
+export type JobStatus = "queued" | "running" | "succeeded" | "failed" | "cancelled";
+
+export interface Job {
+  id: number;
+  name: string;
+  status: JobStatus;
+  priority: number;
+  attempts: number;
+  created_at: string | null;
+  started_at: string | null;
+  finished_at: string | null;
+  worker: string | null;
+  error: string | null;
+  result: Record<string, unknown> | null;
+  spec: JobSpec;
+  cancel_requested: boolean;
+  progress: { step: number; steps: number; loss?: number | null } | null;
+}
+
+export interface JobSpec {
+  name?: string;
+  parallel?: { pipeline?: { stages: number; microbatches: number; schedule: string } | null } | null;
+  [key: string]: unknown;
+}
+
+export interface Series {
+  steps: number[];
+  values: number[];
+}
+
+export interface Metrics {
+  job_id: number;
+  series: Record<string, Series>;
+}
+
+export interface LogLine {
+  id?: number;
+  time: string | number;
+  kind?: string;
+  message: string;
+  data?: unknown;
+}
+
+export interface Health {
+  status: string;
+  db: { ok: boolean };
+  broker: { ok: boolean };
+  workers: { name: string; devices: unknown; last_seen: string | number }[];
+}
+
+export type TimelineOp = "F" | "B" | "W" | "AR";
+
+export interface TimelineAction {
+  rank: number;
+  op: TimelineOp;
+  mb: number | null;
+  stage: number | null;
+  replica: number | null;
+  start: number;
+  end: number;
+}
+
+export interface Timeline {
+  schedule: string;
+  stages: number;
+  microbatches: number;
+  executed: TimelineAction[];
+  simulated: TimelineAction[];
+  bubble_executed: number | null;
+  bubble_simulated: number | null;
+}
+
+export type TrialStatus = "queued" | "running" | "succeeded" | "stopped_early" | "failed" | "cancelled";
+
+export interface Trial {
+  id: number;
+  index: number;
+  params: Record<string, number | string | boolean>;
+  status: TrialStatus;
+  steps_done: number;
+  steps_total: number;
+  last_metric: number | null;
+  best_metric: number | null;
+  stopped_early: boolean;
+  job_id: number | null;
+}
+
+export type SpaceEntry = { low: number; high: number; log?: boolean } | (number | string | boolean)[];
+
+export interface Selection {
+  id: number;
+  name: string;
+  status: string;
+  metric: string;
+  mode: "min" | "max";
+  scheduler: string;
+  created_at: string | null;
+  finished_at: string | null;
+  space: Record<string, SpaceEntry>;
+  trials?: Trial[];
+  leaderboard?: number[];
+}
+
+export interface Page<T> {
+  items: T[];
+  total: number;
+}
+
+/** A non-2xx answer; `message` is already readable (422 field errors joined as "field: rule"). */
+export class ApiError extends Error {
+  constructor(
+    readonly status: number,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+/** FastAPI answers 422 with a list of {loc, msg}; our own errors with a string. Name the field. */
+export function describeDetail(detail: unknown): string {
+  if (typeof detail === "string") return detail;
+  if (Array.isArray(detail)) {
+    return detail
+      .map((d: { loc?: (string | number)[]; msg?: string }) => {
+        const loc = (d.loc ?? []).filter((p) => p !== "body").join(".");
+        return loc ? `${loc}: ${d.msg ?? ""}` : String(d.msg ?? JSON.stringify(d));
+      })
+      .join("\n");
+  }
+  return JSON.stringify(detail);
+}
+
+export async function api<T>(path: string, init?: { method?: string; body?: unknown }): Promise<T> {
+  const res = await fetch(path, {
+    method: init?.method ?? "GET",
+    headers: init?.body !== undefined ? { "Content-Type": "application/json" } : undefined,
+    body: init?.body !== undefined ? JSON.stringify(init.body) : undefined,
+  });
+  const text = await res.text();
+  let payload: unknown = null;
+  try {
+    payload = text ? JSON.parse(text) : null;
+  } catch {
+    payload = text;
+  }
+  if (!res.ok) {
+    const detail = (payload as { detail?: unknown } | null)?.detail ?? payload ?? res.statusText;
+    throw new ApiError(res.status, describeDetail(detail));
+  }
+  return payload as T;
+}
+
+export const post = <T>(path: string, body: unknown = {}) => api<T>(path, { method: "POST", body });
+
+/** Subscribe to named SSE events with JSON payloads; returns the EventSource so callers can close it. */
+export function subscribe(
+  url: string,
+  handlers: Record<string, (data: any) => void>,
+  onState?: (state: "open" | "error") => void,
+): EventSource {
+  const es = new EventSource(url);
+  for (const [name, fn] of Object.entries(handlers)) {
+    es.addEventListener(name, (ev) => {
+      try {
+        fn(JSON.parse((ev as MessageEvent<string>).data));
+      } catch (err) {
+        console.warn(`bad ${name} event from ${url}`, err);
+      }
+    });
+  }
+  es.onopen = () => onState?.("open");
+  es.onerror = () => onState?.("error");
+  return es;
+}
+
+export const TERMINAL: ReadonlySet<string> = new Set(["succeeded", "failed", "cancelled", "stopped_early"]);

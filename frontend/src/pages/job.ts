@@ -1,0 +1,200 @@
+// One job: header, live loss and throughput charts, logs, and the pipeline Gantt chart.
+import { api, ApiError, type Job, type LogLine, type Metrics, post, subscribe, TERMINAL, type Timeline } from "../api";
+import { StepChart } from "../charts";
+import { badge, errorText, fmtNum, fmtTime, h, replace } from "../dom";
+import { gantt, ganttLegend } from "../gantt";
+import { jobLoss } from "./jobs";
+
+const NAMES = ["loss", "val_loss", "tokens_per_s"];
+
+export function jobPage(root: HTMLElement, id: number): () => void {
+  const header = h("section", { id: "job-header" }, "loading…");
+  const lossEl = h("div", { class: "chart", id: "loss-chart" });
+  const tputEl = h("div", { class: "chart", id: "tput-chart" });
+  const logs = h("ol", { class: "logs", id: "log-panel" });
+  const pipeline = h("section", { id: "pipeline", hidden: true });
+  root.append(
+    header,
+    h("div", { class: "charts" }, h("div", { class: "card" }, lossEl), h("div", { class: "card" }, tputEl)),
+    pipeline,
+    h("section", { class: "card" }, h("h2", {}, "Log"), logs),
+  );
+
+  const lossChart = new StepChart(lossEl, {
+    title: "loss",
+    yLabel: "loss",
+    lines: [
+      { key: "loss", label: "loss", color: "#1f77b4" },
+      { key: "val_loss", label: "val_loss", color: "#d62728", width: 2, points: true },
+    ],
+  });
+  const tputChart = new StepChart(tputEl, {
+    title: "throughput",
+    yLabel: "tokens/s",
+    lines: [{ key: "tokens_per_s", label: "tokens/s", color: "#2ca02c" }],
+  });
+
+  let job: Job | null = null;
+  let stream: EventSource | null = null;
+  let closed = false;
+  const seenLogs = new Set<string>();
+
+  const addLog = (line: LogLine) => {
+    const key = `${line.time}|${line.message}`;
+    if (seenLogs.has(key)) return;
+    seenLogs.add(key);
+    const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+    logs.append(
+      h(
+        "li",
+        { class: `log-${line.kind ?? "log"}` },
+        h("time", {}, fmtTime(line.time)),
+        h("span", {}, line.message),
+      ),
+    );
+    if (atBottom) logs.scrollTop = logs.scrollHeight;
+  };
+
+  const renderHeader = () => {
+    if (!job) return;
+    const j = job;
+    const active = !TERMINAL.has(j.status);
+    replace(
+      header,
+      h(
+        "div",
+        { class: "title-row" },
+        h("h1", {}, `Job #${j.id} · ${j.name}`),
+        badge(j.status),
+        active && !j.cancel_requested
+          ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
+          : null,
+        j.cancel_requested && active ? h("span", { class: "muted" }, "cancelling…") : null,
+      ),
+      h(
+        "dl",
+        { class: "facts" },
+        ...fact("worker", j.worker ?? "—"),
+        ...fact("attempts", j.attempts),
+        ...fact("progress", j.progress ? `${j.progress.step}/${j.progress.steps}` : "—"),
+        ...fact("loss", fmtNum(jobLoss(j))),
+        ...fact("created", fmtTime(j.created_at)),
+        ...fact("started", fmtTime(j.started_at)),
+        ...fact("finished", fmtTime(j.finished_at)),
+      ),
+      j.error ? h("pre", { class: "error", id: "job-error" }, j.error) : null,
+      j.result ? h("details", { open: true }, h("summary", {}, "result"), h("pre", { id: "job-result" }, JSON.stringify(j.result, null, 2))) : null,
+      h("details", {}, h("summary", {}, "spec"), h("pre", {}, JSON.stringify(j.spec, null, 2))),
+    );
+  };
+
+  const refreshJob = async () => {
+    job = await api<Job>(`/api/jobs/${id}`);
+    renderHeader();
+  };
+
+  const cancel = async () => {
+    try {
+      job = await post<Job>(`/api/jobs/${id}/cancel`);
+      renderHeader();
+    } catch (err) {
+      alert(`Cancel failed: ${errorText(err)}`);
+    }
+  };
+
+  const loadTimeline = async () => {
+    if (!job?.spec?.parallel?.pipeline) return;
+    const p = job.spec.parallel.pipeline;
+    pipeline.hidden = false;
+    pipeline.className = "card";
+    const title = h("h2", {}, `Pipeline: ${p.schedule}, ${p.stages} stages × ${p.microbatches} micro-batches`);
+    try {
+      const tl = await api<Timeline>(`/api/jobs/${id}/timeline`);
+      pipeline.replaceChildren(title, timelineView(tl));
+    } catch (err) {
+      const msg =
+        err instanceof ApiError && err.status === 404
+          ? "No timeline recorded yet; it appears once the job has run a step."
+          : `Could not load the timeline: ${errorText(err)}`;
+      pipeline.replaceChildren(title, h("p", { class: "muted", id: "timeline-missing" }, msg));
+    }
+  };
+
+  const start = async () => {
+    try {
+      await refreshJob();
+    } catch (err) {
+      header.replaceChildren(h("p", { class: "error" }, `Job ${id}: ${errorText(err)}`));
+      return;
+    }
+    void loadTimeline();
+    const [metrics, logPage] = await Promise.all([
+      api<Metrics>(`/api/jobs/${id}/metrics?names=${NAMES.join(",")}&max_points=1000`).catch(() => null),
+      api<{ items: LogLine[] }>(`/api/jobs/${id}/logs`).catch(() => null),
+    ]);
+    if (closed) return;
+    for (const name of ["loss", "val_loss"]) lossChart.addSeries(name, metrics?.series[name]);
+    tputChart.addSeries("tokens_per_s", metrics?.series.tokens_per_s);
+    for (const line of logPage?.items ?? []) addLog(line);
+
+    stream = subscribe(`/api/jobs/${id}/stream`, {
+      metric: (m: { step: number; name: string; value: number }) => {
+        if (m.name === "tokens_per_s") tputChart.add(m.name, m.step, m.value);
+        else lossChart.add(m.name, m.step, m.value);
+        if (m.name === "loss" && job) {
+          job.progress = { step: m.step, steps: job.progress?.steps ?? m.step, loss: m.value };
+        }
+      },
+      status: (s: { status: Job["status"]; error: string | null }) => {
+        if (!job) return;
+        job.status = s.status;
+        job.error = s.error ?? job.error;
+        renderHeader();
+        // finished: fetch the result and timestamps, and the timeline the worker stored at the end
+        if (TERMINAL.has(s.status)) {
+          void refreshJob().then(loadTimeline);
+          stream?.close();
+        }
+      },
+      log: (l: LogLine) => addLog(l),
+    });
+    // a finished job's stream may end; stop EventSource reconnecting to it forever
+    stream.addEventListener("error", () => {
+      if (job && TERMINAL.has(job.status)) stream?.close();
+    });
+  };
+  void start();
+
+  return () => {
+    closed = true;
+    stream?.close();
+    lossChart.destroy();
+    tputChart.destroy();
+  };
+}
+
+function fact(k: string, v: string | number): HTMLElement[] {
+  return [h("dt", {}, k), h("dd", {}, v)];
+}
+
+function timelineView(tl: Timeline): HTMLElement {
+  const ranks = Math.max(tl.stages, ...tl.executed.map((a) => a.rank + 1), ...tl.simulated.map((a) => a.rank + 1));
+  const panel = (title: string, id: string, acts: Timeline["executed"], bubble: number | null, unit: "s" | "cost") =>
+    h(
+      "figure",
+      { class: "gantt-panel", id },
+      h("figcaption", {}, `${title} · bubble ${bubble === null ? "—" : `${(100 * bubble).toFixed(1)}%`}`),
+      acts.length ? gantt(acts, { ranks, unit, label: title }) : h("p", { class: "muted" }, "none recorded"),
+    );
+  return h(
+    "div",
+    {},
+    ganttLegend(),
+    h(
+      "div",
+      { class: "gantt-pair" },
+      panel("executed", "gantt-executed", tl.executed, tl.bubble_executed, "s"),
+      panel("simulated", "gantt-simulated", tl.simulated, tl.bubble_simulated, "cost"),
+    ),
+  );
+}

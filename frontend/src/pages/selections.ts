@@ -1,0 +1,297 @@
+// Model-selection batches: the list, and one batch's leaderboard, curves and parallel coordinates.
+import { api, type Metrics, type Page, post, type Selection, subscribe, TERMINAL, type Trial } from "../api";
+import { PALETTE, StepChart } from "../charts";
+import { badge, errorText, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
+import { parallelCoordinates } from "../parcoords";
+
+export function selectionsPage(root: HTMLElement): () => void {
+  const tbody = h("tbody");
+  root.append(
+    h("h1", {}, "Selections"),
+    h(
+      "table",
+      { class: "grid", id: "selections-table" },
+      h(
+        "thead",
+        {},
+        h("tr", {}, ...["id", "name", "status", "metric", "scheduler", "trials", "created"].map((c) => h("th", {}, c))),
+      ),
+      tbody,
+    ),
+  );
+  const load = async () => {
+    try {
+      const page = await api<Page<Selection>>("/api/selections?limit=100");
+      tbody.replaceChildren(
+        ...page.items
+          .sort((a, b) => b.id - a.id)
+          .map((s) =>
+            h(
+              "tr",
+              { "data-selection-id": s.id },
+              h("td", {}, h("a", { href: `#/selections/${s.id}` }, s.id)),
+              h("td", {}, h("a", { href: `#/selections/${s.id}` }, s.name)),
+              h("td", {}, badge(s.status)),
+              h("td", {}, `${s.metric} (${s.mode})`),
+              h("td", {}, s.scheduler),
+              h("td", { class: "num" }, s.trials?.length ?? "—"),
+              h("td", {}, fmtTime(s.created_at)),
+            ),
+          ),
+      );
+      if (!page.items.length) tbody.append(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No selections yet.")));
+    } catch (err) {
+      tbody.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "error" }, errorText(err))));
+    }
+  };
+  void load();
+  const timer = window.setInterval(load, 5000);
+  return () => window.clearInterval(timer);
+}
+
+type SortKey = { col: string; dir: 1 | -1 };
+
+export function selectionPage(root: HTMLElement, id: number): () => void {
+  const header = h("section", { id: "selection-header" }, "loading…");
+  const board = h("table", { class: "grid sortable", id: "leaderboard" });
+  const curvesEl = h("div", { class: "chart", id: "curves-chart" });
+  const pcEl = h("div", { id: "parcoords" });
+  const actionsOut = h("div", { id: "selection-result", role: "status" });
+  const addText = h("textarea", { id: "add-trials-input", rows: 5, spellcheck: "false" });
+  root.append(
+    header,
+    h("section", { class: "card" }, h("h2", {}, "Leaderboard"), board),
+    h("section", { class: "card" }, curvesEl),
+    h("section", { class: "card" }, h("h2", {}, "Hyperparameters against the metric"), pcEl),
+    h(
+      "form",
+      { class: "card", id: "add-trials-form", onsubmit: (ev: Event) => void addTrials(ev) },
+      h("h2", {}, "Add trials"),
+      h("label", { for: "add-trials-input", class: "muted" }, 'A JSON list of parameter sets, e.g. [{"train.lr": 0.001}]'),
+      addText,
+      h("div", { class: "form-row" }, h("button", { type: "submit" }, "Add trials")),
+      actionsOut,
+    ),
+  );
+
+  let sel: Selection | null = null;
+  const trials = new Map<number, Trial>();
+  let sort: SortKey = { col: "rank", dir: 1 };
+  let chart: StepChart | null = null;
+  let stream: EventSource | null = null;
+  let closed = false;
+  let redrawTimer: number | null = null;
+
+  const metric = () => sel?.metric ?? "val_loss";
+  const lineKey = (t: Trial) => `t${t.id}`;
+
+  const ensureLine = (t: Trial) => {
+    if (!chart || chart.has(lineKey(t))) return false;
+    chart.addLine({ key: lineKey(t), label: `trial ${t.index}`, color: PALETTE[t.index % PALETTE.length] });
+    return true;
+  };
+
+  const loadCurve = async (t: Trial) => {
+    if (t.job_id === null || !chart) return;
+    const m = await api<Metrics>(`/api/jobs/${t.job_id}/metrics?names=${metric()}&max_points=1000`).catch(() => null);
+    chart?.addSeries(lineKey(t), m?.series[metric()]);
+  };
+
+  const upsertTrial = (t: Trial) => {
+    const before = trials.get(t.id);
+    trials.set(t.id, t);
+    if (ensureLine(t) || (before && before.job_id === null && t.job_id !== null)) void loadCurve(t);
+    scheduleRedraw();
+  };
+
+  // leaderboard order: the server's when it has one, else by best metric
+  const ranking = (): Map<number, number> => {
+    const ids = sel?.leaderboard?.length ? sel.leaderboard : [];
+    const scored = [...trials.values()]
+      .filter((t) => t.best_metric !== null && !ids.includes(t.id))
+      .sort((a, b) => (a.best_metric! - b.best_metric!) * (sel?.mode === "max" ? -1 : 1));
+    return new Map([...ids, ...scored.map((t) => t.id)].map((tid, i) => [tid, i + 1]));
+  };
+
+  const paramKeys = () => [...new Set([...Object.keys(sel?.space ?? {}), ...[...trials.values()].flatMap((t) => Object.keys(t.params))])];
+
+  const renderBoard = () => {
+    const rank = ranking();
+    const keys = paramKeys();
+    const cols: { key: string; label: string; value: (t: Trial) => number | string | null }[] = [
+      { key: "rank", label: "#", value: (t) => rank.get(t.id) ?? null },
+      { key: "index", label: "trial", value: (t) => t.index },
+      { key: "status", label: "status", value: (t) => t.status },
+      ...keys.map((k) => ({ key: `p:${k}`, label: k, value: (t: Trial) => (t.params[k] ?? null) as number | string | null })),
+      { key: "steps", label: "steps", value: (t) => t.steps_done },
+      { key: "last", label: `last ${metric()}`, value: (t) => t.last_metric },
+      { key: "best", label: `best ${metric()}`, value: (t) => t.best_metric },
+    ];
+    const col = cols.find((c) => c.key === sort.col) ?? cols[0];
+    const rows = [...trials.values()].sort((a, b) => compare(col.value(a), col.value(b), sort.dir));
+    const th = (c: (typeof cols)[number]) =>
+      h(
+        "th",
+        {
+          "data-sort": c.key,
+          class: c.key === sort.col ? (sort.dir === 1 ? "sorted asc" : "sorted desc") : "",
+          onclick: () => {
+            sort = { col: c.key, dir: sort.col === c.key ? ((-sort.dir) as 1 | -1) : 1 };
+            renderBoard();
+          },
+        },
+        c.label,
+      );
+    board.replaceChildren(
+      h("thead", {}, h("tr", {}, ...cols.map(th), h("th", {}, "job"), h("th", {}))),
+      h(
+        "tbody",
+        {},
+        ...rows.map((t) =>
+          h(
+            "tr",
+            { "data-trial-id": t.id, "data-status": t.status, class: t.stopped_early ? "stopped" : "" },
+            ...cols.map((c) => {
+              const v = c.value(t);
+              if (c.key === "status") return h("td", {}, badge(t.status));
+              if (c.key === "steps") return h("td", {}, progressBar(t.steps_done, t.steps_total));
+              return h("td", { class: typeof v === "number" ? "num" : "" }, typeof v === "number" ? fmtNum(v) : (v ?? "—"));
+            }),
+            h("td", {}, t.job_id !== null ? h("a", { href: `#/jobs/${t.job_id}` }, `#${t.job_id}`) : "—"),
+            h(
+              "td",
+              {},
+              TERMINAL.has(t.status)
+                ? null
+                : h("button", { class: "small danger", "data-stop": t.id, onclick: () => void stopTrial(t.id) }, "Stop"),
+            ),
+          ),
+        ),
+      ),
+    );
+  };
+
+  const renderHeader = () => {
+    if (!sel) return;
+    const s = sel;
+    replace(
+      header,
+      h(
+        "div",
+        { class: "title-row" },
+        h("h1", {}, `Selection #${s.id} · ${s.name}`),
+        badge(s.status),
+        TERMINAL.has(s.status)
+          ? null
+          : h("button", { class: "small danger", id: "cancel-selection", onclick: () => void cancelBatch() }, "Cancel batch"),
+      ),
+      h(
+        "dl",
+        { class: "facts" },
+        h("dt", {}, "metric"),
+        h("dd", {}, `${s.metric} (${s.mode})`),
+        h("dt", {}, "scheduler"),
+        h("dd", {}, s.scheduler),
+        h("dt", {}, "trials"),
+        h("dd", {}, trials.size),
+        h("dt", {}, "created"),
+        h("dd", {}, fmtTime(s.created_at)),
+        h("dt", {}, "finished"),
+        h("dd", {}, fmtTime(s.finished_at)),
+      ),
+      h("details", {}, h("summary", {}, "search space"), h("pre", {}, JSON.stringify(s.space, null, 2))),
+    );
+  };
+
+  const renderParcoords = () => {
+    if (!sel) return;
+    pcEl.replaceChildren(parallelCoordinates({ trials: [...trials.values()], space: sel.space, metric: sel.metric, mode: sel.mode }));
+  };
+
+  // trial events come in bursts (every trial at each rung); redraw the tables once per burst
+  const scheduleRedraw = () => {
+    if (redrawTimer !== null) return;
+    redrawTimer = window.setTimeout(() => {
+      redrawTimer = null;
+      renderHeader();
+      renderBoard();
+      renderParcoords();
+    }, 200);
+  };
+
+  const refresh = async () => {
+    sel = await api<Selection>(`/api/selections/${id}`);
+    for (const t of sel.trials ?? []) upsertTrial(t);
+    scheduleRedraw();
+  };
+
+  const act = async (what: string, fn: () => Promise<unknown>) => {
+    actionsOut.className = "";
+    actionsOut.textContent = "";
+    try {
+      await fn();
+      actionsOut.className = "ok";
+      actionsOut.textContent = `${what}: done`;
+      await refresh();
+    } catch (err) {
+      actionsOut.className = "error";
+      actionsOut.textContent = `${what}: ${errorText(err)}`;
+    }
+  };
+
+  const stopTrial = (tid: number) => act(`stop trial ${tid}`, () => post(`/api/selections/${id}/trials/${tid}/stop`));
+  const cancelBatch = () => act("cancel batch", () => post(`/api/selections/${id}/cancel`));
+  const addTrials = async (ev: Event) => {
+    ev.preventDefault();
+    let params: unknown;
+    try {
+      params = JSON.parse(addText.value);
+    } catch (err) {
+      actionsOut.className = "error";
+      actionsOut.textContent = `Not valid JSON: ${errorText(err)}`;
+      return;
+    }
+    await act("add trials", () => post(`/api/selections/${id}/trials`, { params: Array.isArray(params) ? params : [params] }));
+  };
+
+  const start = async () => {
+    try {
+      sel = await api<Selection>(`/api/selections/${id}`);
+    } catch (err) {
+      header.replaceChildren(h("p", { class: "error" }, `Selection ${id}: ${errorText(err)}`));
+      return;
+    }
+    if (closed) return;
+    chart = new StepChart(curvesEl, { title: `${sel.metric} per trial`, yLabel: sel.metric, lines: [], height: 300 });
+    const first = sel.trials?.[0];
+    addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
+    for (const t of sel.trials ?? []) upsertTrial(t);
+    stream = subscribe(`/api/selections/${id}/stream`, {
+      metric: (m: { trial_id: number; name: string; step: number; value: number }) => {
+        if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
+      },
+      trial: (t: Trial) => upsertTrial(t),
+      status: (s: { status: string }) => {
+        if (!sel) return;
+        sel.status = s.status;
+        if (TERMINAL.has(s.status)) void refresh();
+        scheduleRedraw();
+      },
+    });
+  };
+  void start();
+
+  return () => {
+    closed = true;
+    stream?.close();
+    chart?.destroy();
+    if (redrawTimer !== null) window.clearTimeout(redrawTimer);
+  };
+}
+
+function compare(a: number | string | null, b: number | string | null, dir: 1 | -1): number {
+  if (a === null) return b === null ? 0 : 1; // missing values sink to the bottom either way
+  if (b === null) return -1;
+  if (typeof a === "number" && typeof b === "number") return (a - b) * dir;
+  return String(a).localeCompare(String(b)) * dir;
+}

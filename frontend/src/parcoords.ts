@@ -1,0 +1,143 @@
+// Parallel coordinates of a selection's trials, built as SVG from data: one vertical axis per
+// hyperparameter plus one for the metric, one polyline per trial, coloured from best to worst.
+// The npm parallel-coordinates packages pull in all of d3 for what is a few dozen lines here.
+import type { SpaceEntry, Trial } from "./api";
+import { svg } from "./dom";
+
+const W = 760;
+const H = 300;
+const TOP = 34;
+const BOTTOM = 26;
+const SIDE = 60;
+
+type Value = number | string | boolean;
+
+interface Axis {
+  key: string;
+  label: string;
+  /** Maps a value to [0, 1] (0 at the bottom); null when the trial has none. */
+  pos: (v: Value | null | undefined) => number | null;
+  ticks: { at: number; label: string }[];
+}
+
+export function parallelCoordinates(opts: {
+  trials: Trial[];
+  space: Record<string, SpaceEntry>;
+  metric: string;
+  mode: "min" | "max";
+}): SVGElement {
+  const { trials, space, metric, mode } = opts;
+  const keys = [...new Set([...Object.keys(space), ...trials.flatMap((t) => Object.keys(t.params))])];
+  const axes: Axis[] = keys.map((k) =>
+    makeAxis(
+      k,
+      k,
+      trials.map((t) => t.params[k]),
+      space[k],
+    ),
+  );
+  axes.push(
+    makeAxis(
+      "__metric",
+      `best ${metric}`,
+      trials.map((t) => t.best_metric),
+      undefined,
+    ),
+  );
+
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "parcoords", role: "img", "aria-label": "parallel coordinates" });
+  const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - 2 * SIDE)) / (axes.length - 1) : 0);
+  const ay = (p: number) => TOP + (1 - p) * (H - TOP - BOTTOM);
+
+  // colour by rank of the best metric so the winners stand out whatever the spread of values
+  const scored = trials.filter((t) => t.best_metric !== null).sort((a, b) => (a.best_metric! - b.best_metric!) * (mode === "min" ? 1 : -1));
+  const rank = new Map(scored.map((t, i) => [t.id, scored.length > 1 ? i / (scored.length - 1) : 0]));
+
+  // draw worst first so the best lines sit on top
+  const order = [...trials].sort((a, b) => (rank.get(b.id) ?? 2) - (rank.get(a.id) ?? 2));
+  for (const t of order) {
+    const pts: string[] = [];
+    axes.forEach((a, i) => {
+      const p = a.pos(a.key === "__metric" ? t.best_metric : t.params[a.key]);
+      if (p !== null) pts.push(`${ax(i).toFixed(1)},${ay(p).toFixed(1)}`);
+    });
+    if (pts.length < 2) continue;
+    const r = rank.get(t.id);
+    const line = svg("polyline", {
+      points: pts.join(" "),
+      class: `trial-line${t.stopped_early ? " stopped" : ""}`,
+      stroke: r === undefined ? "#aaa" : rampColour(r),
+      "data-trial": t.id,
+    });
+    const params = Object.entries(t.params)
+      .map(([k, v]) => `${k}=${v}`)
+      .join(", ");
+    line.append(svg("title", {}, `trial ${t.index}: ${params} → ${metric} ${t.best_metric ?? "—"}${t.stopped_early ? " (stopped early)" : ""}`));
+    root.append(line);
+  }
+
+  axes.forEach((a, i) => {
+    const x = ax(i);
+    root.append(svg("line", { x1: x, x2: x, y1: ay(1), y2: ay(0), class: "pc-axis" }));
+    root.append(svg("text", { x, y: TOP - 16, "text-anchor": "middle", class: "pc-label" }, a.label));
+    for (const tk of a.ticks) {
+      root.append(
+        svg("line", { x1: x - 3, x2: x + 3, y1: ay(tk.at), y2: ay(tk.at), class: "pc-axis" }),
+        svg("text", { x: x + 5, y: ay(tk.at) + 4, class: "pc-tick" }, tk.label),
+      );
+    }
+  });
+  return root;
+}
+
+function makeAxis(key: string, label: string, values: (Value | null | undefined)[], entry: SpaceEntry | undefined): Axis {
+  const present = values.filter((v): v is Value => v !== null && v !== undefined);
+  const choices = Array.isArray(entry) ? entry : null;
+  const numeric = present.every((v) => typeof v === "number") && (!choices || choices.every((c) => typeof c === "number"));
+
+  if (!numeric) {
+    // categorical: spread the choices evenly
+    const cats = [...new Set([...(choices ?? []), ...present].map(String))];
+    const at = (i: number) => (cats.length > 1 ? i / (cats.length - 1) : 0.5);
+    return {
+      key,
+      label,
+      pos: (v) => (v === null || v === undefined ? null : at(cats.indexOf(String(v)))),
+      ticks: cats.map((c, i) => ({ at: at(i), label: c })),
+    };
+  }
+
+  const nums = [...(present as number[]), ...((choices as number[] | null) ?? [])];
+  const range = entry && !Array.isArray(entry) ? entry : null;
+  let lo = Math.min(...nums, ...(range ? [range.low] : []));
+  let hi = Math.max(...nums, ...(range ? [range.high] : []));
+  const log = Boolean(range?.log) && lo > 0;
+  const f = log ? Math.log10 : (v: number) => v;
+  if (!Number.isFinite(lo)) [lo, hi] = [0, 1];
+  const flo = f(lo);
+  const fhi = f(hi);
+  const pos = (v: Value | null | undefined) => {
+    if (typeof v !== "number") return null;
+    return fhi > flo ? (f(v) - flo) / (fhi - flo) : 0.5;
+  };
+  const tickValues = choices ? [...new Set(choices as number[])] : [lo, log ? 10 ** ((flo + fhi) / 2) : (lo + hi) / 2, hi];
+  return {
+    key,
+    label: log ? `${label} (log)` : label,
+    pos,
+    ticks: [...new Set(tickValues)].map((v) => ({ at: pos(v) ?? 0.5, label: fmt(v) })),
+  };
+}
+
+function fmt(v: number): string {
+  if (v !== 0 && (Math.abs(v) < 1e-2 || Math.abs(v) >= 1e4)) return v.toExponential(1);
+  return Number(v.toPrecision(3)).toString();
+}
+
+/** 0 (best) → dark blue, 1 (worst) → light orange. */
+function rampColour(r: number): string {
+  const a = [33, 102, 172];
+  const b = [244, 165, 130];
+  const c = a.map((x, i) => Math.round(x + (b[i] - x) * r));
+  return `rgb(${c[0]},${c[1]},${c[2]})`;
+}
