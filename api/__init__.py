@@ -1,0 +1,1 @@
+"""The REST service. Imports db/ and sends Celery tasks by name; never imports torch or trainer/."""

@@ -1,0 +1,54 @@
+"""Names shared by the API and the workers, and the API's side of the broker: it sends Celery
+tasks by name (never importing the worker code) and reads the per-job Redis channels."""
+
+from __future__ import annotations
+
+import functools
+
+import redis
+from celery import Celery
+
+from api.settings import Settings
+
+TASK_RUN_JOB = "shardyard.run_job"
+TASK_RUN_SELECTION = "shardyard.run_selection"
+QUEUES = ("gpu", "cpu")
+JOBS_CHANNEL = "shardyard:jobs"
+"""Every job status change (data: {"job_id", "status"}), for the dashboard's live jobs table."""
+
+
+def job_channel(job_id: int) -> str:
+    return f"shardyard:job:{job_id}"
+
+
+def selection_channel(selection_id: int) -> str:
+    return f"shardyard:selection:{selection_id}"
+
+
+def transport_options(settings: Settings) -> dict[str, object]:
+    # the visibility timeout must outlast the longest job, or Redis re-delivers a running job's
+    # unacknowledged message to another worker
+    return {"visibility_timeout": settings.max_job_runtime_s + 3600}
+
+
+@functools.cache
+def celery_client(broker_url: str, visibility_timeout: int) -> Celery:
+    app = Celery("shardyard-api", broker=broker_url)
+    app.conf.broker_transport_options = {"visibility_timeout": visibility_timeout}
+    app.conf.broker_connection_retry_on_startup = True
+    return app
+
+
+def send_run_job(settings: Settings, *, job_id: int, queue: str) -> None:
+    app = celery_client(settings.broker_url, int(transport_options(settings)["visibility_timeout"]))
+    app.send_task(TASK_RUN_JOB, args=[job_id], queue=queue)
+
+
+def send_run_selection(settings: Settings, *, selection_id: int, queue: str) -> None:
+    app = celery_client(settings.broker_url, int(transport_options(settings)["visibility_timeout"]))
+    app.send_task(TASK_RUN_SELECTION, args=[selection_id], queue=queue)
+
+
+@functools.cache
+def redis_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_connect_timeout=2, health_check_interval=30)

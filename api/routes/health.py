@@ -1,0 +1,44 @@
+"""/api/health: database, broker and workers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import text
+
+from api.broker import redis_client
+from api.deps import SessionDep, SettingsDep
+from api.schemas import HealthPublic, WorkerPublic
+from db.jobs import aware, live_workers
+
+router = APIRouter(prefix="/api", tags=["health"])
+
+
+@router.get("/health", response_model=HealthPublic)
+def health(session: SessionDep, settings: SettingsDep) -> HealthPublic:
+    db = {"ok": True, "url": settings.database_url.split("@")[-1]}
+    try:
+        session.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        db = {"ok": False, "error": str(e)}
+    broker: dict = {"ok": True}
+    try:
+        redis_client(settings.broker_url).ping()
+    except Exception as e:  # noqa: BLE001
+        broker = {"ok": False, "error": str(e)}
+    workers = live_workers(session, within_s=settings.worker_alive_s) if db["ok"] else []
+    ok = db["ok"] and broker["ok"] and bool(workers)
+    return HealthPublic(
+        status="ok" if ok else "degraded",
+        db=db,
+        broker=broker,
+        workers=[
+            WorkerPublic(
+                name=w.name,
+                hostname=w.hostname,
+                queues=w.queues.get("queues", []),
+                devices=w.devices.get("devices", []),
+                last_seen=aware(w.last_seen),
+            )
+            for w in workers
+        ],
+    )

@@ -1,0 +1,145 @@
+"""/api/jobs: submit, list, inspect, cancel, metrics, logs, live stream."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.broker import send_run_job
+from api.convert import event_public, job_public
+from api.deps import SessionDep, SettingsDep
+from api.downsample import downsample
+from api.placement import placement_problem
+from api.publish import publish_job_status
+from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
+from api.sse import job_events
+from db import jobs as db_jobs
+from db.models import Job
+
+router = APIRouter(prefix="/api/jobs", tags=["jobs"])
+
+StatusFilter = Annotated[
+    str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$", description="only this status")
+]
+
+
+def _job_or_404(session: SessionDep, job_id: int) -> Job:
+    try:
+        return db_jobs.get_job(session, job_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+async def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> JobPublic:
+    if (reason := await run_in_threadpool(placement_problem, session, spec, settings)) is not None:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
+    job = db_jobs.create_job(
+        session,
+        name=spec.name,
+        spec=spec.model_dump(),
+        priority=spec.priority,
+        queue=spec.queue,
+        world_size=spec.parallel.world_size,
+        steps=spec.train.steps,
+    )
+    # the row is committed before the message goes out, so a worker never sees an unknown id;
+    # if the broker is down the job stays queued and the reconciler sends it later
+    try:
+        await run_in_threadpool(send_run_job, settings, job_id=job.id, queue=spec.queue)
+        db_jobs.mark_enqueued(session, job_ids=[job.id])
+    except Exception as e:  # noqa: BLE001 - broker outage must not lose the accepted job
+        db_jobs.add_event(session, job_id=job.id, kind="log", message=f"broker unavailable, will retry: {e}")
+    await run_in_threadpool(publish_job_status, settings, job_id=job.id, status="queued")
+    return job_public(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    session: SessionDep,
+    status_: StatusFilter = Query(None, alias="status"),
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0),
+) -> JobsPublic:
+    rows, total = db_jobs.list_jobs(session, status=status_, limit=limit, offset=offset)
+    return JobsPublic(items=[job_public(j) for j in rows], total=total)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: int, session: SessionDep) -> JobPublic:
+    return job_public(_job_or_404(session, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: int, session: SessionDep, settings: SettingsDep) -> JobPublic:
+    try:
+        job = db_jobs.request_cancel(session, job_id=job_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    if job.status == "cancelled":
+        publish_job_status(settings, job_id=job.id, status="cancelled")
+    return job_public(job)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+def get_metrics(
+    job_id: int,
+    session: SessionDep,
+    names: str | None = Query(None, description="comma-separated metric names"),
+    since_step: int = Query(0, ge=0),
+    max_points: int | None = Query(None, ge=2, le=100_000, description="downsample each series (LTTB)"),
+) -> MetricsPublic:
+    _job_or_404(session, job_id)
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    raw = db_jobs.metric_series(session, job_id=job_id, names=wanted, since_step=since_step)
+    series = {}
+    for name, (steps, values) in raw.items():
+        steps, values = downsample(steps, values, max_points=max_points or len(steps) or 1)
+        series[name] = Series(steps=steps, values=values)
+    return MetricsPublic(job_id=job_id, series=series)
+
+
+@router.get("/{job_id}/logs", response_model=EventsPublic)
+def get_logs(
+    job_id: int,
+    session: SessionDep,
+    after_id: int = Query(0, ge=0),
+    limit: int = Query(1000, ge=1, le=10_000),
+) -> EventsPublic:
+    _job_or_404(session, job_id)
+    rows = db_jobs.events_after(
+        session, job_id=job_id, after_id=after_id, kinds=("log", "status"), limit=limit
+    )
+    return EventsPublic(items=[event_public(e) for e in rows])
+
+
+@router.get("/{job_id}/timeline")
+def get_timeline(job_id: int, session: SessionDep) -> dict:
+    """The pipeline's executed and simulated per-rank timelines (404 until the trainer sent one)."""
+    _job_or_404(session, job_id)
+    ev = db_jobs.latest_event(session, job_id=job_id, message="timeline")
+    if ev is None or ev.data is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has no pipeline timeline yet")
+    return ev.data
+
+
+@router.get("/{job_id}/stream")
+def stream_job(
+    job_id: int,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    _job_or_404(session, job_id)
+    cursor = last_event_id or request.query_params.get("last_event_id")
+    return StreamingResponse(
+        job_events(settings, job_id=job_id, last_event_id=cursor),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

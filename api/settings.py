@@ -1,0 +1,39 @@
+"""Settings of the API and the workers, from SHARDYARD_* environment variables."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SHARDYARD_", extra="ignore")
+
+    database_url: str = f"sqlite:///{ROOT / '.shardyard' / 'shardyard.db'}"
+    """SQLAlchemy URL: sqlite:///path (embedded default) or postgresql+psycopg2://user:pw@host/db."""
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL used as the Celery broker and for the live metric channels."""
+    data_dir: Path = ROOT / ".shardyard"
+    """Checkpoints, job specs and trainer logs live under here (one folder per job)."""
+    max_job_runtime_s: int = 7 * 24 * 3600
+    """Longest a job may run; the broker's visibility timeout is set above it so a long job is
+    never delivered twice."""
+    worker_alive_s: float = 30.0
+    """A worker whose last heartbeat is older than this counts as gone."""
+    heartbeat_s: float = 5.0
+    requeue_after_s: float = 600.0
+    """The reconciler re-sends the message of a job queued longer than this (claims are
+    idempotent, so a duplicate is harmless)."""
+    frontend_dist: Path = ROOT / "frontend" / "dist"
+    sse_keepalive_s: float = 15.0
+    cancel_grace_s: float = 30.0
+    """After a cancel, the trainer has this long to stop at a step boundary before it is killed."""
+
+
+@functools.cache
+def get_settings() -> Settings:
+    return Settings()

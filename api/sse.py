@@ -1,0 +1,147 @@
+"""Server-Sent Events for one job: replay what the client missed from the database, then relay the
+job's Redis channel live.
+
+The event id is a cursor over both tables, `m<last metric id>e<last event id>`, so a client that
+reconnects with Last-Event-ID gets exactly the points and events it has not seen. The worker
+writes rows first and publishes their ids after, so everything on the channel is also in the
+database: we subscribe *before* replaying and drop channel messages the replay already covered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from starlette.concurrency import run_in_threadpool
+
+from api.broker import job_channel
+from api.settings import Settings
+from db.engine import session_for
+from db.jobs import events_after, get_job, metrics_after
+from db.models import TERMINAL
+
+_CURSOR = re.compile(r"^m(\d+)e(\d+)$")
+_REPLAY_CHUNK = 5000
+_DB_RECHECK_S = 5.0
+
+
+@dataclass(slots=True)
+class Cursor:
+    metric: int = 0
+    event: int = 0
+
+    @classmethod
+    def parse(cls, raw: str | None) -> Cursor:
+        m = _CURSOR.match(raw or "")
+        return cls(int(m[1]), int(m[2])) if m else cls()
+
+    def __str__(self) -> str:
+        return f"m{self.metric}e{self.event}"
+
+
+def frame(*, event: str, data: dict[str, Any], cursor: Cursor | None = None) -> str:
+    head = f"id: {cursor}\n" if cursor is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def event_frame(ev: dict[str, Any], cursor: Cursor) -> str:
+    """A job_events row (as a dict) to an SSE frame: `status`, `log` or `event`."""
+    kind = ev["kind"]
+    if kind == "status":
+        data = {"status": ev["message"], "error": (ev.get("data") or {}).get("error"), "time": ev["time"]}
+    elif kind == "log":
+        data = {"message": ev["message"], "time": ev["time"]}
+    else:
+        data = {"event": ev["message"], "data": ev.get("data"), "time": ev["time"]}
+    return frame(event=kind if kind in ("status", "log") else "event", data=data, cursor=cursor)
+
+
+def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
+    """Frames for rows after `cur` (advancing it), whether more remain, whether the job is over."""
+    out: list[str] = []
+    with session_for(settings.database_url) as s:
+        terminal = get_job(s, job_id).status in TERMINAL
+        events = events_after(s, job_id=job_id, after_id=cur.event, limit=_REPLAY_CHUNK)
+        points = metrics_after(s, job_id=job_id, after_id=cur.metric, limit=_REPLAY_CHUNK)
+        for p in points:
+            cur.metric = p.id
+            out.append(
+                frame(
+                    event="metric",
+                    data={"step": p.step, "name": p.name, "value": p.value, "time": p.time},
+                    cursor=cur,
+                )
+            )
+        for ev in events:
+            cur.event = ev.id
+            row = {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
+            out.append(event_frame(row, cur))
+    more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
+    return out, more, terminal
+
+
+def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
+    """Frames for one channel message not already replayed; True when it ends the job."""
+    out: list[str] = []
+    ended = False
+    if msg.get("type") == "metrics":
+        for p in msg["points"]:
+            if p["id"] > cur.metric:
+                cur.metric = p["id"]
+                data = {k: p[k] for k in ("step", "name", "value", "time")}
+                out.append(frame(event="metric", data=data, cursor=cur))
+    elif msg.get("type") == "event" and msg["id"] > cur.event:
+        cur.event = msg["id"]
+        out.append(event_frame(msg, cur))
+        ended = msg["kind"] == "status" and msg["message"] in TERMINAL
+    return out, ended
+
+
+async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
+    cur = Cursor.parse(last_event_id)
+    client = aioredis.Redis.from_url(settings.broker_url)
+    pubsub = client.pubsub()
+    try:
+        await pubsub.subscribe(job_channel(job_id))
+        yield "retry: 2000\n\n"
+        more = True
+        while more:
+            frames, more, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
+            for f in frames:
+                yield f
+        if terminal:
+            return
+        last_sent = last_check = time.monotonic()
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            now = time.monotonic()
+            if msg is not None:
+                frames, ended = _live_frames(json.loads(msg["data"]), cur)
+                for f in frames:
+                    yield f
+                if frames:
+                    last_sent = now
+                if ended:
+                    return
+            if now - last_check > _DB_RECHECK_S:
+                # a lost publish (Redis restarted) must not stall the client: catch up from the db
+                last_check = now
+                frames, _, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
+                for f in frames:
+                    yield f
+                if terminal:
+                    return
+            if now - last_sent > settings.sse_keepalive_s:
+                last_sent = now
+                yield ": keep-alive\n\n"
+    finally:
+        try:
+            await pubsub.unsubscribe()
+            await pubsub.aclose()
+        finally:
+            await client.aclose()

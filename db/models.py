@@ -1,0 +1,152 @@
+"""Tables. The database is the source of truth for every job's state; Redis only carries messages."""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# SQLite only autoincrements INTEGER PRIMARY KEY; Postgres gets a BIGINT identity for metric rows.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class JobStatus(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(20), default="job")
+    """`job` for a submitted job, `trial` for one trial of a selection batch."""
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(20), default=JobStatus.queued, index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    queue: Mapped[str] = mapped_column(String(40), default="cpu")
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    """Last training step reported (progress)."""
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    selection_id: Mapped[int | None] = mapped_column(
+        ForeignKey("selections.id", ondelete="CASCADE"), default=None, index=True
+    )
+
+
+class MetricPoint(Base):
+    __tablename__ = "metric_points"
+    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float] = mapped_column(Float)
+    time: Mapped[float] = mapped_column(Float)
+    """Unix seconds when the trainer produced the point."""
+
+
+class JobEvent(Base):
+    """Status changes, log lines and structured trainer events (checkpoint, timeline, ...)."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    time: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(16))
+    """`status`, `log` or `event`."""
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
+
+class WorkerBeat(Base):
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(200))
+    queues: Mapped[dict[str, Any]] = mapped_column(JSON)
+    devices: Mapped[dict[str, Any]] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Selection(Base):
+    """A model-selection batch: many trials of one base spec."""
+
+    __tablename__ = "selections"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    request: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(20), default=JobStatus.queued, index=True)
+    metric: Mapped[str] = mapped_column(String(64), default="val_loss")
+    mode: Mapped[str] = mapped_column(String(8), default="min")
+    scheduler: Mapped[str] = mapped_column(String(32), default="shard-lrtf")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    trials: Mapped[list[Trial]] = relationship(
+        back_populates="selection", order_by="Trial.index", cascade="all, delete-orphan"
+    )
+
+
+class Trial(Base):
+    __tablename__ = "trials"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    selection_id: Mapped[int] = mapped_column(ForeignKey("selections.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(20), default=JobStatus.queued)
+    steps_done: Mapped[int] = mapped_column(Integer, default=0)
+    steps_total: Mapped[int] = mapped_column(Integer, default=0)
+    last_metric: Mapped[float | None] = mapped_column(Float, default=None)
+    best_metric: Mapped[float | None] = mapped_column(Float, default=None)
+    stopped_early: Mapped[bool] = mapped_column(Boolean, default=False)
+    stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    warm_start_from: Mapped[int | None] = mapped_column(Integer, default=None)
+    selection: Mapped[Selection] = relationship(back_populates="trials")

@@ -1,0 +1,81 @@
+"""Celery tasks: thin wrappers that pass ids to the plain functions in workers/execute.py, plus the
+worker heartbeat and the reconciler that re-sends lost messages."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from celery.signals import worker_ready, worker_shutdown
+from sqlalchemy.exc import OperationalError
+
+from api.broker import TASK_RUN_JOB, send_run_job
+from api.settings import get_settings
+from db.engine import session_for
+from db.jobs import mark_enqueued, record_heartbeat, stale_queued_jobs
+from workers.celery_app import app
+from workers.devices import local_devices
+from workers.execute import execute_job
+
+log = logging.getLogger(__name__)
+_WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
+
+
+@app.task(
+    name=TASK_RUN_JOB,
+    bind=True,
+    autoretry_for=(OperationalError, ConnectionError),
+    retry_backoff=True,
+    retry_backoff_max=60,
+    max_retries=5,
+)
+def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
+    """Only infrastructure errors (database locked or unreachable, broker down) are retried; a bad
+    spec, NaN loss or OOM ends the job `failed` inside execute_job."""
+    name = self.request.hostname or _WORKER_NAME["name"]
+    return execute_job(job_id, settings=get_settings(), worker=name)
+
+
+def reconcile_once() -> int:
+    """Re-send the message of every job queued for too long; the idempotent claim makes a
+    duplicate harmless. Returns how many were re-sent."""
+    settings = get_settings()
+    with session_for(settings.database_url) as s:
+        stale = stale_queued_jobs(s, older_than_s=settings.requeue_after_s)
+        for job in stale:
+            send_run_job(settings, job_id=job.id, queue=job.queue)
+        mark_enqueued(s, job_ids=[j.id for j in stale])
+    return len(stale)
+
+
+def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
+    settings = get_settings()
+    devices = local_devices()
+    ticks = 0
+    while True:
+        try:
+            with session_for(settings.database_url) as s:
+                record_heartbeat(s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices)
+            if ticks % 12 == 0 and (n := reconcile_once()):
+                log.warning("re-sent %d queued job(s) whose message may have been lost", n)
+        except Exception:  # noqa: BLE001 - keep beating
+            log.exception("heartbeat failed")
+        ticks += 1
+        if stop.wait(settings.heartbeat_s):
+            return
+
+
+_stop_beat = threading.Event()
+
+
+@worker_ready.connect
+def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
+    name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
+    queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
+    threading.Thread(target=_beat, args=(_stop_beat, name, queues), daemon=True, name="heartbeat").start()
+
+
+@worker_shutdown.connect
+def _stop_heartbeat(**_kwargs) -> None:
+    _stop_beat.set()
