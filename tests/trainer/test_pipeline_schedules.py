@@ -1,0 +1,120 @@
+"""Schedules as data: every builder passes the dependency checker, the checker catches broken
+schedules, and the simulator reproduces the closed-form bubble ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.pipeline.checker import check_schedule
+from trainer.pipeline.schedules import SCHEDULES, Action, ScheduleError, build_schedule
+from trainer.pipeline.simulate import Costs, bubble_1f1b, bubble_chimera, jitter, simulate
+
+SHAPES = [(D, N) for D in (2, 4, 6, 8, 16) for N in (1, 2, 3, D, D + 2, 2 * D)]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize(("D", "N"), SHAPES)
+def test_every_schedule_passes_the_checker(name: str, D: int, N: int) -> None:
+    sched = build_schedule(name, stages=D, microbatches=N)
+    check_schedule(sched)
+    n_ops = 3 if sched.split_backward else 2
+    assert sum(a.op != "AR" for acts in sched.ranks for a in acts) == n_ops * D * N
+
+
+def test_checker_finds_a_deadlock() -> None:
+    sched = build_schedule("1f1b", stages=4, microbatches=4)
+    # stage 1 waits for micro-batch 1's gradient before sending micro-batch 1's activation on:
+    # stage 2 can never run it, so the in-order run cannot finish
+    r1 = sched.ranks[1]
+    i, j = r1.index(Action("F", 1, 1)), r1.index(Action("B", 0, 1))
+    r1[i], r1[j] = r1[j], r1[i]
+    r1.remove(Action("B", 1, 1))
+    r1.insert(r1.index(Action("F", 1, 1)), Action("B", 1, 1))
+    with pytest.raises(ScheduleError, match="before its input|deadlocks"):
+        check_schedule(sched)
+
+
+def test_checker_finds_a_cross_rank_deadlock() -> None:
+    sched = build_schedule("gpipe", stages=2, microbatches=2)
+    # rank 0 wants micro-batch 1's gradient before micro-batch 1 was ever sent forward
+    sched.ranks[0] = [Action("F", 0, 0), Action("B", 0, 0), Action("B", 1, 0), Action("F", 1, 0)]
+    with pytest.raises(ScheduleError):
+        check_schedule(sched)
+
+
+def test_checker_finds_missing_and_misplaced_actions() -> None:
+    sched = build_schedule("1f1b", stages=2, microbatches=2)
+    sched.ranks[1].pop()
+    with pytest.raises(ScheduleError, match="missing"):
+        check_schedule(sched)
+    sched = build_schedule("1f1b", stages=2, microbatches=2)
+    sched.ranks[0].append(sched.ranks[1].pop())
+    with pytest.raises(ScheduleError, match="lives on rank 1"):
+        check_schedule(sched)
+
+
+def test_chimera_refuses_odd_depth() -> None:
+    with pytest.raises(ScheduleError, match="even"):
+        build_schedule("chimera", stages=3, microbatches=3)
+
+
+@pytest.mark.parametrize("D", [4, 8, 16])
+@pytest.mark.parametrize("mult", [1, 2])
+def test_bubble_ratios_at_equal_costs_match_the_closed_forms(D: int, mult: int) -> None:
+    N = mult * D
+    costs = Costs(forward=1.0, backward=1.0)
+    one_f = simulate(build_schedule("1f1b", stages=D, microbatches=N), costs)
+    gpipe = simulate(build_schedule("gpipe", stages=D, microbatches=N), costs)
+    chim = simulate(build_schedule("chimera", stages=D, microbatches=N), costs)
+    assert one_f.bubble == pytest.approx(bubble_1f1b(D, N), abs=1e-12)
+    assert gpipe.bubble == pytest.approx(bubble_1f1b(D, N), abs=1e-12)
+    assert chim.bubble == pytest.approx(bubble_chimera(D, N), abs=1e-12)
+    # memory: 1F1B's stage s stashes D - s micro-batches, GPipe all N; Chimera spreads it
+    assert one_f.peak_stash == [min(D - s, N) for s in range(D)]
+    assert gpipe.peak_stash == [N] * D
+    assert max(chim.peak_stash) <= D
+
+
+def test_chimera_zb_fills_the_bubble_when_backward_is_twice_forward() -> None:
+    costs = Costs(forward=1.0, backward=2.0)
+    chim = simulate(build_schedule("chimera", stages=4, microbatches=4), costs)
+    zb = simulate(build_schedule("chimera-zb", stages=4, microbatches=4), costs)
+    assert chim.bubble >= 0.25 - 1e-12
+    assert zb.bubble <= 0.10
+    # the deferral costs activation memory: stashes live until W, not until B
+    assert sum(zb.peak_stash) >= sum(chim.peak_stash)
+
+
+def test_transfer_latency_lengthens_the_makespan() -> None:
+    sched = build_schedule("1f1b", stages=4, microbatches=8)
+    base = simulate(sched, Costs())
+    slow = simulate(sched, Costs(transfer=0.5))
+    # the first micro-batch crosses 3 boundaries forward and 3 back before rank 0 can finish
+    assert slow.makespan >= base.makespan + 6 * 0.5 - 1e-12
+
+
+def test_timeline_shape_and_per_stage_costs() -> None:
+    sched = build_schedule("chimera", stages=4, microbatches=4)
+    res = simulate(sched, Costs(allreduce=0.25, per_stage={0: (2.0, 3.0, 1.5)}))
+    keys = {"rank", "op", "mb", "stage", "replica", "start", "end"}
+    assert all(set(e) == keys for e in res.timeline)
+    assert {e["op"] for e in res.timeline} == {"F", "B", "AR"}
+    f0 = [e for e in res.timeline if e["op"] == "F" and e["stage"] == 0]
+    assert all(e["end"] - e["start"] == pytest.approx(2.0) for e in f0)
+    ars = [e for e in res.timeline if e["op"] == "AR"]
+    assert len(ars) == 2 * 4 and all(e["end"] - e["start"] == pytest.approx(0.25) for e in ars)
+    # on one rank, compute never overlaps
+    for r in range(4):
+        spans = sorted((e["start"], e["end"]) for e in res.timeline if e["rank"] == r and e["op"] != "AR")
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_message_driven_policy_reorders_under_jitter() -> None:
+    sched = build_schedule("async", stages=4, microbatches=8)
+    static = build_schedule("1f1b", stages=4, microbatches=8)
+    noise = jitter(static, spread=0.3, seed=3)
+    a = simulate(sched, Costs(backward=2.0), noise=noise)
+    s = simulate(static, Costs(backward=2.0), noise=noise)
+    assert a.makespan > 0 and s.makespan > 0
+    order = [(e["op"], e["mb"]) for e in a.timeline if e["rank"] == 1]
+    assert len(order) == 16 and sorted(order) == sorted((op, m) for op in "FB" for m in range(8))

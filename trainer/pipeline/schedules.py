@@ -1,0 +1,257 @@
+"""Pipeline schedules as data: for D stages and N micro-batches, each rank's ordered action list.
+
+An action is (op, micro-batch, stage, replica). op is F (forward), B (backward; with a split
+backward only the input gradient), W (the deferred weight gradient of a split backward) or AR (the
+gradient all-reduce between Chimera's two copies of one stage; communication, not compute).
+
+Placement: replica 0 puts stage s on rank s ("down" pipeline); Chimera's replica 1 puts stage s on
+rank D-1-s ("up" pipeline), so every rank holds two stages and both pipelines stay busy.
+
+The builders are pure functions; `trainer.pipeline.checker.check_schedule` proves each one complete
+and deadlock-free, `trainer.pipeline.simulate.simulate` times it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Op = Literal["F", "B", "W", "AR"]
+SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
+COMPUTE_OPS = ("F", "B", "W")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    op: Op
+    mb: int
+    """Micro-batch index; -1 for AR (it covers every micro-batch of the stage)."""
+    stage: int
+    replica: int = 0
+
+    def __str__(self) -> str:
+        rep = "" if self.replica == 0 else "'"
+        return f"{self.op}{self.mb if self.mb >= 0 else ''}{rep}@s{self.stage}"
+
+
+@dataclass(kw_only=True, slots=True)
+class Schedule:
+    name: str
+    stages: int
+    microbatches: int
+    replicas: int = 1
+    """2 for Chimera (down and up pipelines), 1 otherwise."""
+    split_backward: bool = False
+    """True when every backward is an input-gradient B plus a weight-gradient W."""
+    ranks: list[list[Action]] = field(default_factory=list)
+    """ranks[r] is rank r's actions in execution order."""
+    dynamic: bool = False
+    """True for `async`: the executor reorders the actions as messages arrive."""
+
+    def rank_of(self, *, stage: int, replica: int) -> int:
+        return stage if replica == 0 else self.stages - 1 - stage
+
+    def replica_of(self, mb: int) -> int:
+        return replica_of(mb, stages=self.stages, replicas=self.replicas)
+
+    def stages_on(self, rank: int) -> list[tuple[int, int]]:
+        """(stage, replica) pairs that rank `rank` holds."""
+        if self.replicas == 1:
+            return [(rank, 0)]
+        return [(rank, 0), (self.stages - 1 - rank, 1)]
+
+
+class ScheduleError(ValueError):
+    """A schedule that is incomplete, orders an action before its inputs, or deadlocks."""
+
+
+def replica_of(mb: int, *, stages: int, replicas: int) -> int:
+    """Chimera units hold D micro-batches: the first D/2 go down, the next D/2 go up."""
+    if replicas == 1:
+        return 0
+    return 0 if (mb % stages) < stages // 2 else 1
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (in micro-batch order, as torch's ScheduleGPipe does)."""
+    D, N = stages, microbatches
+    ranks = [[Action("F", m, s) for m in range(N)] + [Action("B", m, s) for m in range(N)] for s in range(D)]
+    return Schedule(name="gpipe", stages=D, microbatches=N, ranks=ranks)
+
+
+def _one_f_one_b_stage(*, stage: int, stages: int, mbs: list[int], replica: int = 0) -> list[Action]:
+    """Warm-up forwards (deeper stages need fewer), then forward/backward pairs, then cool-down."""
+    n = len(mbs)
+    warm = min(stages - 1 - stage, n)
+    out = [Action("F", m, stage, replica) for m in mbs[:warm]]
+    for i in range(n - warm):
+        out.append(Action("F", mbs[warm + i], stage, replica))
+        out.append(Action("B", mbs[i], stage, replica))
+    out += [Action("B", m, stage, replica) for m in mbs[n - warm :]]
+    return out
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    D, N = stages, microbatches
+    ranks = [_one_f_one_b_stage(stage=s, stages=D, mbs=list(range(N))) for s in range(D)]
+    return Schedule(name="1f1b", stages=D, microbatches=N, ranks=ranks)
+
+
+def _chimera_slots(stages: int, microbatches: int) -> dict[Action, int]:
+    """Unit-time slot of every F and B in Chimera at equal forward/backward cost.
+
+    Within a unit each replica runs D/2 micro-batches 1F1B-style with forwards two slots apart:
+    micro-batch k of a unit runs F at stage s in slot s + 2k and B in slot 2D-1-s + 2k. On rank r
+    the down pipeline's F (stage r) and the up pipeline's B (stage D-1-r) then fall on slots of
+    parity r, the up F and down B on parity r+1, and the two sets never meet, so merging the two
+    pipelines slot by slot is conflict-free. Unit u is shifted by 2D slots (the work one unit puts
+    on a rank): each parity class stays contiguous and the tail of unit u interleaves with the head
+    of unit u+1, giving a makespan of 2N + D - 2 slots, i.e. bubble (D-2)/(2N+D-2).
+    """
+    D, N = stages, microbatches
+    slots: dict[Action, int] = {}
+    for m in range(N):
+        unit, j = divmod(m, D)
+        rep = 0 if j < D // 2 else 1
+        k = j if rep == 0 else j - D // 2
+        base = 2 * D * unit + 2 * k
+        for s in range(D):
+            slots[Action("F", m, s, rep)] = base + s
+            slots[Action("B", m, s, rep)] = base + 2 * D - 1 - s
+    return slots
+
+
+def _allreduce_actions(sched: Schedule) -> None:
+    """Append AR(stage) right after the last gradient action of each stage copy on each rank: the
+    exchange with the other copy can start there and overlap the rank's remaining work."""
+    last_op = "W" if sched.split_backward else "B"
+    for r, actions in enumerate(sched.ranks):
+        remaining = dict.fromkeys(sched.stages_on(r), 0)
+        for a in actions:
+            if a.op == last_op:
+                remaining[(a.stage, a.replica)] += 1
+        out: list[Action] = []
+        placed: set[tuple[int, int]] = set()
+        for a in actions:
+            out.append(a)
+            key = (a.stage, a.replica)
+            if a.op == last_op:
+                remaining[key] -= 1
+                if remaining[key] == 0:
+                    out.append(Action("AR", -1, a.stage, a.replica))
+                    placed.add(key)
+        # a stage copy that got no micro-batch (N < D) still joins its exchange
+        out += [Action("AR", -1, s, rep) for (s, rep) in remaining if (s, rep) not in placed]
+        sched.ranks[r] = out
+
+
+def chimera(stages: int, microbatches: int) -> Schedule:
+    D, N = stages, microbatches
+    if D % 2:
+        raise ScheduleError(f"chimera needs an even number of stages, got {D}")
+    slots = _chimera_slots(D, N)
+    sched = Schedule(name="chimera", stages=D, microbatches=N, replicas=2, ranks=[[] for _ in range(D)])
+    for a in sorted(slots, key=lambda a: (slots[a], a.op, a.mb)):
+        sched.ranks[sched.rank_of(stage=a.stage, replica=a.replica)].append(a)
+    _allreduce_actions(sched)
+    return sched
+
+
+def chimera_zb(stages: int, microbatches: int, *, w_cost: float = 1.0, f_cost: float = 1.0) -> Schedule:
+    """Chimera with each backward split into B (input gradient, on the critical path) and W (weight
+    gradient, needed only before the optimizer step).
+
+    F and B keep Chimera's order. W actions are placed by timing the F/B order (F = B = f_cost,
+    W = w_cost): whenever a rank would sit idle waiting for its next F or B, it runs its oldest
+    pending W instead; the W actions left at the end close the list. The price is activation
+    memory: a micro-batch's stash is freed after W, not after B.
+    """
+    D, N = stages, microbatches
+    if D % 2:
+        raise ScheduleError(f"chimera-zb needs an even number of stages, got {D}")
+    base = chimera(D, N)
+    fb = [[a for a in actions if a.op in ("F", "B")] for actions in base.ranks]
+    sched = Schedule(
+        name="chimera-zb",
+        stages=D,
+        microbatches=N,
+        replicas=2,
+        split_backward=True,
+        ranks=[[] for _ in range(D)],
+    )
+    cost = {"F": f_cost, "B": f_cost, "W": w_cost}
+    finish: dict[Action, float] = {}
+    free = [0.0] * D
+    pos = [0] * D
+    pending: list[list[Action]] = [[] for _ in range(D)]
+    total = sum(len(x) for x in fb)
+    done = 0
+    while done < total:
+        # advance the rank whose next F/B can start earliest (an event-ordered list schedule)
+        best: tuple[float, int] | None = None
+        for r in range(D):
+            if pos[r] == len(fb[r]):
+                continue
+            a = fb[r][pos[r]]
+            deps = _fb_deps(a, D)
+            if not all(d in finish for d in deps):
+                continue
+            ready = max([0.0] + [finish[d] for d in deps])
+            if best is None or max(ready, free[r]) < best[0]:
+                best = (max(ready, free[r]), r)
+        if best is None:
+            raise ScheduleError("chimera-zb: F/B order deadlocked while placing W actions")
+        start, r = best
+        a = fb[r][pos[r]]
+        ready = max([0.0] + [finish[d] for d in _fb_deps(a, D)])
+        # fill the idle gap before `a` with deferred weight gradients
+        while pending[r] and free[r] < ready:
+            w = pending[r].pop(0)
+            sched.ranks[r].append(w)
+            free[r] += cost["W"]
+        start = max(ready, free[r])
+        sched.ranks[r].append(a)
+        finish[a] = start + cost[a.op]
+        free[r] = finish[a]
+        if a.op == "B":
+            pending[r].append(Action("W", a.mb, a.stage, a.replica))
+        pos[r] += 1
+        done += 1
+    for r in range(D):
+        sched.ranks[r] += pending[r]
+    _allreduce_actions(sched)
+    return sched
+
+
+def _fb_deps(a: Action, stages: int) -> list[Action]:
+    if a.op == "F":
+        return [Action("F", a.mb, a.stage - 1, a.replica)] if a.stage > 0 else []
+    deps = [Action("F", a.mb, a.stage, a.replica)]
+    if a.stage < stages - 1:
+        deps.append(Action("B", a.mb, a.stage + 1, a.replica))
+    return deps
+
+
+def async_plan(stages: int, microbatches: int) -> Schedule:
+    """The message-driven mode's work set: 1F1B's actions, which the executor reorders at run time
+    (backward first, then whichever activation arrived, injecting micro-batches as work completes)."""
+    sched = one_f_one_b(stages, microbatches)
+    sched.name = "async"
+    sched.dynamic = True
+    return sched
+
+
+def build_schedule(name: str, *, stages: int, microbatches: int) -> Schedule:
+    if stages < 1 or microbatches < 1:
+        raise ScheduleError(f"stages ({stages}) and microbatches ({microbatches}) must be >= 1")
+    if name == "gpipe":
+        return gpipe(stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(stages, microbatches)
+    if name == "chimera":
+        return chimera(stages, microbatches)
+    if name == "chimera-zb":
+        return chimera_zb(stages, microbatches)
+    if name == "async":
+        return async_plan(stages, microbatches)
+    raise ScheduleError(f"unknown schedule {name!r}; one of {', '.join(SCHEDULES)}")
