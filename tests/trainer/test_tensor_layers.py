@@ -151,8 +151,6 @@ def _check(rank: int, world_size: int, tensor: TensorConfig) -> dict:
     block: Block = gpt[1]
     sub = {"ln": block.ln1, "attn": block.attn, "mlp": block.mlp}
     for name, dense in sub.items():
-        from trainer.tensor.block import shard_layer  # noqa: F401 - sub-layers go through shard_block
-
         tp_block = shard_block(block, mesh=mesh, name="blk")
         tp = {"ln": tp_block.ln1, "attn": tp_block.attn, "mlp": tp_block.mlp}[name]
         _compare(dense=dense, tp=tp, x=x, x_local=x_shard(x), out_shard=x_shard, in_shard=x_shard)

@@ -1,0 +1,62 @@
+"""Shape and world-size checks of tensor-parallel layouts: they run before any process group exists
+and name the numbers that broke the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from trainer.config import ConfigError, ModelConfig, TensorConfig
+from trainer.tensor.mesh import check_tensor_layout
+
+MODEL = ModelConfig(d_model=64, heads=4, seq_len=16, layers=2)
+
+
+def _check(tensor: TensorConfig, *, world: int, model: ModelConfig = MODEL, batch: int = 8) -> None:
+    check_tensor_layout(tensor, world_size=world, model=model, batch_size=batch)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "world"),
+    [
+        (TensorConfig(mode="1d", size=4), 4),
+        (TensorConfig(mode="2d", q=2), 4),
+        (TensorConfig(mode="2.5d", q=2, d=2), 8),
+        (TensorConfig(mode="2.5d", q=4, d=1), 16),
+    ],
+)
+def test_good_layouts_pass(tensor: TensorConfig, world: int) -> None:
+    _check(tensor, world=world)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "world", "model", "batch", "message"),
+    [
+        (TensorConfig(mode="2.5d", q=2, d=2), 4, MODEL, 8, r"needs 8 ranks \(q\*q\*d = 2\*2\*2\).*has 4"),
+        (TensorConfig(mode="2d", q=2), 8, MODEL, 8, r"needs 4 ranks \(q\*q = 2\*2\).*has 8"),
+        (TensorConfig(mode="1d", size=8), 8, MODEL, 8, r"model.heads \(4\).*parallel.tensor.size \(8\)"),
+        (
+            TensorConfig(mode="2d", q=3),
+            9,
+            ModelConfig(d_model=48, heads=3, seq_len=16),
+            9,
+            r"vocabulary \(128\).*parallel.tensor.q \(3\)",
+        ),
+        (
+            TensorConfig(mode="2d", q=4),
+            16,
+            ModelConfig(d_model=48, heads=6, seq_len=16),
+            8,
+            r"model.heads \(6\).*parallel.tensor.q \(4\) for 2d",
+        ),
+        (TensorConfig(mode="2.5d", q=2, d=2), 8, MODEL, 6, r"batch_size \(6\).*d\*q \(2\*2 = 4\)"),
+        (TensorConfig(mode="1d", size=2), 2, ModelConfig(kind="mlp"), 8, r"model.kind is 'mlp'"),
+    ],
+)
+def test_bad_layouts_are_refused_with_the_numbers(
+    tensor: TensorConfig, world: int, model: ModelConfig, batch: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _check(tensor, world=world, model=model, batch=batch)
+    assert not dist.is_initialized()
