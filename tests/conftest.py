@@ -1,0 +1,88 @@
+"""Shared fixtures. `stack` is the real thing: a redis-server on a free loopback port, the API
+under uvicorn and a Celery worker process, over a fresh SQLite file (migrated by Alembic)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api.stack import Stack
+from db.migrate import upgrade
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+TINY_SPEC: dict[str, Any] = {
+    "name": "tiny",
+    "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
+    "data": {"max_chars": 200_000},
+    "train": {"steps": 40, "batch_size": 8, "lr": 3e-3, "eval_every": 20, "seed": 0},
+}
+
+
+class StackHandle:
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.base_url = stack.base_url
+        self.client = httpx.Client(base_url=stack.base_url, timeout=30)
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        resp = self.client.post("/api/jobs", json=spec)
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        return self.client.get(f"/api/jobs/{job_id}").json()
+
+    def wait(
+        self, job_id: int, statuses: tuple[str, ...] = ("succeeded",), timeout: float = 120
+    ) -> dict[str, Any]:
+        """Poll until the job reaches one of `statuses`; fail early if it ends in another."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job["status"] in statuses:
+                return job
+            if job["status"] in TERMINAL:
+                raise AssertionError(f"job {job_id} ended {job['status']}, wanted {statuses}: {job['error']}")
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} not {statuses} after {timeout}s: {self.job(job_id)}")
+
+    def wait_until(self, job_id: int, predicate, timeout: float = 60) -> dict[str, Any]:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if predicate(job):
+                return job
+            time.sleep(0.1)
+        raise AssertionError(f"job {job_id}: condition not met after {timeout}s: {self.job(job_id)}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
+    root = tmp_path_factory.mktemp("stack")
+    st = Stack(root=root, workers=1, concurrency=2)
+    try:
+        st.start()
+    except Exception:
+        for log in sorted(Path(root).glob("*.log")):
+            print(f"---- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+    handle = StackHandle(st)
+    try:
+        yield handle
+    finally:
+        handle.client.close()
+        st.stop()
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    """A fresh SQLite database brought to the latest migration (the real Alembic scripts)."""
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    upgrade(url)
+    return url
