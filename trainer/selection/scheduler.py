@@ -45,8 +45,9 @@ class Scheduler(Protocol):
     ) -> TrialView | None:
         """The trial whose next shard the free device runs, or None to leave the device idle.
 
-        idle: trials ready for their next shard; active: indices of every trial not yet finished
-        (idle, running or paused); free_bytes: what the device's ledger has left (None: no budget).
+        idle: trials ready for their next shard; active: indices of the trials that are idle or
+        running (not paused at an ASHA rung, not finished); free_bytes: what the device's ledger has
+        left (None: no budget).
         """
         ...
 
@@ -94,8 +95,9 @@ class RoundRobin:
 
 
 class Sequential:
-    """One trial at a time, in index order, start to finish: the baseline without alternation.
-    Every other device stays idle because a trial runs on at most one device."""
+    """One trial at a time, in index order: the baseline without alternation. Every other device
+    stays idle because a trial runs on at most one device. A trial paused at an ASHA rung lets the
+    next one run until the rung decides."""
 
     name = "sequential"
 

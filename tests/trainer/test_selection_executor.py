@@ -1,0 +1,174 @@
+"""The executor trains each trial to exactly the parameters trainer/loop.py gives it alone, whatever
+the interleaving of shards over the two CPU 'devices' (worker threads), for SGD and AdamW."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.config import JobConfig
+from trainer.loop import train
+from trainer.protocol import ListSink, NeverStop
+from trainer.selection.asha import AshaConfig
+from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.scheduler import TrialView
+
+DATA = {"max_chars": 200_000}
+SMALL = {"batch_size": 4, "eval_every": 2, "eval_batches": 1}
+SPECS = [
+    # 3 shards, AdamW
+    {
+        "model": {"kind": "gpt", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
+        "train": {"steps": 4, "lr": 1e-2, "optimizer": "adamw", "seed": 1, **SMALL},
+        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [1, 3]}},
+    },
+    # 2 shards, SGD with momentum
+    {
+        "model": {"kind": "mlp", "layers": 3, "d_model": 16, "seq_len": 8},
+        "train": {"steps": 5, "lr": 0.05, "optimizer": "sgd", "momentum": 0.9, "seed": 2, **SMALL},
+        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [2]}},
+    },
+    # one shard, plain SGD
+    {
+        "model": {"kind": "gpt", "layers": 1, "d_model": 16, "heads": 2, "seq_len": 8},
+        "train": {"steps": 3, "lr": 0.1, "optimizer": "sgd", "seed": 3, **SMALL},
+    },
+    # 4 shards, AdamW with weight decay and gradient clipping (global norm across shards)
+    {
+        "model": {"kind": "mlp", "layers": 3, "d_model": 16, "seq_len": 8},
+        "train": {"steps": 4, "lr": 1e-2, "weight_decay": 0.1, "grad_clip": 0.05, "seed": 4, **SMALL},
+        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [1, 2, 3]}},
+    },
+]
+CPU2 = [torch.device("cpu"), torch.device("cpu")]
+
+
+def job(i: int) -> JobConfig:
+    return JobConfig.from_dict({"name": f"t{i}", "data": DATA, **SPECS[i]})
+
+
+class RandomChoice:
+    """A scheduler that picks any idle trial at random: arbitrary interleavings."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(
+        self, idle: Sequence[TrialView], *, active: Sequence[int], free_bytes: int | None
+    ) -> TrialView | None:
+        fit = [t for t in idle if free_bytes is None or t.next_shard_bytes <= free_bytes]
+        return self.rng.choice(fit) if fit else None
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict, ListSink]]:
+    out = {}
+    for i in range(len(SPECS)):
+        d = tmp_path_factory.mktemp(f"ref{i}")
+        sink = ListSink()
+        train(job(i), sink=sink, stop=NeverStop(), checkpoint_dir=d, device=torch.device("cpu"))
+        out[i] = (load_checkpoint(latest_checkpoint(d))["model"], sink)
+    return out
+
+
+def run_batch(tmp: Path, *, scheduler: str = "shard-lrtf", custom=None, **cfg):  # noqa: ANN001, ANN003
+    sinks = {i: ListSink() for i in range(len(SPECS))}
+    entries = [
+        TrialEntry(index=i, job=job(i), sink=sinks[i], checkpoint_dir=tmp / f"trial-{i}")
+        for i in range(len(SPECS))
+    ]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler=scheduler, **cfg), scheduler=custom)
+    results = ex.run()
+    return ex, results, sinks
+
+
+def check_no_overlap(ex: Executor) -> None:
+    by_trial = defaultdict(list)
+    for s in ex.trace:
+        by_trial[s.trial].append(s)
+    for slots in by_trial.values():
+        slots.sort(key=lambda s: s.start)
+        for a, b in zip(slots, slots[1:], strict=False):
+            assert a.end <= b.start, f"trial {a.trial} ran on devices {a.device} and {b.device} at once"
+
+
+@pytest.mark.parametrize("how", ["shard-lrtf", "round-robin", "fifo", "random-0", "random-1"])
+def test_each_trial_matches_training_alone(tmp_path: Path, reference, how: str) -> None:  # noqa: ANN001
+    custom = RandomChoice(int(how.split("-")[1])) if how.startswith("random") else None
+    ex, results, sinks = run_batch(tmp_path, scheduler="fifo" if custom else how, custom=custom)
+    assert {i: r["status"] for i, r in results.items()} == dict.fromkeys(range(len(SPECS)), "succeeded")
+    check_no_overlap(ex)
+    assert {s.device for s in ex.trace} == {0, 1}  # both devices worked
+    for i, (want, ref_sink) in reference.items():
+        got = load_checkpoint(latest_checkpoint(tmp_path / f"trial-{i}"))["model"]
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], msg=lambda m, n=name, i=i: f"trial {i} {n}: {m}"
+            )
+        torch.testing.assert_close(sinks[i].series("loss"), ref_sink.series("loss"))
+        torch.testing.assert_close(sinks[i].series("val_loss"), ref_sink.series("val_loss"))
+        statuses = [d["status"] for e, d in sinks[i].events if e == "trial"]
+        assert statuses == ["running", "succeeded"]
+
+
+def test_interleavings_really_differ(tmp_path: Path) -> None:
+    # the equality above means something only if the schedules interleave trials differently
+    orders = []
+    for seed in (0, 1):
+        ex, _, _ = run_batch(tmp_path / str(seed), scheduler="fifo", custom=RandomChoice(seed))
+        orders.append([(s.trial, s.kind, s.shard) for s in sorted(ex.trace, key=lambda s: s.start)])
+    assert orders[0] != orders[1]
+
+
+def test_budget_is_never_exceeded(tmp_path: Path) -> None:
+    # a budget that fits one running shard and one prefetched shard of another trial, not more
+    budget = 2 * 64 * 2**20
+    ex, results, _ = run_batch(tmp_path, device_budget_bytes=budget, prefetch=True)
+    assert all(r["status"] == "succeeded" for r in results.values())
+    assert all(0 < lg.peak_bytes <= budget for lg in ex.ledgers)
+
+
+@pytest.mark.parametrize("how", ["shard-lrtf", "sequential"])
+def test_asha_stops_the_right_trials(tmp_path: Path, how: str) -> None:
+    # rungs at steps 1 and 2 (and 4 for the 5-step trial); reduction factor 2
+    asha = AshaConfig(reduction_factor=2, min_steps=1, mode="min")
+    ex, results, sinks = run_batch(tmp_path, scheduler=how, metric="val_loss", asha=asha)
+    statuses = {i: r["status"] for i, r in results.items()}
+    assert "stopped_early" in statuses.values() and "succeeded" in statuses.values()
+    val = {i: {s: v for s, n, v in sinks[i].metrics if n == "val_loss"} for i in statuses}
+    for i, st in statuses.items():
+        last = results[i]["steps"]
+        events = [d["status"] for e, d in sinks[i].events if e == "trial"]
+        if st == "stopped_early":
+            assert results[i]["stopped_early"] and last < job(i).train.steps
+            assert events == ["running", "stopped_early"]
+            # stopped at a rung it lost: not in the top max(1, n // 2) of the trials that reached it
+            reached = sorted((v[last], j) for j, v in val.items() if last in v)
+            keep = max(1, len(reached) // 2)
+            assert (val[i][last], i) not in reached[:keep]
+        else:
+            assert st == "succeeded" and last == job(i).train.steps and events == ["running", "succeeded"]
+    # no trial ran past a stop: each stopped trial's last task ends its last mini-batch
+    for i in statuses:
+        assert sum(1 for s in ex.trace if s.trial == i and s.kind == "FB") == results[i]["steps"]
+
+
+def test_stop_trials_between_mini_batches(tmp_path: Path) -> None:
+    ex, results, sinks = run_batch(tmp_path, scheduler="sequential")
+    assert all(r["status"] == "succeeded" for r in results.values())
+    # stopping trial 1 from the start: trial 0 runs, trial 1 never does
+    sinks = {i: ListSink() for i in range(2)}
+    entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(2)]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="sequential"), stop_trials=lambda: {1})
+    results = ex.run()
+    assert results[0]["status"] == "succeeded" and results[1]["status"] == "stopped"
+    assert results[1]["steps"] == 0 and not any(s.trial == 1 for s in ex.trace)

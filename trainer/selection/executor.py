@@ -1,0 +1,500 @@
+"""Shard alternation over a node's devices: the selection batch's executor.
+
+One worker thread per device. A free device asks the scheduler (trainer/selection/scheduler.py)
+for an idle trial, runs that trial's next task (one shard: forward, or recompute + backward + step),
+and hands the trial back. A trial is held by at most one device at a time, so it runs on one device
+at a time; its tasks still go to whichever device is free, since the host holds its shards between
+tasks. Double buffering across trials: when a device is dispatched it also picks the trial it will
+run next and copies that trial's next shard in on a side stream while the current one computes (on
+CPU the copy is a no-op, same code path). ASHA decisions are taken at mini-batch ends; stopped trials
+free their device at once.
+
+Threading: every piece of shared state (trial status, holders, ledgers, ASHA) changes under
+`self._cond`; a trial's tensors are touched only by the device that holds it, outside the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.protocol import MetricsSink, NeverStop, StopSignal
+from trainer.selection.asha import Asha, AshaConfig
+from trainer.selection.ledger import Ledger
+from trainer.selection.scheduler import Scheduler, TrialView, make_scheduler
+from trainer.selection.shards import ShardedTrial
+
+Status = Literal["pending", "running", "paused", "succeeded", "stopped_early", "stopped", "failed"]
+FINAL = ("succeeded", "stopped_early", "stopped", "failed")
+METRICS = ("loss", "val_loss")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialEntry:
+    index: int
+    job: JobConfig
+    sink: MetricsSink
+    checkpoint_dir: Path | None = None
+    warm_start: Path | None = None
+    """A checkpoint (file or directory) whose weights this trial starts from."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ExecutorConfig:
+    scheduler: str = "shard-lrtf"
+    metric: str = "val_loss"
+    """What ASHA and the leaderboard rank by: loss or val_loss."""
+    mode: Literal["min", "max"] = "min"
+    asha: AshaConfig | None = None
+    prefetch: bool = True
+    """Copy the next chosen trial's shard in while the current one computes."""
+    device_budget_bytes: int | None = None
+    """Each device's ledger budget; None: unlimited (CPU devices)."""
+    poll_s: float = 0.05
+    """How often an idle device re-reads the stop signals."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be min or max, got {self.mode!r}")
+        make_scheduler(self.scheduler)  # names the valid ones
+        if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
+            raise ValueError(f"device budget must be > 0 bytes, got {self.device_budget_bytes}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Slot:
+    """One task as it ran, for tests and the benchmark."""
+
+    trial: int
+    device: int
+    kind: str
+    shard: int
+    start: float
+    end: float
+    compute_s: float
+    copy_s: float
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialRun:
+    entry: TrialEntry
+    trial: ShardedTrial | None = None
+    status: Status = "pending"
+    holder: int | None = None
+    """Device that holds the trial (running a task, or reserved after a prefetch)."""
+    stop_requested: bool = False
+    dispatches: int = 0
+    last_dispatch: int = -1
+    step_times: list[float] = field(default_factory=list)
+    done_in_step_s: float = 0.0
+    last_metric: float | None = None
+    best_metric: float | None = None
+    val_loss: float = float("nan")
+    error: str | None = None
+    compute_s: float = 0.0
+    copy_s: float = 0.0
+    busy_s: float = 0.0
+    """Device-thread time spent on this trial's behalf (tasks, evaluation, bookkeeping)."""
+    started: bool = False
+    ready: Any = None
+    """CUDA event recorded after this trial's prefetch; its next task waits on it."""
+
+    @property
+    def index(self) -> int:
+        return self.entry.index
+
+    @property
+    def sink(self) -> MetricsSink:
+        return self.entry.sink
+
+
+class Executor:
+    def __init__(
+        self,
+        entries: list[TrialEntry],
+        *,
+        devices: list[torch.device],
+        cfg: ExecutorConfig,
+        stop: StopSignal | None = None,
+        stop_trials: Callable[[], set[int]] | None = None,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        if not devices:
+            raise ValueError("a selection batch needs at least one device")
+        if len({e.index for e in entries}) != len(entries):
+            raise ValueError("trial indices must be unique")
+        self.cfg = cfg
+        self.devices = devices
+        self.scheduler = scheduler or make_scheduler(cfg.scheduler)
+        self.stop = stop or NeverStop()
+        self.stop_trials = stop_trials or (lambda: set())
+        self.runs = {e.index: TrialRun(entry=e) for e in entries}
+        self.ledgers = [
+            Ledger(device=f"{d}#{i}", budget_bytes=cfg.device_budget_bytes) for i, d in enumerate(devices)
+        ]
+        self.asha: Asha | None = None
+        self.trace: list[Slot] = []
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._dispatches = 0
+        self._stopping = False
+        self._last_poll = 0.0
+        self._flops_rate: float | None = None
+        self._fatal: BaseException | None = None
+        self._side_streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devices]
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Build and cut every trial on the host; a trial that cannot be built or can never fit a
+        device fails alone, with the reason, and the others run."""
+        for run in self.runs.values():
+            e = run.entry
+            try:
+                t = ShardedTrial.build(
+                    e.job,
+                    index=e.index,
+                    budget_bytes=self.cfg.device_budget_bytes,
+                    prefetch=self.cfg.prefetch,
+                )
+                if e.warm_start is not None:
+                    t.warm_start(e.warm_start)
+                t.resume(e.checkpoint_dir)
+                run.trial = t
+                if t.step >= t.steps_total:
+                    self._finish(run, "succeeded")
+            except Exception as exc:  # noqa: BLE001 - reported on the trial, the batch goes on
+                self._fail(run, exc)
+        max_steps = {i: r.entry.job.train.steps for i, r in self.runs.items()}
+        if self.cfg.asha is not None:
+            self.asha = Asha(self.cfg.asha, max_steps=max_steps)
+            for run in self.runs.values():
+                if run.status in FINAL:
+                    self.asha.finished(run.index, step=run.trial.step if run.trial else 0)
+
+    # -- the scheduler's view --------------------------------------------------------------------
+
+    def _step_time(self, run: TrialRun) -> float:
+        """Measured mean mini-batch time, or an estimate from the trial's flops at the rate the
+        measured trials achieve (before any is measured, a nominal rate: only the order matters)."""
+        if run.step_times:
+            return sum(run.step_times) / len(run.step_times)
+        return run.trial.flops_per_step / (self._flops_rate or 1e10)
+
+    def _idle(self) -> list[TrialRun]:
+        return [
+            r
+            for r in self.runs.values()
+            if r.status in ("pending", "running")
+            and r.holder is None
+            and not (r.stop_requested and r.trial.pos == 0)  # stops at the next poll instead
+        ]
+
+    def _view(self, run: TrialRun) -> TrialView:
+        t = run.trial
+        return TrialView(
+            index=run.index,
+            steps_left=t.steps_total - t.step,
+            step_time_s=self._step_time(run),
+            done_in_step_s=run.done_in_step_s,
+            next_shard_bytes=t.work_bytes[t.next_task.shard],
+            last_dispatch=run.last_dispatch,
+        )
+
+    def _pick(self, d: int, *, exclude: TrialRun | None = None, extra_bytes: int = 0) -> TrialRun | None:
+        idle = [r for r in self._idle() if r is not exclude]
+        if not idle:
+            return None
+        active = [r.index for r in self.runs.values() if r.status in ("pending", "running")]
+        free = self.ledgers[d].free_bytes()
+        choice = self.scheduler.choose(
+            [self._view(r) for r in idle],
+            active=active,
+            free_bytes=None if free is None else free - extra_bytes,
+        )
+        if choice is None:
+            return None
+        run = self.runs[choice.index]
+        assert run.holder is None, f"trial {run.index} is already held by device {run.holder}"
+        run.holder = d
+        run.last_dispatch = self._dispatches
+        self._dispatches += 1
+        return run
+
+    # -- stop signals ----------------------------------------------------------------------------
+
+    def _poll_stops(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll < self.cfg.poll_s:
+            return
+        self._last_poll = now
+        if not self._stopping and self.stop.requested():
+            self._stopping = True
+        wanted = self.stop_trials()
+        for run in self.runs.values():
+            if run.status in FINAL:
+                continue
+            if self._stopping or run.index in wanted:
+                run.stop_requested = True
+            # a trial between mini-batches and held by no device stops now; one mid-mini-batch
+            # finishes it first (its shards would otherwise hold half an optimizer step)
+            if run.stop_requested and run.holder is None and run.trial is not None and run.trial.pos == 0:
+                self._finish(run, "stopped")
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _finish(self, run: TrialRun, status: Status) -> None:
+        run.status = status
+        t = run.trial
+        steps = t.step if t is not None else 0
+        if t is not None and run.entry.checkpoint_dir is not None and steps > 0:
+            path = t.save(run.entry.checkpoint_dir)
+            run.sink.event("checkpoint", {"step": steps, "path": str(path)})
+        run.sink.event("trial", {"status": status, "steps_done": steps})
+        run.sink.result(self._result(run))
+        if self.asha is not None:
+            self._apply(self.asha.finished(run.index, step=steps))
+
+    def _fail(self, run: TrialRun, exc: BaseException) -> None:
+        run.error = f"{type(exc).__name__}: {exc}"
+        run.sink.log(f"trial {run.index} failed: {run.error}\n{traceback.format_exc()}")
+        run.status = "failed"
+        run.sink.event("trial", {"status": "failed", "steps_done": run.trial.step if run.trial else 0})
+        run.sink.result(self._result(run))
+        if self.asha is not None:
+            self._apply(self.asha.finished(run.index, step=run.trial.step if run.trial else 0))
+
+    def _apply(self, decisions: Any) -> None:
+        for i in decisions.promoted:
+            run = self.runs[i]
+            if run.status == "paused":
+                run.status = "running"
+        for i in decisions.stopped:
+            run = self.runs[i]
+            if run.status not in FINAL:
+                self._finish(run, "stopped_early")
+
+    def _result(self, run: TrialRun) -> dict[str, Any]:
+        t = run.trial
+        return {
+            "trial": run.index,
+            "status": run.status,
+            "steps": t.step if t else 0,
+            "final_loss": t.loss if t else float("nan"),
+            "val_loss": run.val_loss,
+            "metric": self.cfg.metric,
+            "last_metric": run.last_metric,
+            "best_metric": run.best_metric,
+            "stopped_early": run.status == "stopped_early",
+            "error": run.error,
+            "compute_s": run.compute_s,
+            "copy_s": run.copy_s,
+            "busy_s": run.busy_s,
+        }
+
+    def _better(self, a: float, b: float | None) -> bool:
+        return b is None or (a < b if self.cfg.mode == "min" else a > b)
+
+    # -- the device worker -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _on(self, d: int) -> Iterator[None]:
+        if self.devices[d].type == "cuda":
+            with torch.cuda.device(self.devices[d]):
+                yield
+        else:
+            yield
+
+    def _prefetch(self, d: int, run: TrialRun) -> None:
+        """Copy `run`'s next shard to device d on the side stream (on CPU: the same call, no copy)."""
+        t = run.trial
+        k = t.next_task.shard
+        stream = self._side_streams[d]
+        if stream is None:
+            run.copy_s += t.copy_in(k, self.devices[d])
+            return
+        with torch.cuda.stream(stream):
+            run.copy_s += t.copy_in(k, self.devices[d])
+            run.ready = torch.cuda.Event()
+            run.ready.record(stream)
+
+    def _worker(self, d: int) -> None:
+        try:
+            self._work(d)
+        except BaseException as exc:  # a bug in the executor itself: stop every device, re-raise in run()
+            with self._cond:
+                self._fatal = self._fatal or exc
+                self._cond.notify_all()
+            raise
+
+    def _work(self, d: int) -> None:
+        device = self.devices[d]
+        ledger = self.ledgers[d]
+        reserved: TrialRun | None = None
+        with self._on(d):
+            while True:
+                with self._cond:
+                    run = None
+                    while run is None:
+                        if self._fatal is not None:
+                            return
+                        self._poll_stops()
+                        if reserved is not None:
+                            run, reserved = reserved, None
+                            ledger.release((run.index, "prefetch"))
+                            if run.stop_requested and run.trial.pos == 0:
+                                run.trial.copy_out(run.trial.next_task.shard)
+                                run.holder = None
+                                self._finish(run, "stopped")
+                                run = None
+                                continue
+                        else:
+                            run = self._pick(d)
+                        if run is None:
+                            if all(r.status in FINAL for r in self.runs.values()):
+                                self._cond.notify_all()
+                                return
+                            self._waiting += 1
+                            self._cond.wait(timeout=self.cfg.poll_s)
+                            self._waiting -= 1
+                    t = run.trial
+                    k = t.next_task.shard
+                    ledger.reserve((run.index, "run"), t.work_bytes[k])
+                    if not run.started:
+                        run.started = True
+                        run.status = "running"
+                        run.sink.event("trial", {"status": "running", "steps_done": t.step})
+                    nxt = None
+                    # reserve the next trial only when no device is waiting for work, so a
+                    # reservation never keeps a free device idle
+                    if self.cfg.prefetch and self._waiting == 0:
+                        nxt = self._pick(d, exclude=run)
+                        if nxt is not None:
+                            nt = nxt.trial
+                            ledger.reserve((nxt.index, "prefetch"), nt.copy_bytes[nt.next_task.shard])
+                t_slot = time.perf_counter()
+                if nxt is not None:
+                    self._prefetch(d, nxt)
+                self._run_task(d, run, device)
+                with self._cond:
+                    ledger.release((run.index, "run"))
+                    self._after_task(run)
+                    run.busy_s += time.perf_counter() - t_slot
+                    self._cond.notify_all()
+                reserved = nxt
+
+    def _run_task(self, d: int, run: TrialRun, device: torch.device) -> None:
+        t = run.trial
+        task = t.next_task
+        if run.ready is not None:
+            # the prefetch ran on the side stream; this task's kernels must see the copied shard
+            torch.cuda.current_stream(device).wait_event(run.ready)
+            run.ready = None
+        start = time.perf_counter()
+        try:
+            timing = t.run_task(device)
+            run.compute_s += timing.compute_s
+            run.copy_s += timing.copy_s
+            run.done_in_step_s += timing.compute_s + timing.copy_s
+            end = time.perf_counter()
+            with self._cond:
+                self.trace.append(
+                    Slot(
+                        trial=run.index,
+                        device=d,
+                        kind=task.kind,
+                        shard=task.shard,
+                        start=start,
+                        end=end,
+                        compute_s=timing.compute_s,
+                        copy_s=timing.copy_s,
+                    )
+                )
+            if t.pos == 0:  # the mini-batch is done: metrics and evaluation, still holding the trial
+                self._end_of_step(run, device)
+        except Exception as exc:  # noqa: BLE001 - this trial fails, the batch goes on
+            with self._cond:
+                self._fail(run, exc)
+
+    def _end_of_step(self, run: TrialRun, device: torch.device) -> None:
+        t = run.trial
+        step = t.step
+        cfg = t.job.train
+        run.step_times.append(run.done_in_step_s)
+        sink = run.sink
+        sink.metric(step, "loss", t.loss)
+        sink.metric(step, "step_time_ms", run.done_in_step_s * 1e3)
+        sink.metric(
+            step, "tokens_per_s", cfg.batch_size * t.job.model.seq_len / max(run.done_in_step_s, 1e-9)
+        )
+        sink.metric(step, "peak_mem_mb", self.ledgers[run.holder].peak_bytes / 2**20)
+        run.done_in_step_s = 0.0
+        rung = self.asha is not None and self.asha.is_rung(run.index, step)
+        if step % cfg.eval_every == 0 or step == t.steps_total or (rung and self.cfg.metric == "val_loss"):
+            t0 = time.perf_counter()
+            run.val_loss = t.evaluate(device)
+            run.compute_s += time.perf_counter() - t0
+            sink.metric(step, "val_loss", run.val_loss)
+            if self.cfg.metric == "val_loss":
+                self._record(run, run.val_loss)
+        if self.cfg.metric == "loss":
+            self._record(run, t.loss)
+        ckpt = run.entry.checkpoint_dir
+        if ckpt is not None and t.job.checkpoint_every and step % t.job.checkpoint_every == 0:
+            sink.event("checkpoint", {"step": step, "path": str(t.save(ckpt))})
+
+    def _record(self, run: TrialRun, value: float) -> None:
+        run.last_metric = value
+        if self._better(value, run.best_metric):
+            run.best_metric = value
+
+    def _after_task(self, run: TrialRun) -> None:
+        """Under the lock: hand the trial back, take ASHA's decision at a mini-batch end."""
+        run.holder = None
+        if run.status in FINAL:  # failed inside the task
+            return
+        t = run.trial
+        if t.pos != 0:
+            return
+        measured = [r for r in self.runs.values() if r.step_times]
+        self._flops_rate = sum(r.trial.flops_per_step * len(r.step_times) for r in measured) / sum(
+            sum(r.step_times) for r in measured
+        )
+        if t.step >= t.steps_total:
+            self._finish(run, "succeeded")
+            return
+        if run.stop_requested:
+            self._finish(run, "stopped")
+            return
+        if self.asha is not None and self.asha.is_rung(run.index, t.step):
+            value = run.last_metric if run.last_metric is not None else t.loss
+            run.status = "paused"
+            self._apply(self.asha.report(run.index, step=t.step, value=value))
+
+    # -- run -------------------------------------------------------------------------------------
+
+    def run(self) -> dict[int, dict[str, Any]]:
+        """Train every trial to its end (or its stop); returns each trial's result by index."""
+        self._prepare()
+        threads = [
+            threading.Thread(target=self._worker, args=(d,), name=f"selection-dev{d}", daemon=True)
+            for d in range(len(self.devices))
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if self._fatal is not None:
+            raise RuntimeError(f"selection executor failed: {self._fatal!r}") from self._fatal
+        return {i: self._result(r) for i, r in sorted(self.runs.items())}
