@@ -1,0 +1,59 @@
+"""The import rules of DESIGN.md, checked on the source: trainer/ is pure PyTorch, db/ is SQLAlchemy
+only, api/ never imports torch or the trainer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = {
+    "api",
+    "db",
+    "workers",
+    "celery",
+    "sqlalchemy",
+    "fastapi",
+    "redis",
+    "starlette",
+    "pydantic",
+    "alembic",
+    "httpx",
+    "kombu",
+}
+
+RULES = {
+    "trainer": SERVICE,
+    "db": {"api", "workers", "trainer", "torch", "fastapi", "celery", "redis"},
+    "api": {"torch", "trainer", "workers", "numpy.torch"},
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_package_respects_its_import_boundary(package: str) -> None:
+    offenders = {}
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no sources found under {package}/"
+    for path in files:
+        bad = imported_roots(path) & RULES[package]
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not offenders, f"{package}/ crosses its boundary: {offenders}"
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "x.py"
+    bad.write_text("import os\nfrom sqlalchemy.orm import Session\nimport torch.nn as nn\n")
+    assert imported_roots(bad) == {"os", "sqlalchemy", "torch"}

@@ -1,0 +1,104 @@
+"""Data functions against a real SQLite file migrated by Alembic."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from db import jobs as dbj
+from db.engine import get_engine, session_for
+from db.models import JobStatus
+
+
+def _job(url: str, **kw) -> int:
+    with session_for(url) as s:
+        return dbj.create_job(s, name="j", spec={"train": {"steps": 3}}, steps=3, **kw).id
+
+
+def test_sqlite_runs_in_wal_mode(db_url: str) -> None:
+    with get_engine(db_url).connect() as c:
+        assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_claim_is_won_by_exactly_one_of_many_racing_workers(db_url: str) -> None:
+    job_id = _job(db_url)
+    wins: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def race(name: str) -> None:
+        with session_for(db_url) as s:
+            barrier.wait()
+            if dbj.claim_job(s, job_id=job_id, worker=name):
+                wins.append(name)
+
+    threads = [threading.Thread(target=race, args=(f"w{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    with session_for(db_url) as s:
+        job = dbj.get_job(s, job_id)
+        assert (job.status, job.worker, job.attempts) == ("running", wins[0], 1)
+
+
+def test_cancel_of_queued_job_is_immediate_and_blocks_claims(db_url: str) -> None:
+    job_id = _job(db_url)
+    with session_for(db_url) as s:
+        assert dbj.request_cancel(s, job_id=job_id).status == "cancelled"
+        assert not dbj.claim_job(s, job_id=job_id, worker="w")
+        with pytest.raises(dbj.Conflict, match="already cancelled"):
+            dbj.request_cancel(s, job_id=job_id)
+
+
+def test_cancel_of_running_job_only_sets_the_flag(db_url: str) -> None:
+    job_id = _job(db_url)
+    with session_for(db_url) as s:
+        assert dbj.claim_job(s, job_id=job_id, worker="w")
+        job = dbj.request_cancel(s, job_id=job_id)
+        assert job.status == "running" and job.cancel_requested
+        assert dbj.cancel_requested(s, job_id=job_id)
+
+
+def test_metric_points_keep_order_ids_and_progress(db_url: str) -> None:
+    job_id = _job(db_url)
+    with session_for(db_url) as s:
+        ids = dbj.add_metric_points(
+            s, job_id=job_id, points=[(1, "loss", 3.0, 1.0), (1, "lr", 0.1, 1.0), (2, "loss", 2.5, 2.0)]
+        )
+        more = dbj.add_metric_points(s, job_id=job_id, points=[(3, "loss", 2.0, 3.0)])
+        assert ids == sorted(ids) and more[0] > ids[-1]
+        series = dbj.metric_series(s, job_id=job_id, names=["loss"])
+        assert series == {"loss": ([1, 2, 3], [3.0, 2.5, 2.0])}
+        assert [p.id for p in dbj.metrics_after(s, job_id=job_id, after_id=ids[1])] == [ids[2], more[0]]
+        assert dbj.get_job(s, job_id).step == 3
+
+
+def test_finish_and_requeue(db_url: str) -> None:
+    job_id = _job(db_url)
+    with session_for(db_url) as s:
+        dbj.claim_job(s, job_id=job_id, worker="dead")
+        dbj.requeue_job(s, job_id=job_id, reason="worker gone")
+        assert dbj.get_job(s, job_id).status == "queued"
+        assert dbj.claim_job(s, job_id=job_id, worker="alive")
+        dbj.finish_job(s, job_id=job_id, status=JobStatus.failed, error="boom")
+        s.expire_all()
+        job = dbj.get_job(s, job_id)
+        assert (job.status, job.error, job.attempts) == ("failed", "boom", 2)
+        assert job.finished_at is not None
+
+
+def test_stale_queued_jobs_are_found_for_the_reconciler(db_url: str) -> None:
+    job_id = _job(db_url)
+    with session_for(db_url) as s:
+        assert [j.id for j in dbj.stale_queued_jobs(s, older_than_s=-1)] == [job_id]
+        dbj.mark_enqueued(s, job_ids=[job_id])
+        assert dbj.stale_queued_jobs(s, older_than_s=60) == []
+
+
+def test_heartbeats_and_liveness(db_url: str) -> None:
+    with session_for(db_url) as s:
+        dbj.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[{"type": "cpu"}])
+        assert [w.name for w in dbj.live_workers(s, within_s=30)] == ["w1"]
+        assert dbj.live_workers(s, within_s=-1) == []
