@@ -197,8 +197,10 @@ def summarize(timeline: list[dict[str, Any]], *, ranks: int, split: bool) -> Sim
     """Makespan, bubble and peak stash from a timeline (simulated or executed)."""
     if not timeline:
         return SimResult(makespan=0.0, bubble=0.0, busy=[0.0] * ranks, peak_stash=[0] * ranks)
-    t0 = min(e["start"] for e in timeline)
-    makespan = max(e["end"] for e in timeline) - t0
+    # the pipeline's span is its compute; an exchange still draining after it is not a bubble
+    compute = [e for e in timeline if e["op"] in COMPUTE_OPS] or timeline
+    t0 = min(e["start"] for e in compute)
+    makespan = max(e["end"] for e in compute) - t0
     busy = [0.0] * ranks
     events: list[list[tuple[float, int]]] = [[] for _ in range(ranks)]
     freeing = "W" if split else "B"
