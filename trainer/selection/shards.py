@@ -29,12 +29,16 @@ from trainer.data import BatchStream, TextData
 from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params, lm_loss
 from trainer.spill.partition import (
+    LayerCost,
     measure_layers,
     partition,
     prefetch_bytes,
     state_bytes_per_param,
     working_set,
 )
+
+_COSTS: dict[tuple[str, int, int], list[LayerCost]] = {}
+"""Per-layer costs by (model config, batch size, optimizer state bytes per parameter)."""
 
 FORWARD = "F"
 LAST = "FB"
@@ -109,13 +113,18 @@ class ShardedTrial:
         if spill is not None:
             own = int(spill.device_budget_mb * 2**20)
             budget_bytes = own if budget_bytes is None else min(own, budget_bytes)
-        costs = measure_layers(
-            model,
-            batch_size=cfg.batch_size,
-            seq_len=job.model.seq_len,
-            state_bpp=state_bytes_per_param(optimizer=cfg.optimizer, momentum=cfg.momentum, offload=False),
-            device="meta",
-        )
+        state_bpp = state_bytes_per_param(optimizer=cfg.optimizer, momentum=cfg.momentum, offload=False)
+        # trials of a search often share an architecture (only lr or seed differ): measure it once
+        key = (repr(job.model), cfg.batch_size, state_bpp)
+        costs = _COSTS.get(key)
+        if costs is None:
+            costs = _COSTS[key] = measure_layers(
+                model,
+                batch_size=cfg.batch_size,
+                seq_len=job.model.seq_len,
+                state_bpp=state_bpp,
+                device="meta",
+            )
         shard_budget = None if budget_bytes is None else (budget_bytes // 2 if prefetch else budget_bytes)
         plan = partition(
             costs,

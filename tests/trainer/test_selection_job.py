@@ -1,0 +1,158 @@
+"""The batch entry: run_selection with per-trial sinks, and the CLI the worker launches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.config import ConfigError
+from trainer.protocol import ListSink, NeverStop
+from trainer.selection.job import parse_batch, run_selection
+from trainer.selection.space import expand
+
+BASE = {
+    "model": {"kind": "mlp", "layers": 2, "d_model": 16, "seq_len": 8},
+    "data": {"max_chars": 200_000},
+    "train": {"steps": 4, "batch_size": 4, "eval_every": 2, "eval_batches": 1, "optimizer": "sgd"},
+    "parallel": {"spill": {"device_budget_mb": 64, "cuts": [2]}},
+}
+
+
+def batch(seeds: tuple[int, ...] = (0, 1), **kw: object) -> dict:
+    space = {"train.lr": [0.3, 0.03, 0.003], "train.seed": list(seeds)}
+    plans = expand(base=BASE, space=space, method="grid")
+    return {
+        "trials": [{"index": p.index, "spec": p.spec} for p in plans],
+        "metric": "val_loss",
+        "mode": "min",
+        "scheduler": "shard-lrtf",
+        "early_stopping": None,
+        **kw,
+    }
+
+
+def test_run_selection_reports_per_trial_and_ranks_the_leaderboard(tmp_path: Path) -> None:
+    b = batch(early_stopping={"kind": "asha", "reduction_factor": 3, "min_steps": 2})
+    b["trials"].append({"index": 9, "spec": {**BASE, "train": {"steps": 0}}})  # a bad spec fails alone
+    sinks: dict[int, ListSink] = {}
+    out = run_selection(
+        b,
+        sink_for_trial=lambda i: sinks.setdefault(i, ListSink()),
+        stop=NeverStop(),
+        devices=[torch.device("cpu")] * 2,
+        checkpoint_root=tmp_path,
+    )
+    status = {r["trial"]: r["status"] for r in out["trials"]}
+    assert status[9] == "failed" and "train.steps" in out["trials"][-1]["error"]
+    assert set(status) == set(range(6)) | {9}
+    assert sorted(status.values()).count("stopped_early") >= 3  # 6 trials, one rung at step 2, keep 2
+    board = out["leaderboard"]
+    assert [r["best_metric"] for r in board] == sorted(r["best_metric"] for r in board)
+    assert out["best_trial"] == board[0]["trial"] and status[board[0]["trial"]] == "succeeded"
+    for i in range(6):
+        events = [d for e, d in sinks[i].events if e == "trial"]
+        assert events[0] == {"status": "running", "steps_done": 0}
+        assert events[-1]["status"] == status[i] and events[-1]["steps_done"] == len(sinks[i].series("loss"))
+        assert sinks[i].series("val_loss")  # every trial evaluated at least at the rung
+        assert (tmp_path / f"trial-{i}").is_dir()
+    # the best metric of each trial is the min of what its sink received
+    for r in out["trials"][:6]:
+        assert r["best_metric"] == min(sinks[r["trial"]].series("val_loss"))
+
+
+def test_finished_trials_resume_from_their_checkpoints(tmp_path: Path) -> None:
+    kw = {"stop": NeverStop(), "devices": [torch.device("cpu")], "checkpoint_root": tmp_path}
+    b = batch(seeds=(0,), scheduler="fifo")
+    run_selection(b, sink_for_trial=lambda i: ListSink(), **kw)
+    sinks: dict[int, ListSink] = {}
+    out = run_selection(b, sink_for_trial=lambda i: sinks.setdefault(i, ListSink()), **kw)
+    assert all(r["status"] == "succeeded" and r["steps"] == 4 for r in out["trials"])
+    assert all(not s.series("loss") for s in sinks.values())  # nothing retrained
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"scheduler": "lifo"}, "batch.scheduler must be one of shard-lrtf"),
+        ({"trials": []}, "non-empty list"),
+        ({"metric": "accuracy"}, "metric must be one of loss, val_loss"),
+        ({"early_stopping": {"kind": "hyperband"}}, "early_stopping must be null or"),
+        ({"early_stopping": {"kind": "asha", "reduction_factor": 1}}, "reduction_factor must be >= 2"),
+        ({"colour": 1}, "unknown keys"),
+    ],
+)
+def test_bad_batches_name_the_problem(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_batch(batch(**change))
+
+
+def test_duplicate_trial_indices_are_refused() -> None:
+    b = batch()
+    b["trials"][1]["index"] = 0
+    with pytest.raises(ConfigError, match="unique"):
+        parse_batch(b)
+
+
+def cli(tmp_path: Path, b: dict, *extra: str) -> tuple[int, list[dict]]:
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps(b))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.selection",
+            "--batch",
+            str(path),
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.stderr == "" or proc.returncode != 0, proc.stderr
+    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_cli_tags_every_line_with_its_trial_and_stops_listed_trials(tmp_path: Path) -> None:
+    stop_trials = tmp_path / "stop.json"
+    stop_trials.write_text("[4, 5]")
+    rc, lines = cli(
+        tmp_path, batch(), "--stop-trials-file", str(stop_trials), "--checkpoint-root", str(tmp_path)
+    )
+    assert rc == 0
+    assert all("trial" in line for line in lines)
+    final = lines[-1]
+    assert final["kind"] == "batch_result" and final["trial"] is None
+    assert all(line["trial"] in range(6) for line in lines[:-1])
+    status = {r["trial"]: r["status"] for r in final["data"]["trials"]}
+    assert status == {
+        0: "succeeded",
+        1: "succeeded",
+        2: "succeeded",
+        3: "succeeded",
+        4: "stopped",
+        5: "stopped",
+    }
+    for i in range(4):
+        losses = [x for x in lines if x["trial"] == i and x["kind"] == "metric" and x["name"] == "loss"]
+        assert [x["step"] for x in losses] == [1, 2, 3, 4]
+    assert not [x for x in lines if x["trial"] in (4, 5) and x["kind"] == "metric"]
+
+
+def test_cli_stop_file_and_bad_batch(tmp_path: Path) -> None:
+    stop = tmp_path / "STOP"
+    stop.touch()
+    rc, lines = cli(tmp_path, batch(seeds=(0,)), "--stop-file", str(stop))
+    assert rc == 0
+    assert {r["status"] for r in lines[-1]["data"]["trials"]} == {"stopped"}
+    rc, lines = cli(tmp_path, batch(scheduler="lifo"))
+    assert rc == 2 and lines[-1]["kind"] == "error" and "batch.scheduler" in lines[-1]["message"]

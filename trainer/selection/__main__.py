@@ -1,0 +1,132 @@
+"""`python -m trainer.selection --batch batch.json --devices 2`: run a selection batch standalone.
+
+Every stdout line is a protocol line (trainer/protocol.py) with a "trial" key: the trial's index on
+its metric/log/event/result lines, null on the batch's own lines (one final
+{"kind": "batch_result", "trial": null, "data": {...leaderboard...}} and any {"kind": "error"}).
+The run stops cleanly once --stop-file exists (each trial finishes its mini-batch in progress);
+--stop-trials-file holds a JSON list of trial indices to stop, re-read between shards.
+Exit status: 0 done, 1 the batch failed, 2 a bad batch document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from trainer.config import ConfigError
+from trainer.protocol import FileStopSignal
+
+
+class TrialLines:
+    """JSON lines tagged with the trial; one lock for all trials, so lines never interleave."""
+
+    def __init__(self, stream: TextIO, *, trial: int | None, lock: threading.Lock) -> None:
+        self._stream = stream
+        self._trial = trial
+        self._lock = lock
+
+    def write(self, obj: dict[str, Any]) -> None:
+        obj = {"trial": self._trial, **obj, "time": time.time()}
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        self.write({"kind": "metric", "step": step, "name": name, "value": float(value)})
+
+    def log(self, message: str) -> None:
+        self.write({"kind": "log", "message": message})
+
+    def event(self, event: str, data: dict[str, Any]) -> None:
+        self.write({"kind": "event", "event": event, "data": data})
+
+    def result(self, data: dict[str, Any]) -> None:
+        self.write({"kind": "result", "data": data})
+
+
+class StopTrialsFile:
+    """The set of trial indices listed in a JSON file; a half-written file keeps the last set."""
+
+    def __init__(self, path: str | None) -> None:
+        self._path = Path(path) if path else None
+        self._last: set[int] = set()
+
+    def __call__(self) -> set[int]:
+        if self._path is None or not self._path.exists():
+            return self._last
+        try:
+            self._last = {int(i) for i in json.loads(self._path.read_text())}
+        except (OSError, ValueError, TypeError):
+            pass
+        return self._last
+
+
+def pick_devices(kind: str, n: int) -> list[torch.device]:
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        have = torch.cuda.device_count()
+        if n > have:
+            raise ConfigError(f"--devices {n} but this machine has {have} CUDA devices")
+        return [torch.device("cuda", i) for i in range(n)]
+    return [torch.device("cpu")] * n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.selection", description=__doc__)
+    ap.add_argument("--batch", required=True, help="batch JSON file ('-' for stdin)")
+    ap.add_argument("--devices", type=int, default=1, help="devices to alternate the trials over")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--checkpoint-root", type=Path, default=None)
+    ap.add_argument("--stop-file", default=None)
+    ap.add_argument("--stop-trials-file", default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
+    args = ap.parse_args(argv)
+
+    lock = threading.Lock()
+    batch_lines = TrialLines(sys.stdout, trial=None, lock=lock)
+    try:
+        if args.devices < 1:
+            raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+        raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
+        devices = pick_devices(args.device, args.devices)
+    except (OSError, ValueError) as e:
+        batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
+        return 2
+    if devices[0].type == "cpu":
+        # each CPU 'device' is a worker thread; share the cores out instead of oversubscribing them
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // len(devices)))
+    try:
+        from trainer.selection.job import run_selection
+
+        summary = run_selection(
+            raw,
+            sink_for_trial=lambda i: TrialLines(sys.stdout, trial=i, lock=lock),
+            stop=FileStopSignal(args.stop_file),
+            devices=devices,
+            checkpoint_root=args.checkpoint_root,
+            stop_trials=StopTrialsFile(args.stop_trials_file),
+        )
+    except ConfigError as e:
+        batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
+        return 2
+    except Exception as e:  # noqa: BLE001 - the reason goes to the worker, the trace to stderr
+        traceback.print_exc()
+        batch_lines.write({"kind": "error", "message": f"{type(e).__name__}: {e}"})
+        return 1
+    batch_lines.write({"kind": "batch_result", "data": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
