@@ -44,9 +44,9 @@ def send_run_job(settings: Settings, *, job_id: int, queue: str) -> None:
     app.send_task(TASK_RUN_JOB, args=[job_id], queue=queue)
 
 
-def send_run_selection(settings: Settings, *, selection_id: int, queue: str) -> None:
+def send_run_selection(settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str) -> None:
     app = celery_client(settings.broker_url, int(transport_options(settings)["visibility_timeout"]))
-    app.send_task(TASK_RUN_SELECTION, args=[selection_id], queue=queue)
+    app.send_task(TASK_RUN_SELECTION, args=[selection_id, trial_ids], queue=queue)
 
 
 @functools.cache

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from api.schemas import EventPublic, JobPublic, Progress
+from api.schemas import EventPublic, JobPublic, Progress, SelectionPublic, TrialPublic
 from db.jobs import aware
-from db.models import Job, JobEvent
+from db.models import Job, JobEvent, Selection, Trial
 
 
 def job_public(job: Job) -> JobPublic:
@@ -32,3 +32,44 @@ def job_public(job: Job) -> JobPublic:
 
 def event_public(ev: JobEvent) -> EventPublic:
     return EventPublic(id=ev.id, time=ev.time, kind=ev.kind, message=ev.message, data=ev.data)
+
+
+def _leaderboard(sel: Selection) -> list[int]:
+    sign = 1.0 if sel.mode == "min" else -1.0
+    scored = [t for t in sel.trials if t.best_metric is not None]
+    return [t.id for t in sorted(scored, key=lambda t: (sign * t.best_metric, t.index))]
+
+
+def trial_public(t: Trial) -> TrialPublic:
+    return TrialPublic(
+        id=t.id,
+        index=t.index,
+        params=t.params,
+        status=t.status,
+        steps_done=t.steps_done,
+        steps_total=t.steps_total,
+        last_metric=t.last_metric,
+        best_metric=t.best_metric,
+        stopped_early=t.stopped_early,
+        job_id=t.job_id,
+        warm_start_from=t.warm_start_from,
+    )
+
+
+def selection_public(sel: Selection) -> SelectionPublic:
+    return SelectionPublic(
+        id=sel.id,
+        name=sel.name,
+        status=sel.status,
+        metric=sel.metric,
+        mode=sel.mode,
+        scheduler=sel.scheduler,
+        created_at=aware(sel.created_at),
+        started_at=aware(sel.started_at),
+        finished_at=aware(sel.finished_at),
+        space=sel.request.get("space", {}),
+        request=sel.request,
+        cancel_requested=sel.cancel_requested,
+        trials=[trial_public(t) for t in sel.trials],
+        leaderboard=_leaderboard(sel),
+    )

@@ -199,3 +199,84 @@ class HealthPublic(BaseModel):
     db: dict[str, Any]
     broker: dict[str, Any]
     workers: list[WorkerPublic]
+
+
+# ---- selections -------------------------------------------------------------------------------
+
+
+class EarlyStoppingSpec(Strict):
+    kind: Literal["asha"] = "asha"
+    reduction_factor: int = Field(3, ge=2, le=16)
+    min_steps: int = Field(1, ge=1)
+
+
+class SelectionCreate(Strict):
+    """A model-selection batch: trials of `base` over `space`."""
+
+    name: str = Field("selection", min_length=1, max_length=200)
+    base: JobSpec
+    space: dict[str, Any] = Field(
+        min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
+    )
+    method: Literal["grid", "random"] = "random"
+    trials: int | None = Field(None, ge=1, le=1024, description="how many (random only)")
+    seed: int = Field(0, ge=0)
+    metric: str = Field("val_loss", pattern="^(val_loss|loss)$")
+    mode: Literal["min", "max"] = "min"
+    scheduler: Literal["shard-lrtf", "fifo", "round-robin", "sequential"] = "shard-lrtf"
+    devices: int = Field(2, ge=1, le=64, description="devices of one worker the batch alternates over")
+    group_size: int = Field(16, ge=1, le=1024, description="trials per worker group; more are split")
+    early_stopping: EarlyStoppingSpec | None = None
+
+
+class TrialsAdd(Strict):
+    """Trials to add to a batch: explicit params, or more samples of the batch's own space."""
+
+    params: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=1024)
+    trials: int | None = Field(None, ge=1, le=1024, description="more random samples of the batch's space")
+    warm_start_from: int | None = Field(
+        None, description="trial id whose latest checkpoint seeds the new trials"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TrialsAdd:
+        if (self.params is None) == (self.trials is None):
+            raise ValueError("give exactly one of params (a list of {path: value}) or trials (a count)")
+        return self
+
+
+class TrialPublic(BaseModel):
+    id: int
+    index: int
+    params: dict[str, Any]
+    status: str
+    steps_done: int
+    steps_total: int
+    last_metric: float | None
+    best_metric: float | None
+    stopped_early: bool
+    job_id: int
+    warm_start_from: int | None
+
+
+class SelectionPublic(BaseModel):
+    id: int
+    name: str
+    status: str
+    metric: str
+    mode: str
+    scheduler: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    space: dict[str, Any]
+    request: dict[str, Any]
+    cancel_requested: bool
+    trials: list[TrialPublic]
+    leaderboard: list[int]
+    """Trial ids with a metric, best first."""
+
+
+class SelectionsPublic(BaseModel):
+    items: list[SelectionPublic]
+    total: int

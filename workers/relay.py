@@ -47,7 +47,7 @@ class Relay:
 
     # ---- publishing --------------------------------------------------------------------------
 
-    def _publish(self, msg: dict[str, Any], *, channels: tuple[str, ...] | None = None) -> None:
+    def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...] | None = None) -> None:
         try:
             r = redis_client(self.settings.broker_url)
             payload = json.dumps(msg, separators=(",", ":"))
@@ -58,7 +58,7 @@ class Relay:
 
     def announce(self, status: str) -> None:
         """Tell the dashboard's jobs table that this job changed."""
-        self._publish({"job_id": self.job_id, "status": status}, channels=(JOBS_CHANNEL,))
+        self.publish({"job_id": self.job_id, "status": status}, channels=(JOBS_CHANNEL,))
 
     # ---- metrics -----------------------------------------------------------------------------
 
@@ -82,7 +82,7 @@ class Relay:
                 {"id": i, "job_id": self.job_id, "step": st, "name": n, "value": v, "time": t}
                 for i, (st, n, v, t) in zip(ids, batch, strict=True)
             ]
-            self._publish({"type": "metrics", "points": points})
+            self.publish({"type": "metrics", "points": points})
             now = time.monotonic()
             if now - self._last_progress > 1.0:  # progress bars: at most once a second
                 self._last_progress = now
@@ -107,9 +107,7 @@ class Relay:
         at = at or time.time()
         with session_for(self.settings.database_url) as s:
             eid = add_event(s, job_id=self.job_id, kind=kind, message=message, data=data, at=at)
-        self._publish(
-            {"type": "event", "id": eid, "kind": kind, "message": message, "data": data, "time": at}
-        )
+        self.publish({"type": "event", "id": eid, "kind": kind, "message": message, "data": data, "time": at})
         if kind == "status":
             self.announce(message)
         return eid

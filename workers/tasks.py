@@ -10,13 +10,14 @@ import threading
 from celery.signals import worker_ready, worker_shutdown
 from sqlalchemy.exc import OperationalError
 
-from api.broker import TASK_RUN_JOB, send_run_job
+from api.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job
 from api.settings import get_settings
 from db.engine import session_for
 from db.jobs import mark_enqueued, record_heartbeat, stale_queued_jobs
 from workers.celery_app import app
 from workers.devices import local_devices
 from workers.execute import execute_job
+from workers.selection import execute_selection
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
@@ -79,3 +80,17 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
 @worker_shutdown.connect
 def _stop_heartbeat(**_kwargs) -> None:
     _stop_beat.set()
+
+
+@app.task(
+    name=TASK_RUN_SELECTION,
+    bind=True,
+    autoretry_for=(OperationalError, ConnectionError),
+    retry_backoff=True,
+    retry_backoff_max=60,
+    max_retries=5,
+)
+def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
+    """One group of a selection batch on this worker's devices (shard alternation)."""
+    name = self.request.hostname or _WORKER_NAME["name"]
+    return execute_selection(selection_id, trial_ids, settings=get_settings(), worker=name)

@@ -1,0 +1,54 @@
+# Shardyard: `make demo` runs the embedded stack with the demo job; `make test` runs every test.
+# Both set up what they need first (.venv, Python packages, the dashboard build).
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PORT    ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup frontend lint format bench bench-service clean
+
+demo: setup frontend
+	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
+
+test: setup frontend
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+# torch is pinned and installed first on its own: the CPU wheel (2.13.0) must be the one chosen,
+# never an unpinned torch that would pull several GB of CUDA packages.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 numpy
+	$(BIN)/pip install -q -e ".[dev,embedded]"
+	touch $(STAMP)
+
+frontend: frontend/dist/index.html
+
+frontend/dist/index.html: frontend/package.json frontend/package-lock.json $(shell find frontend/src -type f 2>/dev/null) frontend/index.html
+	cd frontend && npm ci --no-audit --no-fund && npm run build
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python -m bench.service
+	$(BIN)/python -m bench.memory
+	$(BIN)/python -m bench.pipeline
+	$(BIN)/python -m bench.tensor
+	$(BIN)/python -m bench.selection
+
+bench-service: setup frontend
+	$(BIN)/python -m bench.service
+
+clean:
+	rm -rf .shardyard frontend/dist frontend/node_modules .pytest_cache .ruff_cache

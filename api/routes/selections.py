@@ -1,0 +1,175 @@
+"""/api/selections: model-selection batches, their trials and leaderboard, grown or narrowed live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from api.broker import send_run_selection
+from api.convert import selection_public, trial_public
+from api.deps import SessionDep, SettingsDep
+from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
+from api.selection_stream import selection_events
+from api.settings import Settings
+from db import jobs as db_jobs
+from db import selections as db_sel
+from db.models import Selection, Trial
+from searchspace import SpaceError, apply_params, sample_params
+
+router = APIRouter(prefix="/api/selections", tags=["selections"])
+
+
+def _selection_or_404(session: Session, selection_id: int) -> Selection:
+    try:
+        return db_sel.get_selection(session, selection_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+
+
+def _trial_specs(
+    base: dict[str, Any], params: list[dict[str, Any]], first: int
+) -> list[tuple[int, dict, dict]]:
+    """Each trial's full spec, validated like a submitted job: a trial that could never run
+    (bad value, too small a budget, indivisible shapes) refuses the whole request, naming it."""
+    plans = []
+    for i, p in enumerate(params):
+        try:
+            spec = JobSpec.model_validate(apply_params(base, p)).model_dump()
+        except SpaceError as e:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
+        except ValidationError as e:
+            errs = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()
+            )
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT, f"trial {first + i} with params {p} cannot run: {errs}"
+            ) from e
+        plans.append((first + i, p, spec))
+    return plans
+
+
+def _dispatch(
+    settings: Settings, sel: Selection, trials: list[Trial], *, group_size: int, queue: str
+) -> None:
+    """Trials go out in groups; each group is one task that one worker runs with shard alternation
+    over its devices, so a batch larger than a node spreads over several workers."""
+    ids = [t.id for t in trials]
+    for start in range(0, len(ids), group_size):
+        send_run_selection(
+            settings, selection_id=sel.id, trial_ids=ids[start : start + group_size], queue=queue
+        )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
+def submit_selection(body: SelectionCreate, session: SessionDep, settings: SettingsDep) -> SelectionPublic:
+    base = body.base.model_dump()
+    try:
+        params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+    except SpaceError as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
+    plans = _trial_specs(base, params, 0)
+    sel = db_sel.create_selection(
+        session,
+        name=body.name,
+        request=body.model_dump(),
+        metric=body.metric,
+        mode=body.mode,
+        scheduler=body.scheduler,
+    )
+    trials = db_sel.add_trials(session, selection_id=sel.id, plans=plans, queue=body.base.queue)
+    _dispatch(settings, sel, trials, group_size=body.group_size, queue=body.base.queue)
+    return selection_public(db_sel.get_selection(session, sel.id))
+
+
+@router.get("", response_model=SelectionsPublic)
+def list_selections(
+    session: SessionDep, limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)
+) -> SelectionsPublic:
+    rows, total = db_sel.list_selections(session, limit=limit, offset=offset)
+    return SelectionsPublic(items=[selection_public(s) for s in rows], total=total)
+
+
+@router.get("/{selection_id}", response_model=SelectionPublic)
+def get_selection(selection_id: int, session: SessionDep) -> SelectionPublic:
+    return selection_public(_selection_or_404(session, selection_id))
+
+
+@router.post("/{selection_id}/cancel", response_model=SelectionPublic)
+def cancel_selection(selection_id: int, session: SessionDep) -> SelectionPublic:
+    _selection_or_404(session, selection_id)
+    try:
+        sel = db_sel.cancel_selection(session, selection_id=selection_id)
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return selection_public(db_sel.get_selection(session, sel.id))
+
+
+@router.post("/{selection_id}/trials", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
+def add_trials(
+    selection_id: int, body: TrialsAdd, session: SessionDep, settings: SettingsDep
+) -> SelectionPublic:
+    sel = _selection_or_404(session, selection_id)
+    if sel.cancel_requested:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"selection {selection_id} was cancelled; submit a new one"
+        )
+    req = SelectionCreate.model_validate(sel.request)
+    if body.warm_start_from is not None:
+        try:
+            db_sel.get_trial(session, selection_id=selection_id, trial_id=body.warm_start_from)
+        except db_jobs.NotFound as e:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"warm_start_from: {e}") from e
+    first = db_sel.next_trial_index(session, selection_id=selection_id)
+    if body.params is not None:
+        params = body.params
+    else:
+        # new samples, seeded past the ones already drawn so they differ from the first trials
+        try:
+            params = sample_params(req.space, method="random", trials=body.trials, seed=req.seed + first)
+        except SpaceError as e:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
+    unknown = sorted({k for p in params for k in p} - set(req.space) - {"train.steps"})
+    if body.params is not None and unknown:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            f"params: {unknown} are not dimensions of this batch's space ({sorted(req.space)}) nor train.steps",
+        )
+    plans = _trial_specs(req.base.model_dump(), params, first)
+    trials = db_sel.add_trials(
+        session,
+        selection_id=selection_id,
+        plans=plans,
+        queue=req.base.queue,
+        warm_start_from=body.warm_start_from,
+    )
+    _dispatch(settings, sel, trials, group_size=req.group_size, queue=req.base.queue)
+    return selection_public(db_sel.get_selection(session, selection_id))
+
+
+@router.post("/{selection_id}/trials/{trial_id}/stop", response_model=TrialPublic)
+def stop_trial(selection_id: int, trial_id: int, session: SessionDep) -> TrialPublic:
+    try:
+        trial = db_sel.request_trial_stop(session, selection_id=selection_id, trial_id=trial_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return trial_public(trial)
+
+
+@router.get("/{selection_id}/stream")
+def stream_selection(selection_id: int, session: SessionDep, settings: SettingsDep) -> StreamingResponse:
+    """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
+    (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
+    reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
+    _selection_or_404(session, selection_id)
+    return StreamingResponse(
+        selection_events(settings, selection_id=selection_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,96 @@
+"""A selection batch over HTTP on the real stack: a Celery worker runs its trials with shard
+alternation over 2 CPU devices; the leaderboard, early stopping, the stream and growing the batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import TINY_SPEC, StackHandle
+from tests.integration.test_jobs_e2e import read_sse
+
+pytestmark = pytest.mark.integration
+
+BASE = {**TINY_SPEC, "name": "sel", "train": {**TINY_SPEC["train"], "steps": 24, "eval_every": 4}}
+
+
+def wait_selection(stack: StackHandle, sid: int, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sel = stack.client.get(f"/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            return sel
+        time.sleep(0.3)
+    raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s: {sel}")
+
+
+def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
+    body = {
+        "name": "lr-search",
+        "base": BASE,
+        "space": {"train.lr": [1e-4, 3e-4, 1e-3, 3e-3, 6e-3, 1e-2]},
+        "method": "grid",
+        "devices": 2,
+        "scheduler": "shard-lrtf",
+        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
+    }
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sel = resp.json()
+    assert len(sel["trials"]) == 6 and {t["status"] for t in sel["trials"]} == {"queued"}
+
+    frames: list = []
+    t = threading.Thread(
+        target=lambda: frames.extend(read_sse(stack.base_url, f"/api/selections/{sel['id']}/stream"))
+    )
+    t.start()
+    done = wait_selection(stack, sel["id"])
+    t.join(timeout=60)
+
+    assert done["status"] == "succeeded"
+    trials = {tr["id"]: tr for tr in done["trials"]}
+    assert all(tr["status"] in ("succeeded", "stopped_early") for tr in trials.values())
+    stopped = [tr for tr in trials.values() if tr["stopped_early"]]
+    assert stopped, "ASHA with reduction factor 3 over 6 trials stops some of them"
+    assert all(tr["steps_done"] < BASE["train"]["steps"] for tr in stopped)
+    # the leaderboard is sorted by each trial's best val_loss, and the best is really the lowest
+    board = [trials[i]["best_metric"] for i in done["leaderboard"]]
+    assert board == sorted(board) and len(board) == 6
+    # each trial's stored series matches its best_metric
+    for tr in trials.values():
+        series = stack.client.get(f"/api/jobs/{tr['job_id']}/metrics", params={"names": "val_loss"}).json()
+        assert min(series["series"]["val_loss"]["values"]) == pytest.approx(tr["best_metric"])
+    # the stream carried every trial's metrics
+    streamed = {d["trial_id"] for _, ev, d in frames if ev == "metric"}
+    assert streamed == set(trials)
+
+    # grow the finished batch: one more trial, warm-started from the best one
+    best = done["leaderboard"][0]
+    grown = stack.client.post(
+        f"/api/selections/{sel['id']}/trials", json={"params": [{"train.lr": 2e-3}], "warm_start_from": best}
+    )
+    assert grown.status_code == 201, grown.text
+    again = wait_selection(stack, sel["id"])
+    new = [tr for tr in again["trials"] if tr["id"] not in trials]
+    assert len(new) == 1 and new[0]["status"] in ("succeeded", "stopped_early")
+    assert new[0]["params"] == {"train.lr": 2e-3} and new[0]["warm_start_from"] == best
+
+
+def test_invalid_selections_are_refused(stack: StackHandle) -> None:
+    def post(**over: Any) -> tuple[int, str]:
+        body = {"base": BASE, "space": {"train.lr": [1e-3]}, "method": "grid", **over}
+        r = stack.client.post("/api/selections", json=body)
+        return r.status_code, r.json()["detail"] if r.status_code != 201 else ""
+
+    code, msg = post(space={"train.learning_rate": [1]})
+    assert code == 422 and "train.learning_rate" in msg
+    code, msg = post(space={"train.lr": []})
+    assert code == 422 and "empty" in msg
+    code, msg = post(space={"train.lr": {"low": 1e-2, "high": 1e-3}}, method="random", trials=2)
+    assert code == 422 and "low" in msg
+    code, msg = post(space={"model.heads": [2, 3]})
+    assert code == 422 and "trial 1" in msg and "divisible" in msg
+    assert stack.client.get("/api/selections/999999").status_code == 404
