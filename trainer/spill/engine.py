@@ -1,0 +1,333 @@
+"""HYDRA model spilling: train a model whose parameters, gradients and optimizer state exceed the
+device budget, one shard at a time, with the next shard copied in while the current one computes.
+
+API note (for reuse, e.g. shard alternation across devices in model-selection batches):
+
+    costs = measure_layers(model, batch_size=B, seq_len=T, state_bpp=8)        # partition.py
+    plan = partition(costs, budget_bytes=budget, prefetch=True)                 # or cuts=[...]
+    engine = SpillEngine(model, plan=plan, train=job.train, device=dev, ledger=DeviceLedger(...))
+    loss = engine.train_step(x_BT, y_BT)      # forward, recompute-backward and per-shard steps
+    engine.eval_loss(x_BT, y_BT); engine.state_dict(); engine.load_state_dict(sd)
+    engine.release()                          # spill everything: the device holds nothing
+
+    Shard (shard.py), the unit a scheduler moves between devices:
+      shard.to_device(state=...)  start the copy in (side stream on CUDA); shard.ready() before use
+      shard.forward(x)            no-grad forward (the boundary output is all that is kept)
+      shard.backward(x_in, grad_out=... | target=...)  recompute from the saved boundary input, then
+                                  backpropagate; returns (grad of x_in, loss)
+      shard.step()                plain optimizer step (state resident); offload: engine.step_shard
+      shard.spill()               write back what changed, free the device copies
+    A shard's host copy is the truth while it is spilled, so moving a model to another device is
+    `engine.release()` then a new SpillEngine(..., device=other) over the same layers, or, shard
+    by shard, spill on one device and `to_device` on another (change `shard.device`).
+
+Step schedule, K shards (prefetch on; off = the same without overlap):
+    forward   shard 0..K-2 with no grad: prefetch k+1, run k, keep the boundary output (host memory
+              when the next shard that needs it is not resident), spill k. With prefetch, shard K-2
+              stays and its state follows, because the backward needs it next.
+    last      shard K-1: forward with grad, loss, backward, optimizer step, while K-2 finishes
+              arriving.
+    backward  k = K-2..0: spill k+1, prefetch k-1 (params + optimizer state + boundary input),
+              recompute k from its boundary input, backward, step k at once, so at most one
+              shard's optimizer state (plus the prefetched one) is ever on the device.
+    Shard 0 ends the step resident and starts the next one without a copy.
+
+Global-norm gradient clipping and fp16 dynamic loss scaling need every gradient before any step,
+which per-shard stepping cannot give: they are refused with more than one shard (ConfigError).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError, OffloadConfig, TrainConfig
+from trainer.loop import build_optimizer
+from trainer.models import lm_loss
+from trainer.spill.ledger import DeviceLedger
+from trainer.spill.offload import DTYPES, NonFiniteGradient, OffloadedAdamW
+from trainer.spill.partition import SpillPlan
+from trainer.spill.shard import Shard
+
+
+def default_bucket_numel(model: nn.Module) -> int:
+    """Offload bucket: at most 1/64 of the largest shard... of the model, so the bucket buffers
+    (40 bytes/element) add under 1 byte/param, and at most 4M elements (160 MiB)."""
+    total = sum(p.numel() for p in model.parameters())
+    return max(1024, min(4 * 2**20, total // 64))
+
+
+class SpillEngine:
+    def __init__(
+        self,
+        model: nn.Sequential,
+        *,
+        plan: SpillPlan,
+        train: TrainConfig,
+        device: torch.device,
+        ledger: DeviceLedger,
+        prefetch: bool = True,
+        offload: OffloadConfig | None = None,
+        bucket_numel: int | None = None,
+    ) -> None:
+        self.device, self.ledger, self.prefetch, self.train = device, ledger, prefetch, train
+        self.plan = plan
+        self.offloaded = offload is not None and offload.optimizer
+        self.param_dtype = DTYPES[offload.dtype] if self.offloaded else torch.float32
+        n_shards = plan.n_shards
+        if self.offloaded and train.optimizer != "adamw":
+            raise ConfigError(
+                f"parallel.offload.optimizer streams AdamW state; train.optimizer is {train.optimizer!r}"
+            )
+        if n_shards > 1 and train.grad_clip > 0:
+            raise ConfigError(
+                f"train.grad_clip ({train.grad_clip}) needs the global gradient norm before any step, "
+                f"but the spilled model ({n_shards} shards) steps each shard right after its backward"
+            )
+        if n_shards > 1 and self.param_dtype == torch.float16:
+            raise ConfigError(
+                f"parallel.offload.dtype fp16 needs a global inf check before any step; with "
+                f"{n_shards} spilled shards use bf16"
+            )
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        self.shards = [
+            Shard(
+                index=k,
+                start=a,
+                stop=b,
+                model=model,
+                device=device,
+                param_dtype=self.param_dtype,
+                ledger=ledger,
+                copy_stream=self.copy_stream,
+            )
+            for k, (a, b) in enumerate(plan.bounds)
+        ]
+        self.opt: OffloadedAdamW | None = None
+        if self.offloaded:
+            self.opt = OffloadedAdamW(
+                masters=[s.host for s in self.shards],
+                lr=train.lr,
+                weight_decay=train.weight_decay,
+                dtype=self.param_dtype,
+                device=device,
+                bucket_numel=bucket_numel or default_bucket_numel(model),
+                ledger=ledger,
+                copy_stream=self.copy_stream,
+            )
+            for s in self.shards:
+                s.offload = self.opt
+        else:
+            keys = ["exp_avg", "exp_avg_sq"] if train.optimizer == "adamw" else []
+            if train.optimizer == "sgd" and train.momentum > 0:
+                keys = ["momentum_buffer"]
+            for s in self.shards:
+                s.attach_optimizer(build_optimizer(s.params, train), state_keys=keys)
+
+    # -- movement helpers -------------------------------------------------------------------------
+    def _hold_input(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        self.ledger.hold(f"in{k}", x.numel() * x.element_size())
+        return x
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """Copy a boundary tensor in. On CUDA it goes on the copy stream ahead of the next
+        `to_device`, whose ready event then covers it too."""
+        dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+        if self.copy_stream is None:
+            dst.copy_(x)
+            return dst
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(x, non_blocking=True)
+        dst.record_stream(self.copy_stream)
+        return dst
+
+    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """The boundary activation goes to host memory; the device copy can then be freed."""
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        if self.copy_stream is None:
+            host.copy_(x)
+            return host
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(x, non_blocking=True)
+        x.record_stream(self.copy_stream)
+        return host
+
+    @property
+    def loss_scale(self) -> float:
+        return self.opt.scaler.scale if self.opt is not None else 1.0
+
+    def resident(self) -> list[int]:
+        return [s.index for s in self.shards if s.resident]
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step_shard(self, shard: Shard) -> None:
+        """Optimizer step of one shard right after its backward; its gradients are then freed."""
+        if self.opt is None:
+            if self.train.grad_clip > 0:  # one shard only (checked in __init__)
+                torch.nn.utils.clip_grad_norm_(shard.params, self.train.grad_clip)
+            shard.step()
+        else:
+            assert shard.dev is not None and shard.dev_grad is not None
+            scaler = self.opt.scaler
+            found_inf = self.opt.found_inf(shard.dev_grad)
+            if found_inf and not scaler.dynamic:
+                raise NonFiniteGradient(
+                    f"non-finite gradient in shard {shard.index} (layers {shard.start}..{shard.stop - 1})"
+                )
+            if not found_inf:
+                coef = 1.0
+                if self.train.grad_clip > 0:
+                    norm = math.sqrt(self.opt.grad_sq_norm(shard.dev_grad))
+                    coef = min(1.0, self.train.grad_clip / (norm + 1e-6))
+                self.opt.step_group(shard.index, params=shard.dev, grads=shard.dev_grad, clip_coef=coef)
+            if len(self.shards) == 1 or scaler.dynamic:
+                scaler.update(found_inf=found_inf)
+        shard.drop_grads()
+
+    def train_step(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> float:
+        """One optimizer step on the batch; returns the loss (a sync point)."""
+        self.ledger.new_step()
+        shards, K = self.shards, len(self.shards)
+        y_BT = y_BT.to(self.device)
+        self.ledger.hold("targets", y_BT.numel() * y_BT.element_size())
+        # boundary inputs of the shards the backward recomputes: host copies, device copies
+        host_in: dict[int, torch.Tensor] = {0: x_BT}
+        dev_in: dict[int, torch.Tensor] = {}
+        h = self._hold_input(0, self._to_device(x_BT))
+        shards[0].to_device(state=K == 1)
+        for k in range(K - 1):
+            nxt = shards[k + 1]
+            if self.prefetch:
+                # prefetch the next shard while this one computes
+                nxt.to_device(state=k + 1 == K - 1)  # the last shard steps without leaving
+            shards[k].ready()
+            out = self._hold_input(k + 1, shards[k].forward(h))
+            # with prefetch, shard K-2 stays resident from its forward to its backward
+            keep = self.prefetch and k == K - 2
+            if k + 1 < K - 2 or (not self.prefetch and k + 1 == K - 2):
+                host_in[k + 1] = self._to_host(out)  # needed again only by its recompute
+            if keep:
+                # the backward needs this shard next: keep it and its input, bring its state in
+                dev_in[k] = h
+                shards[k].to_device(state=True)
+            else:
+                self.ledger.release(f"in{k}")
+                shards[k].spill()
+            if not self.prefetch:
+                nxt.to_device(state=k + 1 == K - 1)
+            h = out
+
+        last = shards[K - 1]
+        last.ready()
+        grad, loss = last.backward(h, target=y_BT, loss_scale=self.loss_scale)
+        assert loss is not None
+        del h
+        self.ledger.release(f"in{K - 1}")
+        self.step_shard(last)
+        for k in range(K - 2, -1, -1):
+            assert grad is not None
+            self.ledger.hold(f"in{k + 1}.grad", grad.numel() * grad.element_size())
+            shards[k + 1].spill()
+            if self.prefetch and k > 0:
+                # shard k-1 and its boundary input come in while shard k recomputes
+                dev_in[k - 1] = self._hold_input(k - 1, self._to_device(host_in.pop(k - 1)))
+                shards[k - 1].to_device(state=True)
+            if k not in dev_in:
+                dev_in[k] = self._hold_input(k, self._to_device(host_in.pop(k)))
+            shards[k].to_device(state=True)  # a no-op when prefetched
+            shards[k].ready()
+            x_in = dev_in.pop(k)
+            # the gradient of this shard's input replaces the upstream one (freed here)
+            grad, _ = shards[k].backward(x_in, grad_out=grad)
+            del x_in
+            self.ledger.release(f"in{k + 1}.grad")
+            self.ledger.release(f"in{k}")
+            self.step_shard(shards[k])
+        self.ledger.release("targets")
+        return float(loss.item())  # note: the step's one CPU-GPU sync point
+
+    @torch.no_grad()
+    def eval_loss(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> float:
+        """Loss of a forward pass, shard by shard (leaves shard 0 resident again)."""
+        h = self._to_device(x_BT)
+        K = len(self.shards)
+        for k, shard in enumerate(self.shards):
+            shard.to_device(state=False)
+            shard.ready()
+            if self.prefetch and k + 1 < K:
+                self.shards[k + 1].to_device(state=False)
+            h = shard.forward(h)
+            if k + 1 < K:
+                shard.spill()
+        loss = lm_loss(h, y_BT.to(self.device)).item()
+        if K > 1:
+            self.shards[-1].spill()
+            self.shards[0].to_device(state=False)
+            self.shards[0].ready()
+        return loss
+
+    # -- state ------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every copy in flight (before reading host copies from the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.copy_stream is not None:
+                self.copy_stream.synchronize()
+
+    def release(self) -> None:
+        for s in self.shards:
+            s.spill()
+        self.synchronize()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """fp32 parameters under the model's own state_dict names."""
+        self.synchronize()
+        return {
+            n: v.detach().to("cpu", copy=True).reshape(shape)
+            for s in self.shards
+            for n, v, shape in zip(s.names, s.master_values(), s.shapes, strict=True)
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        optim: dict[str, Any] = {}
+        for s in self.shards:
+            slices = [slice(o, o + sh.numel()) for o, sh in zip(s.offsets, s.shapes, strict=True)]
+            if self.opt is not None:
+                optim.update(self.opt.state_by_name(s.index, s.names, slices))
+                continue
+            assert s.opt is not None
+            flats = s.state_dev if s.state_dev is not None else s.state_host
+            for i, (name, p) in enumerate(zip(s.names, s.params, strict=True)):
+                st: dict[str, Any] = {k: flats[k][slices[i]].cpu().clone() for k in flats}
+                if "step" in s.opt.state[p]:
+                    st["step"] = float(s.opt.state[p]["step"])
+                optim[name] = st
+        extra = {"loss_scale": self.opt.scaler.scale} if self.opt is not None else {}
+        return {"model": self.model_state(), "optimizer": {"per_param": optim, **extra}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from `state_dict()` (any cuts: state is keyed by parameter name)."""
+        self.release()
+        model, per_param = sd["model"], sd["optimizer"]["per_param"]
+        for s in self.shards:
+            for name, view in zip(s.names, s.views(s.host), strict=True):
+                view.copy_(model[name])
+            slices = [slice(o, o + sh.numel()) for o, sh in zip(s.offsets, s.shapes, strict=True)]
+            if self.opt is not None:
+                self.opt.load_by_name(s.index, per_param, s.names, slices)
+                continue
+            assert s.opt is not None
+            for name, p, sl in zip(s.names, s.params, slices, strict=True):
+                st = per_param[name]
+                for k, flat in s.state_host.items():
+                    flat[sl].copy_(st[k].reshape(-1))
+                if "step" in s.opt.state[p]:
+                    s.opt.state[p]["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+        if self.opt is not None and "loss_scale" in sd["optimizer"]:
+            self.opt.scaler.scale = float(sd["optimizer"]["loss_scale"])
