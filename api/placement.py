@@ -12,11 +12,11 @@ from db.jobs import live_workers
 def placement_problem(session: Session, spec: JobSpec, settings: Settings) -> str | None:
     """A reason when live workers exist and none has what the job asks for; None otherwise.
     With no live worker at all the job is accepted and waits (workers may be restarting)."""
-    workers = live_workers(session, within_s=settings.worker_alive_s)
-    if not workers:
-        return None
     gpus_needed = max(spec.resources.gpus, 1 if spec.resources.device == "cuda" else 0)
     if gpus_needed == 0:
+        return None
+    workers = live_workers(session, within_s=settings.worker_alive_s)
+    if not workers:
         return None
     best = 0
     for w in workers:

@@ -57,6 +57,7 @@ def create_job(
         kind=kind,
         selection_id=selection_id,
         status=JobStatus.queued,
+        enqueued_at=utcnow(),  # the caller sends the message next; mark_unsent undoes this
     )
     session.add(job)
     session.flush()
@@ -88,6 +89,17 @@ def list_jobs(
     total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
     rows = session.scalars(q.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
     return rows, total
+
+
+def mark_unsent(session: Session, *, job_id: int, reason: str) -> None:
+    """The message could not be sent: leave the job to the reconciler at once."""
+    session.execute(update(Job).where(Job.id == job_id).values(enqueued_at=None))
+    session.add(
+        JobEvent(
+            job_id=job_id, time=time.time(), kind="log", message=f"broker unavailable, will retry: {reason}"
+        )
+    )
+    session.commit()
 
 
 def mark_enqueued(session: Session, *, job_ids: Iterable[int]) -> None:

@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from api.broker import send_run_job
 from api.convert import event_public, job_public
@@ -39,8 +38,8 @@ def _job_or_404(session: SessionDep, job_id: int) -> Job:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-async def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> JobPublic:
-    if (reason := await run_in_threadpool(placement_problem, session, spec, settings)) is not None:
+def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> JobPublic:
+    if (reason := placement_problem(session, spec, settings)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
     job = db_jobs.create_job(
         session,
@@ -54,11 +53,10 @@ async def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) 
     # the row is committed before the message goes out, so a worker never sees an unknown id;
     # if the broker is down the job stays queued and the reconciler sends it later
     try:
-        await run_in_threadpool(send_run_job, settings, job_id=job.id, queue=spec.queue)
-        db_jobs.mark_enqueued(session, job_ids=[job.id])
-    except Exception as e:  # noqa: BLE001 - broker outage must not lose the accepted job
-        db_jobs.add_event(session, job_id=job.id, kind="log", message=f"broker unavailable, will retry: {e}")
-    await run_in_threadpool(publish_job_status, settings, job_id=job.id, status="queued")
+        send_run_job(settings, job_id=job.id, queue=spec.queue)
+    except Exception as e:  # noqa: BLE001 - a broker outage must not lose the accepted job
+        db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
+    publish_job_status(settings, job_id=job.id, status="queued")
     return job_public(job)
 
 
