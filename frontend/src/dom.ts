@@ -70,3 +70,8 @@ export function replace(el: Element, ...children: Child[]): void {
   el.replaceChildren();
   append(el, children);
 }
+
+/** One labelled value of a <dl class="facts">. */
+export function fact(label: string, value: Child): HTMLDivElement {
+  return h("div", {}, h("dt", {}, label), h("dd", {}, value));
+}

@@ -4,7 +4,6 @@
 import type { SpaceEntry, Trial } from "./api";
 import { svg } from "./dom";
 
-const W = 760;
 const H = 300;
 const TOP = 34;
 const BOTTOM = 26;
@@ -45,7 +44,9 @@ export function parallelCoordinates(opts: {
     ),
   );
 
-  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "parcoords", role: "img", "aria-label": "parallel coordinates" });
+  // about 200 px between axes, drawn at natural size (shrinks on narrow screens, never grows)
+  const W = Math.max(480, 2 * SIDE + 200 * (axes.length - 1));
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "parcoords", role: "img", "aria-label": "parallel coordinates" });
   const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - 2 * SIDE)) / (axes.length - 1) : 0);
   const ay = (p: number) => TOP + (1 - p) * (H - TOP - BOTTOM);
 

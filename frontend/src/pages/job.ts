@@ -1,7 +1,7 @@
 // One job: header, live loss and throughput charts, logs, and the pipeline Gantt chart.
 import { api, ApiError, type Job, type LogLine, type Metrics, post, subscribe, TERMINAL, type Timeline } from "../api";
 import { StepChart } from "../charts";
-import { badge, errorText, fmtNum, fmtTime, h, replace } from "../dom";
+import { badge, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
 import { gantt, ganttLegend } from "../gantt";
 import { jobLoss } from "./jobs";
 
@@ -49,7 +49,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         "li",
         { class: `log-${line.kind ?? "log"}` },
         h("time", {}, fmtTime(line.time)),
-        h("span", {}, line.message),
+        h("span", {}, line.kind === "status" ? `status → ${line.message}` : line.message),
       ),
     );
     if (atBottom) logs.scrollTop = logs.scrollHeight;
@@ -74,13 +74,13 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       h(
         "dl",
         { class: "facts" },
-        ...fact("worker", j.worker ?? "—"),
-        ...fact("attempts", j.attempts),
-        ...fact("progress", j.progress ? `${j.progress.step}/${j.progress.steps}` : "—"),
-        ...fact("loss", fmtNum(jobLoss(j))),
-        ...fact("created", fmtTime(j.created_at)),
-        ...fact("started", fmtTime(j.started_at)),
-        ...fact("finished", fmtTime(j.finished_at)),
+        fact("worker", j.worker ?? "—"),
+        fact("attempts", j.attempts),
+        fact("progress", h("span", { id: "job-progress" }, j.progress ? `${j.progress.step}/${j.progress.steps}` : "—")),
+        fact("loss", h("span", { id: "job-loss" }, fmtNum(jobLoss(j)))),
+        fact("created", fmtTime(j.created_at)),
+        fact("started", fmtTime(j.started_at)),
+        fact("finished", fmtTime(j.finished_at)),
       ),
       j.error ? h("pre", { class: "error", id: "job-error" }, j.error) : null,
       j.result ? h("details", { open: true }, h("summary", {}, "result"), h("pre", { id: "job-result" }, JSON.stringify(j.result, null, 2))) : null,
@@ -141,11 +141,16 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       metric: (m: { step: number; name: string; value: number }) => {
         if (m.name === "tokens_per_s") tputChart.add(m.name, m.step, m.value);
         else lossChart.add(m.name, m.step, m.value);
-        if (m.name === "loss" && job) {
+        // keep the header's progress and loss current without re-rendering it (that would fold
+        // the open <details>)
+        if (m.name === "loss" && job && m.step >= (job.progress?.step ?? 0)) {
           job.progress = { step: m.step, steps: job.progress?.steps ?? m.step, loss: m.value };
+          header.querySelector("#job-progress")!.textContent = `${m.step}/${job.progress.steps}`;
+          header.querySelector("#job-loss")!.textContent = fmtNum(m.value);
         }
       },
-      status: (s: { status: Job["status"]; error: string | null }) => {
+      status: (s: { status: Job["status"]; error: string | null; time?: number }) => {
+        if (s.time !== undefined) addLog({ kind: "status", message: s.status, time: s.time });
         if (!job) return;
         job.status = s.status;
         job.error = s.error ?? job.error;
@@ -173,9 +178,6 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
 }
 
-function fact(k: string, v: string | number): HTMLElement[] {
-  return [h("dt", {}, k), h("dd", {}, v)];
-}
 
 function timelineView(tl: Timeline): HTMLElement {
   const ranks = Math.max(tl.stages, ...tl.executed.map((a) => a.rank + 1), ...tl.simulated.map((a) => a.rank + 1));

@@ -1,7 +1,7 @@
 // Model-selection batches: the list, and one batch's leaderboard, curves and parallel coordinates.
 import { api, type Metrics, type Page, post, type Selection, subscribe, TERMINAL, type Trial } from "../api";
 import { PALETTE, StepChart } from "../charts";
-import { badge, errorText, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
+import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
 import { parallelCoordinates } from "../parcoords";
 
 export function selectionsPage(root: HTMLElement): () => void {
@@ -188,16 +188,11 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       h(
         "dl",
         { class: "facts" },
-        h("dt", {}, "metric"),
-        h("dd", {}, `${s.metric} (${s.mode})`),
-        h("dt", {}, "scheduler"),
-        h("dd", {}, s.scheduler),
-        h("dt", {}, "trials"),
-        h("dd", {}, trials.size),
-        h("dt", {}, "created"),
-        h("dd", {}, fmtTime(s.created_at)),
-        h("dt", {}, "finished"),
-        h("dd", {}, fmtTime(s.finished_at)),
+        fact("metric", `${s.metric} (${s.mode})`),
+        fact("scheduler", s.scheduler),
+        fact("trials", trials.size),
+        fact("created", fmtTime(s.created_at)),
+        fact("finished", fmtTime(s.finished_at)),
       ),
       h("details", {}, h("summary", {}, "search space"), h("pre", {}, JSON.stringify(s.space, null, 2))),
     );

@@ -1,0 +1,201 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) against the real stack:
+redis-server, a Celery worker training real tiny models, and the API serving frontend/dist.
+
+Needs `frontend/dist` built (`cd frontend && npm ci && npm run build`) and /usr/bin/chromium
+(Debian's `chromium` package; Playwright's own browser download is never used).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SCREENSHOT = Path("/tmp/dashboard.png")
+
+# small enough to train in seconds on a shared 2-core machine, long enough to see several points
+TINY_SPEC: dict[str, Any] = {
+    "name": "browser-tiny",
+    "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 4, "seq_len": 16},
+    "data": {"kind": "text", "corpus": "stdlib", "max_chars": 200_000},
+    "train": {"steps": 40, "batch_size": 8, "lr": 0.003, "seed": 0, "eval_every": 10, "eval_batches": 2},
+    "resources": {"device": "cpu"},
+}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} missing: apt-get install chromium"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    ctx.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
+def spec(**train: Any) -> dict[str, Any]:
+    s = json.loads(json.dumps(TINY_SPEC))
+    s["train"].update(train)
+    return s
+
+
+def test_dashboard_is_served_with_health_bar(stack, page: Page) -> None:
+    page.goto(f"{stack.base_url}/")
+    expect(page.locator("#jobs-table")).to_be_visible()
+    # the header bar shows /api/health: db and broker up, the fixture's worker seen
+    health = page.locator("#health")
+    expect(health).to_have_attribute("data-status", "ok", timeout=20_000)
+    expect(health).to_contain_text("db")
+    expect(health).to_contain_text("broker")
+    expect(health).to_contain_text("worker")
+
+
+def test_jobs_table_updates_live(stack, page: Page) -> None:
+    page.goto(f"{stack.base_url}/#/")
+    # the global SSE stream is connected (not the polling fallback)
+    expect(page.locator("#live-state")).to_have_text("live", timeout=15_000)
+    page.evaluate("window.__noReload = true")
+
+    job = stack.submit(spec(seed=1))
+    row = page.locator(f'#jobs-table tr[data-job-id="{job["id"]}"]')
+    expect(row).to_be_visible(timeout=15_000)
+    expect(row).to_contain_text("browser-tiny")
+    expect(row).to_have_attribute("data-status", "succeeded", timeout=120_000)
+    expect(row.locator(".badge")).to_have_text("succeeded")
+    # the final loss from the job's result fills the loss column
+    final = stack.wait(job["id"])
+    assert final["result"]["final_loss"] > 0
+    expect(row.locator("td").nth(4)).not_to_have_text("—")
+    # the same document all along: the change arrived without a reload
+    assert page.evaluate("window.__noReload") is True
+
+
+def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
+    job = stack.submit(spec(seed=2))
+    page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
+    expect(page.locator("#job-header h1")).to_contain_text(f"Job #{job['id']}")
+    expect(page.locator("#job-header .badge")).to_have_text("succeeded", timeout=120_000)
+    stack.wait(job["id"])
+
+    metrics = httpx.get(
+        f"{stack.base_url}/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}
+    ).json()
+    loss = metrics["series"]["loss"]
+    val = metrics["series"]["val_loss"]
+    assert len(loss["steps"]) == TINY_SPEC["train"]["steps"]
+
+    # the uPlot instance holds every stored loss point (backfill + stream, deduplicated by step)
+    chart = page.locator("#loss-chart")
+    expect(chart).to_have_attribute(
+        "data-points", str(len(loss["steps"]) + len(val["steps"])), timeout=10_000
+    )
+    drawn = page.evaluate(
+        """() => {
+            const u = document.querySelector('#loss-chart').uplot;
+            const pick = (i) => u.data[0].map((s, k) => [s, u.data[i][k]]).filter(([, v]) => v !== null);
+            return {loss: pick(1), val: pick(2), width: u.width, canvas: !!u.root.querySelector('canvas')};
+        }"""
+    )
+    assert drawn["canvas"] and drawn["width"] > 100
+    assert [s for s, _ in drawn["loss"]] == loss["steps"]
+    assert [v for _, v in drawn["loss"]] == pytest.approx(loss["values"])
+    assert [s for s, _ in drawn["val"]] == val["steps"]
+    # throughput chart got its points too
+    assert int(page.locator("#tput-chart").get_attribute("data-points") or 0) > 0
+
+    # log lines: what /logs holds is in the panel, including the final status change
+    logs = httpx.get(f"{stack.base_url}/api/jobs/{job['id']}/logs").json()["items"]
+    assert logs, "the job recorded no log lines"
+    panel = page.locator("#log-panel li")
+    expect(panel.first).to_be_visible()
+    assert panel.count() >= len(logs)
+    expect(page.locator("#log-panel")).to_contain_text("succeeded")
+    expect(page.locator("#job-result")).to_contain_text("final_loss")
+
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
+def test_job_page_charts_fill_live(stack, page: Page) -> None:
+    """Opened before the job runs: points reach the chart over EventSource while it is running."""
+    job = stack.submit(spec(seed=3, steps=200, eval_every=50))
+    page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
+    # note the job's status each time the chart redraws with new points
+    page.evaluate(
+        """() => {
+            window.__seen = [];
+            const chart = document.querySelector('#loss-chart');
+            new MutationObserver(() => window.__seen.push([
+                +chart.dataset.points,
+                document.querySelector('#job-header .badge')?.textContent,
+            ])).observe(chart, {attributes: true, attributeFilter: ['data-points']});
+        }"""
+    )
+    expect(page.locator("#job-header .badge")).to_have_text("succeeded", timeout=120_000)
+    seen = page.evaluate("window.__seen")
+    assert any(n > 0 and status == "running" for n, status in seen), seen
+    stored = httpx.get(
+        f"{stack.base_url}/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}
+    ).json()
+    n = sum(len(s["steps"]) for s in stored["series"].values())
+    assert n == 200 + 4  # a loss per step, a val_loss every 50
+    expect(page.locator("#loss-chart")).to_have_attribute("data-points", str(n), timeout=10_000)
+
+
+def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) -> None:
+    page.goto(f"{stack.base_url}/#/")
+    before = httpx.get(f"{stack.base_url}/api/jobs").json()["total"]
+    box = page.locator("#spec-input")
+    # the form comes pre-filled with a valid spec
+    assert json.loads(box.input_value())["model"]["kind"] == "gpt"
+
+    bad = spec()
+    bad["model"]["layers"] = 0
+    box.fill(json.dumps(bad))
+    page.get_by_role("button", name="Submit job").click()
+    result = page.locator("#submit-result")
+    expect(result).to_have_class("error")
+    expect(result).to_contain_text("model.layers")
+
+    bad = spec()
+    bad["model"]["heads"] = 5  # 32 is not divisible by 5
+    box.fill(json.dumps(bad))
+    page.get_by_role("button", name="Submit job").click()
+    expect(result).to_contain_text("model.heads")
+    assert httpx.get(f"{stack.base_url}/api/jobs").json()["total"] == before
+
+    # a good spec goes through; a long job is then cancelled from its row
+    box.fill(json.dumps(spec(steps=100_000)))
+    page.get_by_role("button", name="Submit job").click()
+    expect(result).to_have_class("ok")
+    job_id = int(result.locator("a").inner_text().removeprefix("job #"))
+    row = page.locator(f'#jobs-table tr[data-job-id="{job_id}"]')
+    row.locator("button[data-cancel]").click()
+    expect(row).to_have_attribute("data-status", "cancelled", timeout=60_000)
+    assert stack.wait(job_id, statuses=("cancelled",), timeout=60)["status"] == "cancelled"
