@@ -105,7 +105,13 @@ class TrialRun:
     compute_s: float = 0.0
     copy_s: float = 0.0
     busy_s: float = 0.0
-    """Device-thread time spent on this trial's behalf (tasks, evaluation, bookkeeping)."""
+    """Device-thread time spent on this trial's own tasks (task, evaluation, bookkeeping after it;
+    a prefetch of another trial made in the same slot is not counted)."""
+    dispatch_s: float = 0.0
+    """Device-thread time from the device being free to this trial's task starting, minus waits
+    for work: the scheduler's choice, the lock, the ledger."""
+    prefetch_s: float = 0.0
+    """Of copy_s, the part copied by a prefetch (in another trial's slot)."""
     started: bool = False
     ready: Any = None
     """CUDA event recorded after this trial's prefetch; its next task waits on it."""
@@ -152,6 +158,8 @@ class Executor:
         self._last_poll = 0.0
         self._flops_rate: float | None = None
         self._fatal: BaseException | None = None
+        self.idle_s = [0.0] * len(devices)
+        """Per device: time spent waiting for an idle trial."""
         self._side_streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devices]
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -301,6 +309,7 @@ class Executor:
             "compute_s": run.compute_s,
             "copy_s": run.copy_s,
             "busy_s": run.busy_s,
+            "overhead_s": run.dispatch_s + run.busy_s - run.compute_s - (run.copy_s - run.prefetch_s),
         }
 
     def _better(self, a: float, b: float | None) -> bool:
@@ -322,10 +331,14 @@ class Executor:
         k = t.next_task.shard
         stream = self._side_streams[d]
         if stream is None:
-            run.copy_s += t.copy_in(k, self.devices[d])
+            dt = t.copy_in(k, self.devices[d])
+            run.copy_s += dt
+            run.prefetch_s += dt
             return
         with torch.cuda.stream(stream):
-            run.copy_s += t.copy_in(k, self.devices[d])
+            dt = t.copy_in(k, self.devices[d])
+            run.copy_s += dt
+            run.prefetch_s += dt
             run.ready = torch.cuda.Event()
             run.ready.record(stream)
 
@@ -344,6 +357,8 @@ class Executor:
         reserved: TrialRun | None = None
         with self._on(d):
             while True:
+                t_free = time.perf_counter()
+                waited = 0.0
                 with self._cond:
                     run = None
                     while run is None:
@@ -366,7 +381,9 @@ class Executor:
                                 self._cond.notify_all()
                                 return
                             self._waiting += 1
+                            w0 = time.perf_counter()
                             self._cond.wait(timeout=self.cfg.poll_s)
+                            waited += time.perf_counter() - w0
                             self._waiting -= 1
                     t = run.trial
                     k = t.next_task.shard
@@ -384,13 +401,17 @@ class Executor:
                             nt = nxt.trial
                             ledger.reserve((nxt.index, "prefetch"), nt.copy_bytes[nt.next_task.shard])
                 t_slot = time.perf_counter()
+                run.dispatch_s += t_slot - t_free - waited
+                self.idle_s[d] += waited
+                t_pf = 0.0
                 if nxt is not None:
                     self._prefetch(d, nxt)
+                    t_pf = time.perf_counter() - t_slot
                 self._run_task(d, run, device)
                 with self._cond:
                     ledger.release((run.index, "run"))
                     self._after_task(run)
-                    run.busy_s += time.perf_counter() - t_slot
+                    run.busy_s += time.perf_counter() - t_slot - t_pf
                     self._cond.notify_all()
                 reserved = nxt
 

@@ -125,10 +125,11 @@ def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Sc
             last_dispatch=last_dispatch[i],
         )
 
+    views = {i: view(i) for i in by_index}  # rebuilt only when a trial's task completes
     while len(finished) < len(trials):
         # serve free devices in index order, so a run is deterministic
         for d in sorted(free):
-            idle = [view(i) for i in by_index if i not in running and i not in finished]
+            idle = [views[i] for i in by_index if i not in running and i not in finished]
             active = [i for i in by_index if i not in finished]
             pick = scheduler.choose(idle, active=active, free_bytes=ledgers[d].free_bytes())
             if pick is None:
@@ -142,6 +143,7 @@ def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Sc
             running.add(i)
             free.remove(d)
             last_dispatch[i] = dispatches
+            views[i].last_dispatch = dispatches
             dispatches += 1
             trace.append(
                 Slot(
@@ -178,6 +180,8 @@ def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Sc
                 done_in_step[i] = 0.0
                 if step[i] == t.steps:
                     finished.add(i)
+            if i not in finished:
+                views[i] = view(i)
     return SimResult(makespan=now, trace=trace, peak_bytes=[lg.peak_bytes for lg in ledgers])
 
 

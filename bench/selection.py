@@ -1,0 +1,197 @@
+"""Model-selection batches: Sharded-LRTF against FIFO and round-robin, simulated and for real.
+
+    .venv/bin/python -m bench.selection            # default run, about 2-3 minutes on 2 cores
+    .venv/bin/python -m bench.selection --quick    # smaller, for a smoke check
+
+1. Discrete-event simulation (trainer/selection/simulate.py) over heterogeneous batches of 8-64
+   trials on 1-8 devices: makespan of each policy over the lower bound max(work / devices, longest
+   trial), mean and worst over random batches, and how often LRTF is at least as good as the best of
+   the others.
+2. A real batch of 8 small GPT trials (depth, width and length differ) on 2 CPU "devices" (worker
+   threads, one torch thread each): the shard-alternation executor against one trial at a time
+   (the same executor with the sequential policy on one device), and against trainer/loop.py run
+   trial after trial with both cores.
+3. Orchestration overhead per trial in the real batch: device-thread time on a trial's behalf that is
+   neither compute (including data and evaluation) nor copying, over the trial's total.
+
+GPU rows (trials larger than a device budget, concurrent vs one at a time, prefetch on and off) are
+pending: no GPU was lent to this session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from bench.common import table, write_results
+from trainer.config import JobConfig
+from trainer.loop import train
+from trainer.protocol import NeverStop, NullSink
+from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.scheduler import make_scheduler
+from trainer.selection.simulate import lower_bound, random_batch, simulate
+from trainer.selection.space import expand
+
+POLICIES = ["shard-lrtf", "fifo", "round-robin"]
+
+
+def simulation(*, sizes: list[int], devices: list[int], seeds: int) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        for d in devices:
+            ratios: dict[str, list[float]] = {p: [] for p in POLICIES}
+            lrtf_best = 0
+            for seed in range(seeds):
+                trials = random_batch(
+                    random.Random(1000 * n + 10 * d + seed), trials=n, max_shards=4, max_steps=20
+                )
+                bound = lower_bound(trials, devices=d)
+                spans = {
+                    p: simulate(trials, budgets=[None] * d, scheduler=make_scheduler(p)).makespan
+                    for p in POLICIES
+                }
+                for p in POLICIES:
+                    ratios[p].append(spans[p] / bound)
+                lrtf_best += spans["shard-lrtf"] <= min(spans["fifo"], spans["round-robin"]) + 1e-9
+            rows.append(
+                {
+                    "trials": n,
+                    "devices": d,
+                    "lrtf/bound mean": statistics.mean(ratios["shard-lrtf"]),
+                    "lrtf/bound max": max(ratios["shard-lrtf"]),
+                    "fifo/bound mean": statistics.mean(ratios["fifo"]),
+                    "fifo/bound max": max(ratios["fifo"]),
+                    "rr/bound mean": statistics.mean(ratios["round-robin"]),
+                    "rr/bound max": max(ratios["round-robin"]),
+                    "lrtf <= others": f"{lrtf_best}/{seeds}",
+                }
+            )
+    return rows
+
+
+def real_batch(*, n_trials: int, scale: float) -> list[JobConfig]:
+    base = {
+        "model": {"kind": "gpt", "heads": 4, "seq_len": 64},
+        "data": {"max_chars": 1_000_000},
+        "train": {"batch_size": 16, "optimizer": "adamw", "eval_every": 10_000, "eval_batches": 2},
+        # cut every trial into shards (one per two layers), so alternation happens at shard level
+        "parallel": {"spill": {"device_budget_mb": 4096, "cuts": [2]}},
+    }
+    space = {
+        "train.lr": {"low": 1e-4, "high": 3e-3, "log": True},
+        "model.layers": [2, 3, 4],
+        "model.d_model": [64, 96, 128],
+        "train.steps": {"low": int(12 * scale), "high": int(40 * scale)},
+        "train.seed": [0, 1, 2, 3],
+    }
+    plans = expand(base=base, space=space, method="random", trials=n_trials, seed=7)
+    return [JobConfig.from_dict(p.spec) for p in plans]
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def run_executor(
+    jobs: list[JobConfig], *, devices: int, scheduler: str
+) -> tuple[float, float, dict[int, dict]]:
+    """(wall seconds, cores used on average, per-trial results)."""
+    entries = [TrialEntry(index=i, job=j, sink=NullSink()) for i, j in enumerate(jobs)]
+    ex = Executor(entries, devices=[torch.device("cpu")] * devices, cfg=ExecutorConfig(scheduler=scheduler))
+    t0, c0 = time.perf_counter(), cpu_s()
+    results = ex.run()
+    wall = time.perf_counter() - t0
+    return wall, (cpu_s() - c0) / wall, results
+
+
+def real(*, n_trials: int, scale: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    jobs = real_batch(n_trials=n_trials, scale=scale)
+    torch.set_num_threads(1)
+    run_executor(jobs[:1], devices=1, scheduler="fifo")  # warm-up: imports, corpus, meta pass
+    t_seq, u_seq, _ = run_executor(jobs, devices=1, scheduler="sequential")
+    t_alt, u_alt, res = run_executor(jobs, devices=2, scheduler="shard-lrtf")
+    t_fifo, u_fifo, _ = run_executor(jobs, devices=2, scheduler="fifo")
+    torch.set_num_threads(2)
+    t0, c0 = time.perf_counter(), cpu_s()
+    for j in jobs:
+        train(j, sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+    t_loop = time.perf_counter() - t0
+    u_loop = (cpu_s() - c0) / t_loop
+    torch.set_num_threads(1)
+    # cores used = process CPU time / wall time: on a shared machine it shows what the run was given
+    runs = [
+        ("one trial at a time (sequential policy, 1 device)", t_seq, u_seq),
+        ("trainer/loop.py trial after trial, 2 threads", t_loop, u_loop),
+        ("shard alternation, Sharded-LRTF, 2 devices", t_alt, u_alt),
+        ("shard alternation, FIFO, 2 devices", t_fifo, u_fifo),
+    ]
+    rows = [{"run": n, "wall_s": w, "cores used": u, "speedup": t_seq / w} for n, w, u in runs]
+    over = []
+    for i, r in res.items():
+        total = r["compute_s"] + r["copy_s"] + r["overhead_s"]
+        j = jobs[i]
+        over.append(
+            {
+                "trial": i,
+                "layers": j.model.layers,
+                "d_model": j.model.d_model,
+                "steps": j.train.steps,
+                "compute_s": r["compute_s"],
+                "copy_s": r["copy_s"],
+                "overhead_s": r["overhead_s"],
+                "overhead %": 100 * r["overhead_s"] / total,
+            }
+        )
+    summary = {
+        "speedup_lrtf_vs_one_at_a_time": t_seq / t_alt,
+        "speedup_lrtf_vs_loop_2_threads": t_loop / t_alt,
+        "overhead_pct_mean": statistics.mean(o["overhead %"] for o in over),
+        "overhead_pct_max": max(o["overhead %"] for o in over),
+        "trial_compute_s_mean": statistics.mean(o["compute_s"] for o in over),
+    }
+    return rows, over, summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seeds", type=int, default=0, help="random batches per simulated cell")
+    ap.add_argument("--scale", type=float, default=0.0, help="multiplies the real trials' step counts")
+    args = ap.parse_args()
+    seeds = args.seeds or (2 if args.quick else 5)
+    scale = args.scale or (0.5 if args.quick else 1.0)
+    load = os.getloadavg()[0]
+
+    t0 = time.perf_counter()
+    sim = simulation(sizes=[8, 16, 32, 64], devices=[1, 2, 4, 8], seeds=seeds)
+    sim_s = time.perf_counter() - t0
+    print(table(sim, title=f"Simulated makespan over the lower bound ({seeds} random batches per cell)"))
+    rows, over, summary = real(n_trials=8, scale=scale)
+    print(table(rows, title=f"Real batch: 8 GPT trials on this machine (load average {load:.1f} at start)"))
+    print(table(over, title="Orchestration overhead per trial (Sharded-LRTF run)"))
+    print(table([summary], title="Summary"))
+    print("GPU rows: pending (no GPU lent to this session).")
+    path = write_results(
+        "selection",
+        {
+            "simulation": sim,
+            "simulation_s": sim_s,
+            "real": rows,
+            "overhead": over,
+            "summary": summary,
+            "load_average_at_start": load,
+            "gpu": "pending: no GPU lent to this session",
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
