@@ -80,9 +80,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
         st.stop()
 
 
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    """A fresh SQLite database brought to the latest migration (the real Alembic scripts)."""
-    url = f"sqlite:///{tmp_path / 'test.db'}"
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    from tests.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database brought to the latest migration by the real Alembic scripts: a SQLite file,
+    or a new schema-less database on a real PostgreSQL server (same code; the URL decides)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'test.db'}"
+    else:
+        base = request.getfixturevalue("pg_server")
+        name = f"t{abs(hash(request.node.nodeid)) % 10**9}"
+        from sqlalchemy import create_engine, text
+
+        admin = create_engine(base, isolation_level="AUTOCOMMIT")
+        with admin.connect() as c:
+            c.execute(text(f"DROP DATABASE IF EXISTS {name}"))
+            c.execute(text(f"CREATE DATABASE {name}"))
+        admin.dispose()
+        url = base.rsplit("/", 1)[0] + f"/{name}"
     upgrade(url)
     return url

@@ -16,9 +16,12 @@ def _job(url: str, **kw) -> int:
         return dbj.create_job(s, name="j", spec={"train": {"steps": 3}}, steps=3, **kw).id
 
 
-def test_sqlite_runs_in_wal_mode(db_url: str) -> None:
+def test_sqlite_runs_in_wal_mode_and_postgres_is_postgres(db_url: str) -> None:
     with get_engine(db_url).connect() as c:
-        assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        if db_url.startswith("sqlite"):
+            assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        else:
+            assert c.exec_driver_sql("SELECT version()").scalar().startswith("PostgreSQL")
 
 
 def test_claim_is_won_by_exactly_one_of_many_racing_workers(db_url: str) -> None:
