@@ -1,0 +1,119 @@
+"""The job entry point: train_spilled (through trainer.runner.run) gives loop.train's numbers and
+emits the memory metrics; stop and checkpoint/resume behave like loop.train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainer.config import JobConfig
+from trainer.loop import train
+from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
+from trainer.spill.job import train_spilled
+from trainer.spill.sizing import layer_working_sets
+
+BASE: dict[str, Any] = {
+    "model": {"kind": "gpt", "layers": 3, "d_model": 32, "heads": 4, "seq_len": 16},
+    "data": {"max_chars": 100_000},
+    "train": {"steps": 20, "batch_size": 4, "lr": 1e-2, "eval_every": 10, "eval_batches": 2},
+    "resources": {"device": "cpu"},
+}
+BUDGET_MB = 0.6  # between one block's working set (~0.36 MiB) and the whole model's (~1.2 MiB)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def spec(**over: Any) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in BASE.items()}
+    for k, v in over.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else v
+    return out
+
+
+class StopAfter:
+    def __init__(self, sink: ListSink, steps: int) -> None:
+        self.sink, self.steps = sink, steps
+
+    def requested(self) -> bool:
+        return len(self.sink.series("loss")) >= self.steps
+
+
+def test_runner_dispatches_and_losses_equal_loop_train() -> None:
+    ref = ListSink()
+    train(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    sink = ListSink()
+    job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": BUDGET_MB, "prefetch": True}}))
+    result = run(job, sink=sink, stop=NeverStop())
+    assert sink.series("loss") == ref.series("loss")
+    assert sink.series("val_loss") == pytest.approx(ref.series("val_loss"), rel=1e-6)
+    assert result["shards"] >= 2 and result["cuts"] and result["prefetch"] is True
+    assert 0 < result["ledger_peak_mb"] <= BUDGET_MB
+    peaks, resident = sink.series("ledger_peak_mb"), sink.series("resident_shards")
+    assert len(peaks) == len(resident) == 20
+    assert max(peaks) <= BUDGET_MB and set(resident) == {2.0}
+    for name in ("step_time_ms", "tokens_per_s", "peak_mem_mb"):
+        assert len(sink.series(name)) == 20
+    assert sink.results == [result]
+
+
+def test_offload_only_job_runs_one_resident_shard() -> None:
+    sink = ListSink()
+    job = JobConfig.from_dict(spec(parallel={"offload": {"optimizer": True, "dtype": "bf16"}}))
+    result = run(job, sink=sink, stop=NeverStop())
+    assert result["shards"] == 1 and result["offload"] == "bf16" and result["budget_mb"] is None
+    losses = sink.series("loss")
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_prefetch_is_turned_off_when_only_one_shard_at_a_time_fits() -> None:
+    shape = dict(BASE["model"], batch_size=4)
+    single_max = max(layer_working_sets(**shape)) / 2**20
+    budget = single_max * 1.01  # one layer fits, a layer plus its neighbour's params does not
+    sink = ListSink()
+    job = JobConfig.from_dict(
+        spec(train={"steps": 3}, parallel={"spill": {"device_budget_mb": budget, "prefetch": True}})
+    )
+    result = train_spilled(job, sink=sink, stop=NeverStop())
+    assert result["prefetch"] is False and result["shards"] == 5
+    assert any("prefetch turned off" in line for line in sink.logs)
+    assert result["ledger_peak_mb"] <= budget
+
+
+def test_budget_below_one_layer_is_a_config_error() -> None:
+    from trainer.config import ConfigError
+
+    job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 0.1}}))
+    with pytest.raises(ConfigError, match=r"device_budget_mb \(0.100\) is smaller than one layer"):
+        train_spilled(job, sink=ListSink(), stop=NeverStop())
+
+
+def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
+    ref = ListSink()
+    train(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    par = {"spill": {"device_budget_mb": BUDGET_MB}}
+    first = ListSink()
+    job = JobConfig.from_dict(spec(parallel=par, checkpoint_every=5))
+    r1 = train_spilled(job, sink=first, stop=StopAfter(first, 7), checkpoint_dir=tmp_path)
+    assert r1["stopped"] is True and r1["steps"] == 7
+    assert [e for e, _ in first.events].count("checkpoint") == 1
+    # resume from the step-7 checkpoint with other cuts; then loop.train can continue it too
+    second = ListSink()
+    job2 = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 2.0, "cuts": [2]}}))
+    train_spilled(job2, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
+    assert "resumed from step-00000007.pt at step 7" in second.logs
+    torch.testing.assert_close(
+        torch.tensor(first.series("loss") + second.series("loss")), torch.tensor(ref.series("loss"))
+    )
+    third = ListSink()
+    train(
+        JobConfig.from_dict(spec(train={"steps": 22})), sink=third, stop=NeverStop(), checkpoint_dir=tmp_path
+    )
+    assert "resumed from step-00000020.pt at step 20" in third.logs
+    assert len(third.series("loss")) == 2
