@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.pipeline.checker import check_schedule
-from trainer.pipeline.schedules import SCHEDULES, Action, ScheduleError, build_schedule
+from trainer.pipeline.schedules import SCHEDULES, Action, ScheduleError, build_schedule, chimera_zb
 from trainer.pipeline.simulate import Costs, bubble_1f1b, bubble_chimera, jitter, simulate
 
 SHAPES = [(D, N) for D in (2, 4, 6, 8, 16) for N in (1, 2, 3, D, D + 2, 2 * D)]
@@ -65,7 +65,7 @@ def test_bubble_ratios_at_equal_costs_match_the_closed_forms(D: int, mult: int) 
     costs = Costs(forward=1.0, backward=1.0)
     one_f = simulate(build_schedule("1f1b", stages=D, microbatches=N), costs)
     gpipe = simulate(build_schedule("gpipe", stages=D, microbatches=N), costs)
-    chim = simulate(build_schedule("chimera", stages=D, microbatches=N), costs)
+    chim = simulate(build_schedule("chimera", stages=D, microbatches=N, backward_ratio=1.0), costs)
     assert one_f.bubble == pytest.approx(bubble_1f1b(D, N), abs=1e-12)
     assert gpipe.bubble == pytest.approx(bubble_1f1b(D, N), abs=1e-12)
     assert chim.bubble == pytest.approx(bubble_chimera(D, N), abs=1e-12)
@@ -83,6 +83,29 @@ def test_chimera_zb_fills_the_bubble_when_backward_is_twice_forward() -> None:
     assert zb.bubble <= 0.10
     # the deferral costs activation memory: stashes live until W, not until B
     assert sum(zb.peak_stash) >= sum(chim.peak_stash)
+
+
+@pytest.mark.parametrize("D", [4, 8])
+@pytest.mark.parametrize("mult", [1, 2, 4])
+def test_chimera_orders_follow_the_cost_ratio(D: int, mult: int) -> None:
+    """Timed at backward = 2x forward, the order built for that ratio is never worse than the
+    equal-cost slot order, and beats 1F1B; chimera-zb beats both."""
+    N, costs = mult * D, Costs(forward=1.0, backward=2.0)
+    tuned = simulate(build_schedule("chimera", stages=D, microbatches=N, backward_ratio=2.0), costs)
+    slot = simulate(build_schedule("chimera", stages=D, microbatches=N, backward_ratio=1.0), costs)
+    one_f = simulate(build_schedule("1f1b", stages=D, microbatches=N), costs)
+    zb = simulate(build_schedule("chimera-zb", stages=D, microbatches=N, backward_ratio=2.0), costs)
+    assert tuned.makespan <= slot.makespan + 1e-9
+    assert tuned.bubble < one_f.bubble
+    assert zb.bubble < tuned.bubble
+
+
+def test_chimera_zb_bounds_its_deferred_weight_gradients() -> None:
+    costs = Costs(forward=1.0, backward=2.0)
+    tight = simulate(chimera_zb(4, 16, max_pending=1), costs)
+    loose = simulate(chimera_zb(4, 16, max_pending=100), costs)
+    assert max(loose.peak_stash) == 16  # every W deferred to the end: GPipe-like memory
+    assert max(tight.peak_stash) < max(loose.peak_stash)
 
 
 def test_transfer_latency_lengthens_the_makespan() -> None:

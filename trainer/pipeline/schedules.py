@@ -145,31 +145,92 @@ def _allreduce_actions(sched: Schedule) -> None:
         sched.ranks[r] = out
 
 
-def chimera(stages: int, microbatches: int) -> Schedule:
+def _list_order(
+    sched: Schedule, *, priority: dict[Action, int], cost: dict[str, float]
+) -> list[list[Action]]:
+    """Per-rank order from a list schedule: time runs forward, and a free rank starts, among the
+    actions whose inputs exist, the one with the smallest priority. Equal costs reproduce the
+    priority (slot) order; other costs keep its intent without idling for a late action."""
+    D = sched.stages
+    rank = {a: sched.rank_of(stage=a.stage, replica=a.replica) for a in priority}
+    consumers: dict[Action, list[Action]] = {a: [] for a in priority}
+    missing: dict[Action, int] = {}
+    for a in priority:
+        deps = _fb_deps(a, D)
+        missing[a] = len(deps)
+        for d in deps:
+            consumers[d].append(a)
+    pool: list[list[Action]] = [[] for _ in range(D)]
+    for a, n in missing.items():
+        if n == 0:
+            pool[rank[a]].append(a)
+    ready_at: dict[Action, float] = dict.fromkeys(priority, 0.0)
+    free = [0.0] * D
+    order: list[list[Action]] = [[] for _ in range(D)]
+    choice: list[tuple[float, int, Action] | None] = [None] * D
+    dirty = set(range(D))
+    for _ in range(len(priority)):
+        for r in dirty:
+            if not pool[r]:
+                choice[r] = None
+                continue
+            t = min(max(free[r], ready_at[a]) for a in pool[r])
+            a = min((a for a in pool[r] if max(free[r], ready_at[a]) <= t), key=priority.__getitem__)
+            choice[r] = (t, priority[a], a)
+        dirty.clear()
+        best = min((c for c in choice if c is not None), key=lambda c: (c[0], c[1]))
+        t, _, a = best
+        r = rank[a]
+        free[r] = t + cost[a.op]
+        pool[r].remove(a)
+        order[r].append(a)
+        dirty.add(r)
+        for c in consumers[a]:
+            missing[c] -= 1
+            ready_at[c] = max(ready_at[c], free[r])
+            if missing[c] == 0:
+                pool[rank[c]].append(c)
+                dirty.add(rank[c])
+    return order
+
+
+def chimera(stages: int, microbatches: int, *, backward_ratio: float = 1.0) -> Schedule:
+    """Chimera's two pipelines merged slot by slot (see _chimera_slots). At backward_ratio 1 the
+    order is exactly the slot order; at other ratios the slots are the priorities of a list
+    schedule timed with those costs, so a rank never idles waiting for a lower slot."""
     D, N = stages, microbatches
     if D % 2:
         raise ScheduleError(f"chimera needs an even number of stages, got {D}")
-    slots = _chimera_slots(D, N)
     sched = Schedule(name="chimera", stages=D, microbatches=N, replicas=2, ranks=[[] for _ in range(D)])
-    for a in sorted(slots, key=lambda a: (slots[a], a.op, a.mb)):
-        sched.ranks[sched.rank_of(stage=a.stage, replica=a.replica)].append(a)
+    slots = _chimera_slots(D, N)
+    sched.ranks = _list_order(sched, priority=slots, cost={"F": 1.0, "B": backward_ratio})
     _allreduce_actions(sched)
     return sched
 
 
-def chimera_zb(stages: int, microbatches: int, *, w_cost: float = 1.0, f_cost: float = 1.0) -> Schedule:
+def chimera_zb(
+    stages: int,
+    microbatches: int,
+    *,
+    f_cost: float = 1.0,
+    b_cost: float = 1.0,
+    w_cost: float = 1.0,
+    max_pending: int | None = None,
+) -> Schedule:
     """Chimera with each backward split into B (input gradient, on the critical path) and W (weight
     gradient, needed only before the optimizer step).
 
-    F and B keep Chimera's order. W actions are placed by timing the F/B order (F = B = f_cost,
-    W = w_cost): whenever a rank would sit idle waiting for its next F or B, it runs its oldest
-    pending W instead; the W actions left at the end close the list. The price is activation
-    memory: a micro-batch's stash is freed after W, not after B.
+    F and B keep Chimera's order. W actions are placed by timing that order with the given costs
+    (default F = B = W, i.e. a whole backward costs twice a forward): whenever a rank would sit
+    idle waiting for its next F or B, it runs its oldest pending W instead; the W actions left at
+    the end close the list. The price is activation memory: a micro-batch's stash is freed after
+    W, not after B, so at most `max_pending` (default D/2) W actions may wait on a rank; past
+    that the oldest runs at once (in simulation D/2 gives the same bubble as unbounded deferral).
     """
     D, N = stages, microbatches
     if D % 2:
         raise ScheduleError(f"chimera-zb needs an even number of stages, got {D}")
-    base = chimera(D, N)
+    base = chimera(D, N, backward_ratio=b_cost / f_cost)
     fb = [[a for a in actions if a.op in ("F", "B")] for actions in base.ranks]
     sched = Schedule(
         name="chimera-zb",
@@ -179,7 +240,8 @@ def chimera_zb(stages: int, microbatches: int, *, w_cost: float = 1.0, f_cost: f
         split_backward=True,
         ranks=[[] for _ in range(D)],
     )
-    cost = {"F": f_cost, "B": f_cost, "W": w_cost}
+    cost = {"F": f_cost, "B": b_cost, "W": w_cost}
+    max_pending = max(1, D // 2) if max_pending is None else max_pending
     finish: dict[Action, float] = {}
     free = [0.0] * D
     pos = [0] * D
@@ -215,6 +277,9 @@ def chimera_zb(stages: int, microbatches: int, *, w_cost: float = 1.0, f_cost: f
         free[r] = finish[a]
         if a.op == "B":
             pending[r].append(Action("W", a.mb, a.stage, a.replica))
+            if len(pending[r]) > max_pending:
+                sched.ranks[r].append(pending[r].pop(0))
+                free[r] += cost["W"]
         pos[r] += 1
         done += 1
     for r in range(D):
@@ -241,7 +306,10 @@ def async_plan(stages: int, microbatches: int) -> Schedule:
     return sched
 
 
-def build_schedule(name: str, *, stages: int, microbatches: int) -> Schedule:
+def build_schedule(name: str, *, stages: int, microbatches: int, backward_ratio: float = 2.0) -> Schedule:
+    """`backward_ratio` (whole backward / forward cost) steers the orders of chimera (a list
+    schedule timed at that ratio) and chimera-zb (B and W split the backward evenly); the other
+    schedules' orders do not depend on costs."""
     if stages < 1 or microbatches < 1:
         raise ScheduleError(f"stages ({stages}) and microbatches ({microbatches}) must be >= 1")
     if name == "gpipe":
@@ -249,9 +317,10 @@ def build_schedule(name: str, *, stages: int, microbatches: int) -> Schedule:
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
     if name == "chimera":
-        return chimera(stages, microbatches)
+        return chimera(stages, microbatches, backward_ratio=backward_ratio)
     if name == "chimera-zb":
-        return chimera_zb(stages, microbatches)
+        half = backward_ratio / 2
+        return chimera_zb(stages, microbatches, b_cost=half, w_cost=half)
     if name == "async":
         return async_plan(stages, microbatches)
     raise ScheduleError(f"unknown schedule {name!r}; one of {', '.join(SCHEDULES)}")

@@ -84,6 +84,7 @@ def simulate(
     *,
     noise: dict[Action, float] | None = None,
     cap: int | None = None,
+    stage_limit: bool = False,
 ) -> SimResult:
     """Time `sched` under `costs`; `noise` multiplies individual action costs (jitter studies).
     Dynamic schedules (`async`) use the message-driven policy with at most `cap` micro-batches
@@ -96,9 +97,9 @@ def simulate(
     owner: dict[Action, int] = {}
     free = [0.0] * D
     pos = [0] * D
-    todo = [set(w) for w in work]
     cap = cap if cap is not None else D
     injected = 0
+    done_stage0 = 0
 
     def cost(a: Action) -> float:
         c = costs.of(a, split=split)
@@ -113,6 +114,15 @@ def simulate(
             t = max(t, finish[d] + hop)
         return t
 
+    # message-driven bookkeeping: forwards run in micro-batch order on every stage (stage 0
+    # injects in order and each stage takes the lowest ready forward), so the only forward
+    # candidate is the next one; backward candidates are the rank's in-flight micro-batches
+    next_f = [sorted((a for a in w if a.op == "F"), key=lambda a: a.mb) for w in work]
+    inflight: list[list[Action]] = [[] for _ in range(D)]
+
+    def limit(r: int) -> int:
+        return D - r if stage_limit else D * 1000
+
     def candidates(r: int) -> list[tuple[float, Action]]:
         if not sched.dynamic:
             if pos[r] == len(work[r]):
@@ -121,27 +131,36 @@ def simulate(
             t = arrival(a, r)
             return [] if t is None else [(max(t, free[r]), a)]
         out = []
-        for a in todo[r]:
-            if a.op == "F" and a.stage == 0 and injected - _done_mbs(finish, 0) >= cap:
-                continue
+        for a in inflight[r]:
+            t = arrival(a, r)
+            if t is not None:
+                out.append((max(t, free[r]), a))
+        if next_f[r] and len(inflight[r]) < (cap if r == 0 else limit(r)):
+            a = next_f[r][0]
             t = arrival(a, r)
             if t is not None:
                 out.append((max(t, free[r]), a))
         return out
 
     total = sum(len(w) for w in work)
+    # a rank's best choice changes only when it commits or one of its inputs is produced
+    choice: list[tuple[float, Action] | None] = [None] * D
+    dirty = set(range(D))
     while len(finish) < total:
-        best: tuple[float, int, Action] | None = None
-        for r in range(D):
+        for r in dirty:
             cands = candidates(r)
             if not cands:
+                choice[r] = None
                 continue
             t = min(c[0] for c in cands)
             # among actions ready at the decision time: backward work first, then lowest mb
             ready = [a for tt, a in cands if tt <= t]
-            a = min(ready, key=lambda a: (a.op == "F", a.mb, a.op))
-            if best is None or t < best[0]:
-                best = (t, r, a)
+            choice[r] = (t, min(ready, key=lambda a: (a.op == "F", a.mb, a.op)))
+        dirty.clear()
+        best: tuple[float, int, Action] | None = None
+        for r, c in enumerate(choice):
+            if c is not None and (best is None or c[0] < best[0]):
+                best = (c[0], r, c[1])
         if best is None:
             stuck = {r: str(work[r][pos[r]]) for r in range(D) if pos[r] < len(work[r])}
             raise ScheduleError(f"{sched.name} deadlocks: next actions per rank {stuck}")
@@ -150,9 +169,19 @@ def simulate(
         owner[a] = r
         free[r] = finish[a]
         pos[r] += 1
-        todo[r].discard(a)
-        if sched.dynamic and a.op == "F" and a.stage == 0:
-            injected += 1
+        dirty.add(r)
+        if a.op == "F" and a.stage < D - 1:
+            dirty.add(rank_of[(a.stage + 1, a.replica)])
+        elif a.op == "B" and a.stage > 0:
+            dirty.add(rank_of[(a.stage - 1, a.replica)])
+        if sched.dynamic:
+            if a.op == "F":
+                next_f[r].pop(0)
+                inflight[r].append(Action("B", a.mb, a.stage, a.replica))
+                injected += a.stage == 0
+            else:
+                inflight[r].remove(a)
+                done_stage0 += a.stage == 0
 
     timeline = [
         {
@@ -186,11 +215,6 @@ def simulate(
                 }
             )
     return summarize(timeline, ranks=D, split=split)
-
-
-def _done_mbs(finish: dict[Action, float], stage: int) -> int:
-    """Micro-batches whose stage-0 backward has finished (they left the pipeline)."""
-    return sum(1 for a in finish if a.op == "B" and a.stage == stage)
 
 
 def summarize(timeline: list[dict[str, Any]], *, ranks: int, split: bool) -> SimResult:
