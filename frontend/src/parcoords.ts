@@ -44,8 +44,8 @@ export function parallelCoordinates(opts: {
     ),
   );
 
-  // about 200 px between axes, drawn at natural size (shrinks on narrow screens, never grows)
-  const W = Math.max(480, 2 * SIDE + 200 * (axes.length - 1));
+  // about 240 px between axes, drawn at natural size (shrinks on narrow screens, never grows)
+  const W = Math.max(640, 2 * SIDE + 240 * (axes.length - 1));
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "parcoords", role: "img", "aria-label": "parallel coordinates" });
   const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - 2 * SIDE)) / (axes.length - 1) : 0);
   const ay = (p: number) => TOP + (1 - p) * (H - TOP - BOTTOM);

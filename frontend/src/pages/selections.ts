@@ -218,6 +218,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     sel = await api<Selection>(`/api/selections/${id}`);
     for (const t of sel.trials ?? []) upsertTrial(t);
     scheduleRedraw();
+    if (!TERMINAL.has(sel.status)) openStream();
   };
 
   const act = async (what: string, fn: () => Promise<unknown>) => {
@@ -261,18 +262,37 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     const first = sel.trials?.[0];
     addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
     for (const t of sel.trials ?? []) upsertTrial(t);
-    stream = subscribe(`/api/selections/${id}/stream`, {
-      metric: (m: { trial_id: number; name: string; step: number; value: number }) => {
-        if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
+    openStream();
+  };
+
+  // The server ends the stream once the batch is over; EventSource would reconnect every few
+  // seconds, so close it then and open it again when added trials make the batch run again.
+  let reconnected = false;
+  const openStream = () => {
+    if (closed || (stream && stream.readyState !== EventSource.CLOSED)) return;
+    stream = subscribe(
+      `/api/selections/${id}/stream`,
+      {
+        metric: (m: { trial_id: number; name: string; step: number; value: number }) => {
+          if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
+        },
+        trial: (t: Trial) => upsertTrial(t),
+        status: (s: { status: string }) => {
+          if (!sel) return;
+          sel.status = s.status;
+          if (TERMINAL.has(s.status)) {
+            stream?.close();
+            void refresh();
+          }
+          scheduleRedraw();
+        },
       },
-      trial: (t: Trial) => upsertTrial(t),
-      status: (s: { status: string }) => {
-        if (!sel) return;
-        sel.status = s.status;
-        if (TERMINAL.has(s.status)) void refresh();
-        scheduleRedraw();
+      (state) => {
+        // points sent while we were disconnected are only in the database: reload the curves
+        if (state === "open" && reconnected) for (const t of trials.values()) void loadCurve(t);
+        if (state === "error") reconnected = true;
       },
-    });
+    );
   };
   void start();
 
