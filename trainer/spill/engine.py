@@ -54,8 +54,8 @@ from trainer.spill.shard import Shard
 
 
 def default_bucket_numel(model: nn.Module) -> int:
-    """Offload bucket: at most 1/64 of the largest shard... of the model, so the bucket buffers
-    (40 bytes/element) add under 1 byte/param, and at most 4M elements (160 MiB)."""
+    """Offload bucket: 1/64 of the model's parameters, so the bucket buffers (40 bytes/element)
+    add under 1 byte/param; at least 1024 and at most 4M elements (160 MiB)."""
     total = sum(p.numel() for p in model.parameters())
     return max(1024, min(4 * 2**20, total // 64))
 
@@ -92,7 +92,11 @@ class SpillEngine:
                 f"parallel.offload.dtype fp16 needs a global inf check before any step; with "
                 f"{n_shards} spilled shards use bf16"
             )
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
+        # one side stream for all host<->device copies: shard prefetch (when on) and the offloaded
+        # optimizer's buckets (always on CUDA: they overlap the update of the previous bucket)
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copy_stream = side if prefetch else None
+        self.side_stream = side
         self.shards = [
             Shard(
                 index=k,
@@ -116,7 +120,7 @@ class SpillEngine:
                 device=device,
                 bucket_numel=bucket_numel or default_bucket_numel(model),
                 ledger=ledger,
-                copy_stream=self.copy_stream,
+                copy_stream=self.side_stream,
             )
             for s in self.shards:
                 s.offload = self.opt
@@ -185,6 +189,10 @@ class SpillEngine:
                     norm = math.sqrt(self.opt.grad_sq_norm(shard.dev_grad))
                     coef = min(1.0, self.train.grad_clip / (norm + 1e-6))
                 self.opt.step_group(shard.index, params=shard.dev, grads=shard.dev_grad, clip_coef=coef)
+                if self.copy_stream is None and self.side_stream is not None:
+                    # without prefetch the next copy-in runs on the compute stream: it must see
+                    # the low-precision values the buckets are still writing back
+                    torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             if len(self.shards) == 1 or scaler.dynamic:
                 scaler.update(found_inf=found_inf)
         shard.drop_grads()
@@ -276,8 +284,8 @@ class SpillEngine:
         """Wait for every copy in flight (before reading host copies from the CPU)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-            if self.copy_stream is not None:
-                self.copy_stream.synchronize()
+            if self.side_stream is not None:
+                self.side_stream.synchronize()
 
     def release(self) -> None:
         for s in self.shards:
