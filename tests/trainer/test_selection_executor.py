@@ -18,6 +18,7 @@ from trainer.protocol import ListSink, NeverStop
 from trainer.selection.asha import AshaConfig
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
 from trainer.selection.scheduler import TrialView
+from trainer.selection.shards import ShardedTrial
 
 DATA = {"max_chars": 200_000}
 SMALL = {"batch_size": 4, "eval_every": 2, "eval_batches": 1}
@@ -39,11 +40,16 @@ SPECS = [
         "model": {"kind": "gpt", "layers": 1, "d_model": 16, "heads": 2, "seq_len": 8},
         "train": {"steps": 3, "lr": 0.1, "optimizer": "sgd", "seed": 3, **SMALL},
     },
-    # 4 shards, AdamW with weight decay and gradient clipping (global norm across shards)
+    # 5 shards (one per layer), AdamW with weight decay
     {
         "model": {"kind": "mlp", "layers": 3, "d_model": 16, "seq_len": 8},
-        "train": {"steps": 4, "lr": 1e-2, "weight_decay": 0.1, "grad_clip": 0.05, "seed": 4, **SMALL},
-        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [1, 2, 3]}},
+        "train": {"steps": 4, "lr": 1e-2, "weight_decay": 0.1, "seed": 4, **SMALL},
+        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [1, 2, 3, 4]}},
+    },
+    # one shard, AdamW with gradient clipping
+    {
+        "model": {"kind": "mlp", "layers": 2, "d_model": 16, "seq_len": 8},
+        "train": {"steps": 3, "lr": 1e-2, "grad_clip": 0.05, "seed": 5, **SMALL},
     },
 ]
 CPU2 = [torch.device("cpu"), torch.device("cpu")]
@@ -129,12 +135,22 @@ def test_interleavings_really_differ(tmp_path: Path) -> None:
     assert orders[0] != orders[1]
 
 
-def test_budget_is_never_exceeded(tmp_path: Path) -> None:
-    # a budget that fits one running shard and one prefetched shard of another trial, not more
-    budget = 2 * 64 * 2**20
-    ex, results, _ = run_batch(tmp_path, device_budget_bytes=budget, prefetch=True)
-    assert all(r["status"] == "succeeded" for r in results.values())
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
+    # the tightest budget every trial's cuts fit: with prefetch, twice the largest shard's working
+    # set (a running shard and another trial's prefetched one); without, the largest alone
+    biggest = max(
+        max(ShardedTrial.build(job(i), index=i, budget_bytes=None, prefetch=False).work_bytes)
+        for i in range(len(SPECS))
+    )
+    budget = 2 * biggest if prefetch else biggest
+    ex, results, _ = run_batch(tmp_path, device_budget_bytes=budget, prefetch=prefetch)
+    assert all(r["status"] == "succeeded" for r in results.values()), results
+    # planned reservations and the real bytes the shards held (the strict spill ledger raises past
+    # the budget, which would have failed a trial above)
     assert all(0 < lg.peak_bytes <= budget for lg in ex.ledgers)
+    assert all(0 < p.ledger.peak <= budget and p.ledger.strict for p in ex.places)
+    assert all(p.ledger.held == 0 for p in ex.places)  # everything spilled at the end
 
 
 @pytest.mark.parametrize("how", ["shard-lrtf", "sequential"])
@@ -172,3 +188,17 @@ def test_stop_trials_between_mini_batches(tmp_path: Path) -> None:
     results = ex.run()
     assert results[0]["status"] == "succeeded" and results[1]["status"] == "stopped"
     assert results[1]["steps"] == 0 and not any(s.trial == 1 for s in ex.trace)
+
+
+def test_clipping_across_shards_fails_that_trial_alone() -> None:
+    bad = JobConfig.from_dict(
+        {"data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "grad_clip": 1.0}, "name": "clip"}
+    )
+    sinks = {0: ListSink(), 1: ListSink()}
+    entries = [TrialEntry(index=0, job=bad, sink=sinks[0]), TrialEntry(index=1, job=job(2), sink=sinks[1])]
+    results = Executor(entries, devices=CPU2, cfg=ExecutorConfig()).run()
+    assert (
+        results[0]["status"] == "failed"
+        and "grad_clip (1.0) needs the global gradient norm" in results[0]["error"]
+    )
+    assert results[1]["status"] == "succeeded"

@@ -31,7 +31,8 @@ from trainer.protocol import MetricsSink, NeverStop, StopSignal
 from trainer.selection.asha import Asha, AshaConfig
 from trainer.selection.ledger import Ledger
 from trainer.selection.scheduler import Scheduler, TrialView, make_scheduler
-from trainer.selection.shards import ShardedTrial
+from trainer.selection.shards import Place, ShardedTrial
+from trainer.spill.ledger import DeviceLedger
 
 Status = Literal["pending", "running", "paused", "succeeded", "stopped_early", "stopped", "failed"]
 FINAL = ("succeeded", "stopped_early", "stopped", "failed")
@@ -113,8 +114,6 @@ class TrialRun:
     prefetch_s: float = 0.0
     """Of copy_s, the part copied by a prefetch (in another trial's slot)."""
     started: bool = False
-    ready: Any = None
-    """CUDA event recorded after this trial's prefetch; its next task waits on it."""
 
     @property
     def index(self) -> int:
@@ -160,7 +159,17 @@ class Executor:
         self._fatal: BaseException | None = None
         self.idle_s = [0.0] * len(devices)
         """Per device: time spent waiting for an idle trial."""
-        self._side_streams = [torch.cuda.Stream(device=d) if d.type == "cuda" else None for d in devices]
+        budget = cfg.device_budget_bytes
+        # the real bytes on each device (the spilling engine's ledger; strict: passing the budget
+        # raises), beside `self.ledgers`, the scheduler's planned reservations
+        self.places = [
+            Place(
+                device=d,
+                ledger=DeviceLedger(budget_bytes=budget, strict=budget is not None),
+                stream=torch.cuda.Stream(device=d) if d.type == "cuda" and cfg.prefetch else None,
+            )
+            for d in devices
+        ]
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -326,21 +335,13 @@ class Executor:
             yield
 
     def _prefetch(self, d: int, run: TrialRun) -> None:
-        """Copy `run`'s next shard to device d on the side stream (on CPU: the same call, no copy)."""
+        """Start copying `run`'s next shard to device d: on CUDA on the device's copy stream, so it
+        overlaps the task about to run; on CPU the same call copies at once."""
         t = run.trial
-        k = t.next_task.shard
-        stream = self._side_streams[d]
-        if stream is None:
-            dt = t.copy_in(k, self.devices[d])
-            run.copy_s += dt
-            run.prefetch_s += dt
-            return
-        with torch.cuda.stream(stream):
-            dt = t.copy_in(k, self.devices[d])
-            run.copy_s += dt
-            run.prefetch_s += dt
-            run.ready = torch.cuda.Event()
-            run.ready.record(stream)
+        task = t.next_task
+        dt = t.copy_in(task.shard, self.places[d], state=task.steps)
+        run.copy_s += dt
+        run.prefetch_s += dt
 
     def _worker(self, d: int) -> None:
         try:
@@ -352,7 +353,6 @@ class Executor:
             raise
 
     def _work(self, d: int) -> None:
-        device = self.devices[d]
         ledger = self.ledgers[d]
         reserved: TrialRun | None = None
         with self._on(d):
@@ -369,7 +369,7 @@ class Executor:
                             run, reserved = reserved, None
                             ledger.release((run.index, "prefetch"))
                             if run.stop_requested and run.trial.pos == 0:
-                                run.trial.copy_out(run.trial.next_task.shard)
+                                run.trial.shards[run.trial.next_task.shard].spill()
                                 run.holder = None
                                 self._finish(run, "stopped")
                                 run = None
@@ -407,7 +407,7 @@ class Executor:
                 if nxt is not None:
                     self._prefetch(d, nxt)
                     t_pf = time.perf_counter() - t_slot
-                self._run_task(d, run, device)
+                self._run_task(d, run)
                 with self._cond:
                     ledger.release((run.index, "run"))
                     self._after_task(run)
@@ -415,16 +415,12 @@ class Executor:
                     self._cond.notify_all()
                 reserved = nxt
 
-    def _run_task(self, d: int, run: TrialRun, device: torch.device) -> None:
+    def _run_task(self, d: int, run: TrialRun) -> None:
         t = run.trial
         task = t.next_task
-        if run.ready is not None:
-            # the prefetch ran on the side stream; this task's kernels must see the copied shard
-            torch.cuda.current_stream(device).wait_event(run.ready)
-            run.ready = None
         start = time.perf_counter()
         try:
-            timing = t.run_task(device)
+            timing = t.run_task(self.places[d])
             run.compute_s += timing.compute_s
             run.copy_s += timing.copy_s
             run.done_in_step_s += timing.compute_s + timing.copy_s
@@ -443,12 +439,12 @@ class Executor:
                     )
                 )
             if t.pos == 0:  # the mini-batch is done: metrics and evaluation, still holding the trial
-                self._end_of_step(run, device)
+                self._end_of_step(run, self.places[d])
         except Exception as exc:  # noqa: BLE001 - this trial fails, the batch goes on
             with self._cond:
                 self._fail(run, exc)
 
-    def _end_of_step(self, run: TrialRun, device: torch.device) -> None:
+    def _end_of_step(self, run: TrialRun, place: Place) -> None:
         t = run.trial
         step = t.step
         cfg = t.job.train
@@ -459,12 +455,12 @@ class Executor:
         sink.metric(
             step, "tokens_per_s", cfg.batch_size * t.job.model.seq_len / max(run.done_in_step_s, 1e-9)
         )
-        sink.metric(step, "peak_mem_mb", self.ledgers[run.holder].peak_bytes / 2**20)
+        sink.metric(step, "peak_mem_mb", place.ledger.peak / 2**20)
         run.done_in_step_s = 0.0
         rung = self.asha is not None and self.asha.is_rung(run.index, step)
         if step % cfg.eval_every == 0 or step == t.steps_total or (rung and self.cfg.metric == "val_loss"):
             t0 = time.perf_counter()
-            run.val_loss = t.evaluate(device)
+            run.val_loss = t.evaluate(place)
             run.compute_s += time.perf_counter() - t0
             sink.metric(step, "val_loss", run.val_loss)
             if self.cfg.metric == "val_loss":

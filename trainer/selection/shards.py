@@ -1,16 +1,18 @@
-"""One trial of a selection batch, cut into shards that a device runs one at a time.
+"""One trial of a selection batch, cut into shards that any device runs one task at a time.
 
-The model is the trial's `nn.Sequential`, built on the host exactly as trainer/loop.py builds it;
-its shards are contiguous slices of it cut by the spilling engine's partitioner
-(trainer/spill/partition.py). Between tasks the host copy is the only copy: a task copies its shard
-in, computes, and copies it back out, so the next shard of the trial may run on any device.
+The model is the trial's `nn.Sequential`, built on the host exactly as trainer/loop.py builds it.
+It is cut by the spilling engine's partitioner (trainer/spill/partition.py) and each piece is a
+spilling-engine `Shard` (trainer/spill/shard.py): a flat fp32 host copy that is the truth while the
+shard is spilled, a device copy while it runs, optimizer state moved with it. Between tasks every
+shard of the trial is spilled, so the trial's next task may run on any device: a task rebinds the
+shard to that device (its copy stream and its ledger) and copies it in.
 
-A mini-batch is forward shards 0..S-2 (no autograd graph kept; each saves its boundary input on the
-host), then the last shard's forward and backward fused (its forward would only be recomputed), then
-backward shards S-2..0, each recomputing its forward from the saved boundary input and stepping its
-own optimizer. Per-shard optimizers update each parameter exactly as one optimizer over the model
-does (SGD and AdamW act on each parameter alone); gradient clipping needs the global norm, so with
-train.grad_clip > 0 every shard's step waits for the last backward shard.
+A mini-batch is forward shards 0..K-2 (no autograd graph; each boundary output goes to the host),
+then the last shard's forward, loss, backward and step in one task (its forward would only be
+recomputed), then backward shards K-2..0, each recomputing its forward from the saved boundary
+input and stepping its own optimizer at once, as in the spilling engine. Per-shard SGD and AdamW
+steps are exactly the whole-model steps. Global-norm gradient clipping would need every gradient
+before any step, so, as in the spilling engine, it is refused with more than one shard.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import JobConfig
+from trainer.config import ConfigError, JobConfig
 from trainer.data import BatchStream, TextData
 from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params, lm_loss
+from trainer.spill.ledger import DeviceLedger
 from trainer.spill.partition import (
     LayerCost,
     measure_layers,
@@ -36,6 +39,7 @@ from trainer.spill.partition import (
     state_bytes_per_param,
     working_set,
 )
+from trainer.spill.shard import Shard
 
 _COSTS: dict[tuple[str, int, int], list[LayerCost]] = {}
 """Per-layer costs by (model config, batch size, optimizer state bytes per parameter)."""
@@ -43,6 +47,7 @@ _COSTS: dict[tuple[str, int, int], list[LayerCost]] = {}
 FORWARD = "F"
 LAST = "FB"
 BACKWARD = "B"
+HOST = torch.device("cpu")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -51,11 +56,25 @@ class Task:
     """F: forward of a shard that is not the last; FB: last shard forward+backward; B: backward."""
     shard: int
 
+    @property
+    def steps(self) -> bool:
+        """The task runs an optimizer step, so the shard's optimizer state comes in with it."""
+        return self.kind != FORWARD
+
 
 @dataclass(kw_only=True, slots=True)
 class TaskTiming:
     compute_s: float = 0.0
     copy_s: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Place:
+    """Where a task runs: the device, its ledger of real bytes, its copy stream (CUDA only)."""
+
+    device: torch.device
+    ledger: DeviceLedger
+    stream: torch.cuda.Stream | None = None
 
 
 def mini_batch_tasks(n_shards: int) -> list[Task]:
@@ -67,12 +86,11 @@ def mini_batch_tasks(n_shards: int) -> list[Task]:
     )
 
 
-def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in opt.state.values():
-        for key, value in state.items():
-            # AdamW keeps its step count as a CPU scalar unless capturable; leave it there
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+def _sync(place: Place) -> None:
+    if place.device.type == "cuda":
+        # note: a sync point per task, so the measured time is the shard's and the host copies
+        # written by a spill are complete before another device reads them
+        torch.cuda.synchronize(place.device)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,11 +98,9 @@ class ShardedTrial:
     index: int
     job: JobConfig
     model: nn.Sequential
-    shards: list[nn.Sequential]
-    bounds: list[tuple[int, int]]
-    opts: list[torch.optim.Optimizer]
+    shards: list[Shard]
     work_bytes: list[int]
-    """W(s): device bytes while shard s runs (partitioner's rule)."""
+    """W(s): device bytes while shard s runs (the partitioner's rule)."""
     copy_bytes: list[int]
     """Pf(s): device bytes a prefetched shard s holds before it runs."""
     data: TextData
@@ -96,17 +112,16 @@ class ShardedTrial:
     pos: int = 0
     """Position of the next task within the mini-batch."""
     loss: float = float("nan")
-    _x: torch.Tensor | None = None
     _y: torch.Tensor | None = None
-    _inputs: list[torch.Tensor | None] = field(default_factory=list)
-    _grad_out: torch.Tensor | None = None
-    _resident: int | None = None
-    """Shard currently on the device (copied in by a prefetch or a task)."""
+    _inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Host copies of the boundary inputs the backward will recompute from."""
+    _grad: torch.Tensor | None = None
+    """Host copy of the gradient flowing down to the next backward shard."""
 
     @classmethod
     def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
-        """Cut the model so one shard's working set plus a prefetched shard of any other trial fit
-        the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
+        """Cut the model so that one shard's working set plus a prefetched shard of any other trial
+        fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
         cfg = job.train
         model = build_model(job.model, seed=cfg.seed)
         spill = job.parallel.spill
@@ -127,20 +142,36 @@ class ShardedTrial:
             )
         shard_budget = None if budget_bytes is None else (budget_bytes // 2 if prefetch else budget_bytes)
         plan = partition(
-            costs,
-            budget_bytes=shard_budget,
-            prefetch=False,
-            cuts=spill.cuts if spill is not None else None,
+            costs, budget_bytes=shard_budget, prefetch=False, cuts=spill.cuts if spill is not None else None
         )
-        shards = [model[a:b] for a, b in plan.bounds]  # slices share the model's modules
+        if plan.n_shards > 1 and cfg.grad_clip > 0:
+            raise ConfigError(
+                f"train.grad_clip ({cfg.grad_clip}) needs the global gradient norm before any step, but "
+                f"the trial's {plan.n_shards} shards step one by one; use grad_clip 0 or one shard"
+            )
+        keys = ["exp_avg", "exp_avg_sq"] if cfg.optimizer == "adamw" else []
+        if cfg.optimizer == "sgd" and cfg.momentum > 0:
+            keys = ["momentum_buffer"]
+        shards = []
+        for k, (a, b) in enumerate(plan.bounds):
+            s = Shard(
+                index=k,
+                start=a,
+                stop=b,
+                model=model,
+                device=HOST,
+                param_dtype=torch.float32,
+                ledger=DeviceLedger(),
+            )
+            s.tag = f"t{index}.s{k}"  # one device ledger holds several trials' shards
+            s.attach_optimizer(build_optimizer(s.params, cfg), state_keys=keys)
+            shards.append(s)
         data = TextData.from_config(job.data, seq_len=job.model.seq_len)
         return cls(
             index=index,
             job=job,
             model=model,
             shards=shards,
-            bounds=plan.bounds,
-            opts=[build_optimizer(s.parameters(), cfg) for s in shards],
             work_bytes=[working_set(costs, start=a, stop=b) for a, b in plan.bounds],
             copy_bytes=[prefetch_bytes(costs, start=a, stop=b) for a, b in plan.bounds],
             data=data,
@@ -148,7 +179,6 @@ class ShardedTrial:
             # 6 flops per parameter per token (forward + backward) plus the recompute (2 more)
             flops_per_step=8.0 * count_params(model) * cfg.batch_size * job.model.seq_len,
             tasks=mini_batch_tasks(len(shards)),
-            _inputs=[None] * len(shards),
         )
 
     @property
@@ -161,125 +191,139 @@ class ShardedTrial:
 
     # -- device residency ------------------------------------------------------------------------
 
-    def copy_in(self, shard: int, device: torch.device) -> float:
-        """Copy shard `shard` (parameters, gradients, optimizer state) to `device`; returns seconds.
-        On a CUDA side stream this is the prefetch; on CPU it moves nothing."""
+    def copy_in(self, k: int, place: Place, *, state: bool) -> float:
+        """Bind shard k to `place` and start copying it in (on the copy stream on CUDA: this is the
+        prefetch). Returns the seconds spent issuing it."""
         t0 = time.perf_counter()
-        self.shards[shard].to(device, non_blocking=True)
-        move_optimizer_state(self.opts[shard], device)
-        self._resident = shard
+        s = self.shards[k]
+        if not s.resident:
+            s.device, s.ledger, s.copy_stream = place.device, place.ledger, place.stream
+        s.to_device(state=state)
         return time.perf_counter() - t0
 
-    def copy_out(self, shard: int) -> float:
-        t0 = time.perf_counter()
-        host = torch.device("cpu")
-        self.shards[shard].to(host)
-        move_optimizer_state(self.opts[shard], host)
-        self._resident = None
-        return time.perf_counter() - t0
+    def _hold(self, place: Place, name: str, x: torch.Tensor) -> torch.Tensor:
+        place.ledger.hold(f"t{self.index}.{name}", x.numel() * x.element_size())
+        return x.to(place.device)
 
     # -- one task --------------------------------------------------------------------------------
 
-    def run_task(self, device: torch.device) -> TaskTiming:
-        """Run the next task of the mini-batch on `device` and advance. Returns its timing."""
+    def run_task(self, place: Place) -> TaskTiming:
+        """Run the next task of the mini-batch at `place`, spill the shard, and advance."""
         task = self.next_task
         k = task.shard
-        timing = TaskTiming()
-        if self._resident != k:
-            timing.copy_s += self.copy_in(k, device)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+        s = self.shards[k]
+        timing = TaskTiming(copy_s=self.copy_in(k, place, state=task.steps))
         t0 = time.perf_counter()
+        if k == 0 and task.kind != BACKWARD:  # the mini-batch starts: step k's batch, as the loop
+            x, self._y = self.stream.batch_for(self.step)
+            self._inputs[0] = x
+        s.ready()
+        h = self._hold(place, "in", self._inputs[k])
         if task.kind == FORWARD:
-            if k == 0:
-                self._x, self._y = self.stream.batch_for(self.step)
-                self._inputs[0] = self._x
-            with torch.no_grad():
-                out = self.shards[k](self._inputs[k].to(device))
-            self._inputs[k + 1] = out.to("cpu")
+            self._inputs[k + 1] = s.forward(h).to(HOST)
         else:
-            if task.kind == LAST and k == 0:  # one shard: the whole model in one task
-                self._x, self._y = self.stream.batch_for(self.step)
-                self._inputs[0] = self._x
-            inp = self._inputs[k].to(device)
-            if k > 0:
-                inp = inp.detach().requires_grad_(True)
-            opt = self.opts[k]
-            opt.zero_grad(set_to_none=True)
-            out = self.shards[k](inp)
             if task.kind == LAST:
-                loss = lm_loss(out, self._y.to(device))
-                loss.backward()
-                self.loss = loss.item()  # note: a CPU-GPU sync point, once per mini-batch
+                y = self._hold(place, "target", self._y)
+                grad, loss = s.backward(h, target=y)
+                self.loss = float(loss.item())  # note: a CPU-GPU sync point, once per mini-batch
                 check_finite(self.loss, self.step + 1)
             else:
-                out.backward(self._grad_out.to(device))
-            self._grad_out = inp.grad.to("cpu") if k > 0 else None
-            self._inputs[k] = None
-            if self.job.train.grad_clip == 0:
-                opt.step()
-            elif k == 0:
-                self._clip_and_step_all()
-        sync(device)
+                g = self._hold(place, "grad", self._grad)
+                grad, _ = s.backward(h, grad_out=g)
+                place.ledger.release(f"t{self.index}.grad")
+            if self.job.train.grad_clip > 0:  # one shard only (checked in build)
+                torch.nn.utils.clip_grad_norm_(s.params, self.job.train.grad_clip)
+            s.step()
+            s.drop_grads()
+            self._grad = None if grad is None else grad.to(HOST)
+            del self._inputs[k]
+        place.ledger.release(f"t{self.index}.in")
+        place.ledger.release(f"t{self.index}.target")
+        _sync(place)
         timing.compute_s = time.perf_counter() - t0
-        timing.copy_s += self.copy_out(k)
+        t1 = time.perf_counter()
+        s.spill()
+        _sync(place)
+        timing.copy_s += time.perf_counter() - t1
         self.pos += 1
         if self.pos == len(self.tasks):
             self.pos = 0
             self.step += 1
-            self._x = self._y = self._grad_out = None
+            self._y = self._grad = None
+            self._inputs.clear()
         return timing
 
-    def _clip_and_step_all(self) -> None:
-        # the global norm needs every shard's gradient, so the steps wait for the last backward shard;
-        # the other shards' gradients are on the host, where their optimizer state is too
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip)
-        for opt in self.opts:
-            opt.step()
-
     @torch.no_grad()
-    def evaluate(self, device: torch.device) -> float:
-        """The loop's validation loss (same fixed batches), computed shard by shard on `device`."""
+    def evaluate(self, place: Place) -> float:
+        """The loop's validation loss (same fixed batches), computed shard by shard at `place`."""
         cfg = self.job.train
         g = torch.Generator().manual_seed(cfg.seed + 7919)
         batches = [
             self.data.batch(split="val", batch_size=cfg.batch_size, generator=g)
             for _ in range(cfg.eval_batches)
         ]
-        hs = [x for x, _ in batches]
+        hs = [x.to(place.device) for x, _ in batches]
         self.model.eval()
-        for k, shard in enumerate(self.shards):
-            self.copy_in(k, device)
-            hs = [shard(h.to(device)) for h in hs]
-            self.copy_out(k)
+        for k, s in enumerate(self.shards):
+            self.copy_in(k, place, state=False)
+            s.ready()
+            hs = [s.forward(h) for h in hs]
+            s.spill()
         self.model.train()
-        total = sum(lm_loss(h, y.to(device)).item() for h, (_, y) in zip(hs, batches, strict=True))
+        total = sum(lm_loss(h, y.to(place.device)).item() for h, (_, y) in zip(hs, batches, strict=True))
+        _sync(place)
         return total / cfg.eval_batches
 
-    # -- checkpoints -----------------------------------------------------------------------------
+    # -- checkpoints (every shard is spilled between tasks, so the host copies are the truth) ----
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizers": [o.state_dict() for o in self.opts]}
+        model = {
+            n: v.detach().clone()
+            for s in self.shards
+            for n, v in zip(s.names, s.master_values(), strict=True)
+        }
+        optim: dict[str, Any] = {}
+        for s in self.shards:
+            assert s.opt is not None
+            for name, p, i in zip(s.names, s.params, range(len(s.params)), strict=True):
+                st: dict[str, Any] = {k: s.views(flat)[i].clone() for k, flat in s.state_host.items()}
+                if "step" in s.opt.state[p]:
+                    st["step"] = float(s.opt.state[p]["step"])
+                optim[name] = st
+        return {"model": model, "optimizer": {"per_param": optim}}
 
     def save(self, directory: Path) -> Path:
         return save_checkpoint(directory, step=self.step, state=self.state())
+
+    def _load_model(self, model: dict[str, torch.Tensor]) -> None:
+        for s in self.shards:
+            for name, view in zip(s.names, s.views(s.host), strict=True):
+                view.copy_(model[name])
 
     def resume(self, directory: Path | None) -> int:
         """Continue from the latest checkpoint in `directory`, if any; returns the step."""
         path = latest_checkpoint(directory)
         if path is None:
             return self.step
-        state = load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        for opt, s in zip(self.opts, state["optimizers"], strict=True):
-            opt.load_state_dict(s)
-        self.step = int(state["step"])
+        sd = load_checkpoint(path)
+        self._load_model(sd["model"])
+        per_param = sd["optimizer"]["per_param"]
+        for s in self.shards:
+            for name, p, i in zip(s.names, s.params, range(len(s.params)), strict=True):
+                st = per_param[name]
+                for k, flat in s.state_host.items():
+                    s.views(flat)[i].copy_(st[k])
+                if "step" in s.opt.state[p]:
+                    s.opt.state[p]["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+        self.step = int(sd["step"])
         return self.step
 
     def warm_start(self, path: Path) -> None:
-        """Start from another trial's weights (a checkpoint file or directory); fresh optimizer."""
+        """Start from another trial's weights (a checkpoint file or directory); fresh optimizer.
+        Reads this package's checkpoints and trainer/loop.py's (both keep "model" by name)."""
         if path.is_dir():
             found = latest_checkpoint(path)
             if found is None:
                 raise FileNotFoundError(f"no checkpoint in {path} to warm-start trial {self.index} from")
             path = found
-        self.model.load_state_dict(load_checkpoint(path)["model"])
+        self._load_model(load_checkpoint(path)["model"])
