@@ -24,6 +24,7 @@ import argparse
 import os
 import random
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -111,6 +112,30 @@ def run_executor(
     return wall, (cpu_s() - c0) / wall, results
 
 
+def thread_ceiling(reps: int = 300) -> tuple[float, float]:
+    """(speedup, cores used) of two threads of plain matmuls over one: the most any two-device run
+    can gain on this machine at this moment (the machine is shared; this is measured beside it)."""
+    torch.set_num_threads(1)
+    a, w = torch.randn(1024, 128), torch.randn(128, 512)
+
+    def work() -> None:
+        for _ in range(reps):
+            (a @ w).relu_()
+
+    t0 = time.perf_counter()
+    work()
+    work()
+    t_seq = time.perf_counter() - t0
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    t0, c0 = time.perf_counter(), cpu_s()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    t_par = time.perf_counter() - t0
+    return t_seq / t_par, (cpu_s() - c0) / t_par
+
+
 def real(*, n_trials: int, scale: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     jobs = real_batch(n_trials=n_trials, scale=scale)
     torch.set_num_threads(1)
@@ -133,6 +158,15 @@ def real(*, n_trials: int, scale: float) -> tuple[list[dict[str, Any]], list[dic
         ("shard alternation, FIFO, 2 devices", t_fifo, u_fifo),
     ]
     rows = [{"run": n, "wall_s": w, "cores used": u, "speedup": t_seq / w} for n, w, u in runs]
+    ceiling, ceiling_cores = thread_ceiling()
+    rows.append(
+        {
+            "run": "ceiling: 2 threads of matmuls vs 1",
+            "wall_s": float("nan"),
+            "cores used": ceiling_cores,
+            "speedup": ceiling,
+        }
+    )
     over = []
     for i, r in res.items():
         total = r["compute_s"] + r["copy_s"] + r["overhead_s"]
@@ -152,6 +186,7 @@ def real(*, n_trials: int, scale: float) -> tuple[list[dict[str, Any]], list[dic
     summary = {
         "speedup_lrtf_vs_one_at_a_time": t_seq / t_alt,
         "speedup_lrtf_vs_loop_2_threads": t_loop / t_alt,
+        "ceiling_2_threads": ceiling,
         "overhead_pct_mean": statistics.mean(o["overhead %"] for o in over),
         "overhead_pct_max": max(o["overhead %"] for o in over),
         "trial_compute_s_mean": statistics.mean(o["compute_s"] for o in over),

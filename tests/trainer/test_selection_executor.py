@@ -202,3 +202,24 @@ def test_clipping_across_shards_fails_that_trial_alone() -> None:
         and "grad_clip (1.0) needs the global gradient norm" in results[0]["error"]
     )
     assert results[1]["status"] == "succeeded"
+
+
+def test_warm_start_and_checkpoint_round_trip(tmp_path: Path, reference) -> None:  # noqa: ANN001
+    # warm start from trainer/loop.py's checkpoint: the trial's weights are the loop's, by name
+    t = ShardedTrial.build(job(0), index=0, budget_bytes=None, prefetch=True)
+    ref_dir = tmp_path / "ref"
+    train(job(0), sink=ListSink(), stop=NeverStop(), checkpoint_dir=ref_dir, device=torch.device("cpu"))
+    t.warm_start(ref_dir)
+    want = load_checkpoint(latest_checkpoint(ref_dir))["model"]
+    got = t.state()["model"]
+    assert got.keys() == want.keys() and len(t.shards) == 3
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    # save and resume keep weights, optimizer state and the step
+    t.step = 2
+    t.save(tmp_path / "ck")
+    u = ShardedTrial.build(job(0), index=0, budget_bytes=None, prefetch=True)
+    assert u.resume(tmp_path / "ck") == 2
+    a, b = t.state(), u.state()
+    torch.testing.assert_close(a["model"], b["model"])
+    torch.testing.assert_close(a["optimizer"], b["optimizer"])
