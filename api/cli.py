@@ -205,8 +205,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
+    import signal
+
     from api.stack import Stack
 
+    # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(args.root)
     stack = Stack(root=root, api_port=args.port, workers=args.workers)
     console.print(

@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     requeue_after_s: float = 600.0
     """The reconciler re-sends the message of a job queued longer than this (claims are
     idempotent, so a duplicate is harmless)."""
+    reconcile_s: float = 60.0
+    """How often each worker runs the reconciler (re-queue jobs of dead workers, re-send lost
+    messages)."""
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     cancel_grace_s: float = 30.0

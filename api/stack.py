@@ -72,6 +72,8 @@ class Stack:
     concurrency: int = 1
     quiet: bool = True
     database_url: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More SHARDYARD_* settings for every process (tests shorten the heartbeat windows)."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,6 +98,7 @@ class Stack:
             "SHARDYARD_BROKER_URL": self.broker_url,
             "SHARDYARD_DATA_DIR": str(self.root),
             "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
         }
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -206,8 +209,10 @@ class Stack:
         for name in reversed(list(self.procs)):
             proc = self.procs.pop(name)
             if proc.poll() is None:
-                # SIGTERM: Celery's warm shutdown, uvicorn's graceful stop, redis's clean exit
-                os.killpg(proc.pid, signal.SIGTERM)
+                # workers get SIGQUIT (Celery's cold shutdown: do not wait for a long job; the
+                # trainer dies with its worker and the job is re-queued at the next start);
+                # SIGTERM is uvicorn's graceful stop and redis's clean exit
+                os.killpg(proc.pid, signal.SIGQUIT if name.startswith("worker") else signal.SIGTERM)
                 try:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:

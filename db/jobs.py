@@ -193,6 +193,12 @@ def stale_queued_jobs(session: Session, *, older_than_s: float) -> list[Job]:
     return list(session.scalars(q).all())
 
 
+def orphaned_running_jobs(session: Session, *, alive: set[str]) -> list[Job]:
+    """Running jobs whose worker has no fresh heartbeat (it died or was killed)."""
+    q = select(Job).where(Job.status == JobStatus.running, Job.kind == "job")
+    return [j for j in session.scalars(q).all() if j.worker not in alive]
+
+
 # ---- metrics and events ---------------------------------------------------------------------
 
 

@@ -95,6 +95,19 @@ def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome) -> None:
             out.stderr_tail.append(line.rstrip())
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: own session (so a cancel can kill torchrun and its ranks as one
+    group), and SIGKILL when the worker process that launched it dies (Linux), so a killed worker
+    never leaves a trainer running unsupervised; the job is then re-queued by the reconciler."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -166,7 +179,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         text=True,
         bufsize=1,
         env=env,
-        start_new_session=True,  # its own process group, so a cancel can stop torchrun's ranks too
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
     )
     done = threading.Event()
     threads = [

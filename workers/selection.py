@@ -27,7 +27,7 @@ from db.selections import (
     stop_requests,
     update_trial,
 )
-from workers.execute import Outcome, _kill_group, _pump_stderr
+from workers.execute import Outcome, _die_with_parent, _kill_group, _pump_stderr
 from workers.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         str(stop_trials),
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
     )
     out = Outcome()
     done = threading.Event()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 from celery.signals import worker_ready, worker_shutdown
 from sqlalchemy.exc import OperationalError
@@ -13,7 +14,14 @@ from sqlalchemy.exc import OperationalError
 from api.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job
 from api.settings import get_settings
 from db.engine import session_for
-from db.jobs import mark_enqueued, record_heartbeat, stale_queued_jobs
+from db.jobs import (
+    live_workers,
+    mark_enqueued,
+    orphaned_running_jobs,
+    record_heartbeat,
+    requeue_job,
+    stale_queued_jobs,
+)
 from workers.celery_app import app
 from workers.devices import local_devices
 from workers.execute import execute_job
@@ -39,30 +47,38 @@ def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
 
 
 def reconcile_once() -> int:
-    """Re-send the message of every job queued for too long; the idempotent claim makes a
-    duplicate harmless. Returns how many were re-sent."""
+    """Put back in the queue every running job whose worker is gone, and re-send the message of
+    every job queued for too long; the idempotent claim makes a duplicate harmless. The trainer
+    resumes from the job's latest checkpoint. Returns how many were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
+        # three heartbeat windows of silence before a running job is taken from its worker
+        alive = {w.name for w in live_workers(s, within_s=3 * settings.worker_alive_s)}
+        orphans = orphaned_running_jobs(s, alive=alive) if alive else []
+        for job in orphans:
+            requeue_job(s, job_id=job.id, reason=f"worker {job.worker} stopped sending heartbeats")
         stale = stale_queued_jobs(s, older_than_s=settings.requeue_after_s)
-        for job in stale:
+        resend = {j.id: j for j in [*orphans, *stale]}
+        for job in resend.values():
             send_run_job(settings, job_id=job.id, queue=job.queue)
-        mark_enqueued(s, job_ids=[j.id for j in stale])
-    return len(stale)
+        mark_enqueued(s, job_ids=list(resend))
+    return len(resend)
 
 
 def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
     settings = get_settings()
     devices = local_devices()
-    ticks = 0
+    last_reconcile = 0.0
     while True:
         try:
             with session_for(settings.database_url) as s:
                 record_heartbeat(s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices)
-            if ticks % 12 == 0 and (n := reconcile_once()):
-                log.warning("re-sent %d queued job(s) whose message may have been lost", n)
+            if time.monotonic() - last_reconcile > settings.reconcile_s:
+                last_reconcile = time.monotonic()
+                if n := reconcile_once():
+                    log.warning("re-sent %d job(s): lost message or dead worker", n)
         except Exception:  # noqa: BLE001 - keep beating
             log.exception("heartbeat failed")
-        ticks += 1
         if stop.wait(settings.heartbeat_s):
             return
 
