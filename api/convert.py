@@ -25,7 +25,7 @@ def job_public(job: Job) -> JobPublic:
         result=job.result,
         spec=job.spec,
         cancel_requested=job.cancel_requested,
-        progress=Progress(step=job.step, steps=job.steps),
+        progress=Progress(step=job.step, steps=job.steps, loss=job.last_loss),
         selection_id=job.selection_id,
     )
 

@@ -136,6 +136,7 @@ class JobSpec(Strict):
 class Progress(BaseModel):
     step: int
     steps: int
+    loss: float | None = None
 
 
 class JobPublic(BaseModel):

@@ -214,6 +214,9 @@ def add_metric_points(
     ).all()
     top = max(p[0] for p in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < top).values(step=top))
+    losses = [p for p in points if p[1] == "loss"]
+    if losses:
+        session.execute(update(Job).where(Job.id == job_id).values(last_loss=max(losses)[2]))
     session.commit()
     return list(ids)
 

@@ -59,6 +59,8 @@ class Job(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     """Last training step reported (progress)."""
     steps: Mapped[int] = mapped_column(Integer, default=0)
+    last_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    """Latest training loss reported (the jobs table shows it live)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     enqueued_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
