@@ -72,7 +72,7 @@ export interface Timeline {
   bubble_simulated: number | null;
 }
 
-export type TrialStatus = "queued" | "running" | "succeeded" | "stopped_early" | "failed" | "cancelled";
+export type TrialStatus = "queued" | "running" | "succeeded" | "stopped_early" | "stopped" | "failed" | "cancelled";
 
 export interface Trial {
   id: number;
@@ -85,6 +85,7 @@ export interface Trial {
   best_metric: number | null;
   stopped_early: boolean;
   job_id: number | null;
+  warm_start_from?: number | null;
 }
 
 export type SpaceEntry = { low: number; high: number; log?: boolean } | (number | string | boolean)[];
@@ -175,4 +176,5 @@ export function subscribe(
   return es;
 }
 
-export const TERMINAL: ReadonlySet<string> = new Set(["succeeded", "failed", "cancelled", "stopped_early"]);
+/** Final states of jobs, batches and trials (a trial also ends stopped early by ASHA, or stopped by a user). */
+export const TERMINAL: ReadonlySet<string> = new Set(["succeeded", "failed", "cancelled", "stopped_early", "stopped"]);

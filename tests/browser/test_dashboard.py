@@ -8,6 +8,8 @@ Needs `frontend/dist` built (`cd frontend && npm ci && npm run build`) and /usr/
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +201,87 @@ def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) ->
     row.locator("button[data-cancel]").click()
     expect(row).to_have_attribute("data-status", "cancelled", timeout=60_000)
     assert stack.wait(job_id, statuses=("cancelled",), timeout=60)["status"] == "cancelled"
+
+
+def wait_selection(stack, sid: int, timeout: float = 240) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sel = httpx.get(f"{stack.base_url}/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            return sel
+        time.sleep(0.3)
+    raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s")
+
+
+def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Page) -> None:
+    body = {
+        "name": "browser-lr",
+        "base": spec(steps=24, eval_every=4),
+        "space": {"train.lr": [1e-3, 3e-3, 1e-2]},
+        "method": "grid",
+        "devices": 2,
+    }
+    resp = httpx.post(f"{stack.base_url}/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    page.goto(f"{stack.base_url}/#/selections/{sid}")
+    expect(page.locator("#selection-header h1")).to_contain_text("browser-lr")
+    expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)
+    done = wait_selection(stack, sid)
+    trials = {t["id"]: t for t in done["trials"]}
+
+    # leaderboard: one row per trial, best first, ranked as the server ranks them
+    rows = page.locator("#leaderboard tbody tr")
+    expect(rows).to_have_count(3)
+    expect(rows.first).to_have_attribute("data-trial-id", str(done["leaderboard"][0]))
+    # sortable: best val_loss ascending, then descending
+    header = page.locator('#leaderboard th[data-sort="best"]')
+    header.click()
+    ids = [int(i) for i in rows.evaluate_all("rs => rs.map(r => r.dataset.trialId)")]
+    best = [trials[i]["best_metric"] for i in ids]
+    assert best == sorted(best)
+    header.click()
+    ids = [int(i) for i in rows.evaluate_all("rs => rs.map(r => r.dataset.trialId)")]
+    assert [trials[i]["best_metric"] for i in ids] == sorted(best, reverse=True)
+
+    # the curves chart holds every trial's stored val_loss series, one line per trial
+    want = {
+        tid: httpx.get(
+            f"{stack.base_url}/api/jobs/{t['job_id']}/metrics", params={"names": "val_loss"}
+        ).json()["series"]["val_loss"]["steps"]
+        for tid, t in trials.items()
+    }
+    assert all(len(s) == 24 // 4 for s in want.values())
+    expect(page.locator("#curves-chart")).to_have_attribute(
+        "data-points", str(sum(len(s) for s in want.values())), timeout=10_000
+    )
+    labels = page.evaluate(
+        "() => document.querySelector('#curves-chart').uplot.series.slice(1).map(s => s.label)"
+    )
+    assert sorted(labels) == sorted(f"trial {t['index']}" for t in trials.values())
+
+    # parallel coordinates: an axis per hyperparameter plus the metric, a line per trial
+    pc = page.locator("#parcoords svg")
+    expect(pc.locator(".pc-label")).to_have_text(["train.lr", "best val_loss"])
+    expect(pc.locator("polyline.trial-line")).to_have_count(3)
+
+    # grow the finished batch from the page with a long trial, then stop that trial from its row
+    page.locator("#add-trials-input").fill(json.dumps([{"train.lr": 2e-3, "train.steps": 100_000}]))
+    page.get_by_role("button", name="Add trials").click()
+    expect(page.locator("#selection-result")).to_have_class("ok", timeout=15_000)
+    expect(rows).to_have_count(4, timeout=15_000)
+    added = [
+        t
+        for t in httpx.get(f"{stack.base_url}/api/selections/{sid}").json()["trials"]
+        if t["id"] not in trials
+    ]
+    assert len(added) == 1
+    new_id = added[0]["id"]
+    new = page.locator(f'#leaderboard tbody tr[data-trial-id="{new_id}"]')
+    new.locator("button[data-stop]").click()
+    expect(new).to_have_attribute("data-status", re.compile("stopped|cancelled"), timeout=120_000)
+    final = wait_selection(stack, sid)
+    grown = [t for t in final["trials"] if t["id"] not in trials]
+    assert len(grown) == 1 and grown[0]["status"] in ("stopped", "cancelled")
+    assert grown[0]["steps_done"] < 100_000
+    page.screenshot(path="/tmp/dashboard-selection.png", full_page=True)
