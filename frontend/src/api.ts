@@ -72,7 +72,8 @@ export interface Timeline {
   bubble_simulated: number | null;
 }
 
-export type TrialStatus = "queued" | "running" | "succeeded" | "stopped_early" | "stopped" | "failed" | "cancelled";
+export type TrialStatus =
+  "queued" | "running" | "succeeded" | "stopped_early" | "stopped" | "failed" | "cancelled";
 
 export interface Trial {
   id: number;
@@ -100,8 +101,20 @@ export interface Selection {
   created_at: string | null;
   finished_at: string | null;
   space: Record<string, SpaceEntry>;
+  /** The submitted request; `base` is the JobSpec every trial starts from. */
+  request?: { base?: Record<string, unknown> };
   trials?: Trial[];
   leaderboard?: number[];
+}
+
+/** A dotted JobSpec path ("train.lr") looked up in a spec; undefined when absent. */
+export function lookup(spec: Record<string, unknown> | undefined, path: string): unknown {
+  let cur: unknown = spec;
+  for (const part of path.split(".")) {
+    if (cur === null || typeof cur !== "object") return undefined;
+    cur = (cur as Record<string, unknown>)[part];
+  }
+  return cur;
 }
 
 export interface Page<T> {
@@ -177,4 +190,10 @@ export function subscribe(
 }
 
 /** Final states of jobs, batches and trials (a trial also ends stopped early by ASHA, or stopped by a user). */
-export const TERMINAL: ReadonlySet<string> = new Set(["succeeded", "failed", "cancelled", "stopped_early", "stopped"]);
+export const TERMINAL: ReadonlySet<string> = new Set([
+  "succeeded",
+  "failed",
+  "cancelled",
+  "stopped_early",
+  "stopped",
+]);

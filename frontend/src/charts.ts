@@ -61,7 +61,8 @@ export class StepChart {
     el.dataset.points = "0";
     this.resize = new ResizeObserver(() => {
       const w = el.clientWidth;
-      if (w > 0 && Math.abs(w - this.plot.width) > 2) this.plot.setSize({ width: w, height: this.plot.height });
+      if (w > 0 && Math.abs(w - this.plot.width) > 2)
+        this.plot.setSize({ width: w, height: this.plot.height });
     });
     this.resize.observe(el);
   }

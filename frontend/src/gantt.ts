@@ -60,8 +60,18 @@ export function gantt(
   // rows and their labels
   for (let r = 0; r < ranks; r++) {
     root.append(
-      svg("rect", { x: LEFT, y: r * ROW, width: W - LEFT - RIGHT, height: ROW, class: r % 2 ? "row odd" : "row" }),
-      svg("text", { x: LEFT - 6, y: r * ROW + ROW / 2 + 4, "text-anchor": "end", class: "rank" }, `rank ${r}`),
+      svg("rect", {
+        x: LEFT,
+        y: r * ROW,
+        width: W - LEFT - RIGHT,
+        height: ROW,
+        class: r % 2 ? "row odd" : "row",
+      }),
+      svg(
+        "text",
+        { x: LEFT - 6, y: r * ROW + ROW / 2 + 4, "text-anchor": "end", class: "rank" },
+        `rank ${r}`,
+      ),
     );
   }
 
@@ -76,7 +86,9 @@ export function gantt(
       svg("text", { x: tx, y: axisY + 16, "text-anchor": "middle", class: "tick-label" }, fmtTick(t * scale)),
     );
   }
-  root.append(svg("text", { x: W - RIGHT, y: axisY + 27, "text-anchor": "end", class: "tick-label" }, suffix));
+  root.append(
+    svg("text", { x: W - RIGHT, y: axisY + 27, "text-anchor": "end", class: "tick-label" }, suffix),
+  );
 
   for (const a of actions) {
     const bx = x(a.start);
@@ -102,7 +114,11 @@ export function gantt(
     // the micro-batch number only where it fits
     if (a.mb !== null && a.mb !== undefined && bw >= 11) {
       g.append(
-        svg("text", { x: bx + bw / 2, y: a.rank * ROW + ROW / 2 + 4, "text-anchor": "middle", class: "mb" }, String(a.mb)),
+        svg(
+          "text",
+          { x: bx + bw / 2, y: a.rank * ROW + ROW / 2 + 4, "text-anchor": "middle", class: "mb" },
+          String(a.mb),
+        ),
       );
     }
     root.append(g);

@@ -47,7 +47,8 @@ async function health(): Promise<void> {
   const el = document.getElementById("health")!;
   try {
     const hl = await api<Health>("/api/health");
-    const dot = (ok: boolean, name: string) => h("span", { class: ok ? "ok" : "bad", title: name }, `● ${name}`);
+    const dot = (ok: boolean, name: string) =>
+      h("span", { class: ok ? "ok" : "bad", title: name }, `● ${name}`);
     const workers = hl.workers ?? [];
     el.replaceChildren(
       dot(hl.db?.ok, "db"),
@@ -56,7 +57,9 @@ async function health(): Promise<void> {
         "span",
         {
           class: workers.length ? "ok" : "bad",
-          title: workers.map((w) => `${w.name}: ${JSON.stringify(w.devices)} (seen ${fmtTime(w.last_seen)})`).join("\n"),
+          title: workers
+            .map((w) => `${w.name}: ${JSON.stringify(w.devices)} (seen ${fmtTime(w.last_seen)})`)
+            .join("\n"),
         },
         `● ${workers.length} worker${workers.length === 1 ? "" : "s"}`,
       ),

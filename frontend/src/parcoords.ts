@@ -1,7 +1,7 @@
 // Parallel coordinates of a selection's trials, built as SVG from data: one vertical axis per
 // hyperparameter plus one for the metric, one polyline per trial, coloured from best to worst.
 // The npm parallel-coordinates packages pull in all of d3 for what is a few dozen lines here.
-import type { SpaceEntry, Trial } from "./api";
+import { lookup, type SpaceEntry, type Trial } from "./api";
 import { svg } from "./dom";
 
 const H = 300;
@@ -24,14 +24,18 @@ export function parallelCoordinates(opts: {
   space: Record<string, SpaceEntry>;
   metric: string;
   mode: "min" | "max";
+  /** The batch's base JobSpec: a trial without a parameter (added later with extra keys) has its value. */
+  base?: Record<string, unknown>;
 }): SVGElement {
-  const { trials, space, metric, mode } = opts;
+  const { trials, space, metric, mode, base } = opts;
   const keys = [...new Set([...Object.keys(space), ...trials.flatMap((t) => Object.keys(t.params))])];
+  const param = (t: Trial, k: string): Value | undefined =>
+    t.params[k] ?? (lookup(base, k) as Value | undefined);
   const axes: Axis[] = keys.map((k) =>
     makeAxis(
       k,
       k,
-      trials.map((t) => t.params[k]),
+      trials.map((t) => param(t, k)),
       space[k],
     ),
   );
@@ -46,12 +50,21 @@ export function parallelCoordinates(opts: {
 
   // about 240 px between axes, drawn at natural size (shrinks on narrow screens, never grows)
   const W = Math.max(640, 2 * SIDE + 240 * (axes.length - 1));
-  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "parcoords", role: "img", "aria-label": "parallel coordinates" });
+  const root = svg("svg", {
+    viewBox: `0 0 ${W} ${H}`,
+    width: W,
+    height: H,
+    class: "parcoords",
+    role: "img",
+    "aria-label": "parallel coordinates",
+  });
   const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - 2 * SIDE)) / (axes.length - 1) : 0);
   const ay = (p: number) => TOP + (1 - p) * (H - TOP - BOTTOM);
 
   // colour by rank of the best metric so the winners stand out whatever the spread of values
-  const scored = trials.filter((t) => t.best_metric !== null).sort((a, b) => (a.best_metric! - b.best_metric!) * (mode === "min" ? 1 : -1));
+  const scored = trials
+    .filter((t) => t.best_metric !== null)
+    .sort((a, b) => (a.best_metric! - b.best_metric!) * (mode === "min" ? 1 : -1));
   const rank = new Map(scored.map((t, i) => [t.id, scored.length > 1 ? i / (scored.length - 1) : 0]));
 
   // draw worst first so the best lines sit on top
@@ -59,7 +72,7 @@ export function parallelCoordinates(opts: {
   for (const t of order) {
     const pts: string[] = [];
     axes.forEach((a, i) => {
-      const p = a.pos(a.key === "__metric" ? t.best_metric : t.params[a.key]);
+      const p = a.pos(a.key === "__metric" ? t.best_metric : param(t, a.key));
       if (p !== null) pts.push(`${ax(i).toFixed(1)},${ay(p).toFixed(1)}`);
     });
     if (pts.length < 2) continue;
@@ -73,7 +86,13 @@ export function parallelCoordinates(opts: {
     const params = Object.entries(t.params)
       .map(([k, v]) => `${k}=${v}`)
       .join(", ");
-    line.append(svg("title", {}, `trial ${t.index}: ${params} → ${metric} ${t.best_metric ?? "—"}${t.stopped_early ? " (stopped early)" : ""}`));
+    line.append(
+      svg(
+        "title",
+        {},
+        `trial ${t.index}: ${params} → ${metric} ${t.best_metric ?? "—"}${t.stopped_early ? " (stopped early)" : ""}`,
+      ),
+    );
     root.append(line);
   }
 
@@ -91,10 +110,16 @@ export function parallelCoordinates(opts: {
   return root;
 }
 
-function makeAxis(key: string, label: string, values: (Value | null | undefined)[], entry: SpaceEntry | undefined): Axis {
+function makeAxis(
+  key: string,
+  label: string,
+  values: (Value | null | undefined)[],
+  entry: SpaceEntry | undefined,
+): Axis {
   const present = values.filter((v): v is Value => v !== null && v !== undefined);
   const choices = Array.isArray(entry) ? entry : null;
-  const numeric = present.every((v) => typeof v === "number") && (!choices || choices.every((c) => typeof c === "number"));
+  const numeric =
+    present.every((v) => typeof v === "number") && (!choices || choices.every((c) => typeof c === "number"));
 
   if (!numeric) {
     // categorical: spread the choices evenly
@@ -112,7 +137,8 @@ function makeAxis(key: string, label: string, values: (Value | null | undefined)
   const range = entry && !Array.isArray(entry) ? entry : null;
   let lo = Math.min(...nums, ...(range ? [range.low] : []));
   let hi = Math.max(...nums, ...(range ? [range.high] : []));
-  const log = Boolean(range?.log) && lo > 0;
+  // log scale when the space says so, or for a list of positive choices spanning decades (lr grids)
+  const log = lo > 0 && (range ? Boolean(range.log) : hi / lo >= 20);
   const f = log ? Math.log10 : (v: number) => v;
   if (!Number.isFinite(lo)) [lo, hi] = [0, 1];
   const flo = f(lo);
@@ -121,7 +147,9 @@ function makeAxis(key: string, label: string, values: (Value | null | undefined)
     if (typeof v !== "number") return null;
     return fhi > flo ? (f(v) - flo) / (fhi - flo) : 0.5;
   };
-  const tickValues = choices ? [...new Set(choices as number[])] : [lo, log ? 10 ** ((flo + fhi) / 2) : (lo + hi) / 2, hi];
+  const tickValues = choices
+    ? [...new Set(choices as number[])]
+    : [lo, log ? 10 ** ((flo + fhi) / 2) : (lo + hi) / 2, hi];
   return {
     key,
     label: log ? `${label} (log)` : label,

@@ -1,5 +1,15 @@
 // One job: header, live loss and throughput charts, logs, and the pipeline Gantt chart.
-import { api, ApiError, type Job, type LogLine, type Metrics, post, subscribe, TERMINAL, type Timeline } from "../api";
+import {
+  api,
+  ApiError,
+  type Job,
+  type LogLine,
+  type Metrics,
+  post,
+  subscribe,
+  TERMINAL,
+  type Timeline,
+} from "../api";
 import { StepChart } from "../charts";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
 import { gantt, ganttLegend } from "../gantt";
@@ -76,14 +86,24 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         { class: "facts" },
         fact("worker", j.worker ?? "—"),
         fact("attempts", j.attempts),
-        fact("progress", h("span", { id: "job-progress" }, j.progress ? `${j.progress.step}/${j.progress.steps}` : "—")),
+        fact(
+          "progress",
+          h("span", { id: "job-progress" }, j.progress ? `${j.progress.step}/${j.progress.steps}` : "—"),
+        ),
         fact("loss", h("span", { id: "job-loss" }, fmtNum(jobLoss(j)))),
         fact("created", fmtTime(j.created_at)),
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
       ),
       j.error ? h("pre", { class: "error", id: "job-error" }, j.error) : null,
-      j.result ? h("details", { open: true }, h("summary", {}, "result"), h("pre", { id: "job-result" }, JSON.stringify(j.result, null, 2))) : null,
+      j.result
+        ? h(
+            "details",
+            { open: true },
+            h("summary", {}, "result"),
+            h("pre", { id: "job-result" }, JSON.stringify(j.result, null, 2)),
+          )
+        : null,
       h("details", {}, h("summary", {}, "spec"), h("pre", {}, JSON.stringify(j.spec, null, 2))),
     );
   };
@@ -107,7 +127,11 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     const p = job.spec.parallel.pipeline;
     pipeline.hidden = false;
     pipeline.className = "card";
-    const title = h("h2", {}, `Pipeline: ${p.schedule}, ${p.stages} stages × ${p.microbatches} micro-batches`);
+    const title = h(
+      "h2",
+      {},
+      `Pipeline: ${p.schedule}, ${p.stages} stages × ${p.microbatches} micro-batches`,
+    );
     try {
       const tl = await api<Timeline>(`/api/jobs/${id}/timeline`);
       pipeline.replaceChildren(title, timelineView(tl));
@@ -178,10 +202,19 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
 }
 
-
 function timelineView(tl: Timeline): HTMLElement {
-  const ranks = Math.max(tl.stages, ...tl.executed.map((a) => a.rank + 1), ...tl.simulated.map((a) => a.rank + 1));
-  const panel = (title: string, id: string, acts: Timeline["executed"], bubble: number | null, unit: "s" | "cost") =>
+  const ranks = Math.max(
+    tl.stages,
+    ...tl.executed.map((a) => a.rank + 1),
+    ...tl.simulated.map((a) => a.rank + 1),
+  );
+  const panel = (
+    title: string,
+    id: string,
+    acts: Timeline["executed"],
+    bubble: number | null,
+    unit: "s" | "cost",
+  ) =>
     h(
       "figure",
       { class: "gantt-panel", id },

@@ -48,7 +48,11 @@ export function jobsPage(root: HTMLElement): () => void {
         "td",
         {},
         active && !job.cancel_requested
-          ? h("button", { class: "small danger", "data-cancel": job.id, onclick: () => cancel(job.id) }, "Cancel")
+          ? h(
+              "button",
+              { class: "small danger", "data-cancel": job.id, onclick: () => cancel(job.id) },
+              "Cancel",
+            )
           : null,
       ),
     );
@@ -163,7 +167,11 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
       h("button", { type: "submit" }, "Submit job"),
       h(
         "button",
-        { type: "button", class: "secondary", onclick: () => (text.value = JSON.stringify(DEFAULT_SPEC, null, 2)) },
+        {
+          type: "button",
+          class: "secondary",
+          onclick: () => (text.value = JSON.stringify(DEFAULT_SPEC, null, 2)),
+        },
         "Reset",
       ),
     ),

@@ -1,5 +1,15 @@
 // Model-selection batches: the list, and one batch's leaderboard, curves and parallel coordinates.
-import { api, type Metrics, type Page, post, type Selection, subscribe, TERMINAL, type Trial } from "../api";
+import {
+  api,
+  lookup,
+  type Metrics,
+  type Page,
+  post,
+  type Selection,
+  subscribe,
+  TERMINAL,
+  type Trial,
+} from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
 import { parallelCoordinates } from "../parcoords";
@@ -14,7 +24,11 @@ export function selectionsPage(root: HTMLElement): () => void {
       h(
         "thead",
         {},
-        h("tr", {}, ...["id", "name", "status", "metric", "scheduler", "trials", "created"].map((c) => h("th", {}, c))),
+        h(
+          "tr",
+          {},
+          ...["id", "name", "status", "metric", "scheduler", "trials", "created"].map((c) => h("th", {}, c)),
+        ),
       ),
       tbody,
     ),
@@ -39,7 +53,8 @@ export function selectionsPage(root: HTMLElement): () => void {
             ),
           ),
       );
-      if (!page.items.length) tbody.append(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No selections yet.")));
+      if (!page.items.length)
+        tbody.append(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No selections yet.")));
     } catch (err) {
       tbody.replaceChildren(h("tr", {}, h("td", { colspan: 7, class: "error" }, errorText(err))));
     }
@@ -67,7 +82,11 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       "form",
       { class: "card", id: "add-trials-form", onsubmit: (ev: Event) => void addTrials(ev) },
       h("h2", {}, "Add trials"),
-      h("label", { for: "add-trials-input", class: "muted" }, 'A JSON list of parameter sets, e.g. [{"train.lr": 0.001}]'),
+      h(
+        "label",
+        { for: "add-trials-input", class: "muted" },
+        'A JSON list of parameter sets, e.g. [{"train.lr": 0.001}]',
+      ),
       addText,
       h("div", { class: "form-row" }, h("button", { type: "submit" }, "Add trials")),
       actionsOut,
@@ -93,7 +112,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   const loadCurve = async (t: Trial) => {
     if (t.job_id === null || !chart) return;
-    const m = await api<Metrics>(`/api/jobs/${t.job_id}/metrics?names=${metric()}&max_points=1000`).catch(() => null);
+    const m = await api<Metrics>(`/api/jobs/${t.job_id}/metrics?names=${metric()}&max_points=1000`).catch(
+      () => null,
+    );
     chart?.addSeries(lineKey(t), m?.series[metric()]);
   };
 
@@ -113,7 +134,12 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     return new Map([...ids, ...scored.map((t) => t.id)].map((tid, i) => [tid, i + 1]));
   };
 
-  const paramKeys = () => [...new Set([...Object.keys(sel?.space ?? {}), ...[...trials.values()].flatMap((t) => Object.keys(t.params))])];
+  const paramKeys = () => [
+    ...new Set([
+      ...Object.keys(sel?.space ?? {}),
+      ...[...trials.values()].flatMap((t) => Object.keys(t.params)),
+    ]),
+  ];
 
   const renderBoard = () => {
     const rank = ranking();
@@ -122,7 +148,12 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       { key: "rank", label: "#", value: (t) => rank.get(t.id) ?? null },
       { key: "index", label: "trial", value: (t) => t.index },
       { key: "status", label: "status", value: (t) => t.status },
-      ...keys.map((k) => ({ key: `p:${k}`, label: k, value: (t: Trial) => (t.params[k] ?? null) as number | string | null })),
+      // a trial without the parameter (one added later with extra keys) runs the base spec's value
+      ...keys.map((k) => ({
+        key: `p:${k}`,
+        label: k,
+        value: (t: Trial) => (t.params[k] ?? lookup(sel?.request?.base, k) ?? null) as number | string | null,
+      })),
       { key: "steps", label: "steps", value: (t) => t.steps_done },
       { key: "last", label: `last ${metric()}`, value: (t) => t.last_metric },
       { key: "best", label: `best ${metric()}`, value: (t) => t.best_metric },
@@ -136,7 +167,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
           "data-sort": c.key,
           class: c.key === sort.col ? (sort.dir === 1 ? "sorted asc" : "sorted desc") : "",
           onclick: () => {
-            sort = { col: c.key, dir: sort.col === c.key ? ((-sort.dir) as 1 | -1) : 1 };
+            sort = { col: c.key, dir: sort.col === c.key ? (-sort.dir as 1 | -1) : 1 };
             renderBoard();
           },
         },
@@ -155,7 +186,11 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
               const v = c.value(t);
               if (c.key === "status") return h("td", {}, badge(t.status));
               if (c.key === "steps") return h("td", {}, progressBar(t.steps_done, t.steps_total));
-              return h("td", { class: typeof v === "number" ? "num" : "" }, typeof v === "number" ? fmtNum(v) : (v ?? "—"));
+              return h(
+                "td",
+                { class: typeof v === "number" ? "num" : "" },
+                typeof v === "number" ? fmtNum(v) : (v ?? "—"),
+              );
             }),
             h("td", {}, t.job_id !== null ? h("a", { href: `#/jobs/${t.job_id}` }, `#${t.job_id}`) : "—"),
             h(
@@ -163,7 +198,11 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
               {},
               TERMINAL.has(t.status)
                 ? null
-                : h("button", { class: "small danger", "data-stop": t.id, onclick: () => void stopTrial(t.id) }, "Stop"),
+                : h(
+                    "button",
+                    { class: "small danger", "data-stop": t.id, onclick: () => void stopTrial(t.id) },
+                    "Stop",
+                  ),
             ),
           ),
         ),
@@ -183,7 +222,11 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         badge(s.status),
         TERMINAL.has(s.status)
           ? null
-          : h("button", { class: "small danger", id: "cancel-selection", onclick: () => void cancelBatch() }, "Cancel batch"),
+          : h(
+              "button",
+              { class: "small danger", id: "cancel-selection", onclick: () => void cancelBatch() },
+              "Cancel batch",
+            ),
       ),
       h(
         "dl",
@@ -200,7 +243,15 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   const renderParcoords = () => {
     if (!sel) return;
-    pcEl.replaceChildren(parallelCoordinates({ trials: [...trials.values()], space: sel.space, metric: sel.metric, mode: sel.mode }));
+    pcEl.replaceChildren(
+      parallelCoordinates({
+        trials: [...trials.values()],
+        space: sel.space,
+        metric: sel.metric,
+        mode: sel.mode,
+        base: sel.request?.base,
+      }),
+    );
   };
 
   // trial events come in bursts (every trial at each rung); redraw the tables once per burst
@@ -235,7 +286,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     }
   };
 
-  const stopTrial = (tid: number) => act(`stop trial ${tid}`, () => post(`/api/selections/${id}/trials/${tid}/stop`));
+  const stopTrial = (tid: number) =>
+    act(`stop trial ${tid}`, () => post(`/api/selections/${id}/trials/${tid}/stop`));
   const cancelBatch = () => act("cancel batch", () => post(`/api/selections/${id}/cancel`));
   const addTrials = async (ev: Event) => {
     ev.preventDefault();
@@ -247,7 +299,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       actionsOut.textContent = `Not valid JSON: ${errorText(err)}`;
       return;
     }
-    await act("add trials", () => post(`/api/selections/${id}/trials`, { params: Array.isArray(params) ? params : [params] }));
+    await act("add trials", () =>
+      post(`/api/selections/${id}/trials`, { params: Array.isArray(params) ? params : [params] }),
+    );
   };
 
   const start = async () => {
@@ -258,7 +312,12 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       return;
     }
     if (closed) return;
-    chart = new StepChart(curvesEl, { title: `${sel.metric} per trial`, yLabel: sel.metric, lines: [], height: 300 });
+    chart = new StepChart(curvesEl, {
+      title: `${sel.metric} per trial`,
+      yLabel: sel.metric,
+      lines: [],
+      height: 300,
+    });
     const first = sel.trials?.[0];
     addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
     for (const t of sel.trials ?? []) upsertTrial(t);
