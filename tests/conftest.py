@@ -65,7 +65,7 @@ class StackHandle:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     root = tmp_path_factory.mktemp("stack")
-    st = Stack(root=root, workers=1, concurrency=2)
+    st = Stack(root=root, workers=1, concurrency=2, extra_env={"SHARDYARD_SSE_KEEPALIVE_S": "1"})
     try:
         st.start()
     except Exception:
