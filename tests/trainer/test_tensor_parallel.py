@@ -252,12 +252,26 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
 
 
 def _job(tensor: TensorConfig | None) -> JobConfig:
+    # grad_clip is small enough to clip every step: the sharded global norm must match the dense one
     return JobConfig(
         model=ModelConfig(layers=2, d_model=32, heads=4, seq_len=16, mlp_ratio=2),
         data=DataConfig(max_chars=20_000),
-        train=TrainConfig(steps=4, batch_size=4, lr=1e-2, seed=3, eval_every=2, eval_batches=2),
+        train=TrainConfig(
+            steps=4, batch_size=4, lr=1e-2, seed=3, eval_every=2, eval_batches=2, grad_clip=0.5
+        ),
         parallel=ParallelConfig(tensor=tensor),
     )
+
+
+class StopAfter:
+    """Asks to stop once `n` steps have been checked (only rank 0's answer counts)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def requested(self) -> bool:
+        self.calls += 1
+        return self.calls > self.n
 
 
 def _train_task(tensor: TensorConfig) -> dict[str, Any]:
@@ -273,14 +287,37 @@ def _train_task(tensor: TensorConfig) -> dict[str, Any]:
     }
 
 
-TASKS: dict[str, Callable[[TensorConfig], dict[str, Any]]] = {"layers": _layers_task, "train": _train_task}
+def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dict[str, Any]:
+    """Stopped after 2 of 4 steps, then resumed from the per-rank checkpoints."""
+    from pathlib import Path
+
+    from trainer.tensor.job import train_tensor
+
+    assert checkpoint_dir is not None
+    first, second = ListSink(), ListSink()
+    r1 = train_tensor(_job(tensor), sink=first, stop=StopAfter(2), checkpoint_dir=Path(checkpoint_dir))
+    r2 = train_tensor(_job(tensor), sink=second, stop=NeverStop(), checkpoint_dir=Path(checkpoint_dir))
+    return {
+        "first": {"loss": first.series("loss"), "stopped": r1["stopped"], "steps": r1["steps"]},
+        "second": {"loss": second.series("loss"), "steps": r2["steps"], "logs": second.logs},
+    }
 
 
-def _run_tasks(rank: int, world_size: int, tasks: list[tuple[str, str, TensorConfig]]) -> dict[str, Any]:
+TASKS: dict[str, Callable[..., dict[str, Any]]] = {
+    "layers": _layers_task,
+    "train": _train_task,
+    "resume": _resume_task,
+}
+
+
+def _run_tasks(
+    rank: int, world_size: int, tasks: list[tuple[str, str, TensorConfig]], checkpoint_dir: str | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind, tensor in tasks:
         try:
-            out[key] = ("ok", TASKS[kind](tensor))
+            extra = {"checkpoint_dir": checkpoint_dir} if kind == "resume" else {}
+            out[key] = ("ok", TASKS[kind](tensor, **extra))
         except Exception:  # noqa: BLE001 - reported by the test that reads this key
             out[key] = ("error", traceback.format_exc())
             break  # the other ranks may now be inside a collective this rank will never join
@@ -291,14 +328,16 @@ def _run_tasks(rank: int, world_size: int, tasks: list[tuple[str, str, TensorCon
 
 
 @pytest.fixture(scope="module")
-def ranks4() -> list[dict[str, Any]]:
+def ranks4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tasks = [
         ("1d-P4", "layers", TP_1D_4),
         ("2d-P4", "layers", TP_2D),
         ("train-1d", "train", TP_1D_4),
         ("train-2d", "train", TP_2D),
+        ("resume-2d", "resume", TP_2D),
     ]
-    return run_ranks(_run_tasks, world_size=4, args=(tasks,), timeout_s=300)
+    ckpt = str(tmp_path_factory.mktemp("tp-ckpt"))
+    return run_ranks(_run_tasks, world_size=4, args=(tasks, ckpt), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -371,3 +410,18 @@ def test_training_matches_dense(
     summary = rank0["comm"]
     assert summary["steps"] == 4 and len(summary["per_rank"]) == world
     assert all(row["total"]["calls"] > 0 for row in summary["per_rank"])
+
+
+@pytest.mark.slow
+def test_stop_and_resume_from_per_rank_checkpoints(
+    ranks4: list[dict[str, Any]], dense_losses: ListSink
+) -> None:
+    out = _task(ranks4, "resume-2d")
+    for value in out:  # every rank left at the same step, because should_stop broadcasts rank 0's answer
+        assert value["first"]["stopped"] and value["first"]["steps"] == 2
+        assert value["second"]["steps"] == 4
+    rank0 = out[0]
+    assert any("resumed from" in line for line in rank0["second"]["logs"])
+    assert_close(
+        rank0["first"]["loss"] + rank0["second"]["loss"], dense_losses.series("loss"), rtol=1e-5, atol=1e-5
+    )
