@@ -86,7 +86,7 @@ def state_bytes_per_param(*, optimizer: str, momentum: float = 0.0, offload: boo
 
 def offload_bucket_bytes(total_params: int) -> int:
     """The offloaded optimizer's device bucket buffers (trainer/spill/engine.default_bucket_numel)."""
-    bucket_numel = max(1024, min(4 * 2**20, total_params // 64))
+    bucket_numel = max(1024, min(4 * 2**20, total_params // 128))
     return 2 * 5 * FP32 * bucket_numel
 
 
