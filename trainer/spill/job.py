@@ -24,7 +24,7 @@ from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params
 from trainer.protocol import MetricsSink, StopSignal, should_stop
 from trainer.spill.engine import SpillEngine, default_bucket_numel
-from trainer.spill.ledger import DeviceLedger, MiB
+from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import DTYPES, bucket_bytes
 from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, state_bytes_per_param
 
@@ -103,8 +103,10 @@ def train_spilled(
     spill = job.parallel.spill
     budget = int(spill.device_budget_mb * MiB) if spill is not None else None
     ledger = DeviceLedger(budget_bytes=budget)
+    base = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     engine = SpillEngine(
         model,
         plan=plan,
@@ -200,6 +202,10 @@ def train_spilled(
         **shard_info,
         "ledger_peak_mb": ledger.peak / MiB,
     }
+    if device.type == "cuda":
+        # the ledger beside the allocator: what the engine does not hold (autograd transients,
+        # workspaces, allocator rounding) shows up as untracked_mb
+        result.update(cuda_check(ledger, device=device, baseline_bytes=base))
     if engine.opt is not None:
         result["loss_scale"] = engine.opt.scaler.scale
         result["skipped_steps"] = engine.opt.scaler.skipped_steps
