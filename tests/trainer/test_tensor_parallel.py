@@ -303,10 +303,73 @@ def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dic
     }
 
 
+def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
+    """2 pipeline stages x 2-way 1d on 4 ranks, rank = stage*2 + tp: trainer/pipeline's executor runs
+    1F1B over 2 micro-batches, each stage's layers are 1d-sharded over its 2 ranks. Two optimizer
+    steps; the losses and every shard's gradient must equal the dense full-batch ones."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.loop import build_optimizer
+    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.schedules import build_schedule
+    from trainer.pipeline.stage import build_stages, stage_bounds
+    from trainer.tensor.mesh import tensor_mesh
+
+    checks = Checks()
+    dm = init_device_mesh("cpu", (2, tensor.size), mesh_dim_names=("pp", "tp"))
+    stage = dm.get_local_rank("pp")
+    tp = tensor_mesh(dm["tp"])
+    pipe_ranks = dist.get_process_group_ranks(dm.get_group("pp"))
+    job = _job(TensorConfig(mode="1d", size=tensor.size))
+    cfg, n_micro = job.train, 2
+    dense = build_model(job.model, seed=cfg.seed)
+    sched = build_schedule("1f1b", stages=2, microbatches=n_micro)
+    lo, _ = stage_bounds(dense, 2)[stage]
+    (dense_stage,) = build_stages(build_model(job.model, seed=cfg.seed), sched=sched, rank=stage).values()
+    sharded = shard_model(dense_stage, mesh=tp, first_index=lo)
+    executor = PipelineExecutor(
+        sched=sched,
+        rank=stage,
+        modules={(stage, 0): sharded},
+        act_shape=(cfg.batch_size // n_micro, job.model.seq_len, job.model.d_model),
+        ranks=pipe_ranks,
+    )
+    opt = build_optimizer(sharded.parameters(), cfg)
+    dense_opt = build_optimizer(dense.parameters(), cfg)
+    gen = torch.Generator().manual_seed(11)
+    losses = []
+    try:
+        for step in range(2):
+            idx = torch.randint(0, 128, (cfg.batch_size, job.model.seq_len + 1), generator=gen)
+            x, y = idx[:, :-1], idx[:, 1:]
+            dense_opt.zero_grad()
+            dense_loss = lm_loss(dense(x), y)
+            dense_loss.backward()
+            opt.zero_grad()
+            record = executor.step(x, y)
+            if stage == 1:
+                checks.close("pipeline", record.loss, dense_loss.item(), f"step {step} loss")
+                losses.append(record.loss)
+            dense_params = dict(dense.named_parameters())
+            cut = slicers(sharded)
+            for name, p in sharded.named_parameters():
+                index, rest = name.split(".", 1)
+                want = cut[name](dense_params[f"{lo + int(index)}.{rest}"].grad)
+                checks.close("pipeline", p.grad, want, f"step {step} {lo + int(index)}.{rest} grad")
+            opt.step()
+            dense_opt.step()
+    finally:
+        executor.close()
+    checks.done.append("pipeline")
+    return {"failures": dict(checks.failures), "done": checks.done, "losses": losses, "stage": stage}
+
+
 TASKS: dict[str, Callable[..., dict[str, Any]]] = {
     "layers": _layers_task,
     "train": _train_task,
     "resume": _resume_task,
+    "pipeline-1d": _pipeline_1d_task,
 }
 
 
@@ -335,6 +398,8 @@ def ranks4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         ("train-1d", "train", TP_1D_4),
         ("train-2d", "train", TP_2D),
         ("resume-2d", "resume", TP_2D),
+        # last: it builds a (pp, tp) mesh of its own
+        ("pipeline-2x1d2", "pipeline-1d", TensorConfig(mode="1d", size=2)),
     ]
     ckpt = str(tmp_path_factory.mktemp("tp-ckpt"))
     return run_ranks(_run_tasks, world_size=4, args=(tasks, ckpt), timeout_s=300)
@@ -425,3 +490,13 @@ def test_stop_and_resume_from_per_rank_checkpoints(
     assert_close(
         rank0["first"]["loss"] + rank0["second"]["loss"], dense_losses.series("loss"), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_of_2way_1d_match_dense(ranks4: list[dict[str, Any]]) -> None:
+    out = _task(ranks4, "pipeline-2x1d2")
+    for rank, value in enumerate(out):
+        assert value["done"] == ["pipeline"], f"rank {rank}"
+        assert not value["failures"], f"rank {rank}: " + "\n".join(value["failures"]["pipeline"])
+    assert [v["stage"] for v in out] == [0, 0, 1, 1]
+    assert all(len(v["losses"]) == 2 for v in out[2:])

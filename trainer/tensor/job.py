@@ -86,8 +86,11 @@ def train_tensor(
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     # every rule the layers rely on, before any process group exists (a bad shape fails fast)
     check_tensor_layout(tensor, world_size=world, model=job.model, batch_size=cfg.batch_size)
-    device = pick_device(job.resources.device)
-    init_from_env(device_type=device.type)
+    want = job.resources.device
+    device_type = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
+    # join first: on GPUs init_from_env selects this rank's device (LOCAL_RANK), which pick_device reads
+    init_from_env(device_type=device_type)
+    device = pick_device(want)
     rank = dist.get_rank()
     if rank != 0:
         sink = NullSink()
