@@ -104,7 +104,7 @@ export function gantt(
       "fill-opacity": a.replica === 1 ? 0.55 : 1,
     });
     const where = [
-      a.mb !== null && a.mb !== undefined ? `mb ${a.mb}` : null,
+      hasMb(a) ? `mb ${a.mb}` : null,
       a.stage !== null && a.stage !== undefined ? `stage ${a.stage}` : null,
       a.replica !== null && a.replica !== undefined ? `replica ${a.replica}` : null,
     ].filter(Boolean);
@@ -112,7 +112,7 @@ export function gantt(
     rect.append(svg("title", {}, `${a.op} ${where.join(", ")} · ${fmtTick(dur)} ${suffix}`));
     g.append(rect);
     // the micro-batch number only where it fits
-    if (a.mb !== null && a.mb !== undefined && bw >= 11) {
+    if (hasMb(a) && bw >= 11) {
       g.append(
         svg(
           "text",
@@ -142,4 +142,9 @@ function niceTicks(lo: number, hi: number, count: number): number[] {
 
 function fmtTick(v: number): string {
   return Number(v.toPrecision(3)).toString();
+}
+
+/** All-reduce actions carry no micro-batch (null, or -1 in the executor's records). */
+function hasMb(a: TimelineAction): boolean {
+  return a.mb !== null && a.mb !== undefined && a.mb >= 0;
 }

@@ -146,7 +146,7 @@ def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
 
 def test_job_page_charts_fill_live(stack, page: Page) -> None:
     """Opened before the job runs: points reach the chart over EventSource while it is running."""
-    job = stack.submit(spec(seed=3, steps=200, eval_every=50))
+    job = stack.submit(spec(seed=3, steps=100, eval_every=25))
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
     # note the job's status each time the chart redraws with new points
     page.evaluate(
@@ -166,7 +166,7 @@ def test_job_page_charts_fill_live(stack, page: Page) -> None:
         f"{stack.base_url}/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}
     ).json()
     n = sum(len(s["steps"]) for s in stored["series"].values())
-    assert n == 200 + 4  # a loss per step, a val_loss every 50
+    assert n == 100 + 4  # a loss per step, a val_loss every 25
     expect(page.locator("#loss-chart")).to_have_attribute("data-points", str(n), timeout=10_000)
 
 
@@ -285,3 +285,27 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
     assert len(grown) == 1 and grown[0]["status"] in ("stopped", "cancelled")
     assert grown[0]["steps_done"] < 100_000
     page.screenshot(path="/tmp/dashboard-selection.png", full_page=True)
+
+
+def test_pipeline_job_shows_executed_and_simulated_gantt(stack, page: Page) -> None:
+    pipe = spec(steps=4, eval_every=2)
+    pipe["parallel"] = {"pipeline": {"stages": 2, "microbatches": 4, "schedule": "chimera"}}
+    job = stack.submit(pipe)
+    page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
+    expect(page.locator("#pipeline h2")).to_contain_text("chimera, 2 stages × 4 micro-batches")
+    stack.wait(job["id"], timeout=240)
+    timeline = httpx.get(f"{stack.base_url}/api/jobs/{job['id']}/timeline").json()
+
+    # the page fetched the timeline when the job finished: one bar per action, per panel
+    for panel, actions in (("executed", timeline["executed"]), ("simulated", timeline["simulated"])):
+        svg = page.locator(f"#gantt-{panel} svg.gantt")
+        expect(svg).to_have_attribute("data-actions", str(len(actions)), timeout=30_000)
+        bars = svg.locator("g.bar")
+        expect(bars).to_have_count(len(actions))
+        drawn = bars.evaluate_all("gs => gs.map(g => [+g.dataset.rank, g.dataset.op])")
+        assert sorted(map(tuple, drawn)) == sorted((a["rank"], a["op"]) for a in actions)
+        # a row per rank, the micro-batch numbers written on the bars
+        expect(svg.locator("text.rank")).to_have_text(["rank 0", "rank 1"])
+        mbs = {int(t) for t in svg.locator("text.mb").all_text_contents()}
+        assert mbs and mbs <= {a["mb"] for a in actions if a["mb"] is not None and a["mb"] >= 0}
+    page.screenshot(path="/tmp/dashboard-pipeline.png", full_page=True)

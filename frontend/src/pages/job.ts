@@ -229,7 +229,8 @@ function timelineView(tl: Timeline): HTMLElement {
       "div",
       { class: "gantt-pair" },
       panel("executed", "gantt-executed", tl.executed, tl.bubble_executed, "s"),
-      panel("simulated", "gantt-simulated", tl.simulated, tl.bubble_simulated, "cost"),
+      // the simulator runs on the per-op costs measured in this job, so its clock is seconds too
+      panel("simulated", "gantt-simulated", tl.simulated, tl.bubble_simulated, "s"),
     ),
   );
 }
