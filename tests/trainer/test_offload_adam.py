@@ -150,8 +150,20 @@ def test_bucket_buffers_are_the_only_fp32_on_the_device() -> None:
     assert ledger.entries == {"offload.buckets": bucket_bytes(64)} and bucket_bytes(64) == 64 * 40
 
 
-def test_fp16_with_several_spilled_shards_is_refused() -> None:
-    from trainer.config import ConfigError
-
-    with pytest.raises(ConfigError, match="fp16"):
-        make_engine(MODEL, ADAMW, cuts=[2], offload=OffloadConfig(optimizer=True, dtype="fp16"))
+def test_fp16_spilled_equals_fp16_resident_including_skips() -> None:
+    """fp16 with several shards takes the deferred path (one global inf check before any step):
+    it matches the one-shard run exactly, skipped steps and loss-scale changes included."""
+    stream = make_stream()
+    fp16 = OffloadConfig(optimizer=True, dtype="fp16")
+    runs = []
+    for cuts in ([], [2], [1, 2, 3, 4]):
+        engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=fp16)
+        assert engine.opt is not None and engine.deferred == bool(cuts)
+        engine.opt.scaler.scale = 2.0**36  # overflows at first: the first steps are skipped
+        losses = [engine.train_step(*stream.batch_for(s)) for s in range(12)]
+        runs.append((losses, engine.opt.scaler.skipped_steps, engine.opt.scaler.scale, engine.model_state()))
+    for losses, skipped, scale, state in runs[1:]:
+        assert losses == runs[0][0] and skipped == runs[0][1] and scale == runs[0][2]
+        torch.testing.assert_close(state, runs[0][3], rtol=0, atol=0)
+    assert runs[0][1] >= 1 and runs[0][2] < 2.0**36
+    assert runs[0][0][-1] < runs[0][0][0]

@@ -32,8 +32,10 @@ Step schedule, K shards (prefetch on; off = the same without overlap):
               shard's optimizer state (plus the prefetched one) is ever on the device.
     Shard 0 ends the step resident and starts the next one without a copy.
 
-Global-norm gradient clipping and fp16 dynamic loss scaling need every gradient before any step,
-which per-shard stepping cannot give: they are refused with more than one shard (ConfigError).
+Global-norm gradient clipping and fp16 dynamic loss scaling need every gradient before any step.
+With more than one shard they take the deferred path: each shard's gradients are parked in host
+memory after its backward, the decision (norm, inf) is made once, then shard 0 steps where it is
+and shards 1..K-1 come back in turn (with prefetch) to step. One more pass over the shards per step.
 """
 
 from __future__ import annotations
@@ -83,16 +85,11 @@ class SpillEngine:
             raise ConfigError(
                 f"parallel.offload.optimizer streams AdamW state; train.optimizer is {train.optimizer!r}"
             )
-        if n_shards > 1 and train.grad_clip > 0:
-            raise ConfigError(
-                f"train.grad_clip ({train.grad_clip}) needs the global gradient norm before any step, "
-                f"but the spilled model ({n_shards} shards) steps each shard right after its backward"
-            )
-        if n_shards > 1 and self.param_dtype == torch.float16:
-            raise ConfigError(
-                f"parallel.offload.dtype fp16 needs a global inf check before any step; with "
-                f"{n_shards} spilled shards use bf16"
-            )
+        # Global-norm clipping and the fp16 inf check need every gradient before any step: with
+        # several shards the steps then wait for the whole backward (gradients parked in host
+        # memory, one more pass over the shards), instead of following each shard's backward.
+        self.deferred = n_shards > 1 and (train.grad_clip > 0 or self.param_dtype == torch.float16)
+        self._norms: dict[int, Any] = {}
         # one side stream for all host<->device copies: shard prefetch (when on) and the offloaded
         # optimizer's buckets (always on CUDA: they overlap the update of the previous bucket)
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -173,7 +170,7 @@ class SpillEngine:
     def step_shard(self, shard: Shard) -> None:
         """Optimizer step of one shard right after its backward; its gradients are then freed."""
         if self.opt is None:
-            if self.train.grad_clip > 0:  # one shard only (checked in __init__)
+            if self.train.grad_clip > 0:  # one shard (more shards take the deferred path)
                 torch.nn.utils.clip_grad_norm_(shard.params, self.train.grad_clip)
             shard.step()
         else:
@@ -196,6 +193,65 @@ class SpillEngine:
                     torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             if len(self.shards) == 1 or scaler.dynamic:
                 scaler.update(found_inf=found_inf)
+        shard.drop_grads()
+
+    def _after_backward(self, shard: Shard) -> None:
+        if not self.deferred:
+            self.step_shard(shard)
+            return
+        g = shard.dev_grad
+        assert g is not None
+        if self.opt is None:
+            # per-parameter norms, as torch.nn.utils.clip_grad_norm_ computes them
+            self._norms[shard.index] = [torch.linalg.vector_norm(v, 2.0) for v in shard.views(g)]
+        else:
+            g32 = g.float()
+            self._norms[shard.index] = (torch.isfinite(g).all(), torch.dot(g32, g32))
+        if shard.index != 0:  # shard 0 is the last backward: it steps without leaving
+            shard.stash_grads()
+
+    def _deferred_step(self) -> None:
+        """Decide from all gradients (one sync point), then step shard 0 (resident) and bring the
+        others back one by one, each with its parked gradients."""
+        shards, K, clip = self.shards, len(self.shards), self.train.grad_clip
+        norms, self._norms = self._norms, {}
+        found_inf, coef = False, None
+        if self.opt is None:
+            per_param = [n for k in range(K) for n in norms[k]]
+            total = torch.linalg.vector_norm(torch.stack([n.cpu() for n in per_param]), 2.0)
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+        else:
+            found_inf = not all(bool(f.item()) for f, _ in norms.values())
+            if found_inf and not self.opt.scaler.dynamic:
+                raise NonFiniteGradient("non-finite gradient")
+            self.opt.scaler.update(found_inf=found_inf)
+            if clip > 0 and not found_inf:
+                norm = math.sqrt(sum(float(sq.item()) for _, sq in norms.values())) / self.opt.scaler.scale
+                coef = min(1.0, clip / (norm + 1e-6))
+        if found_inf:  # skip the step everywhere; the parked gradients are overwritten next time
+            shards[0].drop_grads()
+            return
+        self._apply_step(shards[0], coef)
+        for k in range(1, K):
+            shards[k - 1].spill()
+            shards[k].to_device(state=True, grads=True)
+            if self.prefetch and k + 1 < K:
+                shards[k + 1].to_device(state=True)
+            shards[k].ready()
+            self._apply_step(shards[k], coef)
+        shards[K - 1].spill()
+
+    def _apply_step(self, shard: Shard, coef: Any) -> None:
+        assert shard.dev is not None and shard.dev_grad is not None
+        if self.opt is None:
+            if coef is not None:
+                shard.dev_grad.mul_(coef.to(self.device))
+            shard.step()
+        else:
+            mult = 1.0 if coef is None else float(coef)
+            self.opt.step_group(shard.index, params=shard.dev, grads=shard.dev_grad, clip_coef=mult)
+            if self.copy_stream is None and self.side_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
         shard.drop_grads()
 
     def train_step(self, x_BT: torch.Tensor, y_BT: torch.Tensor) -> float:
@@ -237,7 +293,7 @@ class SpillEngine:
         assert loss is not None
         del h
         self.ledger.release(f"in{K - 1}")
-        self.step_shard(last)
+        self._after_backward(last)
         for k in range(K - 2, -1, -1):
             assert grad is not None
             self.ledger.hold(f"in{k + 1}.grad", grad.numel() * grad.element_size())
@@ -256,7 +312,9 @@ class SpillEngine:
             del x_in
             self.ledger.release(f"in{k + 1}.grad")
             self.ledger.release(f"in{k}")
-            self.step_shard(shards[k])
+            self._after_backward(shards[k])
+        if self.deferred:
+            self._deferred_step()
         self.ledger.release("targets")
         return float(loss.item())  # note: the step's one CPU-GPU sync point
 

@@ -69,6 +69,8 @@ class Shard:
             p.data = view
         self.dev: torch.Tensor | None = None
         self.dev_grad: torch.Tensor | None = None
+        self.grad_host: torch.Tensor | None = None
+        """Gradients parked in host memory between the backward and a deferred step."""
         self.dirty = False
         """The device copy holds newer values than the host copy (a plain-mode step ran)."""
         self._ready_event: torch.cuda.Event | None = None
@@ -124,9 +126,10 @@ class Shard:
         self._pending.append(dst)
         return dst
 
-    def to_device(self, *, state: bool) -> None:
-        """Start copying the parameters (and, with `state`, the optimizer state) in. Asynchronous
-        on CUDA; call `ready()` before computing with the shard."""
+    def to_device(self, *, state: bool, grads: bool = False) -> None:
+        """Start copying the parameters (and, with `state`, the optimizer state; with `grads`, the
+        gradients parked by `stash_grads`) in. Asynchronous on CUDA; call `ready()` before
+        computing with the shard."""
         if self.dev is None:
             src = self.offload.host_lp[self.index] if self.offload is not None else self.host
             self.dev = self._copy_in(src, self.param_dtype)
@@ -134,6 +137,9 @@ class Shard:
         if state and self.state_host and self.state_dev is None:
             self.state_dev = {k: self._copy_in(v, torch.float32) for k, v in self.state_host.items()}
             self.ledger.hold(f"{self.tag}.state", self.numel * 4 * len(self.state_host))
+        if grads and self.grad_host is not None and self.dev_grad is None:
+            self.dev_grad = self._copy_in(self.grad_host, self.param_dtype)
+            self.ledger.hold(f"{self.tag}.grads", self.numel * self.elt)
         if self.copy_stream is not None:
             self._ready_event = torch.cuda.Event()
             self._ready_event.record(self.copy_stream)
@@ -153,6 +159,9 @@ class Shard:
             p.data = view
         if self.state_dev is not None:
             self._bind_state(self.state_dev)
+        if self.dev_grad is not None:
+            for p, view in zip(self.params, self.views(self.dev_grad), strict=True):
+                p.grad = view
 
     def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.copy_stream is None:
@@ -196,6 +205,14 @@ class Shard:
             for p, view in zip(self.params, self.views(self.dev_grad), strict=True):
                 p.grad = view
             self.ledger.hold(f"{self.tag}.grads", self.numel * self.elt)
+
+    def stash_grads(self) -> None:
+        """Park the gradients in host memory (a deferred step brings them back) and free them."""
+        assert self.dev_grad is not None
+        if self.grad_host is None:
+            self.grad_host = _host_empty(self.numel, self.param_dtype)
+        self._copy_out(self.dev_grad, self.grad_host)
+        self.drop_grads()
 
     def drop_grads(self) -> None:
         for p in self.params:
