@@ -54,6 +54,18 @@ def test_a_trial_stopped_from_outside_completes_the_rung() -> None:
     assert (d.promoted, d.stopped) == ([], [0])
 
 
+def test_a_resumed_trial_does_not_hold_up_the_rungs_it_passed() -> None:
+    asha = Asha(AshaConfig(reduction_factor=2, min_steps=1), max_steps=dict.fromkeys(range(3), 8))
+    asha.resumed(2, step=3)  # past rungs 1 and 2, next rung 4
+    assert asha.report(0, step=1, value=2.0).promoted == []
+    d = asha.report(1, step=1, value=1.0)  # rung 1 is complete without trial 2
+    assert (d.promoted, d.stopped) == ([1], [0])
+    assert asha.report(1, step=2, value=1.0).promoted == [1]  # alone at rung 2, complete
+    assert asha.report(2, step=4, value=0.5).promoted == []  # trial 1 may still reach rung 4
+    d = asha.report(1, step=4, value=0.7)
+    assert (d.promoted, d.stopped) == ([2], [1])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"reduction_factor": 1}, "reduction_factor must be >= 2, got 1"), ({"min_steps": 0}, "min_steps")],

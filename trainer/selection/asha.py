@@ -52,6 +52,7 @@ class Asha:
         self.paused: dict[int, int] = {}  # trial -> rung step it waits at
         self.stopped: set[int] = set()
         self.gone: dict[int, int] = {}  # trial -> last step, once finished or stopped
+        self.start: dict[int, int] = {}  # trial -> step it resumed from (its earlier rungs are past)
 
     def rungs(self, trial: int) -> list[int]:
         out, r = [], self.cfg.min_steps
@@ -76,6 +77,11 @@ class Asha:
         self.paused[trial] = step
         return self._settle()
 
+    def resumed(self, trial: int, *, step: int) -> None:
+        """Trial `trial` resumes at `step` from a checkpoint: it will not report the rungs below, so
+        they must not wait for it."""
+        self.start[trial] = step
+
     def finished(self, trial: int, *, step: int) -> Decisions:
         """Trial `trial` ended at `step` (trained to the end, failed or was stopped from outside): it
         will reach no further rung, which can complete one."""
@@ -86,7 +92,7 @@ class Asha:
     def _complete(self, rung: int) -> bool:
         """No trial can still reach `rung`."""
         for t, max_steps in self.max_steps.items():
-            if max_steps <= rung or t in self.results.get(rung, {}):
+            if max_steps <= rung or t in self.results.get(rung, {}) or self.start.get(t, 0) >= rung:
                 continue
             if t in self.gone or t in self.stopped:
                 continue

@@ -199,6 +199,8 @@ class Executor:
             for run in self.runs.values():
                 if run.status in FINAL:
                     self.asha.finished(run.index, step=run.trial.step if run.trial else 0)
+                elif run.trial.step > 0:
+                    self.asha.resumed(run.index, step=run.trial.step)
 
     # -- the scheduler's view --------------------------------------------------------------------
 
