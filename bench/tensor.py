@@ -205,6 +205,24 @@ def block_row(
     }
 
 
+def sublayer_rows(P: int, measured: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    rows = []
+    for t in SPAWNED[P]:
+        want = derived(t)
+        got = measured[0][_key(t)]["by_layer"] if measured is not None else None
+        for sub, cost in want.items():
+            row: dict[str, Any] = {"mode": _key(t), "layer": sub}
+            for ph in ("fwd", "bwd"):
+                c = getattr(cost, ph)
+                row[f"{ph} calls"] = c.calls
+                row[f"{ph} sent B derived"] = _num(c.sent)
+                if got is not None:
+                    g = got.get(f"blk.{sub}", {}).get(ph, (0, 0, Fraction(0)))
+                    row[f"{ph} sent B measured"] = _num(g[2])
+            rows.append(row)
+    return rows
+
+
 def model_row(tensor: TensorConfig, *, P: int, measured: list[dict[str, Any]] | None) -> dict[str, Any]:
     S = 4 * SHAPE.N * D  # one operand's bytes: N = D, so activation and weight are the same size
     lin = derived_linear(tensor).total.sent
@@ -337,6 +355,13 @@ def main() -> None:
             model_rows.append(model_row(t, P=P, measured=meas))
 
     print(table(block_rows, title=f"Per rank, one GPT block fwd+bwd (N={SHAPE.N}, D={D}, F={SHAPE.F}, fp32)"))
+    sub_rows = sublayer_rows(16, measured.get(16))
+    print(
+        table(
+            sub_rows,
+            title="P = 16, per sub-layer, per rank: calls and bytes sent, fwd / bwd (rank 0's ledger)",
+        )
+    )
     print(
         table(
             model_rows,
@@ -370,6 +395,7 @@ def main() -> None:
         {
             "shape": {"batch": B, "seq": T, "d_model": D, "heads": H, "mlp_width": SHAPE.F, "dtype": "fp32"},
             "block": block_rows,
+            "sublayers_P16": sub_rows,
             "cost_model": model_rows,
             "regime_h": h,
             "regime": regime,
