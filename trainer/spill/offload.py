@@ -175,6 +175,9 @@ class OffloadedAdamW:
 
         if stream is not None:
             stream.wait_stream(compute)  # gradients of this group are complete
+            # the write-back of the low-precision values reads `params` on the copy stream: a
+            # spill right after this step must not hand its memory out before that is done
+            params.record_stream(stream)
         copy_in(0)
         for i, (a, b) in enumerate(ranges):
             # prefetch the next bucket while this one updates (the other buffer set)

@@ -104,16 +104,16 @@ def measure_layers(
     y = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     last = len(model) - 1
     for i, layer in enumerate(model):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)  # before this layer's parameters
         params = {
             n: p.detach().to(device=device, dtype=param_dtype).requires_grad_(True)
             for n, p in layer.named_parameters()
         }
         numel = sum(p.numel() for p in params.values())
         x_in = x if i == 0 else x.detach().requires_grad_(True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
         with SavedActivations(exclude=list(params.values())) as saved:
             out = functional_call(layer, params, (x_in,))
             if i == last:

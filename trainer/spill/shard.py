@@ -123,6 +123,8 @@ class Shard:
         self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src, non_blocking=True)
+        # the copy stream writes it: a spill before `ready()` must not free it under the copy
+        dst.record_stream(self.copy_stream)
         self._pending.append(dst)
         return dst
 
