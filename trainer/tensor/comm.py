@@ -10,8 +10,11 @@ for that call under the textbook algorithm for the op (the bandwidth term of the
     broadcast   flat tree (root sends to each peer)  root: (p-1) * payload, others: 0
     reduce      flat tree (each peer sends to root)  root: 0, others: payload
 
-gloo's broadcast is the flat tree; SUMMA rotates the root, so over a full SUMMA every rank of a
-group is root once and the per-rank totals are symmetric. Collectives over a group of one rank are
+gloo's broadcast is a binomial tree: a call still moves (p-1) x payload in all, but inner nodes
+forward part of it. SUMMA rotates the root through the group, so over a full SUMMA every rank holds
+every position of the tree once and its total is (p-1) x payload per broadcast family either way;
+the ledger books each call's bytes at the root. In any tree reduce every non-root sends its (partial)
+sum exactly once, so the reduce model holds call by call. Collectives over a group of one rank are
 not issued and not counted.
 """
 
