@@ -117,3 +117,16 @@ def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
     )
     assert "resumed from step-00000020.pt at step 20" in third.logs
     assert len(third.series("loss")) == 2
+
+
+def test_grad_clip_job_equals_loop_train() -> None:
+    """With several shards grad_clip takes the engine's deferred-step path; same losses."""
+    ref = ListSink()
+    train(JobConfig.from_dict(spec(train={"steps": 8, "grad_clip": 0.5})), sink=ref, stop=NeverStop())
+    sink = ListSink()
+    job = JobConfig.from_dict(
+        spec(train={"steps": 8, "grad_clip": 0.5}, parallel={"spill": {"device_budget_mb": BUDGET_MB}})
+    )
+    result = train_spilled(job, sink=sink, stop=NeverStop())
+    assert result["shards"] >= 2
+    torch.testing.assert_close(torch.tensor(sink.series("loss")), torch.tensor(ref.series("loss")))
