@@ -163,10 +163,19 @@ function fmt(v: number): string {
   return Number(v.toPrecision(3)).toString();
 }
 
-/** 0 (best) → dark blue, 1 (worst) → light orange. */
+// best (0) to worst (1): dark blue, purple, pink, orange (the plasma ramp without its pale end,
+// which would vanish on the light background)
+const RAMP = [
+  [13, 8, 135],
+  [126, 3, 168],
+  [204, 71, 120],
+  [248, 149, 64],
+];
+
 function rampColour(r: number): string {
-  const a = [33, 102, 172];
-  const b = [244, 165, 130];
-  const c = a.map((x, i) => Math.round(x + (b[i] - x) * r));
-  return `rgb(${c[0]},${c[1]},${c[2]})`;
+  const x = Math.min(1, Math.max(0, r)) * (RAMP.length - 1);
+  const i = Math.min(RAMP.length - 2, Math.floor(x));
+  const f = x - i;
+  const c = RAMP[i].map((v, k) => Math.round(v + (RAMP[i + 1][k] - v) * f));
+  return `rgb(${c.join(",")})`;
 }

@@ -77,7 +77,17 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     header,
     h("section", { class: "card" }, h("h2", {}, "Leaderboard"), board),
     h("section", { class: "card" }, curvesEl),
-    h("section", { class: "card" }, h("h2", {}, "Hyperparameters against the metric"), pcEl),
+    h(
+      "section",
+      { class: "card" },
+      h("h2", {}, "Hyperparameters against the metric"),
+      h(
+        "p",
+        { class: "muted legend-note" },
+        "One line per trial, coloured from best (dark blue) to worst (orange) by its best metric; dashed: stopped early; grey: no metric yet.",
+      ),
+      pcEl,
+    ),
     h(
       "form",
       { class: "card", id: "add-trials-form", onsubmit: (ev: Event) => void addTrials(ev) },
@@ -106,7 +116,13 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   const ensureLine = (t: Trial) => {
     if (!chart || chart.has(lineKey(t))) return false;
-    chart.addLine({ key: lineKey(t), label: `trial ${t.index}`, color: PALETTE[t.index % PALETTE.length] });
+    // points marked: a trial stopped at its first rung has a single point, which a bare line hides
+    chart.addLine({
+      key: lineKey(t),
+      label: `trial ${t.index}`,
+      color: PALETTE[t.index % PALETTE.length],
+      points: true,
+    });
     return true;
   };
 
