@@ -205,9 +205,14 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
         tp_block = shard_block(block, mesh=mesh, name="blk")
         dense = block if pick is None else getattr(block, pick)
         tp = tp_block if pick is None else getattr(tp_block, pick)
+        comm.LEDGER.reset()
         _compare(
             checks, label, dense=dense, tp=tp, x=x, x_local=x_shard(x), out_shard=x_shard, in_shard=x_shard
         )
+    block_ledger = {}
+    for (layer, phase, _), c in comm.LEDGER.records.items():
+        calls, payload, sent = block_ledger.get((layer, phase), (0, 0, Fraction(0)))
+        block_ledger[(layer, phase)] = (calls + c.calls, payload + c.payload, sent + c.sent)
 
     # embedding: integer input, no input gradient; head: full-vocabulary logits of this rank's rows
     tp_model = shard_model(gpt, mesh=mesh)
@@ -248,7 +253,7 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
     for name, p in tp_model.named_parameters():
         checks.close("gpt", p.grad, cut[name](dense_params[name].grad), f"{name} grad")
     checks.done.append("gpt")
-    return {"failures": dict(checks.failures), "done": checks.done, "ledgers": ledgers}
+    return {"failures": dict(checks.failures), "done": checks.done, "ledgers": ledgers, "block": block_ledger}
 
 
 def _job(tensor: TensorConfig | None) -> JobConfig:
@@ -500,3 +505,24 @@ def test_two_pipeline_stages_of_2way_1d_match_dense(ranks4: list[dict[str, Any]]
         assert not value["failures"], f"rank {rank}: " + "\n".join(value["failures"]["pipeline"])
     assert [v["stage"] for v in out] == [0, 0, 1, 1]
     assert all(len(v["losses"]) == 2 for v in out[2:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "fixture"), MODES, ids=[k for k, _ in MODES])
+def test_block_ledger_equals_accounting(key: str, fixture: str, request: pytest.FixtureRequest) -> None:
+    """The whole block's ledger, sub-layer by sub-layer, equals trainer/tensor/accounting.py (the
+    derivation bench/tensor.py and docs/tensor.md use for sizes that are not spawned)."""
+    from trainer.tensor.accounting import BlockShape, block_costs
+
+    tensor = {"1d-P4": TP_1D_4, "2d-P4": TP_2D, "1d-P8": TP_1D_8, "2.5d-P8": TP_25D}[key]
+    want = block_costs(
+        tensor.mode, shape=BlockShape(N=B * T, D=D, F=2 * D), P=tensor.size, q=tensor.q, d=tensor.d
+    )
+    for rank, value in enumerate(_task(request.getfixturevalue(fixture), key)):
+        got = value["block"]
+        assert {layer for layer, _ in got} <= {f"blk.{sub}" for sub in want}, f"rank {rank}: {sorted(got)}"
+        for sub, cost in want.items():
+            for phase in ("fwd", "bwd"):
+                c = getattr(cost, phase)
+                measured = got.get((f"blk.{sub}", phase), (0, 0, Fraction(0)))
+                assert measured == (c.calls, c.payload, c.sent), (rank, sub, phase)
