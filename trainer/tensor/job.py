@@ -82,6 +82,11 @@ def train_tensor(
     tensor = job.parallel.tensor
     if tensor is None:
         raise ConfigError("train_tensor needs parallel.tensor")
+    if job.parallel.data_parallel != 1:
+        raise ConfigError(
+            f"parallel.data_parallel ({job.parallel.data_parallel}) > 1 with tensor parallelism is not "
+            "supported yet"
+        )
     cfg = job.train
     world = dist.get_world_size() if dist.is_initialized() else env_world_size()
     # every rule the layers rely on, before any process group exists (a bad shape fails fast)
