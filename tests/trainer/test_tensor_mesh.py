@@ -60,3 +60,22 @@ def test_bad_layouts_are_refused_with_the_numbers(
     with pytest.raises(ConfigError, match=message):
         _check(tensor, world=world, model=model, batch=batch)
     assert not dist.is_initialized()
+
+
+def test_train_tensor_refuses_before_joining_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.config import JobConfig, ParallelConfig, TrainConfig
+    from trainer.protocol import ListSink, NeverStop
+    from trainer.tensor.job import train_tensor
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    job = JobConfig(
+        model=MODEL,
+        train=TrainConfig(batch_size=6),
+        parallel=ParallelConfig(tensor=TensorConfig(mode="2.5d", q=2, d=2)),
+    )
+    with pytest.raises(ConfigError, match=r"batch_size \(6\).*d\*q \(2\*2 = 4\)"):
+        train_tensor(job, sink=ListSink(), stop=NeverStop())
+    job.parallel.data_parallel = 2
+    with pytest.raises(ConfigError, match=r"data_parallel \(2\)"):
+        train_tensor(job, sink=ListSink(), stop=NeverStop())
+    assert not dist.is_initialized()
