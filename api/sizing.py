@@ -1,47 +1,18 @@
-"""Pure-Python sizes and cross-field rules of a JobSpec, so the API can refuse a job that can never
-run without importing torch. Parameter counts follow trainer/models.py exactly (a test compares
-them with the real modules)."""
+"""Cross-field rules of a JobSpec that no single field can check, so the API refuses a job that can
+never run. The memory rule is jobrules/sizing.py, the same code the trainer's partitioner is tested
+against (equal byte for byte for fp32 jobs)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from jobrules.sizing import layer_param_counts, layer_working_sets
+
 MiB = 2**20
 
 
-def layer_params(model: dict[str, Any]) -> list[int]:
-    """Parameters of each layer of the model's nn.Sequential, in order."""
-    D, V, T, r, L = (
-        model["d_model"],
-        model.get("vocab_size", 128),
-        model["seq_len"],
-        model["mlp_ratio"],
-        model["layers"],
-    )
-    head = 2 * D + D * V  # layer norm + bias-free projection to the vocabulary
-    if model["kind"] == "gpt":
-        embed = V * D + T * D
-        # ln1 + qkv + attention proj + ln2 + fc + mlp proj
-        block = 2 * D + (3 * D * D + 3 * D) + (D * D + D) + 2 * D + (D * r * D + r * D) + (r * D * D + D)
-        return [embed, *([block] * L), head]
-    embed = V * D
-    residual = 2 * D + (D * r * D + r * D) + (r * D * D + D)
-    return [embed, *([residual] * L), head]
-
-
-def activation_bytes(model: dict[str, Any], *, micro_batch: int) -> int:
-    """fp32 boundary activation of one layer for one micro-batch (B x T x D), the part of the
-    working set that does not depend on the layer's parameters."""
-    return 4 * micro_batch * model["seq_len"] * model["d_model"]
-
-
-def layer_working_set_bytes(model: dict[str, Any], *, micro_batch: int, offload: bool) -> list[int]:
-    """What one resident layer needs on the device: fp32 params + grads + Adam moments (16 B/param),
-    or with the offloaded optimizer low-precision params + grads (4 B/param), plus the layer's
-    boundary input and output activations."""
-    per_param = 4 if offload else 16
-    act = 2 * activation_bytes(model, micro_batch=micro_batch)
-    return [per_param * n + act for n in layer_params(model)]
+def _shape(model: dict[str, Any]) -> dict[str, Any]:
+    return {k: model[k] for k in ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")}
 
 
 def spec_problems(spec: dict[str, Any]) -> list[str]:
@@ -97,15 +68,23 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
 
     if spill:
         budget = spill["device_budget_mb"] * MiB
-        use_offload = bool(offload and offload.get("optimizer"))
-        sets = layer_working_set_bytes(model, micro_batch=micro_batch, offload=use_offload)
+        off = offload.get("dtype", "bf16") if offload and offload.get("optimizer") else None
+        # the spilling engine's micro-batch is the whole batch (pipelines bring their own)
+        sets = layer_working_sets(
+            **_shape(model),
+            batch_size=micro_batch,
+            optimizer=train["optimizer"],
+            momentum=train.get("momentum", 0.0),
+            offload_dtype=off,
+        )
         biggest = max(range(len(sets)), key=sets.__getitem__)
         if sets[biggest] > budget:
+            n = layer_param_counts(**_shape(model))[biggest]
             problems.append(
                 f"parallel.spill.device_budget_mb ({spill['device_budget_mb']:g}) is smaller than the "
-                f"largest single layer's working set (layer {biggest}: {sets[biggest] / MiB:.2f} MiB = "
-                f"{layer_params(model)[biggest]:,} params x {4 if use_offload else 16} B + activations); "
-                f"raise the budget or shrink model.d_model"
+                f"largest single layer's working set (layer {biggest}: {n:,} params; "
+                f"{sets[biggest] / MiB:.3f} MiB with its gradients, optimizer state and one batch's "
+                f"activations); raise it to at least {sets[biggest] / MiB:.3f}"
             )
         cuts = spill.get("cuts")
         if cuts is not None and (cuts != sorted(set(cuts)) or any(not 0 < c < n_layers for c in cuts)):

@@ -18,7 +18,7 @@ from api.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Selection, Trial
-from searchspace import SpaceError, apply_params, sample_params
+from jobrules.space import SpaceError, apply_params, sample_params
 
 router = APIRouter(prefix="/api/selections", tags=["selections"])
 

@@ -10,7 +10,7 @@ import torch
 
 from trainer.config import ConfigError, ModelConfig
 from trainer.models import build_model
-from trainer.spill import sizing
+from jobrules import sizing
 from trainer.spill.ledger import MiB
 from trainer.spill.partition import (
     DoesNotFit,
@@ -71,7 +71,7 @@ def test_sizing_is_an_upper_bound_for_bf16_offload() -> None:
 
 
 def test_sizing_imports_no_torch() -> None:
-    code = "import sys, trainer.spill.sizing; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, jobrules.sizing, jobrules.space; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

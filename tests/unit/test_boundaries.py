@@ -27,7 +27,9 @@ SERVICE = {
 RULES = {
     "trainer": SERVICE,
     "db": {"api", "workers", "trainer", "torch", "fastapi", "celery", "redis"},
-    "api": {"torch", "trainer", "workers", "numpy.torch"},
+    "api": {"torch", "trainer", "workers"},
+    # shared by api/ and trainer/: the standard library only
+    "jobrules": SERVICE | {"torch", "numpy", "trainer"},
 }
 
 

@@ -1,5 +1,5 @@
 """HYDRA model spilling and the AxoNN offloaded optimizer.
 
-Kept free of imports so the pure-Python sizing rules (`trainer.spill.sizing`) load without torch.
-The engine's API note is at the top of `trainer/spill/engine.py`.
+The engine's API note is at the top of `trainer/spill/engine.py`; the pure-Python sizing rule the
+REST layer checks at submit is `jobrules/sizing.py`.
 """

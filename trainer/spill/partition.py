@@ -14,7 +14,7 @@ The rule (the same one the engine's ledger is checked against). For a shard s = 
 
 A plan fits when peak <= budget. With one layer per shard the peak is smallest, so "the largest single
 layer's working set W(layer) exceeds the budget" is the condition under which no plan exists at all
-(that is the rule the REST layer checks, see trainer/spill/sizing.py). Layer costs come from a trial
+(that is the rule the REST layer checks, see jobrules/sizing.py). Layer costs come from a trial
 pass: on the meta device (no memory, no compute; an estimate that errs high) or on the real device
 (measured; on CUDA also cross-checked against the allocator's peak).
 """

@@ -1,0 +1,4 @@
+"""JobSpec rules shared by the REST layer and the trainer, in pure Python (standard library only):
+`space` expands a selection batch's search space, `sizing` gives each layer's parameters and
+memory working set. The API validates with the same code the trainer runs; a test keeps this
+package free of torch and of the service layers."""
