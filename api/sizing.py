@@ -28,6 +28,26 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
     )
 
     micro_batch = train["batch_size"]
+    piped = bool(pipe and pipe["stages"] > 1)
+    tp = bool(
+        tensor
+        and {"1d": tensor["size"], "2d": tensor["q"] ** 2, "2.5d": tensor["q"] ** 2 * tensor["d"]}[
+            tensor["mode"]
+        ]
+        > 1
+    )
+    memory = bool(spill or (offload and offload.get("optimizer")))
+    # combinations no engine runs yet are refused here rather than silently ignored by a worker
+    if par.get("data_parallel", 1) > 1:
+        problems.append("parallel.data_parallel > 1 is not supported yet: use pipeline or tensor parallelism")
+    if piped and tp:
+        problems.append(
+            "parallel.pipeline with parallel.tensor in one job is not supported yet (use one of them)"
+        )
+    if memory and (piped or tp):
+        problems.append(
+            "parallel.spill / parallel.offload cannot be combined with pipeline or tensor parallelism yet"
+        )
     if pipe and pipe["stages"] > 1:
         if pipe["stages"] > n_layers:
             problems.append(

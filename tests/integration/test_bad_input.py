@@ -66,6 +66,19 @@ BAD = [
     ),
     (with_("parallel.spill", {"device_budget_mb": -5}), "parallel.spill.device_budget_mb", "greater than 0"),
     (with_("resources.device", "tpu"), "resources.device", None),
+    (with_("parallel.data_parallel", 2), "parallel.data_parallel > 1 is not supported yet", None),
+    (
+        with_(
+            "parallel", {"pipeline": {"stages": 2, "microbatches": 2}, "tensor": {"mode": "1d", "size": 2}}
+        ),
+        "parallel.pipeline with parallel.tensor",
+        None,
+    ),
+    (
+        with_("parallel", {"spill": {"device_budget_mb": 64}, "tensor": {"mode": "1d", "size": 2}}),
+        "parallel.spill / parallel.offload cannot be combined",
+        None,
+    ),
     ({"model": "gpt"}, "model", "valid dictionary"),
 ]
 

@@ -33,9 +33,7 @@ def test_good_specs_pass_both_checks(raw: dict) -> None:
 
 
 def test_world_size_and_queue() -> None:
-    spec = JobSpec.model_validate(
-        {"parallel": {"pipeline": {"stages": 2, "microbatches": 2}, "tensor": {"mode": "2d", "q": 2}}}
-    )
+    spec = JobSpec.model_validate({"parallel": {"tensor": {"mode": "2.5d", "q": 2, "d": 2}}})
     assert spec.parallel.world_size == 8
     assert spec.queue == "cpu"
     assert JobSpec.model_validate({"resources": {"gpus": 1}}).queue == "gpu"
