@@ -132,12 +132,20 @@ def test_timeline_shape_and_per_stage_costs() -> None:
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:], strict=False))
 
 
-def test_message_driven_policy_reorders_under_jitter() -> None:
-    sched = build_schedule("async", stages=4, microbatches=8)
-    static = build_schedule("1f1b", stages=4, microbatches=8)
-    noise = jitter(static, spread=0.3, seed=3)
-    a = simulate(sched, Costs(backward=2.0), noise=noise)
-    s = simulate(static, Costs(backward=2.0), noise=noise)
-    assert a.makespan > 0 and s.makespan > 0
-    order = [(e["op"], e["mb"]) for e in a.timeline if e["rank"] == 1]
-    assert len(order) == 16 and sorted(order) == sorted((op, m) for op in "FB" for m in range(8))
+def test_message_driven_policy_overtakes_static_1f1b_under_jitter() -> None:
+    """Same per-action cost draws for both; the message-driven rank may reorder, the static may not."""
+    D, N, costs = 4, 16, Costs(backward=2.0)
+    static = build_schedule("1f1b", stages=D, microbatches=N)
+    dynamic = build_schedule("async", stages=D, microbatches=N)
+    ratios = []
+    for seed in range(10):
+        noise = jitter(static, spread=0.3, seed=seed)
+        a = simulate(dynamic, costs, noise=noise)
+        ratios.append(a.makespan / simulate(static, costs, noise=noise).makespan)
+        assert max(a.peak_stash) <= 2 * D
+        order = [(e["op"], e["mb"]) for e in a.timeline if e["rank"] == 1]
+        assert sorted(order) == sorted((op, m) for op in "FB" for m in range(N))
+    assert sum(ratios) / len(ratios) < 1.0
+    # held to 1F1B's in-flight bound, stage 0 stashes no more than 1F1B does
+    tight = simulate(dynamic, costs, noise=jitter(static, spread=0.3, seed=0), cap=D)
+    assert tight.peak_stash[0] <= D

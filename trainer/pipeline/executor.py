@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.models import lm_loss
-from trainer.pipeline.schedules import Action, Schedule
+from trainer.pipeline.schedules import Action, Schedule, async_cap
 
 _ACT, _GRAD, _AR = 0, 1, 2
 
@@ -123,7 +123,7 @@ class PipelineExecutor:
         self.device = device or torch.device("cpu")
         self.group = group
         self.ranks = ranks or list(range(sched.stages))
-        self.cap = cap if cap is not None else sched.stages
+        self.cap = cap if cap is not None else async_cap(sched.stages)
         self.delay = delay
         n_recv = sum(1 for a in sched.ranks[rank] if self._source(a) is not None) + 4
         self._pool = ThreadPoolExecutor(max_workers=n_recv, thread_name_prefix=f"pp{rank}-recv")

@@ -254,6 +254,9 @@ def train_pipeline(
     if step > start:
         save(step)
     executor.close()
+    # leave together: a rank that tears its process group down while a peer still talks to it
+    # makes gloo abort that peer
+    dist.barrier()
     elapsed = time.perf_counter() - t_run
     result = {
         "steps": step,

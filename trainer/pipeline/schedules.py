@@ -297,6 +297,13 @@ def _fb_deps(a: Action, stages: int) -> list[Action]:
     return deps
 
 
+def async_cap(stages: int) -> int:
+    """Micro-batches the message-driven mode lets into the pipeline at once. 1F1B's bound (D)
+    leaves it no room to reorder, and it then loses to static 1F1B under compute jitter in
+    simulation (bench/pipeline.py); 2D lets it overtake, at up to twice 1F1B's stage-0 stash."""
+    return 2 * stages
+
+
 def async_plan(stages: int, microbatches: int) -> Schedule:
     """The message-driven mode's work set: 1F1B's actions, which the executor reorders at run time
     (backward first, then whichever activation arrived, injecting micro-batches as work completes)."""

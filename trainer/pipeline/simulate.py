@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.pipeline.schedules import COMPUTE_OPS, Action, Schedule, ScheduleError
+from trainer.pipeline.schedules import COMPUTE_OPS, Action, Schedule, ScheduleError, async_cap
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,11 +84,10 @@ def simulate(
     *,
     noise: dict[Action, float] | None = None,
     cap: int | None = None,
-    stage_limit: bool = False,
 ) -> SimResult:
     """Time `sched` under `costs`; `noise` multiplies individual action costs (jitter studies).
     Dynamic schedules (`async`) use the message-driven policy with at most `cap` micro-batches
-    in flight (default D, the memory 1F1B allows)."""
+    in flight (default `async_cap(D)`)."""
     D, split = sched.stages, sched.split_backward
     rank_of = {(s, rep): sched.rank_of(stage=s, replica=rep) for s in range(D) for rep in range(2)}
     work = [[a for a in acts if a.op in COMPUTE_OPS] for acts in sched.ranks]
@@ -97,9 +96,7 @@ def simulate(
     owner: dict[Action, int] = {}
     free = [0.0] * D
     pos = [0] * D
-    cap = cap if cap is not None else D
-    injected = 0
-    done_stage0 = 0
+    cap = cap if cap is not None else async_cap(D)
 
     def cost(a: Action) -> float:
         c = costs.of(a, split=split)
@@ -120,9 +117,6 @@ def simulate(
     next_f = [sorted((a for a in w if a.op == "F"), key=lambda a: a.mb) for w in work]
     inflight: list[list[Action]] = [[] for _ in range(D)]
 
-    def limit(r: int) -> int:
-        return D - r if stage_limit else D * 1000
-
     def candidates(r: int) -> list[tuple[float, Action]]:
         if not sched.dynamic:
             if pos[r] == len(work[r]):
@@ -135,7 +129,7 @@ def simulate(
             t = arrival(a, r)
             if t is not None:
                 out.append((max(t, free[r]), a))
-        if next_f[r] and len(inflight[r]) < (cap if r == 0 else limit(r)):
+        if next_f[r] and (r != 0 or len(inflight[r]) < cap):
             a = next_f[r][0]
             t = arrival(a, r)
             if t is not None:
@@ -178,10 +172,8 @@ def simulate(
             if a.op == "F":
                 next_f[r].pop(0)
                 inflight[r].append(Action("B", a.mb, a.stage, a.replica))
-                injected += a.stage == 0
             else:
                 inflight[r].remove(a)
-                done_stage0 += a.stage == 0
 
     timeline = [
         {
