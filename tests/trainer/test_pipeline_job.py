@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.gloo import run_ranks
-from trainer.config import JobConfig
+from trainer.config import ConfigError, JobConfig
 from trainer.loop import train
 from trainer.pipeline.job import train_pipeline
 from trainer.protocol import ListSink, NeverStop
@@ -35,7 +37,18 @@ def _spec(schedule: str, *, stages: int = 2, microbatches: int = 4) -> dict:
 SCHEDULES = ("1f1b", "chimera-zb", "async")
 
 
-def _run(rank: int, world: int, schedules: tuple[str, ...]) -> dict[str, dict]:
+class StopAfter:
+    """Asks to stop once `steps` steps have started (only rank 0's signal is read)."""
+
+    def __init__(self, steps: int) -> None:
+        self.calls, self.steps = 0, steps
+
+    def requested(self) -> bool:
+        self.calls += 1
+        return self.calls > self.steps
+
+
+def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[str, dict]:
     out = {}
     for name in schedules:
         sink = ListSink()
@@ -46,12 +59,25 @@ def _run(rank: int, world: int, schedules: tuple[str, ...]) -> dict[str, dict]:
             "results": sink.results,
             "result": result,
         }
+    # resume: two steps with a checkpoint after each, then the same job to three steps
+    spec = _spec("chimera")
+    spec["train"]["steps"], spec["checkpoint_every"] = 2, 1
+    first = ListSink()
+    train_pipeline(JobConfig.from_dict(spec), sink=first, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    spec["train"]["steps"] = 3
+    second = ListSink()
+    train_pipeline(JobConfig.from_dict(spec), sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    out["resume"] = {"first": first.metrics, "second": second.metrics, "logs": second.logs}
+    stopped = ListSink()
+    result = train_pipeline(JobConfig.from_dict(_spec("async")), sink=stopped, stop=StopAfter(2))
+    out["stop"] = {"metrics": stopped.metrics, "result": result}
     return out
 
 
 @functools.cache
 def _runs() -> list[dict[str, dict]]:
-    return run_ranks(_run, world_size=2, args=(SCHEDULES,), timeout_s=240)
+    with tempfile.TemporaryDirectory() as ckpt:
+        return run_ranks(_run, world_size=2, args=(SCHEDULES, ckpt), timeout_s=240)
 
 
 @functools.cache
@@ -100,3 +126,30 @@ def test_timeline_event_carries_executed_and_simulated_runs(schedule: str) -> No
     if schedule.startswith("chimera"):
         assert {e["op"] for e in ev["executed"]} >= {"AR"}
     assert 0.0 <= ev["bubble_executed"] < 1.0 and 0.0 <= ev["bubble_simulated"] < 1.0
+
+
+@pytest.mark.slow
+def test_resumed_pipeline_job_continues_the_loss_curve() -> None:
+    ref = _reference().series("loss")
+    lead = _runs()[0]["resume"]
+    first = [v for _, n, v in lead["first"] if n == "loss"]
+    second = [(s, v) for s, n, v in lead["second"] if n == "loss"]
+    torch.testing.assert_close(first, ref[:2], rtol=1e-4, atol=1e-5)
+    assert [s for s, _ in second] == [3]
+    torch.testing.assert_close(second[0][1], ref[2], rtol=1e-4, atol=1e-5)
+    assert any("resumed at step 2" in m for m in lead["logs"])
+
+
+@pytest.mark.slow
+def test_stop_signal_ends_every_rank_at_the_same_step() -> None:
+    lead, other = _runs()[0]["stop"], _runs()[1]["stop"]
+    assert [s for s, n, _ in lead["metrics"] if n == "loss"] == [1, 2]
+    assert lead["result"]["stopped"] and lead["result"]["steps"] == 2
+    assert other["result"]["stopped"] and other["result"]["steps"] == 2
+
+
+def test_cuda_pipeline_jobs_are_refused_with_the_reason() -> None:
+    spec = _spec("1f1b")
+    spec["resources"]["device"] = "cuda"
+    with pytest.raises(ConfigError, match="NCCL"):
+        train_pipeline(JobConfig.from_dict(spec), sink=ListSink(), stop=NeverStop())

@@ -10,7 +10,6 @@ process loop. Rank 0 emits the metrics; the executed and simulated timelines go 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -143,10 +142,16 @@ def train_pipeline(
         job.parallel.tensor is not None and job.parallel.tensor.world_size > 1
     ):
         raise ConfigError("pipeline jobs with data_parallel > 1 or tensor parallelism are not supported yet")
-    device = pick_device(job.resources.device)
+    if job.resources.device == "cuda":
+        # NCCL ignores point-to-point tags and matches messages in issue order per pair, while the
+        # executor pre-posts every receive and relies on tags (Chimera and async send in orders
+        # the receiver cannot predict). Until a NCCL path orders its receives, refuse it.
+        raise ConfigError(
+            "resources.device 'cuda' is not supported for pipeline jobs yet (the executor needs "
+            "tagged point-to-point messages, which NCCL does not match); use 'cpu' or 'auto'"
+        )
+    device = torch.device("cpu")
     init_from_env(device_type=device.type)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = dist.get_rank(), dist.get_world_size()
     D, N = pipe.stages, pipe.microbatches
     if world != D:
@@ -181,6 +186,8 @@ def train_pipeline(
             f"pipeline ranks resumed from different steps ({int(agreed[0])}..{-int(agreed[1])})"
         )
     if lead:
+        if job.resources.device == "auto" and pick_device("auto").type == "cuda":
+            sink.log("pipeline jobs run on CPU with gloo for now; the GPU is left idle")
         if start:
             sink.log(f"resumed at step {start}")
         sink.log(
