@@ -22,9 +22,12 @@ pending: no GPU was lent to this session.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -33,8 +36,7 @@ import torch
 
 from bench.common import table, write_results
 from trainer.config import JobConfig
-from trainer.loop import train
-from trainer.protocol import NeverStop, NullSink
+from trainer.protocol import NullSink
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
 from trainer.selection.scheduler import make_scheduler
 from trainer.selection.simulate import lower_bound, random_batch, simulate
@@ -137,6 +139,37 @@ def thread_ceiling(reps: int = 300) -> tuple[float, float]:
     return t_seq / t_par, (cpu_s() - c0) / t_par
 
 
+_LOOP = """
+import json, os, sys, time, torch
+from trainer.config import JobConfig
+from trainer.loop import train
+from trainer.protocol import NeverStop, NullSink
+torch.set_num_threads(int(sys.argv[1]))
+jobs = [JobConfig.from_dict(s) for s in json.load(sys.stdin)]
+train(jobs[0], sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))  # warm-up
+t0, c0 = time.perf_counter(), sum(os.times()[:2])
+for j in jobs:
+    train(j, sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+wall = time.perf_counter() - t0
+print(json.dumps([wall, (sum(os.times()[:2]) - c0) / wall]))
+"""
+
+
+def loop_in_subprocess(jobs: list[JobConfig], *, threads: int) -> tuple[float, float]:
+    """(wall seconds, cores used) of trainer/loop.py over the jobs, one after another, in a fresh
+    process: intra-op threads set after this process's worker threads ran behave badly (measured
+    27 s instead of 3 s in-process), and a real job runs in its own process anyway."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOOP, str(threads)],
+        input=json.dumps([j.to_dict() for j in jobs]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wall, cores = json.loads(out.stdout.strip().splitlines()[-1])
+    return wall, cores
+
+
 CONFIGS = [
     ("one trial at a time (sequential policy, 1 device)", 1, "sequential"),
     ("shard alternation, Sharded-LRTF, 2 devices", 2, "shard-lrtf"),
@@ -180,23 +213,19 @@ def real(
             }
         )
     if loop_baseline:
-        torch.set_num_threads(2)
-        t0, c0 = time.perf_counter(), cpu_s()
-        for j in jobs:
-            train(j, sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
-        t_loop = time.perf_counter() - t0
-        torch.set_num_threads(1)
-        rows.append(
-            {
-                "run": "trainer/loop.py trial after trial, 2 threads (once)",
-                "wall_s min": t_loop,
-                "wall_s median": t_loop,
-                "cores used (min run)": (cpu_s() - c0) / t_loop,
-                "cpu_s (min run)": cpu_s() - c0,
-                "speedup (min)": base / t_loop,
-                "speedup (median)": base_med / t_loop,
-            }
-        )
+        for threads in (1, 2):
+            t_loop, cores = loop_in_subprocess(jobs, threads=threads)
+            rows.append(
+                {
+                    "run": f"trainer/loop.py trial after trial, {threads} thread(s), fresh process (once)",
+                    "wall_s min": t_loop,
+                    "wall_s median": t_loop,
+                    "cores used (min run)": cores,
+                    "cpu_s (min run)": cores * t_loop,
+                    "speedup (min)": base / t_loop,
+                    "speedup (median)": base_med / t_loop,
+                }
+            )
     ceiling, ceiling_cores = thread_ceiling()
     rows.append(
         {
