@@ -1,233 +1,37 @@
-"""Search-space expansion: a base JobSpec and a space over dotted JobSpec paths -> the trials.
-
-    space = {"train.lr": {"low": 1e-4, "high": 3e-3, "log": true}, "model.layers": [4, 8, 12]}
-    plans = expand(base=spec, space=space, method="random", trials=8, seed=0)
-    plans[0].params   -> {"train.lr": 0.00041, "model.layers": 8}
-    plans[0].spec     -> the base spec with those two paths set
-
-A dimension is a non-empty list (a choice) or a range {"low", "high", "log": bool, "int": bool,
-"num": n}; `num` is how many grid points a range gives (evenly spaced, or log-spaced with `log`).
-
-This module imports only the standard library, so the REST layer validates a space with the same
-code the trainer expands it with. Keep it that way (a test checks it).
-"""
+"""Search-space expansion for selection batches. The code lives in `jobrules/space.py` (standard
+library only), which the REST layer validates with; this module re-exports it so the trainer and
+the API expand a space with one implementation. See that module for the space's format."""
 
 from __future__ import annotations
 
-import copy
-import itertools
-import math
-import random
-from dataclasses import dataclass
-from typing import Any, Literal
-
-Method = Literal["grid", "random"]
-
-# Every leaf of a JobSpec a search may set. tests/trainer/test_selection_space.py checks this table
-# against trainer/config.py's dataclasses, so a new config field fails a test until it is added here.
-JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("name", "checkpoint_every", "priority", "max_runtime_s"),
-    "model": ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio"),
-    "data": ("kind", "corpus", "max_chars", "val_fraction"),
-    "train": (
-        "steps",
-        "batch_size",
-        "lr",
-        "optimizer",
-        "weight_decay",
-        "momentum",
-        "seed",
-        "eval_every",
-        "eval_batches",
-        "grad_clip",
-    ),
-    "parallel": ("data_parallel",),
-    "parallel.spill": ("device_budget_mb", "prefetch", "cuts"),
-    "parallel.offload": ("optimizer", "dtype"),
-    "parallel.pipeline": ("stages", "microbatches", "schedule"),
-    "parallel.tensor": ("mode", "size", "q", "d"),
-    "resources": ("device", "gpus"),
-}
-KNOWN_PATHS: frozenset[str] = frozenset(
-    f"{section}.{name}" if section else name for section, names in JOBSPEC_FIELDS.items() for name in names
+from jobrules.space import (
+    JOBSPEC_FIELDS,
+    KNOWN_PATHS,
+    MAX_TRIALS,
+    Choice,
+    Dimension,
+    Method,
+    Range,
+    SpaceError,
+    TrialPlan,
+    apply_params,
+    expand,
+    parse_space,
+    sample_params,
 )
-MAX_TRIALS = 1024
-"""A grid larger than this is refused: it is almost always a typo (a range with a huge `num`)."""
 
-
-class SpaceError(ValueError):
-    """A search space that can never run; the message names the dimension and the rule."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Choice:
-    path: str
-    values: tuple[Any, ...]
-
-    def grid(self) -> list[Any]:
-        return list(self.values)
-
-    def sample(self, rng: random.Random) -> Any:
-        return self.values[rng.randrange(len(self.values))]
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Range:
-    path: str
-    low: float
-    high: float
-    log: bool = False
-    integer: bool = False
-    num: int | None = None
-
-    def __post_init__(self) -> None:
-        where = f"space[{self.path!r}]"
-        if not self.low < self.high:
-            raise SpaceError(f"{where}: low ({self.low}) must be < high ({self.high})")
-        if self.log and self.low <= 0:
-            raise SpaceError(f"{where}: a log range needs low > 0, got low={self.low}")
-        if self.num is not None and self.num < 2:
-            raise SpaceError(f"{where}: num must be >= 2 grid points, got {self.num}")
-
-    def _at(self, u: float) -> float | int:
-        """The point a fraction u in [0, 1] of the way from low to high (in log space with `log`)."""
-        if self.log:
-            v = math.exp(math.log(self.low) + u * (math.log(self.high) - math.log(self.low)))
-        else:
-            v = self.low + u * (self.high - self.low)
-        return int(round(v)) if self.integer else v
-
-    def grid(self) -> list[Any]:
-        if self.num is None:
-            raise SpaceError(
-                f"space[{self.path!r}]: method grid needs a list or a range with num (grid points), "
-                f"got the range [{self.low}, {self.high}] without num"
-            )
-        points = [self._at(i / (self.num - 1)) for i in range(self.num)]
-        return list(dict.fromkeys(points))  # integer rounding can repeat a point
-
-    def sample(self, rng: random.Random) -> Any:
-        return self._at(rng.random())
-
-
-Dimension = Choice | Range
-
-
-def parse_space(space: dict[str, Any], *, known_paths: frozenset[str] = KNOWN_PATHS) -> list[Dimension]:
-    """Check every dimension and return them in the space's key order."""
-    if not isinstance(space, dict) or not space:
-        raise SpaceError("space must be a non-empty object of dotted JobSpec paths")
-    dims: list[Dimension] = []
-    for path, raw in space.items():
-        if path not in known_paths:
-            section = path.rpartition(".")[0]
-            near = sorted(p for p in known_paths if p.rpartition(".")[0] == section)
-            hint = f"; fields under {section or 'the top level'}: {', '.join(near)}" if near else ""
-            raise SpaceError(f"space path {path!r} is not a JobSpec field{hint}")
-        dims.append(_parse_dimension(path, raw))
-    return dims
-
-
-def _parse_dimension(path: str, raw: Any) -> Dimension:
-    where = f"space[{path!r}]"
-    if isinstance(raw, list):
-        if not raw:
-            raise SpaceError(f"{where} is an empty list: a choice needs at least one value")
-        return Choice(path=path, values=tuple(raw))
-    if isinstance(raw, dict):
-        extra = set(raw) - {"low", "high", "log", "int", "num"}
-        if extra:
-            allowed = "low, high, log, int, num"
-            raise SpaceError(f"{where}: unknown range keys {sorted(extra)} (allowed: {allowed})")
-        if "low" not in raw or "high" not in raw:
-            raise SpaceError(f"{where}: a range needs both low and high, got keys {sorted(raw)}")
-        for key in ("low", "high"):
-            if isinstance(raw[key], bool) or not isinstance(raw[key], int | float):
-                raise SpaceError(f"{where}: {key} must be a number, got {raw[key]!r}")
-        num = raw.get("num")
-        if num is not None and (isinstance(num, bool) or not isinstance(num, int)):
-            raise SpaceError(f"{where}: num must be an integer, got {num!r}")
-        integer = bool(raw.get("int", isinstance(raw["low"], int) and isinstance(raw["high"], int)))
-        return Range(
-            path=path,
-            low=raw["low"],
-            high=raw["high"],
-            log=bool(raw.get("log", False)),
-            integer=integer,
-            num=num,
-        )
-    raise SpaceError(f"{where} must be a list of values or a range object {{low, high, ...}}, got {raw!r}")
-
-
-def sample_params(
-    space: dict[str, Any],
-    *,
-    method: Method,
-    trials: int | None = None,
-    seed: int = 0,
-    known_paths: frozenset[str] = KNOWN_PATHS,
-) -> list[dict[str, Any]]:
-    """The trials' parameter dicts (dotted path -> value), in a fixed order for a given seed."""
-    dims = parse_space(space, known_paths=known_paths)
-    if method == "grid":
-        if trials is not None:
-            raise SpaceError(f"method grid takes no trials (the grid sets the count), got trials={trials}")
-        axes = [d.grid() for d in dims]
-        count = math.prod(len(a) for a in axes)
-        if count > MAX_TRIALS:
-            raise SpaceError(f"the grid has {count} points, more than the limit of {MAX_TRIALS} trials")
-        return [dict(zip((d.path for d in dims), point, strict=True)) for point in itertools.product(*axes)]
-    if method == "random":
-        if trials is None or isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-            raise SpaceError(f"method random needs trials >= 1, got {trials!r}")
-        if trials > MAX_TRIALS:
-            raise SpaceError(f"trials ({trials}) is more than the limit of {MAX_TRIALS}")
-        rng = random.Random(seed)
-        return [{d.path: d.sample(rng) for d in dims} for _ in range(trials)]
-    raise SpaceError(f"method must be grid or random, got {method!r}")
-
-
-def apply_params(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of `base` with each dotted path set; missing sections are created."""
-    spec = copy.deepcopy(base)
-    for path, value in params.items():
-        *parents, leaf = path.split(".")
-        node = spec
-        for i, key in enumerate(parents):
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            elif not isinstance(child, dict):
-                raise SpaceError(
-                    f"cannot set {path!r}: the base spec's {'.'.join(parents[: i + 1])} is {child!r}, "
-                    f"not an object"
-                )
-            node = child
-        node[leaf] = copy.deepcopy(value)
-    return spec
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class TrialPlan:
-    index: int
-    params: dict[str, Any]
-    spec: dict[str, Any]
-
-
-def expand(
-    *,
-    base: dict[str, Any],
-    space: dict[str, Any],
-    method: Method,
-    trials: int | None = None,
-    seed: int = 0,
-    first_index: int = 0,
-) -> list[TrialPlan]:
-    """Trials of a batch: index, params and full spec. `first_index` numbers trials added later to a
-    running batch after the ones it already has."""
-    if not isinstance(base, dict):
-        raise SpaceError(f"the base spec must be an object, got {type(base).__name__}")
-    params = sample_params(space, method=method, trials=trials, seed=seed)
-    return [
-        TrialPlan(index=first_index + i, params=p, spec=apply_params(base, p)) for i, p in enumerate(params)
-    ]
+__all__ = [
+    "JOBSPEC_FIELDS",
+    "KNOWN_PATHS",
+    "MAX_TRIALS",
+    "Choice",
+    "Dimension",
+    "Method",
+    "Range",
+    "SpaceError",
+    "TrialPlan",
+    "apply_params",
+    "expand",
+    "parse_space",
+    "sample_params",
+]
