@@ -51,6 +51,20 @@ SPECS = [
         "model": {"kind": "mlp", "layers": 2, "d_model": 16, "seq_len": 8},
         "train": {"steps": 3, "lr": 1e-2, "grad_clip": 0.05, "seed": 5, **SMALL},
     },
+    # 3 shards, SGD with momentum and gradient clipping: the global norm, then one step task a shard
+    {
+        "model": {"kind": "gpt", "layers": 2, "d_model": 16, "heads": 2, "seq_len": 8},
+        "train": {
+            "steps": 3,
+            "lr": 0.1,
+            "optimizer": "sgd",
+            "momentum": 0.9,
+            "grad_clip": 0.05,
+            "seed": 6,
+            **SMALL,
+        },
+        "parallel": {"spill": {"device_budget_mb": 64, "cuts": [1, 3]}},
+    },
 ]
 CPU2 = [torch.device("cpu"), torch.device("cpu")]
 
@@ -190,18 +204,15 @@ def test_stop_trials_between_mini_batches(tmp_path: Path) -> None:
     assert results[1]["steps"] == 0 and not any(s.trial == 1 for s in ex.trace)
 
 
-def test_clipping_across_shards_fails_that_trial_alone() -> None:
-    bad = JobConfig.from_dict(
-        {"data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "grad_clip": 1.0}, "name": "clip"}
-    )
+def test_a_trial_that_cannot_be_built_fails_alone() -> None:
+    bad = JobConfig.from_dict({"data": DATA, **SPECS[0], "name": "bad"})
+    bad.parallel.spill.cuts = [7]  # past the model's 4 layers
     sinks = {0: ListSink(), 1: ListSink()}
     entries = [TrialEntry(index=0, job=bad, sink=sinks[0]), TrialEntry(index=1, job=job(2), sink=sinks[1])]
     results = Executor(entries, devices=CPU2, cfg=ExecutorConfig()).run()
-    assert (
-        results[0]["status"] == "failed"
-        and "grad_clip (1.0) needs the global gradient norm" in results[0]["error"]
-    )
+    assert results[0]["status"] == "failed" and "parallel.spill.cuts" in results[0]["error"]
     assert results[1]["status"] == "succeeded"
+    assert [d["status"] for e, d in sinks[0].events if e == "trial"] == ["failed"]
 
 
 def test_warm_start_and_checkpoint_round_trip(tmp_path: Path, reference) -> None:  # noqa: ANN001

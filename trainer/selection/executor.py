@@ -341,7 +341,7 @@ class Executor:
         overlaps the task about to run; on CPU the same call copies at once."""
         t = run.trial
         task = t.next_task
-        dt = t.copy_in(task.shard, self.places[d], state=task.steps)
+        dt = t.copy_in(task.shard, self.places[d], state=task.steps, grads=task.kind == "S")
         run.copy_s += dt
         run.prefetch_s += dt
 

@@ -11,8 +11,10 @@ A mini-batch is forward shards 0..K-2 (no autograd graph; each boundary output g
 then the last shard's forward, loss, backward and step in one task (its forward would only be
 recomputed), then backward shards K-2..0, each recomputing its forward from the saved boundary
 input and stepping its own optimizer at once, as in the spilling engine. Per-shard SGD and AdamW
-steps are exactly the whole-model steps. Global-norm gradient clipping would need every gradient
-before any step, so, as in the spilling engine, it is refused with more than one shard.
+steps are exactly the whole-model steps. Global-norm gradient clipping needs every gradient before
+any step: with more than one shard the backward tasks park their gradients on the host (with their
+per-parameter norms), and K step tasks follow, each bringing a shard back with its gradients to
+scale and step it (the spilling engine's deferred path, one task per shard here).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import ConfigError, JobConfig
+from trainer.config import JobConfig
 from trainer.data import BatchStream, TextData
 from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params, lm_loss
@@ -46,6 +48,7 @@ _COSTS: dict[tuple[str, int, int], list[LayerCost]] = {}
 
 FORWARD = "F"
 LAST = "FB"
+STEP = "S"
 BACKWARD = "B"
 HOST = torch.device("cpu")
 
@@ -53,7 +56,8 @@ HOST = torch.device("cpu")
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Task:
     kind: str
-    """F: forward of a shard that is not the last; FB: last shard forward+backward; B: backward."""
+    """F: forward of a shard that is not the last; FB: last shard forward+backward; B: backward;
+    S: deferred (clipped) optimizer step."""
     shard: int
 
     @property
@@ -77,12 +81,13 @@ class Place:
     stream: torch.cuda.Stream | None = None
 
 
-def mini_batch_tasks(n_shards: int) -> list[Task]:
+def mini_batch_tasks(n_shards: int, *, deferred: bool) -> list[Task]:
     last = n_shards - 1
     return (
         [Task(kind=FORWARD, shard=k) for k in range(last)]
         + [Task(kind=LAST, shard=last)]
         + [Task(kind=BACKWARD, shard=k) for k in reversed(range(last))]
+        + ([Task(kind=STEP, shard=k) for k in range(n_shards)] if deferred else [])
     )
 
 
@@ -117,6 +122,10 @@ class ShardedTrial:
     """Host copies of the boundary inputs the backward will recompute from."""
     _grad: torch.Tensor | None = None
     """Host copy of the gradient flowing down to the next backward shard."""
+    _norms: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Deferred path: per-parameter gradient norms of each shard, on the host."""
+    _coef: torch.Tensor | None = None
+    """Deferred path: the clip coefficient, once every shard's norms are in."""
 
     @classmethod
     def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
@@ -144,11 +153,6 @@ class ShardedTrial:
         plan = partition(
             costs, budget_bytes=shard_budget, prefetch=False, cuts=spill.cuts if spill is not None else None
         )
-        if plan.n_shards > 1 and cfg.grad_clip > 0:
-            raise ConfigError(
-                f"train.grad_clip ({cfg.grad_clip}) needs the global gradient norm before any step, but "
-                f"the trial's {plan.n_shards} shards step one by one; use grad_clip 0 or one shard"
-            )
         keys = ["exp_avg", "exp_avg_sq"] if cfg.optimizer == "adamw" else []
         if cfg.optimizer == "sgd" and cfg.momentum > 0:
             keys = ["momentum_buffer"]
@@ -178,7 +182,7 @@ class ShardedTrial:
             stream=BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed),
             # 6 flops per parameter per token (forward + backward) plus the recompute (2 more)
             flops_per_step=8.0 * count_params(model) * cfg.batch_size * job.model.seq_len,
-            tasks=mini_batch_tasks(len(shards)),
+            tasks=mini_batch_tasks(len(shards), deferred=len(shards) > 1 and cfg.grad_clip > 0),
         )
 
     @property
@@ -191,14 +195,18 @@ class ShardedTrial:
 
     # -- device residency ------------------------------------------------------------------------
 
-    def copy_in(self, k: int, place: Place, *, state: bool) -> float:
+    @property
+    def deferred(self) -> bool:
+        return self.tasks[-1].kind == STEP
+
+    def copy_in(self, k: int, place: Place, *, state: bool, grads: bool = False) -> float:
         """Bind shard k to `place` and start copying it in (on the copy stream on CUDA: this is the
         prefetch). Returns the seconds spent issuing it."""
         t0 = time.perf_counter()
         s = self.shards[k]
         if not s.resident:
             s.device, s.ledger, s.copy_stream = place.device, place.ledger, place.stream
-        s.to_device(state=state)
+        s.to_device(state=state, grads=grads)
         return time.perf_counter() - t0
 
     def _hold(self, place: Place, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -212,12 +220,36 @@ class ShardedTrial:
         task = self.next_task
         k = task.shard
         s = self.shards[k]
-        timing = TaskTiming(copy_s=self.copy_in(k, place, state=task.steps))
+        timing = TaskTiming(copy_s=self.copy_in(k, place, state=task.steps, grads=task.kind == STEP))
         t0 = time.perf_counter()
+        s.ready()
+        if task.kind == STEP:
+            assert self._coef is not None and s.dev_grad is not None
+            s.dev_grad.mul_(self._coef.to(place.device))
+            s.step()
+            s.drop_grads()
+        else:
+            self._compute(task, s, place)
+        _sync(place)
+        timing.compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        s.spill()
+        _sync(place)
+        timing.copy_s += time.perf_counter() - t1
+        self.pos += 1
+        if self.pos == len(self.tasks):
+            self.pos = 0
+            self.step += 1
+            self._y = self._grad = self._coef = None
+            self._inputs.clear()
+            self._norms.clear()
+        return timing
+
+    def _compute(self, task: Task, s: Shard, place: Place) -> None:
+        k = task.shard
         if k == 0 and task.kind != BACKWARD:  # the mini-batch starts: step k's batch, as the loop
             x, self._y = self.stream.batch_for(self.step)
             self._inputs[0] = x
-        s.ready()
         h = self._hold(place, "in", self._inputs[k])
         if task.kind == FORWARD:
             self._inputs[k + 1] = s.forward(h).to(HOST)
@@ -231,27 +263,25 @@ class ShardedTrial:
                 g = self._hold(place, "grad", self._grad)
                 grad, _ = s.backward(h, grad_out=g)
                 place.ledger.release(f"t{self.index}.grad")
-            if self.job.train.grad_clip > 0:  # one shard only (checked in build)
-                torch.nn.utils.clip_grad_norm_(s.params, self.job.train.grad_clip)
-            s.step()
-            s.drop_grads()
             self._grad = None if grad is None else grad.to(HOST)
             del self._inputs[k]
+            clip = self.job.train.grad_clip
+            if self.deferred:
+                # park the gradients; the step tasks scale them by the global clip coefficient
+                assert s.dev_grad is not None
+                self._norms[k] = [torch.linalg.vector_norm(v, 2.0).to(HOST) for v in s.views(s.dev_grad)]
+                s.stash_grads()
+                if k == 0:  # the last backward: every norm is in (as clip_grad_norm_ computes it)
+                    per_param = [n for j in range(len(self.shards)) for n in self._norms[j]]
+                    total = torch.linalg.vector_norm(torch.stack(per_param), 2.0)
+                    self._coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            else:
+                if clip > 0:  # one shard
+                    torch.nn.utils.clip_grad_norm_(s.params, clip)
+                s.step()
+                s.drop_grads()
         place.ledger.release(f"t{self.index}.in")
         place.ledger.release(f"t{self.index}.target")
-        _sync(place)
-        timing.compute_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        s.spill()
-        _sync(place)
-        timing.copy_s += time.perf_counter() - t1
-        self.pos += 1
-        if self.pos == len(self.tasks):
-            self.pos = 0
-            self.step += 1
-            self._y = self._grad = None
-            self._inputs.clear()
-        return timing
 
     @torch.no_grad()
     def evaluate(self, place: Place) -> float:
