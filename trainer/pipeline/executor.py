@@ -1,4 +1,4 @@
-"""Runs one pipeline training step on this rank with point-to-point messages (gloo or NCCL).
+"""Runs one pipeline training step on this rank with point-to-point messages over gloo.
 
 Static mode executes the rank's action list in order. Message-driven mode (schedule `async`,
 after AxoNN) takes whichever input arrived first, backward work before forward, and lets stage 0
@@ -48,6 +48,17 @@ class StepRecord:
     """Sum over this rank's last-stage micro-batches of loss / N (all-reduce it for the total)."""
     timeline: list[dict[str, Any]] = field(default_factory=list)
     peak_stash: int = 0
+
+
+@dataclass(slots=True)
+class _Stashed:
+    """What a forward leaves for its backward: the stage input (its .grad is the message back),
+    the output (or the scaled loss on the last stage) and, between a split B and its W, the
+    output gradient W needs again."""
+
+    inp: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor | None = None
 
 
 class _Mailbox:
@@ -184,7 +195,7 @@ class _StepRun:
         self.mail = mail
         self.xs, self.ys = xs, ys
         self.t0 = t0
-        self.stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stash: dict[tuple[int, int, int], _Stashed] = {}
         self.peak_stash = 0
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.exchanges: list[
@@ -235,32 +246,31 @@ class _StepRun:
                 self._send(
                     out, dst=self.ex._peer(stage=a.stage + 1, replica=a.replica), tag=self._tag(_ACT, a)
                 )
-            self.stash[key] = (inp, out)
+            self.stash[key] = _Stashed(inp=inp, out=out)
             self.peak_stash = max(self.peak_stash, len(self.stash))
         elif a.op == "B":
-            inp, out = self.stash[key]
-            split = self.ex.sched.split_backward
-            if split:
+            st = self.stash[key]
+            if self.ex.sched.split_backward:
                 if a.stage > 0:
                     # input gradient only; the graph stays for the deferred weight gradient
-                    (g,) = torch.autograd.grad(out, inp, grad_outputs=received, retain_graph=True)
+                    (g,) = torch.autograd.grad(st.out, st.inp, grad_outputs=received, retain_graph=True)
                     self._send(
                         g, dst=self.ex._peer(stage=a.stage - 1, replica=a.replica), tag=self._tag(_GRAD, a)
                     )
-                self.stash[key] = (inp, out, received)  # type: ignore[assignment]
+                st.grad_out = received
             else:
-                torch.autograd.backward(out, grad_tensors=received)
+                torch.autograd.backward(st.out, grad_tensors=received)
                 if a.stage > 0:
                     self._send(
-                        inp.grad,
+                        st.inp.grad,
                         dst=self.ex._peer(stage=a.stage - 1, replica=a.replica),
                         tag=self._tag(_GRAD, a),
                     )
                 del self.stash[key]
         elif a.op == "W":
-            inp, out, g_out = self.stash.pop(key)  # type: ignore[misc]
+            st = self.stash.pop(key)
             params = [p for p in mod.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(out, params, grad_outputs=g_out, allow_unused=True)
+            grads = torch.autograd.grad(st.out, params, grad_outputs=st.grad_out, allow_unused=True)
             for p, g in zip(params, grads, strict=True):
                 if g is None:
                     continue
