@@ -165,6 +165,9 @@ def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
     assert all(0 < lg.peak_bytes <= budget for lg in ex.ledgers)
     assert all(0 < p.ledger.peak <= budget and p.ledger.strict for p in ex.places)
     assert all(p.ledger.held == 0 for p in ex.places)  # everything spilled at the end
+    # double buffering across trials happened (a shard copied in ahead of its task), or not at all
+    prefetched = sum(1 for r in results.values() if r["prefetch_s"] > 0)
+    assert prefetched > 0 if prefetch else prefetched == 0
 
 
 @pytest.mark.parametrize("how", ["shard-lrtf", "sequential"])
@@ -234,3 +237,47 @@ def test_warm_start_and_checkpoint_round_trip(tmp_path: Path, reference) -> None
     a, b = t.state(), u.state()
     torch.testing.assert_close(a["model"], b["model"])
     torch.testing.assert_close(a["optimizer"], b["optimizer"])
+
+
+class StopAfter(ListSink):
+    """A sink that raises a flag once its trial reports step `step`: a stop request at a known point."""
+
+    def __init__(self, step: int, flag: dict) -> None:
+        super().__init__()
+        self.step, self.flag = step, flag
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        super().metric(step, name, value)
+        if name == "loss" and step == self.step:
+            self.flag["stop"] = True
+
+
+class FlagStop:
+    def __init__(self, flag: dict) -> None:
+        self.flag = flag
+
+    def requested(self) -> bool:
+        return self.flag.get("stop", False)
+
+
+@pytest.mark.parametrize("whole_batch", [True, False])
+def test_a_stop_mid_run_ends_trials_between_mini_batches(whole_batch: bool) -> None:
+    flag: dict = {}
+    n = len(SPECS)
+    sinks = {i: StopAfter(2, flag) if i == 0 else ListSink() for i in range(n)}
+    entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(n)]
+    kw = {"stop": FlagStop(flag)} if whole_batch else {"stop_trials": lambda: {0, 1} if flag else set()}
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", poll_s=0.0), **kw)
+    results = ex.run()
+    stopped = {i for i, r in results.items() if r["status"] == "stopped"}
+    assert 0 in stopped and (whole_batch or stopped <= {0, 1})
+    if whole_batch:
+        assert all(r["status"] in ("stopped", "succeeded") for r in results.values())
+    for i, r in results.items():
+        # whole mini-batches only: every step a trial counts has its loss and its last shard
+        assert len(sinks[i].series("loss")) == r["steps"]
+        assert sum(1 for s in ex.trace if s.trial == i and s.kind == "FB") == r["steps"]
+        if r["status"] == "stopped":
+            assert r["steps"] < job(i).train.steps
+            assert [d["status"] for e, d in sinks[i].events if e == "trial"][-1] == "stopped"
+    assert results[0]["steps"] == 2  # trial 0 stopped right after the step that raised the flag

@@ -321,6 +321,7 @@ class Executor:
             "copy_s": run.copy_s,
             "busy_s": run.busy_s,
             "overhead_s": run.dispatch_s + run.busy_s - run.compute_s - (run.copy_s - run.prefetch_s),
+            "prefetch_s": run.prefetch_s,
         }
 
     def _better(self, a: float, b: float | None) -> bool:
