@@ -281,3 +281,22 @@ def test_a_stop_mid_run_ends_trials_between_mini_batches(whole_batch: bool) -> N
             assert r["steps"] < job(i).train.steps
             assert [d["status"] for e, d in sinks[i].events if e == "trial"][-1] == "stopped"
     assert results[0]["steps"] == 2  # trial 0 stopped right after the step that raised the flag
+
+
+def test_a_task_that_raises_fails_its_trial_and_frees_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = ShardedTrial._compute
+
+    def broken(self, task, s, place):  # noqa: ANN001, ANN202
+        if self.index == 0 and self.step == 1 and task.kind == "B":
+            raise RuntimeError("injected failure with the shard on the device")
+        return real(self, task, s, place)
+
+    monkeypatch.setattr(ShardedTrial, "_compute", broken)
+    ex, results, sinks = run_batch(tmp_path, device_budget_bytes=256 * 2**20)
+    assert results[0]["status"] == "failed" and "injected failure" in results[0]["error"]
+    assert results[0]["steps"] == 1
+    assert all(r["status"] == "succeeded" for i, r in results.items() if i != 0)
+    assert [d["status"] for e, d in sinks[0].events if e == "trial"] == ["running", "failed"]
+    assert all(p.ledger.held == 0 for p in ex.places)

@@ -444,6 +444,12 @@ class Executor:
             if t.pos == 0:  # the mini-batch is done: metrics and evaluation, still holding the trial
                 self._end_of_step(run, self.places[d])
         except Exception as exc:  # noqa: BLE001 - this trial fails, the batch goes on
+            # free what the failed task left on the device, so the other trials keep its budget
+            place = self.places[d]
+            with contextlib.suppress(Exception):
+                for shard in t.shards:
+                    shard.spill()
+            place.ledger.release_prefix(f"t{run.index}.")
             with self._cond:
                 self._fail(run, exc)
 
