@@ -140,7 +140,7 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
     for i in range(n):
         emitted[i] = time.perf_counter()
         relay.metric(i, "loss", 1.0, time.time())
-        if i % 2 == 0:  # half flushed at once (publish latency), half left to the batching thread
+        if i < n // 2:  # first half flushed at once (publish latency), second half left to the batching thread
             flushed[i] = time.perf_counter()
             relay.flush()
         time.sleep(0.01)
