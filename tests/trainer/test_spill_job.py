@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.sizing import layer_working_sets
 from trainer.config import JobConfig
 from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 from trainer.spill.job import train_spilled
-from jobrules.sizing import layer_working_sets
 
 BASE: dict[str, Any] = {
     "model": {"kind": "gpt", "layers": 3, "d_model": 32, "heads": 4, "seq_len": 16},
