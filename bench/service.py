@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import threading
 import time
@@ -119,7 +118,9 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
     ready = threading.Event()
 
     def client() -> None:
-        with httpx.stream("GET", f"{stack.base_url}/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=60)) as r:
+        with httpx.stream(
+            "GET", f"{stack.base_url}/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=60)
+        ) as r:
             ready.set()
             event = None
             for line in r.iter_lines():
@@ -140,7 +141,9 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
     for i in range(n):
         emitted[i] = time.perf_counter()
         relay.metric(i, "loss", 1.0, time.time())
-        if i < n // 2:  # first half flushed at once (publish latency), second half left to the batching thread
+        if (
+            i < n // 2
+        ):  # first half flushed at once (publish latency), second half left to the batching thread
             flushed[i] = time.perf_counter()
             relay.flush()
         time.sleep(0.01)
@@ -170,7 +173,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(root=Path(tmp), workers=0)
         with stack:
-            settings = Settings(database_url=stack.database_url, broker_url=stack.broker_url, data_dir=Path(tmp))
+            settings = Settings(
+                database_url=stack.database_url, broker_url=stack.broker_url, data_dir=Path(tmp)
+            )
             submit = bench_submits(stack, args.submits, args.clients)
             ingest = bench_ingest(settings, args.points)
             sse = bench_sse(stack, settings, args.sse)
@@ -178,21 +183,57 @@ def main() -> None:
             latency = bench_latency(stack, args.latency_jobs)
 
     rows = [
-        {"measure": "submit throughput", "target": ">= 300 jobs/s", "measured": f"{submit['submits_per_s']:.0f} jobs/s",
-         "met": submit["submits_per_s"] >= 300},
-        {"measure": "submit -> running p50 (warm worker)", "target": "<= 1.5 s", "measured": f"{latency['p50_s']:.3f} s",
-         "met": latency["p50_s"] <= 1.5},
-        {"measure": "submit -> running p95", "target": "-", "measured": f"{latency['p95_s']:.3f} s", "met": "-"},
-        {"measure": "metric ingestion into the db", "target": ">= 20000 points/s",
-         "measured": f"{ingest['points_per_s']:.0f} points/s", "met": ingest["points_per_s"] >= 20000},
-        {"measure": "SSE publish -> client p50", "target": "-", "measured": f"{sse['publish_to_client_p50_ms']:.1f} ms", "met": "-"},
-        {"measure": "SSE publish -> client p95", "target": "<= 200 ms", "measured": f"{sse['publish_to_client_p95_ms']:.1f} ms",
-         "met": sse["publish_to_client_p95_ms"] <= 200},
-        {"measure": "SSE trainer line -> client p95 (incl. 200 ms batching)", "target": "-",
-         "measured": f"{sse['emit_to_client_p95_ms']:.1f} ms", "met": "-"},
+        {
+            "measure": "submit throughput",
+            "target": ">= 300 jobs/s",
+            "measured": f"{submit['submits_per_s']:.0f} jobs/s",
+            "met": submit["submits_per_s"] >= 300,
+        },
+        {
+            "measure": "submit -> running p50 (warm worker)",
+            "target": "<= 1.5 s",
+            "measured": f"{latency['p50_s']:.3f} s",
+            "met": latency["p50_s"] <= 1.5,
+        },
+        {
+            "measure": "submit -> running p95",
+            "target": "-",
+            "measured": f"{latency['p95_s']:.3f} s",
+            "met": "-",
+        },
+        {
+            "measure": "metric ingestion into the db",
+            "target": ">= 20000 points/s",
+            "measured": f"{ingest['points_per_s']:.0f} points/s",
+            "met": ingest["points_per_s"] >= 20000,
+        },
+        {
+            "measure": "SSE publish -> client p50",
+            "target": "-",
+            "measured": f"{sse['publish_to_client_p50_ms']:.1f} ms",
+            "met": "-",
+        },
+        {
+            "measure": "SSE publish -> client p95",
+            "target": "<= 200 ms",
+            "measured": f"{sse['publish_to_client_p95_ms']:.1f} ms",
+            "met": sse["publish_to_client_p95_ms"] <= 200,
+        },
+        {
+            "measure": "SSE trainer line -> client p95 (incl. 200 ms batching)",
+            "target": "-",
+            "measured": f"{sse['emit_to_client_p95_ms']:.1f} ms",
+            "met": "-",
+        },
     ]
-    print(table(rows, title="Shardyard service benchmark (embedded stack: SQLite, local redis-server, 1 worker)"))
-    path = write_results("service", {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse})
+    print(
+        table(
+            rows, title="Shardyard service benchmark (embedded stack: SQLite, local redis-server, 1 worker)"
+        )
+    )
+    path = write_results(
+        "service", {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse}
+    )
     print(f"wrote {path}")
 
 

@@ -42,6 +42,40 @@ def evaluate(model: nn.Module, data: TextData, *, cfg: TrainConfig, device: torc
     return total / cfg.eval_batches
 
 
+def report_step(
+    sink: MetricsSink, *, step: int, loss: float, seconds: float, tokens: int, device: torch.device
+) -> None:
+    """The per-step metrics every engine reports, so the dashboard reads one vocabulary."""
+    sink.metric(step, "loss", loss)
+    sink.metric(step, "step_time_ms", seconds * 1e3)
+    sink.metric(step, "tokens_per_s", tokens / seconds)
+    sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+
+
+def run_summary(
+    *,
+    step: int,
+    start: int,
+    stopped: bool,
+    final_loss: float,
+    val_loss: float,
+    params: int,
+    tokens_per_step: int,
+    elapsed: float,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The result every engine returns (engines add their own keys)."""
+    return {
+        "steps": step,
+        "stopped": stopped,
+        "final_loss": final_loss,
+        "val_loss": val_loss,
+        "params": params,
+        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
+        "device": str(device),
+    }
+
+
 def check_finite(loss: float, step: int) -> None:
     if not math.isfinite(loss):
         raise TrainingError(f"loss is {loss} at step {step}; lower train.lr or enable grad_clip")
@@ -96,10 +130,7 @@ def train(
         loss_value = loss.item()  # note: a CPU-GPU sync point, once per step
         check_finite(loss_value, step)
         dt = time.perf_counter() - t0
-        sink.metric(step, "loss", loss_value)
-        sink.metric(step, "step_time_ms", dt * 1e3)
-        sink.metric(step, "tokens_per_s", tokens_per_step / dt)
-        sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+        report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val_loss = evaluate(model, data, cfg=cfg, device=device)
             sink.metric(step, "val_loss", val_loss)
@@ -118,14 +149,16 @@ def train(
             state={"model": model.state_dict(), "optimizer": opt.state_dict()},
         )
     elapsed = time.perf_counter() - t_run
-    result = {
-        "steps": step,
-        "stopped": stopped,
-        "final_loss": loss_value,
-        "val_loss": val_loss,
-        "params": n_params,
-        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
-        "device": str(device),
-    }
+    result = run_summary(
+        step=step,
+        start=start,
+        stopped=stopped,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        params=n_params,
+        tokens_per_step=tokens_per_step,
+        elapsed=elapsed,
+        device=device,
+    )
     sink.result(result)
     return result

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from jobrules import sizing
 from trainer.config import ConfigError, ModelConfig
 from trainer.models import build_model
-from jobrules import sizing
 from trainer.spill.ledger import MiB
 from trainer.spill.partition import (
     DoesNotFit,

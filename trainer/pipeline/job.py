@@ -22,9 +22,9 @@ from torch import nn
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
-from trainer.device import peak_memory_mb, pick_device
+from trainer.device import pick_device
 from trainer.distributed import init_from_env
-from trainer.loop import build_optimizer, check_finite
+from trainer.loop import build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model, count_params, lm_loss
 from trainer.pipeline.checker import check_schedule
 from trainer.pipeline.executor import PipelineExecutor
@@ -230,10 +230,7 @@ def train_pipeline(
         loss_value = loss.item()
         check_finite(loss_value, step)
         if lead:
-            sink.metric(step, "loss", loss_value)
-            sink.metric(step, "step_time_ms", dt * 1e3)
-            sink.metric(step, "tokens_per_s", tokens_per_step / dt)
-            sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+            report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
         last = step == cfg.steps
         if step % cfg.eval_every == 0 or last:
             val_loss = pipeline_evaluate(
@@ -265,14 +262,17 @@ def train_pipeline(
     # makes gloo abort that peer
     dist.barrier()
     elapsed = time.perf_counter() - t_run
-    result = {
-        "steps": step,
-        "stopped": stopped,
-        "final_loss": loss_value,
-        "val_loss": val_loss,
-        "params": n_params,
-        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
-        "device": str(device),
+    result = run_summary(
+        step=step,
+        start=start,
+        stopped=stopped,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        params=n_params,
+        tokens_per_step=tokens_per_step,
+        elapsed=elapsed,
+        device=device,
+    ) | {
         "pipeline": {"schedule": pipe.schedule, "stages": D, "microbatches": N, "bubble_executed": bubble},
     }
     if lead:

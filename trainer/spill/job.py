@@ -19,8 +19,8 @@ from torch import nn
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
-from trainer.device import peak_memory_mb, pick_device
-from trainer.loop import build_optimizer, check_finite
+from trainer.device import pick_device
+from trainer.loop import build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model, count_params
 from trainer.protocol import MetricsSink, StopSignal, should_stop
 from trainer.spill.engine import SpillEngine, default_bucket_numel
@@ -175,10 +175,7 @@ def train_spilled(
         loss_value = engine.train_step(x, y)
         check_finite(loss_value, step)
         dt = time.perf_counter() - t0
-        sink.metric(step, "loss", loss_value)
-        sink.metric(step, "step_time_ms", dt * 1e3)
-        sink.metric(step, "tokens_per_s", tokens_per_step / dt)
-        sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+        report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
         sink.metric(step, "ledger_peak_mb", ledger.step_peak / MiB)
         sink.metric(step, "resident_shards", ledger.resident_peak)
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -191,14 +188,17 @@ def train_spilled(
     if checkpoint_dir is not None and step > start:
         save(step)
     elapsed = time.perf_counter() - t_run
-    result: dict[str, Any] = {
-        "steps": step,
-        "stopped": stopped,
-        "final_loss": loss_value,
-        "val_loss": val_loss,
-        "params": n_params,
-        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
-        "device": str(device),
+    result = run_summary(
+        step=step,
+        start=start,
+        stopped=stopped,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        params=n_params,
+        tokens_per_step=tokens_per_step,
+        elapsed=elapsed,
+        device=device,
+    ) | {
         **shard_info,
         "ledger_peak_mb": ledger.peak / MiB,
     }

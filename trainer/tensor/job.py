@@ -22,9 +22,9 @@ import torch.distributed as dist
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
-from trainer.device import peak_memory_mb, pick_device
+from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
-from trainer.loop import build_optimizer, check_finite
+from trainer.loop import build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model
 from trainer.protocol import MetricsSink, NullSink, StopSignal, should_stop
 from trainer.tensor import comm
@@ -158,10 +158,7 @@ def train_tensor(
         loss_value = global_loss(loss, mesh=mesh)  # note: a sync point, once per step
         check_finite(loss_value, step)
         dt = time.perf_counter() - t0
-        sink.metric(step, "loss", loss_value)
-        sink.metric(step, "step_time_ms", dt * 1e3)
-        sink.metric(step, "tokens_per_s", tokens_per_step / dt)
-        sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
+        report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val_loss = evaluate_tp(model, data, cfg=cfg, mesh=mesh, device=device)
             sink.metric(step, "val_loss", val_loss)
@@ -177,15 +174,18 @@ def train_tensor(
     with comm.paused():
         summary = comm_summary(mesh=mesh, steps=step - start)
     sink.event("comm", summary)
-    result = {
-        "steps": step,
-        "stopped": stopped,
-        "final_loss": loss_value,
-        "val_loss": val_loss,
-        "params": n_params,
+    result = run_summary(
+        step=step,
+        start=start,
+        stopped=stopped,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        params=n_params,
+        tokens_per_step=tokens_per_step,
+        elapsed=elapsed,
+        device=device,
+    ) | {
         "params_rank0": local_params,
-        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
-        "device": str(device),
         "tensor": {"mode": tensor.mode, "world_size": world},
         "comm_sent_bytes_per_step_rank0": summary["sent_bytes_per_step_rank0"],
     }
