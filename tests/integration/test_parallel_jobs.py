@@ -34,7 +34,7 @@ def test_spilled_job_streams_its_memory_metrics(stack: StackHandle) -> None:
     assert done["result"]["steps"] == 8
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "chimera", "chimera-zb", "async"])
 def test_pipeline_job_runs_under_torchrun_and_records_its_timeline(stack: StackHandle, schedule: str) -> None:
     par = {"pipeline": {"stages": 2, "microbatches": 4, "schedule": schedule}}
     job = stack.submit(spec(f"pipe-{schedule}", par))
@@ -48,9 +48,20 @@ def test_pipeline_job_runs_under_torchrun_and_records_its_timeline(stack: StackH
     assert done["result"]
 
 
-def test_tensor_parallel_job_runs_on_two_ranks(stack: StackHandle) -> None:
-    job = stack.submit(spec("tp-1d", {"tensor": {"mode": "1d", "size": 2}}))
-    assert job["world_size"] == 2
-    stack.wait(job["id"], timeout=240)
+@pytest.mark.parametrize(
+    ("tensor", "ranks"),
+    [({"mode": "1d", "size": 2}, 2), ({"mode": "2d", "q": 2}, 4), ({"mode": "2.5d", "q": 2, "d": 2}, 8)],
+    ids=["1d", "2d", "2.5d"],
+)
+def test_tensor_parallel_job_trains_like_the_dense_job(stack: StackHandle, tensor: dict, ranks: int) -> None:
+    job = stack.submit(spec(f"tp-{tensor['mode']}", {"tensor": tensor}))
+    assert job["world_size"] == ranks
+    done = stack.wait(job["id"], timeout=300)
+    assert done["result"]["tensor"]["world_size"] == ranks
     loss = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
     assert loss["series"]["loss"]["steps"] == list(range(1, 7))
+    # the same spec without tensor parallelism, on one process: the same losses
+    dense = stack.submit(spec("tp-dense-reference", {}))
+    stack.wait(dense["id"], timeout=120)
+    ref = stack.client.get(f"/api/jobs/{dense['id']}/metrics", params={"names": "loss"}).json()
+    assert loss["series"]["loss"]["values"] == pytest.approx(ref["series"]["loss"]["values"], rel=1e-4)

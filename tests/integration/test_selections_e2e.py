@@ -94,3 +94,31 @@ def test_invalid_selections_are_refused(stack: StackHandle) -> None:
     code, msg = post(space={"model.heads": [2, 3]})
     assert code == 422 and "trial 1" in msg and "divisible" in msg
     assert stack.client.get("/api/selections/999999").status_code == 404
+
+
+def test_cancel_a_running_batch_and_stop_one_trial(stack: StackHandle) -> None:
+    long = {**BASE, "train": {**BASE["train"], "steps": 100_000, "eval_every": 50}}
+    body = {"base": long, "space": {"train.lr": [1e-3, 2e-3, 3e-3]}, "method": "grid", "devices": 2}
+    sel = stack.client.post("/api/selections", json=body).json()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        cur = stack.client.get(f"/api/selections/{sel['id']}").json()
+        if cur["status"] == "running" and any(t["status"] == "running" for t in cur["trials"]):
+            break
+        time.sleep(0.2)
+    victim = next(t for t in cur["trials"] if t["status"] == "running")
+    stopped = stack.client.post(f"/api/selections/{sel['id']}/trials/{victim['id']}/stop")
+    assert stopped.status_code == 200
+    deadline = time.monotonic() + 60
+    while (
+        stack.client.get(f"/api/selections/{sel['id']}").json()["trials"][victim["index"]]["status"]
+        != "stopped"
+    ):
+        assert time.monotonic() < deadline, "the stopped trial did not end"
+        time.sleep(0.2)
+    assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 200
+    done = wait_selection(stack, sel["id"], timeout=120)
+    assert done["status"] == "cancelled"
+    assert all(t["status"] in ("stopped", "cancelled") for t in done["trials"])
+    assert all(t["steps_done"] < 100_000 for t in done["trials"])
+    assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 409
