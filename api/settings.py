@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     reconcile_s: float = 60.0
     """How often each worker runs the reconciler (re-queue jobs of dead workers, re-send lost
     messages)."""
+    @property
+    def orphan_after_s(self) -> float:
+        """Heartbeat silence after which a worker's running jobs are taken back (three windows,
+        so a slow heartbeat alone never gets a job run twice)."""
+        return 3 * self.worker_alive_s
+
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     cancel_grace_s: float = 30.0

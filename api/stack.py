@@ -193,7 +193,6 @@ class Stack:
 
     def start(self) -> Stack:
         self.root.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("PYTHONPATH", "")
         upgrade(self.database_url)
         try:
             self.start_redis()

@@ -61,11 +61,11 @@ def add_trials(
         )
         session.add(trial)
         trials.append(trial)
+    # a finished batch that grows runs again; a running one stays running
     session.execute(
         update(Selection)
-        .where(Selection.id == selection_id)
+        .where(Selection.id == selection_id, Selection.status.in_([JobStatus.succeeded, JobStatus.failed]))
         .values(status=JobStatus.queued, finished_at=None)
-        .where(Selection.status.in_([JobStatus.succeeded, JobStatus.queued]))
     )
     session.commit()
     return trials

@@ -143,7 +143,7 @@ def _reclaim_orphan(settings: Settings, job_id: int) -> None:
         job = get_job(s, job_id)
         if job.status != JobStatus.running:
             return
-        alive = {w.name for w in live_workers(s, within_s=settings.worker_alive_s)}
+        alive = {w.name for w in live_workers(s, within_s=settings.orphan_after_s)}
         if job.worker not in alive:
             requeue_job(s, job_id=job_id, reason=f"worker {job.worker} is gone")
 

@@ -52,8 +52,7 @@ def reconcile_once() -> int:
     resumes from the job's latest checkpoint. Returns how many were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        # three heartbeat windows of silence before a running job is taken from its worker
-        alive = {w.name for w in live_workers(s, within_s=3 * settings.worker_alive_s)}
+        alive = {w.name for w in live_workers(s, within_s=settings.orphan_after_s)}
         orphans = orphaned_running_jobs(s, alive=alive) if alive else []
         for job in orphans:
             requeue_job(s, job_id=job.id, reason=f"worker {job.worker} stopped sending heartbeats")
