@@ -41,16 +41,20 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     # one thread per rank: N ranks on 2 cores oversubscribe badly otherwise
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pkl"
+    code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         out.write_bytes(pickle.dumps(("ok", value)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # noqa: BLE001 - reported to the parent through the file
         out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
-        raise
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # skip interpreter finalisation, as trainer/__main__.py does: gloo's static destructors
+    # sometimes abort after a clean destroy, which would fail a rank that already succeeded
+    os._exit(code)
 
 
 def run_ranks(
@@ -71,19 +75,22 @@ def run_ranks(
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} gloo ranks still running after {timeout_s}s")
-        except mp.ProcessRaisedException:
-            pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            pass  # each rank's outcome is read from its file below
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
+        outcomes = {}
         for rank in range(world_size):
             path = Path(tmp) / f"rank{rank}.pkl"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} died without a result")
-            status, value = pickle.loads(path.read_bytes())
+            if path.exists():
+                outcomes[rank] = pickle.loads(path.read_bytes())
+        # a rank's own error first: its peers were killed while waiting on it and left no file
+        for rank, (status, value) in sorted(outcomes.items()):
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+        missing = [r for r in range(world_size) if r not in outcomes]
+        if missing:
+            raise RuntimeError(f"rank(s) {missing} died without a result")
+        return [outcomes[r][1] for r in range(world_size)]
