@@ -184,24 +184,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from api.stack import worker_command
+
     cmd_migrate(args)
-    os.execvp(
-        sys.executable,
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "workers.celery_app",
-            "worker",
-            "-Q",
-            args.queues,
-            "--concurrency",
-            str(args.concurrency),
-            "--loglevel",
-            "INFO",
-        ],
-    )
+    cmd = worker_command(queues=args.queues, concurrency=args.concurrency)
+    os.execvp(cmd[0], cmd)
 
 
 def cmd_stack(args: argparse.Namespace) -> int:

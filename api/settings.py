@@ -31,6 +31,7 @@ class Settings(BaseSettings):
     reconcile_s: float = 60.0
     """How often each worker runs the reconciler (re-queue jobs of dead workers, re-send lost
     messages)."""
+
     @property
     def orphan_after_s(self) -> float:
         """Heartbeat silence after which a worker's running jobs are taken back (three windows,

@@ -48,6 +48,25 @@ def find_redis_server() -> str:
     )
 
 
+def worker_command(*, queues: str, concurrency: int, name: str | None = None) -> list[str]:
+    """The Celery worker process of workers/celery_app.py (`shardyard worker` and the stack)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "workers.celery_app",
+        "worker",
+        "-Q",
+        queues,
+        "--concurrency",
+        str(concurrency),
+        "--loglevel",
+        "INFO",
+    ]
+    return [*cmd, "-n", name] if name else cmd
+
+
 def _wait(check, *, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -102,10 +121,10 @@ class Stack:
         }
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log = (self.root / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
-        )
+        with (self.root / f"{name}.log").open("ab") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
+            )
         self.procs[name] = proc
         return proc
 
@@ -163,27 +182,9 @@ class Stack:
 
     def start_worker(self, index: int) -> None:
         name = f"worker{index}"
-        proc = self._spawn(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "workers.celery_app",
-                "worker",
-                "-Q",
-                "cpu,gpu",
-                "--concurrency",
-                str(self.concurrency),
-                "-n",
-                f"{name}@%h",
-                "--loglevel",
-                "INFO",
-                "--without-gossip",
-                "--without-mingle",
-            ],
-        )
+        cmd = worker_command(queues="cpu,gpu", concurrency=self.concurrency, name=f"{name}@%h")
+        # one machine: no other workers to gossip or mingle with, and a faster start
+        proc = self._spawn(name, [*cmd, "--without-gossip", "--without-mingle"])
 
         def registered() -> bool:
             workers = httpx.get(f"{self.base_url}/api/health", timeout=2).json()["workers"]

@@ -195,8 +195,8 @@ def bytes_per_param_rows(*, device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def _resident_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
-    model = build_model(mcfg, seed=0).to(device)
+def _plain_step(model: torch.nn.Module, tcfg: TrainConfig, device: torch.device):
+    """One ordinary forward/backward/optimizer step of `model` (already placed)."""
     opt = build_optimizer(model.parameters(), tcfg)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -207,6 +207,10 @@ def _resident_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device
         return loss.item()
 
     return step
+
+
+def _resident_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
+    return _plain_step(build_model(mcfg, seed=0).to(device), tcfg, device)
 
 
 def _checkpointed_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, *, cuts: list[int]):
@@ -259,16 +263,7 @@ def _fsdp2_offload_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.d
     for layer in model:
         fully_shard(layer, offload_policy=CPUOffloadPolicy())
     fully_shard(model, offload_policy=CPUOffloadPolicy())
-    opt = build_optimizer(model.parameters(), tcfg)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = lm_loss(model(x.to(device)), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
+    return _plain_step(model, tcfg, device)
 
 
 def throughput_rows(*, device: torch.device, steps: int, gpu: bool) -> list[dict[str, Any]]:

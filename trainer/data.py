@@ -83,10 +83,6 @@ class TextData:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def batch_stream(data: TextData, *, batch_size: int, seed: int, start_step: int = 0) -> BatchStream:
-    return BatchStream(data=data, batch_size=batch_size, seed=seed, step=start_step)
-
-
 @dataclass(slots=True)
 class BatchStream:
     """Training batch for step k depends on (seed, k) only, so a resumed run or a parallel run
@@ -95,16 +91,7 @@ class BatchStream:
     data: TextData
     batch_size: int
     seed: int
-    step: int = 0
 
     def batch_for(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return self.data.batch(split="train", batch_size=self.batch_size, generator=g)
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch_for(self.step)
-        self.step += 1
-        return out
-
-    def __iter__(self) -> BatchStream:
-        return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,26 +53,60 @@ def report_step(
     sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
 
 
+class StepRange:
+    """The steps start+1 .. end of a run, cut short between steps (on every rank at the same step)
+    when a stop is requested. Afterwards `last` is the last step that ran, `stopped` whether a stop
+    cut the run short, and `elapsed` the seconds the loop took."""
+
+    def __init__(self, *, start: int, end: int, stop: StopSignal) -> None:
+        self.start = start
+        self.end = end
+        self.last = start
+        self.stopped = False
+        self._stop = stop
+        self._t0: float | None = None
+        self._t1: float | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        self._t0 = time.perf_counter()
+        try:
+            for step in range(self.start + 1, self.end + 1):
+                if should_stop(self._stop):
+                    self.stopped = True
+                    return
+                yield step
+                self.last = step
+        finally:
+            self._t1 = time.perf_counter()
+
+    @property
+    def ran(self) -> int:
+        return self.last - self.start
+
+    @property
+    def elapsed(self) -> float:
+        if self._t0 is None:
+            return 0.0
+        return (self._t1 or time.perf_counter()) - self._t0
+
+
 def run_summary(
+    steps: StepRange,
     *,
-    step: int,
-    start: int,
-    stopped: bool,
     final_loss: float,
     val_loss: float,
     params: int,
     tokens_per_step: int,
-    elapsed: float,
     device: torch.device,
 ) -> dict[str, Any]:
     """The result every engine returns (engines add their own keys)."""
     return {
-        "steps": step,
-        "stopped": stopped,
+        "steps": steps.last,
+        "stopped": steps.stopped,
         "final_loss": final_loss,
         "val_loss": val_loss,
         "params": params,
-        "tokens_per_s": tokens_per_step * (step - start) / elapsed if elapsed > 0 else 0.0,
+        "tokens_per_s": tokens_per_step * steps.ran / steps.elapsed if steps.elapsed > 0 else 0.0,
         "device": str(device),
     }
 
@@ -109,16 +144,9 @@ def train(
     sink.event("start", {"params": n_params, "device": str(device), "start_step": start})
 
     tokens_per_step = cfg.batch_size * job.model.seq_len
-    loss_value = float("nan")
-    val_loss = float("nan")
-    stopped = False
-    t_run = time.perf_counter()
-    step = start
-    for step in range(start + 1, cfg.steps + 1):
-        if should_stop(stop):
-            stopped = True
-            step -= 1
-            break
+    loss_value = val_loss = float("nan")
+    steps = StepRange(start=start, end=cfg.steps, stop=stop)
+    for step in steps:
         t0 = time.perf_counter()
         x, y = stream.batch_for(step - 1)
         loss = lm_loss(model(x.to(device)), y.to(device))
@@ -142,22 +170,18 @@ def train(
             )
             sink.event("checkpoint", {"step": step, "path": str(p)})
 
-    if checkpoint_dir is not None and step > start:
+    if checkpoint_dir is not None and steps.ran > 0:
         save_checkpoint(
             checkpoint_dir,
-            step=step,
+            step=steps.last,
             state={"model": model.state_dict(), "optimizer": opt.state_dict()},
         )
-    elapsed = time.perf_counter() - t_run
     result = run_summary(
-        step=step,
-        start=start,
-        stopped=stopped,
+        steps,
         final_loss=loss_value,
         val_loss=val_loss,
         params=n_params,
         tokens_per_step=tokens_per_step,
-        elapsed=elapsed,
         device=device,
     )
     sink.result(result)

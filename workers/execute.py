@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
+def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
@@ -130,11 +131,50 @@ def _watch_cancel(
             except Exception:  # noqa: BLE001 - a locked db this tick is fine; try again
                 log.exception("cancel poll failed")
         elif time.monotonic() - asked_at > settings.cancel_grace_s:
-            _kill_group(proc, signal.SIGTERM)
+            kill_group(proc, signal.SIGTERM)
             if done.wait(10):
                 return
-            _kill_group(proc, signal.SIGKILL)
+            kill_group(proc, signal.SIGKILL)
             return
+
+
+def supervise(
+    cmd: list[str],
+    *,
+    out: Outcome,
+    stderr_log: Path,
+    pump: Callable[[subprocess.Popen[str]], None],
+    watch: Callable[[subprocess.Popen[str], threading.Event], None],
+) -> int:
+    """Run a trainer process to its end: `pump` reads its stdout here, its stderr goes to
+    `stderr_log` (the tail kept in `out`), and `watch` (cancel and stop requests) runs in a thread
+    until the process is gone. Returns the exit code; the process never outlives this call."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
+    )
+    done = threading.Event()
+    threads = [
+        threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out), daemon=True),
+        threading.Thread(target=watch, args=(proc, done), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        pump(proc)
+        return proc.wait()
+    finally:
+        done.set()
+        if proc.poll() is None:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+        for t in threads:
+            t.join(timeout=5)
 
 
 def _reclaim_orphan(settings: Settings, job_id: int) -> None:
@@ -171,38 +211,15 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
     relay.event(kind="log", message=f"{worker}: {' '.join(cmd[1:])}")
     out = Outcome()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
+    rc = supervise(
         cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-        env=env,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
-    )
-    done = threading.Event()
-    threads = [
-        threading.Thread(target=_pump_stderr, args=(proc, workdir / "stderr.log", out), daemon=True),
-        threading.Thread(
-            target=_watch_cancel,
-            args=(proc,),
-            kwargs={"settings": settings, "job_id": job_id, "stop_file": stop_file, "done": done},
-            daemon=True,
+        out=out,
+        stderr_log=workdir / "stderr.log",
+        pump=lambda proc: _pump_stdout(proc, relay, out),
+        watch=lambda proc, done: _watch_cancel(
+            proc, settings=settings, job_id=job_id, stop_file=stop_file, done=done
         ),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        _pump_stdout(proc, relay, out)
-        rc = proc.wait()
-    finally:
-        done.set()
-        if proc.poll() is None:
-            _kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        for t in threads:
-            t.join(timeout=5)
+    )
 
     with session_for(settings.database_url) as s:
         cancelled = cancel_requested(s, job_id=job_id)

@@ -27,7 +27,7 @@ from db.selections import (
     stop_requests,
     update_trial,
 )
-from workers.execute import Outcome, _die_with_parent, _kill_group, _pump_stderr
+from workers.execute import Outcome, kill_group, supervise
 from workers.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def _watch_stops(
             stop_file.touch()
             asked_at = time.monotonic()
         elif asked_at is not None and time.monotonic() - asked_at > settings.cancel_grace_s:
-            _kill_group(proc, signal.SIGTERM)
+            kill_group(proc, signal.SIGTERM)
             return
 
 
@@ -215,38 +215,21 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         "--stop-trials-file",
         str(stop_trials),
     ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, preexec_fn=_die_with_parent
-    )
     out = Outcome()
-    done = threading.Event()
-    threads = [
-        threading.Thread(target=_pump_stderr, args=(proc, root / f"{group}.stderr.log", out), daemon=True),
-        threading.Thread(
-            target=_watch_stops,
-            args=(proc,),
-            daemon=True,
-            kwargs={
-                "settings": settings,
-                "selection_id": selection_id,
-                "stop_file": stop_file,
-                "stop_trials": stop_trials,
-                "done": done,
-            },
+    rc = supervise(
+        cmd,
+        out=out,
+        stderr_log=root / f"{group}.stderr.log",
+        pump=lambda proc: _pump(proc, run),
+        watch=lambda proc, done: _watch_stops(
+            proc,
+            settings=settings,
+            selection_id=selection_id,
+            stop_file=stop_file,
+            stop_trials=stop_trials,
+            done=done,
         ),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        _pump(proc, run)
-        rc = proc.wait()
-    finally:
-        done.set()
-        if proc.poll() is None:
-            _kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        for t in threads:
-            t.join(timeout=5)
+    )
 
     # trials the executor never reported as finished: the batch failed or was stopped under them
     tail = "\n".join(list(out.stderr_tail)[-5:])

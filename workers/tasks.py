@@ -31,17 +31,19 @@ log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
 
 
-@app.task(
-    name=TASK_RUN_JOB,
-    bind=True,
-    autoretry_for=(OperationalError, ConnectionError),
-    retry_backoff=True,
-    retry_backoff_max=60,
-    max_retries=5,
-)
+# Only infrastructure errors (database locked or unreachable, broker down) are retried, with
+# backoff; a bad spec, NaN loss or OOM ends the job `failed` inside the plain functions.
+RETRY_INFRA = {
+    "autoretry_for": (OperationalError, ConnectionError),
+    "retry_backoff": True,
+    "retry_backoff_max": 60,
+    "max_retries": 5,
+}
+
+
+@app.task(name=TASK_RUN_JOB, bind=True, **RETRY_INFRA)
 def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
-    """Only infrastructure errors (database locked or unreachable, broker down) are retried; a bad
-    spec, NaN loss or OOM ends the job `failed` inside execute_job."""
+    """One job, end to end (workers/execute.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
     return execute_job(job_id, settings=get_settings(), worker=name)
 
@@ -97,14 +99,7 @@ def _stop_heartbeat(**_kwargs) -> None:
     _stop_beat.set()
 
 
-@app.task(
-    name=TASK_RUN_SELECTION,
-    bind=True,
-    autoretry_for=(OperationalError, ConnectionError),
-    retry_backoff=True,
-    retry_backoff_max=60,
-    max_retries=5,
-)
+@app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
 def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
     """One group of a selection batch on this worker's devices (shard alternation)."""
     name = self.request.hostname or _WORKER_NAME["name"]

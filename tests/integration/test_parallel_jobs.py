@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TINY_SPEC, StackHandle
-from tests.integration.test_jobs_e2e import read_sse
+from tests.sse import read_sse
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY_SPEC, StackHandle
-from tests.integration.test_jobs_e2e import read_sse
+from tests.sse import read_sse
 
 pytestmark = pytest.mark.integration
 

@@ -24,14 +24,14 @@ from trainer.config import ConfigError, JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.device import pick_device
 from trainer.distributed import init_from_env
-from trainer.loop import build_optimizer, check_finite, report_step, run_summary
+from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model, count_params, lm_loss
 from trainer.pipeline.checker import check_schedule
 from trainer.pipeline.executor import PipelineExecutor
 from trainer.pipeline.schedules import COMPUTE_OPS, Schedule, build_schedule
 from trainer.pipeline.simulate import Costs, simulate, summarize
 from trainer.pipeline.stage import build_stages
-from trainer.protocol import MetricsSink, StopSignal, should_stop
+from trainer.protocol import MetricsSink, StopSignal
 
 
 def measured_costs(timeline: list[dict[str, Any]], *, sched: Schedule) -> Costs:
@@ -207,14 +207,8 @@ def train_pipeline(
 
     tokens_per_step = cfg.batch_size * job.model.seq_len
     loss_value = val_loss = bubble = float("nan")
-    stopped = False
-    t_run = time.perf_counter()
-    step = start
-    for step in range(start + 1, cfg.steps + 1):
-        if should_stop(stop):
-            stopped = True
-            step -= 1
-            break
+    steps = StepRange(start=start, end=cfg.steps, stop=stop)
+    for step in steps:
         x, y = stream.batch_for(step - 1)
         # align the ranks' clocks for the timeline: every rank starts the step together
         dist.barrier()
@@ -255,22 +249,18 @@ def train_pipeline(
             p = save(step)
             if lead and p is not None:
                 sink.event("checkpoint", {"step": step, "path": str(p.parent.parent)})
-    if step > start:
-        save(step)
+    if steps.ran > 0:
+        save(steps.last)
     executor.close()
     # leave together: a rank that tears its process group down while a peer still talks to it
     # makes gloo abort that peer
     dist.barrier()
-    elapsed = time.perf_counter() - t_run
     result = run_summary(
-        step=step,
-        start=start,
-        stopped=stopped,
+        steps,
         final_loss=loss_value,
         val_loss=val_loss,
         params=n_params,
         tokens_per_step=tokens_per_step,
-        elapsed=elapsed,
         device=device,
     ) | {
         "pipeline": {"schedule": pipe.schedule, "stages": D, "microbatches": N, "bubble_executed": bubble},

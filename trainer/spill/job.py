@@ -20,9 +20,9 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.device import pick_device
-from trainer.loop import build_optimizer, check_finite, report_step, run_summary
+from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model, count_params
-from trainer.protocol import MetricsSink, StopSignal, should_stop
+from trainer.protocol import MetricsSink, StopSignal
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import DTYPES, bucket_bytes
@@ -160,16 +160,9 @@ def train_spilled(
         )
 
     tokens_per_step = cfg.batch_size * job.model.seq_len
-    loss_value = float("nan")
-    val_loss = float("nan")
-    stopped = False
-    t_run = time.perf_counter()
-    step = start
-    for step in range(start + 1, cfg.steps + 1):
-        if should_stop(stop):
-            stopped = True
-            step -= 1
-            break
+    loss_value = val_loss = float("nan")
+    steps = StepRange(start=start, end=cfg.steps, stop=stop)
+    for step in steps:
         t0 = time.perf_counter()
         x, y = stream.batch_for(step - 1)
         loss_value = engine.train_step(x, y)
@@ -185,18 +178,14 @@ def train_spilled(
             p = save(step)
             sink.event("checkpoint", {"step": step, "path": str(p)})
 
-    if checkpoint_dir is not None and step > start:
-        save(step)
-    elapsed = time.perf_counter() - t_run
+    if checkpoint_dir is not None and steps.ran > 0:
+        save(steps.last)
     result = run_summary(
-        step=step,
-        start=start,
-        stopped=stopped,
+        steps,
         final_loss=loss_value,
         val_loss=val_loss,
         params=n_params,
         tokens_per_step=tokens_per_step,
-        elapsed=elapsed,
         device=device,
     ) | {
         **shard_info,

@@ -24,9 +24,9 @@ from trainer.config import ConfigError, JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
-from trainer.loop import build_optimizer, check_finite, report_step, run_summary
+from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model
-from trainer.protocol import MetricsSink, NullSink, StopSignal, should_stop
+from trainer.protocol import MetricsSink, NullSink, StopSignal
 from trainer.tensor import comm
 from trainer.tensor.block import clip_grad_norm, global_loss, local_batch, loss_fn, shard_model
 from trainer.tensor.mesh import Mesh1D, TensorMesh, check_tensor_layout, grid_mesh_from_config
@@ -136,16 +136,9 @@ def train_tensor(
     comm.LEDGER.reset()
     comm.LEDGER.enabled = True
     tokens_per_step = cfg.batch_size * job.model.seq_len
-    loss_value = float("nan")
-    val_loss = float("nan")
-    stopped = False
-    t_run = time.perf_counter()
-    step = start
-    for step in range(start + 1, cfg.steps + 1):
-        if should_stop(stop):
-            stopped = True
-            step -= 1
-            break
+    loss_value = val_loss = float("nan")
+    steps = StepRange(start=start, end=cfg.steps, stop=stop)
+    for step in steps:
         t0 = time.perf_counter()
         x, y = stream.batch_for(step - 1)
         logits = model(local_batch(x, mesh=mesh).to(device))
@@ -168,21 +161,19 @@ def train_tensor(
             )
             sink.event("checkpoint", {"step": step, "path": str(p)})
 
-    if my_dir is not None and step > start:
-        save_checkpoint(my_dir, step=step, state={"model": model.state_dict(), "optimizer": opt.state_dict()})
-    elapsed = time.perf_counter() - t_run
+    if my_dir is not None and steps.ran > 0:
+        save_checkpoint(
+            my_dir, step=steps.last, state={"model": model.state_dict(), "optimizer": opt.state_dict()}
+        )
     with comm.paused():
-        summary = comm_summary(mesh=mesh, steps=step - start)
+        summary = comm_summary(mesh=mesh, steps=steps.ran)
     sink.event("comm", summary)
     result = run_summary(
-        step=step,
-        start=start,
-        stopped=stopped,
+        steps,
         final_loss=loss_value,
         val_loss=val_loss,
         params=n_params,
         tokens_per_step=tokens_per_step,
-        elapsed=elapsed,
         device=device,
     ) | {
         "params_rank0": local_params,

@@ -1,0 +1,34 @@
+"""A small Server-Sent Events reader for the integration tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+
+def read_sse(
+    base_url: str, path: str, *, last_event_id: str | None = None, stop_after: int | None = None
+) -> list[tuple[str | None, str, dict[str, Any]]]:
+    """(id, event, data) frames until the server closes the stream (or `stop_after` frames)."""
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    frames: list[tuple[str | None, str, dict[str, Any]]] = []
+    with httpx.stream("GET", base_url + path, headers=headers, timeout=httpx.Timeout(10, read=60)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        fid, event, data = None, "message", []
+        for line in r.iter_lines():
+            if line == "":
+                if data:
+                    frames.append((fid, event, json.loads("\n".join(data))))
+                    if stop_after and len(frames) >= stop_after:
+                        break
+                fid, event, data = None, "message", []
+            elif line.startswith("id:"):
+                fid = line[3:].strip()
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+    return frames
