@@ -116,6 +116,19 @@ def check_finite(loss: float, step: int) -> None:
         raise TrainingError(f"loss is {loss} at step {step}; lower train.lr or enable grad_clip")
 
 
+def resume(directory: Path | None, *, model: nn.Module, opt: torch.optim.Optimizer, sink: MetricsSink) -> int:
+    """Load the latest checkpoint in `directory` into model and optimizer; the step to go on from
+    (0 when there is none)."""
+    if (path := latest_checkpoint(directory)) is None:
+        return 0
+    state = load_checkpoint(path)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    start = int(state["step"])
+    sink.log(f"resumed from {path.name} at step {start}")
+    return start
+
+
 def train(
     job: JobConfig,
     *,
@@ -132,13 +145,7 @@ def train(
     data = TextData.from_config(job.data, seq_len=job.model.seq_len)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
 
-    start = 0
-    if (path := latest_checkpoint(checkpoint_dir)) is not None:
-        state = load_checkpoint(path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-        sink.log(f"resumed from {path.name} at step {start}")
+    start = resume(checkpoint_dir, model=model, opt=opt, sink=sink)
     n_params = count_params(model)
     sink.log(f"model {job.model.kind}: {n_params:,} parameters on {device}")
     sink.event("start", {"params": n_params, "device": str(device), "start_step": start})

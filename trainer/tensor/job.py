@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import save_checkpoint
 from trainer.config import ConfigError, JobConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
-from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
+from trainer.loop import StepRange, build_optimizer, check_finite, report_step, resume, run_summary
 from trainer.models import build_model
 from trainer.protocol import MetricsSink, NullSink, StopSignal
 from trainer.tensor import comm
@@ -110,13 +110,7 @@ def train_tensor(
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
     my_dir = checkpoint_dir / f"tp-rank{rank:03d}" if checkpoint_dir is not None else None
 
-    start = 0
-    if (path := latest_checkpoint(my_dir)) is not None:
-        state = load_checkpoint(path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start = int(state["step"])
-        sink.log(f"resumed from {path.name} at step {start}")
+    start = resume(my_dir, model=model, opt=opt, sink=sink)
     local_params = sum(p.numel() for p in model.parameters())
     sink.log(
         f"model {job.model.kind}: {n_params:,} parameters, tensor {tensor.mode} on {world} ranks "
