@@ -166,7 +166,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(_args: argparse.Namespace) -> int:
-    from api.settings import get_settings
+    from core.settings import get_settings
     from db.migrate import upgrade
 
     url = get_settings().database_url

@@ -5,6 +5,7 @@ from __future__ import annotations
 from api.schemas import EventPublic, JobPublic, Progress, SelectionPublic, TrialPublic
 from db.jobs import aware
 from db.models import Job, JobEvent, Selection, Trial
+from db.selections import trial_fields
 
 
 def job_public(job: Job) -> JobPublic:
@@ -41,19 +42,7 @@ def _leaderboard(sel: Selection) -> list[int]:
 
 
 def trial_public(t: Trial) -> TrialPublic:
-    return TrialPublic(
-        id=t.id,
-        index=t.index,
-        params=t.params,
-        status=t.status,
-        steps_done=t.steps_done,
-        steps_total=t.steps_total,
-        last_metric=t.last_metric,
-        best_metric=t.best_metric,
-        stopped_early=t.stopped_early,
-        job_id=t.job_id,
-        warm_start_from=t.warm_start_from,
-    )
+    return TrialPublic(**trial_fields(t))
 
 
 def selection_public(sel: Selection) -> SelectionPublic:

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends
 from sqlalchemy.orm import Session
 
-from api.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 from db.engine import session_for
 
 

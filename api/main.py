@@ -8,7 +8,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from api.routes import events, health, jobs, selections
-from api.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 
 _NO_DASHBOARD = """<!doctype html><title>Shardyard</title><h1>Shardyard</h1>
 <p>The dashboard is not built. Run <code>make frontend</code> (or <code>make demo</code>).

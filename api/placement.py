@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from api.schemas import JobSpec
-from api.settings import Settings
+from core.settings import Settings
 from db.jobs import live_workers
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 
-from api.broker import JOBS_CHANNEL, redis_client
-from api.settings import Settings
+from core.broker import JOBS_CHANNEL, redis_client
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 
-from api.broker import selection_channel
 from api.convert import selection_public
-from api.settings import Settings
 from api.sse import frame
+from core.broker import selection_channel
+from core.settings import Settings
 from db.engine import session_for
 from db.models import TERMINAL
 from db.selections import get_selection

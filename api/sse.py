@@ -19,8 +19,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 
-from api.broker import job_channel
-from api.settings import Settings
+from core.broker import job_channel
+from core.settings import Settings
 from db.engine import session_for
 from db.jobs import events_after, get_job, metrics_after
 from db.models import TERMINAL

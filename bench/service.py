@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from api.settings import Settings
 from api.stack import Stack
 from bench.common import table, write_results
+from core.settings import Settings
 from db.engine import session_for
 from db.jobs import claim_job, create_job
 from workers.relay import Relay

@@ -71,6 +71,23 @@ def add_trials(
     return trials
 
 
+def trial_fields(t: Trial) -> dict[str, Any]:
+    """A trial's public fields as plain JSON values: the REST body and the live channel message."""
+    return {
+        "id": t.id,
+        "index": t.index,
+        "params": t.params,
+        "status": t.status,
+        "steps_done": t.steps_done,
+        "steps_total": t.steps_total,
+        "last_metric": t.last_metric,
+        "best_metric": t.best_metric,
+        "stopped_early": t.stopped_early,
+        "job_id": t.job_id,
+        "warm_start_from": t.warm_start_from,
+    }
+
+
 def get_selection(session: Session, selection_id: int) -> Selection:
     sel = session.scalars(
         select(Selection).where(Selection.id == selection_id).options(selectinload(Selection.trials))

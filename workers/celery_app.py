@@ -8,8 +8,8 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Queue
 
-from api.broker import QUEUES, TASK_RUN_JOB, TASK_RUN_SELECTION, transport_options
-from api.settings import get_settings
+from core.broker import QUEUES, TASK_RUN_JOB, TASK_RUN_SELECTION, transport_options
+from core.settings import get_settings
 
 settings = get_settings()
 

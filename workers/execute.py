@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.settings import Settings
+from core.settings import Settings
 from db.engine import session_for
 from db.jobs import cancel_requested, claim_job, finish_job, get_job, live_workers, requeue_job
 from db.models import JobStatus

@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from api.broker import JOBS_CHANNEL, job_channel, redis_client
-from api.settings import Settings
+from core.broker import JOBS_CHANNEL, job_channel, redis_client
+from core.settings import Settings
 from db.engine import session_for
 from db.jobs import add_event, add_metric_points
 

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api.broker import selection_channel
-from api.convert import trial_public
-from api.settings import Settings
+from core.broker import selection_channel
+from core.settings import Settings
 from db.engine import session_for
 from db.models import Job, Trial
 from db.selections import (
@@ -25,6 +24,7 @@ from db.selections import (
     get_selection,
     settle_selection,
     stop_requests,
+    trial_fields,
     update_trial,
 )
 from workers.execute import Outcome, kill_group, supervise
@@ -56,7 +56,7 @@ class GroupRun:
     def publish_trial(self, index: int) -> None:
         with session_for(self.settings.database_url) as s:
             trial = s.get(Trial, self.trials[index].id)
-            body = {"type": "trial", "trial": trial_public(trial).model_dump(mode="json")}
+            body = {"type": "trial", "trial": trial_fields(trial)}
         self.relays[index].publish(body, channels=(self.channel,))
 
     def on_metric(self, index: int, step: int, name: str, value: float, at: float) -> None:

@@ -11,8 +11,8 @@ import time
 from celery.signals import worker_ready, worker_shutdown
 from sqlalchemy.exc import OperationalError
 
-from api.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job
-from api.settings import get_settings
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job
+from core.settings import get_settings
 from db.engine import session_for
 from db.jobs import (
     live_workers,

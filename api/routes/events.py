@@ -11,11 +11,11 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.broker import JOBS_CHANNEL
 from api.convert import job_public
 from api.deps import SettingsDep
-from api.settings import Settings
 from api.sse import frame
+from core.broker import JOBS_CHANNEL
+from core.settings import Settings
 from db.engine import session_for
 from db.jobs import NotFound, get_job
 

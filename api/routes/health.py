@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from api.broker import redis_client
 from api.deps import SessionDep, SettingsDep
 from api.schemas import HealthPublic, WorkerPublic
+from core.broker import redis_client
 from db.jobs import aware, live_workers
 
 router = APIRouter(prefix="/api", tags=["health"])

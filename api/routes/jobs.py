@@ -7,7 +7,6 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
-from api.broker import send_run_job
 from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
@@ -15,6 +14,7 @@ from api.placement import placement_problem
 from api.publish import publish_job_status
 from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
 from api.sse import job_events
+from core.broker import send_run_job
 from db import jobs as db_jobs
 from db.models import Job
 

@@ -9,12 +9,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.broker import send_run_selection
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
 from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
 from api.selection_stream import selection_events
-from api.settings import Settings
+from core.broker import send_run_selection
+from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Selection, Trial

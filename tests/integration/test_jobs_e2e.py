@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from api.broker import TASK_RUN_JOB, celery_client
+from core.broker import TASK_RUN_JOB, celery_client
 from tests.conftest import TINY_SPEC, StackHandle
 from tests.sse import read_sse
 

@@ -1,5 +1,5 @@
 """The import rules of DESIGN.md, checked on the source: trainer/ is pure PyTorch, db/ is SQLAlchemy
-only, api/ never imports torch or the trainer."""
+only, api/ never imports torch or the trainer, workers/ never imports api/ (they share core/)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ RULES = {
     "trainer": SERVICE,
     "db": {"api", "workers", "trainer", "torch", "fastapi", "celery", "redis"},
     "api": {"torch", "trainer", "workers"},
+    # the glue runs the trainer as a subprocess and shares only core/ with the API
+    "workers": {"api", "trainer", "fastapi", "starlette", "uvicorn"},
+    # the neutral room both api/ and workers/ import
+    "core": {"api", "workers", "trainer", "torch", "fastapi", "starlette"},
     # shared by api/ and trainer/: the standard library only
     "jobrules": SERVICE | {"torch", "numpy", "trainer"},
 }

@@ -8,7 +8,7 @@ import functools
 import redis
 from celery import Celery
 
-from api.settings import Settings
+from core.settings import Settings
 
 TASK_RUN_JOB = "shardyard.run_job"
 TASK_RUN_SELECTION = "shardyard.run_selection"
