@@ -23,6 +23,7 @@ from trainer.loop import Engine, run_steps
 from trainer.mesh import MeshShape, build_world_mesh, single_process_mesh
 from trainer.models import recipe_for
 from trainer.protocol import MetricsSink, NullSink, StopSignal
+from trainer.recipe import ModelRecipe
 
 
 def run(
@@ -33,35 +34,41 @@ def run(
     checkpoint_dir: Path | None = None,
     device: torch.device | None = None,
 ) -> dict[str, Any]:
-    shape = MeshShape.from_job(job)
-    # before any process group: a wrong launch fails in milliseconds with the numbers
-    shape.check(env_world_size() if not _initialized() else torch.distributed.get_world_size())
-    recipe = recipe_for(job.model)
+    engine, recipe, sink = build_engine(job, sink=sink, device=device)
     data = TextData.from_config(job.data, seq_len=job.model.seq_len)
-    par = job.parallel
-    engine: Engine
-    if par.spill is not None or (par.offload is not None and par.offload.optimizer and shape.world_size == 1):
-        from trainer.spill.job import SpilledEngine
-
-        engine = SpilledEngine(
-            job, recipe=recipe, sink=sink, device=device or pick_device(job.resources.device)
-        )
-    else:
-        from trainer.engine import ComposedEngine
-        from trainer.parallelize import parallelize
-
-        if shape.world_size == 1:
-            mesh = single_process_mesh()
-            device = device or pick_device(job.resources.device)
-        else:
-            device, mesh = _join(job, shape)
-            if not mesh.lead:
-                sink = NullSink()
-        parts = parallelize(recipe, job, mesh=mesh, device=device)
-        engine = ComposedEngine(recipe=recipe, job=job, mesh=mesh, parts=parts, device=device)
     return run_steps(
         engine, job=job, recipe=recipe, data=data, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir
     )
+
+
+def build_engine(
+    job: JobConfig, *, sink: MetricsSink, device: torch.device | None = None
+) -> tuple[Engine, ModelRecipe, MetricsSink]:
+    """The engine for `job` on this rank, its recipe, and the sink this rank reports to (silent
+    on every rank but 0). Joins the process group torchrun described when the job has several."""
+    shape = MeshShape.from_job(job)
+    # before any process group: a wrong launch fails in milliseconds with the numbers
+    shape.check(torch.distributed.get_world_size() if _initialized() else env_world_size())
+    recipe = recipe_for(job.model)
+    par = job.parallel
+    if par.spill is not None or (par.offload is not None and par.offload.optimizer and shape.world_size == 1):
+        from trainer.spill.job import SpilledEngine
+
+        device = device or pick_device(job.resources.device)
+        return SpilledEngine(job, recipe=recipe, sink=sink, device=device), recipe, sink
+
+    from trainer.engine import ComposedEngine
+    from trainer.parallelize import parallelize
+
+    if shape.world_size == 1:
+        mesh = single_process_mesh()
+        device = device or pick_device(job.resources.device)
+    else:
+        device, mesh = _join(job, shape)
+        if not mesh.lead:
+            sink = NullSink()
+    parts = parallelize(recipe, job, mesh=mesh, device=device)
+    return ComposedEngine(recipe=recipe, job=job, mesh=mesh, parts=parts, device=device), recipe, sink
 
 
 def _initialized() -> bool:
