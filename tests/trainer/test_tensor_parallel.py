@@ -354,7 +354,7 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
             opt.zero_grad()
             record = executor.step(x, y)
             if stage == 1:
-                checks.close("pipeline", record.loss, dense_loss.item(), f"step {step} loss")
+                checks.close("pipeline", torch.tensor(record.loss), dense_loss.detach(), f"step {step} loss")
                 losses.append(record.loss)
             dense_params = dict(dense.named_parameters())
             cut = slicers(sharded)
