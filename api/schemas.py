@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api import sizing
+from jobrules.parallel import tensor_world_size, world_size
 
 
 class Strict(BaseModel):
@@ -69,15 +70,6 @@ class PipelineSpec(Strict):
     microbatches: int = Field(4, ge=1, le=4096)
     schedule: Literal["gpipe", "1f1b", "chimera", "chimera-zb", "async"] = "1f1b"
 
-    @model_validator(mode="after")
-    def _chimera_even(self) -> PipelineSpec:
-        if self.schedule.startswith("chimera") and self.stages % 2:
-            raise ValueError(
-                f"parallel.pipeline.stages must be even for {self.schedule} "
-                f"(two pipelines in opposite directions), got {self.stages}"
-            )
-        return self
-
 
 class TensorSpec(Strict):
     mode: Literal["1d", "2d", "2.5d"] = "1d"
@@ -87,7 +79,7 @@ class TensorSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        return {"1d": self.size, "2d": self.q * self.q, "2.5d": self.q * self.q * self.d}[self.mode]
+        return tensor_world_size(self.model_dump())
 
 
 class ParallelSpec(Strict):
@@ -99,9 +91,8 @@ class ParallelSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        stages = self.pipeline.stages if self.pipeline else 1
-        tp = self.tensor.world_size if self.tensor else 1
-        return stages * tp * self.data_parallel
+        """pipeline stages x data_parallel x tensor ranks (jobrules/parallel.py)."""
+        return world_size(self.model_dump())
 
 
 class ResourceSpec(Strict):
