@@ -140,7 +140,7 @@ def train_tensor(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
-            clip_grad_norm(list(model.parameters()), max_norm=cfg.grad_clip, group=dist.group.WORLD)
+            clip_grad_norm(model.parameters(), max_norm=cfg.grad_clip, mesh=mesh)
         opt.step()
         loss_value = global_loss(loss, mesh=mesh)  # note: a sync point, once per step
         check_finite(loss_value, step)
