@@ -6,19 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobrules.data import data_vocab_size
 from jobrules.sizing import layer_param_counts, layer_working_sets
 
 MiB = 2**20
+SIZED_KINDS = ("gpt", "mlp")
+"""Models sized at submit; the others are sized on the worker, on the meta device, before training."""
 
 
-def _shape(model: dict[str, Any]) -> dict[str, Any]:
-    return {k: model[k] for k in ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")}
+def _shape(model: dict[str, Any], vocab: int) -> dict[str, Any]:
+    shape = {k: model[k] for k in ("kind", "layers", "d_model", "heads", "seq_len", "mlp_ratio")}
+    return {**shape, "vocab_size": vocab}
 
 
 def spec_problems(spec: dict[str, Any]) -> list[str]:
     """Cross-field rules that no single field can check; each message names the fields."""
     problems: list[str] = []
     model, train, par = spec["model"], spec["train"], spec["parallel"]
+    # None: the vocabulary is only known from the data files on the worker (a tokenizer file,
+    # tokens without data.vocab_size), so the rules that need it run in the trainer
+    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data", {}))
     n_layers = model["layers"] + 2  # embedding and head are layers too
     pipe, tensor, spill, offload = (
         par.get("pipeline"),
@@ -83,8 +90,8 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
             problems.append(
                 f"model.mlp_ratio*d_model ({ffn}) must be divisible by the {mode} split ({split})"
             )
-        if model.get("vocab_size", 128) % split:
-            problems.append(f"model.vocab_size (128) must be divisible by the {mode} split ({split})")
+        if vocab is not None and vocab % split:
+            problems.append(f"the vocabulary ({vocab}) must be divisible by the {mode} split ({split})")
         rows = {"1d": 1, "2d": tensor["q"], "2.5d": tensor["q"] * tensor["d"]}[mode]
         if micro_batch % rows:
             what = "train.batch_size" if not (pipe and pipe["stages"] > 1) else "the micro-batch size"
@@ -92,12 +99,12 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
                 f"{what} ({micro_batch}) must be divisible by {'q' if mode == '2d' else 'd*q'} ({rows}) for {mode}"
             )
 
-    if spill:
+    if spill and model["kind"] in SIZED_KINDS and vocab is not None:
         budget = spill["device_budget_mb"] * MiB
         off = offload.get("dtype", "bf16") if offload and offload.get("optimizer") else None
         # the spilling engine's micro-batch is the whole batch (pipelines bring their own)
         sets = layer_working_sets(
-            **_shape(model),
+            **_shape(model, vocab),
             batch_size=micro_batch,
             optimizer=train["optimizer"],
             momentum=train.get("momentum", 0.0),
@@ -105,7 +112,7 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
         )
         biggest = max(range(len(sets)), key=sets.__getitem__)
         if sets[biggest] > budget:
-            n = layer_param_counts(**_shape(model))[biggest]
+            n = layer_param_counts(**_shape(model, vocab))[biggest]
             problems.append(
                 f"parallel.spill.device_budget_mb ({spill['device_budget_mb']:g}) is smaller than the "
                 f"largest single layer's working set (layer {biggest}: {n:,} params; "

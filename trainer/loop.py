@@ -13,7 +13,7 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for
 from trainer.device import peak_memory_mb, pick_device
 from trainer.models import build_model, count_params, lm_loss
 from trainer.protocol import MetricsSink, StopSignal, should_stop
@@ -30,7 +30,7 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TextData, *, cfg: TrainConfig, device: torch.device) -> float:
+def evaluate(model: nn.Module, data: Dataset, *, cfg: TrainConfig, device: torch.device) -> float:
     """Mean loss over a fixed set of validation batches (same set at every evaluation)."""
     was_training = model.training
     model.eval()
@@ -142,7 +142,7 @@ def train(
     device = device or pick_device(job.resources.device)
     model = build_model(job.model, seed=cfg.seed).to(device)
     opt = build_optimizer(model.parameters(), cfg)
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
 
     start = resume(checkpoint_dir, model=model, opt=opt, sink=sink)

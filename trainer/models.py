@@ -7,6 +7,7 @@ width, V vocabulary. Every model maps token ids idx_BT to logits_BTV.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobrules.data import CHAR_VOCAB
 from trainer.config import ModelConfig
 
 
@@ -147,7 +149,10 @@ def init_weights(model: nn.Module, *, n_layers: int) -> None:
 
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Sequential:
     """Build and initialise the model from `seed` alone, on CPU, so every rank, shard and
-    reference built from the same config holds bit-identical weights."""
+    reference built from the same config holds bit-identical weights. A job's runner has set
+    vocab_size from its data; a config used on its own has the char tokenizer's 128."""
+    if cfg.vocab_size is None:
+        cfg = dataclasses.replace(cfg, vocab_size=CHAR_VOCAB)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = MODELS[cfg.kind](cfg)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, JobConfig
+from trainer.data import with_data_vocab
 from trainer.distributed import env_world_size
 from trainer.protocol import MetricsSink, StopSignal
 
@@ -19,6 +20,7 @@ def run(
     stop: StopSignal,
     checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
+    job = with_data_vocab(job)  # built-in models take the data's vocabulary
     par = job.parallel
     world = env_world_size()
     if par.world_size != world:

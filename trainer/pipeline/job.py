@@ -21,7 +21,7 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for
 from trainer.device import pick_device
 from trainer.distributed import init_from_env
 from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
@@ -84,7 +84,7 @@ def timeline_event(timelines: list[list[dict[str, Any]]], *, sched: Schedule) ->
 def pipeline_evaluate(
     modules: dict[tuple[int, int], nn.Module],
     *,
-    data: TextData,
+    data: Dataset,
     cfg: TrainConfig,
     rank: int,
     stages: int,
@@ -166,7 +166,7 @@ def train_pipeline(
     modules = {k: m.to(device) for k, m in build_stages(model, sched=sched, rank=rank).items()}
     del model
     opt = build_optimizer([p for m in modules.values() for p in m.parameters()], cfg)
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
     act_shape = (cfg.batch_size // N, job.model.seq_len, job.model.d_model)
     executor = PipelineExecutor(sched=sched, rank=rank, modules=modules, act_shape=act_shape, device=device)

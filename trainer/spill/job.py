@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for
 from trainer.device import pick_device
 from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
 from trainer.models import build_model, count_params
@@ -116,7 +116,7 @@ def train_spilled(
         prefetch=plan.prefetch,
         offload=job.parallel.offload,
     )
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
 
     start = 0
@@ -203,7 +203,7 @@ def train_spilled(
     return result
 
 
-def evaluate(engine: SpillEngine, data: TextData, *, cfg: TrainConfig) -> float:
+def evaluate(engine: SpillEngine, data: Dataset, *, cfg: TrainConfig) -> float:
     """The same fixed validation batches as trainer/loop.py's `evaluate`."""
     g = torch.Generator().manual_seed(cfg.seed + 7919)
     total = 0.0

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import save_checkpoint
 from trainer.config import ConfigError, JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for
 from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
 from trainer.loop import StepRange, build_optimizer, check_finite, report_step, resume, run_summary
@@ -34,7 +34,7 @@ from trainer.tensor.mesh import Mesh1D, TensorMesh, check_tensor_layout, grid_me
 
 @torch.no_grad()
 def evaluate_tp(
-    model: torch.nn.Module, data: TextData, *, cfg: TrainConfig, mesh: TensorMesh, device: torch.device
+    model: torch.nn.Module, data: Dataset, *, cfg: TrainConfig, mesh: TensorMesh, device: torch.device
 ) -> float:
     """The validation batches of trainer.loop.evaluate, through the sharded model."""
     was_training = model.training
@@ -106,7 +106,7 @@ def train_tensor(
     model = shard_model(dense, mesh=mesh).to(device)
     del dense
     opt = build_optimizer(model.parameters(), cfg)
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
     my_dir = checkpoint_dir / f"tp-rank{rank:03d}" if checkpoint_dir is not None else None
 
