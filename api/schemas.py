@@ -313,3 +313,23 @@ class SelectionPublic(BaseModel):
 class SelectionsPublic(BaseModel):
     items: list[SelectionPublic]
     total: int
+
+
+# ---- workspaces -------------------------------------------------------------------------------
+
+
+class WorkspacePublic(BaseModel):
+    id: int
+    ref: str
+    """`sha256:<digest>`: what a JobSpec's `workspace` may name (the id works too)."""
+    digest: str
+    size: int
+    name: str
+    format: str
+    created_at: datetime
+    owner_id: int | None
+
+
+class WorkspacesPublic(BaseModel):
+    items: list[WorkspacePublic]
+    total: int

@@ -43,17 +43,24 @@ def main(argv: list[str] | None = None) -> int:
         sink.error(f"bad spec: {e}")
         return 2
     except UserCodeError as e:
-        traceback.print_exc()  # the user's own traceback, into the job's logs
+        traceback.print_exc()
+        sink.log("traceback of the user's code:\n" + "".join(traceback.format_exception(e.__cause__ or e)))
         sink.error(f"user code failed: {e}")
         return 1
     except Exception as e:  # noqa: BLE001 - the reason goes to the worker, the trace to stderr
         traceback.print_exc()
+        if uses_user_code(job):  # a shape mismatch in the user's layers: their traceback, in the job's logs
+            sink.log("traceback:\n" + traceback.format_exc())
         where = f" (rank {rank} of {env_world_size()})" if env_world_size() > 1 else ""
         sink.error(f"{type(e).__name__}: {e}{where}")
         return 1
     finally:
         teardown()
     return 0
+
+
+def uses_user_code(job: JobConfig) -> bool:
+    return job.model.kind == "python" or job.data.kind == "python"
 
 
 def exit_now(code: int) -> None:

@@ -30,9 +30,12 @@ def set_workspace(path: Path | None) -> None:
         return
     path = path.resolve()
     if not path.is_dir():
-        raise ConfigError(
-            f"workspace folder {path} does not exist: the worker could not unpack the job's workspace"
+        # the worker leaves its reason beside the folder it could not fill (workers/workspace.py)
+        why = path.parent / "workspace.error"
+        reason = (
+            why.read_text().strip() if why.is_file() else "the worker could not unpack the job's workspace"
         )
+        raise ConfigError(f"workspace folder {path} does not exist: {reason}")
     _ROOT.append(path)
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
