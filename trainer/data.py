@@ -405,11 +405,12 @@ def data_for(job: JobConfig) -> Dataset:
 
 def with_data_vocab(job: JobConfig) -> JobConfig:
     """The job with model.vocab_size following the data (a built-in model's embedding and head are
-    sized by it); refused when the data holds ids the model cannot embed."""
+    sized by it; a python model's entry point gets it when it takes `vocab_size`); refused when
+    the data holds ids the model cannot embed."""
     data = data_for(job)
-    if job.model.kind == "python":
-        return job
     if not data.vocab_size:
+        if job.model.kind == "python":
+            return job  # not token data (e.g. images): the user's recipe knows its inputs
         raise ConfigError(
             f"data.vocab_size is required for data.kind {job.data.kind} with the built-in model "
             f"{job.model.kind} (it sizes the embedding)"

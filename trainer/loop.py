@@ -15,8 +15,9 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, Dataset, data_for
 from trainer.device import peak_memory_mb, pick_device
-from trainer.models import build_model, count_params, lm_loss
+from trainer.models import count_params, recipe_for
 from trainer.protocol import MetricsSink, StopSignal, should_stop
+from trainer.recipe import ModelRecipe, build_dense
 
 
 class TrainingError(RuntimeError):
@@ -30,15 +31,17 @@ def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, *, cfg: TrainConfig, device: torch.device) -> float:
+def evaluate(
+    model: nn.Module, data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig, device: torch.device
+) -> float:
     """Mean loss over a fixed set of validation batches (same set at every evaluation)."""
     was_training = model.training
     model.eval()
     g = torch.Generator().manual_seed(cfg.seed + 7919)
     total = 0.0
     for _ in range(cfg.eval_batches):
-        x, y = data.batch(split="val", batch_size=cfg.batch_size, generator=g)
-        total += lm_loss(model(x.to(device)), y.to(device)).item()
+        x, y = recipe.feed(data.batch(split="val", batch_size=cfg.batch_size, generator=g))
+        total += recipe.loss(model(x.to(device)), y.to(device)).item()
     model.train(was_training)
     return total / cfg.eval_batches
 
@@ -140,7 +143,8 @@ def train(
     """Train `job` on one device. Returns the result dict (also sent to `sink.result`)."""
     cfg = job.train
     device = device or pick_device(job.resources.device)
-    model = build_model(job.model, seed=cfg.seed).to(device)
+    recipe = recipe_for(job.model)
+    model = build_dense(recipe, seed=cfg.seed, device=device)
     opt = build_optimizer(model.parameters(), cfg)
     data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
@@ -155,8 +159,8 @@ def train(
     steps = StepRange(start=start, end=cfg.steps, stop=stop)
     for step in steps:
         t0 = time.perf_counter()
-        x, y = stream.batch_for(step - 1)
-        loss = lm_loss(model(x.to(device)), y.to(device))
+        x, y = recipe.feed(stream.batch_for(step - 1))
+        loss = recipe.loss(model(x.to(device)), y.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -167,7 +171,7 @@ def train(
         dt = time.perf_counter() - t0
         report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            val_loss = evaluate(model, data, cfg=cfg, device=device)
+            val_loss = evaluate(model, data, recipe=recipe, cfg=cfg, device=device)
             sink.metric(step, "val_loss", val_loss)
         if checkpoint_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0:
             p = save_checkpoint(

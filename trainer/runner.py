@@ -11,6 +11,7 @@ from trainer.config import ConfigError, JobConfig
 from trainer.data import with_data_vocab
 from trainer.distributed import env_world_size
 from trainer.protocol import MetricsSink, StopSignal
+from trainer.user_model import check_user_model
 
 
 def run(
@@ -21,6 +22,8 @@ def run(
     checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
     job = with_data_vocab(job)  # built-in models take the data's vocabulary
+    if job.model.kind == "python":
+        check_user_model(job)
     par = job.parallel
     world = env_world_size()
     if par.world_size != world:
