@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from jobrules.data import data_vocab_size
+from jobrules.models import tensor_kind_problems
 from jobrules.sizing import layer_param_counts, layer_working_sets
 
 MiB = 2**20
@@ -78,8 +79,8 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
         mode = tensor["mode"]
         split = {"1d": tensor["size"], "2d": tensor["q"], "2.5d": tensor["q"]}[mode]
         ffn = model["mlp_ratio"] * model["d_model"]
-        if model["kind"] != "gpt" and split > 1:
-            problems.append("parallel.tensor needs model.kind 'gpt'")
+        if split > 1:
+            problems += tensor_kind_problems(model, mode=mode, split=split)
         if model["d_model"] % split:
             problems.append(
                 f"model.d_model ({model['d_model']}) must be divisible by the {mode} split ({split})"

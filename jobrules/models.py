@@ -60,3 +60,39 @@ def model_problems(model: dict[str, Any]) -> list[str]:
         if not isinstance(init, str) or not init.endswith((".safetensors", ".pt", ".pth", ".bin")):
             problems.append(f"model.init_from must be a .safetensors, .pt, .pth or .bin file, got {init!r}")
     return problems
+
+
+TENSOR_KINDS = {"gpt": ("1d", "2d", "2.5d"), "llama": ("1d",)}
+"""Model kinds with tensor-parallel layers, and the modes each has."""
+
+
+def swiglu_width(d_model: int, mlp_ratio: int) -> int:
+    """The Llama recipe's SwiGLU width: 2/3 of the dense MLP's, rounded up to 8."""
+    return -(-2 * mlp_ratio * d_model // 3 // 8) * 8
+
+
+def tensor_kind_problems(model: dict[str, Any], *, mode: str, split: int) -> list[str]:
+    """Whether `model.kind` has a tensor-parallel form in `mode`, and the Llama-only divisibility
+    rules (key/value heads, SwiGLU width); GPT's rules are trainer/tensor/mesh.py's."""
+    kind = model.get("kind", "gpt")
+    modes = TENSOR_KINDS.get(kind, ())
+    if mode not in modes:
+        if not modes:
+            return [f"parallel.tensor: model.kind {kind} has no tensor-parallel layers (gpt and llama do)"]
+        return [
+            f"parallel.tensor.mode {mode} has no form for model.kind {kind} (RMSNorm, SwiGLU and "
+            f"grouped-query attention are sharded 1d only): use mode {' or '.join(modes)}"
+        ]
+    problems = []
+    if kind == "llama":
+        kv = model.get("kv_heads") or model.get("heads", 4)
+        if kv % split:
+            problems.append(
+                f"model.kv_heads ({kv}) must be divisible by parallel.tensor.size ({split}) for 1d"
+            )
+        width = swiglu_width(model.get("d_model", 128), model.get("mlp_ratio", 4))
+        if width % split:
+            problems.append(
+                f"the SwiGLU width ({width}) must be divisible by parallel.tensor.size ({split}) for 1d"
+            )
+    return problems

@@ -12,15 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobrules.models import swiglu_width
 from trainer.config import ModelConfig
 from trainer.recipe import ModelRecipe, gpt2_init
 
 ROPE_BASE = 10_000.0
-
-
-def swiglu_width(d_model: int, mlp_ratio: int) -> int:
-    """Llama's 2/3 of the dense width (three matrices instead of two), rounded up to 8."""
-    return -(-2 * mlp_ratio * d_model // 3 // 8) * 8
 
 
 class RMSNorm(nn.Module):
@@ -62,18 +58,25 @@ class GQAttention(nn.Module):
         self.proj = nn.Linear(heads * self.head_dim, d_model, bias=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        # head counts from the weights, so a tensor-parallel copy holding a slice of heads works as is
-        K = self.head_dim
-        H, G = self.q.out_features // K, self.k.out_features // K
-        q_BHTK = rotate(self.q(x_BTD).view(B, T, H, K).transpose(1, 2))
-        k_BGTK = rotate(self.k(x_BTD).view(B, T, G, K).transpose(1, 2))
-        v_BGTK = self.v(x_BTD).view(B, T, G, K).transpose(1, 2)
-        if G != H:
-            k_BGTK = k_BGTK.repeat_interleave(H // G, dim=1)
-            v_BGTK = v_BGTK.repeat_interleave(H // G, dim=1)
-        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
-        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, H * K))
+        y_BTc = attend(self.q(x_BTD), self.k(x_BTD), self.v(x_BTD), head_dim=self.head_dim)
+        return self.proj(y_BTc)
+
+
+def attend(q_BTc: torch.Tensor, k_BTg: torch.Tensor, v_BTg: torch.Tensor, *, head_dim: int) -> torch.Tensor:
+    """Rotary causal attention of whole heads: q holds H heads, k and v G heads (query head h reads
+    key/value head h // (H/G)). Head counts come from the widths, so a tensor-parallel rank holding
+    a contiguous slice of query heads and their key/value heads calls this as it is."""
+    B, T, _ = q_BTc.shape
+    K = head_dim
+    H, G = q_BTc.shape[-1] // K, k_BTg.shape[-1] // K
+    q_BHTK = rotate(q_BTc.view(B, T, H, K).transpose(1, 2))
+    k_BGTK = rotate(k_BTg.view(B, T, G, K).transpose(1, 2))
+    v_BGTK = v_BTg.view(B, T, G, K).transpose(1, 2)
+    if G != H:
+        k_BGTK = k_BGTK.repeat_interleave(H // G, dim=1)
+        v_BGTK = v_BGTK.repeat_interleave(H // G, dim=1)
+    y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
+    return y_BHTK.transpose(1, 2).reshape(B, T, H * K)
 
 
 class SwiGLU(nn.Module):

@@ -32,6 +32,7 @@ from trainer.pipeline.schedules import COMPUTE_OPS, Schedule, build_schedule
 from trainer.pipeline.simulate import Costs, simulate, summarize
 from trainer.pipeline.stage import build_stages
 from trainer.protocol import MetricsSink, StopSignal
+from trainer.user_model import boundary_shape
 
 
 def measured_costs(timeline: list[dict[str, Any]], *, sched: Schedule) -> Costs:
@@ -164,11 +165,11 @@ def train_pipeline(
     model = build_model(job.model, seed=cfg.seed)
     n_params = count_params(model)
     modules = {k: m.to(device) for k, m in build_stages(model, sched=sched, rank=rank).items()}
+    act_shape = boundary_shape(job, model=model, stages=D, rows=cfg.batch_size // N)
     del model
     opt = build_optimizer([p for m in modules.values() for p in m.parameters()], cfg)
     data = data_for(job)
     stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
-    act_shape = (cfg.batch_size // N, job.model.seq_len, job.model.d_model)
     executor = PipelineExecutor(sched=sched, rank=rank, modules=modules, act_shape=act_shape, device=device)
     my_dir = checkpoint_dir / f"pipeline-rank{rank}" if checkpoint_dir is not None else None
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.llama_tp import shard_llama_layer
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
 from trainer.tensor.layers_1d import Slicer
@@ -49,7 +50,9 @@ def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
 
 
 def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str) -> nn.Module:
-    """One layer of the GPT's nn.Sequential: embedding, block or head."""
+    """One layer of the GPT's nn.Sequential: embedding, block or head (or a Llama layer, 1d)."""
+    if (llama := shard_llama_layer(layer, mesh=mesh, name=name)) is not None:
+        return llama
     if isinstance(layer, Block):
         return shard_block(layer, mesh=mesh, name=name)
     grid = isinstance(mesh, MeshGrid)
