@@ -1,6 +1,6 @@
 """`shardyard`: submit and watch jobs over the REST API, and run the service's processes.
 
-    shardyard submit spec.json [--follow]     shardyard jobs [--status running]
+    shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
 
@@ -10,9 +10,11 @@ The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +101,40 @@ def follow(client: httpx.Client, job_id: int) -> str:
     return final["status"]
 
 
+_SKIP_DIRS = {"__pycache__", ".git", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+
+
+def pack_workspace(folder: Path) -> bytes:
+    """`folder` as a .tar.gz whose members are relative to it (caches and VCS folders left out).
+    Symlinks are refused here, as the server would refuse them."""
+    if not folder.is_dir():
+        raise CliError(f"--workspace {folder}: not a folder")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder)
+            if _SKIP_DIRS.intersection(rel.parts):
+                continue
+            if path.is_symlink():
+                raise CliError(f"--workspace: {rel} is a symlink; workspaces hold plain files only")
+            if path.is_file():
+                tar.add(path, arcname=rel.as_posix(), recursive=False)
+    return buf.getvalue()
+
+
+def upload_workspace(c: httpx.Client, folder: Path) -> dict[str, Any]:
+    body = pack_workspace(folder)
+    return _check(
+        c.post(
+            "/api/workspaces",
+            params={"name": folder.resolve().name or "workspace"},
+            content=body,
+            headers={"content-type": "application/gzip"},
+            timeout=300,
+        )
+    )
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     try:
         spec = json.loads(Path(args.spec).read_text())
@@ -107,6 +143,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"{args.spec} is not valid JSON: {e}") from e
     with _client(args.api) as c:
+        if args.workspace is not None:
+            ws = upload_workspace(c, Path(args.workspace))
+            console.print(
+                f"uploaded workspace [bold]{ws['id']}[/] ({ws['ref'][:19]}..., {ws['size']:,} bytes)"
+            )
+            spec = {**spec, "workspace": ws["ref"]}
         job = _check(c.post("/api/jobs", json=spec))
         console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), status {job['status']}")
         if args.follow:
@@ -238,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a JobSpec JSON file")
     p.add_argument("spec")
     p.add_argument("--follow", "-f", action="store_true", help="show progress and live loss until it ends")
+    p.add_argument("--workspace", "-w", metavar="DIR", help="pack and upload DIR; the job runs with it")
     p.set_defaults(fn=cmd_submit)
     p = sub.add_parser("jobs", help="list jobs")
     p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])

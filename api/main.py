@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from api.routes import events, health, jobs, selections
+from api.routes import events, health, jobs, selections, workspaces
 from core.settings import Settings, get_settings
 
 _NO_DASHBOARD = """<!doctype html><title>Shardyard</title><h1>Shardyard</h1>
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)
     app.include_router(jobs.router)
     app.include_router(selections.router)
+    app.include_router(workspaces.router)
     if (settings.frontend_dist / "index.html").exists():
         app.mount("/", StaticFiles(directory=settings.frontend_dist, html=True), name="dashboard")
     else:

@@ -9,7 +9,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api import sizing
+from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
+from jobrules.models import model_problems
 from jobrules.parallel import tensor_world_size, world_size
+
+WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
 
 class Strict(BaseModel):
@@ -17,28 +21,44 @@ class Strict(BaseModel):
 
 
 class ModelSpec(Strict):
-    kind: Literal["gpt", "mlp"] = "gpt"
+    kind: Literal["gpt", "mlp", "llama", "python"] = "gpt"
     layers: int = Field(4, ge=1, le=256)
     d_model: int = Field(128, ge=8, le=16384)
     heads: int = Field(4, ge=1, le=256)
+    kv_heads: int | None = Field(None, ge=1, le=256, description="llama: grouped-query key/value heads")
     seq_len: int = Field(64, ge=1, le=8192)
-    vocab_size: Literal[128] = 128
+    vocab_size: int | None = Field(None, ge=2, le=2**24, description="None follows the data's vocabulary")
     mlp_ratio: int = Field(4, ge=1, le=16)
+    entry: str | None = Field(None, max_length=300, description="python: 'package.module:function'")
+    args: dict[str, Any] = Field(default_factory=dict, description="python: keyword arguments for entry")
+    init_from: str | None = Field(None, max_length=1000, description="safetensors/torch weights file")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSpec:
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})"
-            )
+    def _rules(self) -> ModelSpec:
+        problems = model_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
 class DataSpec(Strict):
-    kind: Literal["text"] = "text"
-    corpus: Literal["stdlib"] = "stdlib"
+    kind: Literal["text", "tokens", "python"] = "text"
+    corpus: Literal["stdlib"] | None = None
+    path: str | None = Field(None, min_length=1, max_length=1000)
+    tokenizer: str = Field("char", min_length=1, max_length=1000)
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    vocab_size: int | None = Field(None, ge=2, le=2**24)
+    entry: str | None = Field(None, max_length=300)
+    args: dict[str, Any] = Field(default_factory=dict)
     max_chars: int = Field(4_000_000, ge=10_000, le=200_000_000)
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _rules(self) -> DataSpec:
+        problems = data_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TrainSpec(Strict):
@@ -111,10 +131,22 @@ class JobSpec(Strict):
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
     checkpoint_every: int = Field(0, ge=0)
     priority: int = Field(0, ge=-100, le=100)
+    workspace: str | None = Field(
+        None,
+        pattern=WORKSPACE_REF,
+        description="an uploaded workspace: its id or 'sha256:<digest>' (POST /api/workspaces)",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
-        problems = sizing.spec_problems(self.model_dump())
+        spec = self.model_dump()
+        problems = workspace_problems(
+            model=spec["model"], data=spec["data"], has_workspace=self.workspace is not None
+        )
+        vocab = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=data_vocab_size(spec["data"]))
+        if vocab:
+            problems.append(vocab)
+        problems += sizing.spec_problems(spec)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -271,4 +303,24 @@ class SelectionPublic(BaseModel):
 
 class SelectionsPublic(BaseModel):
     items: list[SelectionPublic]
+    total: int
+
+
+# ---- workspaces -------------------------------------------------------------------------------
+
+
+class WorkspacePublic(BaseModel):
+    id: int
+    ref: str
+    """`sha256:<digest>`: what a JobSpec's `workspace` may name (the id works too)."""
+    digest: str
+    size: int
+    name: str
+    format: str
+    created_at: datetime
+    owner_id: int | None
+
+
+class WorkspacesPublic(BaseModel):
+    items: list[WorkspacePublic]
     total: int

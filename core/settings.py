@@ -38,6 +38,16 @@ class Settings(BaseSettings):
         so a slow heartbeat alone never gets a job run twice)."""
         return 3 * self.worker_alive_s
 
+    workspace_max_mb: float = 100.0
+    """Largest workspace upload (the archive as sent), in MiB."""
+    workspace_max_unpacked_mb: float = 1024.0
+    """Largest unpacked size of a workspace archive, in MiB (bounds zip bombs)."""
+
+    @property
+    def workspaces_dir(self) -> Path:
+        """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip>."""
+        return self.data_dir / "workspaces"
+
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     cancel_grace_s: float = 30.0

@@ -152,3 +152,22 @@ class Trial(Base):
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     warm_start_from: Mapped[int | None] = mapped_column(Integer, default=None)
     selection: Mapped[Selection] = relationship(back_populates="trials")
+
+
+class Workspace(Base):
+    """An uploaded workspace archive (user code and small data), stored content-addressed under
+    the data dir (core/settings.py workspaces_dir) by its sha256."""
+
+    __tablename__ = "workspaces"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    """sha256 of the archive bytes, hex."""
+    size: Mapped[int] = mapped_column(BigInteger)
+    """Archive bytes as uploaded."""
+    name: Mapped[str] = mapped_column(String(200))
+    format: Mapped[str] = mapped_column(String(10))
+    """`tar.gz` or `zip`."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    owner_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
+    """The uploading user (no foreign key here; the users table wires it)."""

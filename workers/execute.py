@@ -26,6 +26,7 @@ from db.engine import session_for
 from db.jobs import cancel_requested, claim_job, finish_job, get_job, live_workers, requeue_job
 from db.models import JobStatus
 from workers.relay import Relay
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     relay = Relay(settings, job_id=job_id)
     relay.event(kind="status", message="running", data={"worker": worker})
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
+    cmd += workspace_args(spec, settings=settings, workdir=workdir)
     relay.event(kind="log", message=f"{worker}: {' '.join(cmd[1:])}")
     out = Outcome()
     rc = supervise(

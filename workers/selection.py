@@ -29,6 +29,7 @@ from db.selections import (
 )
 from workers.execute import Outcome, kill_group, supervise
 from workers.relay import Relay
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
 _FINAL = {"succeeded", "stopped_early", "stopped", "failed", "cancelled"}
@@ -214,6 +215,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         str(stop_file),
         "--stop-trials-file",
         str(stop_trials),
+        *workspace_args(specs[won[0].index], settings=settings, workdir=root),  # one base, one workspace
     ]
     out = Outcome()
     rc = supervise(

@@ -12,6 +12,7 @@ from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
 from api.placement import placement_problem
 from api.publish import publish_job_status
+from api.routes.workspaces import pin_workspace
 from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
 from api.sse import job_events
 from core.broker import send_run_job
@@ -44,7 +45,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> Job
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=spec.model_dump(),
+        spec=pin_workspace(session, spec.model_dump()),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,

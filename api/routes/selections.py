@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
+from api.routes.workspaces import pin_workspace
 from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
 from api.selection_stream import selection_events
 from core.broker import send_run_selection
@@ -67,7 +68,7 @@ def _dispatch(
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def submit_selection(body: SelectionCreate, session: SessionDep, settings: SettingsDep) -> SelectionPublic:
-    base = body.base.model_dump()
+    base = pin_workspace(session, body.base.model_dump(), field="base.workspace")
     try:
         params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
     except SpaceError as e:

@@ -47,15 +47,25 @@ def spec(parallel: dict[str, Any], **train: Any) -> dict[str, Any]:
 
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "dp2": ({"data_parallel": 2}, {}, 2),
-    "pp2xdp2": ({"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}, "data_parallel": 2}, {}, 4),
+    "pp2xdp2": (
+        {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}, "data_parallel": 2},
+        {},
+        4,
+    ),
     "pp2xtp1d2": (
-        {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "gpipe"}, "tensor": {"mode": "1d", "size": 2}},
+        {
+            "pipeline": {"stages": 2, "microbatches": 2, "schedule": "gpipe"},
+            "tensor": {"mode": "1d", "size": 2},
+        },
         {},
         4,
     ),
     "tp2dxdp2": ({"tensor": {"mode": "2d", "q": 2}, "data_parallel": 2}, {}, 8),
     "pp2+offload": (
-        {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}, "offload": {"optimizer": True, "dtype": "fp32"}},
+        {
+            "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
+            "offload": {"optimizer": True, "dtype": "fp32"},
+        },
         {},
         2,
     ),
@@ -80,7 +90,9 @@ def _reference(train: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rank(rank: int, world: int, raw: dict[str, Any], dense: dict[str, torch.Tensor], ckpt: str) -> dict[str, Any]:
+def _rank(
+    rank: int, world: int, raw: dict[str, Any], dense: dict[str, torch.Tensor], ckpt: str
+) -> dict[str, Any]:
     from trainer.tensor.block import slicers
 
     job = JobConfig.from_dict(raw)
@@ -95,11 +107,19 @@ def _rank(rank: int, world: int, raw: dict[str, Any], dense: dict[str, torch.Ten
         cuts = slicers(module) if engine.tp_mesh is not None else {}
         for name, p in module.named_parameters():
             want = cuts[name](dense[name]) if cuts else dense[name]
-            torch.testing.assert_close(p.detach().float(), want, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                p.detach().float(), want, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
             compared += p.numel()
     local = sum(p.numel() for m in engine.parts.modules.values() for p in m.parameters())
     # every rank held its own pieces only (never the whole dense model)
-    return {"loss": sink.series("loss"), "val_loss": sink.series("val_loss"), "result": result, "compared": compared, "local": local}
+    return {
+        "loss": sink.series("loss"),
+        "val_loss": sink.series("val_loss"),
+        "result": result,
+        "compared": compared,
+        "local": local,
+    }
 
 
 @functools.cache
