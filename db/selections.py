@@ -127,6 +127,13 @@ def get_trial(session: Session, *, selection_id: int, trial_id: int) -> Trial:
     return trial
 
 
+def trial_of_job(session: Session, *, job_id: int) -> Trial:
+    trial = session.scalars(select(Trial).where(Trial.job_id == job_id)).first()
+    if trial is None:
+        raise NotFound(f"job {job_id} is not a trial")
+    return trial
+
+
 def claim_trials(
     session: Session, *, trial_ids: Sequence[int], owner: str, worker: str, lease_s: float
 ) -> list[tuple[Trial, Attempt]]:
