@@ -49,22 +49,57 @@ def _check(resp: httpx.Response) -> Any:
     return resp.json()
 
 
-def sse_events(client: httpx.Client, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs from a Server-Sent Events endpoint."""
-    with client.stream("GET", path, timeout=httpx.Timeout(30, read=None)) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            _check(resp)
-        event, data = "message", []
-        for line in resp.iter_lines():
-            if line == "":
-                if data:
-                    yield event, json.loads("\n".join(data))
-                event, data = "message", []
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
+class _Interrupted(Exception):
+    """The stream ended or the server asked us to come back later (503)."""
+
+
+def sse_events(
+    client: httpx.Client, path: str, *, patience_s: float = 600.0
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) pairs from a Server-Sent Events endpoint, for as long as the caller reads.
+    A dropped connection (API or broker restarted), a stream that ends, or a 503 is followed by a
+    reconnect with Last-Event-ID, so nothing is seen twice or missed; after `patience_s` without
+    getting through, CliError."""
+    last_id: str | None = None
+    delay, down_since = 0.5, None
+    while True:
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        try:
+            with client.stream("GET", path, headers=headers, timeout=httpx.Timeout(30, read=None)) as resp:
+                if resp.status_code in (429, 502, 503, 504):
+                    resp.read()
+                    raise _Interrupted(f"{resp.status_code}: {resp.text[:200]}")
+                if resp.status_code >= 400:
+                    resp.read()
+                    _check(resp)
+                fid, event, data = None, "message", []
+                for line in resp.iter_lines():
+                    if line == "":
+                        if data:
+                            last_id = fid or last_id
+                            if down_since is not None:
+                                err.print("[green]stream resumed[/]")
+                            delay, down_since = 0.5, None
+                            yield event, json.loads("\n".join(data))
+                        fid, event, data = None, "message", []
+                    elif line.startswith("id:"):
+                        fid = line[3:].strip()
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].strip())
+            raise _Interrupted("the server closed the stream")
+        except (httpx.TransportError, _Interrupted) as e:
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                err.print(f"[yellow]stream interrupted ({e or type(e).__name__}); reconnecting...[/]")
+            elif now - down_since > patience_s:
+                raise CliError(
+                    f"lost the stream {path} for {patience_s:.0f}s: {e or type(e).__name__}"
+                ) from e
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
 
 def follow(client: httpx.Client, job_id: int) -> str:
@@ -251,15 +286,18 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import signal
 
     from api.stack import Stack
+    from core.settings import get_settings
 
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(args.root)
-    stack = Stack(root=root, api_port=args.port, workers=args.workers)
+    shutdown_s = get_settings().stack_shutdown_s
+    stack = Stack(root=root, api_port=args.port, workers=args.workers, shutdown_s=shutdown_s)
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"
     )
-    with stack:
+    try:
+        stack.start()
         console.print(f"[bold green]dashboard:[/] {stack.base_url}/")
         with _client(stack.base_url) as c:
             if args.demo:
@@ -271,14 +309,19 @@ def cmd_stack(args: argparse.Namespace) -> int:
                 follow(c, job["id"])
                 console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job['id']}")
         console.print("the stack keeps running; press Ctrl-C to stop everything")
-        try:
-            while all(p.poll() is None for p in stack.procs.values()):
-                time.sleep(1)
-            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-            err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
-            return 1
-        except KeyboardInterrupt:
-            console.print("stopping...")
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(1)
+        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+        err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.print(
+            f"stopping: running jobs checkpoint and go back to the queue (up to {shutdown_s:.0f}s; "
+            "Ctrl-C again to kill them)..."
+        )
+        stack.stop()
     return 0
 
 
@@ -347,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         err.print(
             f"[red]error:[/] cannot reach the API at {args.api} (is `shardyard serve` or `make demo` running?)"
         )
+        return 2
+    except httpx.TransportError as e:
+        err.print(f"[red]error:[/] lost the connection to the API at {args.api}: {e or type(e).__name__}")
         return 2
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from api.convert import event_public, job_public
@@ -13,12 +12,15 @@ from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
 from api.placement import placement_problem
 from api.publish import publish_job_status
+from api.retention import delete_finished_job
 from api.routes.workspaces import pin_workspace
 from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
 from api.sse import job_events
+from api.streams import SseResponse, open_stream
 from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
 from db import selections as db_sel
+from db.engine import session_for
 from db.models import Job
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
@@ -150,6 +152,18 @@ def requeue_job(
     return _after_operator(session, settings, job)
 
 
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: int, settings: SettingsDep) -> None:
+    """A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
+    try:
+        delete_finished_job(settings, job_id=job_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    publish_job_status(settings, job_id=job_id, status="deleted")
+
+
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def get_metrics(
     job_id: int,
@@ -196,14 +210,12 @@ def get_timeline(job_id: int, session: SessionDep) -> dict:
 def stream_job(
     job_id: int,
     request: Request,
-    session: SessionDep,
     settings: SettingsDep,
     last_event_id: Annotated[str | None, Header()] = None,
-) -> StreamingResponse:
-    _job_or_404(session, job_id)
+) -> SseResponse:
+    # a short session, closed before the stream starts: a stream that held a pooled connection
+    # while it waits would starve every other request once the pool's worth of streams is open
+    with session_for(settings.database_url) as session:
+        _job_or_404(session, job_id)
     cursor = last_event_id or request.query_params.get("last_event_id")
-    return StreamingResponse(
-        job_events(settings, job_id=job_id, last_event_id=cursor),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return open_stream(request, lambda: job_events(settings, job_id=job_id, last_event_id=cursor))

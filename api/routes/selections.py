@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, status
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -14,10 +13,12 @@ from api.deps import SessionDep, SettingsDep
 from api.routes.workspaces import pin_workspace
 from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
 from api.selection_stream import selection_events
+from api.streams import SseResponse, open_stream
 from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
+from db.engine import session_for
 from db.models import Selection, Trial
 from jobrules.space import SpaceError, apply_params, sample_params
 
@@ -164,13 +165,11 @@ def stop_trial(selection_id: int, trial_id: int, session: SessionDep) -> TrialPu
 
 
 @router.get("/{selection_id}/stream")
-def stream_selection(selection_id: int, session: SessionDep, settings: SettingsDep) -> StreamingResponse:
+def stream_selection(selection_id: int, request: Request, settings: SettingsDep) -> SseResponse:
     """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
     (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
     reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
-    _selection_or_404(session, selection_id)
-    return StreamingResponse(
-        selection_events(settings, selection_id=selection_id),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    # a short session: a stream must not hold a pooled connection while it waits
+    with session_for(settings.database_url) as session:
+        _selection_or_404(session, selection_id)
+    return open_stream(request, lambda: selection_events(settings, selection_id=selection_id))
