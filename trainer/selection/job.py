@@ -30,8 +30,8 @@ import torch
 
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
-from trainer.selection.halving import KINDS, HalvingConfig
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.halving import KINDS, HalvingConfig
 from trainer.selection.scheduler import SCHEDULERS
 
 BATCH_KEYS = {
