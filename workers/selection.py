@@ -29,6 +29,7 @@ from db.selections import (
 )
 from workers.execute import Outcome, kill_group, supervise
 from workers.relay import Relay
+from workers.search import grow
 
 log = logging.getLogger(__name__)
 _FINAL = {"succeeded", "stopped_early", "stopped", "failed", "cancelled"}
@@ -186,6 +187,8 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         "mode": req.get("mode", "min"),
         "scheduler": req.get("scheduler", "shard-lrtf"),
         "early_stopping": req.get("early_stopping"),
+        "seed": req.get("seed", 0),
+        "checkpoints": req.get("checkpoints", "best"),
     }
     batch_path = root / f"{group}.json"
     batch_path.write_text(json.dumps(batch, indent=2))
@@ -240,6 +243,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
             else:
                 reason = run.batch_error or f"trainer.selection exited with code {rc}: {tail}"
                 run.finish(index, "failed", error=reason)
+    grow(settings, selection_id=selection_id)  # a sampler batch asks its next generation
     with session_for(settings.database_url) as s:
         status = settle_selection(s, selection_id=selection_id)
     run.relays[won[0].index].publish({"type": "selection", "status": str(status)}, channels=(run.channel,))

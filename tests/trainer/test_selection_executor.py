@@ -188,11 +188,11 @@ def test_asha_stops_the_right_trials(tmp_path: Path, how: str) -> None:
             assert results[i]["stopped_early"] and last < job(i).train.steps
             assert events == ["running", "stopped_early"]
             # stopped at a rung it lost, and it says so: its rung, its value, the rung's cut-off
-            stop = results[i]["stop"]
+            stop = results[i]["stop_reason"]
             assert stop["rung"] == last and stop["value"] == val[i][last]
             assert stop["value"] >= stop["cutoff"] and stop["kept"] == max(1, stop["of"] // 2)
             final = [d for e, d in sinks[i].events if e == "trial"][-1]
-            assert final["stop"] == stop and sinks[i].results[-1]["stop"] == stop
+            assert final["stop_reason"] == stop and sinks[i].results[-1]["stop_reason"] == stop
         else:
             assert st == "succeeded" and last == job(i).train.steps and events == ["running", "succeeded"]
     # no trial ran past a stop: each stopped trial's last task ends its last mini-batch
@@ -340,7 +340,7 @@ def test_rung_decisions_do_not_depend_on_timing(kind: str) -> None:
             jitter_seed=run,
         )
         results = ex.run()
-        outcomes.append({i: (r["status"], r["steps"], r["stop"]) for i, r in results.items()})
+        outcomes.append({i: (r["status"], r["steps"], r["stop_reason"]) for i, r in results.items()})
         orders.append([(s.trial, s.kind, s.shard) for s in sorted(ex.trace, key=lambda s: s.start)])
     assert outcomes[0] == outcomes[1] == outcomes[2]
     assert any(st == "stopped_early" for st, _, _ in outcomes[0].values())

@@ -314,7 +314,7 @@ class Executor:
         run.sink.result(result)
         data: dict[str, Any] = {"status": run.status, "steps_done": steps}
         if run.stop_reason is not None:
-            data["stop"] = result["stop"]
+            data["stop_reason"] = result["stop_reason"]
         if run.error is not None:
             data["error"] = run.error
         run.sink.event("trial", data)
@@ -358,7 +358,7 @@ class Executor:
             "last_metric": run.last_metric,
             "best_metric": run.best_metric,
             "stopped_early": run.status == "stopped_early",
-            "stop": None if run.stop_reason is None else run.stop_reason.as_dict(),
+            "stop_reason": None if run.stop_reason is None else run.stop_reason.as_dict(),
             "error": run.error,
             "compute_s": run.compute_s,
             "copy_s": run.copy_s,
