@@ -59,6 +59,7 @@ def selection_public(sel: Selection) -> SelectionPublic:
         space=sel.request.get("space", {}),
         request=sel.request,
         cancel_requested=sel.cancel_requested,
+        error=sel.error,
         trials=[trial_public(t) for t in sel.trials],
         leaderboard=_leaderboard(sel),
     )

@@ -229,7 +229,11 @@ class HealthPublic(BaseModel):
 
 
 class EarlyStoppingSpec(Strict):
-    kind: Literal["asha"] = "asha"
+    """Rungs at min_steps * reduction_factor**k steps (trainer/selection/halving.py): `asha`
+    promotes as results come in, `sha` decides each rung once it is full, `hyperband` runs SHA
+    brackets that start at different rungs. Decisions follow the batch's seed, never timing."""
+
+    kind: Literal["asha", "sha", "hyperband"] = "asha"
     reduction_factor: int = Field(3, ge=2, le=16)
     min_steps: int = Field(1, ge=1)
 
@@ -242,15 +246,50 @@ class SelectionCreate(Strict):
     space: dict[str, Any] = Field(
         min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
     )
-    method: Literal["grid", "random"] = "random"
-    trials: int | None = Field(None, ge=1, le=1024, description="how many (random only)")
-    seed: int = Field(0, ge=0)
+    method: Literal["grid", "random", "tpe", "cmaes", "qmc"] = Field(
+        "random",
+        description="grid or random expand the space at submit; tpe, cmaes and qmc are Optuna "
+        "samplers that grow the batch a generation of `parallel` trials at a time",
+    )
+    trials: int | None = Field(
+        None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    parallel: int | None = Field(
+        None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
+    )
+    startup_trials: int | None = Field(
+        None, ge=1, le=1024, description="tpe and cmaes: random trials before the model (Optuna's default 10)"
+    )
+    checkpoints: Literal["best", "all", "none"] = Field(
+        "best", description="end-of-trial checkpoints kept: the best trial's, every trial's, or none"
+    )
     metric: str = Field("val_loss", pattern="^(val_loss|loss)$")
     mode: Literal["min", "max"] = "min"
     scheduler: Literal["shard-lrtf", "fifo", "round-robin", "sequential"] = "shard-lrtf"
     devices: int = Field(2, ge=1, le=64, description="devices of one worker the batch alternates over")
     group_size: int = Field(16, ge=1, le=1024, description="trials per worker group; more are split")
     early_stopping: EarlyStoppingSpec | None = None
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> SelectionCreate:
+        sampler = self.method in ("tpe", "cmaes", "qmc")
+        if not sampler:
+            for name in ("parallel", "startup_trials"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} is for the samplers (tpe, cmaes, qmc), not method {self.method}"
+                    )
+        elif self.trials is None:
+            raise ValueError(f"method {self.method} needs trials (how many in all)")
+        if self.startup_trials is not None and self.method == "qmc":
+            raise ValueError("startup_trials is for tpe and cmaes; qmc has no model to start")
+        return self
+
+    @property
+    def generation(self) -> int:
+        """Samplers: trials asked at once (`parallel`, default one per device)."""
+        return self.parallel or self.devices
 
 
 class TrialsAdd(Strict):
@@ -302,6 +341,8 @@ class SelectionPublic(BaseModel):
     space: dict[str, Any]
     request: dict[str, Any]
     cancel_requested: bool
+    error: str | None = None
+    """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""
     trials: list[TrialPublic]
     leaderboard: list[int]
     """Trial ids with a metric, best first."""

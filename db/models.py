@@ -150,6 +150,8 @@ class Selection(Base):
 
 class Trial(Base):
     __tablename__ = "trials"
+    # a batch grown by two workers at once must not get the same trial twice
+    __table_args__ = (Index("ux_trials_selection_index", "selection_id", "index", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     selection_id: Mapped[int] = mapped_column(ForeignKey("selections.id", ondelete="CASCADE"), index=True)

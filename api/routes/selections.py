@@ -14,6 +14,7 @@ from api.routes.workspaces import pin_workspace
 from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
 from api.selection_stream import selection_events
 from api.streams import SseResponse, open_stream
+from core import search
 from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
@@ -67,11 +68,29 @@ def _dispatch(
         )
 
 
+def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
+    """The trials a batch starts with: the whole grid or random sample, or a sampler's first
+    generation (the worker asks the next ones as generations end: workers/search.py)."""
+    if body.method in ("grid", "random"):
+        return sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+    search.check_fits(body.method, body.space)
+    return search.suggest(
+        space=body.space,
+        method=body.method,
+        seed=body.seed,
+        mode=body.mode,
+        parallel=body.generation,
+        values=[],
+        total=body.trials or 0,
+        startup_trials=body.startup_trials,
+    )
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def submit_selection(body: SelectionCreate, session: SessionDep, settings: SettingsDep) -> SelectionPublic:
     base = pin_workspace(session, body.base.model_dump(), field="base.workspace")
     try:
-        params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+        params = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
     plans = _trial_specs(base, params, 0)
@@ -121,6 +140,12 @@ def add_trials(
             status.HTTP_409_CONFLICT, f"selection {selection_id} was cancelled; submit a new one"
         )
     req = SelectionCreate.model_validate(sel.request)
+    if req.method not in ("grid", "random"):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"selection {selection_id} uses method {req.method}: its sampler adds the trials itself, "
+            f"a generation of {req.generation} at a time",
+        )
     if body.warm_start_from is not None:
         try:
             db_sel.get_trial(session, selection_id=selection_id, trial_id=body.warm_start_from)
