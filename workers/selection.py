@@ -106,8 +106,6 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         "early_stopping": req.get("early_stopping"),
         "seed": req.get("seed", 0),
         "checkpoints": req.get("checkpoints", "best"),
-        "seed": req.get("seed", 0),
-        "checkpoints": req.get("checkpoints", "best"),
     }
     batch_path = root / f"{group}.json"
     batch_path.write_text(json.dumps(batch, indent=2))
