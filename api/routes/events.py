@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import CurrentUser, may_see
 from api.convert import job_public
 from api.deps import SettingsDep
 from api.sse import frame
@@ -18,19 +19,22 @@ from core.broker import JOBS_CHANNEL
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import NotFound, get_job
+from db.models import User
 
 router = APIRouter(prefix="/api", tags=["events"])
 
 
-def _job_json(settings: Settings, job_id: int) -> dict | None:
+def _job_json(settings: Settings, job_id: int, user: User) -> dict | None:
+    """The job as the jobs table shows it; None when it is gone or not the user's to see."""
     with session_for(settings.database_url) as s:
         try:
-            return job_public(get_job(s, job_id)).model_dump(mode="json")
+            job = get_job(s, job_id)
         except NotFound:
             return None
+        return job_public(job).model_dump(mode="json") if may_see(user, job.owner_id) else None
 
 
-async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
+async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
     client = aioredis.Redis.from_url(settings.broker_url)
     pubsub = client.pubsub()
     try:
@@ -40,7 +44,7 @@ async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
         while True:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if msg is not None:
-                job = await run_in_threadpool(_job_json, settings, json.loads(msg["data"])["job_id"])
+                job = await run_in_threadpool(_job_json, settings, json.loads(msg["data"])["job_id"], user)
                 if job is not None:
                     last = time.monotonic()
                     yield frame(event="job", data=job)
@@ -53,7 +57,8 @@ async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
 
 
 @router.get("/events")
-def all_job_events(settings: SettingsDep) -> StreamingResponse:
+def all_job_events(settings: SettingsDep, user: CurrentUser) -> StreamingResponse:
+    """Status changes of the jobs the caller may see (an admin: all)."""
     return StreamingResponse(
-        _all_jobs(settings), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        _all_jobs(settings, user), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
