@@ -15,6 +15,7 @@ from api.schemas import JobSpec
 from core.settings import Settings
 from db.jobs import live_workers
 from db.models import User
+from db.quotas import job_gpus
 from jobrules.hostmem import host_memory_bytes
 
 GiB = 2**30
@@ -23,19 +24,8 @@ GiB = 2**30
 def user_quotas(user: User, settings: Settings) -> dict[str, int]:
     """The user's limits: their own row's, or the service defaults."""
 
-    def pick(own: int | None, default: int) -> int:
-        return default if own is None else own
-
-    return {
-        "running_jobs": pick(user.max_running_jobs, settings.quota_running_jobs),
-        "ranks": pick(user.max_ranks, settings.quota_ranks),
-        "gpus": pick(user.max_gpus, settings.quota_gpus),
-    }
-
-
-def job_gpus(spec: dict) -> int:
-    res = spec.get("resources") or {}
-    return max(res.get("gpus", 0), 1 if res.get("device") == "cuda" else 0)
+    own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
+    return {k: v if own[k] is None else own[k] for k, v in settings.quota_defaults.items()}
 
 
 def quota_problem(spec: JobSpec, *, user: User, settings: Settings) -> str | None:

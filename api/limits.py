@@ -17,6 +17,23 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 JSON_TYPES = frozenset({"application/json"})
 MAX_DETAIL = 300
 """Error messages quote at most this many characters of anything a client sent."""
+MAX_JSON_DEPTH = 32
+"""No request needs deeper JSON; a deep one would exhaust the recursion of the parser and of every
+function that walks the value after it (a 900-deep list gave a 500)."""
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(body: bytes) -> int:
+    """Nesting depth of a JSON text without parsing it (strings are skipped: brackets in them do
+    not count). Linear in the body and recursion-free."""
+    depth = deepest = 0
+    for ch in _STRINGS.sub(b"", body):
+        if ch in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in b"]}":
+            depth -= 1
+    return deepest
 
 
 def clip(text: str, limit: int = MAX_DETAIL) -> str:
@@ -84,6 +101,12 @@ class RequestLimits:
             await _answer(send, 415, f"Content-Type must be application/json, got {shown}")
             return
         body = b"".join(chunks)
+        if not raw and (body.count(b"[") + body.count(b"{")) > MAX_JSON_DEPTH:
+            if (depth := json_depth(body)) > MAX_JSON_DEPTH:
+                await _answer(
+                    send, 422, f"body: JSON nested {depth} deep, more than the limit of {MAX_JSON_DEPTH}"
+                )
+                return
         sent = False
 
         async def replay() -> Message:

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     quota_ranks: int = 64
     quota_gpus: int = 8
 
+    @property
+    def quota_defaults(self) -> dict[str, int]:
+        return {"running_jobs": self.quota_running_jobs, "ranks": self.quota_ranks, "gpus": self.quota_gpus}
+
 
 @functools.cache
 def get_settings() -> Settings:

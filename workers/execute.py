@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.broker import send_run_job
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import cancel_requested, claim_job, finish_job, get_job, live_workers, requeue_job
 from db.models import JobStatus
+from db.quotas import quota_gate, waiting_jobs
+from workers.limits import apply_memory_limit, memory_limit_bytes, out_of_memory_error, runtime_limit_s
 from workers.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -117,11 +120,27 @@ def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
 
 
 def _watch_cancel(
-    proc: subprocess.Popen[str], *, settings: Settings, job_id: int, stop_file: Path, done: threading.Event
+    proc: subprocess.Popen[str],
+    *,
+    settings: Settings,
+    job_id: int,
+    stop_file: Path,
+    done: threading.Event,
+    max_runtime_s: float | None = None,
+    out: Outcome | None = None,
 ) -> None:
-    """Poll the cancel flag; ask the trainer to stop at its next step; kill it after the grace."""
+    """Poll the cancel flag; ask the trainer to stop at its next step; kill it after the grace.
+    Past `max_runtime_s` the trainer is killed and the job fails saying so."""
     asked_at: float | None = None
+    deadline = time.monotonic() + max_runtime_s if max_runtime_s else None
     while not done.wait(0.5):
+        if deadline is not None and time.monotonic() > deadline:
+            if out is not None:
+                out.error = f"ran past its max_runtime_s ({max_runtime_s:g} s) and was stopped"
+            kill_group(proc, signal.SIGTERM)
+            if not done.wait(10):
+                kill_group(proc, signal.SIGKILL)
+            return
         if asked_at is None:
             try:
                 with session_for(settings.database_url) as s:
@@ -145,10 +164,17 @@ def supervise(
     stderr_log: Path,
     pump: Callable[[subprocess.Popen[str]], None],
     watch: Callable[[subprocess.Popen[str], threading.Event], None],
+    memory_limit: int | None = None,
 ) -> int:
     """Run a trainer process to its end: `pump` reads its stdout here, its stderr goes to
     `stderr_log` (the tail kept in `out`), and `watch` (cancel and stop requests) runs in a thread
-    until the process is gone. Returns the exit code; the process never outlives this call."""
+    until the process is gone. Returns the exit code; the process never outlives this call.
+    `memory_limit`: the process's address-space limit (workers/limits.py)."""
+
+    def preexec() -> None:
+        _die_with_parent()
+        apply_memory_limit(memory_limit)
+
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -156,7 +182,7 @@ def supervise(
         text=True,
         bufsize=1,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
+        preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
     )
     done = threading.Event()
     threads = [
@@ -193,10 +219,14 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     of the same message already has it."""
     _reclaim_orphan(settings, job_id)
     with session_for(settings.database_url) as s:
+        # the owner's quota is checked and the claim made in one transaction (db/quotas.py); a job
+        # over it stays queued with the reason and is sent again when one of theirs ends
+        if quota_gate(s, job_id=job_id, defaults=settings.quota_defaults) is not None:
+            return "waiting"
         if not claim_job(s, job_id=job_id, worker=worker):
             return "skipped"
         job = get_job(s, job_id)
-        spec, world_size = job.spec, job.world_size
+        spec, world_size, owner_id = job.spec, job.world_size, job.owner_id
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -211,14 +241,22 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
     relay.event(kind="log", message=f"{worker}: {' '.join(cmd[1:])}")
     out = Outcome()
+    mem_limit = memory_limit_bytes(spec)
     rc = supervise(
         cmd,
         out=out,
         stderr_log=workdir / "stderr.log",
         pump=lambda proc: _pump_stdout(proc, relay, out),
         watch=lambda proc, done: _watch_cancel(
-            proc, settings=settings, job_id=job_id, stop_file=stop_file, done=done
+            proc,
+            settings=settings,
+            job_id=job_id,
+            stop_file=stop_file,
+            done=done,
+            max_runtime_s=runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s),
+            out=out,
         ),
+        memory_limit=mem_limit,
     )
 
     with session_for(settings.database_url) as s:
@@ -230,9 +268,19 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     else:
         status = JobStatus.failed
         tail = "\n".join(list(out.stderr_tail)[-5:])
-        error = out.error or f"trainer exited with code {rc}" + (f": {tail}" if tail else "")
+        error = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit)
+        error = error or out.error or f"trainer exited with code {rc}" + (f": {tail}" if tail else "")
     with session_for(settings.database_url) as s:
         finish_job(s, job_id=job_id, status=status, error=error, result=out.result)
     relay.event(kind="status", message=str(status), data={"error": error})
     relay.close()
+    if owner_id is not None:
+        _send_waiting(settings, owner_id)
     return str(status)
+
+
+def _send_waiting(settings: Settings, owner_id: int) -> None:
+    """A job of this owner ended: their jobs held back by the quota get another try."""
+    with session_for(settings.database_url) as s:
+        for waiting_id, queue in waiting_jobs(s, owner_id=owner_id):
+            send_run_job(settings, job_id=waiting_id, queue=queue)
