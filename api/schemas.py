@@ -4,9 +4,9 @@ again on its side); every rule's message names the field and the numbers."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
@@ -17,7 +17,15 @@ WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity parse from JSON (Python's json accepts them) but no field means them
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+"""A display name: 1-200 characters, no control characters (they break logs and tables)."""
+DB_INT = 2**31 - 1
+"""The largest value an INTEGER column holds on Postgres; ids and counters stay below it."""
+DB_BIGINT = 2**63 - 1
 
 
 class ModelSpec(Strict):
@@ -69,15 +77,15 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    eval_every: int = Field(25, ge=1)
+    eval_every: int = Field(25, ge=1, le=10_000_000)
     eval_batches: int = Field(4, ge=1, le=1000)
-    grad_clip: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(0.0, ge=0.0, le=1e6)
 
 
 class SpillSpec(Strict):
-    device_budget_mb: float = Field(gt=0)
+    device_budget_mb: float = Field(gt=0, le=1e9)
     prefetch: bool = True
-    cuts: list[int] | None = None
+    cuts: list[int] | None = Field(None, max_length=1024)
 
 
 class OffloadSpec(Strict):
@@ -123,18 +131,21 @@ class ResourceSpec(Strict):
 class JobSpec(Strict):
     """A training job. See README.md for every field."""
 
-    name: str = Field("job", min_length=1, max_length=200)
+    name: Name = "job"
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
-    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000)
     priority: int = Field(0, ge=-100, le=100)
     workspace: str | None = Field(
         None,
         pattern=WORKSPACE_REF,
         description="an uploaded workspace: its id or 'sha256:<digest>' (POST /api/workspaces)",
+    )
+    max_runtime_s: int | None = Field(
+        None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
     )
 
     @model_validator(mode="after")
@@ -181,6 +192,9 @@ class JobPublic(BaseModel):
     cancel_requested: bool
     progress: Progress
     selection_id: int | None
+    owner: str | None
+    wait_reason: str | None
+    """Why a queued job has not started (its owner's quota is full)."""
 
 
 class JobsPublic(BaseModel):
@@ -215,6 +229,8 @@ class WorkerPublic(BaseModel):
     hostname: str
     queues: list[str]
     devices: list[dict[str, Any]]
+    host: dict[str, int]
+    """What admission compares jobs with: ram_bytes, slots (ranks one job may run), cpus."""
     last_seen: datetime
 
 
@@ -235,13 +251,13 @@ class EarlyStoppingSpec(Strict):
 
     kind: Literal["asha", "sha", "hyperband"] = "asha"
     reduction_factor: int = Field(3, ge=2, le=16)
-    min_steps: int = Field(1, ge=1)
+    min_steps: int = Field(1, ge=1, le=10_000_000)
 
 
 class SelectionCreate(Strict):
     """A model-selection batch: trials of `base` over `space`."""
 
-    name: str = Field("selection", min_length=1, max_length=200)
+    name: Name = "selection"
     base: JobSpec
     space: dict[str, Any] = Field(
         min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
@@ -254,7 +270,7 @@ class SelectionCreate(Strict):
     trials: int | None = Field(
         None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
     )
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int = Field(0, ge=0, le=DB_INT)
     parallel: int | None = Field(
         None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
     )
@@ -298,7 +314,7 @@ class TrialsAdd(Strict):
     params: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=1024)
     trials: int | None = Field(None, ge=1, le=1024, description="more random samples of the batch's space")
     warm_start_from: int | None = Field(
-        None, description="trial id whose latest checkpoint seeds the new trials"
+        None, ge=1, le=DB_INT, description="trial id whose latest checkpoint seeds the new trials"
     )
 
     @model_validator(mode="after")
@@ -346,6 +362,7 @@ class SelectionPublic(BaseModel):
     trials: list[TrialPublic]
     leaderboard: list[int]
     """Trial ids with a metric, best first."""
+    owner: str | None
 
 
 class SelectionsPublic(BaseModel):
