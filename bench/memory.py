@@ -29,7 +29,7 @@ import torch
 
 from bench.common import machine, table, write_results
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, load_data
 from trainer.loop import build_optimizer
 from trainer.models import build_model, count_params, lm_loss, recipe_for
 from trainer.recipe import meta_layers
@@ -46,7 +46,7 @@ BF16 = OffloadConfig(optimizer=True, dtype="bf16")
 
 
 def stream_for(mcfg: ModelConfig, batch: int) -> BatchStream:
-    data = TextData.from_config(DataConfig(max_chars=400_000), seq_len=mcfg.seq_len)
+    data = load_data(DataConfig(max_chars=400_000), seq_len=mcfg.seq_len)
     return BatchStream(data=data, batch_size=batch, seed=0)
 
 

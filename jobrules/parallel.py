@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobrules.data import data_vocab_size
+from jobrules.models import tensor_kind_problems
+
 SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
 """Pipeline schedule names; chimera and chimera-zb need an even number of stages."""
 TENSOR_MODES = ("1d", "2d", "2.5d")
 """1d: Megatron (size ranks); 2d: SUMMA on a q x q grid; 2.5d: Tesseract on q x q x d."""
-TP_MODEL_KINDS = ("gpt",)
-"""Model kinds whose layers have tensor-parallel forms (trainer/tensor shards GPT layer kinds)."""
 
 
 def tensor_world_size(tensor: dict[str, Any] | None) -> int:
@@ -112,21 +113,19 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
         rows = max(1, rows // micro)
     if tensor and tp > 1:
         split, row_blocks, field = tensor_split(tensor)
-        kind = model.get("kind", "gpt")
-        if kind not in TP_MODEL_KINDS:
-            problems.append(
-                f"parallel.tensor needs model.kind in {list(TP_MODEL_KINDS)} (their layers have "
-                f"tensor-parallel forms), got {kind!r}"
-            )
+        # which model kinds have a form in this mode, and their own divisibility rules
+        problems.extend(tensor_kind_problems(model, mode=tensor["mode"], split=split))
         d_model, heads = int(model.get("d_model", 128)), int(model.get("heads", 4))
         ffn = int(model.get("mlp_ratio", 4)) * d_model
         for name, value in (
             ("model.heads", heads),
             ("model.d_model", d_model),
-            ("the MLP width (mlp_ratio * d_model)", ffn),
-            ("model.vocab_size", int(model.get("vocab_size", 128))),
+            # (a Llama's SwiGLU width is checked by tensor_kind_problems)
+            ("the MLP width (mlp_ratio * d_model)", ffn if model.get("kind", "gpt") == "gpt" else None),
+            # the vocabulary, where the API can know it (else the trainer checks it from the data)
+            ("the vocabulary", model.get("vocab_size") or data_vocab_size(spec.get("data") or {})),
         ):
-            if value % split:
+            if value is not None and value % split:
                 problems.append(
                     f"{name} ({value}) must be divisible by {field} ({split}) for {tensor['mode']}"
                 )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
 from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal, should_stop
@@ -76,13 +76,13 @@ VAL_SEED_OFFSET = 7919
 every evaluation, on every engine."""
 
 
-def val_batches(data: TextData, *, recipe: ModelRecipe, cfg: TrainConfig) -> Iterator[tuple[Any, Any]]:
+def val_batches(data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> Iterator[tuple[Any, Any]]:
     g = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
     for _ in range(cfg.eval_batches):
         yield recipe.feed(data.batch(split="val", batch_size=cfg.batch_size, generator=g))
 
 
-def evaluate(engine: Engine, data: TextData, *, recipe: ModelRecipe, cfg: TrainConfig) -> float:
+def evaluate(engine: Engine, data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> float:
     """Mean loss over the fixed validation batches."""
     losses = [engine.eval_loss(x, y) for x, y in val_batches(data, recipe=recipe, cfg=cfg)]
     return sum(losses) / len(losses)
@@ -196,7 +196,7 @@ def run_steps(
     *,
     job: JobConfig,
     recipe: ModelRecipe,
-    data: TextData,
+    data: Dataset,
     sink: MetricsSink,
     stop: StopSignal,
     checkpoint_dir: Path | None,

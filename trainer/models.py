@@ -8,12 +8,14 @@ width, V vocabulary. Every model maps token ids idx_BT to logits_BTV.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobrules.data import CHAR_VOCAB
 from trainer.config import ModelConfig
 from trainer.recipe import ModelRecipe, build_dense, cross_entropy_loss, gpt2_init
 
@@ -169,6 +171,28 @@ RECIPES: dict[str, Callable[[ModelConfig], ModelRecipe]] = {"gpt": GPTRecipe, "m
 
 
 def recipe_for(cfg: ModelConfig) -> ModelRecipe:
+    """The recipe `model.kind` names, starting from `model.init_from`'s weights when given."""
+    recipe = _recipe(cfg)
+    if cfg.init_from is not None:
+        from trainer.pretrained import Pretrained
+
+        recipe = Pretrained(recipe, path=cfg.init_from)
+    return recipe
+
+
+def _recipe(cfg: ModelConfig) -> ModelRecipe:
+    if cfg.kind == "python":
+        from trainer.user_model import user_recipe
+
+        return user_recipe(cfg)
+    # a job's runner has set vocab_size from its data; a config used on its own (tests,
+    # benchmarks) has the char tokenizer's 128
+    if cfg.vocab_size is None:
+        cfg = dataclasses.replace(cfg, vocab_size=CHAR_VOCAB)
+    if cfg.kind == "llama":
+        from trainer.llama import LlamaRecipe
+
+        return LlamaRecipe(cfg)
     return RECIPES[cfg.kind](cfg)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainer.config import JobConfig
-from trainer.data import TextData
+from trainer.data import data_for, with_data_vocab
 from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
 from trainer.loop import Engine, run_steps
@@ -24,6 +24,7 @@ from trainer.mesh import MeshShape, build_world_mesh, single_process_mesh
 from trainer.models import recipe_for
 from trainer.protocol import MetricsSink, NullSink, StopSignal
 from trainer.recipe import ModelRecipe
+from trainer.user_model import check_user_model
 
 
 def run(
@@ -34,8 +35,11 @@ def run(
     checkpoint_dir: Path | None = None,
     device: torch.device | None = None,
 ) -> dict[str, Any]:
+    job = with_data_vocab(job)  # built-in models take the data's vocabulary
+    if job.model.kind == "python":
+        check_user_model(job)
     engine, recipe, sink = build_engine(job, sink=sink, device=device)
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     return run_steps(
         engine, job=job, recipe=recipe, data=data, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir
     )

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import TextData
+from trainer.data import data_for
 from trainer.device import pick_device
 from trainer.loop import run_steps
 from trainer.models import count_params, recipe_for
@@ -200,7 +200,7 @@ def train_spilled(
     """A spilled (or offloaded single-process) job through the one loop."""
     recipe = recipe_for(job.model)
     engine = SpilledEngine(job, recipe=recipe, sink=sink, device=device or pick_device(job.resources.device))
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+    data = data_for(job)
     return run_steps(
         engine, job=job, recipe=recipe, data=data, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir
     )
