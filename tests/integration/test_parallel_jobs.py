@@ -82,7 +82,7 @@ COMPOSED = {
         {
             "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
             "data_parallel": 2,
-            "offload": {"optimizer": True, "dtype": "fp32"},
+            "offload": {"optimizer": True, "dtype": "bf16"},
         },
         4,
     ),
@@ -112,4 +112,7 @@ def test_composed_job_runs_through_the_api_to_the_dense_losses(
     )
     loss = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
     assert loss["series"]["loss"]["steps"] == [1, 2, 3]
-    assert loss["series"]["loss"]["values"] == pytest.approx(dense_reference_losses, rel=2e-4)
+    # bf16 parameters on the device (fp32 masters on the host) drift a little from the fp32 run;
+    # the fp32 offload is checked to rounding in tests/trainer/test_compose.py
+    rel = 3e-2 if parallel.get("offload") else 2e-4
+    assert loss["series"]["loss"]["values"] == pytest.approx(dense_reference_losses, rel=rel)
