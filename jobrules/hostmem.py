@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobrules.data import data_vocab_size
 from jobrules.sizing import FP32, INT64, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
 RANK_RUNTIME_BYTES = 384 * 2**20
@@ -37,8 +38,11 @@ def world_size(parallel: dict[str, Any]) -> int:
 def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     """{'model_state', 'activations', 'runtime', 'total'} in bytes for a validated JobSpec dict."""
     model, train, par = spec["model"], spec["train"], spec.get("parallel") or {}
-    keys = ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")
+    keys = ("kind", "layers", "d_model", "heads", "seq_len", "mlp_ratio")
     shape = {k: model[k] for k in keys if k in model}
+    # the vocabulary follows the data; where only the worker can read it (a tokenizer file), count
+    # the smallest one a built-in tokenizer has, so the estimate never refuses a job that fits
+    shape["vocab_size"] = model.get("vocab_size") or data_vocab_size(spec.get("data") or {}) or 256
     try:
         params = sum(layer_param_counts(**shape))
         activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))
@@ -52,7 +56,7 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     )
     model_state = replicas * params * per_param
     ranks = world_size(par)
-    corpus = INT64 * spec.get("data", {}).get("max_chars", 0)
+    corpus = INT64 * ((spec.get("data") or {}).get("max_chars") or 0)
     runtime = ranks * (RANK_RUNTIME_BYTES + corpus)
     return {
         "model_state": model_state,
