@@ -186,6 +186,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fail(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
+    console.print(f"job {job['id']}: {job['status']} ({job['error']})")
+    return 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    with _client(args.api) as c:
+        job = _check(c.post(f"/api/jobs/{args.id}/requeue", json={"reason": args.reason}))
+    console.print(f"job {job['id']}: {job['status']}, resumes from its latest checkpoint")
+    return 0
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     with _client(args.api) as c:
         for ev in _check(c.get(f"/api/jobs/{args.id}/logs"))["items"]:
@@ -294,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("id", type=int)
+        p.set_defaults(fn=fn)
+    for name, fn, text in [
+        ("fail", cmd_fail, "operator: end a queued or running job `failed`"),
+        ("requeue", cmd_requeue, "operator: put a running or ended job back in the queue"),
+    ]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id", type=int)
+        p.add_argument("--reason", default="", help="kept in the job's log")
         p.set_defaults(fn=fn)
     p = sub.add_parser("migrate", help="bring the database to the latest migration")
     p.set_defaults(fn=cmd_migrate)

@@ -258,6 +258,12 @@ class TrialPublic(BaseModel):
     stopped_early: bool
     job_id: int
     warm_start_from: int | None
+    result: dict[str, Any] | None = None
+    """The executor's report for the trial (steps, best metric, compute/copy seconds, ...)."""
+    compute_s: float | None = None
+    copy_s: float | None = None
+    stop_reason: Any = None
+    """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
 
 
 class SelectionPublic(BaseModel):

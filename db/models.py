@@ -66,6 +66,18 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    """Name of the worker that runs (or last ran) the job, for people; ownership is `owner`."""
+    owner: Mapped[str | None] = mapped_column(String(120), default=None)
+    """Unique id of the worker process start that holds the lease (None when nobody does). Every
+    write of an attempt is fenced by (owner, attempts): a stale attempt changes nothing."""
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    """Database time at which the lease runs out unless renewed; after it the job is reclaimable."""
+    applied_seq: Mapped[int] = mapped_column(Integer, default=-1)
+    """Highest protocol sequence number of the current attempt applied (a retried batch that
+    had in fact been committed changes nothing)."""
+    applied_step: Mapped[int] = mapped_column(Integer, default=0)
+    """Every line up to this step is in the database (a `checkpoint` event or the result at that
+    step was applied). A new attempt resumes from no later checkpoint, so no metric step is lost."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -76,7 +88,8 @@ class Job(Base):
 
 class MetricPoint(Base):
     __tablename__ = "metric_points"
-    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step"),)
+    # one row per (job, name, step): a re-run from a checkpoint overwrites, never duplicates
+    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step", unique=True),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
@@ -151,4 +164,7 @@ class Trial(Base):
     stopped_early: Mapped[bool] = mapped_column(Boolean, default=False)
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     warm_start_from: Mapped[int | None] = mapped_column(Integer, default=None)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """What the executor reported for the trial (compute and copy seconds, best metric, steps,
+    stop reason ...), stored when it arrives, whatever the order of the trial's other lines."""
     selection: Mapped[Selection] = relationship(back_populates="trials")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from pydantic import BaseModel, Field
 
 from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
@@ -15,8 +16,9 @@ from api.retention import delete_finished_job
 from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
 from api.sse import job_events
 from api.streams import SseResponse, open_stream
-from core.broker import send_run_job
+from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
+from db import selections as db_sel
 from db.engine import session_for
 from db.models import Job
 
@@ -101,6 +103,64 @@ def delete_job(job_id: int, settings: SettingsDep) -> None:
     except db_jobs.Conflict as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     publish_job_status(settings, job_id=job_id, status="deleted")
+
+
+class OperatorAction(BaseModel):
+    reason: str = Field("", max_length=2000, description="why, kept in the job's log")
+
+
+def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> JobPublic:
+    """A trial's batch follows its trial; a re-queued job's message goes out (or the reconciler
+    sends it when the broker is down)."""
+    if job.kind == "trial" and job.selection_id is not None:
+        db_sel.sync_trials(session, job_ids=[job.id])
+        db_sel.settle_selection(session, selection_id=job.selection_id)
+    if job.status == "queued":
+        try:
+            if job.kind == "trial" and job.selection_id is not None:
+                trial = db_sel.trial_of_job(session, job_id=job.id)
+                send_run_selection(
+                    settings, selection_id=job.selection_id, trial_ids=[trial.id], queue=job.queue
+                )
+            else:
+                send_run_job(settings, job_id=job.id, queue=job.queue)
+        except Exception as e:  # noqa: BLE001 - the job is queued in the database either way
+            db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
+    publish_job_status(settings, job_id=job.id, status=job.status)
+    session.refresh(job)
+    return job_public(job)
+
+
+@router.post("/{job_id}/fail", response_model=JobPublic)
+def fail_job(
+    job_id: int, session: SessionDep, settings: SettingsDep, body: OperatorAction | None = None
+) -> JobPublic:
+    """An operator ends a queued or running job `failed`; a running attempt is fenced off (its
+    worker kills the trainer at its next batch)."""
+    reason = (body.reason if body else "") or "failed by an operator"
+    try:
+        job = db_jobs.fail_job(session, job_id=job_id, reason=reason)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
+
+
+@router.post("/{job_id}/requeue", response_model=JobPublic)
+def requeue_job(
+    job_id: int, session: SessionDep, settings: SettingsDep, body: OperatorAction | None = None
+) -> JobPublic:
+    """An operator puts a running or ended job back in the queue; it resumes from its latest
+    checkpoint. A running attempt is fenced off."""
+    reason = (body.reason if body else "") or "re-queued by an operator"
+    try:
+        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)

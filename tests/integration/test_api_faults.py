@@ -19,7 +19,7 @@ from sqlalchemy import func, select, update
 
 from api.stack import Stack
 from db.engine import session_for
-from db.jobs import add_event, add_metric_points, claim_job, create_job, finish_job
+from db.jobs import Attempt, add_event, claim_job, create_job, finish_job
 from db.models import Job, JobEvent, JobStatus, MetricPoint, utcnow
 from tests.conftest import TINY_SPEC
 
@@ -185,13 +185,22 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
         st.start_redis()
 
 
-def _finished_job(st: Stack, *, finished_ago: timedelta, points: int = 3) -> int:
-    job_id = _queued_job(st, "done")
+def _running_job(st: Stack, name: str) -> tuple[int, Attempt]:
+    job_id = _queued_job(st, name)
     with session_for(st.database_url) as s:
-        assert claim_job(s, job_id=job_id, worker="test")
-        add_metric_points(s, job_id=job_id, points=[(i, "loss", 1.0, 0.0) for i in range(1, points + 1)])
+        attempt = claim_job(s, job_id=job_id, owner=f"test-{job_id}", worker="test", lease_s=3600)
+    assert attempt is not None
+    return job_id, attempt
+
+
+def _finished_job(st: Stack, *, finished_ago: timedelta, points: int = 3) -> int:
+    """Events: queued, running, one log line, succeeded."""
+    job_id, attempt = _running_job(st, "done")
+    with session_for(st.database_url) as s:
+        s.add_all(MetricPoint(job_id=job_id, step=i, name="loss", value=1.0, time=0.0) for i in range(points))
+        s.commit()
         add_event(s, job_id=job_id, kind="log", message="hello")
-        finish_job(s, job_id=job_id, status=JobStatus.succeeded)
+        assert finish_job(s, attempt=attempt, status=JobStatus.succeeded) is not None
         s.execute(update(Job).where(Job.id == job_id).values(finished_at=utcnow() - finished_ago))
         s.commit()
     folder = st.root / "jobs" / str(job_id) / "checkpoints"
@@ -211,11 +220,9 @@ def _rows(st: Stack, job_id: int) -> tuple[int, int, int]:
 
 def test_delete_finished_job_and_refuse_unfinished(api_stack: Stack) -> None:
     st = api_stack
-    running = _queued_job(st, "running")
-    with session_for(st.database_url) as s:
-        assert claim_job(s, job_id=running, worker="test")
+    running, _ = _running_job(st, "running")
     done = _finished_job(st, finished_ago=timedelta(0))
-    assert _rows(st, done) == (1, 3, 2)  # the queued status event and one log line
+    assert _rows(st, done) == (1, 3, 4)
     with httpx.Client(base_url=st.base_url, timeout=30) as c:
         r = c.delete(f"/api/jobs/{running}")
         assert r.status_code == 409 and "is running" in r.json()["detail"], r.text
@@ -243,5 +250,5 @@ def test_retention_cleanup_deletes_only_old_finished_jobs(api_stack: Stack) -> N
         time.sleep(0.2)
     assert _rows(st, old) == (0, 0, 0)
     assert not (st.root / "jobs" / str(old)).exists()
-    assert _rows(st, recent) == (1, 3, 2) and (st.root / "jobs" / str(recent)).exists()
+    assert _rows(st, recent) == (1, 3, 4) and (st.root / "jobs" / str(recent)).exists()
     assert _rows(st, queued)[0] == 1
