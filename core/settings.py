@@ -56,9 +56,6 @@ class Settings(BaseSettings):
     API's periodic cleanup; 0 keeps them forever."""
     retention_check_s: float = 3600.0
     """How often the API looks for finished jobs past their retention."""
-    stack_shutdown_s: float = 120.0
-    """`shardyard stack`: how long a stop waits for the workers' warm shutdown (running trainers
-    checkpoint and their jobs go back to the queue) before killing them."""
     cancel_grace_s: float = 30.0
     """After a cancel, the trainer has this long to stop at a step boundary before it is killed."""
 

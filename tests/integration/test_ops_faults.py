@@ -31,7 +31,7 @@ FAST = {
     "name": "fast",
     "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
     "data": {"max_chars": 20_000},
-    "train": {"steps": 150, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
+    "train": {"steps": 100, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
 }
 
 
