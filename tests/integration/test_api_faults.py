@@ -1,10 +1,12 @@
 """The API under load and faults, on its own stack (redis-server + uvicorn, no worker): open streams
 hold no database connection and are capped per client; a database write lock held by another
-process and a stopped redis-server are answered 503 with the reason, or served degraded, never a
+process and a stopped or hung redis-server are answered 503 with the reason, or served degraded, never a
 hang or a 500; finished jobs are deleted on request and by the retention cleanup."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +193,30 @@ def _running_job(st: Stack, name: str) -> tuple[int, Attempt]:
         attempt = claim_job(s, job_id=job_id, owner=f"test-{job_id}", worker="test", lease_s=3600)
     assert attempt is not None
     return job_id, attempt
+
+
+def test_a_hung_broker_never_hangs_the_api(api_stack: Stack) -> None:
+    """redis-server stopped with SIGSTOP: it accepts connections and answers nothing. Every call
+    to it must time out instead of waiting forever (the client's 60 s timeout fails a hang)."""
+    st = api_stack
+    job_id = _queued_job(st)
+    redis = st.procs["redis"]
+    os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+            health = c.get("/api/health").json()
+            assert health["status"] == "degraded" and health["broker"]["ok"] is False, health
+            r = c.post("/api/jobs", json=TINY_SPEC)
+            assert r.status_code == 201, r.text
+            with c.stream("GET", f"/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=30)) as s:
+                assert s.status_code == 200
+                for line in s.iter_lines():
+                    if line.startswith("data:"):
+                        assert '"queued"' in line
+                        break
+            assert c.post(f"/api/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
 
 
 def _finished_job(st: Stack, *, finished_ago: timedelta, points: int = 3) -> int:
