@@ -10,6 +10,7 @@ installed by `make` into .venv).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -99,6 +100,9 @@ class Stack:
     """More SHARDYARD_* settings for every process (tests shorten the heartbeat windows)."""
     shutdown_s: float = 120.0
     """How long `stop` waits for the workers' warm shutdown before it kills them."""
+    admin_token: str = ""
+    """The local admin's API token (made up when empty), given to the API process alone as
+    SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -106,6 +110,7 @@ class Stack:
         self.api_port = self.api_port or free_port()
         self.redis_port = self.redis_port or free_port()
         self.database_url = self.database_url or f"sqlite:///{self.root / 'shardyard.db'}"
+        self.admin_token = self.admin_token or "sy_" + secrets.token_urlsafe(32)
 
     @property
     def base_url(self) -> str:
@@ -117,8 +122,12 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
+        # no process but the API gets a token: a trainer running users' code must never see one
+        inherited = {
+            k: v for k, v in os.environ.items() if k not in ("SHARDYARD_ADMIN_TOKEN", "SHARDYARD_TOKEN")
+        }
         return {
-            **os.environ,
+            **inherited,
             "SHARDYARD_DATABASE_URL": self.database_url,
             "SHARDYARD_BROKER_URL": self.broker_url,
             "SHARDYARD_DATA_DIR": str(self.root),
@@ -126,10 +135,15 @@ class Stack:
             **self.extra_env,
         }
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with (self.root / f"{name}.log").open("ab") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
+                cmd,
+                env=env or self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
             )
         self.procs[name] = proc
         return proc
@@ -178,6 +192,7 @@ class Stack:
                 "--log-level",
                 "warning",
             ],
+            env={**self.env, "SHARDYARD_ADMIN_TOKEN": self.admin_token},
         )
         _wait(
             lambda: httpx.get(f"{self.base_url}/api/health", timeout=2).status_code == 200,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +30,8 @@ class Settings(BaseSettings):
     """A running job's lease: its worker process renews it (with every batch of lines it applies,
     and at least every lease_s / 3); once it runs out by database time, anyone may take the job
     over. The time from a worker's death to its job running again is about lease_s + reconcile_s."""
+    worker_slots: int = 0
+    """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     requeue_after_s: float = 600.0
     """The reconciler re-sends the message of a job queued longer than this (claims are
     idempotent, so a duplicate is harmless)."""
@@ -42,6 +45,16 @@ class Settings(BaseSettings):
     """Warm shutdown (SIGTERM): running trainers are asked to stop and checkpoint, and killed
     after this long; their jobs go back to `queued`. Whoever stops a worker should wait this plus
     ~10 s before a hard kill."""
+
+    workspace_max_mb: float = 100.0
+    """Largest workspace upload (the archive as sent), in MiB."""
+    workspace_max_unpacked_mb: float = 1024.0
+    """Largest unpacked size of a workspace archive, in MiB (bounds zip bombs)."""
+
+    @property
+    def workspaces_dir(self) -> Path:
+        """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip>."""
+        return self.data_dir / "workspaces"
 
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
@@ -58,6 +71,31 @@ class Settings(BaseSettings):
     """How often the API looks for finished jobs past their retention."""
     cancel_grace_s: float = 30.0
     """After a cancel, the trainer has this long to stop at a step boundary before it is killed."""
+
+    # ---- users, requests, quotas (api/auth.py, api/limits.py, api/admission.py) ----
+    admin_token: SecretStr | None = None
+    """At API start-up, user `admin_name` (an admin, created if missing) holds this token: the first
+    admin of a new deployment, and the token `shardyard stack` prints. No default: unset, no one is
+    created and `shardyard admin create-user` makes the first admin."""
+    admin_name: str = "admin"
+    trusted_hosts: list[str] = ["127.0.0.1", "localhost"]
+    """Host headers the API answers (JSON list); others get 400. Add the public name in production."""
+    max_body_bytes: int = 1_048_576
+    """Largest request body (413 above)."""
+    session_ttl_s: float = 12 * 3600
+    """A dashboard sign-in lasts this long."""
+    cookie_secure: bool = False
+    """Mark the session cookies Secure (set it when the dashboard is served over HTTPS)."""
+    quota_running_jobs: int = 4
+    """Default per-user limits (a user row may override each): jobs running at once, their ranks
+    and their GPUs. A job over the limit waits queued with the reason; one that could never fit is
+    refused at submit."""
+    quota_ranks: int = 64
+    quota_gpus: int = 8
+
+    @property
+    def quota_defaults(self) -> dict[str, int]:
+        return {"running_jobs": self.quota_running_jobs, "ranks": self.quota_ranks, "gpus": self.quota_gpus}
 
 
 @functools.cache

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, WorkerBeat, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, User, WorkerBeat, utcnow
 
 
 class NotFound(LookupError):
@@ -49,7 +49,10 @@ def create_job(
     steps: int = 0,
     kind: str = "job",
     selection_id: int | None = None,
+    owner_id: int | None = None,
+    actor: str | None = None,
 ) -> Job:
+    """`actor` (who submitted it) goes into the first status event."""
     job = Job(
         name=name,
         spec=spec,
@@ -59,12 +62,14 @@ def create_job(
         steps=steps,
         kind=kind,
         selection_id=selection_id,
+        owner_id=owner_id,
         status=JobStatus.queued,
         enqueued_at=utcnow(),  # the caller sends the message next; mark_unsent undoes this
     )
     session.add(job)
     session.flush()
-    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message="queued"))
+    by = {"by": actor} if actor else None
+    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message="queued", data=by))
     session.commit()
     return job
 
@@ -81,16 +86,29 @@ def list_jobs(
     *,
     status: str | None = None,
     kind: str | None = "job",
+    owner_id: int | None = None,
+    owner: str | None = None,
+    name: str | None = None,
     limit: int = 50,
     offset: int = 0,
 ) -> tuple[Sequence[Job], int]:
-    q = select(Job)
+    """One page, newest first, and the count of all matches. `owner_id` restricts to one user's
+    jobs (a non-admin's view); `owner` filters by user name; `name` matches a substring."""
+    where = []
     if status:
-        q = q.where(Job.status == status)
+        where.append(Job.status == status)
     if kind:
-        q = q.where(Job.kind == kind)
-    total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
-    rows = session.scalars(q.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
+        where.append(Job.kind == kind)
+    if owner_id is not None:
+        where.append(Job.owner_id == owner_id)
+    if owner:
+        where.append(Job.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
+    if name:
+        where.append(Job.name.icontains(name, autoescape=True))
+    total = session.scalar(select(func.count(Job.id)).where(*where)) or 0
+    rows = session.scalars(
+        select(Job).where(*where).order_by(Job.id.desc()).limit(limit).offset(offset)
+    ).all()
     return rows, total
 
 
@@ -412,9 +430,11 @@ def requeue_job(session: Session, *, job_id: int, reason: str) -> Job:
     return job
 
 
-def request_cancel(session: Session, *, job_id: int) -> Job:
+def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -> Job:
     """A queued job, or a running one whose owner is gone, is cancelled at once; a running one
-    with a live lease is asked to stop (its worker ends it)."""
+    with a live lease is asked to stop (its worker ends it). `actor` (who asked) is recorded in the
+    event."""
+    by = {"by": actor} if actor else None
     job = get_job(session, job_id)
     if job.status in TERMINAL:
         raise Conflict(f"job {job_id} is already {job.status}; only queued or running jobs can be cancelled")
@@ -434,10 +454,11 @@ def request_cancel(session: Session, *, job_id: int) -> Job:
         .execution_options(synchronize_session="fetch")
     )
     if res.rowcount == 1:
-        session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled"))
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled", data=by))
     else:
         session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
-        session.add(JobEvent(job_id=job_id, time=time.time(), kind="log", message="cancel requested"))
+        message = f"cancel requested by {actor}" if actor else "cancel requested"
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=by))
     session.commit()
     session.refresh(job)
     return job
@@ -544,17 +565,23 @@ def latest_event(session: Session, *, job_id: int, message: str) -> JobEvent | N
 
 
 def record_heartbeat(
-    session: Session, *, name: str, hostname: str, queues: list[str], devices: list[dict[str, Any]]
+    session: Session,
+    *,
+    name: str,
+    hostname: str,
+    queues: list[str],
+    devices: list[dict[str, Any]],
+    host: dict[str, int] | None = None,
 ) -> None:
+    """`host` is the machine's inventory for admission ({ram_bytes, slots, cpus})."""
+    inventory = {"devices": devices, "host": host or {}}
     beat = session.get(WorkerBeat, name)
     if beat is None:
-        session.add(
-            WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices={"devices": devices})
-        )
+        session.add(WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices=inventory))
     else:
         beat.last_seen = utcnow()
         beat.queues = {"queues": queues}
-        beat.devices = {"devices": devices}
+        beat.devices = inventory
     session.commit()
 
 

@@ -25,8 +25,11 @@ def create_selection(
     metric: str,
     mode: str,
     scheduler: str,
+    owner_id: int | None = None,
 ) -> Selection:
-    sel = Selection(name=name, request=request, metric=metric, mode=mode, scheduler=scheduler)
+    sel = Selection(
+        name=name, request=request, metric=metric, mode=mode, scheduler=scheduler, owner_id=owner_id
+    )
     session.add(sel)
     session.commit()
     return sel
@@ -39,8 +42,11 @@ def add_trials(
     plans: Sequence[tuple[int, dict[str, Any], dict[str, Any]]],
     queue: str,
     warm_start_from: int | None = None,
+    owner_id: int | None = None,
+    actor: str | None = None,
 ) -> list[Trial]:
-    """(index, params, spec) per trial -> Trial rows, each with its own queued Job row."""
+    """(index, params, spec) per trial -> Trial rows, each with its own queued Job row (owned by
+    the selection's owner)."""
     trials = []
     for index, params, spec in plans:
         job = create_job(
@@ -51,6 +57,8 @@ def add_trials(
             steps=spec["train"]["steps"],
             kind="trial",
             selection_id=selection_id,
+            owner_id=owner_id,
+            actor=actor,
         )
         trial = Trial(
             selection_id=selection_id,
@@ -103,10 +111,15 @@ def get_selection(session: Session, selection_id: int) -> Selection:
     return sel
 
 
-def list_selections(session: Session, *, limit: int = 50, offset: int = 0) -> tuple[Sequence[Selection], int]:
-    total = session.scalar(select(func.count()).select_from(Selection)) or 0
+def list_selections(
+    session: Session, *, owner_id: int | None = None, limit: int = 50, offset: int = 0
+) -> tuple[Sequence[Selection], int]:
+    """A page, newest first; `owner_id` keeps one user's batches."""
+    where = [] if owner_id is None else [Selection.owner_id == owner_id]
+    total = session.scalar(select(func.count(Selection.id)).where(*where)) or 0
     rows = session.scalars(
         select(Selection)
+        .where(*where)
         .options(selectinload(Selection.trials))
         .order_by(Selection.id.desc())
         .limit(limit)

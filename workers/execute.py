@@ -35,8 +35,11 @@ from db.jobs import (
     release_job,
 )
 from db.models import Job, JobStatus
+from db.quotas import quota_gate, waiting_jobs
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,10 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     return dropped
 
 
+class QuotaWait(Exception):
+    """The job's owner is at their quota: the job waits in the queue (the reason is on the job)."""
+
+
 def take_lease(
     settings: Settings,
     *,
@@ -106,6 +113,10 @@ def take_lease(
     deadline = time.monotonic() + 2 * settings.lease_s
     while True:
         with session_for(settings.database_url) as s:
+            # the owner's quota is checked and the claim made in one transaction (db/quotas.py): a
+            # job over it stays queued with the reason and is sent again when one of theirs ends
+            if kind == "job" and (why := quota_gate(s, job_id=job_id, defaults=settings.quota_defaults)):
+                raise QuotaWait(why)
             attempt = claim_job(
                 s, job_id=job_id, owner=owner_id(), worker=worker, lease_s=settings.lease_s, kind=kind
             )
@@ -158,12 +169,16 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     """Run job `job_id` to its end. Returns the final status; 'skipped' when another live
     attempt has it (or it ended); 'queued' when a warm shutdown gave it back; 'lost' when the
     attempt was fenced off or the database stayed unreachable (the lease then runs out)."""
-    attempt = retry_db(settings, "claim", lambda: take_lease(settings, job_id=job_id, worker=worker))
+    try:
+        attempt = retry_db(settings, "claim", lambda: take_lease(settings, job_id=job_id, worker=worker))
+    except QuotaWait:
+        return "waiting"
     if attempt is None:
         return "skipped"
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
+        user_id = job.owner_id
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -174,6 +189,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = workdir / "stop"
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
+    cmd += workspace_args(spec, settings=settings, workdir=workdir)
 
     relay = Relay(
         settings,
@@ -182,13 +198,20 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     )
     publish_status(relay, job_id=job_id)
 
+    runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
+    deadline = time.monotonic() + runtime_s
+
     def poll() -> Ask:
         if relay.fenced or relay.broken:
+            return Ask.kill
+        if time.monotonic() > deadline:
+            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
             return Ask.kill
         with session_for(settings.database_url) as s:
             return Ask.stop if cancel_requested(s, job_id=job_id) else Ask.none
 
     out = Outcome()
+    mem_limit = memory_limit_bytes(spec)
     rc = supervise(
         cmd,
         on_message=lambda msg: relay.add(None, msg),
@@ -198,14 +221,37 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         grace_s=settings.cancel_grace_s,
         shutdown_grace_s=settings.shutdown_grace_s,
         out=out,
+        memory_limit=mem_limit,
     )
     if not relay.close() or relay.fenced:
         log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
         return "lost"
-    return end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay)
+    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    if user_id is not None and status not in ("queued", "lost"):
+        _send_waiting(settings, user_id)
+    return status
 
 
-def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, out: Outcome, relay: Relay) -> str:
+def _send_waiting(settings: Settings, user_id: int) -> None:
+    """A job of this user ended: their jobs held back by the quota get another try."""
+    try:
+        with session_for(settings.database_url) as s:
+            waiting = waiting_jobs(s, owner_id=user_id)
+        for waiting_id, queue in waiting:
+            send_run_job(settings, job_id=waiting_id, queue=queue)
+    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued jobs later
+        log.warning("could not re-send %s's waiting jobs: %s", user_id, e)
+
+
+def end_attempt(
+    settings: Settings,
+    *,
+    attempt: Attempt,
+    rc: int,
+    out: Outcome,
+    relay: Relay,
+    memory_limit: int | None = None,
+) -> str:
     """Every line is applied: write the attempt's end (fenced), or give the job back."""
     job_id = attempt.job_id
 
@@ -224,7 +270,10 @@ def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, out: Outcome, 
             elif rc == 0 and job.result is not None:
                 status, error = JobStatus.succeeded, None
             else:
-                status, error = JobStatus.failed, out.failure(rc)
+                oom = out_of_memory_error(
+                    error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit
+                )
+                status, error = JobStatus.failed, oom or out.failure(rc)
             eid = finish_job(s, attempt=attempt, status=status, error=error)
             if eid is None:
                 return "lost"

@@ -32,7 +32,9 @@ from db.selections import (
 )
 from workers.execute import drop_checkpoints_past, owner_id, publish_status
 from workers.relay import Relay, Target, retry_db
+from workers.search import grow
 from workers.supervise import Ask, Outcome, supervise
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
@@ -102,6 +104,8 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         "mode": req.get("mode", "min"),
         "scheduler": req.get("scheduler", "shard-lrtf"),
         "early_stopping": req.get("early_stopping"),
+        "seed": req.get("seed", 0),
+        "checkpoints": req.get("checkpoints", "best"),
     }
     batch_path = root / f"{group}.json"
     batch_path.write_text(json.dumps(batch, indent=2))
@@ -149,6 +153,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         str(stop_file),
         "--stop-trials-file",
         str(stop_trials),
+        *workspace_args(specs[won[0][0].index], settings=settings, workdir=root),  # one base, one workspace
     ]
     out = Outcome()
 
@@ -210,6 +215,10 @@ def _end_group(
             publish_status(relay, job_id=t.job_id)
         if rerun:
             sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
+        s.commit()
+        # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
+        # the batch is settled, so it never shows as ended between two generations
+        grow(settings, selection_id=selection_id)
         status = settle_selection(s, selection_id=selection_id)
     if rerun:
         resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)

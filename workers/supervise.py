@@ -22,6 +22,7 @@ from enum import Enum
 from pathlib import Path
 
 from core.messages import Message, parse_line
+from workers.limits import apply_memory_limit
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +127,17 @@ def supervise(
     grace_s: float,
     shutdown_grace_s: float,
     out: Outcome,
+    memory_limit: int | None = None,
 ) -> int:
     """Run `cmd` to its end; every stdout line goes to `on_message` in order (this thread), the
     first `error` line is kept in `out`. Returns the exit code; the process group never outlives
-    this call."""
+    this call. `memory_limit`: the process's address-space limit (workers/limits.py)."""
     stop_file.unlink(missing_ok=True)
+
+    def preexec() -> None:
+        _die_with_parent()
+        apply_memory_limit(memory_limit)
+
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -138,7 +145,7 @@ def supervise(
         text=True,
         bufsize=1,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
+        preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
     )
     done = threading.Event()
     threads = [

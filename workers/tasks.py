@@ -22,7 +22,7 @@ from db.jobs import expire_leases, mark_enqueued, record_heartbeat, stale_queued
 from db.models import Trial
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
-from workers.devices import local_devices
+from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
@@ -106,11 +106,14 @@ def _trials_of(job_ids: list[int]) -> Any:
 def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
     settings = get_settings()
     devices = local_devices()
+    host = host_inventory(slots=settings.worker_slots)
     last_reconcile = 0.0
     while True:
         try:
             with session_for(settings.database_url) as s:
-                record_heartbeat(s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices)
+                record_heartbeat(
+                    s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices, host=host
+                )
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
                 if n := reconcile_once():

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import CurrentUser, may_see
 from api.convert import job_public
 from api.deps import SettingsDep
 from api.live import LiveChannel
@@ -18,19 +19,22 @@ from core.broker import JOBS_CHANNEL
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import NotFound, get_job
+from db.models import User
 
 router = APIRouter(prefix="/api", tags=["events"])
 
 
-def _job_json(settings: Settings, job_id: int) -> dict | None:
+def _job_json(settings: Settings, job_id: int, user: User) -> dict | None:
+    """The job as the jobs table shows it; None when it is gone or not the user's to see."""
     with session_for(settings.database_url) as s:
         try:
-            return job_public(get_job(s, job_id)).model_dump(mode="json")
+            job = get_job(s, job_id)
         except NotFound:
             return None
+        return job_public(job).model_dump(mode="json") if may_see(user, job.owner_id) else None
 
 
-async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
+async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
     live = LiveChannel(settings.broker_url, JOBS_CHANNEL)
     try:
         await live.connect()
@@ -44,7 +48,7 @@ async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
                 yield frame(event="resync", data={})
             if msg is not None:
                 try:
-                    job = await run_in_threadpool(_job_json, settings, msg["job_id"])
+                    job = await run_in_threadpool(_job_json, settings, msg["job_id"], user)
                 except SQLAlchemyError:
                     job = None  # the database is busy; the next change of this job shows it
                 if job is not None:
@@ -60,5 +64,6 @@ async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
 
 
 @router.get("/events")
-def all_job_events(request: Request, settings: SettingsDep) -> SseResponse:
-    return open_stream(request, lambda: _all_jobs(settings))
+def all_job_events(request: Request, settings: SettingsDep, user: CurrentUser) -> SseResponse:
+    """Status changes of the jobs the caller may see (an admin: all)."""
+    return open_stream(request, lambda: _all_jobs(settings, user))

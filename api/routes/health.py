@@ -42,6 +42,7 @@ def health(session: SessionDep, settings: SettingsDep) -> HealthPublic:
                 hostname=w.hostname,
                 queues=w.queues.get("queues", []),
                 devices=w.devices.get("devices", []),
+                host=w.devices.get("host") or {},
                 last_seen=aware(w.last_seen),
             )
             for w in workers

@@ -24,6 +24,7 @@ import torch
 
 from trainer.config import ConfigError
 from trainer.protocol import FileStopSignal
+from trainer.workspace import set_workspace
 
 
 class Numbering:
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-root", type=Path, default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--stop-trials-file", default=None)
+    ap.add_argument("--workspace", type=Path, default=None, help="the batch's unpacked workspace folder")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
     args = ap.parse_args(argv)
 
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
         devices = pick_devices(args.device, args.devices)
+        set_workspace(args.workspace)
     except (OSError, ValueError) as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
         return 2
