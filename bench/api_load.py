@@ -44,13 +44,14 @@ def pct(xs: list[float], q: float) -> float:
 class Streams:
     """`n` raw SSE connections drained by one thread (what they cost the server, not the bench)."""
 
-    def __init__(self, port: int, path: str, n: int) -> None:
+    def __init__(self, port: int, path: str, n: int, token: str) -> None:
         self.sel = selectors.DefaultSelector()
         self.bytes = 0
         self.closed = 0
         for _ in range(n):
             s = socket.create_connection(("127.0.0.1", port), timeout=30)
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n".encode())
+            auth = f"Authorization: Bearer {token}\r\n"
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Accept: text/event-stream\r\n\r\n".encode())
             head = s.recv(4096)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"stream refused: {head[:200]!r}")
@@ -81,10 +82,11 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
     errors: dict[str, int] = {}
     lock = threading.Lock()
     local = threading.local()
+    auth = {"Authorization": f"Bearer {stack.admin_token}"}
 
     def timed(route: str, method: str, url: str, **kw: object) -> None:
         if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=stack.base_url, timeout=60)
+            local.client = httpx.Client(base_url=stack.base_url, timeout=60, headers=auth)
         t0 = time.perf_counter()
         r = local.client.request(method, url, **kw)
         dt = (time.perf_counter() - t0) * 1e3
@@ -93,11 +95,11 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
             if r.status_code >= 400:
                 errors[f"{route} {r.status_code}"] = errors.get(f"{route} {r.status_code}", 0) + 1
 
-    with httpx.Client(base_url=stack.base_url, timeout=60) as c:
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers=auth) as c:
         job = c.post("/api/jobs", json=STREAMED).json()
         while c.get(f"/api/jobs/{job['id']}").json()["progress"]["step"] < 5:
             time.sleep(0.2)
-        open_streams = Streams(stack.api_port, f"/api/jobs/{job['id']}/stream", streams)
+        open_streams = Streams(stack.api_port, f"/api/jobs/{job['id']}/stream", streams, stack.admin_token)
         load = [os.getloadavg()[0]]
         stop = threading.Event()
 

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     sse_max_per_client: int = 20
-    """Open Server-Sent Event streams one client (user, else address) may hold; one more is
+    """Open Server-Sent Event streams one user may hold; one more is
     answered 429."""
     checkpoint_keep: int = 3
     """The trainer keeps this many newest checkpoints per job (0 keeps all); it reads the same

@@ -51,6 +51,13 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
+def _client(st: Stack, timeout: float) -> httpx.Client:
+    """Signed in as the stack's admin."""
+    return httpx.Client(
+        base_url=st.base_url, timeout=timeout, headers={"Authorization": f"Bearer {st.admin_token}"}
+    )
+
+
 def _queued_job(st: Stack, name: str = "idle") -> int:
     """A job row whose message is never sent: it stays queued, so its stream stays open."""
     with session_for(st.database_url) as s:
@@ -60,7 +67,10 @@ def _queued_job(st: Stack, name: str = "idle") -> int:
 def _open_stream(st: Stack, path: str) -> tuple[socket.socket, bytes]:
     """A raw HTTP/1.1 stream request; returns the socket (kept open) and the response head."""
     sock = socket.create_connection(("127.0.0.1", st.api_port), timeout=30)
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode())
+    auth = f"Authorization: Bearer {st.admin_token}\r\n"
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
+    )
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = sock.recv(4096)
@@ -84,7 +94,7 @@ def test_open_streams_hold_no_db_connection_and_are_capped(api_stack: Stack) -> 
             sock, head = _open_stream(st, p)
             socks.append(sock)
             assert head.startswith(b"HTTP/1.1 200"), head[:200]
-        with httpx.Client(base_url=st.base_url, timeout=30) as c:
+        with _client(st, 30) as c:
             # the pool holds 5 connections (+10 overflow): 40 streams that each pinned one would
             # have taken them all, and every other request would wait the pool timeout for a 503
             pool = c.get("/api/health").json()["db"]["pool"]
@@ -138,7 +148,7 @@ def test_database_write_lock_answers_503_with_the_reason(api_stack: Stack) -> No
     job_id = _queued_job(st)
     locker = _hold_write_lock(st.root / "shardyard.db")
     try:
-        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+        with _client(st, 60) as c:
             # reads go on under WAL while another process holds the write lock
             assert c.get("/api/jobs").status_code == 200
             assert c.get(f"/api/jobs/{job_id}").status_code == 200
@@ -154,7 +164,7 @@ def test_database_write_lock_answers_503_with_the_reason(api_stack: Stack) -> No
         assert locker.stdin is not None
         locker.stdin.close()
         locker.wait(timeout=30)
-    with httpx.Client(base_url=st.base_url, timeout=60) as c:
+    with _client(st, 60) as c:
         assert c.post("/api/jobs", json=TINY_SPEC).status_code == 201
 
 
@@ -163,7 +173,7 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
     job_id = _queued_job(st)
     st.stop_process("redis")
     try:
-        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+        with _client(st, 60) as c:
             health = c.get("/api/health").json()
             assert health["status"] == "degraded" and health["broker"]["ok"] is False
             # a submit is accepted: the job is in the database, its message goes out later
@@ -203,7 +213,7 @@ def test_a_hung_broker_never_hangs_the_api(api_stack: Stack) -> None:
     redis = st.procs["redis"]
     os.kill(redis.pid, signal.SIGSTOP)
     try:
-        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+        with _client(st, 60) as c:
             health = c.get("/api/health").json()
             assert health["status"] == "degraded" and health["broker"]["ok"] is False, health
             r = c.post("/api/jobs", json=TINY_SPEC)
@@ -249,7 +259,7 @@ def test_delete_finished_job_and_refuse_unfinished(api_stack: Stack) -> None:
     running, _ = _running_job(st, "running")
     done = _finished_job(st, finished_ago=timedelta(0))
     assert _rows(st, done) == (1, 3, 4)
-    with httpx.Client(base_url=st.base_url, timeout=30) as c:
+    with _client(st, 30) as c:
         r = c.delete(f"/api/jobs/{running}")
         assert r.status_code == 409 and "is running" in r.json()["detail"], r.text
         assert _rows(st, running)[0] == 1
