@@ -9,6 +9,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api import sizing
+from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
+from jobrules.models import model_problems
+from jobrules.parallel import tensor_world_size, world_size
+
+WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
 
 class Strict(BaseModel):
@@ -24,28 +29,44 @@ DB_BIGINT = 2**63 - 1
 
 
 class ModelSpec(Strict):
-    kind: Literal["gpt", "mlp"] = "gpt"
+    kind: Literal["gpt", "mlp", "llama", "python"] = "gpt"
     layers: int = Field(4, ge=1, le=256)
     d_model: int = Field(128, ge=8, le=16384)
     heads: int = Field(4, ge=1, le=256)
+    kv_heads: int | None = Field(None, ge=1, le=256, description="llama: grouped-query key/value heads")
     seq_len: int = Field(64, ge=1, le=8192)
-    vocab_size: Literal[128] = 128
+    vocab_size: int | None = Field(None, ge=2, le=2**24, description="None follows the data's vocabulary")
     mlp_ratio: int = Field(4, ge=1, le=16)
+    entry: str | None = Field(None, max_length=300, description="python: 'package.module:function'")
+    args: dict[str, Any] = Field(default_factory=dict, description="python: keyword arguments for entry")
+    init_from: str | None = Field(None, max_length=1000, description="safetensors/torch weights file")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSpec:
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})"
-            )
+    def _rules(self) -> ModelSpec:
+        problems = model_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
 class DataSpec(Strict):
-    kind: Literal["text"] = "text"
-    corpus: Literal["stdlib"] = "stdlib"
+    kind: Literal["text", "tokens", "python"] = "text"
+    corpus: Literal["stdlib"] | None = None
+    path: str | None = Field(None, min_length=1, max_length=1000)
+    tokenizer: str = Field("char", min_length=1, max_length=1000)
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    vocab_size: int | None = Field(None, ge=2, le=2**24)
+    entry: str | None = Field(None, max_length=300)
+    args: dict[str, Any] = Field(default_factory=dict)
     max_chars: int = Field(4_000_000, ge=10_000, le=200_000_000)
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _rules(self) -> DataSpec:
+        problems = data_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TrainSpec(Strict):
@@ -77,15 +98,6 @@ class PipelineSpec(Strict):
     microbatches: int = Field(4, ge=1, le=4096)
     schedule: Literal["gpipe", "1f1b", "chimera", "chimera-zb", "async"] = "1f1b"
 
-    @model_validator(mode="after")
-    def _chimera_even(self) -> PipelineSpec:
-        if self.schedule.startswith("chimera") and self.stages % 2:
-            raise ValueError(
-                f"parallel.pipeline.stages must be even for {self.schedule} "
-                f"(two pipelines in opposite directions), got {self.stages}"
-            )
-        return self
-
 
 class TensorSpec(Strict):
     mode: Literal["1d", "2d", "2.5d"] = "1d"
@@ -95,7 +107,7 @@ class TensorSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        return {"1d": self.size, "2d": self.q * self.q, "2.5d": self.q * self.q * self.d}[self.mode]
+        return tensor_world_size(self.model_dump())
 
 
 class ParallelSpec(Strict):
@@ -107,9 +119,8 @@ class ParallelSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        stages = self.pipeline.stages if self.pipeline else 1
-        tp = self.tensor.world_size if self.tensor else 1
-        return stages * tp * self.data_parallel
+        """pipeline stages x data_parallel x tensor ranks (jobrules/parallel.py)."""
+        return world_size(self.model_dump())
 
 
 class ResourceSpec(Strict):
@@ -131,10 +142,22 @@ class JobSpec(Strict):
     max_runtime_s: int | None = Field(
         None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
     )
+    workspace: str | None = Field(
+        None,
+        pattern=WORKSPACE_REF,
+        description="an uploaded workspace: its id or 'sha256:<digest>' (POST /api/workspaces)",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
-        problems = sizing.spec_problems(self.model_dump())
+        spec = self.model_dump()
+        problems = workspace_problems(
+            model=spec["model"], data=spec["data"], has_workspace=self.workspace is not None
+        )
+        vocab = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=data_vocab_size(spec["data"]))
+        if vocab:
+            problems.append(vocab)
+        problems += sizing.spec_problems(spec)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -222,7 +245,11 @@ class HealthPublic(BaseModel):
 
 
 class EarlyStoppingSpec(Strict):
-    kind: Literal["asha"] = "asha"
+    """Rungs at min_steps * reduction_factor**k steps (trainer/selection/halving.py): `asha`
+    promotes as results come in, `sha` decides each rung once it is full, `hyperband` runs SHA
+    brackets that start at different rungs. Decisions follow the batch's seed, never timing."""
+
+    kind: Literal["asha", "sha", "hyperband"] = "asha"
     reduction_factor: int = Field(3, ge=2, le=16)
     min_steps: int = Field(1, ge=1, le=10_000_000)
 
@@ -235,15 +262,50 @@ class SelectionCreate(Strict):
     space: dict[str, Any] = Field(
         min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
     )
-    method: Literal["grid", "random"] = "random"
-    trials: int | None = Field(None, ge=1, le=1024, description="how many (random only)")
-    seed: int = Field(0, ge=0, le=DB_INT)
+    method: Literal["grid", "random", "tpe", "cmaes", "qmc"] = Field(
+        "random",
+        description="grid or random expand the space at submit; tpe, cmaes and qmc are Optuna "
+        "samplers that grow the batch a generation of `parallel` trials at a time",
+    )
+    trials: int | None = Field(
+        None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    parallel: int | None = Field(
+        None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
+    )
+    startup_trials: int | None = Field(
+        None, ge=1, le=1024, description="tpe and cmaes: random trials before the model (Optuna's default 10)"
+    )
+    checkpoints: Literal["best", "all", "none"] = Field(
+        "best", description="end-of-trial checkpoints kept: the best trial's, every trial's, or none"
+    )
     metric: str = Field("val_loss", pattern="^(val_loss|loss)$")
     mode: Literal["min", "max"] = "min"
     scheduler: Literal["shard-lrtf", "fifo", "round-robin", "sequential"] = "shard-lrtf"
     devices: int = Field(2, ge=1, le=64, description="devices of one worker the batch alternates over")
     group_size: int = Field(16, ge=1, le=1024, description="trials per worker group; more are split")
     early_stopping: EarlyStoppingSpec | None = None
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> SelectionCreate:
+        sampler = self.method in ("tpe", "cmaes", "qmc")
+        if not sampler:
+            for name in ("parallel", "startup_trials"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} is for the samplers (tpe, cmaes, qmc), not method {self.method}"
+                    )
+        elif self.trials is None:
+            raise ValueError(f"method {self.method} needs trials (how many in all)")
+        if self.startup_trials is not None and self.method == "qmc":
+            raise ValueError("startup_trials is for tpe and cmaes; qmc has no model to start")
+        return self
+
+    @property
+    def generation(self) -> int:
+        """Samplers: trials asked at once (`parallel`, default one per device)."""
+        return self.parallel or self.devices
 
 
 class TrialsAdd(Strict):
@@ -274,6 +336,12 @@ class TrialPublic(BaseModel):
     stopped_early: bool
     job_id: int
     warm_start_from: int | None
+    result: dict[str, Any] | None = None
+    """The executor's report for the trial (steps, best metric, compute/copy seconds, ...)."""
+    compute_s: float | None = None
+    copy_s: float | None = None
+    stop_reason: Any = None
+    """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
 
 
 class SelectionPublic(BaseModel):
@@ -289,6 +357,8 @@ class SelectionPublic(BaseModel):
     space: dict[str, Any]
     request: dict[str, Any]
     cancel_requested: bool
+    error: str | None = None
+    """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""
     trials: list[TrialPublic]
     leaderboard: list[int]
     """Trial ids with a metric, best first."""
@@ -297,4 +367,24 @@ class SelectionPublic(BaseModel):
 
 class SelectionsPublic(BaseModel):
     items: list[SelectionPublic]
+    total: int
+
+
+# ---- workspaces -------------------------------------------------------------------------------
+
+
+class WorkspacePublic(BaseModel):
+    id: int
+    ref: str
+    """`sha256:<digest>`: what a JobSpec's `workspace` may name (the id works too)."""
+    digest: str
+    size: int
+    name: str
+    format: str
+    created_at: datetime
+    owner_id: int | None
+
+
+class WorkspacesPublic(BaseModel):
+    items: list[WorkspacePublic]
     total: int

@@ -102,6 +102,18 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    """Name of the worker that runs (or last ran) the job, for people; ownership is `owner`."""
+    owner: Mapped[str | None] = mapped_column(String(120), default=None)
+    """Unique id of the worker process start that holds the lease (None when nobody does). Every
+    write of an attempt is fenced by (owner, attempts): a stale attempt changes nothing."""
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    """Database time at which the lease runs out unless renewed; after it the job is reclaimable."""
+    applied_seq: Mapped[int] = mapped_column(Integer, default=-1)
+    """Highest protocol sequence number of the current attempt applied (a retried batch that
+    had in fact been committed changes nothing)."""
+    applied_step: Mapped[int] = mapped_column(Integer, default=0)
+    """Every line up to this step is in the database (a `checkpoint` event or the result at that
+    step was applied). A new attempt resumes from no later checkpoint, so no metric step is lost."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -112,12 +124,14 @@ class Job(Base):
     """Who submitted it (a trial's job: the selection's owner); null for jobs from before users."""
     wait_reason: Mapped[str | None] = mapped_column(Text, default=None)
     """Why a queued job is not running yet (its owner's quota is full); cleared when it starts."""
-    owner: Mapped[User | None] = relationship(lazy="joined")
+    user: Mapped[User | None] = relationship(lazy="joined")
+    """The submitting user (`owner_id`); not to be confused with `owner`, the lease holder."""
 
 
 class MetricPoint(Base):
     __tablename__ = "metric_points"
-    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step"),)
+    # one row per (job, name, step): a re-run from a checkpoint overwrites, never duplicates
+    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step", unique=True),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
@@ -174,7 +188,7 @@ class Selection(Base):
     owner_id: Mapped[int | None] = mapped_column(
         ForeignKey("users.id", ondelete="SET NULL"), default=None, index=True
     )
-    owner: Mapped[User | None] = relationship(lazy="joined")
+    user: Mapped[User | None] = relationship(lazy="joined")
     trials: Mapped[list[Trial]] = relationship(
         back_populates="selection", order_by="Trial.index", cascade="all, delete-orphan"
     )
@@ -182,6 +196,8 @@ class Selection(Base):
 
 class Trial(Base):
     __tablename__ = "trials"
+    # a batch grown by two workers at once must not get the same trial twice
+    __table_args__ = (Index("ux_trials_selection_index", "selection_id", "index", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     selection_id: Mapped[int] = mapped_column(ForeignKey("selections.id", ondelete="CASCADE"), index=True)
@@ -196,4 +212,30 @@ class Trial(Base):
     stopped_early: Mapped[bool] = mapped_column(Boolean, default=False)
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     warm_start_from: Mapped[int | None] = mapped_column(Integer, default=None)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """What the executor reported for the trial (compute and copy seconds, best metric, steps,
+    stop reason ...), stored when it arrives, whatever the order of the trial's other lines."""
     selection: Mapped[Selection] = relationship(back_populates="trials")
+
+
+class Workspace(Base):
+    """An uploaded workspace archive (user code and small data), stored content-addressed under
+    the data dir (core/settings.py workspaces_dir) by its sha256."""
+
+    __tablename__ = "workspaces"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    """sha256 of the archive bytes, hex."""
+    size: Mapped[int] = mapped_column(BigInteger)
+    """Archive bytes as uploaded."""
+    name: Mapped[str] = mapped_column(String(200))
+    format: Mapped[str] = mapped_column(String(10))
+    """`tar.gz` or `zip`."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="SET NULL", name="fk_workspaces_owner_id_users"),
+        default=None,
+        index=True,
+    )
+    """The uploading user."""

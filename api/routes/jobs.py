@@ -6,14 +6,16 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
-from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 
 from api.admission import admission_problem
-from api.auth import CurrentUser, may_see
+from api.auth import AdminUser, CurrentUser, may_see
 from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
 from api.publish import publish_job_status
+from api.retention import delete_finished_job
+from api.routes.workspaces import pin_workspace
 from api.schemas import (
     DB_BIGINT,
     DB_INT,
@@ -25,8 +27,11 @@ from api.schemas import (
     Series,
 )
 from api.sse import job_events
-from core.broker import send_run_job
+from api.streams import SseResponse, open_stream
+from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
+from db import selections as db_sel
+from db.engine import session_for
 from db.models import Job, User
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
@@ -61,7 +66,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=spec.model_dump(),
+        spec=pin_workspace(session, spec.model_dump(), user=user),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,
@@ -120,6 +125,84 @@ def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep, user: 
     return job_public(job)
 
 
+class OperatorAction(BaseModel):
+    reason: str = Field("", max_length=2000, description="why, kept in the job's log")
+
+
+def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> JobPublic:
+    """A trial's batch follows its trial; a re-queued job's message goes out (or the reconciler
+    sends it when the broker is down)."""
+    if job.kind == "trial" and job.selection_id is not None:
+        db_sel.sync_trials(session, job_ids=[job.id])
+        db_sel.settle_selection(session, selection_id=job.selection_id)
+    if job.status == "queued":
+        try:
+            if job.kind == "trial" and job.selection_id is not None:
+                trial = db_sel.trial_of_job(session, job_id=job.id)
+                send_run_selection(
+                    settings, selection_id=job.selection_id, trial_ids=[trial.id], queue=job.queue
+                )
+            else:
+                send_run_job(settings, job_id=job.id, queue=job.queue)
+        except Exception as e:  # noqa: BLE001 - the job is queued in the database either way
+            db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
+    publish_job_status(settings, job_id=job.id, status=job.status)
+    session.refresh(job)
+    return job_public(job)
+
+
+@router.post("/{job_id}/fail", response_model=JobPublic)
+def fail_job(
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: AdminUser,
+    body: OperatorAction | None = None,
+) -> JobPublic:
+    """An admin ends a queued or running job `failed`; a running attempt is fenced off (its
+    worker kills the trainer at its next batch)."""
+    reason = (body.reason if body else "") or f"failed by {admin.name}"
+    try:
+        job = db_jobs.fail_job(session, job_id=job_id, reason=reason, actor=admin.name)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
+
+
+@router.post("/{job_id}/requeue", response_model=JobPublic)
+def requeue_job(
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: AdminUser,
+    body: OperatorAction | None = None,
+) -> JobPublic:
+    """An admin puts a running or ended job back in the queue; it resumes from its latest
+    checkpoint. A running attempt is fenced off."""
+    reason = (body.reason if body else "") or f"re-queued by {admin.name}"
+    try:
+        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason, actor=admin.name)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
+    """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
+    try:
+        delete_finished_job(settings, job_id=job_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    publish_job_status(settings, job_id=job_id, status="deleted")
+
+
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def get_metrics(
     job_id: JobId,
@@ -168,19 +251,17 @@ def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
 def stream_job(
     job_id: JobId,
     request: Request,
-    session: SessionDep,
     settings: SettingsDep,
     user: CurrentUser,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
-) -> StreamingResponse:
-    _job_or_404(session, job_id, user)
+) -> SseResponse:
+    # a short session, closed before the stream starts: a stream that held a pooled connection
+    # while it waits would starve every other request once the pool's worth of streams is open
+    with session_for(settings.database_url) as session:
+        _job_or_404(session, job_id, user)
     cursor = last_event_id or request.query_params.get("last_event_id")
     if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
         )
-    return StreamingResponse(
-        job_events(settings, job_id=job_id, last_event_id=cursor),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return open_stream(request, lambda: job_events(settings, job_id=job_id, last_event_id=cursor))

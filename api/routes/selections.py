@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -14,6 +13,7 @@ from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
 from api.limits import clip
+from api.routes.workspaces import pin_workspace
 from api.schemas import (
     DB_INT,
     JobSpec,
@@ -24,10 +24,13 @@ from api.schemas import (
     TrialsAdd,
 )
 from api.selection_stream import selection_events
+from api.streams import SseResponse, open_stream
+from core import search
 from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
+from db.engine import session_for
 from db.models import Selection, Trial, User
 from jobrules.space import SpaceError, apply_params, sample_params
 
@@ -93,13 +96,31 @@ def _dispatch(
         )
 
 
+def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
+    """The trials a batch starts with: the whole grid or random sample, or a sampler's first
+    generation (the worker asks the next ones as generations end: workers/search.py)."""
+    if body.method in ("grid", "random"):
+        return sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+    search.check_fits(body.method, body.space)
+    return search.suggest(
+        space=body.space,
+        method=body.method,
+        seed=body.seed,
+        mode=body.mode,
+        parallel=body.generation,
+        values=[],
+        total=body.trials or 0,
+        startup_trials=body.startup_trials,
+    )
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def submit_selection(
     body: SelectionCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SelectionPublic:
-    base = body.base.model_dump()
+    base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
     try:
-        params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+        params = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
     plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
@@ -156,6 +177,12 @@ def add_trials(
             status.HTTP_409_CONFLICT, f"selection {selection_id} was cancelled; submit a new one"
         )
     req = SelectionCreate.model_validate(sel.request)
+    if req.method not in ("grid", "random"):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"selection {selection_id} uses method {req.method}: its sampler adds the trials itself, "
+            f"a generation of {req.generation} at a time",
+        )
     if body.warm_start_from is not None:
         try:
             db_sel.get_trial(session, selection_id=selection_id, trial_id=body.warm_start_from)
@@ -204,14 +231,12 @@ def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: Curren
 
 @router.get("/{selection_id}/stream")
 def stream_selection(
-    selection_id: Id, session: SessionDep, settings: SettingsDep, user: CurrentUser
-) -> StreamingResponse:
+    selection_id: Id, request: Request, settings: SettingsDep, user: CurrentUser
+) -> SseResponse:
     """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
     (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
     reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
-    _selection_or_404(session, selection_id, user)
-    return StreamingResponse(
-        selection_events(settings, selection_id=selection_id),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    # a short session: a stream must not hold a pooled connection while it waits
+    with session_for(settings.database_url) as session:
+        _selection_or_404(session, selection_id, user)
+    return open_stream(request, lambda: selection_events(settings, selection_id=selection_id))

@@ -101,6 +101,32 @@ export interface Trial {
   stopped_early: boolean;
   job_id: number | null;
   warm_start_from?: number | null;
+  /** The executor's report once the trial ended; older servers leave it out (then the page reads
+   * the trial's job result instead). */
+  result?: TrialResult | null;
+  compute_s?: number | null;
+  copy_s?: number | null;
+  stop_reason?: StopReason | null;
+}
+
+/** Why the rungs stopped a trial: its rung, its metric there, the last kept trial's metric. */
+export interface StopReason {
+  rung: number;
+  value: number;
+  cutoff: number;
+  kept: number;
+  of: number;
+  bracket: number;
+}
+
+export interface TrialResult {
+  status?: string;
+  steps?: number;
+  best_metric?: number | null;
+  compute_s?: number;
+  copy_s?: number;
+  stop_reason?: StopReason | null;
+  error?: string | null;
 }
 
 export type SpaceEntry = { low: number; high: number; log?: boolean } | (number | string | boolean)[];
@@ -116,7 +142,16 @@ export interface Selection {
   finished_at: string | null;
   space: Record<string, SpaceEntry>;
   /** The submitted request; `base` is the JobSpec every trial starts from. */
-  request?: { base?: Record<string, unknown> };
+  request?: {
+    base?: Record<string, unknown>;
+    method?: string;
+    seed?: number;
+    trials?: number | null;
+    parallel?: number | null;
+    checkpoints?: string;
+    early_stopping?: { kind: string; reduction_factor: number; min_steps: number } | null;
+  };
+  error?: string | null;
   trials?: Trial[];
   leaderboard?: number[];
 }

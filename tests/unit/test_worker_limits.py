@@ -8,8 +8,8 @@ from pathlib import Path
 
 from jobrules.hostmem import RANK_RUNTIME_BYTES, host_memory_bytes
 from tests.conftest import TINY_SPEC
-from workers.execute import Outcome, supervise
 from workers.limits import GiB, memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.supervise import Ask, Outcome, supervise
 
 SPEC = {
     **TINY_SPEC,
@@ -27,10 +27,13 @@ def test_a_trainer_past_its_memory_limit_fails_alone_with_out_of_host_memory(tmp
     out = Outcome()
     rc = supervise(
         [sys.executable, "-c", grab],
-        out=out,
+        on_message=lambda _msg: None,
+        poll=lambda: Ask.none,
+        stop_file=tmp_path / "stop",
         stderr_log=tmp_path / "stderr.log",
-        pump=lambda proc: proc.stdout.read(),
-        watch=lambda proc, done: done.wait(),
+        grace_s=5,
+        shutdown_grace_s=5,
+        out=out,
         memory_limit=2 * GiB,
     )
     assert rc != 0
