@@ -45,9 +45,9 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
     itself is never echoed (it may be megabytes); at most 20 problems are listed."""
     errors = []
     for err in exc.errors()[:20]:
-        msg = clip(err["msg"].removeprefix("Value error, "))
+        msg = clip(err["msg"].removeprefix("Value error, "), 1000)
         errors.append({"field": _field(tuple(err["loc"])), "message": msg, "type": err["type"]})
-    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 2000)
+    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 4000)
     return JSONResponse(status_code=422, content={"detail": detail, "errors": errors})
 
 
