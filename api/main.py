@@ -28,8 +28,6 @@ from db.engine import POOL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 _NO_DASHBOARD = """<!doctype html><title>Shardyard</title><h1>Shardyard</h1>
 <p>The dashboard is not built. Run <code>make frontend</code> (or <code>make demo</code>).
 The API is at <a href="/docs">/docs</a>.</p>"""
@@ -49,12 +47,6 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
         errors.append({"field": _field(tuple(err["loc"])), "message": msg, "type": err["type"]})
     detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 4000)
     return JSONResponse(status_code=422, content={"detail": detail, "errors": errors})
-
-
-async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Route errors, with any quoted input cut short."""
-    detail = clip(exc.detail, 2000) if isinstance(exc.detail, str) else exc.detail
-    return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
 
 
 def _unavailable(reason: str) -> JSONResponse:
@@ -79,6 +71,12 @@ async def _broker_error(_request: Request, exc: Exception) -> JSONResponse:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     log.warning("broker unavailable: %s", first)
     return _unavailable(f"broker unavailable: {first}")
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Route errors, with any quoted input cut short."""
+    detail = clip(exc.detail, 2000) if isinstance(exc.detail, str) else exc.detail
+    return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -139,13 +139,13 @@ class JobSpec(Strict):
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
     checkpoint_every: int = Field(0, ge=0, le=10_000_000)
     priority: int = Field(0, ge=-100, le=100)
-    max_runtime_s: int | None = Field(
-        None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
-    )
     workspace: str | None = Field(
         None,
         pattern=WORKSPACE_REF,
         description="an uploaded workspace: its id or 'sha256:<digest>' (POST /api/workspaces)",
+    )
+    max_runtime_s: int | None = Field(
+        None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
     )
 
     @model_validator(mode="after")
@@ -270,7 +270,7 @@ class SelectionCreate(Strict):
     trials: int | None = Field(
         None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
     )
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int = Field(0, ge=0, le=DB_INT)
     parallel: int | None = Field(
         None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
     )

@@ -98,11 +98,11 @@ class Stack:
     database_url: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More SHARDYARD_* settings for every process (tests shorten the heartbeat windows)."""
+    shutdown_s: float = 120.0
+    """How long `stop` waits for the workers' warm shutdown before it kills them."""
     admin_token: str = ""
     """The local admin's API token (made up when empty), given to the API process alone as
     SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
-    shutdown_s: float = 120.0
-    """How long `stop` waits for the workers' warm shutdown before it kills them."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -26,12 +26,12 @@ class Settings(BaseSettings):
     worker_alive_s: float = 30.0
     """A worker whose last heartbeat is older than this counts as gone (health, placement)."""
     heartbeat_s: float = 5.0
-    worker_slots: int = 0
-    """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     lease_s: float = 30.0
     """A running job's lease: its worker process renews it (with every batch of lines it applies,
     and at least every lease_s / 3); once it runs out by database time, anyone may take the job
     over. The time from a worker's death to its job running again is about lease_s + reconcile_s."""
+    worker_slots: int = 0
+    """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     requeue_after_s: float = 600.0
     """The reconciler re-sends the message of a job queued longer than this (claims are
     idempotent, so a duplicate is harmless)."""

@@ -444,8 +444,8 @@ def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None
 
 def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -> Job:
     """A queued job, or a running one whose owner is gone, is cancelled at once; a running one
-    with a live lease is asked to stop (its worker ends it). `actor` (the user who asked) is
-    recorded in the event."""
+    with a live lease is asked to stop (its worker ends it). `actor` (who asked) is recorded in the
+    event."""
     by = {"by": actor} if actor else None
     job = get_job(session, job_id)
     if job.status in TERMINAL:

@@ -125,7 +125,7 @@ class Job(Base):
     wait_reason: Mapped[str | None] = mapped_column(Text, default=None)
     """Why a queued job is not running yet (its owner's quota is full); cleared when it starts."""
     user: Mapped[User | None] = relationship(lazy="joined")
-    """The submitting user (`owner_id`); not to be confused with `owner`, the lease holder."""
+    """The submitting user (`owner_id`); `owner` on a job is the worker process holding its lease."""
 
 
 class MetricPoint(Base):

@@ -95,8 +95,8 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     return dropped
 
 
-class OverQuota(Exception):
-    """The job's owner has their quota's worth running: it stays queued with the reason."""
+class QuotaWait(Exception):
+    """The job's owner is at their quota: the job waits in the queue (the reason is on the job)."""
 
 
 def take_lease(
@@ -113,9 +113,10 @@ def take_lease(
     deadline = time.monotonic() + 2 * settings.lease_s
     while True:
         with session_for(settings.database_url) as s:
-            # the owner's quota is checked and the claim made in one transaction (db/quotas.py)
-            if quota_gate(s, job_id=job_id, defaults=settings.quota_defaults) is not None:
-                raise OverQuota
+            # the owner's quota is checked and the claim made in one transaction (db/quotas.py): a
+            # job over it stays queued with the reason and is sent again when one of theirs ends
+            if kind == "job" and (why := quota_gate(s, job_id=job_id, defaults=settings.quota_defaults)):
+                raise QuotaWait(why)
             attempt = claim_job(
                 s, job_id=job_id, owner=owner_id(), worker=worker, lease_s=settings.lease_s, kind=kind
             )
@@ -170,14 +171,14 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     attempt was fenced off or the database stayed unreachable (the lease then runs out)."""
     try:
         attempt = retry_db(settings, "claim", lambda: take_lease(settings, job_id=job_id, worker=worker))
-    except OverQuota:
-        return "waiting"  # sent again when one of the owner's jobs ends (_send_waiting)
+    except QuotaWait:
+        return "waiting"
     if attempt is None:
         return "skipped"
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
-        job_owner = job.owner_id
+        user_id = job.owner_id
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -197,19 +198,19 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     )
     publish_status(relay, job_id=job_id)
 
-    out = Outcome()
-    max_runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    runtime_deadline = time.monotonic() + max_runtime_s
+    runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
+    deadline = time.monotonic() + runtime_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
-        if time.monotonic() > runtime_deadline:
-            out.error = f"ran past its max_runtime_s ({max_runtime_s:g} s) and was stopped"
+        if time.monotonic() > deadline:
+            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
             return Ask.kill
         with session_for(settings.database_url) as s:
             return Ask.stop if cancel_requested(s, job_id=job_id) else Ask.none
 
+    out = Outcome()
     mem_limit = memory_limit_bytes(spec)
     rc = supervise(
         cmd,
@@ -225,24 +226,32 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     if not relay.close() or relay.fenced:
         log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
         return "lost"
-    if rc != 0 and (
-        oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit)
-    ):
-        out.error = oom
-    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay)
-    if job_owner is not None:
-        _send_waiting(settings, job_owner)
+    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    if user_id is not None and status not in ("queued", "lost"):
+        _send_waiting(settings, user_id)
     return status
 
 
-def _send_waiting(settings: Settings, owner: int) -> None:
-    """A job of this owner ended: their jobs held back by the quota get another try."""
-    with session_for(settings.database_url) as s:
-        for waiting_id, queue in waiting_jobs(s, owner_id=owner):
+def _send_waiting(settings: Settings, user_id: int) -> None:
+    """A job of this user ended: their jobs held back by the quota get another try."""
+    try:
+        with session_for(settings.database_url) as s:
+            waiting = waiting_jobs(s, owner_id=user_id)
+        for waiting_id, queue in waiting:
             send_run_job(settings, job_id=waiting_id, queue=queue)
+    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued jobs later
+        log.warning("could not re-send %s's waiting jobs: %s", user_id, e)
 
 
-def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, out: Outcome, relay: Relay) -> str:
+def end_attempt(
+    settings: Settings,
+    *,
+    attempt: Attempt,
+    rc: int,
+    out: Outcome,
+    relay: Relay,
+    memory_limit: int | None = None,
+) -> str:
     """Every line is applied: write the attempt's end (fenced), or give the job back."""
     job_id = attempt.job_id
 
@@ -261,7 +270,10 @@ def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, out: Outcome, 
             elif rc == 0 and job.result is not None:
                 status, error = JobStatus.succeeded, None
             else:
-                status, error = JobStatus.failed, out.failure(rc)
+                oom = out_of_memory_error(
+                    error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit
+                )
+                status, error = JobStatus.failed, oom or out.failure(rc)
             eid = finish_job(s, attempt=attempt, status=status, error=error)
             if eid is None:
                 return "lost"

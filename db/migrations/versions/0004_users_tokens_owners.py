@@ -1,7 +1,7 @@
-"""users and their tokens; owners of jobs, selections and workspaces; why a queued job waits
+"""users and their tokens; owners of jobs and selections; why a queued job waits
 
 Revision ID: 0004
-Revises: 0006
+Revises: 0003
 Create Date: 2026-11-23
 """
 
@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0004"
-down_revision = "0006"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
@@ -57,15 +57,9 @@ def upgrade() -> None:
             "fk_selections_owner_id_users", "users", ["owner_id"], ["id"], ondelete="SET NULL"
         )
         batch_op.create_index(batch_op.f("ix_selections_owner_id"), ["owner_id"], unique=False)
-    with op.batch_alter_table("workspaces") as batch_op:
-        batch_op.create_foreign_key(
-            "fk_workspaces_owner_id_users", "users", ["owner_id"], ["id"], ondelete="SET NULL"
-        )
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("workspaces") as batch_op:
-        batch_op.drop_constraint("fk_workspaces_owner_id_users", type_="foreignkey")
     with op.batch_alter_table("selections") as batch_op:
         batch_op.drop_index(batch_op.f("ix_selections_owner_id"))
         batch_op.drop_constraint("fk_selections_owner_id_users", type_="foreignkey")
