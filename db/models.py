@@ -233,5 +233,9 @@ class Workspace(Base):
     format: Mapped[str] = mapped_column(String(10))
     """`tar.gz` or `zip`."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    owner_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
-    """The uploading user (no foreign key here; the users table wires it)."""
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="SET NULL", name="fk_workspaces_owner_id_users"),
+        default=None,
+        index=True,
+    )
+    """The uploading user."""

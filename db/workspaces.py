@@ -23,9 +23,15 @@ def add_workspace(
     return row, True
 
 
-def list_workspaces(session: Session, *, limit: int, offset: int) -> tuple[list[Workspace], int]:
-    total = session.scalar(select(func.count()).select_from(Workspace)) or 0
-    rows = session.scalars(select(Workspace).order_by(Workspace.id.desc()).limit(limit).offset(offset)).all()
+def list_workspaces(
+    session: Session, *, owner_id: int | None = None, limit: int, offset: int
+) -> tuple[list[Workspace], int]:
+    """A page, newest first; `owner_id` keeps one user's."""
+    where = [] if owner_id is None else [Workspace.owner_id == owner_id]
+    total = session.scalar(select(func.count(Workspace.id)).where(*where)) or 0
+    rows = session.scalars(
+        select(Workspace).where(*where).order_by(Workspace.id.desc()).limit(limit).offset(offset)
+    ).all()
     return list(rows), total
 
 

@@ -105,7 +105,12 @@ def test_user_text_and_tokenizer_from_the_workspace_train(stack: StackHandle, tm
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(tiny(name="bpe", data={"path": "corpus.txt", "tokenizer": "tokenizer.json"})))
 
-    env = {**os.environ, "SHARDYARD_API_URL": stack.base_url, "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "SHARDYARD_API_URL": stack.base_url,
+        "SHARDYARD_TOKEN": stack.token,
+        "COLUMNS": "200",
+    }
     out = subprocess.run(
         [sys.executable, "-m", "api.cli", "submit", str(spec), "--workspace", str(folder)],
         capture_output=True,
