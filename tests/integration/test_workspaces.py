@@ -10,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.archives import MALICIOUS, targz
-from tests.conftest import StackHandle
+from tests.conftest import TERMINAL, StackHandle
+from tests.trainer.user_model_src import USER_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -137,3 +139,49 @@ def test_python_data_entry_point_and_a_broken_one(stack: StackHandle) -> None:
     assert "NameError" in failed["error"] and "helper_that_does_not_exist" in failed["error"]
     logs = "\n".join(e["message"] for e in stack.client.get(f"/api/jobs/{broken['id']}/logs").json()["items"])
     assert 'mydata/source.py", line 14, in broken' in logs  # the user's own frame, in the job's logs
+
+
+def test_user_model_trains_through_the_api_and_a_selection_ranges_over_its_args(stack: StackHandle) -> None:
+    ws = upload(stack, targz({"userlm/__init__.py": b"", "userlm/model.py": USER_MODEL.encode()})).json()
+    model = {"kind": "python", "entry": "userlm.model:make", "args": {"width": 32}, "seq_len": 16}
+    job = stack.submit(tiny(name="user-model", model=model, data={"max_chars": 100_000}, workspace=ws["ref"]))
+    broken = stack.submit(
+        tiny(
+            name="user-broken",
+            model={**model, "entry": "userlm.model:mismatched", "args": {}},
+            workspace=ws["ref"],
+        )
+    )
+    done = stack.wait(job["id"], timeout=180)
+    assert falls(stack, job["id"]) and done["result"]["params"] > 0
+    failed = stack.wait(broken["id"], ("failed",), timeout=180)
+    assert "layer 1 (Linear) failed on an input of shape" in failed["error"]
+    logs = "\n".join(e["message"] for e in stack.client.get(f"/api/jobs/{broken['id']}/logs").json()["items"])
+    assert "traceback of the user's code" in logs and "must have same reduction dim" in logs
+
+    body = {
+        "name": "user-widths",
+        "base": tiny(
+            name="sel",
+            model=model,
+            workspace=str(ws["id"]),
+            train={"steps": 12, "batch_size": 8, "lr": 3e-3, "eval_every": 4},
+        ),
+        "space": {"model.args.width": [8, 16, 24, 32, 40, 48]},
+        "method": "grid",
+        "devices": 2,
+        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
+    }
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    deadline = time.monotonic() + 300
+    while (sel := stack.client.get(f"/api/selections/{sid}").json())["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, sel
+        time.sleep(0.5)
+    assert sel["status"] == "succeeded", sel
+    assert sorted(t["params"]["model.args.width"] for t in sel["trials"]) == [8, 16, 24, 32, 40, 48]
+    assert all(t["status"] in ("succeeded", "stopped_early") for t in sel["trials"])
+    assert any(t["stopped_early"] for t in sel["trials"]), "ASHA stops some of six trials"
+    widths = {stack.job(t["job_id"])["spec"]["model"]["args"]["width"] for t in sel["trials"]}
+    assert widths == {8, 16, 24, 32, 40, 48}
