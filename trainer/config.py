@@ -13,6 +13,14 @@ from typing import Any, Literal
 
 from jobrules.data import data_problems, data_vocab_size, vocab_problem
 from jobrules.models import model_problems
+from jobrules.parallel import (
+    SCHEDULES,
+    TENSOR_MODES,
+    axis_sizes,
+    parallel_problems,
+    tensor_world_size,
+    world_size,
+)
 
 ModelKind = Literal["gpt", "mlp", "llama", "python"]
 DataKind = Literal["text", "tokens", "python"]
@@ -170,13 +178,8 @@ class PipelineConfig:
             f"parallel.pipeline.microbatches must be >= 1, got {self.microbatches}",
         )
         _require(
-            self.schedule in ("gpipe", "1f1b", "chimera", "chimera-zb", "async"),
-            f"parallel.pipeline.schedule must be one of gpipe, 1f1b, chimera, chimera-zb, async, "
-            f"got {self.schedule!r}",
-        )
-        _require(
-            not (self.schedule.startswith("chimera") and self.stages % 2 != 0),
-            f"parallel.pipeline.stages must be even for {self.schedule} (got {self.stages})",
+            self.schedule in SCHEDULES,
+            f"parallel.pipeline.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
         )
 
 
@@ -192,18 +195,14 @@ class TensorConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.mode in ("1d", "2d", "2.5d"),
+            self.mode in TENSOR_MODES,
             f"parallel.tensor.mode must be 1d, 2d or 2.5d, got {self.mode!r}",
         )
         _require(self.size >= 1 and self.q >= 1 and self.d >= 1, "parallel.tensor sizes must be >= 1")
 
     @property
     def world_size(self) -> int:
-        if self.mode == "1d":
-            return self.size
-        if self.mode == "2d":
-            return self.q * self.q
-        return self.q * self.q * self.d
+        return tensor_world_size(dataclasses.asdict(self))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -222,10 +221,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the job needs: pipeline stages x tensor ranks x data-parallel replicas."""
-        stages = self.pipeline.stages if self.pipeline else 1
-        tp = self.tensor.world_size if self.tensor else 1
-        return stages * tp * self.data_parallel
+        """Processes the job needs: pipeline stages x data-parallel replicas x tensor ranks."""
+        return world_size(dataclasses.asdict(self))
+
+    @property
+    def axes(self) -> tuple[int, int, int]:
+        """(pp, dp, tp) sizes of the world mesh."""
+        return axis_sizes(dataclasses.asdict(self))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -252,18 +254,9 @@ class JobConfig:
         _require(self.checkpoint_every >= 0, "checkpoint_every must be >= 0")
         problem = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=self.data.known_vocab_size)
         _require(problem is None, problem or "")
-        pipe = self.parallel.pipeline
-        if pipe is not None and pipe.stages > 1:
-            _require(
-                pipe.stages <= self.model.layers + 2,
-                f"parallel.pipeline.stages ({pipe.stages}) must be <= the model's layer count "
-                f"({self.model.layers} blocks + embedding + head = {self.model.layers + 2})",
-            )
-            _require(
-                self.train.batch_size % pipe.microbatches == 0,
-                f"parallel.pipeline.microbatches ({pipe.microbatches}) must divide "
-                f"train.batch_size ({self.train.batch_size})",
-            )
+        # the same rules, and words, as the API's (jobrules/parallel.py)
+        problems = parallel_problems(self.to_dict())
+        _require(not problems, "; ".join(problems))
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> JobConfig:

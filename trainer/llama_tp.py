@@ -92,19 +92,26 @@ class TokenEmbedding1D(nn.Module):
 
 
 class LlamaHead1D(nn.Module):
-    """Replicated RMSNorm; vocabulary projection split over the vocabulary; logits gathered."""
+    """Replicated RMSNorm; vocabulary projection split over the vocabulary. Like GPT's Head1D, the
+    output is this rank's vocabulary block of the logits (for the vocab-parallel loss) unless
+    `gather`, which all-gathers whole rows."""
 
-    def __init__(self, dense: LlamaHead, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: LlamaHead, *, mesh: Mesh1D, name: str, gather: bool = False) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.mesh, self.name, self.gather = mesh, name, gather
         self.norm = RMSNorm1D(dense.norm, mesh=mesh)
         self.out = ColumnLinear(dense.out, mesh=mesh, name=f"{name}.out")
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return comm.gather_last(self.out(self.norm(x_BTD)), group=self.mesh.group, layer=self.name)
+        logits_BTv = self.out(self.norm(x_BTD))
+        if not self.gather:
+            return logits_BTv
+        return comm.gather_last(logits_BTv, group=self.mesh.group, layer=self.name)
 
 
-def shard_llama_layer(layer: nn.Module, *, mesh: object, name: str) -> nn.Module | None:
+def shard_llama_layer(
+    layer: nn.Module, *, mesh: object, name: str, gather_logits: bool = False
+) -> nn.Module | None:
     """The 1-D version of a Llama layer; None when `layer` is not one."""
     kinds = {TokenEmbedding: TokenEmbedding1D, LlamaBlock: LlamaBlock1D, LlamaHead: LlamaHead1D}
     cls = kinds.get(type(layer))
@@ -114,4 +121,6 @@ def shard_llama_layer(layer: nn.Module, *, mesh: object, name: str) -> nn.Module
         raise TypeError(
             f"{type(layer).__name__} has a 1-D tensor-parallel form only (parallel.tensor.mode 1d)"
         )
+    if cls is LlamaHead1D:
+        return LlamaHead1D(layer, mesh=mesh, name=name, gather=gather_logits)
     return cls(layer, mesh=mesh, name=name)

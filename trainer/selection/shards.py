@@ -81,6 +81,24 @@ class Place:
     stream: torch.cuda.Stream | None = None
 
 
+class HostShard(Shard):
+    """A spilling-engine shard that, while it runs on a CPU "device", computes on its host copy:
+    host and device are the same memory there, so copying in and out would only cost time."""
+
+    alias = False
+    """Set while the shard is bound to a CPU place: a copy in returns the host tensor itself."""
+
+    def _copy_in(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.alias and src.dtype == dtype:
+            return src
+        return super()._copy_in(src, dtype)
+
+    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.data_ptr() == dst.data_ptr():  # an aliased shard writes its host copy in place
+            return
+        super()._copy_out(src, dst)
+
+
 def mini_batch_tasks(n_shards: int, *, deferred: bool) -> list[Task]:
     last = n_shards - 1
     return (
@@ -103,7 +121,7 @@ class ShardedTrial:
     index: int
     job: JobConfig
     model: nn.Sequential
-    shards: list[Shard]
+    shards: list[HostShard]
     work_bytes: list[int]
     """W(s): device bytes while shard s runs (the partitioner's rule)."""
     copy_bytes: list[int]
@@ -159,7 +177,7 @@ class ShardedTrial:
             keys = ["momentum_buffer"]
         shards = []
         for k, (a, b) in enumerate(plan.bounds):
-            s = Shard(
+            s = HostShard(
                 index=k,
                 start=a,
                 stop=b,
@@ -207,6 +225,7 @@ class ShardedTrial:
         s = self.shards[k]
         if not s.resident:
             s.device, s.ledger, s.copy_stream = place.device, place.ledger, place.stream
+            s.alias = place.device.type == HOST.type
         s.to_device(state=state, grads=grads)
         return time.perf_counter() - t0
 

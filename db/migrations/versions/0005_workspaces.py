@@ -1,7 +1,7 @@
 """workspaces: uploaded user code, content-addressed
 
 Revision ID: 0005
-Revises: 0002
+Revises: 0004
 Create Date: 2026-11-23
 """
 
@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0005"
-down_revision = "0002"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
