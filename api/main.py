@@ -113,7 +113,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(BrokerError, _broker_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     # the last added runs first: a foreign Host is refused before a body is read
-    app.add_middleware(RequestLimits, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        # workspace uploads are archives, capped by their own setting
+        raw_paths=(r"^/api/workspaces$",),
+        max_raw_bytes=int(settings.workspace_max_mb * 2**20),
+    )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     app.include_router(users.router)
     app.include_router(health.router)

@@ -66,7 +66,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=pin_workspace(session, spec.model_dump()),
+        spec=pin_workspace(session, spec.model_dump(), user=user),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,

@@ -1,6 +1,6 @@
 // Submit-form helpers for users' own models and data: example specs for every model and data kind,
 // and a workspace upload (.tar.gz or .zip) whose reference goes into the spec's `workspace`.
-import { ApiError, describeDetail } from "./api";
+import { ApiError, csrfToken, describeDetail, SIGNED_OUT } from "./api";
 import { errorText, h } from "./dom";
 
 export interface Workspace {
@@ -55,11 +55,14 @@ export const TEMPLATES: Record<string, Record<string, unknown>> = {
 };
 
 export async function uploadWorkspace(file: File): Promise<Workspace> {
+  // the archive is the body itself, so not api(): same session cookie and CSRF header though
   const res = await fetch(`/api/workspaces?name=${encodeURIComponent(file.name)}`, {
     method: "POST",
-    headers: { "Content-Type": "application/octet-stream" },
+    headers: { "Content-Type": "application/octet-stream", "X-CSRF-Token": csrfToken() },
+    credentials: "same-origin",
     body: file,
   });
+  if (res.status === 401) window.dispatchEvent(new Event(SIGNED_OUT));
   const payload = (await res.json().catch(() => null)) as { detail?: unknown } | null;
   if (!res.ok) throw new ApiError(res.status, describeDetail(payload?.detail ?? res.statusText));
   return payload as unknown as Workspace;

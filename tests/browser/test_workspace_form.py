@@ -5,39 +5,19 @@ real stack). A malicious archive shows the server's reason."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from tests.archives import MALICIOUS, targz
-from tests.browser.test_dashboard import CHROMIUM, CHROMIUM_ARGS
+from tests.browser.test_dashboard import browser, page  # noqa: F401 - the signed-in tab fixtures
 from tests.trainer.user_model_src import USER_MODEL
 
 pytestmark = pytest.mark.browser
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    ctx.close()
-    assert not errors, errors
-
-
-def test_user_model_from_an_uploaded_workspace(stack, page: Page, tmp_path: Path) -> None:  # noqa: ANN001
+def test_user_model_from_an_uploaded_workspace(stack, page: Page, tmp_path: Path) -> None:  # noqa: ANN001, F811
     archive = tmp_path / "userlm.tar.gz"
     archive.write_bytes(targz({"userlm/__init__.py": b"", "userlm/model.py": USER_MODEL.encode()}))
     evil = tmp_path / "evil.tar.gz"

@@ -185,3 +185,31 @@ def test_user_model_trains_through_the_api_and_a_selection_ranges_over_its_args(
     assert any(t["stopped_early"] for t in sel["trials"]), "ASHA stops some of six trials"
     widths = {stack.job(t["job_id"])["spec"]["model"]["args"]["width"] for t in sel["trials"]}
     assert widths == {8, 16, 24, 32, 40, 48}
+
+
+def test_workspaces_belong_to_their_uploader(stack: StackHandle) -> None:
+    from tests.integration.test_auth import new_user
+
+    body = targz({"mine.txt": b"alice's code"})
+    _a, ca = new_user(stack)
+    _b, cb = new_user(stack)
+    with ca, cb:
+        headers = {"content-type": "application/gzip"}
+        mine = ca.post("/api/workspaces", params={"name": "a"}, content=body, headers=headers).json()
+        assert [w["id"] for w in ca.get("/api/workspaces").json()["items"]] == [mine["id"]]
+        # B sees nothing of A's: not listed, not by id or digest, not usable in a job, not deletable
+        assert cb.get("/api/workspaces").json()["total"] == 0
+        assert cb.get(f"/api/workspaces/{mine['id']}").status_code == 404
+        assert cb.get(f"/api/workspaces/{mine['ref']}").status_code == 404
+        resp = cb.post("/api/jobs", json=tiny(workspace=mine["ref"]))
+        assert resp.status_code == 422 and "not found" in resp.json()["detail"]
+        assert cb.delete(f"/api/workspaces/{mine['id']}").status_code == 404
+        # the same bytes uploaded by B are B's own workspace (one stored file)
+        theirs = cb.post("/api/workspaces", params={"name": "b"}, content=body, headers=headers).json()
+        assert theirs["id"] != mine["id"] and theirs["digest"] == mine["digest"]
+        assert cb.delete(f"/api/workspaces/{theirs['id']}").status_code == 204
+        assert ca.get(f"/api/workspaces/{mine['ref']}").json()["id"] == mine["id"]
+        blob = Path(stack.stack.root) / "workspaces" / f"{mine['digest']}.tar.gz"
+        assert blob.is_file(), "A's row still needs the stored file"
+        assert ca.delete(f"/api/workspaces/{mine['id']}").status_code == 204
+        assert not blob.exists()

@@ -25,7 +25,7 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("owner_id", sa.Integer(), nullable=True),
         sa.PrimaryKeyConstraint("id"),
-        sa.UniqueConstraint("digest"),
+        sa.UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),
     )
     op.create_index("ix_workspaces_owner_id", "workspaces", ["owner_id"])
 
