@@ -28,7 +28,7 @@ def job_public(job: Job) -> JobPublic:
         cancel_requested=job.cancel_requested,
         progress=Progress(step=job.step, steps=job.steps, loss=job.last_loss),
         selection_id=job.selection_id,
-        owner=job.owner.name if job.owner else None,
+        owner=job.user.name if job.user else None,
         wait_reason=job.wait_reason,
     )
 
@@ -64,5 +64,5 @@ def selection_public(sel: Selection) -> SelectionPublic:
         error=sel.error,
         trials=[trial_public(t) for t in sel.trials],
         leaderboard=_leaderboard(sel),
-        owner=sel.owner.name if sel.owner else None,
+        owner=sel.user.name if sel.user else None,
     )

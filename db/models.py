@@ -124,7 +124,8 @@ class Job(Base):
     """Who submitted it (a trial's job: the selection's owner); null for jobs from before users."""
     wait_reason: Mapped[str | None] = mapped_column(Text, default=None)
     """Why a queued job is not running yet (its owner's quota is full); cleared when it starts."""
-    owner: Mapped[User | None] = relationship(lazy="joined")
+    user: Mapped[User | None] = relationship(lazy="joined")
+    """The submitting user (`owner_id`); `owner` on a job is the worker process holding its lease."""
 
 
 class MetricPoint(Base):
@@ -187,7 +188,7 @@ class Selection(Base):
     owner_id: Mapped[int | None] = mapped_column(
         ForeignKey("users.id", ondelete="SET NULL"), default=None, index=True
     )
-    owner: Mapped[User | None] = relationship(lazy="joined")
+    user: Mapped[User | None] = relationship(lazy="joined")
     trials: Mapped[list[Trial]] = relationship(
         back_populates="selection", order_by="Trial.index", cascade="all, delete-orphan"
     )

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
+from sqlalchemy import update
 
 from db import jobs as dbj
 from db import selections as dbs
@@ -113,11 +115,16 @@ def test_a_result_is_stored_when_it_arrives_and_marks_the_applied_step(db_url: s
 def test_expired_leases_go_back_to_queued_or_end_cancelled(db_url: str) -> None:
     a, b, c = _job(db_url), _job(db_url), _job(db_url)
     with session_for(db_url) as s:
-        dbj.claim_job(s, job_id=a, owner="x", worker="w", lease_s=0.1)
-        dbj.claim_job(s, job_id=b, owner="x", worker="w", lease_s=0.1)
+        dbj.claim_job(s, job_id=a, owner="x", worker="w", lease_s=60)
+        dbj.claim_job(s, job_id=b, owner="x", worker="w", lease_s=60)
         dbj.claim_job(s, job_id=c, owner="y", worker="w", lease_s=60)
-        dbj.request_cancel(s, job_id=b)
-    time.sleep(0.3)
+        dbj.request_cancel(s, job_id=b)  # a live lease: b is only asked to stop
+        # then x's leases run out (set in the past by database time, so a slow machine cannot
+        # let them lapse before the cancel above)
+        s.execute(
+            update(Job).where(Job.id.in_([a, b])).values(lease_until=dbj.db_now(s) - timedelta(seconds=1))
+        )
+        s.commit()
     with session_for(db_url) as s:
         requeued, cancelled = dbj.expire_leases(s)
         assert ([j.id for j in requeued], [j.id for j in cancelled]) == ([a], [b])
