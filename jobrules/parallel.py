@@ -130,7 +130,10 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
                     f"{name} ({value}) must be divisible by {field} ({split}) for {tensor['mode']}"
                 )
         if rows % row_blocks:
-            what = "train.batch_size" if rows == batch else "the rows of one micro-batch per replica"
+            if rows == batch:
+                what = "train.batch_size"
+            else:
+                what = "a replica's rows" if pp == 1 else "the rows of one micro-batch per replica"
             formula = "q" if tensor["mode"] == "2d" else "d*q"
             problems.append(
                 f"{what} ({rows}) must be divisible by {formula} ({row_blocks}) for {tensor['mode']}: "
