@@ -21,10 +21,12 @@ import httpx
 
 from api.stack import Stack
 from bench.common import table, write_results
+from core.broker import job_channel
+from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import claim_job, create_job
-from workers.relay import Relay
+from workers.relay import Relay, Target
 
 TINY = {
     "name": "bench",
@@ -93,16 +95,28 @@ def bench_latency(stack: Stack, n: int) -> dict:
 def _running_job(settings: Settings) -> int:
     with session_for(settings.database_url) as s:
         job = create_job(s, name="bench-ingest", spec=TINY, steps=10**9)
-        claim_job(s, job_id=job.id, worker="bench")
         return job.id
+
+
+def _relay(settings: Settings, job_id: int, flush_s: float = 0.2) -> Relay:
+    """The worker's Relay on a job this benchmark holds the lease of."""
+    with session_for(settings.database_url) as s:
+        attempt = claim_job(s, job_id=job_id, owner=f"bench-{job_id}", worker="bench", lease_s=3600)
+    assert attempt is not None
+    target = Target(attempt=attempt, channels=(job_channel(job_id),))
+    return Relay(settings, targets={None: target}, on_fenced=lambda _k: None, flush_s=flush_s)
+
+
+def _metric(relay: Relay, step: int, value: float) -> None:
+    relay.add(None, Message(kind="metric", seq=step, step=step, name="loss", value=value))
 
 
 def bench_ingest(settings: Settings, n: int) -> dict:
     """Points through the worker's Relay (batched inserts, then a Redis publish per batch)."""
-    relay = Relay(settings, job_id=_running_job(settings))
+    relay = _relay(settings, _running_job(settings))
     t0 = time.perf_counter()
     for i in range(n):
-        relay.metric(i, "loss", 1.0 / (i + 1), time.time())
+        _metric(relay, i, 1.0 / (i + 1))
     relay.close()
     dt = time.perf_counter() - t0
     assert relay.points_written == n
@@ -135,12 +149,12 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
     t.start()
     ready.wait(10)
     time.sleep(0.5)
-    relay = Relay(settings, job_id=job_id, flush_s=0.2)
+    relay = _relay(settings, job_id, flush_s=0.2)
     flushed: dict[int, float] = {}
     emitted: dict[int, float] = {}
     for i in range(n):
         emitted[i] = time.perf_counter()
-        relay.metric(i, "loss", 1.0, time.time())
+        _metric(relay, i, 1.0)
         if (
             i < n // 2
         ):  # first half flushed at once (publish latency), second half left to the batching thread

@@ -29,7 +29,7 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params, lm_loss
 from trainer.spill.ledger import DeviceLedger
@@ -81,6 +81,24 @@ class Place:
     stream: torch.cuda.Stream | None = None
 
 
+class HostShard(Shard):
+    """A spilling-engine shard that, while it runs on a CPU "device", computes on its host copy:
+    host and device are the same memory there, so copying in and out would only cost time."""
+
+    alias = False
+    """Set while the shard is bound to a CPU place: a copy in returns the host tensor itself."""
+
+    def _copy_in(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.alias and src.dtype == dtype:
+            return src
+        return super()._copy_in(src, dtype)
+
+    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.data_ptr() == dst.data_ptr():  # an aliased shard writes its host copy in place
+            return
+        super()._copy_out(src, dst)
+
+
 def mini_batch_tasks(n_shards: int, *, deferred: bool) -> list[Task]:
     last = n_shards - 1
     return (
@@ -103,12 +121,12 @@ class ShardedTrial:
     index: int
     job: JobConfig
     model: nn.Sequential
-    shards: list[Shard]
+    shards: list[HostShard]
     work_bytes: list[int]
     """W(s): device bytes while shard s runs (the partitioner's rule)."""
     copy_bytes: list[int]
     """Pf(s): device bytes a prefetched shard s holds before it runs."""
-    data: TextData
+    data: Dataset
     stream: BatchStream
     flops_per_step: float
     step: int = 0
@@ -131,6 +149,7 @@ class ShardedTrial:
     def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
         """Cut the model so that one shard's working set plus a prefetched shard of any other trial
         fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
+        job = with_data_vocab(job)
         cfg = job.train
         model = build_model(job.model, seed=cfg.seed)
         spill = job.parallel.spill
@@ -158,7 +177,7 @@ class ShardedTrial:
             keys = ["momentum_buffer"]
         shards = []
         for k, (a, b) in enumerate(plan.bounds):
-            s = Shard(
+            s = HostShard(
                 index=k,
                 start=a,
                 stop=b,
@@ -170,7 +189,7 @@ class ShardedTrial:
             s.tag = f"t{index}.s{k}"  # one device ledger holds several trials' shards
             s.attach_optimizer(build_optimizer(s.params, cfg), state_keys=keys)
             shards.append(s)
-        data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+        data = data_for(job)
         return cls(
             index=index,
             job=job,
@@ -206,6 +225,7 @@ class ShardedTrial:
         s = self.shards[k]
         if not s.resident:
             s.device, s.ledger, s.copy_stream = place.device, place.ledger, place.stream
+            s.alias = place.device.type == HOST.type
         s.to_device(state=state, grads=grads)
         return time.perf_counter() - t0
 

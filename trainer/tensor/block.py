@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.llama_tp import shard_llama_layer
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
 from trainer.tensor.cross_entropy import row_blocks, tp_loss
@@ -51,8 +52,10 @@ def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
 
 
 def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str, gather_logits: bool = False) -> nn.Module:
-    """One layer of the GPT's nn.Sequential: embedding, block or head. The head's output is this
+    """One layer of a GPT (embedding, block or head) or a Llama (1d). The head's output is this
     rank's vocabulary block of the logits (for `loss_fn`) unless `gather_logits`."""
+    if (llama := shard_llama_layer(layer, mesh=mesh, name=name, gather_logits=gather_logits)) is not None:
+        return llama
     if isinstance(layer, Block):
         return shard_block(layer, mesh=mesh, name=name)
     grid = isinstance(mesh, MeshGrid)
