@@ -9,10 +9,10 @@ no decision here depends on it. Each bracket has a *logical order*: its trials s
 `random.Random(seed)`. Reports are processed in that order:
 
 - ASHA (`asha`): the report of the j-th trial in logical order is taken once every trial before
-  it has reported at the rung or can no longer reach it. It is promoted at once if it ranks in the
-  top floor(n / rf) of the n reports taken so far at the rung; otherwise it waits. This is
-  asynchronous ASHA (Li et al.) with the arrival order fixed to the logical order, so a trial need
-  not wait for the whole rung, only for the trials ahead of it.
+  it has reported at the rung or can no longer reach it. Then every waiting trial that ranks in the
+  top floor(n / rf) of the n reports taken so far at the rung is promoted. This is asynchronous
+  ASHA (Li et al.) with the arrival order fixed to the logical order, so a trial need not wait for
+  the whole rung, only for the trials ahead of it.
 - SHA (`sha`): nothing is promoted before the rung is complete.
 - Hyperband (`hyperband`): the trials are split into brackets s = s_max..0 in proportion to
   Hyperband's n_s = ceil((s_max + 1) * rf**s / (s + 1)); bracket s runs SHA over the last s rungs of
