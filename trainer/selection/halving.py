@@ -201,6 +201,16 @@ class Halving:
     def paused(self) -> set[int]:
         return set(self.pending) | set(self.waiting)
 
+    def blocking(self) -> set[int]:
+        """Trials that paused trials wait for: those that can still reach a rung at which some
+        trial is paused. Running them first gets the paused trials decided sooner, so fewer
+        devices idle; this is scheduling only, the decisions never depend on it."""
+        paused = {**self.pending, **self.waiting}
+        held = {(self.bracket[t], r) for t, r in paused.items()}
+        return {
+            t for b, rung in held for t in self._members(b) if t not in paused and self._can_reach(t, rung)
+        }
+
     # -- the decisions ---------------------------------------------------------------------------
 
     def _take_in_order(self, b: int, rung: int, out: Decisions) -> bool:
