@@ -29,9 +29,10 @@ import torch
 
 from bench.common import machine, table, write_results
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, load_data
 from trainer.loop import build_optimizer
-from trainer.models import MODELS, build_model, count_params, lm_loss
+from trainer.models import build_model, count_params, lm_loss, recipe_for
+from trainer.recipe import meta_layers
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import bucket_bytes
@@ -45,7 +46,7 @@ BF16 = OffloadConfig(optimizer=True, dtype="bf16")
 
 
 def stream_for(mcfg: ModelConfig, batch: int) -> BatchStream:
-    data = TextData.from_config(DataConfig(max_chars=400_000), seq_len=mcfg.seq_len)
+    data = load_data(DataConfig(max_chars=400_000), seq_len=mcfg.seq_len)
     return BatchStream(data=data, batch_size=batch, seed=0)
 
 
@@ -60,8 +61,7 @@ def plan_for(
     built on the meta device when only estimating, so wide models cost nothing to plan."""
     offload = mode == "offload"
     if str(device) == "meta":
-        with torch.device("meta"):
-            model = MODELS[mcfg.kind](mcfg)
+        model = torch.nn.Sequential(*meta_layers(recipe_for(mcfg)))
     else:
         model = build_model(mcfg, seed=0)
     costs = measure_layers(
@@ -154,8 +154,7 @@ def largest_rows(*, budget_mb: float, device: torch.device) -> list[dict[str, An
 
 
 def _param_counts(mcfg: ModelConfig) -> list[int]:
-    with torch.device("meta"):
-        model = MODELS[mcfg.kind](mcfg)
+    model = meta_layers(recipe_for(mcfg))
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
 

@@ -123,9 +123,11 @@ class PipelineExecutor:
         ranks: list[int] | None = None,
         cap: int | None = None,
         delay: Callable[[Action], float] | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
     ) -> None:
         """`ranks` maps pipeline rank to global rank (default identity); `delay(action)` returns
-        seconds to sleep before the action's compute (jitter injection for tests and benches)."""
+        seconds to sleep before the action's compute (jitter injection for tests and benches);
+        `loss_fn(outputs, targets)` is the model recipe's mean loss of one micro-batch."""
         self.sched = sched
         self.rank = rank
         self.modules = modules
@@ -136,6 +138,7 @@ class PipelineExecutor:
         self.ranks = ranks or list(range(sched.stages))
         self.cap = cap if cap is not None else async_cap(sched.stages)
         self.delay = delay
+        self.loss_fn = loss_fn
         n_recv = sum(1 for a in sched.ranks[rank] if self._source(a) is not None) + 4
         self._pool = ThreadPoolExecutor(max_workers=n_recv, thread_name_prefix=f"pp{rank}-recv")
 
@@ -240,7 +243,7 @@ class _StepRun:
             out = mod(inp)
             if a.stage == D - 1:
                 # note: scaled by 1/N so the N micro-batch gradients sum to the full-batch one
-                out = lm_loss(out, self.ys[a.mb]) / N
+                out = self.ex.loss_fn(out, self.ys[a.mb]) / N
                 self.loss += out.item()
             else:
                 self._send(

@@ -29,7 +29,7 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import build_optimizer, check_finite
 from trainer.models import build_model, count_params, lm_loss
 from trainer.spill.ledger import DeviceLedger
@@ -126,7 +126,7 @@ class ShardedTrial:
     """W(s): device bytes while shard s runs (the partitioner's rule)."""
     copy_bytes: list[int]
     """Pf(s): device bytes a prefetched shard s holds before it runs."""
-    data: TextData
+    data: Dataset
     stream: BatchStream
     flops_per_step: float
     step: int = 0
@@ -149,6 +149,7 @@ class ShardedTrial:
     def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
         """Cut the model so that one shard's working set plus a prefetched shard of any other trial
         fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
+        job = with_data_vocab(job)
         cfg = job.train
         model = build_model(job.model, seed=cfg.seed)
         spill = job.parallel.spill
@@ -188,7 +189,7 @@ class ShardedTrial:
             s.tag = f"t{index}.s{k}"  # one device ledger holds several trials' shards
             s.attach_optimizer(build_optimizer(s.params, cfg), state_keys=keys)
             shards.append(s)
-        data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+        data = data_for(job)
         return cls(
             index=index,
             job=job,

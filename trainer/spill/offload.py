@@ -114,7 +114,8 @@ class OffloadedAdamW:
 
     @property
     def device_bytes(self) -> int:
-        return bucket_bytes(self.bucket_numel)
+        """Bytes of the device buffers this optimizer holds, read off the buffers themselves."""
+        return sum(t.untyped_storage().nbytes() for bufs in self._sets for t in bufs)
 
     # note: `.item()` is a CPU-GPU sync point, once per group and step; the skip decision needs it
     def found_inf(self, grads: torch.Tensor) -> bool:

@@ -2,14 +2,14 @@
 add the same trial
 
 Revision ID: 0006
-Revises: 0002
+Revises: 0005
 Create Date: 2026-11-23
 """
 
 from alembic import op
 
 revision = "0006"
-down_revision = "0002"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
