@@ -44,12 +44,6 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
         problems.append(
             "parallel.pipeline with parallel.tensor in one job is not supported yet (use one of them)"
         )
-    res = spec.get("resources", {})
-    if piped and (res.get("device") == "cuda" or res.get("gpus", 0) > 0):
-        problems.append(
-            "parallel.pipeline jobs run on CPU ranks (gloo) for now: the executor tags its "
-            "point-to-point messages and NCCL ignores tags; set resources.device to cpu or auto and gpus to 0"
-        )
     if memory and (piped or tp):
         problems.append(
             "parallel.spill / parallel.offload cannot be combined with pipeline or tensor parallelism yet"

@@ -115,10 +115,12 @@ def pipeline_evaluate(
 
 def _clip(modules: dict[tuple[int, int], nn.Module], *, rank: int, max_norm: float) -> None:
     """Global-norm clipping across ranks; each stage counted once (its replica-0 copy)."""
-    sq = torch.zeros(1, dtype=torch.float64)
+    p0 = next(modules[(rank, 0)].parameters())
+    # on the parameters' device: NCCL reduces device tensors only
+    sq = torch.zeros(1, dtype=torch.float64, device=p0.device)
     for p in modules[(rank, 0)].parameters():
         if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(sq)
     coef = max_norm / (math.sqrt(sq.item()) + 1e-6)
     if coef < 1.0:
@@ -142,16 +144,10 @@ def train_pipeline(
         job.parallel.tensor is not None and job.parallel.tensor.world_size > 1
     ):
         raise ConfigError("pipeline jobs with data_parallel > 1 or tensor parallelism are not supported yet")
-    if job.resources.device == "cuda":
-        # NCCL ignores point-to-point tags and matches messages in issue order per pair, while the
-        # executor pre-posts every receive and relies on tags (Chimera and async send in orders
-        # the receiver cannot predict). Until a NCCL path orders its receives, refuse it.
-        raise ConfigError(
-            "resources.device 'cuda' is not supported for pipeline jobs yet (the executor needs "
-            "tagged point-to-point messages, which NCCL does not match); use 'cpu' or 'auto'"
-        )
-    device = torch.device("cpu")
-    init_from_env(device_type=device.type)
+    # the executor's messages are untagged and ordered for NCCL (checker.check_nccl), so CUDA
+    # ranks talk over NCCL; CPU ranks over gloo
+    init_from_env(device_type=pick_device(job.resources.device).type)
+    device = pick_device(job.resources.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     D, N = pipe.stages, pipe.microbatches
     if world != D:
@@ -179,15 +175,13 @@ def train_pipeline(
             m.load_state_dict(state["modules"][f"{key[0]}.{key[1]}"])
         opt.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    agreed = torch.tensor([start, -start])
+    agreed = torch.tensor([start, -start], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     if int(agreed[0]) != -int(agreed[1]):
         raise RuntimeError(
             f"pipeline ranks resumed from different steps ({int(agreed[0])}..{-int(agreed[1])})"
         )
     if lead:
-        if job.resources.device == "auto" and pick_device("auto").type == "cuda":
-            sink.log("pipeline jobs run on CPU with gloo for now; the GPU is left idle")
         if start:
             sink.log(f"resumed at step {start}")
         sink.log(
@@ -218,7 +212,7 @@ def train_pipeline(
         if cfg.grad_clip > 0:
             _clip(modules, rank=rank, max_norm=cfg.grad_clip)
         opt.step()
-        loss = torch.tensor([rec.loss], dtype=torch.float64)
+        loss = torch.tensor([rec.loss], dtype=torch.float64, device=device)
         dist.all_reduce(loss)  # note: also the step's synchronisation point
         dt = time.perf_counter() - t0
         loss_value = loss.item()
