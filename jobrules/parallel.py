@@ -158,9 +158,4 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
             "parallel.offload.dtype fp16 needs dynamic loss scaling, which only the single-process "
             "engine runs; use bf16 or fp32 with pipeline, tensor or data parallelism"
         )
-    if pp > 1 and (res.get("device") == "cuda" or int(res.get("gpus", 0) or 0) > 0):
-        problems.append(
-            "parallel.pipeline jobs run on CPU ranks (gloo) for now: the executor tags its "
-            "point-to-point messages and NCCL ignores tags; set resources.device to cpu or auto and gpus to 0"
-        )
     return problems
