@@ -63,7 +63,6 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     model, train = spec.get("model", {}), spec.get("train", {})
     par = spec.get("parallel") or {}
-    res = spec.get("resources") or {}
     pipe, tensor, spill, offload = (par.get(k) for k in ("pipeline", "tensor", "spill", "offload"))
     pp, dp, tp = axis_sizes(par)
     n_layers = int(model.get("layers", 4)) + 2  # embedding and head are layers too
