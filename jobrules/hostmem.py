@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobrules.data import data_vocab_size
 from jobrules.sizing import FP32, INT64, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
 RANK_RUNTIME_BYTES = 384 * 2**20
@@ -38,7 +39,9 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     """{'model_state', 'activations', 'runtime', 'total'} in bytes for a validated JobSpec dict."""
     model, train, par = spec["model"], spec["train"], spec.get("parallel") or {}
     keys = ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")
-    shape = {k: model[k] for k in keys if k in model}
+    shape = {k: model[k] for k in keys if model.get(k) is not None}
+    if "vocab_size" not in shape and (vocab := data_vocab_size(spec.get("data") or {})) is not None:
+        shape["vocab_size"] = vocab  # None follows the data: its vocabulary when the spec tells it
     try:
         params = sum(layer_param_counts(**shape))
         activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))
