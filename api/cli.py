@@ -233,14 +233,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_fail(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
     console.print(f"job {job['id']}: {job['status']} ({job['error']})")
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/requeue", json={"reason": args.reason}))
     console.print(f"job {job['id']}: {job['status']}, resumes from its latest checkpoint")
     return 0

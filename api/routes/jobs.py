@@ -65,7 +65,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=pin_workspace(session, spec.model_dump()),
+        spec=pin_workspace(session, spec.model_dump(), user=user),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,
@@ -158,11 +158,11 @@ def fail_job(
     admin: AdminUser,
     body: OperatorAction | None = None,
 ) -> JobPublic:
-    """An operator ends a queued or running job `failed`; a running attempt is fenced off (its
+    """An admin ends a queued or running job `failed`; a running attempt is fenced off (its
     worker kills the trainer at its next batch)."""
     reason = (body.reason if body else "") or f"failed by {admin.name}"
     try:
-        job = db_jobs.fail_job(session, job_id=job_id, reason=reason)
+        job = db_jobs.fail_job(session, job_id=job_id, reason=reason, actor=admin.name)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except db_jobs.Conflict as e:
@@ -178,11 +178,11 @@ def requeue_job(
     admin: AdminUser,
     body: OperatorAction | None = None,
 ) -> JobPublic:
-    """An operator puts a running or ended job back in the queue; it resumes from its latest
+    """An admin puts a running or ended job back in the queue; it resumes from its latest
     checkpoint. A running attempt is fenced off."""
     reason = (body.reason if body else "") or f"re-queued by {admin.name}"
     try:
-        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason)
+        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason, actor=admin.name)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except db_jobs.Conflict as e:
@@ -192,7 +192,7 @@ def requeue_job(
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
-    """A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
+    """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
     try:
         delete_finished_job(settings, job_id=job_id)
     except db_jobs.NotFound as e:

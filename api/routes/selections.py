@@ -117,7 +117,7 @@ def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
 def submit_selection(
     body: SelectionCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SelectionPublic:
-    base = pin_workspace(session, body.base.model_dump(), field="base.workspace")
+    base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
     try:
         params = _first_params(body)
     except SpaceError as e:
