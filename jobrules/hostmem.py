@@ -46,7 +46,7 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     )
     model_state = replicas * params * per_param
     ranks = world_size(par)
-    corpus = INT64 * spec.get("data", {}).get("max_chars", 0)
+    corpus = INT64 * ((spec.get("data") or {}).get("max_chars") or 0)
     runtime = ranks * (RANK_RUNTIME_BYTES + corpus)
     return {
         "model_state": model_state,

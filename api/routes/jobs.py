@@ -31,7 +31,6 @@ from api.streams import SseResponse, open_stream
 from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
 from db import selections as db_sel
-from db.engine import session_for
 from db.models import Job, User
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
@@ -251,17 +250,22 @@ def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
 def stream_job(
     job_id: JobId,
     request: Request,
+    session: SessionDep,
     settings: SettingsDep,
     user: CurrentUser,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
 ) -> SseResponse:
-    # a short session, closed before the stream starts: a stream that held a pooled connection
-    # while it waits would starve every other request once the pool's worth of streams is open
-    with session_for(settings.database_url) as session:
-        _job_or_404(session, job_id, user)
+    _job_or_404(session, job_id, user)
     cursor = last_event_id or request.query_params.get("last_event_id")
     if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
         )
-    return open_stream(request, lambda: job_events(settings, job_id=job_id, last_event_id=cursor))
+    # open_stream closes the session: a stream that held a pooled connection while it waits would
+    # starve every other request once the pool's worth of streams is open
+    return open_stream(
+        request,
+        lambda: job_events(settings, job_id=job_id, last_event_id=cursor),
+        session=session,
+        user=user,
+    )
