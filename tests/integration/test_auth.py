@@ -147,15 +147,17 @@ def test_workspaces_belong_to_their_uploader(stack: StackHandle) -> None:
         assert ws.status_code == 201, ws.text
         ws = ws.json()
         assert ws["owner_id"] == a["user"]["id"]
-        # B: not in the list, absent by id and digest, not usable in a job, and the same bytes are
-        # not handed over by uploading them again
+        # B: not in the list, absent by id and digest, not usable in a job, not deletable
         assert all(w["id"] != ws["id"] for w in cb.get("/api/workspaces").json()["items"])
         assert cb.get(f"/api/workspaces/{ws['id']}").status_code == 404
         assert cb.get(f"/api/workspaces/{ws['ref']}").status_code == 404
         resp = cb.post("/api/jobs", json={**SHORT, "workspace": ws["ref"]})
         assert resp.status_code == 422 and "not found" in resp.json()["detail"]
-        assert cb.post("/api/workspaces", content=body, headers=gz).status_code == 409
         assert cb.delete(f"/api/workspaces/{ws['id']}").status_code == 404
+        # the same bytes uploaded by B are B's own workspace, not A's
+        mine = cb.post("/api/workspaces", content=body, headers=gz)
+        assert mine.status_code == 201, mine.text
+        assert mine.json()["id"] != ws["id"] and mine.json()["owner_id"] == b["user"]["id"]
         # A and the admin see it
         assert ca.get(f"/api/workspaces/{ws['ref']}").status_code == 200
         assert stack.client.get(f"/api/workspaces/{ws['id']}").status_code == 200
