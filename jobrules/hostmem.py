@@ -23,6 +23,8 @@ from jobrules.data import BUILTIN_TOKENIZERS, data_vocab_size
 from jobrules.parallel import world_size
 from jobrules.sizing import FP32, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
+__all__ = ["RANK_RUNTIME_BYTES", "host_memory_bytes", "world_size"]
+
 RANK_RUNTIME_BYTES = 384 * 2**20
 
 
