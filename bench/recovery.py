@@ -65,7 +65,9 @@ def one(lease_s: float, fault: str) -> dict:
         "SHARDYARD_HEARTBEAT_S": str(max(0.25, lease_s / 8)),
     }
     with tempfile.TemporaryDirectory() as tmp, Stack(root=Path(tmp), extra_env=env) as st:
-        c = httpx.Client(base_url=st.base_url, timeout=30)
+        c = httpx.Client(
+            base_url=st.base_url, timeout=30, headers={"Authorization": f"Bearer {st.admin_token}"}
+        )
         job_id = c.post("/api/jobs", json=SPEC).json()["id"]
         _until(c, job_id, lambda j: j["progress"]["step"] >= 10)
         if fault == "worker":

@@ -46,7 +46,9 @@ def add_trials(
     actor: str | None = None,
 ) -> list[Trial]:
     """(index, params, spec) per trial -> Trial rows, each with its own queued Job row (owned by
-    the selection's owner)."""
+    the selection's owner, also when the worker grows the batch)."""
+    if owner_id is None:
+        owner_id = session.scalar(select(Selection.owner_id).where(Selection.id == selection_id))
     trials = []
     for index, params, spec in plans:
         job = create_job(

@@ -18,31 +18,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobrules.data import data_vocab_size
+from jobrules.parallel import world_size
 from jobrules.sizing import FP32, INT64, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
 RANK_RUNTIME_BYTES = 384 * 2**20
 
 
-def world_size(parallel: dict[str, Any]) -> int:
-    pipe, tensor = parallel.get("pipeline"), parallel.get("tensor")
-    stages = pipe["stages"] if pipe else 1
-    tp = 1
-    if tensor:
-        tp = {"1d": tensor["size"], "2d": tensor["q"] ** 2, "2.5d": tensor["q"] ** 2 * tensor["d"]}[
-            tensor["mode"]
-        ]
-    return stages * tp * parallel.get("data_parallel", 1)
-
-
 def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     """{'model_state', 'activations', 'runtime', 'total'} in bytes for a validated JobSpec dict."""
     model, train, par = spec["model"], spec["train"], spec.get("parallel") or {}
-    keys = ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")
+    keys = ("kind", "layers", "d_model", "heads", "seq_len", "mlp_ratio")
     shape = {k: model[k] for k in keys if k in model}
+    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data") or {})
     try:
-        params = sum(layer_param_counts(**shape))
-        activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))
-    except ValueError:  # a model kind sizing.py does not know: count the runtime only
+        if vocab is None:  # only the data files on the worker tell it
+            raise ValueError("vocabulary unknown")
+        params = sum(layer_param_counts(**shape, vocab_size=vocab))
+        activations = sum(layer_activation_bytes(batch_size=train["batch_size"], vocab_size=vocab, **shape))
+    except ValueError:  # a model sizing.py cannot size from the spec (llama, python): runtime only
         params = activations = 0
     pipe = par.get("pipeline")
     replicas = 2 if pipe and str(pipe.get("schedule", "")).startswith("chimera") else 1
@@ -52,7 +46,7 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     )
     model_state = replicas * params * per_param
     ranks = world_size(par)
-    corpus = INT64 * spec.get("data", {}).get("max_chars", 0)
+    corpus = INT64 * ((spec.get("data") or {}).get("max_chars") or 0)
     runtime = ranks * (RANK_RUNTIME_BYTES + corpus)
     return {
         "model_state": model_state,
