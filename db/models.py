@@ -223,10 +223,11 @@ class Workspace(Base):
     the data dir (core/settings.py workspaces_dir) by its sha256."""
 
     __tablename__ = "workspaces"
+    __table_args__ = (UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), unique=True)
-    """sha256 of the archive bytes, hex."""
+    digest: Mapped[str] = mapped_column(String(64))
+    """sha256 of the archive bytes, hex (one stored file per digest, one row per owner)."""
     size: Mapped[int] = mapped_column(BigInteger)
     """Archive bytes as uploaded."""
     name: Mapped[str] = mapped_column(String(200))

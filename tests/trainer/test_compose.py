@@ -144,7 +144,8 @@ def test_composed_layout_matches_the_single_process_reference(name: str) -> None
     assert lead["result"]["params"] == n_params
     assert all(r["compared"] == r["local"] > 0 for r in ranks)
     pp, dp, tp = JobConfig.from_dict(raw).parallel.axes
-    if pp * tp > 1:
+    chimera = str(parallel.get("pipeline", {}).get("schedule", "")).startswith("chimera")
+    if pp * tp > 1 and not chimera:  # (Chimera holds two stage copies per rank: all of it at D=2)
         assert all(r["local"] < n_params for r in ranks)
     # one checkpoint per model piece: the first data-parallel replica writes, the others do not
     pieces = pp * tp
@@ -172,3 +173,41 @@ def test_a_launch_with_the_wrong_world_size_fails_before_any_process_group() -> 
     with pytest.raises(ConfigError, match=r"pp\*dp\*tp = 1\*2\*1 = 2 processes but WORLD_SIZE is 1"):
         run(job, sink=ListSink(), stop=NeverStop())
     assert not torch.distributed.is_initialized()
+
+
+class _StopAfter:
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def requested(self) -> bool:
+        self.calls += 1
+        return self.calls > self.n
+
+
+def _resume_rank(rank: int, world: int, raw: dict[str, Any], ckpt: str) -> dict[str, Any]:
+    """Two steps and a stop, then the same job again from the checkpoints: replica 1 resumes from
+    the files replica 0 wrote."""
+    job = JobConfig.from_dict(raw)
+    first, second = ListSink(), ListSink()
+    run(job, sink=first, stop=_StopAfter(2), checkpoint_dir=Path(ckpt))
+    files = sorted(p.name for p in Path(ckpt).rglob("step-*.pt"))
+    run(job, sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    return {
+        "first": first.series("loss"),
+        "second": second.series("loss"),
+        "files": files,
+        "logs": second.logs,
+    }
+
+
+@pytest.mark.slow
+def test_data_parallel_run_resumes_from_the_first_replicas_checkpoint() -> None:
+    ref = _ref(False)
+    with tempfile.TemporaryDirectory() as ckpt:
+        lead, other = run_ranks(
+            _resume_rank, world_size=2, args=(spec({"data_parallel": 2}), ckpt), timeout_s=300
+        )
+    assert lead["files"] == ["step-00000002.pt"]  # one writer for the two replicas
+    torch.testing.assert_close(lead["first"] + lead["second"], ref["loss"], rtol=2e-4, atol=2e-5)
+    assert any(m.startswith("resumed from step-00000002.pt") for m in lead["logs"])
+    assert other["first"] == other["second"] == []

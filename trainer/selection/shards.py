@@ -30,8 +30,9 @@ from torch import nn
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
-from trainer.loop import build_optimizer, check_finite
-from trainer.models import build_model, count_params, lm_loss
+from trainer.loop import build_optimizer, check_finite, val_batches
+from trainer.models import count_params, recipe_for
+from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.partition import (
     LayerCost,
@@ -120,6 +121,8 @@ def _sync(place: Place) -> None:
 class ShardedTrial:
     index: int
     job: JobConfig
+    recipe: ModelRecipe
+    """The model's recipe: its loss and how a batch feeds it, as in every engine."""
     model: nn.Sequential
     shards: list[HostShard]
     work_bytes: list[int]
@@ -151,7 +154,8 @@ class ShardedTrial:
         fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
         job = with_data_vocab(job)
         cfg = job.train
-        model = build_model(job.model, seed=cfg.seed)
+        recipe = recipe_for(job.model)
+        model = build_dense(recipe, seed=cfg.seed)
         spill = job.parallel.spill
         if spill is not None:
             own = int(spill.device_budget_mb * 2**20)
@@ -193,6 +197,7 @@ class ShardedTrial:
         return cls(
             index=index,
             job=job,
+            recipe=recipe,
             model=model,
             shards=shards,
             work_bytes=[working_set(costs, start=a, stop=b) for a, b in plan.bounds],
@@ -268,7 +273,7 @@ class ShardedTrial:
     def _compute(self, task: Task, s: Shard, place: Place) -> None:
         k = task.shard
         if k == 0 and task.kind != BACKWARD:  # the mini-batch starts: step k's batch, as the loop
-            x, self._y = self.stream.batch_for(self.step)
+            x, self._y = self.recipe.feed(self.stream.batch_for(self.step))
             self._inputs[0] = x
         h = self._hold(place, "in", self._inputs[k])
         if task.kind == FORWARD:
@@ -276,7 +281,7 @@ class ShardedTrial:
         else:
             if task.kind == LAST:
                 y = self._hold(place, "target", self._y)
-                grad, loss = s.backward(h, target=y)
+                grad, loss = s.backward(h, target=y, loss_fn=self.recipe.loss)
                 self.loss = float(loss.item())  # note: a CPU-GPU sync point, once per mini-batch
                 check_finite(self.loss, self.step + 1)
             else:
@@ -307,11 +312,7 @@ class ShardedTrial:
     def evaluate(self, place: Place) -> float:
         """The loop's validation loss (same fixed batches), computed shard by shard at `place`."""
         cfg = self.job.train
-        g = torch.Generator().manual_seed(cfg.seed + 7919)
-        batches = [
-            self.data.batch(split="val", batch_size=cfg.batch_size, generator=g)
-            for _ in range(cfg.eval_batches)
-        ]
+        batches = list(val_batches(self.data, recipe=self.recipe, cfg=cfg))
         hs = [x.to(place.device) for x, _ in batches]
         self.model.eval()
         for k, s in enumerate(self.shards):
@@ -320,7 +321,9 @@ class ShardedTrial:
             hs = [s.forward(h) for h in hs]
             s.spill()
         self.model.train()
-        total = sum(lm_loss(h, y.to(place.device)).item() for h, (_, y) in zip(hs, batches, strict=True))
+        total = sum(
+            self.recipe.loss(h, y.to(place.device)).item() for h, (_, y) in zip(hs, batches, strict=True)
+        )
         _sync(place)
         return total / cfg.eval_batches
 

@@ -28,7 +28,7 @@ def upgrade() -> None:
             ["owner_id"], ["users.id"], name="fk_workspaces_owner_id_users", ondelete="SET NULL"
         ),
         sa.PrimaryKeyConstraint("id"),
-        sa.UniqueConstraint("digest"),
+        sa.UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),
     )
     op.create_index("ix_workspaces_owner_id", "workspaces", ["owner_id"])
 
