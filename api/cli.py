@@ -1,18 +1,23 @@
 """`shardyard`: submit and watch jobs over the REST API, and run the service's processes.
 
-    shardyard submit spec.json [--follow]     shardyard jobs [--status running]
+    shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
+    shardyard admin create-user NAME [--admin]
 
-The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000).
+The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000), the API
+token from --token or SHARDYARD_TOKEN.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import re
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +38,9 @@ class CliError(Exception):
     pass
 
 
-def _client(api: str) -> httpx.Client:
-    return httpx.Client(base_url=api, timeout=30)
+def _client(api: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=api, timeout=30, headers=headers)
 
 
 def _check(resp: httpx.Response) -> Any:
@@ -47,22 +53,57 @@ def _check(resp: httpx.Response) -> Any:
     return resp.json()
 
 
-def sse_events(client: httpx.Client, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs from a Server-Sent Events endpoint."""
-    with client.stream("GET", path, timeout=httpx.Timeout(30, read=None)) as resp:
-        if resp.status_code >= 400:
-            resp.read()
-            _check(resp)
-        event, data = "message", []
-        for line in resp.iter_lines():
-            if line == "":
-                if data:
-                    yield event, json.loads("\n".join(data))
-                event, data = "message", []
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
+class _Interrupted(Exception):
+    """The stream ended or the server asked us to come back later (503)."""
+
+
+def sse_events(
+    client: httpx.Client, path: str, *, patience_s: float = 600.0
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) pairs from a Server-Sent Events endpoint, for as long as the caller reads.
+    A dropped connection (API or broker restarted), a stream that ends, or a 503 is followed by a
+    reconnect with Last-Event-ID, so nothing is seen twice or missed; after `patience_s` without
+    getting through, CliError."""
+    last_id: str | None = None
+    delay, down_since = 0.5, None
+    while True:
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        try:
+            with client.stream("GET", path, headers=headers, timeout=httpx.Timeout(30, read=None)) as resp:
+                if resp.status_code in (429, 502, 503, 504):
+                    resp.read()
+                    raise _Interrupted(f"{resp.status_code}: {resp.text[:200]}")
+                if resp.status_code >= 400:
+                    resp.read()
+                    _check(resp)
+                fid, event, data = None, "message", []
+                for line in resp.iter_lines():
+                    if line == "":
+                        if data:
+                            last_id = fid or last_id
+                            if down_since is not None:
+                                err.print("[green]stream resumed[/]")
+                            delay, down_since = 0.5, None
+                            yield event, json.loads("\n".join(data))
+                        fid, event, data = None, "message", []
+                    elif line.startswith("id:"):
+                        fid = line[3:].strip()
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].strip())
+            raise _Interrupted("the server closed the stream")
+        except (httpx.TransportError, _Interrupted) as e:
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                err.print(f"[yellow]stream interrupted ({e or type(e).__name__}); reconnecting...[/]")
+            elif now - down_since > patience_s:
+                raise CliError(
+                    f"lost the stream {path} for {patience_s:.0f}s: {e or type(e).__name__}"
+                ) from e
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
 
 def follow(client: httpx.Client, job_id: int) -> str:
@@ -99,6 +140,40 @@ def follow(client: httpx.Client, job_id: int) -> str:
     return final["status"]
 
 
+_SKIP_DIRS = {"__pycache__", ".git", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+
+
+def pack_workspace(folder: Path) -> bytes:
+    """`folder` as a .tar.gz whose members are relative to it (caches and VCS folders left out).
+    Symlinks are refused here, as the server would refuse them."""
+    if not folder.is_dir():
+        raise CliError(f"--workspace {folder}: not a folder")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder)
+            if _SKIP_DIRS.intersection(rel.parts):
+                continue
+            if path.is_symlink():
+                raise CliError(f"--workspace: {rel} is a symlink; workspaces hold plain files only")
+            if path.is_file():
+                tar.add(path, arcname=rel.as_posix(), recursive=False)
+    return buf.getvalue()
+
+
+def upload_workspace(c: httpx.Client, folder: Path) -> dict[str, Any]:
+    body = pack_workspace(folder)
+    return _check(
+        c.post(
+            "/api/workspaces",
+            params={"name": folder.resolve().name or "workspace"},
+            content=body,
+            headers={"content-type": "application/gzip"},
+            timeout=300,
+        )
+    )
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     try:
         spec = json.loads(Path(args.spec).read_text())
@@ -106,7 +181,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read {args.spec}: {e.strerror}") from e
     except ValueError as e:
         raise CliError(f"{args.spec} is not valid JSON: {e}") from e
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
+        if args.workspace is not None:
+            ws = upload_workspace(c, Path(args.workspace))
+            console.print(
+                f"uploaded workspace [bold]{ws['id']}[/] ({ws['ref'][:19]}..., {ws['size']:,} bytes)"
+            )
+            spec = {**spec, "workspace": ws["ref"]}
         job = _check(c.post("/api/jobs", json=spec))
         console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), status {job['status']}")
         if args.follow:
@@ -118,7 +199,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     params = {"limit": args.limit}
     if args.status:
         params["status"] = args.status
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         page = _check(c.get("/api/jobs", params=params))
     table = Table("id", "name", "status", "progress", "worker", "created", "error")
     for j in page["items"]:
@@ -138,21 +219,35 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         console.print_json(data=_check(c.get(f"/api/jobs/{args.id}")))
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/cancel"))
     note = " (the trainer stops at its next step)" if job["status"] == "running" else ""
     console.print(f"job {job['id']}: {job['status']}, cancel requested{note}")
     return 0
 
 
+def cmd_fail(args: argparse.Namespace) -> int:
+    with _client(args.api, args.token) as c:
+        job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
+    console.print(f"job {job['id']}: {job['status']} ({job['error']})")
+    return 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    with _client(args.api, args.token) as c:
+        job = _check(c.post(f"/api/jobs/{args.id}/requeue", json={"reason": args.reason}))
+    console.print(f"job {job['id']}: {job['status']}, resumes from its latest checkpoint")
+    return 0
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         for ev in _check(c.get(f"/api/jobs/{args.id}/logs"))["items"]:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"]))
             prefix = "status " if ev["kind"] == "status" else ""
@@ -161,7 +256,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         return 0 if follow(c, args.id) == "succeeded" else 1
 
 
@@ -172,6 +267,29 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
     url = get_settings().database_url
     upgrade(url)
     console.print(f"database {url} is at the latest migration")
+    return 0
+
+
+def cmd_admin_create_user(args: argparse.Namespace) -> int:
+    """Straight to the database (the way to make the first admin): prints the token once."""
+    from api.auth import issue_token
+    from core.settings import get_settings
+    from db.engine import session_for
+    from db.jobs import Conflict
+    from db.users import create_user
+
+    if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", args.name):
+        raise CliError("name: 1-64 letters, digits or _ . @ -")
+    cmd_migrate(args)
+    with session_for(get_settings().database_url) as s:
+        try:
+            user = create_user(s, name=args.name, is_admin=args.admin)
+        except Conflict as e:
+            raise CliError(str(e)) from e
+        secret, _ = issue_token(s, user_id=user.id, label="cli")
+    role = "admin" if args.admin else "user"
+    err.print(f"created {role} {args.name}; the token is shown this once (export SHARDYARD_TOKEN=...):")
+    print(secret)
     return 0
 
 
@@ -195,17 +313,27 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import signal
 
     from api.stack import Stack
+    from core.settings import get_settings
 
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(args.root)
-    stack = Stack(root=root, api_port=args.port, workers=args.workers)
+    # the workers' warm shutdown kills trainers that have not checkpointed after the grace;
+    # wait that long plus time for the worker to write the jobs back and exit
+    shutdown_s = get_settings().shutdown_grace_s + 30
+    stack = Stack(root=root, api_port=args.port, workers=args.workers, shutdown_s=shutdown_s)
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"
     )
-    with stack:
+    try:
+        stack.start()
         console.print(f"[bold green]dashboard:[/] {stack.base_url}/")
-        with _client(stack.base_url) as c:
+        console.print(
+            f"[bold]admin token[/] (sign in to the dashboard with it; CLI: export SHARDYARD_TOKEN=...):\n"
+            f"{stack.admin_token}",
+            highlight=False,
+        )
+        with _client(stack.base_url, stack.admin_token) as c:
             if args.demo:
                 spec = json.loads(DEMO_SPEC.read_text())
                 job = _check(c.post("/api/jobs", json=spec))
@@ -215,14 +343,19 @@ def cmd_stack(args: argparse.Namespace) -> int:
                 follow(c, job["id"])
                 console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job['id']}")
         console.print("the stack keeps running; press Ctrl-C to stop everything")
-        try:
-            while all(p.poll() is None for p in stack.procs.values()):
-                time.sleep(1)
-            dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-            err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
-            return 1
-        except KeyboardInterrupt:
-            console.print("stopping...")
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(1)
+        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
+        err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.print(
+            f"stopping: running jobs checkpoint and go back to the queue (up to {shutdown_s:.0f}s; "
+            "Ctrl-C again to kill them)..."
+        )
+        stack.stop()
     return 0
 
 
@@ -233,11 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--api", default=os.environ.get("SHARDYARD_API_URL", "http://127.0.0.1:8000"), help="API base URL"
     )
+    ap.add_argument(
+        "--token", default=os.environ.get("SHARDYARD_TOKEN"), help="API token (default: $SHARDYARD_TOKEN)"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="submit a JobSpec JSON file")
     p.add_argument("spec")
     p.add_argument("--follow", "-f", action="store_true", help="show progress and live loss until it ends")
+    p.add_argument("--workspace", "-w", metavar="DIR", help="pack and upload DIR; the job runs with it")
     p.set_defaults(fn=cmd_submit)
     p = sub.add_parser("jobs", help="list jobs")
     p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
@@ -252,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("id", type=int)
         p.set_defaults(fn=fn)
+    for name, fn, text in [
+        ("fail", cmd_fail, "operator: end a queued or running job `failed`"),
+        ("requeue", cmd_requeue, "operator: put a running or ended job back in the queue"),
+    ]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("id", type=int)
+        p.add_argument("--reason", default="", help="kept in the job's log")
+        p.set_defaults(fn=fn)
     p = sub.add_parser("migrate", help="bring the database to the latest migration")
     p.set_defaults(fn=cmd_migrate)
     p = sub.add_parser("serve", help="run the API (migrates first)")
@@ -262,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queues", default="cpu,gpu")
     p.add_argument("--concurrency", type=int, default=1)
     p.set_defaults(fn=cmd_worker)
+    p = sub.add_parser("admin", help="administration straight on the database")
+    admin = p.add_subparsers(dest="admin_command", required=True)
+    p = admin.add_parser("create-user", help="create a user and print its first API token")
+    p.add_argument("name")
+    p.add_argument("--admin", action="store_true", help="may see and act on everyone's jobs")
+    p.set_defaults(fn=cmd_admin_create_user)
     p = sub.add_parser("stack", help="run redis-server, the API and a worker on this machine")
     p.add_argument("--root", default=".shardyard")
     p.add_argument("--port", type=int, default=8000)
@@ -282,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         err.print(
             f"[red]error:[/] cannot reach the API at {args.api} (is `shardyard serve` or `make demo` running?)"
         )
+        return 2
+    except httpx.TransportError as e:
+        err.print(f"[red]error:[/] lost the connection to the API at {args.api}: {e or type(e).__name__}")
         return 2
 
 

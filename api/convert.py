@@ -28,6 +28,8 @@ def job_public(job: Job) -> JobPublic:
         cancel_requested=job.cancel_requested,
         progress=Progress(step=job.step, steps=job.steps, loss=job.last_loss),
         selection_id=job.selection_id,
+        owner=job.user.name if job.user else None,
+        wait_reason=job.wait_reason,
     )
 
 
@@ -59,6 +61,8 @@ def selection_public(sel: Selection) -> SelectionPublic:
         space=sel.request.get("space", {}),
         request=sel.request,
         cancel_requested=sel.cancel_requested,
+        error=sel.error,
         trials=[trial_public(t) for t in sel.trials],
         leaderboard=_leaderboard(sel),
+        owner=sel.user.name if sel.user else None,
     )

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from kombu.exceptions import OperationalError as BrokerError
+from redis.exceptions import RedisError
+from sqlalchemy.exc import OperationalError as DbError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from api.routes import events, health, jobs, selections
+from api.auth import bootstrap_admin
+from api.limits import RequestLimits, clip
+from api.retention import retention_loop
+from api.routes import events, health, jobs, selections, users, workspaces
+from api.streams import StreamSlots
 from core.settings import Settings, get_settings
+from db.engine import POOL_TIMEOUT_S
+
+log = logging.getLogger(__name__)
 
 _NO_DASHBOARD = """<!doctype html><title>Shardyard</title><h1>Shardyard</h1>
 <p>The dashboard is not built. Run <code>make frontend</code> (or <code>make demo</code>).
@@ -16,31 +34,99 @@ The API is at <a href="/docs">/docs</a>.</p>"""
 
 
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [clip(str(p), 64) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts) or "body"
 
 
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with one readable sentence per problem, each naming the field and the rule."""
+    """422 with one readable sentence per problem, each naming the field and the rule. The input
+    itself is never echoed (it may be megabytes); at most 20 problems are listed."""
     errors = []
-    for err in exc.errors():
-        msg = err["msg"].removeprefix("Value error, ")
+    for err in exc.errors()[:20]:
+        msg = clip(err["msg"].removeprefix("Value error, "), 1000)
         errors.append({"field": _field(tuple(err["loc"])), "message": msg, "type": err["type"]})
-    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 4000)
     return JSONResponse(status_code=422, content={"detail": detail, "errors": errors})
+
+
+def _unavailable(reason: str) -> JSONResponse:
+    # Retry-After: these are passing conditions (a lock, a restart), not the client's fault
+    return JSONResponse(status_code=503, content={"detail": reason}, headers={"Retry-After": "5"})
+
+
+async def _database_error(_request: Request, exc: Exception) -> JSONResponse:
+    """503 naming the reason: the database is locked by a writer past the busy timeout, or gone."""
+    first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+    if "locked" in first or "busy" in first:
+        return _unavailable(f"database is locked by another writer ({first}); retry shortly")
+    log.warning("database unavailable: %s", first)
+    return _unavailable(f"database unavailable: {first}")
+
+
+async def _pool_exhausted(_request: Request, _exc: Exception) -> JSONResponse:
+    return _unavailable(f"database busy: no free connection within {POOL_TIMEOUT_S:.0f}s; retry shortly")
+
+
+async def _broker_error(_request: Request, exc: Exception) -> JSONResponse:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    log.warning("broker unavailable: %s", first)
+    return _unavailable(f"broker unavailable: {first}")
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Route errors, with any quoted input cut short."""
+    detail = clip(exc.detail, 2000) if isinstance(exc.detail, str) else exc.detail
+    return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            bootstrap_admin(settings)
+        except Exception:  # noqa: BLE001 - an unmigrated database must not stop the API serving 503s
+            log.exception("could not set up the admin from SHARDYARD_ADMIN_TOKEN")
+        cleanup = asyncio.create_task(retention_loop(settings)) if settings.job_retention_days > 0 else None
+        try:
+            yield
+        finally:
+            if cleanup is not None:
+                cleanup.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await cleanup
+
     app = FastAPI(
-        title="Shardyard", version="0.1.0", description="Training orchestrator for models that do not fit."
+        title="Shardyard",
+        version="0.1.0",
+        description="Training orchestrator for models that do not fit.",
+        lifespan=lifespan,
     )
+    app.state.stream_slots = StreamSlots(settings.sse_max_per_client)
     app.dependency_overrides[get_settings] = lambda: settings
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    # infrastructure faults answer 503 with the reason instead of 500
+    app.add_exception_handler(DbError, _database_error)
+    app.add_exception_handler(PoolTimeout, _pool_exhausted)
+    app.add_exception_handler(RedisError, _broker_error)
+    app.add_exception_handler(BrokerError, _broker_error)
+    # the last added runs first: a foreign Host is refused before a body is read; workspace
+    # uploads are archives, bounded by their own limit (api/routes/workspaces.py)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        raw_paths=(r"^/api/workspaces/?$",),
+        max_raw_bytes=int(settings.workspace_max_mb * 2**20),
+    )
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
+    app.include_router(users.router)
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(jobs.router)
     app.include_router(selections.router)
+    app.include_router(workspaces.router)
     if (settings.frontend_dist / "index.html").exists():
         app.mount("/", StaticFiles(directory=settings.frontend_dist, html=True), name="dashboard")
     else:

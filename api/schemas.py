@@ -4,40 +4,69 @@ again on its side); every rule's message names the field and the numbers."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api import sizing
+from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
+from jobrules.models import model_problems
+from jobrules.parallel import tensor_world_size, world_size
+
+WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity parse from JSON (Python's json accepts them) but no field means them
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
+"""A display name: 1-200 characters, no control characters (they break logs and tables)."""
+DB_INT = 2**31 - 1
+"""The largest value an INTEGER column holds on Postgres; ids and counters stay below it."""
+DB_BIGINT = 2**63 - 1
 
 
 class ModelSpec(Strict):
-    kind: Literal["gpt", "mlp"] = "gpt"
+    kind: Literal["gpt", "mlp", "llama", "python"] = "gpt"
     layers: int = Field(4, ge=1, le=256)
     d_model: int = Field(128, ge=8, le=16384)
     heads: int = Field(4, ge=1, le=256)
+    kv_heads: int | None = Field(None, ge=1, le=256, description="llama: grouped-query key/value heads")
     seq_len: int = Field(64, ge=1, le=8192)
-    vocab_size: Literal[128] = 128
+    vocab_size: int | None = Field(None, ge=2, le=2**24, description="None follows the data's vocabulary")
     mlp_ratio: int = Field(4, ge=1, le=16)
+    entry: str | None = Field(None, max_length=300, description="python: 'package.module:function'")
+    args: dict[str, Any] = Field(default_factory=dict, description="python: keyword arguments for entry")
+    init_from: str | None = Field(None, max_length=1000, description="safetensors/torch weights file")
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSpec:
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})"
-            )
+    def _rules(self) -> ModelSpec:
+        problems = model_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
 class DataSpec(Strict):
-    kind: Literal["text"] = "text"
-    corpus: Literal["stdlib"] = "stdlib"
+    kind: Literal["text", "tokens", "python"] = "text"
+    corpus: Literal["stdlib"] | None = None
+    path: str | None = Field(None, min_length=1, max_length=1000)
+    tokenizer: str = Field("char", min_length=1, max_length=1000)
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    vocab_size: int | None = Field(None, ge=2, le=2**24)
+    entry: str | None = Field(None, max_length=300)
+    args: dict[str, Any] = Field(default_factory=dict)
     max_chars: int = Field(4_000_000, ge=10_000, le=200_000_000)
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _rules(self) -> DataSpec:
+        problems = data_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TrainSpec(Strict):
@@ -48,15 +77,15 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    eval_every: int = Field(25, ge=1)
+    eval_every: int = Field(25, ge=1, le=10_000_000)
     eval_batches: int = Field(4, ge=1, le=1000)
-    grad_clip: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(0.0, ge=0.0, le=1e6)
 
 
 class SpillSpec(Strict):
-    device_budget_mb: float = Field(gt=0)
+    device_budget_mb: float = Field(gt=0, le=1e9)
     prefetch: bool = True
-    cuts: list[int] | None = None
+    cuts: list[int] | None = Field(None, max_length=1024)
 
 
 class OffloadSpec(Strict):
@@ -69,15 +98,6 @@ class PipelineSpec(Strict):
     microbatches: int = Field(4, ge=1, le=4096)
     schedule: Literal["gpipe", "1f1b", "chimera", "chimera-zb", "async"] = "1f1b"
 
-    @model_validator(mode="after")
-    def _chimera_even(self) -> PipelineSpec:
-        if self.schedule.startswith("chimera") and self.stages % 2:
-            raise ValueError(
-                f"parallel.pipeline.stages must be even for {self.schedule} "
-                f"(two pipelines in opposite directions), got {self.stages}"
-            )
-        return self
-
 
 class TensorSpec(Strict):
     mode: Literal["1d", "2d", "2.5d"] = "1d"
@@ -87,7 +107,7 @@ class TensorSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        return {"1d": self.size, "2d": self.q * self.q, "2.5d": self.q * self.q * self.d}[self.mode]
+        return tensor_world_size(self.model_dump())
 
 
 class ParallelSpec(Strict):
@@ -99,9 +119,8 @@ class ParallelSpec(Strict):
 
     @property
     def world_size(self) -> int:
-        stages = self.pipeline.stages if self.pipeline else 1
-        tp = self.tensor.world_size if self.tensor else 1
-        return stages * tp * self.data_parallel
+        """pipeline stages x data_parallel x tensor ranks (jobrules/parallel.py)."""
+        return world_size(self.model_dump())
 
 
 class ResourceSpec(Strict):
@@ -112,18 +131,33 @@ class ResourceSpec(Strict):
 class JobSpec(Strict):
     """A training job. See README.md for every field."""
 
-    name: str = Field("job", min_length=1, max_length=200)
+    name: Name = "job"
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
-    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000)
     priority: int = Field(0, ge=-100, le=100)
+    workspace: str | None = Field(
+        None,
+        pattern=WORKSPACE_REF,
+        description="an uploaded workspace: its id or 'sha256:<digest>' (POST /api/workspaces)",
+    )
+    max_runtime_s: int | None = Field(
+        None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
-        problems = sizing.spec_problems(self.model_dump())
+        spec = self.model_dump()
+        problems = workspace_problems(
+            model=spec["model"], data=spec["data"], has_workspace=self.workspace is not None
+        )
+        vocab = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=data_vocab_size(spec["data"]))
+        if vocab:
+            problems.append(vocab)
+        problems += sizing.spec_problems(spec)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -158,6 +192,9 @@ class JobPublic(BaseModel):
     cancel_requested: bool
     progress: Progress
     selection_id: int | None
+    owner: str | None
+    wait_reason: str | None
+    """Why a queued job has not started (its owner's quota is full)."""
 
 
 class JobsPublic(BaseModel):
@@ -192,6 +229,8 @@ class WorkerPublic(BaseModel):
     hostname: str
     queues: list[str]
     devices: list[dict[str, Any]]
+    host: dict[str, int]
+    """What admission compares jobs with: ram_bytes, slots (ranks one job may run), cpus."""
     last_seen: datetime
 
 
@@ -206,28 +245,67 @@ class HealthPublic(BaseModel):
 
 
 class EarlyStoppingSpec(Strict):
-    kind: Literal["asha"] = "asha"
+    """Rungs at min_steps * reduction_factor**k steps (trainer/selection/halving.py): `asha`
+    promotes as results come in, `sha` decides each rung once it is full, `hyperband` runs SHA
+    brackets that start at different rungs. Decisions follow the batch's seed, never timing."""
+
+    kind: Literal["asha", "sha", "hyperband"] = "asha"
     reduction_factor: int = Field(3, ge=2, le=16)
-    min_steps: int = Field(1, ge=1)
+    min_steps: int = Field(1, ge=1, le=10_000_000)
 
 
 class SelectionCreate(Strict):
     """A model-selection batch: trials of `base` over `space`."""
 
-    name: str = Field("selection", min_length=1, max_length=200)
+    name: Name = "selection"
     base: JobSpec
     space: dict[str, Any] = Field(
         min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
     )
-    method: Literal["grid", "random"] = "random"
-    trials: int | None = Field(None, ge=1, le=1024, description="how many (random only)")
-    seed: int = Field(0, ge=0)
+    method: Literal["grid", "random", "tpe", "cmaes", "qmc"] = Field(
+        "random",
+        description="grid or random expand the space at submit; tpe, cmaes and qmc are Optuna "
+        "samplers that grow the batch a generation of `parallel` trials at a time",
+    )
+    trials: int | None = Field(
+        None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
+    )
+    seed: int = Field(0, ge=0, le=DB_INT)
+    parallel: int | None = Field(
+        None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
+    )
+    startup_trials: int | None = Field(
+        None, ge=1, le=1024, description="tpe and cmaes: random trials before the model (Optuna's default 10)"
+    )
+    checkpoints: Literal["best", "all", "none"] = Field(
+        "best", description="end-of-trial checkpoints kept: the best trial's, every trial's, or none"
+    )
     metric: str = Field("val_loss", pattern="^(val_loss|loss)$")
     mode: Literal["min", "max"] = "min"
     scheduler: Literal["shard-lrtf", "fifo", "round-robin", "sequential"] = "shard-lrtf"
     devices: int = Field(2, ge=1, le=64, description="devices of one worker the batch alternates over")
     group_size: int = Field(16, ge=1, le=1024, description="trials per worker group; more are split")
     early_stopping: EarlyStoppingSpec | None = None
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> SelectionCreate:
+        sampler = self.method in ("tpe", "cmaes", "qmc")
+        if not sampler:
+            for name in ("parallel", "startup_trials"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} is for the samplers (tpe, cmaes, qmc), not method {self.method}"
+                    )
+        elif self.trials is None:
+            raise ValueError(f"method {self.method} needs trials (how many in all)")
+        if self.startup_trials is not None and self.method == "qmc":
+            raise ValueError("startup_trials is for tpe and cmaes; qmc has no model to start")
+        return self
+
+    @property
+    def generation(self) -> int:
+        """Samplers: trials asked at once (`parallel`, default one per device)."""
+        return self.parallel or self.devices
 
 
 class TrialsAdd(Strict):
@@ -236,7 +314,7 @@ class TrialsAdd(Strict):
     params: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=1024)
     trials: int | None = Field(None, ge=1, le=1024, description="more random samples of the batch's space")
     warm_start_from: int | None = Field(
-        None, description="trial id whose latest checkpoint seeds the new trials"
+        None, ge=1, le=DB_INT, description="trial id whose latest checkpoint seeds the new trials"
     )
 
     @model_validator(mode="after")
@@ -258,6 +336,12 @@ class TrialPublic(BaseModel):
     stopped_early: bool
     job_id: int
     warm_start_from: int | None
+    result: dict[str, Any] | None = None
+    """The executor's report for the trial (steps, best metric, compute/copy seconds, ...)."""
+    compute_s: float | None = None
+    copy_s: float | None = None
+    stop_reason: Any = None
+    """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
 
 
 class SelectionPublic(BaseModel):
@@ -273,11 +357,34 @@ class SelectionPublic(BaseModel):
     space: dict[str, Any]
     request: dict[str, Any]
     cancel_requested: bool
+    error: str | None = None
+    """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""
     trials: list[TrialPublic]
     leaderboard: list[int]
     """Trial ids with a metric, best first."""
+    owner: str | None
 
 
 class SelectionsPublic(BaseModel):
     items: list[SelectionPublic]
+    total: int
+
+
+# ---- workspaces -------------------------------------------------------------------------------
+
+
+class WorkspacePublic(BaseModel):
+    id: int
+    ref: str
+    """`sha256:<digest>`: what a JobSpec's `workspace` may name (the id works too)."""
+    digest: str
+    size: int
+    name: str
+    format: str
+    created_at: datetime
+    owner_id: int | None
+
+
+class WorkspacesPublic(BaseModel):
+    items: list[WorkspacePublic]
     total: int

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.asyncio as aioredis
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from api.convert import selection_public
+from api.live import LiveChannel
 from api.sse import frame
 from core.broker import selection_channel
 from core.settings import Settings
@@ -26,10 +26,9 @@ def _snapshot(settings: Settings, selection_id: int) -> tuple[str, dict[int, int
 
 
 async def selection_events(settings: Settings, *, selection_id: int) -> AsyncIterator[str]:
-    client = aioredis.Redis.from_url(settings.broker_url)
-    pubsub = client.pubsub()
+    live = LiveChannel(settings.broker_url, selection_channel(selection_id))
     try:
-        await pubsub.subscribe(selection_channel(selection_id))
+        await live.connect()
         yield "retry: 2000\n\n"
         status, job_to_trial, trials = await run_in_threadpool(_snapshot, settings, selection_id)
         for t in trials:
@@ -39,14 +38,26 @@ async def selection_events(settings: Settings, *, selection_id: int) -> AsyncIte
             return
         last = time.monotonic()
         while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-            if msg is None:
+            body = await live.next(timeout=1.0)
+            if live.resubscribed:
+                # what was published while the broker was down is gone: send the state again
+                live.resubscribed = False
+                try:
+                    status, job_to_trial, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+                except SQLAlchemyError:
+                    live.resubscribed = True  # try again on the next round
+                else:
+                    for t in trials:
+                        yield frame(event="trial", data=t)
+                    yield frame(event="status", data={"status": status})
+                    if status in TERMINAL:
+                        return
+            if body is None:
                 if time.monotonic() - last > settings.sse_keepalive_s:
                     last = time.monotonic()
                     yield ": keep-alive\n\n"
                 continue
             last = time.monotonic()
-            body = json.loads(msg["data"])
             if body.get("type") == "metrics":
                 for p in body["points"]:
                     if p["job_id"] not in job_to_trial:  # a trial added after we connected
@@ -60,5 +71,4 @@ async def selection_events(settings: Settings, *, selection_id: int) -> AsyncIte
                 if body["status"] in TERMINAL:
                     return
     finally:
-        await pubsub.aclose()
-        await client.aclose()
+        await live.close()

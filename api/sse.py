@@ -5,26 +5,33 @@ The event id is a cursor over both tables, `m<last metric id>e<last event id>`, 
 reconnects with Last-Event-ID gets exactly the points and events it has not seen. The worker
 writes rows first and publishes their ids after, so everything on the channel is also in the
 database: we subscribe *before* replaying and drop channel messages the replay already covered.
+
+A stream holds no database connection while it waits: each read is its own short session. When the
+broker goes away the stream polls the database instead and subscribes again once it is back, so a
+redis-server restart costs the client latency, never a point.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from api.live import LiveChannel
 from core.broker import job_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import events_after, get_job, metrics_after
 from db.models import TERMINAL
 
+log = logging.getLogger(__name__)
 _CURSOR = re.compile(r"^m(\d+)e(\d+)$")
 _REPLAY_CHUNK = 5000
 _DB_RECHECK_S = 5.0
@@ -102,12 +109,27 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     return out, ended
 
 
+async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool]:
+    """Everything after `cur` from the database; ([], False) when the database cannot be read
+    right now (locked, restarting): the next poll tries again."""
+    out: list[str] = []
+    more = True
+    try:
+        while more:
+            frames, more, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
+            out.extend(frames)
+    except SQLAlchemyError as e:
+        log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
+        return out, False
+    return out, terminal
+
+
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
     cur = Cursor.parse(last_event_id)
-    client = aioredis.Redis.from_url(settings.broker_url)
-    pubsub = client.pubsub()
+    live = LiveChannel(settings.broker_url, job_channel(job_id))
     try:
-        await pubsub.subscribe(job_channel(job_id))
+        # subscribe before the replay, so nothing published in between is missed
+        await live.connect()
         yield "retry: 2000\n\n"
         more = True
         while more:
@@ -118,30 +140,31 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             return
         last_sent = last_check = time.monotonic()
         while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            msg = await live.next(timeout=1.0)
             now = time.monotonic()
             if msg is not None:
-                frames, ended = _live_frames(json.loads(msg["data"]), cur)
+                frames, ended = _live_frames(msg, cur)
                 for f in frames:
                     yield f
                 if frames:
                     last_sent = now
                 if ended:
                     return
-            if now - last_check > _DB_RECHECK_S:
-                # a lost publish (Redis restarted) must not stall the client: catch up from the db
+            # a lost publish (the broker restarted, or is down: then poll every second) must not
+            # stall the client: catch up from the database
+            recheck = _DB_RECHECK_S if live.up else 1.0
+            if live.resubscribed or now - last_check > recheck:
+                live.resubscribed = False
                 last_check = now
-                frames, _, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
+                frames, terminal = await _catch_up(settings, job_id, cur)
                 for f in frames:
                     yield f
+                if frames:
+                    last_sent = now
                 if terminal:
                     return
             if now - last_sent > settings.sse_keepalive_s:
                 last_sent = now
                 yield ": keep-alive\n\n"
     finally:
-        try:
-            await pubsub.unsubscribe()
-            await pubsub.aclose()
-        finally:
-            await client.aclose()
+        await live.close()

@@ -10,6 +10,7 @@ installed by `make` into .venv).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,6 +22,10 @@ from pathlib import Path
 
 import httpx
 
+from core.broker import send_run_job
+from core.settings import Settings
+from db.engine import session_for
+from db.jobs import mark_enqueued, stale_queued_jobs
 from db.migrate import upgrade
 
 
@@ -93,6 +98,11 @@ class Stack:
     database_url: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More SHARDYARD_* settings for every process (tests shorten the heartbeat windows)."""
+    shutdown_s: float = 120.0
+    """How long `stop` waits for the workers' warm shutdown before it kills them."""
+    admin_token: str = ""
+    """The local admin's API token (made up when empty), given to the API process alone as
+    SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +110,7 @@ class Stack:
         self.api_port = self.api_port or free_port()
         self.redis_port = self.redis_port or free_port()
         self.database_url = self.database_url or f"sqlite:///{self.root / 'shardyard.db'}"
+        self.admin_token = self.admin_token or "sy_" + secrets.token_urlsafe(32)
 
     @property
     def base_url(self) -> str:
@@ -111,8 +122,12 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
+        # no process but the API gets a token: a trainer running users' code must never see one
+        inherited = {
+            k: v for k, v in os.environ.items() if k not in ("SHARDYARD_ADMIN_TOKEN", "SHARDYARD_TOKEN")
+        }
         return {
-            **os.environ,
+            **inherited,
             "SHARDYARD_DATABASE_URL": self.database_url,
             "SHARDYARD_BROKER_URL": self.broker_url,
             "SHARDYARD_DATA_DIR": str(self.root),
@@ -120,10 +135,15 @@ class Stack:
             **self.extra_env,
         }
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with (self.root / f"{name}.log").open("ab") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
+                cmd,
+                env=env or self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
             )
         self.procs[name] = proc
         return proc
@@ -172,6 +192,7 @@ class Stack:
                 "--log-level",
                 "warning",
             ],
+            env={**self.env, "SHARDYARD_ADMIN_TOKEN": self.admin_token},
         )
         _wait(
             lambda: httpx.get(f"{self.base_url}/api/health", timeout=2).status_code == 200,
@@ -192,11 +213,26 @@ class Stack:
 
         _wait(registered, timeout_s=120, what=f"Celery {name}", proc=proc)
 
+    def resend_queued(self) -> int:
+        """Send the message of every queued job again. The embedded redis-server keeps nothing on
+        disk, so after a restart of the stack the queue is empty while the database still holds
+        queued jobs (among them those a warm shutdown put back); the claim is idempotent, so a job
+        whose message did survive still runs once. Selection trials go with their batch's
+        messages, never as plain jobs."""
+        settings = Settings(database_url=self.database_url, broker_url=self.broker_url)
+        with session_for(self.database_url) as s:
+            queued = [j for j in stale_queued_jobs(s, older_than_s=0) if j.kind == "job"]
+            for job in queued:
+                send_run_job(settings, job_id=job.id, queue=job.queue)
+            mark_enqueued(s, job_ids=[j.id for j in queued])
+        return len(queued)
+
     def start(self) -> Stack:
         self.root.mkdir(parents=True, exist_ok=True)
         upgrade(self.database_url)
         try:
             self.start_redis()
+            self.resend_queued()
             self.start_api()
             for i in range(self.workers):
                 self.start_worker(i + 1)
@@ -205,19 +241,66 @@ class Stack:
             raise
         return self
 
-    def stop(self) -> None:
-        for name in reversed(list(self.procs)):
-            proc = self.procs.pop(name)
+    def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
+        """Stop one process of the stack (tests stop redis-server to see the rest cope); SIGKILL
+        after `timeout_s`, or at once if we are interrupted while waiting."""
+        proc = self.procs.pop(name)
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
             if proc.poll() is None:
-                # workers get SIGQUIT (Celery's cold shutdown: do not wait for a long job; the
-                # trainer dies with its worker and the job is re-queued at the next start);
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def restart_redis(self) -> None:
+        """redis-server stopped and started again on the same port; it keeps nothing on disk, so
+        queued messages and subscriptions are gone, as after a real broker crash."""
+        self.stop_process("redis")
+        self.start_redis()
+
+    def restart_api(self) -> None:
+        """The API stopped and started again on the same port (its open streams drop)."""
+        self.stop_process("api")
+        self.start_api()
+
+    def _warm_stop_workers(self) -> None:
+        """SIGTERM to each Celery worker's main process is its warm shutdown: it tells its running
+        trainers to stop at the next step and checkpoint, puts their jobs back in the queue and
+        exits (workers/). Only the main process is signalled: the pool children and the trainers
+        must hear it from their worker, in order. A second Ctrl-C while waiting, or the deadline,
+        falls back to a cold kill of the process group."""
+        workers = {n: p for n, p in self.procs.items() if n.startswith("worker") and p.poll() is None}
+        for proc in workers.values():
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.shutdown_s
+        try:
+            for proc in workers.values():
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            pass
+        for name, proc in workers.items():
+            if proc.poll() is None:
+                self.stop_process(name, sig=signal.SIGQUIT, timeout_s=10)
+            else:
+                self.procs.pop(name, None)
+
+    def stop(self) -> None:
+        """Workers first (warm), then the API, then redis-server, which the workers' last writes
+        and messages may still need. Whatever interrupts this (a second Ctrl-C or SIGTERM) still
+        leaves no process behind: the rest are killed."""
+        try:
+            self._warm_stop_workers()
+            for name in reversed(list(self.procs)):
                 # SIGTERM is uvicorn's graceful stop and redis's clean exit
-                os.killpg(proc.pid, signal.SIGQUIT if name.startswith("worker") else signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                self.stop_process(name)
+        finally:
+            for name in list(self.procs):
+                self.stop_process(name, sig=signal.SIGKILL)
 
     def __enter__(self) -> Stack:
         return self.start()

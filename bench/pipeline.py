@@ -158,7 +158,7 @@ def _jitter_one(rank: int, world: int, *, N: int, steps: int, base_s: float) -> 
 
     cfg = ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
     g = torch.Generator().manual_seed(0)
-    window = torch.randint(0, cfg.vocab_size, (N, cfg.seq_len + 1), generator=g)
+    window = torch.randint(0, cfg.vocab_size or 128, (N, cfg.seq_len + 1), generator=g)
     x, y = window[:, :-1], window[:, 1:]
     out: dict[str, list[float]] = {}
     for name in ("1f1b", "async"):

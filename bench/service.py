@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 import time
@@ -21,10 +22,12 @@ import httpx
 
 from api.stack import Stack
 from bench.common import table, write_results
+from core.broker import job_channel
+from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import claim_job, create_job
-from workers.relay import Relay
+from workers.relay import Relay, Target
 
 TINY = {
     "name": "bench",
@@ -34,6 +37,11 @@ TINY = {
 }
 
 
+def _auth(stack: Stack) -> dict[str, str]:
+    """Every request is authenticated as the stack's admin (a token lookup per request)."""
+    return {"Authorization": f"Bearer {stack.admin_token}"}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -41,7 +49,9 @@ def pct(xs: list[float], q: float) -> float:
 
 def bench_submits(stack: Stack, n: int, threads: int) -> dict:
     """POST /api/jobs from `threads` keep-alive clients; no worker consumes meanwhile."""
-    clients = [httpx.Client(base_url=stack.base_url, timeout=30) for _ in range(threads)]
+    clients = [
+        httpx.Client(base_url=stack.base_url, timeout=30, headers=_auth(stack)) for _ in range(threads)
+    ]
     for c in clients:  # warm connections and the app
         c.post("/api/jobs", json=TINY).raise_for_status()
     per = n // threads
@@ -75,7 +85,7 @@ def bench_latency(stack: Stack, n: int) -> dict:
     """Sequential tiny jobs on a warm worker: created_at -> started_at (both stamped by the db
     writers on this machine's clock)."""
     lat = []
-    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+    with httpx.Client(base_url=stack.base_url, timeout=30, headers=_auth(stack)) as c:
         for i in range(n + 1):
             job = c.post("/api/jobs", json=TINY).json()
             while True:
@@ -93,16 +103,28 @@ def bench_latency(stack: Stack, n: int) -> dict:
 def _running_job(settings: Settings) -> int:
     with session_for(settings.database_url) as s:
         job = create_job(s, name="bench-ingest", spec=TINY, steps=10**9)
-        claim_job(s, job_id=job.id, worker="bench")
         return job.id
+
+
+def _relay(settings: Settings, job_id: int, flush_s: float = 0.2) -> Relay:
+    """The worker's Relay on a job this benchmark holds the lease of."""
+    with session_for(settings.database_url) as s:
+        attempt = claim_job(s, job_id=job_id, owner=f"bench-{job_id}", worker="bench", lease_s=3600)
+    assert attempt is not None
+    target = Target(attempt=attempt, channels=(job_channel(job_id),))
+    return Relay(settings, targets={None: target}, on_fenced=lambda _k: None, flush_s=flush_s)
+
+
+def _metric(relay: Relay, step: int, value: float) -> None:
+    relay.add(None, Message(kind="metric", seq=step, step=step, name="loss", value=value))
 
 
 def bench_ingest(settings: Settings, n: int) -> dict:
     """Points through the worker's Relay (batched inserts, then a Redis publish per batch)."""
-    relay = Relay(settings, job_id=_running_job(settings))
+    relay = _relay(settings, _running_job(settings))
     t0 = time.perf_counter()
     for i in range(n):
-        relay.metric(i, "loss", 1.0 / (i + 1), time.time())
+        _metric(relay, i, 1.0 / (i + 1))
     relay.close()
     dt = time.perf_counter() - t0
     assert relay.points_written == n
@@ -119,7 +141,10 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
 
     def client() -> None:
         with httpx.stream(
-            "GET", f"{stack.base_url}/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=60)
+            "GET",
+            f"{stack.base_url}/api/jobs/{job_id}/stream",
+            headers=_auth(stack),
+            timeout=httpx.Timeout(10, read=60),
         ) as r:
             ready.set()
             event = None
@@ -135,12 +160,12 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
     t.start()
     ready.wait(10)
     time.sleep(0.5)
-    relay = Relay(settings, job_id=job_id, flush_s=0.2)
+    relay = _relay(settings, job_id, flush_s=0.2)
     flushed: dict[int, float] = {}
     emitted: dict[int, float] = {}
     for i in range(n):
         emitted[i] = time.perf_counter()
-        relay.metric(i, "loss", 1.0, time.time())
+        _metric(relay, i, 1.0)
         if (
             i < n // 2
         ):  # first half flushed at once (publish latency), second half left to the batching thread
@@ -170,6 +195,7 @@ def main() -> None:
     ap.add_argument("--sse", type=int, default=300)
     args = ap.parse_args()
 
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(root=Path(tmp), workers=0)
         with stack:
@@ -231,8 +257,11 @@ def main() -> None:
             rows, title="Shardyard service benchmark (embedded stack: SQLite, local redis-server, 1 worker)"
         )
     )
+    # the machine is shared: its load while this ran says how far the numbers can be compared
+    extra = {"auth": "bearer token on every request", "load_avg_1m": load}
     path = write_results(
-        "service", {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse}
+        "service",
+        {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse, **extra},
     )
     print(f"wrote {path}")
 

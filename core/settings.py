@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,25 +24,78 @@ class Settings(BaseSettings):
     """Longest a job may run; the broker's visibility timeout is set above it so a long job is
     never delivered twice."""
     worker_alive_s: float = 30.0
-    """A worker whose last heartbeat is older than this counts as gone."""
+    """A worker whose last heartbeat is older than this counts as gone (health, placement)."""
     heartbeat_s: float = 5.0
+    lease_s: float = 30.0
+    """A running job's lease: its worker process renews it (with every batch of lines it applies,
+    and at least every lease_s / 3); once it runs out by database time, anyone may take the job
+    over. The time from a worker's death to its job running again is about lease_s + reconcile_s."""
+    worker_slots: int = 0
+    """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     requeue_after_s: float = 600.0
     """The reconciler re-sends the message of a job queued longer than this (claims are
     idempotent, so a duplicate is harmless)."""
-    reconcile_s: float = 60.0
-    """How often each worker runs the reconciler (re-queue jobs of dead workers, re-send lost
-    messages)."""
+    reconcile_s: float = 10.0
+    """How often each worker runs the reconciler (take back jobs whose lease ran out, re-send lost
+    messages, settle batches)."""
+    db_retry_s: float = 120.0
+    """A worker retries a database write that fails (locked, unreachable) for this long before it
+    gives the attempt up; the job's lease then runs out and it runs again from its checkpoint."""
+    shutdown_grace_s: float = 20.0
+    """Warm shutdown (SIGTERM): running trainers are asked to stop and checkpoint, and killed
+    after this long; their jobs go back to `queued`. Whoever stops a worker should wait this plus
+    ~10 s before a hard kill."""
+
+    workspace_max_mb: float = 100.0
+    """Largest workspace upload (the archive as sent), in MiB."""
+    workspace_max_unpacked_mb: float = 1024.0
+    """Largest unpacked size of a workspace archive, in MiB (bounds zip bombs)."""
 
     @property
-    def orphan_after_s(self) -> float:
-        """Heartbeat silence after which a worker's running jobs are taken back (three windows,
-        so a slow heartbeat alone never gets a job run twice)."""
-        return 3 * self.worker_alive_s
+    def workspaces_dir(self) -> Path:
+        """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip>."""
+        return self.data_dir / "workspaces"
 
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
+    sse_max_per_client: int = 20
+    """Open Server-Sent Event streams one user may hold; one more is
+    answered 429."""
+    checkpoint_keep: int = 3
+    """The trainer keeps this many newest checkpoints per job (0 keeps all); it reads the same
+    SHARDYARD_CHECKPOINT_KEEP variable, which the worker's environment passes on."""
+    job_retention_days: float = 0.0
+    """Finished jobs (with their folders, metrics and events) older than this are deleted by the
+    API's periodic cleanup; 0 keeps them forever."""
+    retention_check_s: float = 3600.0
+    """How often the API looks for finished jobs past their retention."""
     cancel_grace_s: float = 30.0
     """After a cancel, the trainer has this long to stop at a step boundary before it is killed."""
+
+    # ---- users, requests, quotas (api/auth.py, api/limits.py, api/admission.py) ----
+    admin_token: SecretStr | None = None
+    """At API start-up, user `admin_name` (an admin, created if missing) holds this token: the first
+    admin of a new deployment, and the token `shardyard stack` prints. No default: unset, no one is
+    created and `shardyard admin create-user` makes the first admin."""
+    admin_name: str = "admin"
+    trusted_hosts: list[str] = ["127.0.0.1", "localhost"]
+    """Host headers the API answers (JSON list); others get 400. Add the public name in production."""
+    max_body_bytes: int = 1_048_576
+    """Largest request body (413 above)."""
+    session_ttl_s: float = 12 * 3600
+    """A dashboard sign-in lasts this long."""
+    cookie_secure: bool = False
+    """Mark the session cookies Secure (set it when the dashboard is served over HTTPS)."""
+    quota_running_jobs: int = 4
+    """Default per-user limits (a user row may override each): jobs running at once, their ranks
+    and their GPUs. A job over the limit waits queued with the reason; one that could never fit is
+    refused at submit."""
+    quota_ranks: int = 64
+    quota_gpus: int = 8
+
+    @property
+    def quota_defaults(self) -> dict[str, int]:
+        return {"running_jobs": self.quota_running_jobs, "ranks": self.quota_ranks, "gpus": self.quota_gpus}
 
 
 @functools.cache

@@ -20,16 +20,30 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API conne
     cur.close()
 
 
+POOL_TIMEOUT_S = 10.0
+"""Longest wait for a free pooled connection before the caller gets an error (the API: 503)."""
+
+
 @functools.cache
 def get_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 10})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 10}, pool_timeout=POOL_TIMEOUT_S
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # bounded waits: a server that is gone fails a request in seconds instead of hanging it
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        pool_timeout=POOL_TIMEOUT_S,
+        connect_args={"connect_timeout": 5},
+    )
 
 
 @functools.cache

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import case, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, WorkerBeat, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, User, WorkerBeat, utcnow
 
 
 class NotFound(LookupError):
@@ -46,7 +49,10 @@ def create_job(
     steps: int = 0,
     kind: str = "job",
     selection_id: int | None = None,
+    owner_id: int | None = None,
+    actor: str | None = None,
 ) -> Job:
+    """`actor` (who submitted it) goes into the first status event."""
     job = Job(
         name=name,
         spec=spec,
@@ -56,12 +62,14 @@ def create_job(
         steps=steps,
         kind=kind,
         selection_id=selection_id,
+        owner_id=owner_id,
         status=JobStatus.queued,
         enqueued_at=utcnow(),  # the caller sends the message next; mark_unsent undoes this
     )
     session.add(job)
     session.flush()
-    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message="queued"))
+    by = {"by": actor} if actor else None
+    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message="queued", data=by))
     session.commit()
     return job
 
@@ -78,16 +86,29 @@ def list_jobs(
     *,
     status: str | None = None,
     kind: str | None = "job",
+    owner_id: int | None = None,
+    owner: str | None = None,
+    name: str | None = None,
     limit: int = 50,
     offset: int = 0,
 ) -> tuple[Sequence[Job], int]:
-    q = select(Job)
+    """One page, newest first, and the count of all matches. `owner_id` restricts to one user's
+    jobs (a non-admin's view); `owner` filters by user name; `name` matches a substring."""
+    where = []
     if status:
-        q = q.where(Job.status == status)
+        where.append(Job.status == status)
     if kind:
-        q = q.where(Job.kind == kind)
-    total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
-    rows = session.scalars(q.order_by(Job.id.desc()).limit(limit).offset(offset)).all()
+        where.append(Job.kind == kind)
+    if owner_id is not None:
+        where.append(Job.owner_id == owner_id)
+    if owner:
+        where.append(Job.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
+    if name:
+        where.append(Job.name.icontains(name, autoescape=True))
+    total = session.scalar(select(func.count(Job.id)).where(*where)) or 0
+    rows = session.scalars(
+        select(Job).where(*where).order_by(Job.id.desc()).limit(limit).offset(offset)
+    ).all()
     return rows, total
 
 
@@ -109,18 +130,166 @@ def mark_enqueued(session: Session, *, job_ids: Iterable[int]) -> None:
         session.commit()
 
 
-def claim_job(session: Session, *, job_id: int, worker: str) -> bool:
-    """queued -> running, atomically. False when another delivery (or a cancel) got there first:
-    this conditional update is what makes a twice-delivered message run the job once."""
-    res = session.execute(
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One claim of a job: every write it makes is fenced by (job_id, attempt, owner)."""
+
+    job_id: int
+    attempt: int
+    owner: str
+
+
+def db_now(session: Session) -> datetime:
+    """The database's clock, not this machine's: leases are judged by one clock for every worker."""
+    if session.get_bind().dialect.name == "sqlite":
+        raw = session.scalar(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"))
+        return datetime.fromisoformat(str(raw)).replace(tzinfo=UTC)
+    return aware(session.scalar(text("SELECT clock_timestamp()")))  # type: ignore[return-value]
+
+
+def _fence(attempt: Attempt) -> Any:
+    return (Job.id == attempt.job_id) & (Job.attempts == attempt.attempt) & (Job.owner == attempt.owner)
+
+
+def _claimable(now: datetime, owner: str) -> Any:
+    """Queued, or running under a lease that ran out (or that this very process holds: a retry
+    of its own task re-claims instead of skipping)."""
+    expired = Job.lease_until.is_(None) | (Job.lease_until < now) | (Job.owner == owner)
+    return (Job.status == JobStatus.queued) | ((Job.status == JobStatus.running) & expired)
+
+
+def claim_job(
+    session: Session, *, job_id: int, owner: str, worker: str, lease_s: float, kind: str = "job"
+) -> Attempt | None:
+    """Take the lease of job `job_id` for `owner` (one worker process start), atomically: one
+    conditional UPDATE, so of many racing deliveries exactly one wins. None when the job is taken
+    (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch)."""
+    now = db_now(session)
+    got = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
+        .where(Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner))
         .values(
             status=JobStatus.running,
-            started_at=utcnow(),
+            started_at=now,
             worker=worker,
+            owner=owner,
+            lease_until=now + timedelta(seconds=lease_s),
+            applied_seq=-1,
             attempts=Job.attempts + 1,
         )
+        .returning(Job.attempts)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if got:
+        data = {"worker": worker, "attempt": got[0]}
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="running", data=data))
+    session.commit()
+    return Attempt(job_id=job_id, attempt=got[0], owner=owner) if got else None
+
+
+def lease_left_s(session: Session, *, job_id: int) -> float | None:
+    """Seconds until the running job's lease runs out (<= 0: reclaimable); None when not running."""
+    job = session.get(Job, job_id)
+    if job is None or job.status != JobStatus.running or job.lease_until is None:
+        return None
+    return (aware(job.lease_until) - db_now(session)).total_seconds()  # type: ignore[operator]
+
+
+@dataclass(slots=True)
+class JobLines:
+    """One job's share of a relay batch, each line with its protocol sequence number."""
+
+    metrics: list[tuple[int | None, int, str, float, float]] = field(default_factory=list)
+    """(seq, step, name, value, time)"""
+    events: list[tuple[int | None, str, str, dict[str, Any] | None, float]] = field(default_factory=list)
+    """(seq, kind, message, data, time); kind is log or event; seq None for a stray text line"""
+    result: tuple[int | None, dict[str, Any]] | None = None
+    """(seq, data)"""
+
+    def empty(self) -> bool:
+        return not (self.metrics or self.events or self.result)
+
+
+@dataclass(slots=True)
+class Applied:
+    """What one batch wrote for one job: rows with their ids, for the live channels."""
+
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+
+
+def _upsert_points(session: Session, rows: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """Insert-or-update on (job, name, step); returns each row's id by (name, step)."""
+    dialect = session.get_bind().dialect.name
+    ins = (sqlite_insert if dialect == "sqlite" else pg_insert)(MetricPoint)
+    stmt = ins.on_conflict_do_update(
+        index_elements=["job_id", "name", "step"],
+        set_={"value": ins.excluded.value, "time": ins.excluded.time},
+    ).returning(MetricPoint.id, MetricPoint.name, MetricPoint.step)
+    return {(n, st): i for i, n, st in session.execute(stmt, rows)}
+
+
+def apply_lines(
+    session: Session, *, attempt: Attempt, lines: JobLines, lease_s: float, now: datetime
+) -> Applied | None:
+    """Apply one job's lines of a batch inside the caller's transaction and renew its lease.
+    None when the attempt is fenced off (re-queued, failed by an operator, taken by a newer
+    attempt): then nothing of it is written. Lines at or below the applied sequence number are
+    skipped, so a batch retried after a commit that did go through changes nothing."""
+    seen = session.scalar(select(Job.applied_seq).where(_fence(attempt)))
+    if seen is None:
+        return None
+    out = Applied()
+    fresh = lambda seq: seq is None or seq > seen  # noqa: E731 - lines with no number always apply
+    metrics = [m for m in lines.metrics if fresh(m[0])]
+    events = [e for e in lines.events if fresh(e[0])]
+    result = lines.result if lines.result and fresh(lines.result[0]) else None
+    seqs = [x[0] for x in (*metrics, *events, *([result] if result else [])) if x[0] is not None]
+    top_seq = max([seen, *seqs])
+    ckpts: list[int] = []
+    values: dict[str, Any] = {"lease_until": now + timedelta(seconds=lease_s), "applied_seq": top_seq}
+    if metrics:
+        latest = {(n, st): (st, n, v, t) for _, st, n, v, t in metrics}  # one row per key per statement
+        rows = [
+            {"job_id": attempt.job_id, "step": st, "name": n, "value": v, "time": t}
+            for st, n, v, t in latest.values()
+        ]
+        ids = _upsert_points(session, rows)
+        out.metrics = [{"id": ids[(r["name"], r["step"])], **r} for r in rows]
+        top = max(st for st, *_ in latest.values())
+        values["step"] = case((Job.step < top, top), else_=Job.step)
+        if losses := [(st, v) for st, n, v, _ in latest.values() if n == "loss"]:
+            values["last_loss"] = max(losses)[1]
+    if events:
+        rows = [
+            {"job_id": attempt.job_id, "time": t, "kind": k, "message": m, "data": d}
+            for _, k, m, d, t in events
+        ]
+        ids = session.scalars(
+            insert(JobEvent).returning(JobEvent.id, sort_by_parameter_order=True), rows
+        ).all()
+        out.events = [{"id": i, **r} for i, r in zip(ids, rows, strict=True)]
+        ckpts += [
+            d["step"]
+            for _, k, m, d, _ in events
+            if k == "event" and m == "checkpoint" and d and isinstance(d.get("step"), int)
+        ]
+    if result is not None:
+        values["result"] = out.result = result[1]
+        if isinstance(result[1].get("steps"), int):
+            ckpts.append(result[1]["steps"])
+    if ckpts:
+        values["applied_step"] = case((Job.applied_step < max(ckpts), max(ckpts)), else_=Job.applied_step)
+    res = session.execute(update(Job).where(_fence(attempt), Job.applied_seq == seen).values(**values))
+    return out if res.rowcount == 1 else None
+
+
+def renew_lease(session: Session, *, attempt: Attempt, lease_s: float) -> bool:
+    """Extend the lease; False when the attempt was fenced off."""
+    now = db_now(session)
+    res = session.execute(
+        update(Job).where(_fence(attempt)).values(lease_until=now + timedelta(seconds=lease_s))
     )
     session.commit()
     return res.rowcount == 1
@@ -129,49 +298,179 @@ def claim_job(session: Session, *, job_id: int, worker: str) -> bool:
 def finish_job(
     session: Session,
     *,
-    job_id: int,
+    attempt: Attempt,
     status: JobStatus,
     error: str | None = None,
     result: dict[str, Any] | None = None,
-) -> None:
-    """running -> terminal. The caller records the status event (and publishes it)."""
+) -> int | None:
+    """running -> terminal for this attempt only, with its status event, in one transaction.
+    `result` None keeps the one already stored when it arrived. Returns the event's id, or None
+    when the attempt was fenced off (then nothing changes)."""
     assert status in TERMINAL, status
+    values: dict[str, Any] = {
+        "status": status,
+        "error": error,
+        "finished_at": utcnow(),
+        "owner": None,
+        "lease_until": None,
+    }
+    if result is not None:
+        values["result"] = result
+    res = session.execute(update(Job).where(_fence(attempt)).values(**values))
+    if res.rowcount != 1:
+        session.rollback()
+        return None
+    ev = JobEvent(
+        job_id=attempt.job_id, time=time.time(), kind="status", message=str(status), data={"error": error}
+    )
+    session.add(ev)
+    session.commit()
+    return ev.id
+
+
+def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
+    """This attempt gives the job back (warm shutdown): running -> queued, to be resumed from its
+    checkpoint by whoever claims it next. False when it was fenced off."""
+    res = session.execute(
+        update(Job)
+        .where(_fence(attempt), Job.status == JobStatus.running)
+        .values(status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None)
+    )
+    if res.rowcount != 1:
+        session.rollback()
+        return False
+    session.add(
+        JobEvent(
+            job_id=attempt.job_id, time=time.time(), kind="status", message="queued", data={"reason": reason}
+        )
+    )
+    session.commit()
+    return True
+
+
+def expire_leases(session: Session) -> tuple[list[Job], list[Job]]:
+    """Running jobs (and trials) whose lease ran out by database time: the owner is gone or cut
+    off. A cancel that was asked ends them `cancelled`; the rest go back to `queued` with no
+    message on record, for the reconciler to send. Returns (re-queued, cancelled)."""
+    now = db_now(session)
+    gone = session.scalars(
+        select(Job).where(
+            Job.status == JobStatus.running, Job.lease_until.is_(None) | (Job.lease_until < now)
+        )
+    ).all()
+    requeued, cancelled = [], []
+    for job in gone:
+        cancel = job.cancel_requested
+        res = session.execute(
+            update(Job)
+            .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)
+            .values(
+                status=JobStatus.cancelled if cancel else JobStatus.queued,
+                owner=None,
+                lease_until=None,
+                enqueued_at=None,
+                finished_at=utcnow() if cancel else None,
+            )
+        )
+        if res.rowcount != 1:
+            continue
+        why = f"the lease of {job.worker} (attempt {job.attempts}) ran out"
+        msg = "cancelled" if cancel else "queued"
+        session.add(
+            JobEvent(job_id=job.id, time=time.time(), kind="status", message=msg, data={"reason": why})
+        )
+        (cancelled if cancel else requeued).append(job)
+    session.commit()
+    return requeued, cancelled
+
+
+def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
+    """An operator ends a job `failed` whatever its state; a running attempt is fenced off (its
+    worker notices at its next batch and kills the trainer)."""
+    job = get_job(session, job_id)
+    if job.status in TERMINAL:
+        raise Conflict(f"job {job_id} is already {job.status}")
     session.execute(
         update(Job)
         .where(Job.id == job_id)
-        .values(status=status, error=error, result=result, finished_at=utcnow())
-    )
-    session.commit()
-
-
-def requeue_job(session: Session, *, job_id: int, reason: str) -> None:
-    """running -> queued after an infrastructure failure (the worker died), for a retry."""
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.running)
-        .values(status=JobStatus.queued, worker=None, started_at=None)
+        .values(status=JobStatus.failed, error=reason, finished_at=utcnow(), owner=None, lease_until=None)
     )
     session.add(
-        JobEvent(job_id=job_id, time=time.time(), kind="status", message="queued", data={"reason": reason})
+        JobEvent(
+            job_id=job_id,
+            time=time.time(),
+            kind="status",
+            message="failed",
+            data={"error": reason, **({"by": actor} if actor else {})},
+        )
     )
     session.commit()
+    session.refresh(job)
+    return job
 
 
-def request_cancel(session: Session, *, job_id: int) -> Job:
-    """A queued job is cancelled at once; a running one is asked to stop (the worker finishes it)."""
+def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
+    """An operator puts a job back in the queue: a running one (its attempt fenced off), or an
+    ended one to run again (resuming from its checkpoint). The caller sends the message."""
+    job = get_job(session, job_id)
+    if job.status == JobStatus.queued:
+        raise Conflict(f"job {job_id} is already queued")
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(
+            status=JobStatus.queued,
+            owner=None,
+            lease_until=None,
+            cancel_requested=False,
+            error=None,
+            finished_at=None,
+            enqueued_at=utcnow(),
+        )
+    )
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            time=time.time(),
+            kind="status",
+            message="queued",
+            data={"reason": reason, **({"by": actor} if actor else {})},
+        )
+    )
+    session.commit()
+    session.refresh(job)
+    return job
+
+
+def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -> Job:
+    """A queued job, or a running one whose owner is gone, is cancelled at once; a running one
+    with a live lease is asked to stop (its worker ends it). `actor` (who asked) is recorded in the
+    event."""
+    by = {"by": actor} if actor else None
     job = get_job(session, job_id)
     if job.status in TERMINAL:
         raise Conflict(f"job {job_id} is already {job.status}; only queued or running jobs can be cancelled")
+    # queued, or running under a lease that ran out (its owner is gone): cancelled at once
+    now = db_now(session)
+    gone = (Job.status == JobStatus.running) & (Job.lease_until.is_(None) | (Job.lease_until < now))
     res = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.queued)
-        .values(status=JobStatus.cancelled, cancel_requested=True, finished_at=utcnow())
+        .where(Job.id == job_id, (Job.status == JobStatus.queued) | gone)
+        .values(
+            status=JobStatus.cancelled,
+            cancel_requested=True,
+            finished_at=utcnow(),
+            owner=None,
+            lease_until=None,
+        )
+        .execution_options(synchronize_session="fetch")
     )
     if res.rowcount == 1:
-        session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled"))
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled", data=by))
     else:
         session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
-        session.add(JobEvent(job_id=job_id, time=time.time(), kind="log", message="cancel requested"))
+        message = f"cancel requested by {actor}" if actor else "cancel requested"
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=by))
     session.commit()
     session.refresh(job)
     return job
@@ -182,43 +481,19 @@ def cancel_requested(session: Session, *, job_id: int) -> bool:
 
 
 def stale_queued_jobs(session: Session, *, older_than_s: float) -> list[Job]:
-    """Queued jobs whose message was sent long ago: the broker may have lost it."""
+    """Queued jobs (and trials) with no message on record, or whose message was sent long ago: the
+    broker may have lost it."""
     cutoff = utcnow() - timedelta(seconds=older_than_s)
     q = select(Job).where(
         Job.status == JobStatus.queued,
         Job.cancel_requested.is_(False),
-        (Job.enqueued_at.is_(None)) | (Job.enqueued_at < cutoff),
-        Job.created_at < cutoff,
+        # never sent (broker down, a lease ran out, a warm shutdown gave it back): send it now
+        Job.enqueued_at.is_(None) | ((Job.enqueued_at < cutoff) & (Job.created_at < cutoff)),
     )
     return list(session.scalars(q).all())
 
 
-def orphaned_running_jobs(session: Session, *, alive: set[str]) -> list[Job]:
-    """Running jobs whose worker has no fresh heartbeat (it died or was killed)."""
-    q = select(Job).where(Job.status == JobStatus.running, Job.kind == "job")
-    return [j for j in session.scalars(q).all() if j.worker not in alive]
-
-
 # ---- metrics and events ---------------------------------------------------------------------
-
-
-def add_metric_points(
-    session: Session, *, job_id: int, points: Sequence[tuple[int, str, float, float]]
-) -> list[int]:
-    """Insert (step, name, value, time) rows in one statement; returns their ids in order."""
-    if not points:
-        return []
-    rows = [{"job_id": job_id, "step": s, "name": n, "value": v, "time": t} for s, n, v, t in points]
-    ids = session.scalars(
-        insert(MetricPoint).returning(MetricPoint.id, sort_by_parameter_order=True), rows
-    ).all()
-    top = max(p[0] for p in points)
-    session.execute(update(Job).where(Job.id == job_id, Job.step < top).values(step=top))
-    losses = [p for p in points if p[1] == "loss"]
-    if losses:
-        session.execute(update(Job).where(Job.id == job_id).values(last_loss=max(losses)[2]))
-    session.commit()
-    return list(ids)
 
 
 def add_event(
@@ -278,6 +553,16 @@ def events_after(
     return session.scalars(q.order_by(JobEvent.id).limit(limit)).all()
 
 
+def last_status_event(session: Session, *, job_id: int) -> JobEvent | None:
+    q = (
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.kind == "status")
+        .order_by(JobEvent.id.desc())
+        .limit(1)
+    )
+    return session.scalars(q).first()
+
+
 def latest_event(session: Session, *, job_id: int, message: str) -> JobEvent | None:
     q = (
         select(JobEvent)
@@ -292,17 +577,23 @@ def latest_event(session: Session, *, job_id: int, message: str) -> JobEvent | N
 
 
 def record_heartbeat(
-    session: Session, *, name: str, hostname: str, queues: list[str], devices: list[dict[str, Any]]
+    session: Session,
+    *,
+    name: str,
+    hostname: str,
+    queues: list[str],
+    devices: list[dict[str, Any]],
+    host: dict[str, int] | None = None,
 ) -> None:
+    """`host` is the machine's inventory for admission ({ram_bytes, slots, cpus})."""
+    inventory = {"devices": devices, "host": host or {}}
     beat = session.get(WorkerBeat, name)
     if beat is None:
-        session.add(
-            WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices={"devices": devices})
-        )
+        session.add(WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices=inventory))
     else:
         beat.last_seen = utcnow()
         beat.queues = {"queues": queues}
-        beat.devices = {"devices": devices}
+        beat.devices = inventory
     session.commit()
 
 

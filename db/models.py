@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -43,8 +44,43 @@ class JobStatus(enum.StrEnum):
 TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
 
 
+class User(Base):
+    """Someone who may call the API. Quota columns left null take the service-wide default."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_ranks: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_gpus: Mapped[int | None] = mapped_column(Integer, default=None)
+
+
+class ApiToken(Base):
+    """A bearer token (`api`, until revoked) or a dashboard cookie session (`session`, until it
+    expires). Only the SHA-256 of the secret is stored; the secret is shown once."""
+
+    __tablename__ = "api_tokens"
+    __table_args__ = (UniqueConstraint("token_hash", name="uq_api_tokens_token_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16), default="api")
+    label: Mapped[str] = mapped_column(String(64), default="")
+    token_hash: Mapped[str] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(16))
+    """The secret's first characters, so a user can tell tokens apart in a list."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    user: Mapped[User] = relationship(lazy="joined")
+
+
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_owner_id_id", "owner_id", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -66,17 +102,36 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     worker: Mapped[str | None] = mapped_column(String(200), default=None)
+    """Name of the worker that runs (or last ran) the job, for people; ownership is `owner`."""
+    owner: Mapped[str | None] = mapped_column(String(120), default=None)
+    """Unique id of the worker process start that holds the lease (None when nobody does). Every
+    write of an attempt is fenced by (owner, attempts): a stale attempt changes nothing."""
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    """Database time at which the lease runs out unless renewed; after it the job is reclaimable."""
+    applied_seq: Mapped[int] = mapped_column(Integer, default=-1)
+    """Highest protocol sequence number of the current attempt applied (a retried batch that
+    had in fact been committed changes nothing)."""
+    applied_step: Mapped[int] = mapped_column(Integer, default=0)
+    """Every line up to this step is in the database (a `checkpoint` event or the result at that
+    step was applied). A new attempt resumes from no later checkpoint, so no metric step is lost."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     selection_id: Mapped[int | None] = mapped_column(
         ForeignKey("selections.id", ondelete="CASCADE"), default=None, index=True
     )
+    owner_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="SET NULL"), default=None)
+    """Who submitted it (a trial's job: the selection's owner); null for jobs from before users."""
+    wait_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why a queued job is not running yet (its owner's quota is full); cleared when it starts."""
+    user: Mapped[User | None] = relationship(lazy="joined")
+    """The submitting user (`owner_id`); `owner` on a job is the worker process holding its lease."""
 
 
 class MetricPoint(Base):
     __tablename__ = "metric_points"
-    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step"),)
+    # one row per (job, name, step): a re-run from a checkpoint overwrites, never duplicates
+    __table_args__ = (Index("ix_metric_points_job_name_step", "job_id", "name", "step", unique=True),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
@@ -130,6 +185,10 @@ class Selection(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="SET NULL"), default=None, index=True
+    )
+    user: Mapped[User | None] = relationship(lazy="joined")
     trials: Mapped[list[Trial]] = relationship(
         back_populates="selection", order_by="Trial.index", cascade="all, delete-orphan"
     )
@@ -137,6 +196,8 @@ class Selection(Base):
 
 class Trial(Base):
     __tablename__ = "trials"
+    # a batch grown by two workers at once must not get the same trial twice
+    __table_args__ = (Index("ux_trials_selection_index", "selection_id", "index", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     selection_id: Mapped[int] = mapped_column(ForeignKey("selections.id", ondelete="CASCADE"), index=True)
@@ -151,4 +212,31 @@ class Trial(Base):
     stopped_early: Mapped[bool] = mapped_column(Boolean, default=False)
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     warm_start_from: Mapped[int | None] = mapped_column(Integer, default=None)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """What the executor reported for the trial (compute and copy seconds, best metric, steps,
+    stop reason ...), stored when it arrives, whatever the order of the trial's other lines."""
     selection: Mapped[Selection] = relationship(back_populates="trials")
+
+
+class Workspace(Base):
+    """An uploaded workspace archive (user code and small data), stored content-addressed under
+    the data dir (core/settings.py workspaces_dir) by its sha256."""
+
+    __tablename__ = "workspaces"
+    __table_args__ = (UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    """sha256 of the archive bytes, hex (one stored file per digest, one row per owner)."""
+    size: Mapped[int] = mapped_column(BigInteger)
+    """Archive bytes as uploaded."""
+    name: Mapped[str] = mapped_column(String(200))
+    format: Mapped[str] = mapped_column(String(10))
+    """`tar.gz` or `zip`."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="SET NULL", name="fk_workspaces_owner_id_users"),
+        default=None,
+        index=True,
+    )
+    """The uploading user."""

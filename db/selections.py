@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from db.jobs import Conflict, NotFound, create_job
+from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job
 from db.models import TERMINAL, Job, JobEvent, JobStatus, Selection, Trial, utcnow
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
@@ -24,8 +25,11 @@ def create_selection(
     metric: str,
     mode: str,
     scheduler: str,
+    owner_id: int | None = None,
 ) -> Selection:
-    sel = Selection(name=name, request=request, metric=metric, mode=mode, scheduler=scheduler)
+    sel = Selection(
+        name=name, request=request, metric=metric, mode=mode, scheduler=scheduler, owner_id=owner_id
+    )
     session.add(sel)
     session.commit()
     return sel
@@ -38,8 +42,13 @@ def add_trials(
     plans: Sequence[tuple[int, dict[str, Any], dict[str, Any]]],
     queue: str,
     warm_start_from: int | None = None,
+    owner_id: int | None = None,
+    actor: str | None = None,
 ) -> list[Trial]:
-    """(index, params, spec) per trial -> Trial rows, each with its own queued Job row."""
+    """(index, params, spec) per trial -> Trial rows, each with its own queued Job row (owned by
+    the selection's owner, also when the worker grows the batch)."""
+    if owner_id is None:
+        owner_id = session.scalar(select(Selection.owner_id).where(Selection.id == selection_id))
     trials = []
     for index, params, spec in plans:
         job = create_job(
@@ -50,6 +59,8 @@ def add_trials(
             steps=spec["train"]["steps"],
             kind="trial",
             selection_id=selection_id,
+            owner_id=owner_id,
+            actor=actor,
         )
         trial = Trial(
             selection_id=selection_id,
@@ -85,6 +96,11 @@ def trial_fields(t: Trial) -> dict[str, Any]:
         "stopped_early": t.stopped_early,
         "job_id": t.job_id,
         "warm_start_from": t.warm_start_from,
+        "result": t.result,
+        # the executor's per-trial accounting, lifted out of the result for tables
+        "compute_s": (t.result or {}).get("compute_s"),
+        "copy_s": (t.result or {}).get("copy_s"),
+        "stop_reason": (t.result or {}).get("stop_reason"),
     }
 
 
@@ -97,10 +113,15 @@ def get_selection(session: Session, selection_id: int) -> Selection:
     return sel
 
 
-def list_selections(session: Session, *, limit: int = 50, offset: int = 0) -> tuple[Sequence[Selection], int]:
-    total = session.scalar(select(func.count()).select_from(Selection)) or 0
+def list_selections(
+    session: Session, *, owner_id: int | None = None, limit: int = 50, offset: int = 0
+) -> tuple[Sequence[Selection], int]:
+    """A page, newest first; `owner_id` keeps one user's batches."""
+    where = [] if owner_id is None else [Selection.owner_id == owner_id]
+    total = session.scalar(select(func.count(Selection.id)).where(*where)) or 0
     rows = session.scalars(
         select(Selection)
+        .where(*where)
         .options(selectinload(Selection.trials))
         .order_by(Selection.id.desc())
         .limit(limit)
@@ -121,70 +142,196 @@ def get_trial(session: Session, *, selection_id: int, trial_id: int) -> Trial:
     return trial
 
 
-def claim_trials(session: Session, *, trial_ids: Sequence[int], worker: str) -> list[Trial]:
-    """queued -> running for each trial's job, atomically per trial; returns the ones this call won
-    (a redelivered group message finds them taken and runs nothing twice)."""
+def trial_of_job(session: Session, *, job_id: int) -> Trial:
+    trial = session.scalars(select(Trial).where(Trial.job_id == job_id)).first()
+    if trial is None:
+        raise NotFound(f"job {job_id} is not a trial")
+    return trial
+
+
+def claim_trials(
+    session: Session, *, trial_ids: Sequence[int], owner: str, worker: str, lease_s: float
+) -> list[tuple[Trial, Attempt]]:
+    """Take the lease of each trial's job, atomically per trial (queued, or running under a lease
+    that ran out); returns the trials this call won with their attempts. A redelivered group
+    message finds them taken and runs nothing twice; a lost group's trials are taken back here."""
     won = []
-    for trial in session.scalars(select(Trial).where(Trial.id.in_(list(trial_ids))).order_by(Trial.index)):
-        res = session.execute(
-            update(Job)
-            .where(Job.id == trial.job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
-            .values(status=JobStatus.running, started_at=utcnow(), worker=worker, attempts=Job.attempts + 1)
+    for trial in session.scalars(
+        select(Trial).where(Trial.id.in_(list(trial_ids))).order_by(Trial.index)
+    ).all():
+        attempt = claim_job(
+            session, job_id=trial.job_id, owner=owner, worker=worker, lease_s=lease_s, kind="trial"
         )
-        if res.rowcount == 1:
+        if attempt is not None:
             trial.status = "running"
-            won.append(trial)
+            won.append((trial, attempt))
     if won:
         session.execute(
             update(Selection)
-            .where(Selection.id == won[0].selection_id, Selection.status == JobStatus.queued)
+            .where(Selection.id == won[0][0].selection_id, Selection.status == JobStatus.queued)
             .values(status=JobStatus.running, started_at=utcnow())
         )
     session.commit()
     return won
 
 
-def update_trial(session: Session, *, trial_id: int, **values: Any) -> None:
-    session.execute(update(Trial).where(Trial.id == trial_id).values(**values))
+@dataclass(slots=True)
+class TrialProgress:
+    """What a batch of lines says about a trial beyond its job's lines."""
+
+    values: list[float]
+    """The batch's metric values of the selection's metric, in order (finite ones)."""
+    steps_done: int | None = None
+    finish: tuple[str, str | None] | None = None
+    """(trial status, error) once both the trial's final event and its result were read."""
+
+
+def apply_trial_lines(
+    session: Session,
+    *,
+    trial_id: int,
+    attempt: Attempt,
+    lines: JobLines,
+    progress: TrialProgress,
+    mode: str,
+    lease_s: float,
+    now: Any,
+) -> Applied | None:
+    """A trial's share of a batch, fenced like a job's: its job's lines, its result (stored as it
+    arrives), its best metric, and its end once its final event and its result are both in."""
+    applied = apply_lines(session, attempt=attempt, lines=lines, lease_s=lease_s, now=now)
+    if applied is None:
+        return None
+    trial = session.get(Trial, trial_id)
+    assert trial is not None
+    sign = 1.0 if mode == "min" else -1.0
+    for v in progress.values:
+        trial.last_metric = v
+        if trial.best_metric is None or sign * v < sign * trial.best_metric:
+            trial.best_metric = v
+    if progress.steps_done is not None:
+        trial.steps_done = max(trial.steps_done, progress.steps_done)
+    if applied.result is not None:
+        trial.result = applied.result
+    if progress.finish is not None:
+        status, error = progress.finish
+        trial.status = status
+        trial.stopped_early = status == "stopped_early"
+        session.execute(
+            update(Job)
+            .where(Job.id == attempt.job_id, Job.attempts == attempt.attempt, Job.owner == attempt.owner)
+            .values(
+                status=_JOB_STATUS.get(status, JobStatus.cancelled),
+                error=error,
+                finished_at=utcnow(),
+                owner=None,
+                lease_until=None,
+            )
+        )
+        job_status = str(_JOB_STATUS.get(status, JobStatus.cancelled))
+        ev = {"error": error, "trial_status": status}
+        row = {
+            "job_id": attempt.job_id,
+            "time": time.time(),
+            "kind": "status",
+            "message": job_status,
+            "data": ev,
+        }
+        eid = session.scalars(insert(JobEvent).returning(JobEvent.id), [row]).one()
+        applied.events.append({"id": eid, **row})
+    return applied
+
+
+_JOB_STATUS = {
+    "succeeded": JobStatus.succeeded,
+    "stopped_early": JobStatus.succeeded,
+    "failed": JobStatus.failed,
+}
+
+
+def sync_trials(session: Session, *, job_ids: Sequence[int]) -> set[int]:
+    """Bring trials in line with their jobs after the jobs changed outside a batch (a lease ran
+    out, an operator failed or re-queued one). Returns the selections touched."""
+    touched = set()
+    for trial, job in session.execute(
+        select(Trial, Job).join(Job, Job.id == Trial.job_id).where(Trial.job_id.in_(list(job_ids)))
+    ):
+        if job.status == JobStatus.queued:
+            trial.status = "queued"
+        elif job.status in TERMINAL and trial.status not in TRIAL_DONE:
+            trial.status = str(job.status)
+        touched.add(trial.selection_id)
     session.commit()
+    return touched
 
 
 def finish_trial(
-    session: Session, *, trial: Trial, status: str, error: str | None = None, result: dict | None = None
-) -> None:
-    """The trial's own status (may be `stopped_early`) and its job's terminal status."""
-    job_status = {
-        "succeeded": JobStatus.succeeded,
-        "stopped_early": JobStatus.succeeded,
-        "failed": JobStatus.failed,
-    }.get(status, JobStatus.cancelled)
+    session: Session, *, trial: Trial, status: str, error: str | None = None, attempt: Attempt | None = None
+) -> bool:
+    """End a trial that never reported its end (its group stopped or failed under it), with its
+    job; fenced by `attempt` when given. False when that attempt was fenced off."""
+    job_status = _JOB_STATUS.get(status, JobStatus.cancelled)
+    cond = [Job.id == trial.job_id, Job.status.not_in(list(TERMINAL))]
+    if attempt is not None:
+        cond += [Job.attempts == attempt.attempt, Job.owner == attempt.owner]
+    res = session.execute(
+        update(Job)
+        .where(*cond)
+        .values(status=job_status, error=error, finished_at=utcnow(), owner=None, lease_until=None)
+    )
+    if attempt is not None and res.rowcount != 1:
+        session.rollback()
+        return False
     session.execute(
         update(Trial)
         .where(Trial.id == trial.id)
         .values(status=status, stopped_early=status == "stopped_early")
     )
-    session.execute(
-        update(Job)
-        .where(Job.id == trial.job_id, Job.status.not_in(list(TERMINAL)))
-        .values(status=job_status, error=error, result=result, finished_at=utcnow())
-    )
+    if res.rowcount == 1:
+        session.add(
+            JobEvent(
+                job_id=trial.job_id,
+                time=time.time(),
+                kind="status",
+                message=str(job_status),
+                data={"error": error, "trial_status": status},
+            )
+        )
     session.commit()
+    return True
+
+
+def derive_status(states: Sequence[str], *, cancel_requested: bool) -> str:
+    """A batch's status is a function of its trials' (so a batch always ends once they all have)."""
+    if any(s == "running" for s in states):
+        return JobStatus.running
+    if any(s == "queued" for s in states):
+        return JobStatus.running if any(s in TRIAL_DONE for s in states) else JobStatus.queued
+    if cancel_requested:
+        return JobStatus.cancelled
+    if states and all(s == "failed" for s in states):
+        return JobStatus.failed
+    return JobStatus.succeeded
 
 
 def settle_selection(session: Session, *, selection_id: int) -> str:
-    """Derive the batch's status from its trials once none is queued or running."""
+    """Set the batch's status from its trials'."""
     sel = get_selection(session, selection_id)
     session.refresh(sel)
-    states = [t.status for t in sel.trials]
-    if any(s in ("queued", "running") for s in states):
-        return sel.status
-    status = JobStatus.cancelled if sel.cancel_requested else JobStatus.succeeded
-    if states and all(s == "failed" for s in states):
-        status = JobStatus.failed
-    sel.status = status
-    sel.finished_at = utcnow()
+    for t in sel.trials:
+        session.refresh(t)
+    status = derive_status([t.status for t in sel.trials], cancel_requested=sel.cancel_requested)
+    if status != sel.status:
+        sel.status = status
+        sel.finished_at = utcnow() if status in TERMINAL else None
+        if status == JobStatus.running and sel.started_at is None:
+            sel.started_at = utcnow()
     session.commit()
     return status
+
+
+def unsettled_selections(session: Session) -> list[int]:
+    return list(session.scalars(select(Selection.id).where(Selection.status.not_in(list(TERMINAL)))))
 
 
 def cancel_selection(session: Session, *, selection_id: int) -> Selection:
@@ -216,8 +363,6 @@ def request_trial_stop(session: Session, *, selection_id: int, trial_id: int) ->
         raise Conflict(f"trial {trial_id} is already {trial.status}")
     if trial.status == "queued":
         finish_trial(session, trial=trial, status="stopped")
-        session.add(JobEvent(job_id=trial.job_id, time=time.time(), kind="status", message="cancelled"))
-        session.commit()
         settle_selection(session, selection_id=selection_id)
     else:
         trial.stop_requested = True

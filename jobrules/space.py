@@ -26,9 +26,32 @@ Method = Literal["grid", "random"]
 # Every leaf of a JobSpec a search may set. tests/trainer/test_selection_space.py checks this table
 # against trainer/config.py's dataclasses, so a new config field fails a test until it is added here.
 JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("name", "checkpoint_every", "priority", "max_runtime_s"),
-    "model": ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio"),
-    "data": ("kind", "corpus", "max_chars", "val_fraction"),
+    "": ("name", "checkpoint_every", "priority", "max_runtime_s", "workspace"),
+    "model": (
+        "kind",
+        "layers",
+        "d_model",
+        "heads",
+        "kv_heads",
+        "seq_len",
+        "vocab_size",
+        "mlp_ratio",
+        "entry",
+        "args",
+        "init_from",
+    ),
+    "data": (
+        "kind",
+        "corpus",
+        "path",
+        "tokenizer",
+        "dtype",
+        "vocab_size",
+        "entry",
+        "args",
+        "max_chars",
+        "val_fraction",
+    ),
     "train": (
         "steps",
         "batch_size",
@@ -51,8 +74,14 @@ JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
 KNOWN_PATHS: frozenset[str] = frozenset(
     f"{section}.{name}" if section else name for section, names in JOBSPEC_FIELDS.items() for name in names
 )
+ENTRY_ARGS = ("model.args.", "data.args.")
+"""A search may also set any keyword argument of a user entry point: `model.args.<name>`."""
 MAX_TRIALS = 1024
 """A grid larger than this is refused: it is almost always a typo (a range with a huge `num`)."""
+MAX_VALUE_ITEMS = 64
+"""A choice's value is a scalar or a short list of scalars (`parallel.spill.cuts`); the bounds are
+checked before anything is expanded, so a huge or deeply nested value costs nothing."""
+MAX_STRING = 200
 
 
 class SpaceError(ValueError):
@@ -63,6 +92,9 @@ class SpaceError(ValueError):
 class Choice:
     path: str
     values: tuple[Any, ...]
+
+    def size(self) -> int:
+        return len(self.values)
 
     def grid(self) -> list[Any]:
         return list(self.values)
@@ -86,8 +118,12 @@ class Range:
             raise SpaceError(f"{where}: low ({self.low}) must be < high ({self.high})")
         if self.log and self.low <= 0:
             raise SpaceError(f"{where}: a log range needs low > 0, got low={self.low}")
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            raise SpaceError(f"{where}: low and high must be finite numbers")
         if self.num is not None and self.num < 2:
             raise SpaceError(f"{where}: num must be >= 2 grid points, got {self.num}")
+        if self.num is not None and self.num > MAX_TRIALS:
+            raise SpaceError(f"{where}: num ({self.num}) is more than the limit of {MAX_TRIALS} grid points")
 
     def _at(self, u: float) -> float | int:
         """The point a fraction u in [0, 1] of the way from low to high (in log space with `log`)."""
@@ -96,6 +132,9 @@ class Range:
         else:
             v = self.low + u * (self.high - self.low)
         return int(round(v)) if self.integer else v
+
+    def size(self) -> int:
+        return self.num or 0
 
     def grid(self) -> list[Any]:
         if self.num is None:
@@ -119,7 +158,9 @@ def parse_space(space: dict[str, Any], *, known_paths: frozenset[str] = KNOWN_PA
         raise SpaceError("space must be a non-empty object of dotted JobSpec paths")
     dims: list[Dimension] = []
     for path, raw in space.items():
-        if path not in known_paths:
+        if path.startswith(ENTRY_ARGS) and path.rpartition(".")[2].isidentifier():
+            pass  # the recipe's own hyper-parameters: the entry point checks them
+        elif path not in known_paths:
             section = path.rpartition(".")[0]
             near = sorted(p for p in known_paths if p.rpartition(".")[0] == section)
             hint = f"; fields under {section or 'the top level'}: {', '.join(near)}" if near else ""
@@ -133,6 +174,10 @@ def _parse_dimension(path: str, raw: Any) -> Dimension:
     if isinstance(raw, list):
         if not raw:
             raise SpaceError(f"{where} is an empty list: a choice needs at least one value")
+        if len(raw) > MAX_TRIALS:
+            raise SpaceError(f"{where}: a choice has at most {MAX_TRIALS} values, got {len(raw)}")
+        for value in raw:
+            _check_value(where, value)
         return Choice(path=path, values=tuple(raw))
     if isinstance(raw, dict):
         extra = set(raw) - {"low", "high", "log", "int", "num"}
@@ -159,6 +204,25 @@ def _parse_dimension(path: str, raw: Any) -> Dimension:
     raise SpaceError(f"{where} must be a list of values or a range object {{low, high, ...}}, got {raw!r}")
 
 
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if isinstance(value, str):
+        return len(value) <= MAX_STRING
+    return value is None or isinstance(value, bool | int | float)
+
+
+def _check_value(where: str, value: Any) -> None:
+    if _is_scalar(value):
+        return
+    if isinstance(value, list) and len(value) <= MAX_VALUE_ITEMS and all(map(_is_scalar, value)):
+        return
+    raise SpaceError(
+        f"{where}: each value must be a number, a string of at most {MAX_STRING} characters, true/false, "
+        f"null or a list of at most {MAX_VALUE_ITEMS} of those (finite numbers only)"
+    )
+
+
 def sample_params(
     space: dict[str, Any],
     *,
@@ -172,10 +236,11 @@ def sample_params(
     if method == "grid":
         if trials is not None:
             raise SpaceError(f"method grid takes no trials (the grid sets the count), got trials={trials}")
-        axes = [d.grid() for d in dims]
-        count = math.prod(len(a) for a in axes)
+        # counted before any axis is built: a typo'd grid is refused without being expanded
+        count = math.prod(d.size() or 1 for d in dims)
         if count > MAX_TRIALS:
             raise SpaceError(f"the grid has {count} points, more than the limit of {MAX_TRIALS} trials")
+        axes = [d.grid() for d in dims]
         return [dict(zip((d.path for d in dims), point, strict=True)) for point in itertools.product(*axes)]
     if method == "random":
         if trials is None or isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:

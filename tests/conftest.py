@@ -3,6 +3,7 @@ under uvicorn and a Celery worker process, over a fresh SQLite file (migrated by
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from api.stack import Stack
 from db.migrate import upgrade
+from tests.sse import TOKENS
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -25,10 +27,15 @@ TINY_SPEC: dict[str, Any] = {
 
 
 class StackHandle:
+    """The running stack and an HTTP client signed in as its admin (`token`)."""
+
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
         self.base_url = stack.base_url
-        self.client = httpx.Client(base_url=stack.base_url, timeout=30)
+        self.token = stack.admin_token
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=self.headers)
+        TOKENS[stack.base_url] = self.token
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         resp = self.client.post("/api/jobs", json=spec)
@@ -73,9 +80,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
             print(f"---- {log.name}\n{log.read_text()[-3000:]}")
         raise
     handle = StackHandle(st)
+    # the CLI processes and tests/sse.py the tests start find the admin token here
+    os.environ["SHARDYARD_TOKEN"] = handle.token
     try:
         yield handle
     finally:
+        os.environ.pop("SHARDYARD_TOKEN", None)
         handle.client.close()
         st.stop()
 

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import httpx
 
+TOKENS: dict[str, str] = {}
+"""base URL -> the admin token of the stack there (StackHandle fills it), so a stream read from
+any test's stack is authenticated without passing the token around."""
+
 
 def read_sse(
-    base_url: str, path: str, *, last_event_id: str | None = None, stop_after: int | None = None
+    base_url: str,
+    path: str,
+    *,
+    last_event_id: str | None = None,
+    stop_after: int | None = None,
+    token: str | None = None,
 ) -> list[tuple[str | None, str, dict[str, Any]]]:
-    """(id, event, data) frames until the server closes the stream (or `stop_after` frames)."""
+    """(id, event, data) frames until the server closes the stream (or `stop_after` frames).
+    Sent with `token`, by default the admin token of the stack at `base_url`."""
     headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    token = token or TOKENS.get(base_url) or os.environ.get("SHARDYARD_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     frames: list[tuple[str | None, str, dict[str, Any]]] = []
     with httpx.stream("GET", base_url + path, headers=headers, timeout=httpx.Timeout(10, read=60)) as r:
         assert r.status_code == 200

@@ -15,6 +15,7 @@ from pathlib import Path
 from trainer.config import ConfigError, JobConfig
 from trainer.distributed import env_rank, env_world_size, teardown
 from trainer.protocol import FileStopSignal, JsonlSink
+from trainer.workspace import UserCodeError, set_workspace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True, help="JobSpec JSON file ('-' for stdin)")
     ap.add_argument("--checkpoint-dir", type=Path, default=None)
     ap.add_argument("--stop-file", default=None, help="stop cleanly once this file exists")
+    ap.add_argument("--workspace", type=Path, default=None, help="the job's unpacked workspace folder")
     args = ap.parse_args(argv)
 
     rank = env_rank()
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
         job = JobConfig.from_dict(raw)
+        set_workspace(args.workspace)
     except (OSError, ValueError) as e:
         sink.error(f"bad spec: {e}")
         return 2
@@ -39,14 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sink.error(f"bad spec: {e}")
         return 2
+    except UserCodeError as e:
+        traceback.print_exc()
+        sink.log("traceback of the user's code:\n" + "".join(traceback.format_exception(e.__cause__ or e)))
+        sink.error(f"user code failed: {e}")
+        return 1
     except Exception as e:  # noqa: BLE001 - the reason goes to the worker, the trace to stderr
         traceback.print_exc()
+        if uses_user_code(job):  # a shape mismatch in the user's layers: their traceback, in the job's logs
+            sink.log("traceback:\n" + traceback.format_exc())
         where = f" (rank {rank} of {env_world_size()})" if env_world_size() > 1 else ""
         sink.error(f"{type(e).__name__}: {e}{where}")
         return 1
     finally:
         teardown()
     return 0
+
+
+def uses_user_code(job: JobConfig) -> bool:
+    return job.model.kind == "python" or job.data.kind == "python"
 
 
 def exit_now(code: int) -> None:

@@ -1,8 +1,20 @@
-"""Checkpoints: one file per saved step, written atomically, the latest one found by name."""
+"""Checkpoints: one file per saved step, written atomically, the newest intact one found by name.
+
+A checkpoint is first written to a hidden temporary file in the same folder, flushed to the disk
+(fsync), then renamed over its final name and the folder entry flushed too: a crash or a full disk
+at any point leaves either the complete file or none, never a partial one under a checkpoint's
+name. A file that is damaged anyway (truncated by a copy, corrupted on disk) fails the zip CRC check
+and is never loaded: the loader takes the newest intact one and renames the bad one aside.
+
+After each save only the newest `keep` checkpoints stay (SHARDYARD_CHECKPOINT_KEEP, default 3; 0
+keeps all).
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -10,28 +22,101 @@ import torch
 
 _PREFIX = "step-"
 _SUFFIX = ".pt"
+KEEP_ENV = "SHARDYARD_CHECKPOINT_KEEP"
+DEFAULT_KEEP = 3
+
+
+class CheckpointError(RuntimeError):
+    pass
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"{_PREFIX}{step:08d}{_SUFFIX}"
 
 
-def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any]) -> Path:
-    """Write to a temporary name and rename, so a crash never leaves a half-written latest file."""
+def keep_from_env() -> int:
+    raw = os.environ.get(KEEP_ENV, "")
+    try:
+        return max(0, int(raw)) if raw.strip() else DEFAULT_KEEP
+    except ValueError:
+        return DEFAULT_KEEP
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: int | None = None) -> Path:
+    """Write `state` (plus the step) as the checkpoint of `step`, atomically, then prune to the
+    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP). An OSError (a full disk: ENOSPC) propagates
+    after the temporary file is removed; no checkpoint of that step exists then."""
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, step)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, **state}, tmp)
-    os.replace(tmp, path)
+    tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"step": step, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    prune_checkpoints(directory, keep=keep_from_env() if keep is None else keep)
     return path
 
 
+def _by_step(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}"))
+
+
+def prune_checkpoints(directory: Path, *, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` checkpoints (0 keeps all); returns what was removed."""
+    if keep <= 0 or not directory.is_dir():
+        return []
+    old = _by_step(directory)[:-keep]
+    for p in old:
+        p.unlink(missing_ok=True)
+    return old
+
+
+def is_intact(path: Path) -> bool:
+    """A torch checkpoint is a zip archive: complete (its central directory is at the end) and
+    every member's CRC matches. Reads the file once; far cheaper than a failed resume."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip() is None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return False
+
+
 def latest_checkpoint(directory: Path | None) -> Path | None:
+    """The newest intact checkpoint in `directory`, or None. Damaged ones on the way are renamed
+    to `*.corrupt` (kept for inspection, never tried again) and reported on stderr."""
     if directory is None or not directory.is_dir():
         return None
-    found = sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}"))
-    return found[-1] if found else None
+    for path in reversed(_by_step(directory)):
+        if is_intact(path):
+            return path
+        aside = path.with_name(path.name + ".corrupt")
+        print(
+            f"checkpoint {path} is damaged (incomplete or failed its CRC check); moved to {aside.name}",
+            file=sys.stderr,
+        )
+        os.replace(path, aside)
+    return None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """The state saved at `path`; CheckpointError naming the file when it cannot be read."""
+    if not is_intact(path):
+        raise CheckpointError(f"checkpoint {path} is damaged (incomplete or failed its CRC check)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {e}") from e

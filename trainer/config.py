@@ -11,7 +11,19 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ModelKind = Literal["gpt", "mlp"]
+from jobrules.data import data_problems, data_vocab_size, vocab_problem
+from jobrules.models import model_problems
+from jobrules.parallel import (
+    SCHEDULES,
+    TENSOR_MODES,
+    axis_sizes,
+    parallel_problems,
+    tensor_world_size,
+    world_size,
+)
+
+ModelKind = Literal["gpt", "mlp", "llama", "python"]
+DataKind = Literal["text", "tokens", "python"]
 Optimizer = Literal["adamw", "sgd"]
 PipelineSchedule = Literal["gpipe", "1f1b", "chimera", "chimera-zb", "async"]
 TensorMode = Literal["1d", "2d", "2.5d"]
@@ -29,53 +41,70 @@ def _require(ok: bool, msg: str) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     kind: ModelKind = "gpt"
-    """Registry name: `gpt` (decoder-only transformer) or `mlp` (position-wise MLP on characters)."""
+    """`gpt` (decoder-only transformer), `mlp` (position-wise MLP), `llama` (RMSNorm, rotary
+    positions, SwiGLU, grouped-query attention) or `python` (a recipe from the workspace)."""
     layers: int = 4
-    """Number of transformer blocks (gpt) or hidden layers (mlp)."""
+    """Number of transformer blocks (gpt, llama) or hidden layers (mlp)."""
     d_model: int = 128
     """Hidden size."""
     heads: int = 4
-    """Attention heads (gpt only); must divide d_model."""
+    """Attention heads (gpt, llama); must divide d_model."""
+    kv_heads: int | None = None
+    """llama: key/value heads of grouped-query attention (must divide heads); None means heads."""
     seq_len: int = 64
-    """Context length in characters."""
-    vocab_size: int = 128
-    """Characters are ASCII code points; anything else maps to '?'."""
+    """Context length in tokens."""
+    vocab_size: int | None = None
+    """None follows the data's vocabulary; a number must hold every token id of the data."""
     mlp_ratio: int = 4
     """Width of the feed-forward layer as a multiple of d_model."""
+    entry: str | None = None
+    """python: `package.module:function` in the workspace returning a ModelRecipe."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """python: keyword arguments for `entry` (a selection's search space can range over them)."""
+    init_from: str | None = None
+    """Initial weights: a safetensors or torch state-dict file (absolute, or in the workspace)."""
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("gpt", "mlp"), f"model.kind must be gpt or mlp, got {self.kind!r}")
-        _require(1 <= self.layers <= 256, f"model.layers must be in [1, 256], got {self.layers}")
-        _require(8 <= self.d_model <= 16384, f"model.d_model must be in [8, 16384], got {self.d_model}")
-        _require(1 <= self.heads <= 256, f"model.heads must be in [1, 256], got {self.heads}")
-        _require(
-            self.d_model % self.heads == 0,
-            f"model.d_model ({self.d_model}) must be divisible by model.heads ({self.heads})",
-        )
-        _require(1 <= self.seq_len <= 8192, f"model.seq_len must be in [1, 8192], got {self.seq_len}")
-        _require(self.vocab_size == 128, f"model.vocab_size must be 128 (ASCII), got {self.vocab_size}")
-        _require(1 <= self.mlp_ratio <= 16, f"model.mlp_ratio must be in [1, 16], got {self.mlp_ratio}")
+        problems = model_problems(dataclasses.asdict(self))
+        _require(not problems, "; ".join(problems))
 
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    kind: Literal["text"] = "text"
-    """Only character-level text for now."""
-    corpus: Literal["stdlib"] = "stdlib"
-    """`stdlib`: the Python standard library's own source files, present on every machine."""
+    kind: DataKind = "text"
+    """`text` (a corpus tokenized at start), `tokens` (pre-tokenized train.bin/val.bin read through
+    memory maps) or `python` (an entry point in the workspace returning batch iterables)."""
+    corpus: Literal["stdlib"] | None = None
+    """text: `stdlib` (the Python standard library's own source files); the default without `path`."""
+    path: str | None = None
+    """text: a UTF-8 file or a folder of them; tokens: the folder holding train.bin and val.bin.
+    Absolute on the workers, or relative to the job's workspace."""
+    tokenizer: str = "char"
+    """text: `char` (ASCII code points, vocabulary 128), `byte` (UTF-8 bytes, 256) or the path of a
+    Hugging Face `tokenizers` JSON file (absolute, or relative to the workspace)."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens: the element type of train.bin and val.bin."""
+    vocab_size: int | None = None
+    """tokens/python: the data's vocabulary (token ids are < vocab_size); tokens without it scans
+    the files once (streaming) for the largest id."""
+    entry: str | None = None
+    """python: `package.module:function` in the workspace, called with batch_size, seq_len, seed and
+    `args`, returning (train, val) iterables of (inputs, targets) batches."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """python: extra keyword arguments for `entry`."""
     max_chars: int = 4_000_000
-    """Cap on the characters read (keeps start-up fast)."""
+    """text: cap on the characters read (keeps start-up fast)."""
     val_fraction: float = 0.1
-    """Held-out tail of the corpus used for validation loss."""
+    """text: held-out tail of the corpus used for validation loss."""
 
     def __post_init__(self) -> None:
-        _require(self.kind == "text", f"data.kind must be 'text', got {self.kind!r}")
-        _require(self.corpus == "stdlib", f"data.corpus must be 'stdlib', got {self.corpus!r}")
-        _require(self.max_chars >= 10_000, f"data.max_chars must be >= 10000, got {self.max_chars}")
-        _require(
-            0.0 < self.val_fraction < 0.5,
-            f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}",
-        )
+        problems = data_problems(dataclasses.asdict(self))
+        _require(not problems, "; ".join(problems))
+
+    @property
+    def known_vocab_size(self) -> int | None:
+        """The vocabulary when it is known without reading files (None: only the trainer can tell)."""
+        return data_vocab_size(dataclasses.asdict(self))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,13 +178,8 @@ class PipelineConfig:
             f"parallel.pipeline.microbatches must be >= 1, got {self.microbatches}",
         )
         _require(
-            self.schedule in ("gpipe", "1f1b", "chimera", "chimera-zb", "async"),
-            f"parallel.pipeline.schedule must be one of gpipe, 1f1b, chimera, chimera-zb, async, "
-            f"got {self.schedule!r}",
-        )
-        _require(
-            not (self.schedule.startswith("chimera") and self.stages % 2 != 0),
-            f"parallel.pipeline.stages must be even for {self.schedule} (got {self.stages})",
+            self.schedule in SCHEDULES,
+            f"parallel.pipeline.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
         )
 
 
@@ -171,18 +195,14 @@ class TensorConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.mode in ("1d", "2d", "2.5d"),
+            self.mode in TENSOR_MODES,
             f"parallel.tensor.mode must be 1d, 2d or 2.5d, got {self.mode!r}",
         )
         _require(self.size >= 1 and self.q >= 1 and self.d >= 1, "parallel.tensor sizes must be >= 1")
 
     @property
     def world_size(self) -> int:
-        if self.mode == "1d":
-            return self.size
-        if self.mode == "2d":
-            return self.q * self.q
-        return self.q * self.q * self.d
+        return tensor_world_size(dataclasses.asdict(self))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,10 +221,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the job needs: pipeline stages x tensor ranks x data-parallel replicas."""
-        stages = self.pipeline.stages if self.pipeline else 1
-        tp = self.tensor.world_size if self.tensor else 1
-        return stages * tp * self.data_parallel
+        """Processes the job needs: pipeline stages x data-parallel replicas x tensor ranks."""
+        return world_size(dataclasses.asdict(self))
+
+    @property
+    def axes(self) -> tuple[int, int, int]:
+        """(pp, dp, tp) sizes of the world mesh."""
+        return axis_sizes(dataclasses.asdict(self))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,21 +246,17 @@ class JobConfig:
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps; 0 writes only at the end."""
+    workspace: str | None = None
+    """The uploaded workspace (`sha256:<digest>` or an id); the worker unpacks it and passes its
+    folder to the trainer with --workspace."""
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 0, "checkpoint_every must be >= 0")
-        pipe = self.parallel.pipeline
-        if pipe is not None and pipe.stages > 1:
-            _require(
-                pipe.stages <= self.model.layers + 2,
-                f"parallel.pipeline.stages ({pipe.stages}) must be <= the model's layer count "
-                f"({self.model.layers} blocks + embedding + head = {self.model.layers + 2})",
-            )
-            _require(
-                self.train.batch_size % pipe.microbatches == 0,
-                f"parallel.pipeline.microbatches ({pipe.microbatches}) must divide "
-                f"train.batch_size ({self.train.batch_size})",
-            )
+        problem = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=self.data.known_vocab_size)
+        _require(problem is None, problem or "")
+        # the same rules, and words, as the API's (jobrules/parallel.py)
+        problems = parallel_problems(self.to_dict())
+        _require(not problems, "; ".join(problems))
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> JobConfig:

@@ -1,4 +1,15 @@
-"""The single-process training loop: the reference every parallel engine is checked against."""
+"""The one step loop. `run_steps` owns every loop rule: resume, the batch of each step, evaluation
+cadence and its fixed validation batches, checkpoint cadence, metric reporting, the stop signal and
+the run summary. Engines (trainer/engine.py's composed engine for plain, pipeline, tensor,
+data-parallel and offloaded runs and their compositions; trainer/spill/job.py's spilling engine)
+plug in through `Engine`.
+
+Checkpoints: each checkpoint holds the engine's state plus the loop's own ("loop": last loss, last
+val_loss, and at the run's last step the result), so a run resumed with no steps left re-emits the
+same `result` and writes no metric. A rank writes its pieces under `checkpoint_dir/<subdir>` (the
+engine names it; a single-piece engine writes in checkpoint_dir itself); of the data-parallel
+replicas, which hold identical pieces, only the first writes, and every replica resumes from it.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +17,75 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
-from trainer.device import peak_memory_mb, pick_device
-from trainer.models import build_model, count_params, lm_loss
+from trainer.data import BatchStream, Dataset
+from trainer.device import peak_memory_mb
+from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal, should_stop
+from trainer.recipe import ModelRecipe
+
+__all__ = ["Engine", "TrainingError", "build_optimizer", "run_steps", "train"]
 
 
 class TrainingError(RuntimeError):
     """A terminal failure of the run itself (NaN loss, ...): retrying will not help."""
 
 
-def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+class Engine(Protocol):
+    """What the loop needs from an engine. Every method is called on every rank in the same order
+    (an engine may run collectives in any of them); losses come back as the global mean, equal on
+    every rank."""
+
+    device: torch.device
+    n_params: int
+    """The whole model's parameter count."""
+    checkpoint_subdir: str | None
+    """Where this rank's pieces go under checkpoint_dir (None: checkpoint_dir itself)."""
+    writes_checkpoints: bool
+    """False on ranks whose pieces another rank writes (data-parallel replicas after the first)."""
+
+    def train_step(self, inputs: Any, targets: Any) -> float: ...
+
+    def eval_loss(self, inputs: Any, targets: Any) -> float: ...
+
+    def step_metrics(self) -> dict[str, float]: ...
+
+    def eval_report(self, step: int, sink: MetricsSink) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def start_info(self) -> dict[str, Any]: ...
+
+    def summary(self, *, steps_ran: int, sink: MetricsSink) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TextData, *, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean loss over a fixed set of validation batches (same set at every evaluation)."""
-    was_training = model.training
-    model.eval()
-    g = torch.Generator().manual_seed(cfg.seed + 7919)
-    total = 0.0
+VAL_SEED_OFFSET = 7919
+"""The validation batches come from a generator seeded train.seed + this: the same fixed set at
+every evaluation, on every engine."""
+
+
+def val_batches(data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> Iterator[tuple[Any, Any]]:
+    g = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
     for _ in range(cfg.eval_batches):
-        x, y = data.batch(split="val", batch_size=cfg.batch_size, generator=g)
-        total += lm_loss(model(x.to(device)), y.to(device)).item()
-    model.train(was_training)
-    return total / cfg.eval_batches
+        yield recipe.feed(data.batch(split="val", batch_size=cfg.batch_size, generator=g))
+
+
+def evaluate(engine: Engine, data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> float:
+    """Mean loss over the fixed validation batches."""
+    losses = [engine.eval_loss(x, y) for x, y in val_batches(data, recipe=recipe, cfg=cfg)]
+    return sum(losses) / len(losses)
 
 
 def report_step(
@@ -116,17 +161,116 @@ def check_finite(loss: float, step: int) -> None:
         raise TrainingError(f"loss is {loss} at step {step}; lower train.lr or enable grad_clip")
 
 
-def resume(directory: Path | None, *, model: nn.Module, opt: torch.optim.Optimizer, sink: MetricsSink) -> int:
-    """Load the latest checkpoint in `directory` into model and optimizer; the step to go on from
-    (0 when there is none)."""
-    if (path := latest_checkpoint(directory)) is None:
-        return 0
-    state = load_checkpoint(path)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    start = int(state["step"])
-    sink.log(f"resumed from {path.name} at step {start}")
-    return start
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree(start: int, *, device: torch.device) -> int:
+    """Every rank must go on from the same step, or the collectives of the run pair up wrongly."""
+    if not _distributed():
+        return start
+    t = torch.tensor([start, -start], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    lo, hi = int(t[0]), -int(t[1])
+    if lo != hi:
+        raise RuntimeError(f"ranks found checkpoints of different steps ({lo}..{hi}); remove the newer ones")
+    return lo
+
+
+def resume(directory: Path | None, *, engine: Engine, sink: MetricsSink) -> tuple[int, dict[str, Any]]:
+    """Load the latest checkpoint in `directory` into the engine; (the step to go on from, the
+    loop's saved state). (0, {}) when there is none."""
+    start, loop_state = 0, {}
+    if (path := latest_checkpoint(directory)) is not None:
+        state = load_checkpoint(path)
+        engine.load_state_dict(state)
+        start, loop_state = int(state["step"]), dict(state.get("loop", {}))
+    start = _agree(start, device=engine.device)
+    if path is not None:
+        sink.log(f"resumed from {path.name} at step {start}")
+    return start, loop_state
+
+
+def run_steps(
+    engine: Engine,
+    *,
+    job: JobConfig,
+    recipe: ModelRecipe,
+    data: Dataset,
+    sink: MetricsSink,
+    stop: StopSignal,
+    checkpoint_dir: Path | None,
+) -> dict[str, Any]:
+    """Train `job` on `engine` from its latest checkpoint to train.steps (or a stop). Returns the
+    result dict, also sent to `sink.result` (sinks of ranks other than 0 are silent)."""
+    cfg = job.train
+    my_dir = checkpoint_dir
+    if checkpoint_dir is not None and engine.checkpoint_subdir is not None:
+        my_dir = checkpoint_dir / engine.checkpoint_subdir
+    start, carried = resume(my_dir, engine=engine, sink=sink)
+    if start >= cfg.steps and "result" in carried:
+        # the run had already finished (e.g. the worker died before recording it): same result,
+        # no new metrics
+        sink.log(f"nothing left to run: step {start} of {cfg.steps} was reached before")
+        engine.close()
+        sink.result(carried["result"])
+        return carried["result"]
+
+    sink.log(
+        f"model {job.model.kind}: {engine.n_params:,} parameters on {engine.device}; {engine.describe()}"
+    )
+    sink.event(
+        "start",
+        {"params": engine.n_params, "device": str(engine.device), "start_step": start, **engine.start_info()},
+    )
+    stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
+    loss_value = float(carried.get("final_loss", math.nan))
+    val_loss = float(carried.get("val_loss", math.nan))
+
+    def save(step: int, result: dict[str, Any] | None = None) -> Path | None:
+        if my_dir is None or not engine.writes_checkpoints:
+            return None
+        loop_state: dict[str, Any] = {"final_loss": loss_value, "val_loss": val_loss}
+        if result is not None:
+            loop_state["result"] = result
+        return save_checkpoint(my_dir, step=step, state={**engine.state_dict(), "loop": loop_state})
+
+    tokens_per_step = cfg.batch_size * job.model.seq_len
+    steps = StepRange(start=start, end=cfg.steps, stop=stop)
+    for step in steps:
+        t0 = time.perf_counter()
+        inputs, targets = recipe.feed(stream.batch_for(step - 1))
+        loss_value = engine.train_step(inputs, targets)
+        check_finite(loss_value, step)
+        dt = time.perf_counter() - t0
+        report_step(
+            sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=engine.device
+        )
+        for name, value in engine.step_metrics().items():
+            sink.metric(step, name, value)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            val_loss = evaluate(engine, data, recipe=recipe, cfg=cfg)
+            sink.metric(step, "val_loss", val_loss)
+            engine.eval_report(step, sink)
+        # the last step's checkpoint is written below, with the result in it
+        if job.checkpoint_every and step % job.checkpoint_every == 0 and step != cfg.steps:
+            p = save(step)
+            if p is not None:
+                sink.event("checkpoint", {"step": step, "path": str(p)})
+
+    result = run_summary(
+        steps,
+        final_loss=loss_value,
+        val_loss=val_loss,
+        params=engine.n_params,
+        tokens_per_step=tokens_per_step,
+        device=engine.device,
+    ) | engine.summary(steps_ran=steps.ran, sink=sink)
+    if steps.ran > 0:
+        save(steps.last, result if steps.last == cfg.steps else None)
+    engine.close()
+    sink.result(result)
+    return result
 
 
 def train(
@@ -137,59 +281,7 @@ def train(
     checkpoint_dir: Path | None = None,
     device: torch.device | None = None,
 ) -> dict[str, Any]:
-    """Train `job` on one device. Returns the result dict (also sent to `sink.result`)."""
-    cfg = job.train
-    device = device or pick_device(job.resources.device)
-    model = build_model(job.model, seed=cfg.seed).to(device)
-    opt = build_optimizer(model.parameters(), cfg)
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
-    stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
+    """Train a single-process job (the reference every parallel run is checked against)."""
+    from trainer.runner import run
 
-    start = resume(checkpoint_dir, model=model, opt=opt, sink=sink)
-    n_params = count_params(model)
-    sink.log(f"model {job.model.kind}: {n_params:,} parameters on {device}")
-    sink.event("start", {"params": n_params, "device": str(device), "start_step": start})
-
-    tokens_per_step = cfg.batch_size * job.model.seq_len
-    loss_value = val_loss = float("nan")
-    steps = StepRange(start=start, end=cfg.steps, stop=stop)
-    for step in steps:
-        t0 = time.perf_counter()
-        x, y = stream.batch_for(step - 1)
-        loss = lm_loss(model(x.to(device)), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        loss_value = loss.item()  # note: a CPU-GPU sync point, once per step
-        check_finite(loss_value, step)
-        dt = time.perf_counter() - t0
-        report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            val_loss = evaluate(model, data, cfg=cfg, device=device)
-            sink.metric(step, "val_loss", val_loss)
-        if checkpoint_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0:
-            p = save_checkpoint(
-                checkpoint_dir,
-                step=step,
-                state={"model": model.state_dict(), "optimizer": opt.state_dict()},
-            )
-            sink.event("checkpoint", {"step": step, "path": str(p)})
-
-    if checkpoint_dir is not None and steps.ran > 0:
-        save_checkpoint(
-            checkpoint_dir,
-            step=steps.last,
-            state={"model": model.state_dict(), "optimizer": opt.state_dict()},
-        )
-    result = run_summary(
-        steps,
-        final_loss=loss_value,
-        val_loss=val_loss,
-        params=n_params,
-        tokens_per_step=tokens_per_step,
-        device=device,
-    )
-    sink.result(result)
-    return result
+    return run(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir, device=device)

@@ -1,5 +1,6 @@
-"""Model registry. Every model is an `nn.Sequential` of layers, so later code can cut it into
-shards (spilling), stages (pipelines) or shard its layers (tensor parallelism) by index.
+"""Built-in model recipes (trainer/recipe.py): GPT and a character MLP. Each is an ordered list of
+layers, so later code can cut it into shards (spilling), stages (pipelines) or shard its layers
+(tensor parallelism) by index.
 
 Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim (D/H), F feed-forward
 width, V vocabulary. Every model maps token ids idx_BT to logits_BTV.
@@ -7,14 +8,16 @@ width, V vocabulary. Every model maps token ids idx_BT to logits_BTV.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobrules.data import CHAR_VOCAB
 from trainer.config import ModelConfig
+from trainer.recipe import ModelRecipe, build_dense, cross_entropy_loss, gpt2_init
 
 
 class Embedding(nn.Module):
@@ -115,50 +118,92 @@ class Residual(nn.Module):
         return x_BTD + self.mlp(self.ln(x_BTD))
 
 
-def build_gpt(cfg: ModelConfig) -> nn.Sequential:
-    layers: list[nn.Module] = [Embedding(vocab_size=cfg.vocab_size, d_model=cfg.d_model, seq_len=cfg.seq_len)]
-    layers += [
-        Block(d_model=cfg.d_model, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio) for _ in range(cfg.layers)
-    ]
-    layers.append(Head(d_model=cfg.d_model, vocab_size=cfg.vocab_size))
-    return nn.Sequential(*layers)
+class GPTRecipe(ModelRecipe):
+    """Decoder-only transformer: [Embedding, Block x layers, Head]."""
+
+    kind = "gpt"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.n_layers = cfg.layers + 2
+
+    def build_layer(self, index: int) -> nn.Module:
+        c = self.cfg
+        if index == 0:
+            return Embedding(vocab_size=c.vocab_size, d_model=c.d_model, seq_len=c.seq_len)
+        if index == self.n_layers - 1:
+            return Head(d_model=c.d_model, vocab_size=c.vocab_size)
+        return Block(d_model=c.d_model, heads=c.heads, mlp_ratio=c.mlp_ratio)
+
+    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
+        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
+
+    def tp_hint(self, index: int) -> str | None:
+        if index == 0:
+            return "embedding"
+        return "head" if index == self.n_layers - 1 else "block"
 
 
-def build_mlp(cfg: ModelConfig) -> nn.Sequential:
-    hidden = cfg.mlp_ratio * cfg.d_model
-    layers: list[nn.Module] = [CharInput(vocab_size=cfg.vocab_size, d_model=cfg.d_model)]
-    layers += [Residual(d_model=cfg.d_model, hidden=hidden) for _ in range(cfg.layers)]
-    layers.append(Head(d_model=cfg.d_model, vocab_size=cfg.vocab_size))
-    return nn.Sequential(*layers)
+class MLPRecipe(ModelRecipe):
+    """Position-wise residual MLP on characters: [CharInput, Residual x layers, Head]. It has no
+    tensor-parallel form (its layers are not the GPT kinds trainer/tensor shards)."""
+
+    kind = "mlp"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.n_layers = cfg.layers + 2
+
+    def build_layer(self, index: int) -> nn.Module:
+        c = self.cfg
+        if index == 0:
+            return CharInput(vocab_size=c.vocab_size, d_model=c.d_model)
+        if index == self.n_layers - 1:
+            return Head(d_model=c.d_model, vocab_size=c.vocab_size)
+        return Residual(d_model=c.d_model, hidden=c.mlp_ratio * c.d_model)
+
+    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
+        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
 
 
-MODELS: dict[str, Callable[[ModelConfig], nn.Sequential]] = {"gpt": build_gpt, "mlp": build_mlp}
+RECIPES: dict[str, Callable[[ModelConfig], ModelRecipe]] = {"gpt": GPTRecipe, "mlp": MLPRecipe}
+"""Built-in recipes by `model.kind`."""
 
 
-def init_weights(model: nn.Module, *, n_layers: int) -> None:
-    """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
-    for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith("proj.weight") else 0.02
-            nn.init.normal_(p, mean=0.0, std=std)
-        elif name.endswith("bias"):
-            nn.init.zeros_(p)
+def recipe_for(cfg: ModelConfig) -> ModelRecipe:
+    """The recipe `model.kind` names, starting from `model.init_from`'s weights when given."""
+    recipe = _recipe(cfg)
+    if cfg.init_from is not None:
+        from trainer.pretrained import Pretrained
+
+        recipe = Pretrained(recipe, path=cfg.init_from)
+    return recipe
+
+
+def _recipe(cfg: ModelConfig) -> ModelRecipe:
+    if cfg.kind == "python":
+        from trainer.user_model import user_recipe
+
+        return user_recipe(cfg)
+    # a job's runner has set vocab_size from its data; a config used on its own (tests,
+    # benchmarks) has the char tokenizer's 128
+    if cfg.vocab_size is None:
+        cfg = dataclasses.replace(cfg, vocab_size=CHAR_VOCAB)
+    if cfg.kind == "llama":
+        from trainer.llama import LlamaRecipe
+
+        return LlamaRecipe(cfg)
+    return RECIPES[cfg.kind](cfg)
 
 
 def build_model(cfg: ModelConfig, *, seed: int) -> nn.Sequential:
-    """Build and initialise the model from `seed` alone, on CPU, so every rank, shard and
-    reference built from the same config holds bit-identical weights."""
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    model = MODELS[cfg.kind](cfg)
-    init_weights(model, n_layers=cfg.layers)
-    torch.random.set_rng_state(gen_state)
-    return model
+    """The whole model from `seed` alone, on CPU (single-process runs and test references): the
+    same weights any rank materialises for its own layers (trainer/recipe.py)."""
+    return build_dense(recipe_for(cfg), seed=seed)
 
 
-def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean next-character cross entropy."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten())
+lm_loss = cross_entropy_loss
+"""The GPT and MLP recipes' loss (kept under its old name for tests and benchmarks)."""
 
 
 def count_params(model: nn.Module) -> int:

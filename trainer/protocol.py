@@ -3,12 +3,13 @@
 The worker launches `python -m trainer` (or torchrun) and reads one JSON object per line from the
 trainer's stdout:
 
-    {"kind": "metric", "step": 12, "name": "loss", "value": 3.91, "time": 1732.1}
-    {"kind": "log", "message": "...", "time": ...}
-    {"kind": "event", "event": "checkpoint", "data": {...}, "time": ...}
-    {"kind": "result", "data": {...}, "time": ...}
+    {"seq": 0, "kind": "metric", "step": 12, "name": "loss", "value": 3.91, "time": 1732.1}
+    {"seq": 1, "kind": "log", "message": "...", "time": ...}
+    {"seq": 2, "kind": "event", "event": "checkpoint", "data": {"step": 12, ...}, "time": ...}
+    {"seq": 3, "kind": "result", "data": {...}, "time": ...}
 
-Only rank 0 writes. The worker asks the trainer to stop by creating the stop file; the trainer
+`seq` grows by one per line of this process: the worker applies each line at most once (it reads
+the format with core/messages.py). Only rank 0 writes. The worker asks the trainer to stop by creating the stop file; the trainer
 checks it once per step (all ranks agree on the answer, see `should_stop`).
 """
 
@@ -42,10 +43,12 @@ class JsonlSink:
     def __init__(self, stream: TextIO | None = None, *, enabled: bool = True) -> None:
         self._stream = stream or sys.stdout
         self._enabled = enabled
+        self._seq = 0
 
     def _write(self, obj: dict[str, Any]) -> None:
         if self._enabled:
-            obj["time"] = time.time()
+            obj = {"seq": self._seq, **obj, "time": time.time()}
+            self._seq += 1
             self._stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
             self._stream.flush()
 

@@ -19,3 +19,22 @@ def local_devices() -> list[dict[str, object]]:
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):
         return [{"type": "cpu", "index": 0, "name": "cpu", "cores": os.cpu_count()}]
+
+
+def host_ram_bytes() -> int:
+    """Physical memory, or the container's (cgroup v2) limit when that is smaller."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115 - one read
+        if limit.isdigit():
+            ram = min(ram, int(limit))
+    except OSError:
+        pass
+    return ram
+
+
+def host_inventory(*, slots: int = 0) -> dict[str, int]:
+    """What the API's admission check compares a job with: host RAM and rank slots (`slots`, or 4
+    per CPU core: gloo ranks of small jobs share cores well)."""
+    cpus = os.cpu_count() or 1
+    return {"ram_bytes": host_ram_bytes(), "slots": slots or 4 * cpus, "cpus": cpus}

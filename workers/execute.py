@@ -1,8 +1,13 @@
-"""Runs one job: claim it, launch the trainer in a subprocess, relay its output, end it.
+"""Runs one job: take its lease, launch the trainer in a subprocess, apply its lines, end it.
 
 Plain functions, tested without Celery; workers/tasks.py only wraps them. The trainer runs in a
 child process (torchrun when it needs several ranks) because a Celery prefork worker must not fork
 CUDA or process groups itself.
+
+Exactly once: the final status is written only after the trainer exited and every line it wrote
+is applied; a kill anywhere before that leaves the job `running` under a lease nobody renews, and
+whoever takes it next resumes from the latest checkpoint whose lines are all in the database
+(checkpoints past it are dropped first), so every metric step is stored once.
 """
 
 from __future__ import annotations
@@ -10,24 +15,43 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
+import socket
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import uuid
 from pathlib import Path
-from typing import Any
 
+from core.broker import JOBS_CHANNEL, job_channel, send_run_job
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import cancel_requested, claim_job, finish_job, get_job, live_workers, requeue_job
-from db.models import JobStatus
-from workers.relay import Relay
+from db.jobs import (
+    Attempt,
+    cancel_requested,
+    claim_job,
+    finish_job,
+    get_job,
+    last_status_event,
+    lease_left_s,
+    release_job,
+)
+from db.models import Job, JobStatus
+from db.quotas import quota_gate, waiting_jobs
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.relay import Relay, Target, retry_db
+from workers.supervise import Ask, Outcome, supervise
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
+
+_OWNER: dict[int, str] = {}
+
+
+def owner_id() -> str:
+    """This worker process start's unique id: leases belong to it, never to a reusable name."""
+    pid = os.getpid()
+    if pid not in _OWNER:  # a forked pool child gets its own
+        _OWNER[pid] = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:12]}"
+    return _OWNER[pid]
 
 
 def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_file: Path) -> list[str]:
@@ -56,183 +80,204 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
     ]
 
 
-@dataclass(slots=True)
-class Outcome:
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
-
-
-def _pump_stdout(proc: subprocess.Popen[str], relay: Relay, out: Outcome) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.strip()
-        if not line:
-            continue
+def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
+    """Checkpoints written after the last step whose lines are all in the database: resuming from
+    one would lose the metric lines of the steps before it, so the new attempt re-runs them."""
+    dropped = []
+    for p in sorted(ckpt_dir.glob("step-*.pt")):
         try:
-            msg = json.loads(line)
-            kind = msg["kind"]
-        except (ValueError, KeyError, TypeError):
-            relay.event(kind="log", message=line[:2000])
+            at = int(p.stem.removeprefix("step-"))
+        except ValueError:
             continue
-        at = msg.get("time")
-        if kind == "metric":
-            relay.metric(int(msg["step"]), str(msg["name"]), float(msg["value"]), at or time.time())
-        elif kind == "log":
-            relay.event(kind="log", message=str(msg["message"]), at=at)
-        elif kind == "event":
-            relay.event(kind="event", message=str(msg["event"]), data=msg.get("data"), at=at)
-        elif kind == "result":
-            out.result = msg.get("data") or {}
-        elif kind == "error" and out.error is None:
-            out.error = str(msg["message"])
+        if at > step:
+            p.unlink(missing_ok=True)
+            dropped.append(p)
+    return dropped
 
 
-def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome) -> None:
-    assert proc.stderr is not None
-    with path.open("a") as f:
-        for line in proc.stderr:
-            f.write(line)
-            out.stderr_tail.append(line.rstrip())
+class QuotaWait(Exception):
+    """The job's owner is at their quota: the job waits in the queue (the reason is on the job)."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: own session (so a cancel can kill torchrun and its ranks as one
-    group), and SIGKILL when the worker process that launched it dies (Linux), so a killed worker
-    never leaves a trainer running unsupervised; the job is then re-queued by the reconciler."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _watch_cancel(
-    proc: subprocess.Popen[str], *, settings: Settings, job_id: int, stop_file: Path, done: threading.Event
-) -> None:
-    """Poll the cancel flag; ask the trainer to stop at its next step; kill it after the grace."""
-    asked_at: float | None = None
-    while not done.wait(0.5):
-        if asked_at is None:
-            try:
-                with session_for(settings.database_url) as s:
-                    if cancel_requested(s, job_id=job_id):
-                        stop_file.touch()
-                        asked_at = time.monotonic()
-            except Exception:  # noqa: BLE001 - a locked db this tick is fine; try again
-                log.exception("cancel poll failed")
-        elif time.monotonic() - asked_at > settings.cancel_grace_s:
-            kill_group(proc, signal.SIGTERM)
-            if done.wait(10):
-                return
-            kill_group(proc, signal.SIGKILL)
-            return
-
-
-def supervise(
-    cmd: list[str],
+def take_lease(
+    settings: Settings,
     *,
-    out: Outcome,
-    stderr_log: Path,
-    pump: Callable[[subprocess.Popen[str]], None],
-    watch: Callable[[subprocess.Popen[str], threading.Event], None],
-) -> int:
-    """Run a trainer process to its end: `pump` reads its stdout here, its stderr goes to
-    `stderr_log` (the tail kept in `out`), and `watch` (cancel and stop requests) runs in a thread
-    until the process is gone. Returns the exit code; the process never outlives this call."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl, no locks taken
-    )
-    done = threading.Event()
-    threads = [
-        threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out), daemon=True),
-        threading.Thread(target=watch, args=(proc, done), daemon=True),
-    ]
-    for t in threads:
-        t.start()
+    job_id: int,
+    worker: str,
+    kind: str = "job",
+    claim=None,  # noqa: ANN001
+) -> Attempt | None:
+    """Claim the job; when it is running under another owner's live lease (a redelivered message
+    after that owner's process died), wait for the lease to run out and take it then. A live
+    owner keeps renewing, so after two lease periods this gives up (a true duplicate)."""
+    deadline = time.monotonic() + 2 * settings.lease_s
+    while True:
+        with session_for(settings.database_url) as s:
+            # the owner's quota is checked and the claim made in one transaction (db/quotas.py): a
+            # job over it stays queued with the reason and is sent again when one of theirs ends
+            if kind == "job" and (why := quota_gate(s, job_id=job_id, defaults=settings.quota_defaults)):
+                raise QuotaWait(why)
+            attempt = claim_job(
+                s, job_id=job_id, owner=owner_id(), worker=worker, lease_s=settings.lease_s, kind=kind
+            )
+            if attempt is not None:
+                return attempt
+            left = lease_left_s(s, job_id=job_id)
+        if left is None or time.monotonic() > deadline:
+            return None
+        time.sleep(min(max(left, 0.0) + 0.2, 2.0))
+
+
+def resend(settings: Settings, job: Job) -> None:
+    """Put a given-back job's message on the broker (or leave it to the reconciler)."""
+    from db.jobs import mark_enqueued
+
     try:
-        pump(proc)
-        return proc.wait()
-    finally:
-        done.set()
-        if proc.poll() is None:
-            kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        for t in threads:
-            t.join(timeout=5)
+        send_run_job(settings, job_id=job.id, queue=job.queue)
+        with session_for(settings.database_url) as s:
+            mark_enqueued(s, job_ids=[job.id])
+    except Exception as e:  # noqa: BLE001 - the reconciler sends it when the broker is back
+        log.warning("could not re-send job %s: %s", job.id, e)
 
 
-def _reclaim_orphan(settings: Settings, job_id: int) -> None:
-    """A redelivered message for a job left `running` by a dead worker: put it back in the queue."""
-    with session_for(settings.database_url) as s:
-        job = get_job(s, job_id)
-        if job.status != JobStatus.running:
-            return
-        alive = {w.name for w in live_workers(s, within_s=settings.orphan_after_s)}
-        if job.worker not in alive:
-            requeue_job(s, job_id=job_id, reason=f"worker {job.worker} is gone")
+def publish_status(relay: Relay, *, job_id: int) -> None:
+    """Announce the job's latest status event (already in the database, with its id) live."""
+    with session_for(relay.settings.database_url) as s:
+        ev = last_status_event(s, job_id=job_id)
+    if ev is None:
+        return
+    body = {
+        "type": "event",
+        "id": ev.id,
+        "kind": "status",
+        "message": ev.message,
+        "data": ev.data,
+        "time": ev.time,
+    }
+    relay.publish(body, channels=(job_channel(job_id), *extra_channels(relay, job_id)))
+    relay.publish({"job_id": job_id, "status": ev.message}, channels=(JOBS_CHANNEL,))
+
+
+def extra_channels(relay: Relay, job_id: int) -> tuple[str, ...]:
+    for t in relay.targets.values():
+        if t.attempt.job_id == job_id:
+            return tuple(c for c in t.channels if c != job_channel(job_id))
+    return ()
 
 
 def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
-    """Run job `job_id` to its end. Returns the final status, or 'skipped' when another delivery
-    of the same message already has it."""
-    _reclaim_orphan(settings, job_id)
+    """Run job `job_id` to its end. Returns the final status; 'skipped' when another live
+    attempt has it (or it ended); 'queued' when a warm shutdown gave it back; 'lost' when the
+    attempt was fenced off or the database stayed unreachable (the lease then runs out)."""
+    try:
+        attempt = retry_db(settings, "claim", lambda: take_lease(settings, job_id=job_id, worker=worker))
+    except QuotaWait:
+        return "waiting"
+    if attempt is None:
+        return "skipped"
     with session_for(settings.database_url) as s:
-        if not claim_job(s, job_id=job_id, worker=worker):
-            return "skipped"
         job = get_job(s, job_id)
-        spec, world_size = job.spec, job.world_size
+        spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
+        user_id = job.owner_id
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
     workdir.mkdir(parents=True, exist_ok=True)
+    if ckpt_dir.is_dir():
+        drop_checkpoints_past(ckpt_dir, applied_step)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = workdir / "stop"
-    stop_file.unlink(missing_ok=True)
-
-    relay = Relay(settings, job_id=job_id)
-    relay.event(kind="status", message="running", data={"worker": worker})
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
-    relay.event(kind="log", message=f"{worker}: {' '.join(cmd[1:])}")
+    cmd += workspace_args(spec, settings=settings, workdir=workdir)
+
+    relay = Relay(
+        settings,
+        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),))},
+        on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
+    )
+    publish_status(relay, job_id=job_id)
+
+    runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
+    deadline = time.monotonic() + runtime_s
+
+    def poll() -> Ask:
+        if relay.fenced or relay.broken:
+            return Ask.kill
+        if time.monotonic() > deadline:
+            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            return Ask.kill
+        with session_for(settings.database_url) as s:
+            return Ask.stop if cancel_requested(s, job_id=job_id) else Ask.none
+
     out = Outcome()
+    mem_limit = memory_limit_bytes(spec)
     rc = supervise(
         cmd,
-        out=out,
+        on_message=lambda msg: relay.add(None, msg),
+        poll=poll,
+        stop_file=stop_file,
         stderr_log=workdir / "stderr.log",
-        pump=lambda proc: _pump_stdout(proc, relay, out),
-        watch=lambda proc, done: _watch_cancel(
-            proc, settings=settings, job_id=job_id, stop_file=stop_file, done=done
-        ),
+        grace_s=settings.cancel_grace_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        out=out,
+        memory_limit=mem_limit,
     )
+    if not relay.close() or relay.fenced:
+        log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
+        return "lost"
+    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    if user_id is not None and status not in ("queued", "lost"):
+        _send_waiting(settings, user_id)
+    return status
 
-    with session_for(settings.database_url) as s:
-        cancelled = cancel_requested(s, job_id=job_id)
-    if cancelled:
-        status, error = JobStatus.cancelled, None
-    elif rc == 0 and out.result is not None:
-        status, error = JobStatus.succeeded, None
-    else:
-        status = JobStatus.failed
-        tail = "\n".join(list(out.stderr_tail)[-5:])
-        error = out.error or f"trainer exited with code {rc}" + (f": {tail}" if tail else "")
-    with session_for(settings.database_url) as s:
-        finish_job(s, job_id=job_id, status=status, error=error, result=out.result)
-    relay.event(kind="status", message=str(status), data={"error": error})
-    relay.close()
-    return str(status)
+
+def _send_waiting(settings: Settings, user_id: int) -> None:
+    """A job of this user ended: their jobs held back by the quota get another try."""
+    try:
+        with session_for(settings.database_url) as s:
+            waiting = waiting_jobs(s, owner_id=user_id)
+        for waiting_id, queue in waiting:
+            send_run_job(settings, job_id=waiting_id, queue=queue)
+    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued jobs later
+        log.warning("could not re-send %s's waiting jobs: %s", user_id, e)
+
+
+def end_attempt(
+    settings: Settings,
+    *,
+    attempt: Attempt,
+    rc: int,
+    out: Outcome,
+    relay: Relay,
+    memory_limit: int | None = None,
+) -> str:
+    """Every line is applied: write the attempt's end (fenced), or give the job back."""
+    job_id = attempt.job_id
+
+    def decide() -> str:
+        with session_for(settings.database_url) as s:
+            job = get_job(s, job_id)
+            if job.cancel_requested:
+                status, error = JobStatus.cancelled, None
+            elif out.stopped == "drain":
+                if release_job(
+                    s, attempt=attempt, reason="the worker shut down; resumes from its checkpoint"
+                ):
+                    resend(settings, job)
+                    return "queued"
+                return "lost"
+            elif rc == 0 and job.result is not None:
+                status, error = JobStatus.succeeded, None
+            else:
+                oom = out_of_memory_error(
+                    error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit
+                )
+                status, error = JobStatus.failed, oom or out.failure(rc)
+            eid = finish_job(s, attempt=attempt, status=status, error=error)
+            if eid is None:
+                return "lost"
+            publish_status(relay, job_id=job_id)
+            return str(status)
+
+    return retry_db(settings, "final status", decide)

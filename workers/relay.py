@@ -1,6 +1,15 @@
-"""Relays a running job's output: metric points go to the database in batches and then onto the
-job's Redis channel with their row ids; log lines, status changes and trainer events are written
-one by one (they are rare) and published the same way."""
+"""Applies a trainer's lines to the database, in batches, fenced, and then publishes them.
+
+The pump thread only appends parsed lines here; a flusher thread applies everything pending every
+`flush_s` seconds in ONE transaction per batch (metric points by insert-or-update on (job, name,
+step), log and trainer events, a result the moment it arrives, a trial's best metric and its end)
+and renews the leases of every attempt it serves in that same transaction. Each job's part is
+fenced by (job id, attempt, owner): a stale attempt writes nothing and is reported through
+`on_fenced`. A batch that fails (database locked, unreachable) is kept and retried; one that keeps
+failing for `db_retry_s` marks the relay broken and the supervisor kills the trainer (the lease then
+runs out and the job runs again from its checkpoint). Redis gets the rows after the commit, with
+their ids (the dashboard's streams resume by id); losing Redis loses nothing.
+"""
 
 from __future__ import annotations
 
@@ -8,111 +17,263 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from core.broker import JOBS_CHANNEL, job_channel, redis_client
+from core.broker import JOBS_CHANNEL, redis_client
+from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import add_event, add_metric_points
+from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
+from db.models import Trial
+from db.selections import TrialProgress, apply_trial_lines, trial_fields
 
 log = logging.getLogger(__name__)
 
+FINAL = frozenset({"succeeded", "stopped_early", "stopped", "failed", "cancelled"})
+
+
+@dataclass(slots=True)
+class Target:
+    """One attempt this relay writes for: a job, or one trial of a group."""
+
+    attempt: Attempt
+    channels: tuple[str, ...]
+    trial_id: int | None = None
+
 
 class Relay:
-    """Thread-safe; a background thread flushes metric batches every `flush_s` seconds."""
+    """Thread-safe. Keys: None for a plain job, the trial index for a group's trials."""
 
     def __init__(
         self,
         settings: Settings,
         *,
-        job_id: int,
-        extra_channels: tuple[str, ...] = (),
+        targets: dict[int | None, Target],
+        on_fenced: Callable[[int | None], None],
+        metric: str = "val_loss",
+        mode: str = "min",
+        selection_channel: str | None = None,
         flush_s: float = 0.2,
-        max_batch: int = 2000,
     ) -> None:
         self.settings = settings
-        self.job_id = job_id
-        self.channels = (job_channel(job_id), *extra_channels)
-        self._pending: list[tuple[int, str, float, float]] = []
+        self.targets = targets
+        self.on_fenced = on_fenced
+        self.metric, self.mode = metric, mode
+        self.selection_channel = selection_channel
+        self.fenced: set[int | None] = set()
+        self.finished: set[int | None] = set()
+        """Trials whose end was written (their job is terminal; later lines are dropped)."""
+        self.broken: str | None = None
+        self.points_written = 0
+        self._final: dict[int, tuple[str, str | None, int]] = {}
+        self._result_seen: set[int] = set()
+        self._result_error: dict[int, str | None] = {}
+        self._pending: list[tuple[int | None, Message]] = []
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
-        self._max_batch = max_batch
+        self._renewed = time.monotonic()
+        self._failing_since: float | None = None
+        self._last_progress: dict[int | None, float] = {}
+        self._trial_rows: dict[int | None, dict[str, Any]] = {}
         self._stop = threading.Event()
-        self._last_progress = 0.0
-        self.points_written = 0
-        self._thread = threading.Thread(
-            target=self._run, args=(flush_s,), daemon=True, name=f"relay-{job_id}"
-        )
+        self._thread = threading.Thread(target=self._run, args=(flush_s,), daemon=True, name="relay")
         self._thread.start()
 
-    # ---- publishing --------------------------------------------------------------------------
+    # ---- input (the pump thread) ---------------------------------------------------------------
 
-    def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...] | None = None) -> None:
-        try:
-            r = redis_client(self.settings.broker_url)
-            payload = json.dumps(msg, separators=(",", ":"))
-            for ch in channels or self.channels:
-                r.publish(ch, payload)
-        except Exception as e:  # noqa: BLE001 - the database has it; live delivery is best effort
-            log.warning("publish failed for job %s: %s", self.job_id, e)
-
-    def announce(self, status: str) -> None:
-        """Tell the dashboard's jobs table that this job changed."""
-        self.publish({"job_id": self.job_id, "status": status}, channels=(JOBS_CHANNEL,))
-
-    # ---- metrics -----------------------------------------------------------------------------
-
-    def metric(self, step: int, name: str, value: float, at: float) -> None:
+    def add(self, key: int | None, msg: Message) -> None:
+        if key not in self.targets:
+            return
         with self._lock:
-            self._pending.append((step, name, value, at))
-            full = len(self._pending) >= self._max_batch
-        if full:
-            self.flush()
+            self._pending.append((key, msg))
 
-    def flush(self) -> None:
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def ended(self, key: int) -> tuple[str, str | None] | None:
+        """The final status a trial reported, once applied with its result (else None)."""
+        return self._final[key][:2] if key in self.finished else None
+
+    # ---- applying ----------------------------------------------------------------------------
+
+    def _route(self, batch: list[tuple[int | None, Message]]) -> tuple[dict, dict]:
+        lines: dict[int | None, JobLines] = {}
+        progress: dict[int, TrialProgress] = {}
+        for key, msg in batch:
+            jl = lines.setdefault(key, JobLines())
+            if key is not None:
+                progress.setdefault(key, TrialProgress(values=[]))
+            if msg.kind == "metric":
+                jl.metrics.append((msg.seq, msg.step, msg.name, msg.value, msg.time))
+                if key is not None and msg.name == self.metric and msg.value == msg.value:  # not NaN
+                    progress[key].values.append(msg.value)
+            elif msg.kind == "log":
+                jl.events.append((msg.seq, "log", msg.message, None, msg.time))
+            elif msg.kind == "event" and msg.message == "trial" and key is not None:
+                status, steps = msg.data.get("status"), int(msg.data.get("steps_done", 0))
+                progress[key].steps_done = steps
+                if status in FINAL:
+                    self._final[key] = (str(status), msg.data.get("error"), steps)
+            elif msg.kind == "event":
+                jl.events.append((msg.seq, "event", msg.message, msg.data, msg.time))
+            elif msg.kind == "result":
+                jl.result = (msg.seq, msg.data)
+                if key is not None:
+                    self._result_seen.add(key)
+                    self._result_error[key] = msg.data.get("error")
+        # a trial ends once its final event AND its result are in this batch or an earlier one
+        # (either order); its end goes into the same transaction as the later of the two
+        for key in self._final.keys() & self._result_seen - self.finished - self.fenced:
+            status, error, _ = self._final[key]
+            finish = (status, error or self._result_error.get(key))
+            progress.setdefault(key, TrialProgress(values=[])).finish = finish
+        return lines, progress
+
+    def flush(self, *, renew: bool = False) -> None:
+        """Apply everything pending in one transaction (and renew the leases). Raises on a
+        database error, keeping the batch for the next try."""
         with self._flush_lock:
             with self._lock:
                 batch, self._pending = self._pending, []
-            if not batch:
+            due = renew or time.monotonic() - self._renewed > self.settings.lease_s / 3
+            if not batch and not due:
                 return
-            with session_for(self.settings.database_url) as s:
-                ids = add_metric_points(s, job_id=self.job_id, points=batch)
-            self.points_written += len(ids)
-            points = [
-                {"id": i, "job_id": self.job_id, "step": st, "name": n, "value": v, "time": t}
-                for i, (st, n, v, t) in zip(ids, batch, strict=True)
-            ]
-            self.publish({"type": "metrics", "points": points})
+            try:
+                lines, progress = self._route(batch)
+                applied, fenced = self._apply(lines, progress)
+            except Exception:
+                with self._lock:
+                    self._pending = batch + self._pending
+                raise
+            self._renewed = time.monotonic()
+            for key, p in progress.items():
+                if p.finish is not None and key in applied:
+                    self.finished.add(key)
+            for key in fenced:
+                self.fenced.add(key)
+                self.on_fenced(key)
+            self._publish(applied, progress)
+
+    def _apply(self, lines: dict, progress: dict) -> tuple[dict[int | None, Applied], list[int | None]]:
+        applied: dict[int | None, Applied] = {}
+        fenced: list[int | None] = []
+        with session_for(self.settings.database_url) as s:
+            now = db_now(s)
+            for key, target in self.targets.items():
+                if key in self.fenced or key in self.finished:
+                    continue
+                jl = lines.get(key) or JobLines()
+                if target.trial_id is None:
+                    got = apply_lines(
+                        s, attempt=target.attempt, lines=jl, lease_s=self.settings.lease_s, now=now
+                    )
+                else:
+                    got = apply_trial_lines(
+                        s,
+                        trial_id=target.trial_id,
+                        attempt=target.attempt,
+                        lines=jl,
+                        progress=progress.get(key) or TrialProgress(values=[]),
+                        mode=self.mode,
+                        lease_s=self.settings.lease_s,
+                        now=now,
+                    )
+                if got is None:
+                    fenced.append(key)
+                else:
+                    applied[key] = got
+            s.commit()
+            self._trial_rows = {
+                key: trial_fields(s.get(Trial, self.targets[key].trial_id))  # type: ignore[arg-type]
+                for key in progress
+                if key in applied
+            }
+        return applied, fenced
+
+    # ---- publishing --------------------------------------------------------------------------
+
+    def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...]) -> None:
+        try:
+            r = redis_client(self.settings.broker_url)
+            payload = json.dumps(msg, separators=(",", ":"))
+            for ch in channels:
+                r.publish(ch, payload)
+        except Exception as e:  # noqa: BLE001 - the database has it; live delivery is best effort
+            log.warning("publish failed: %s", e)
+
+    def _publish(self, applied: dict[int | None, Applied], progress: dict) -> None:
+        for key, got in applied.items():
+            target = self.targets[key]
+            job_id = target.attempt.job_id
+            if got.metrics:
+                self.points_written += len(got.metrics)
+                self.publish({"type": "metrics", "points": got.metrics}, channels=target.channels)
+            for ev in got.events:
+                body = {k: ev[k] for k in ("id", "kind", "message", "data", "time")}
+                self.publish({"type": "event", **body}, channels=target.channels)
+                if ev["kind"] == "status":
+                    self.publish({"job_id": job_id, "status": ev["message"]}, channels=(JOBS_CHANNEL,))
+            if key in self._trial_rows and self.selection_channel:
+                self.publish(
+                    {"type": "trial", "trial": self._trial_rows[key]}, channels=(self.selection_channel,)
+                )
             now = time.monotonic()
-            if now - self._last_progress > 1.0:  # progress bars: at most once a second
-                self._last_progress = now
-                self.announce("running")
+            if got.metrics and now - self._last_progress.get(key, 0.0) > 1.0:  # progress bars: 1/s at most
+                self._last_progress[key] = now
+                self.publish({"job_id": job_id, "status": "running"}, channels=(JOBS_CHANNEL,))
+
+    # ---- the flusher thread ------------------------------------------------------------------
 
     def _run(self, flush_s: float) -> None:
         while not self._stop.wait(flush_s):
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 - keep relaying; the next flush retries the DB
-                log.exception("metric flush failed for job %s", self.job_id)
+                self._failing_since = None
+            except Exception as e:  # noqa: BLE001 - keep the batch; the next tick retries the DB
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                log.warning("relay flush failed (retrying): %s", e)
+                if now - self._failing_since > self.settings.db_retry_s:
+                    self.broken = f"database writes failed for {self.settings.db_retry_s:.0f}s: {e}"
+                    return
 
-    # ---- events ------------------------------------------------------------------------------
-
-    def event(
-        self, *, kind: str, message: str, data: dict[str, Any] | None = None, at: float | None = None
-    ) -> int:
-        """kind: status | log | event. Metrics before a status change are flushed first, so a
-        client never sees `succeeded` before the last points."""
-        if kind == "status":
-            self.flush()
-        at = at or time.time()
-        with session_for(self.settings.database_url) as s:
-            eid = add_event(s, job_id=self.job_id, kind=kind, message=message, data=data, at=at)
-        self.publish({"type": "event", "id": eid, "kind": kind, "message": message, "data": data, "time": at})
-        if kind == "status":
-            self.announce(message)
-        return eid
-
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the flusher and apply what is left, retrying for up to `db_retry_s`. True when
+        every line is in the database (or fenced off, when the attempt is no longer ours)."""
         self._stop.set()
-        self._thread.join(timeout=5)
-        self.flush()
+        self._thread.join(timeout=30)
+        deadline = time.monotonic() + self.settings.db_retry_s
+        while True:
+            try:
+                self.flush(renew=True)
+                if self.pending() == 0:
+                    return True
+            except Exception as e:  # noqa: BLE001 - locked or unreachable: wait and retry
+                log.warning("final flush failed (retrying): %s", e)
+            if time.monotonic() > deadline:
+                self.broken = self.broken or f"database writes failed for {self.settings.db_retry_s:.0f}s"
+                return False
+            time.sleep(0.5)
+
+
+def retry_db(settings: Settings, what: str, fn: Callable[[], Any]) -> Any:
+    """Run one database unit of work, retrying it while the database is locked or unreachable,
+    for up to `db_retry_s`; then the error propagates (the attempt's lease runs out)."""
+    deadline = time.monotonic() + settings.db_retry_s
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if time.monotonic() > deadline or not _transient(e):
+                raise
+            log.warning("%s failed (retrying): %s", what, e)
+            time.sleep(0.5)
+
+
+def _transient(e: Exception) -> bool:
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    return isinstance(e, OperationalError) or (isinstance(e, DBAPIError) and e.connection_invalidated)

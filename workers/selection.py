@@ -1,22 +1,26 @@
-"""Runs one group of a selection batch: claim its trials, launch `python -m trainer.selection` over
-this worker's devices, relay each trial's lines to that trial's job, keep the leaderboard current."""
+"""Runs one group of a selection batch: take the leases of its trials, launch
+`python -m trainer.selection` over this worker's devices, apply each trial's lines to that trial's
+job (the same supervisor and relay as a plain job), keep the leaderboard current.
+
+A trial ends only once its final event and its result are both applied (in either order). A
+trial the executor left without both (it died, a warm shutdown stopped it) goes back to `queued`
+and runs again as a trial of its batch, from its checkpoint; the batch's status is derived from
+its trials, so it always ends.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import signal
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
-from typing import Any
 
-from core.broker import selection_channel
+from sqlalchemy import select
+
+from core.broker import job_channel, selection_channel, send_run_selection
 from core.settings import Settings
 from db.engine import session_for
+from db.jobs import Attempt, lease_left_s, mark_enqueued, release_job
 from db.models import Job, Trial
 from db.selections import (
     claim_trials,
@@ -24,151 +28,65 @@ from db.selections import (
     get_selection,
     settle_selection,
     stop_requests,
-    trial_fields,
-    update_trial,
+    sync_trials,
 )
-from workers.execute import Outcome, kill_group, supervise
-from workers.relay import Relay
+from workers.execute import drop_checkpoints_past, owner_id, publish_status
+from workers.relay import Relay, Target, retry_db
+from workers.search import grow
+from workers.supervise import Ask, Outcome, supervise
+from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
-_FINAL = {"succeeded", "stopped_early", "stopped", "failed", "cancelled"}
+MAX_ATTEMPTS = 3
+"""A trial whose executor keeps ending without its result is re-run this many times, then failed."""
 
 
-class GroupRun:
-    """The state of one running group: trials by index, their relays, the best metrics so far."""
-
-    def __init__(
-        self, settings: Settings, *, selection_id: int, trials: list[Trial], metric: str, mode: str
-    ) -> None:
-        self.settings = settings
-        self.selection_id = selection_id
-        self.channel = selection_channel(selection_id)
-        self.trials = {t.index: t for t in trials}
-        self.metric = metric
-        self.sign = 1.0 if mode == "min" else -1.0
-        self.relays = {
-            t.index: Relay(settings, job_id=t.job_id, extra_channels=(self.channel,)) for t in trials
-        }
-        self.results: dict[int, dict[str, Any]] = {}
-        self.finished: set[int] = set()
-        self.batch_error: str | None = None
-
-    def publish_trial(self, index: int) -> None:
-        with session_for(self.settings.database_url) as s:
-            trial = s.get(Trial, self.trials[index].id)
-            body = {"type": "trial", "trial": trial_fields(trial)}
-        self.relays[index].publish(body, channels=(self.channel,))
-
-    def on_metric(self, index: int, step: int, name: str, value: float, at: float) -> None:
-        self.relays[index].metric(step, name, value, at)
-        if name != self.metric or not math.isfinite(value):
-            return
-        t = self.trials[index]
-        best = t.best_metric
-        if best is None or self.sign * value < self.sign * best:
-            t.best_metric = best = value
-        t.last_metric = value
-        with session_for(self.settings.database_url) as s:
-            update_trial(s, trial_id=t.id, last_metric=value, best_metric=best, steps_done=step)
-        self.publish_trial(index)
-
-    def on_trial_event(self, index: int, data: dict[str, Any]) -> None:
-        status = data.get("status")
-        steps = int(data.get("steps_done", 0))
-        with session_for(self.settings.database_url) as s:
-            update_trial(s, trial_id=self.trials[index].id, steps_done=steps)
-        if status in _FINAL:
-            self.finish(index, status, error=data.get("error"))
-        else:
-            self.publish_trial(index)
-
-    def finish(self, index: int, status: str, *, error: str | None = None) -> None:
-        if index in self.finished:
-            return
-        self.finished.add(index)
-        result = self.results.get(index)
-        error = error or (result or {}).get("error")
-        with session_for(self.settings.database_url) as s:
-            finish_trial(s, trial=self.trials[index], status=status, error=error, result=result)
-        job_status = {"succeeded": "succeeded", "stopped_early": "succeeded", "failed": "failed"}.get(
-            status, "cancelled"
-        )
-        self.relays[index].event(
-            kind="status", message=job_status, data={"error": error, "trial_status": status}
-        )
-        self.relays[index].close()
-        self.publish_trial(index)
+def take_trials(settings: Settings, *, trial_ids: list[int], worker: str) -> list[tuple[Trial, Attempt]]:
+    """Claim the group's trials; while some are still held under a lease that is running out (a
+    redelivered group after its worker died), wait for it and take them then."""
+    deadline = time.monotonic() + 2 * settings.lease_s
+    while True:
+        with session_for(settings.database_url) as s:
+            won = claim_trials(
+                s, trial_ids=trial_ids, owner=owner_id(), worker=worker, lease_s=settings.lease_s
+            )
+            if won:
+                return won
+            jobs = s.scalars(select(Trial.job_id).where(Trial.id.in_(trial_ids))).all()
+            left = [x for j in jobs if (x := lease_left_s(s, job_id=j)) is not None]
+        if not left or time.monotonic() > deadline:
+            return []
+        time.sleep(min(max(min(left), 0.0) + 0.2, 2.0))
 
 
-def _pump(proc: subprocess.Popen[str], run: GroupRun) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        try:
-            msg = json.loads(line)
-            kind, index = msg["kind"], msg.get("trial")
-        except (ValueError, KeyError, TypeError):
-            if line.strip():
-                log.info("trainer.selection: %s", line.strip())
-            continue
-        if index is None:
-            if kind == "error" and run.batch_error is None:
-                run.batch_error = str(msg.get("message"))
-            continue
-        if index not in run.trials:
-            continue
-        at = msg.get("time") or time.time()
-        if kind == "metric":
-            run.on_metric(index, int(msg["step"]), str(msg["name"]), float(msg["value"]), at)
-        elif kind == "log":
-            run.relays[index].event(kind="log", message=str(msg["message"]), at=at)
-        elif kind == "event" and msg.get("event") == "trial":
-            run.on_trial_event(index, msg.get("data") or {})
-        elif kind == "event":
-            run.relays[index].event(kind="event", message=str(msg.get("event")), data=msg.get("data"), at=at)
-        elif kind == "result":
-            run.results[index] = msg.get("data") or {}
-
-
-def _watch_stops(
-    proc: subprocess.Popen[str],
-    *,
-    settings: Settings,
-    selection_id: int,
-    stop_file: Path,
-    stop_trials: Path,
-    done: threading.Event,
-) -> None:
-    asked_at: float | None = None
-    while not done.wait(0.5):
-        try:
-            with session_for(settings.database_url) as s:
-                cancel, indices = stop_requests(s, selection_id=selection_id)
-        except Exception:  # noqa: BLE001 - try again next tick
-            log.exception("stop poll failed")
-            continue
-        if indices:
-            stop_trials.write_text(json.dumps(sorted(indices)))
-        if cancel and asked_at is None:
-            stop_file.touch()
-            asked_at = time.monotonic()
-        elif asked_at is not None and time.monotonic() - asked_at > settings.cancel_grace_s:
-            kill_group(proc, signal.SIGTERM)
-            return
+def resend_trials(settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str) -> None:
+    try:
+        send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
+        with session_for(settings.database_url) as s:
+            mark_enqueued(s, job_ids=s.scalars(select(Trial.job_id).where(Trial.id.in_(trial_ids))).all())
+    except Exception as e:  # noqa: BLE001 - the reconciler sends them when the broker is back
+        log.warning("could not re-send trials %s: %s", trial_ids, e)
 
 
 def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Settings, worker: str) -> str:
+    won = retry_db(settings, "claim", lambda: take_trials(settings, trial_ids=trial_ids, worker=worker))
+    if not won:
+        return "skipped"
     with session_for(settings.database_url) as s:
-        won = claim_trials(s, trial_ids=trial_ids, worker=worker)
-        if not won:
-            return "skipped"
         sel = get_selection(s, selection_id)
         req = dict(sel.request)
         by_id = {t.id: t for t in sel.trials}
-        specs = {t.index: s.get(Job, t.job_id).spec for t in won}
+        jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
+        specs = {i: j.spec for i, j in jobs.items()}
+        applied_steps = {i: j.applied_step for i, j in jobs.items()}
+        queue = jobs[won[0][0].index].queue
 
     root = settings.data_dir / "selections" / str(selection_id)
     root.mkdir(parents=True, exist_ok=True)
-    group = f"group-{won[0].index}"
+    for index, step in applied_steps.items():
+        if (root / f"trial-{index}").is_dir():
+            drop_checkpoints_past(root / f"trial-{index}", step)
+    group = f"group-{won[0][0].index}"
     batch = {
         "trials": [
             {
@@ -180,26 +98,47 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
                     else {}
                 ),
             }
-            for t in won
+            for t, _ in won
         ],
         "metric": req.get("metric", "val_loss"),
         "mode": req.get("mode", "min"),
         "scheduler": req.get("scheduler", "shard-lrtf"),
         "early_stopping": req.get("early_stopping"),
+        "seed": req.get("seed", 0),
+        "checkpoints": req.get("checkpoints", "best"),
     }
     batch_path = root / f"{group}.json"
     batch_path.write_text(json.dumps(batch, indent=2))
     stop_file, stop_trials = root / f"{group}.stop", root / f"{group}.stop-trials"
-    stop_file.unlink(missing_ok=True)
     stop_trials.unlink(missing_ok=True)
 
-    run = GroupRun(
-        settings, selection_id=selection_id, trials=won, metric=batch["metric"], mode=batch["mode"]
+    channel = selection_channel(selection_id)
+    relay = Relay(
+        settings,
+        targets={
+            t.index: Target(attempt=a, channels=(job_channel(t.job_id), channel), trial_id=t.id)
+            for t, a in won
+        },
+        on_fenced=lambda _key: None,  # the poll below stops fenced trials
+        metric=batch["metric"],
+        mode=batch["mode"],
+        selection_channel=channel,
     )
-    for t in won:
-        run.relays[t.index].event(kind="status", message="running", data={"worker": worker})
-        run.publish_trial(t.index)
-    run.relays[won[0].index].publish({"type": "selection", "status": "running"}, channels=(run.channel,))
+    for t, _ in won:
+        publish_status(relay, job_id=t.job_id)
+    relay.publish({"type": "selection", "status": "running"}, channels=(channel,))
+    mine = {t.index for t, _ in won}
+
+    def poll() -> Ask:
+        if relay.broken or relay.fenced >= mine:
+            return Ask.kill
+        with session_for(settings.database_url) as s:
+            cancel, indices = stop_requests(s, selection_id=selection_id)
+        stop = (indices & mine) | {k for k in relay.fenced if k is not None}
+        if stop:
+            stop_trials.write_text(json.dumps(sorted(stop)))
+        return Ask.stop if cancel else Ask.none
+
     cmd = [
         sys.executable,
         "-m",
@@ -214,33 +153,80 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         str(stop_file),
         "--stop-trials-file",
         str(stop_trials),
+        *workspace_args(specs[won[0][0].index], settings=settings, workdir=root),  # one base, one workspace
     ]
     out = Outcome()
+
+    def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
+        if msg.trial is not None:
+            relay.add(msg.trial, msg)
+
     rc = supervise(
         cmd,
-        out=out,
+        on_message=route,
+        poll=poll,
+        stop_file=stop_file,
         stderr_log=root / f"{group}.stderr.log",
-        pump=lambda proc: _pump(proc, run),
-        watch=lambda proc, done: _watch_stops(
-            proc,
-            settings=settings,
-            selection_id=selection_id,
-            stop_file=stop_file,
-            stop_trials=stop_trials,
-            done=done,
-        ),
+        grace_s=settings.cancel_grace_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        out=out,
+    )
+    if not relay.close():
+        log.warning("selection %s %s: %s", selection_id, group, relay.broken)
+        return "lost"
+    return retry_db(
+        settings,
+        "trial ends",
+        lambda: _end_group(settings, selection_id, won, relay=relay, rc=rc, out=out, queue=queue),
     )
 
-    # trials the executor never reported as finished: the batch failed or was stopped under them
-    tail = "\n".join(list(out.stderr_tail)[-5:])
-    for index in run.trials:
-        if index not in run.finished:
-            if stop_file.exists():
-                run.finish(index, "cancelled")
-            else:
-                reason = run.batch_error or f"trainer.selection exited with code {rc}: {tail}"
-                run.finish(index, "failed", error=reason)
+
+def _end_group(
+    settings: Settings,
+    selection_id: int,
+    won: list[tuple[Trial, Attempt]],
+    *,
+    relay: Relay,
+    rc: int,
+    out: Outcome,
+    queue: str,
+) -> str:
+    """Trials the executor never fully reported (final event and result): cancelled or stopped
+    when that was asked, given back when the worker shuts down or the executor lost a result,
+    failed when the executor failed."""
+    rerun = []
     with session_for(settings.database_url) as s:
+        sel = get_selection(s, selection_id)
+        for t, attempt in won:
+            if t.index in relay.finished or t.index in relay.fenced:
+                continue
+            trial = s.get(Trial, t.id)
+            job = s.get(Job, t.job_id)
+            if sel.cancel_requested or (trial.stop_requested and out.stopped != "drain"):
+                status = "cancelled" if sel.cancel_requested else "stopped"
+                finish_trial(s, trial=trial, status=status, attempt=attempt)
+            elif out.stopped == "drain" or (rc == 0 and job.attempts < MAX_ATTEMPTS):
+                # the executor ended without this trial's final event and result: run it again
+                if release_job(s, attempt=attempt, reason=_why(out, rc)):
+                    rerun.append(t.id)
+            else:
+                error = out.error if rc != 0 else f"no result after {job.attempts} attempts"
+                finish_trial(s, trial=trial, status="failed", error=error or out.failure(rc), attempt=attempt)
+            publish_status(relay, job_id=t.job_id)
+        if rerun:
+            sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
+        s.commit()
+        # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
+        # the batch is settled, so it never shows as ended between two generations
+        grow(settings, selection_id=selection_id)
         status = settle_selection(s, selection_id=selection_id)
-    run.relays[won[0].index].publish({"type": "selection", "status": str(status)}, channels=(run.channel,))
+    if rerun:
+        resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)
+    relay.publish({"type": "selection", "status": str(status)}, channels=(selection_channel(selection_id),))
     return str(status)
+
+
+def _why(out: Outcome, rc: int) -> str:
+    if out.stopped == "drain":
+        return "the worker shut down; the trial resumes from its checkpoint"
+    return f"the executor exited ({rc}) without the trial's result; it runs again"

@@ -1,38 +1,41 @@
-"""Celery tasks: thin wrappers that pass ids to the plain functions in workers/execute.py, plus the
-worker heartbeat and the reconciler that re-sends lost messages."""
+"""Celery tasks: thin wrappers that pass ids to the plain functions in workers/execute.py and
+workers/selection.py, plus the worker heartbeat, the reconciler, and warm shutdown."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import threading
 import time
+from collections import defaultdict
+from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
-from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job, send_run_selection
 from core.settings import get_settings
 from db.engine import session_for
-from db.jobs import (
-    live_workers,
-    mark_enqueued,
-    orphaned_running_jobs,
-    record_heartbeat,
-    requeue_job,
-    stale_queued_jobs,
-)
+from db.jobs import expire_leases, mark_enqueued, record_heartbeat, stale_queued_jobs
+from db.models import Trial
+from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
-from workers.devices import local_devices
+from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
 from workers.selection import execute_selection
+from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
+_BUSY = threading.Event()
+"""Set while this pool process runs a task (SIGTERM then drains instead of exiting)."""
 
 
 # Only infrastructure errors (database locked or unreachable, broker down) are retried, with
-# backoff; a bad spec, NaN loss or OOM ends the job `failed` inside the plain functions.
+# backoff; a bad spec, NaN loss or OOM ends the job `failed` inside the plain functions. A retry
+# re-claims the job (the lease is this process's own), it never skips it.
 RETRY_INFRA = {
     "autoretry_for": (OperationalError, ConnectionError),
     "retry_backoff": True,
@@ -45,39 +48,78 @@ RETRY_INFRA = {
 def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
     """One job, end to end (workers/execute.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
-    return execute_job(job_id, settings=get_settings(), worker=name)
+    _guard_sigterm()
+    _BUSY.set()
+    try:
+        return execute_job(job_id, settings=get_settings(), worker=name)
+    finally:
+        _BUSY.clear()
+
+
+@app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
+def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
+    """One group of a selection batch on this worker's devices (shard alternation)."""
+    name = self.request.hostname or _WORKER_NAME["name"]
+    _guard_sigterm()
+    _BUSY.set()
+    try:
+        return execute_selection(selection_id, trial_ids, settings=get_settings(), worker=name)
+    finally:
+        _BUSY.clear()
 
 
 def reconcile_once() -> int:
-    """Put back in the queue every running job whose worker is gone, and re-send the message of
-    every job queued for too long; the idempotent claim makes a duplicate harmless. The trainer
-    resumes from the job's latest checkpoint. Returns how many were sent."""
+    """Take back every running job and trial whose lease ran out (by database time): a cancel
+    that was asked ends it `cancelled`, the rest go back to `queued`. Then send the message of
+    every queued job with none on record (or an old one): jobs as jobs, trials as trials of their
+    batch, never as plain jobs. Settle every open batch from its trials. Claims are idempotent,
+    so a duplicate message is harmless. Returns how many messages were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        alive = {w.name for w in live_workers(s, within_s=settings.orphan_after_s)}
-        orphans = orphaned_running_jobs(s, alive=alive) if alive else []
-        for job in orphans:
-            requeue_job(s, job_id=job.id, reason=f"worker {job.worker} stopped sending heartbeats")
+        requeued, cancelled = expire_leases(s)
+        for job in requeued + cancelled:
+            log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
+        touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])
         stale = stale_queued_jobs(s, older_than_s=settings.requeue_after_s)
-        resend = {j.id: j for j in [*orphans, *stale]}
-        for job in resend.values():
-            send_run_job(settings, job_id=job.id, queue=job.queue)
-        mark_enqueued(s, job_ids=list(resend))
-    return len(resend)
+        groups: dict[tuple[int, str], list[int]] = defaultdict(list)
+        sent = []
+        for job in stale:
+            if job.kind == "trial" and job.selection_id is not None:
+                groups[(job.selection_id, job.queue)].append(job.id)
+            else:
+                send_run_job(settings, job_id=job.id, queue=job.queue)
+                sent.append(job.id)
+        for (selection_id, queue), job_ids in groups.items():
+            trial_ids = list(s.scalars(_trials_of(job_ids)))
+            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
+            sent += job_ids
+        mark_enqueued(s, job_ids=sent)
+        for selection_id in touched | set(unsettled_selections(s)):
+            settle_selection(s, selection_id=selection_id)
+    return len(sent)
+
+
+def _trials_of(job_ids: list[int]) -> Any:
+    from sqlalchemy import select
+
+    return select(Trial.id).where(Trial.job_id.in_(job_ids)).order_by(Trial.index)
 
 
 def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
     settings = get_settings()
     devices = local_devices()
+    host = host_inventory(slots=settings.worker_slots)
     last_reconcile = 0.0
     while True:
         try:
             with session_for(settings.database_url) as s:
-                record_heartbeat(s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices)
+                record_heartbeat(
+                    s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices, host=host
+                )
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
                 if n := reconcile_once():
-                    log.warning("re-sent %d job(s): lost message or dead worker", n)
+                    log.warning("sent %d message(s): lost message, ended lease or warm shutdown", n)
         except Exception:  # noqa: BLE001 - keep beating
             log.exception("heartbeat failed")
         if stop.wait(settings.heartbeat_s):
@@ -85,10 +127,12 @@ def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
 
 
 _stop_beat = threading.Event()
+_controller: dict[str, Any] = {}
 
 
 @worker_ready.connect
 def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
+    _controller["worker"] = sender
     name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
     queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
     threading.Thread(target=_beat, args=(_stop_beat, name, queues), daemon=True, name="heartbeat").start()
@@ -99,8 +143,51 @@ def _stop_heartbeat(**_kwargs) -> None:
     _stop_beat.set()
 
 
-@app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
-def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
-    """One group of a selection batch on this worker's devices (shard alternation)."""
-    name = self.request.hostname or _WORKER_NAME["name"]
-    return execute_selection(selection_id, trial_ids, settings=get_settings(), worker=name)
+# ---- warm shutdown ----------------------------------------------------------------------------
+# Celery's warm shutdown (SIGTERM to the main process) waits for running tasks to end. We make
+# them end soon: the main process passes SIGTERM on to its pool processes; a pool process running
+# a task sets DRAIN, its trainer is asked to stop and checkpoint (killed after shutdown_grace_s),
+# and the job goes back to `queued` (or ends `cancelled` if that was asked) with its message
+# re-sent, to resume from the checkpoint at the next start. An idle pool process just exits.
+
+
+_pool_sigterm: dict[str, Any] = {}
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if _BUSY.is_set():
+        DRAIN.set()
+        return
+    before = _pool_sigterm.get("before")
+    if callable(before):
+        before(signum, frame)  # billiard's own: leave the pool process
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _guard_sigterm() -> None:
+    """In the pool process, at its first task (billiard sets its own SIGTERM handler after
+    Celery's worker_process_init, so this cannot go there): SIGTERM drains the running task."""
+    if "before" not in _pool_sigterm and threading.current_thread() is threading.main_thread():
+        _pool_sigterm["before"] = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+@worker_shutting_down.connect
+def _drain_pool(sig: str = "", how: str = "", **_kwargs) -> None:  # noqa: ANN003 - Celery signal
+    if how != "Warm":
+        return  # a cold shutdown kills the trainers with their pool processes; leases run out
+    worker = _controller.get("worker")
+    pool = getattr(worker, "pool", None)
+    try:
+        pids = list(pool.info.get("processes", [])) if pool is not None else []
+    except Exception:  # noqa: BLE001 - no pool (solo): DRAIN here
+        pids = []
+    if not pids:
+        DRAIN.set()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass

@@ -2,58 +2,70 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Request
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from api.auth import CurrentUser, may_see
 from api.convert import job_public
-from api.deps import SettingsDep
+from api.deps import SessionDep, SettingsDep
+from api.live import LiveChannel
 from api.sse import frame
+from api.streams import SseResponse, open_stream
 from core.broker import JOBS_CHANNEL
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import NotFound, get_job
+from db.models import User
 
 router = APIRouter(prefix="/api", tags=["events"])
 
 
-def _job_json(settings: Settings, job_id: int) -> dict | None:
+def _job_json(settings: Settings, job_id: int, user: User) -> dict | None:
+    """The job as the jobs table shows it; None when it is gone or not the user's to see."""
     with session_for(settings.database_url) as s:
         try:
-            return job_public(get_job(s, job_id)).model_dump(mode="json")
+            job = get_job(s, job_id)
         except NotFound:
             return None
+        return job_public(job).model_dump(mode="json") if may_see(user, job.owner_id) else None
 
 
-async def _all_jobs(settings: Settings) -> AsyncIterator[str]:
-    client = aioredis.Redis.from_url(settings.broker_url)
-    pubsub = client.pubsub()
+async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
+    live = LiveChannel(settings.broker_url, JOBS_CHANNEL)
     try:
-        await pubsub.subscribe(JOBS_CHANNEL)
+        await live.connect()
         yield "retry: 2000\n\n"
         last = time.monotonic()
         while True:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            msg = await live.next(timeout=1.0)
+            if live.resubscribed:
+                # changes published while the broker was down are gone: have the table reload
+                live.resubscribed = False
+                yield frame(event="resync", data={})
             if msg is not None:
-                job = await run_in_threadpool(_job_json, settings, json.loads(msg["data"])["job_id"])
+                try:
+                    job = await run_in_threadpool(_job_json, settings, msg["job_id"], user)
+                except SQLAlchemyError:
+                    job = None  # the database is busy; the next change of this job shows it
                 if job is not None:
                     last = time.monotonic()
                     yield frame(event="job", data=job)
+                elif msg.get("status") == "deleted":
+                    yield frame(event="deleted", data={"job_id": msg["job_id"]})
             elif time.monotonic() - last > settings.sse_keepalive_s:
                 last = time.monotonic()
                 yield ": keep-alive\n\n"
     finally:
-        await pubsub.aclose()
-        await client.aclose()
+        await live.close()
 
 
 @router.get("/events")
-def all_job_events(settings: SettingsDep) -> StreamingResponse:
-    return StreamingResponse(
-        _all_jobs(settings), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+def all_job_events(
+    request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> SseResponse:
+    """Status changes of the jobs the caller may see (an admin: all)."""
+    return open_stream(request, lambda: _all_jobs(settings, user), session=session, user=user)

@@ -8,6 +8,7 @@ from sqlalchemy import text
 from api.deps import SessionDep, SettingsDep
 from api.schemas import HealthPublic, WorkerPublic
 from core.broker import redis_client
+from db.engine import get_engine
 from db.jobs import aware, live_workers
 
 router = APIRouter(prefix="/api", tags=["health"])
@@ -15,11 +16,15 @@ router = APIRouter(prefix="/api", tags=["health"])
 
 @router.get("/health", response_model=HealthPublic)
 def health(session: SessionDep, settings: SettingsDep) -> HealthPublic:
+    pool = get_engine(settings.database_url).pool
     db = {"ok": True, "url": settings.database_url.split("@")[-1]}
+    # pooled connections in use right now: open streams must not hold any while they wait
+    if hasattr(pool, "checkedout"):
+        db["pool"] = {"size": pool.size(), "checked_out": pool.checkedout()}
     try:
         session.execute(text("SELECT 1"))
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        db = {"ok": False, "error": str(e)}
+        db = {"ok": False, "error": str(e), "pool": db.get("pool")}
     broker: dict = {"ok": True}
     try:
         redis_client(settings.broker_url).ping()
@@ -37,6 +42,7 @@ def health(session: SessionDep, settings: SettingsDep) -> HealthPublic:
                 hostname=w.hostname,
                 queues=w.queues.get("queues", []),
                 devices=w.devices.get("devices", []),
+                host=w.devices.get("host") or {},
                 last_seen=aware(w.last_seen),
             )
             for w in workers

@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, status
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
+from pydantic import BaseModel, Field
 
+from api.admission import admission_problem
+from api.auth import AdminUser, CurrentUser, may_see
 from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
-from api.placement import placement_problem
 from api.publish import publish_job_status
-from api.schemas import EventsPublic, JobPublic, JobSpec, JobsPublic, MetricsPublic, Series
+from api.retention import delete_finished_job
+from api.routes.workspaces import pin_workspace
+from api.schemas import (
+    DB_BIGINT,
+    DB_INT,
+    EventsPublic,
+    JobPublic,
+    JobSpec,
+    JobsPublic,
+    MetricsPublic,
+    Series,
+)
 from api.sse import job_events
-from core.broker import send_run_job
+from api.streams import SseResponse, open_stream
+from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
-from db.models import Job
+from db import selections as db_sel
+from db.models import Job, User
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
 
@@ -29,26 +44,34 @@ StatusFilter = Annotated[
     ),
 ]
 
+JobId = Annotated[int, Path(ge=1, le=DB_INT, description="a job's id")]
 
-def _job_or_404(session: SessionDep, job_id: int) -> Job:
+
+def _job_or_404(session: SessionDep, job_id: int, user: User) -> Job:
+    """Another user's job reads as absent: its existence is not theirs to learn."""
     try:
-        return db_jobs.get_job(session, job_id)
+        job = db_jobs.get_job(session, job_id)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    if not may_see(user, job.owner_id):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} does not exist")
+    return job
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> JobPublic:
-    if (reason := placement_problem(session, spec, settings)) is not None:
+def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+    if (reason := admission_problem(session, spec, settings=settings, user=user)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=spec.model_dump(),
+        spec=pin_workspace(session, spec.model_dump(), user=user),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,
         steps=spec.train.steps,
+        owner_id=user.id,
+        actor=user.name,
     )
     # the row is committed before the message goes out, so a worker never sees an unknown id;
     # if the broker is down the job stays queued and the reconciler sends it later
@@ -63,23 +86,35 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep) -> Job
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
+    user: CurrentUser,
     status_: StatusFilter = None,
+    owner: str | None = Query(None, max_length=64, description="only this user's jobs (admins)"),
+    name: str | None = Query(None, max_length=200, description="name contains this (any case)"),
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT),
 ) -> JobsPublic:
-    rows, total = db_jobs.list_jobs(session, status=status_, limit=limit, offset=offset)
+    rows, total = db_jobs.list_jobs(
+        session,
+        status=status_,
+        owner_id=None if user.is_admin else user.id,
+        owner=owner,
+        name=name,
+        limit=limit,
+        offset=offset,
+    )
     return JobsPublic(items=[job_public(j) for j in rows], total=total)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: int, session: SessionDep) -> JobPublic:
-    return job_public(_job_or_404(session, job_id))
+def get_job(job_id: JobId, session: SessionDep, user: CurrentUser) -> JobPublic:
+    return job_public(_job_or_404(session, job_id, user))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: int, session: SessionDep, settings: SettingsDep) -> JobPublic:
+def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+    _job_or_404(session, job_id, user)
     try:
-        job = db_jobs.request_cancel(session, job_id=job_id)
+        job = db_jobs.request_cancel(session, job_id=job_id, actor=user.name)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except db_jobs.Conflict as e:
@@ -89,15 +124,94 @@ def cancel_job(job_id: int, session: SessionDep, settings: SettingsDep) -> JobPu
     return job_public(job)
 
 
+class OperatorAction(BaseModel):
+    reason: str = Field("", max_length=2000, description="why, kept in the job's log")
+
+
+def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> JobPublic:
+    """A trial's batch follows its trial; a re-queued job's message goes out (or the reconciler
+    sends it when the broker is down)."""
+    if job.kind == "trial" and job.selection_id is not None:
+        db_sel.sync_trials(session, job_ids=[job.id])
+        db_sel.settle_selection(session, selection_id=job.selection_id)
+    if job.status == "queued":
+        try:
+            if job.kind == "trial" and job.selection_id is not None:
+                trial = db_sel.trial_of_job(session, job_id=job.id)
+                send_run_selection(
+                    settings, selection_id=job.selection_id, trial_ids=[trial.id], queue=job.queue
+                )
+            else:
+                send_run_job(settings, job_id=job.id, queue=job.queue)
+        except Exception as e:  # noqa: BLE001 - the job is queued in the database either way
+            db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
+    publish_job_status(settings, job_id=job.id, status=job.status)
+    session.refresh(job)
+    return job_public(job)
+
+
+@router.post("/{job_id}/fail", response_model=JobPublic)
+def fail_job(
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: AdminUser,
+    body: OperatorAction | None = None,
+) -> JobPublic:
+    """An admin ends a queued or running job `failed`; a running attempt is fenced off (its
+    worker kills the trainer at its next batch)."""
+    reason = (body.reason if body else "") or f"failed by {admin.name}"
+    try:
+        job = db_jobs.fail_job(session, job_id=job_id, reason=reason, actor=admin.name)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
+
+
+@router.post("/{job_id}/requeue", response_model=JobPublic)
+def requeue_job(
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    admin: AdminUser,
+    body: OperatorAction | None = None,
+) -> JobPublic:
+    """An admin puts a running or ended job back in the queue; it resumes from its latest
+    checkpoint. A running attempt is fenced off."""
+    reason = (body.reason if body else "") or f"re-queued by {admin.name}"
+    try:
+        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason, actor=admin.name)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    return _after_operator(session, settings, job)
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
+    """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
+    try:
+        delete_finished_job(settings, job_id=job_id)
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    publish_job_status(settings, job_id=job_id, status="deleted")
+
+
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)
 def get_metrics(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
-    names: str | None = Query(None, description="comma-separated metric names"),
-    since_step: int = Query(0, ge=0),
+    user: CurrentUser,
+    names: str | None = Query(None, max_length=2000, description="comma-separated metric names"),
+    since_step: int = Query(0, ge=0, le=DB_INT),
     max_points: int | None = Query(None, ge=2, le=100_000, description="downsample each series (LTTB)"),
 ) -> MetricsPublic:
-    _job_or_404(session, job_id)
+    _job_or_404(session, job_id, user)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     raw = db_jobs.metric_series(session, job_id=job_id, names=wanted, since_step=since_step)
     series = {}
@@ -109,12 +223,13 @@ def get_metrics(
 
 @router.get("/{job_id}/logs", response_model=EventsPublic)
 def get_logs(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
-    after_id: int = Query(0, ge=0),
+    user: CurrentUser,
+    after_id: int = Query(0, ge=0, le=DB_BIGINT),
     limit: int = Query(1000, ge=1, le=10_000),
 ) -> EventsPublic:
-    _job_or_404(session, job_id)
+    _job_or_404(session, job_id, user)
     rows = db_jobs.events_after(
         session, job_id=job_id, after_id=after_id, kinds=("log", "status"), limit=limit
     )
@@ -122,9 +237,9 @@ def get_logs(
 
 
 @router.get("/{job_id}/timeline")
-def get_timeline(job_id: int, session: SessionDep) -> dict:
+def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
     """The pipeline's executed and simulated per-rank timelines (404 until the trainer sent one)."""
-    _job_or_404(session, job_id)
+    _job_or_404(session, job_id, user)
     ev = db_jobs.latest_event(session, job_id=job_id, message="timeline")
     if ev is None or ev.data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has no pipeline timeline yet")
@@ -133,16 +248,24 @@ def get_timeline(job_id: int, session: SessionDep) -> dict:
 
 @router.get("/{job_id}/stream")
 def stream_job(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    last_event_id: Annotated[str | None, Header()] = None,
-) -> StreamingResponse:
-    _job_or_404(session, job_id)
+    user: CurrentUser,
+    last_event_id: Annotated[str | None, Header(max_length=40)] = None,
+) -> SseResponse:
+    _job_or_404(session, job_id, user)
     cursor = last_event_id or request.query_params.get("last_event_id")
-    return StreamingResponse(
-        job_events(settings, job_id=job_id, last_event_id=cursor),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
+        )
+    # open_stream closes the session: a stream that held a pooled connection while it waits would
+    # starve every other request once the pool's worth of streams is open
+    return open_stream(
+        request,
+        lambda: job_events(settings, job_id=job_id, last_event_id=cursor),
+        session=session,
+        user=user,
     )

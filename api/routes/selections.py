@@ -2,43 +2,67 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
+from api.admission import admission_problem
+from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
-from api.schemas import JobSpec, SelectionCreate, SelectionPublic, SelectionsPublic, TrialPublic, TrialsAdd
+from api.limits import clip
+from api.routes.workspaces import pin_workspace
+from api.schemas import (
+    DB_INT,
+    JobSpec,
+    SelectionCreate,
+    SelectionPublic,
+    SelectionsPublic,
+    TrialPublic,
+    TrialsAdd,
+)
 from api.selection_stream import selection_events
+from api.streams import SseResponse, open_stream
+from core import search
 from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
-from db.models import Selection, Trial
+from db.models import Selection, Trial, User
 from jobrules.space import SpaceError, apply_params, sample_params
 
 router = APIRouter(prefix="/api/selections", tags=["selections"])
+Id = Annotated[int, Path(ge=1, le=DB_INT)]
 
 
-def _selection_or_404(session: Session, selection_id: int) -> Selection:
+def _selection_or_404(session: Session, selection_id: int, user: User) -> Selection:
+    """Another user's batch reads as absent."""
     try:
-        return db_sel.get_selection(session, selection_id)
+        sel = db_sel.get_selection(session, selection_id)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    if not may_see(user, sel.owner_id):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"selection {selection_id} does not exist")
+    return sel
 
 
 def _trial_specs(
-    base: dict[str, Any], params: list[dict[str, Any]], first: int
+    base: dict[str, Any],
+    params: list[dict[str, Any]],
+    first: int,
+    *,
+    session: Session,
+    settings: Settings,
+    user: User,
 ) -> list[tuple[int, dict, dict]]:
     """Each trial's full spec, validated like a submitted job: a trial that could never run
     (bad value, too small a budget, indivisible shapes) refuses the whole request, naming it."""
     plans = []
     for i, p in enumerate(params):
         try:
-            spec = JobSpec.model_validate(apply_params(base, p)).model_dump()
+            job = JobSpec.model_validate(apply_params(base, p))
         except SpaceError as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
         except ValidationError as e:
@@ -47,9 +71,15 @@ def _trial_specs(
                 for err in e.errors()
             )
             raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT, f"trial {first + i} with params {p} cannot run: {errs}"
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                f"trial {first + i} with params {clip(str(p), 200)} cannot run: {errs}",
             ) from e
-        plans.append((first + i, p, spec))
+        if (reason := admission_problem(session, job, settings=settings, user=user)) is not None:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                f"trial {first + i} with params {clip(str(p), 200)} cannot run: {reason}",
+            )
+        plans.append((first + i, p, job.model_dump()))
     return plans
 
 
@@ -65,14 +95,34 @@ def _dispatch(
         )
 
 
+def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
+    """The trials a batch starts with: the whole grid or random sample, or a sampler's first
+    generation (the worker asks the next ones as generations end: workers/search.py)."""
+    if body.method in ("grid", "random"):
+        return sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+    search.check_fits(body.method, body.space)
+    return search.suggest(
+        space=body.space,
+        method=body.method,
+        seed=body.seed,
+        mode=body.mode,
+        parallel=body.generation,
+        values=[],
+        total=body.trials or 0,
+        startup_trials=body.startup_trials,
+    )
+
+
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
-def submit_selection(body: SelectionCreate, session: SessionDep, settings: SettingsDep) -> SelectionPublic:
-    base = body.base.model_dump()
+def submit_selection(
+    body: SelectionCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> SelectionPublic:
+    base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
     try:
-        params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+        params = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
-    plans = _trial_specs(base, params, 0)
+    plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
     sel = db_sel.create_selection(
         session,
         name=body.name,
@@ -80,28 +130,35 @@ def submit_selection(body: SelectionCreate, session: SessionDep, settings: Setti
         metric=body.metric,
         mode=body.mode,
         scheduler=body.scheduler,
+        owner_id=user.id,
     )
-    trials = db_sel.add_trials(session, selection_id=sel.id, plans=plans, queue=body.base.queue)
+    trials = db_sel.add_trials(
+        session, selection_id=sel.id, plans=plans, queue=body.base.queue, owner_id=user.id, actor=user.name
+    )
     _dispatch(settings, sel, trials, group_size=body.group_size, queue=body.base.queue)
     return selection_public(db_sel.get_selection(session, sel.id))
 
 
 @router.get("", response_model=SelectionsPublic)
 def list_selections(
-    session: SessionDep, limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)
+    session: SessionDep,
+    user: CurrentUser,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0, le=DB_INT),
 ) -> SelectionsPublic:
-    rows, total = db_sel.list_selections(session, limit=limit, offset=offset)
+    owner_id = None if user.is_admin else user.id
+    rows, total = db_sel.list_selections(session, owner_id=owner_id, limit=limit, offset=offset)
     return SelectionsPublic(items=[selection_public(s) for s in rows], total=total)
 
 
 @router.get("/{selection_id}", response_model=SelectionPublic)
-def get_selection(selection_id: int, session: SessionDep) -> SelectionPublic:
-    return selection_public(_selection_or_404(session, selection_id))
+def get_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -> SelectionPublic:
+    return selection_public(_selection_or_404(session, selection_id, user))
 
 
 @router.post("/{selection_id}/cancel", response_model=SelectionPublic)
-def cancel_selection(selection_id: int, session: SessionDep) -> SelectionPublic:
-    _selection_or_404(session, selection_id)
+def cancel_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -> SelectionPublic:
+    _selection_or_404(session, selection_id, user)
     try:
         sel = db_sel.cancel_selection(session, selection_id=selection_id)
     except db_jobs.Conflict as e:
@@ -111,14 +168,20 @@ def cancel_selection(selection_id: int, session: SessionDep) -> SelectionPublic:
 
 @router.post("/{selection_id}/trials", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def add_trials(
-    selection_id: int, body: TrialsAdd, session: SessionDep, settings: SettingsDep
+    selection_id: Id, body: TrialsAdd, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SelectionPublic:
-    sel = _selection_or_404(session, selection_id)
+    sel = _selection_or_404(session, selection_id, user)
     if sel.cancel_requested:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"selection {selection_id} was cancelled; submit a new one"
         )
     req = SelectionCreate.model_validate(sel.request)
+    if req.method not in ("grid", "random"):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"selection {selection_id} uses method {req.method}: its sampler adds the trials itself, "
+            f"a generation of {req.generation} at a time",
+        )
     if body.warm_start_from is not None:
         try:
             db_sel.get_trial(session, selection_id=selection_id, trial_id=body.warm_start_from)
@@ -139,20 +202,23 @@ def add_trials(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
             f"params: {unknown} are not dimensions of this batch's space ({sorted(req.space)}) nor train.steps",
         )
-    plans = _trial_specs(req.base.model_dump(), params, first)
+    plans = _trial_specs(req.base.model_dump(), params, first, session=session, settings=settings, user=user)
     trials = db_sel.add_trials(
         session,
         selection_id=selection_id,
         plans=plans,
         queue=req.base.queue,
         warm_start_from=body.warm_start_from,
+        owner_id=sel.owner_id,
+        actor=user.name,
     )
     _dispatch(settings, sel, trials, group_size=req.group_size, queue=req.base.queue)
     return selection_public(db_sel.get_selection(session, selection_id))
 
 
 @router.post("/{selection_id}/trials/{trial_id}/stop", response_model=TrialPublic)
-def stop_trial(selection_id: int, trial_id: int, session: SessionDep) -> TrialPublic:
+def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: CurrentUser) -> TrialPublic:
+    _selection_or_404(session, selection_id, user)
     try:
         trial = db_sel.request_trial_stop(session, selection_id=selection_id, trial_id=trial_id)
     except db_jobs.NotFound as e:
@@ -163,13 +229,14 @@ def stop_trial(selection_id: int, trial_id: int, session: SessionDep) -> TrialPu
 
 
 @router.get("/{selection_id}/stream")
-def stream_selection(selection_id: int, session: SessionDep, settings: SettingsDep) -> StreamingResponse:
+def stream_selection(
+    selection_id: Id, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> SseResponse:
     """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
     (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
     reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
-    _selection_or_404(session, selection_id)
-    return StreamingResponse(
-        selection_events(settings, selection_id=selection_id),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    _selection_or_404(session, selection_id, user)
+    # open_stream closes the session: a stream must not hold a pooled connection while it waits
+    return open_stream(
+        request, lambda: selection_events(settings, selection_id=selection_id), session=session, user=user
     )

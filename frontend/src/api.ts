@@ -17,6 +17,20 @@ export interface Job {
   spec: JobSpec;
   cancel_requested: boolean;
   progress: { step: number; steps: number; loss?: number | null } | null;
+  owner?: string | null;
+  wait_reason?: string | null;
+}
+
+export interface User {
+  id: number;
+  name: string;
+  is_admin: boolean;
+  quotas: { running_jobs: number; ranks: number; gpus: number };
+}
+
+export interface Me {
+  user: User;
+  csrf_token: string | null;
 }
 
 export interface JobSpec {
@@ -87,6 +101,32 @@ export interface Trial {
   stopped_early: boolean;
   job_id: number | null;
   warm_start_from?: number | null;
+  /** The executor's report once the trial ended; older servers leave it out (then the page reads
+   * the trial's job result instead). */
+  result?: TrialResult | null;
+  compute_s?: number | null;
+  copy_s?: number | null;
+  stop_reason?: StopReason | null;
+}
+
+/** Why the rungs stopped a trial: its rung, its metric there, the last kept trial's metric. */
+export interface StopReason {
+  rung: number;
+  value: number;
+  cutoff: number;
+  kept: number;
+  of: number;
+  bracket: number;
+}
+
+export interface TrialResult {
+  status?: string;
+  steps?: number;
+  best_metric?: number | null;
+  compute_s?: number;
+  copy_s?: number;
+  stop_reason?: StopReason | null;
+  error?: string | null;
 }
 
 export type SpaceEntry = { low: number; high: number; log?: boolean } | (number | string | boolean)[];
@@ -102,7 +142,16 @@ export interface Selection {
   finished_at: string | null;
   space: Record<string, SpaceEntry>;
   /** The submitted request; `base` is the JobSpec every trial starts from. */
-  request?: { base?: Record<string, unknown> };
+  request?: {
+    base?: Record<string, unknown>;
+    method?: string;
+    seed?: number;
+    trials?: number | null;
+    parallel?: number | null;
+    checkpoints?: string;
+    early_stopping?: { kind: string; reduction_factor: number; min_steps: number } | null;
+  };
+  error?: string | null;
   trials?: Trial[];
   leaderboard?: number[];
 }
@@ -146,12 +195,28 @@ export function describeDetail(detail: unknown): string {
   return JSON.stringify(detail);
 }
 
+/** The session's CSRF token, from the readable cookie the sign-in set (the session cookie itself is
+ * HttpOnly). Every POST and DELETE sends it back; another site's page cannot read it. */
+export function csrfToken(): string {
+  const m = /(?:^|;\s*)shardyard_csrf=([^;]+)/.exec(document.cookie);
+  return m ? decodeURIComponent(m[1]) : "";
+}
+
+/** Fired when the API answers 401: the page shows the sign-in form. */
+export const SIGNED_OUT = "shardyard:signed-out";
+
 export async function api<T>(path: string, init?: { method?: string; body?: unknown }): Promise<T> {
+  const method = init?.method ?? "GET";
+  const headers: Record<string, string> = {};
+  if (init?.body !== undefined) headers["Content-Type"] = "application/json";
+  if (method !== "GET") headers["X-CSRF-Token"] = csrfToken();
   const res = await fetch(path, {
-    method: init?.method ?? "GET",
-    headers: init?.body !== undefined ? { "Content-Type": "application/json" } : undefined,
+    method,
+    headers,
+    credentials: "same-origin",
     body: init?.body !== undefined ? JSON.stringify(init.body) : undefined,
   });
+  if (res.status === 401 && path !== "/api/auth/session") window.dispatchEvent(new Event(SIGNED_OUT));
   const text = await res.text();
   let payload: unknown = null;
   try {

@@ -1,7 +1,7 @@
 // Hash router and the health bar. Hash routes (#/jobs/12) let the API serve dist/ as plain static
 // files with no server-side fallback.
 import "./style.css";
-import { api, type Health } from "./api";
+import { api, type Health, type Me, post, SIGNED_OUT } from "./api";
 import { errorText, fmtTime, h } from "./dom";
 import { jobPage } from "./pages/job";
 import { jobsPage } from "./pages/jobs";
@@ -19,8 +19,82 @@ const ROUTES: Route[] = [
 
 const app = document.getElementById("app")!;
 let cleanup: Cleanup | null = null;
+let me: Me | null = null;
+
+/** Who is signed in, shown in the top bar; null until /api/auth/me answers. */
+export function currentUser(): Me | null {
+  return me;
+}
+
+function showUser(): void {
+  const el = document.getElementById("whoami")!;
+  if (!me) {
+    el.replaceChildren();
+    return;
+  }
+  el.replaceChildren(
+    h("span", { id: "whoami-name" }, me.user.name + (me.user.is_admin ? " (admin)" : "")),
+    " ",
+    h("button", { class: "small secondary", id: "sign-out", onclick: () => void signOut() }, "Sign out"),
+  );
+}
+
+async function signOut(): Promise<void> {
+  try {
+    await api("/api/auth/session", { method: "DELETE" });
+  } catch {
+    // already gone: show the form anyway
+  }
+  me = null;
+  showSignIn();
+}
+
+function showSignIn(): void {
+  cleanup?.();
+  cleanup = null;
+  me = null;
+  showUser();
+  const input = h("input", {
+    id: "token-input",
+    type: "password",
+    autocomplete: "off",
+    placeholder: "sy_…",
+    size: 52,
+  });
+  const out = h("div", { id: "signin-result", role: "status" });
+  const submit = async (ev: Event) => {
+    ev.preventDefault();
+    out.className = "";
+    out.textContent = "";
+    try {
+      me = await post<Me>("/api/auth/session", { token: input.value.trim() });
+      input.value = "";
+      showUser();
+      route();
+    } catch (err) {
+      out.className = "error";
+      out.textContent = errorText(err);
+    }
+  };
+  app.replaceChildren(
+    h(
+      "form",
+      { class: "card", id: "signin-form", onsubmit: submit },
+      h("h1", {}, "Sign in"),
+      h(
+        "p",
+        { class: "muted" },
+        "Paste an API token: `shardyard stack` prints the local admin's, `shardyard admin create-user` makes one.",
+      ),
+      input,
+      h("div", { class: "form-row" }, h("button", { type: "submit" }, "Sign in")),
+      out,
+    ),
+  );
+}
 
 function route(): void {
+  if (!me) return;
   cleanup?.();
   cleanup = null;
   app.replaceChildren();
@@ -71,7 +145,20 @@ async function health(): Promise<void> {
   }
 }
 
+async function start(): Promise<void> {
+  try {
+    me = await api<Me>("/api/auth/me");
+    showUser();
+    route();
+  } catch {
+    showSignIn();
+  }
+}
+
 window.addEventListener("hashchange", route);
-route();
+window.addEventListener(SIGNED_OUT, () => {
+  if (me) showSignIn();
+});
+void start();
 void health();
 window.setInterval(health, 10_000);

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -52,8 +51,11 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
+def page(browser: Browser, stack) -> Iterator[Page]:  # noqa: ANN001 - the StackHandle fixture
+    """A tab signed in as the stack's admin (the session cookie from POST /api/auth/session)."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    resp = ctx.request.post(f"{stack.base_url}/api/auth/session", data={"token": stack.token})
+    assert resp.ok, resp.text()
     pg = ctx.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -94,7 +96,7 @@ def test_jobs_table_updates_live(stack, page: Page) -> None:
     # the final loss from the job's result fills the loss column
     final = stack.wait(job["id"])
     assert final["result"]["final_loss"] > 0
-    expect(row.locator("td").nth(4)).not_to_have_text("—")
+    expect(row.locator("td").nth(5)).not_to_have_text("—")
     # the same document all along: the change arrived without a reload
     assert page.evaluate("window.__noReload") is True
 
@@ -106,9 +108,7 @@ def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
     expect(page.locator("#job-header .badge")).to_have_text("succeeded", timeout=120_000)
     stack.wait(job["id"])
 
-    metrics = httpx.get(
-        f"{stack.base_url}/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}
-    ).json()
+    metrics = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}).json()
     loss = metrics["series"]["loss"]
     val = metrics["series"]["val_loss"]
     assert len(loss["steps"]) == TINY_SPEC["train"]["steps"]
@@ -133,7 +133,7 @@ def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
     assert int(page.locator("#tput-chart").get_attribute("data-points") or 0) > 0
 
     # log lines: what /logs holds is in the panel, including the final status change
-    logs = httpx.get(f"{stack.base_url}/api/jobs/{job['id']}/logs").json()["items"]
+    logs = stack.client.get(f"/api/jobs/{job['id']}/logs").json()["items"]
     assert logs, "the job recorded no log lines"
     panel = page.locator("#log-panel li")
     expect(panel.first).to_be_visible()
@@ -162,9 +162,7 @@ def test_job_page_charts_fill_live(stack, page: Page) -> None:
     expect(page.locator("#job-header .badge")).to_have_text("succeeded", timeout=120_000)
     seen = page.evaluate("window.__seen")
     assert any(n > 0 and status == "running" for n, status in seen), seen
-    stored = httpx.get(
-        f"{stack.base_url}/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}
-    ).json()
+    stored = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss,val_loss"}).json()
     n = sum(len(s["steps"]) for s in stored["series"].values())
     assert n == 100 + 4  # a loss per step, a val_loss every 25
     expect(page.locator("#loss-chart")).to_have_attribute("data-points", str(n), timeout=10_000)
@@ -172,7 +170,7 @@ def test_job_page_charts_fill_live(stack, page: Page) -> None:
 
 def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) -> None:
     page.goto(f"{stack.base_url}/#/")
-    before = httpx.get(f"{stack.base_url}/api/jobs").json()["total"]
+    before = stack.client.get("/api/jobs").json()["total"]
     box = page.locator("#spec-input")
     # the form comes pre-filled with a valid spec
     assert json.loads(box.input_value())["model"]["kind"] == "gpt"
@@ -190,7 +188,7 @@ def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) ->
     box.fill(json.dumps(bad))
     page.get_by_role("button", name="Submit job").click()
     expect(result).to_contain_text("model.heads")
-    assert httpx.get(f"{stack.base_url}/api/jobs").json()["total"] == before
+    assert stack.client.get("/api/jobs").json()["total"] == before
 
     # a good spec goes through; a long job is then cancelled from its row
     box.fill(json.dumps(spec(steps=100_000)))
@@ -206,7 +204,7 @@ def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) ->
 def wait_selection(stack, sid: int, timeout: float = 240) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        sel = httpx.get(f"{stack.base_url}/api/selections/{sid}").json()
+        sel = stack.client.get(f"/api/selections/{sid}").json()
         if sel["status"] in ("succeeded", "failed", "cancelled"):
             return sel
         time.sleep(0.3)
@@ -221,7 +219,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
         "method": "grid",
         "devices": 2,
     }
-    resp = httpx.post(f"{stack.base_url}/api/selections", json=body)
+    resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sid = resp.json()["id"]
     page.goto(f"{stack.base_url}/#/selections/{sid}")
@@ -246,9 +244,9 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
 
     # the curves chart holds every trial's stored val_loss series, one line per trial
     want = {
-        tid: httpx.get(
-            f"{stack.base_url}/api/jobs/{t['job_id']}/metrics", params={"names": "val_loss"}
-        ).json()["series"]["val_loss"]["steps"]
+        tid: stack.client.get(f"/api/jobs/{t['job_id']}/metrics", params={"names": "val_loss"}).json()[
+            "series"
+        ]["val_loss"]["steps"]
         for tid, t in trials.items()
     }
     assert all(len(s) == 24 // 4 for s in want.values())
@@ -270,11 +268,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
     page.get_by_role("button", name="Add trials").click()
     expect(page.locator("#selection-result")).to_have_class("ok", timeout=15_000)
     expect(rows).to_have_count(4, timeout=15_000)
-    added = [
-        t
-        for t in httpx.get(f"{stack.base_url}/api/selections/{sid}").json()["trials"]
-        if t["id"] not in trials
-    ]
+    added = [t for t in stack.client.get(f"/api/selections/{sid}").json()["trials"] if t["id"] not in trials]
     assert len(added) == 1
     new_id = added[0]["id"]
     new = page.locator(f'#leaderboard tbody tr[data-trial-id="{new_id}"]')
@@ -294,7 +288,7 @@ def test_pipeline_job_shows_executed_and_simulated_gantt(stack, page: Page) -> N
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
     expect(page.locator("#pipeline h2")).to_contain_text("chimera, 2 stages × 4 micro-batches")
     stack.wait(job["id"], timeout=240)
-    timeline = httpx.get(f"{stack.base_url}/api/jobs/{job['id']}/timeline").json()
+    timeline = stack.client.get(f"/api/jobs/{job['id']}/timeline").json()
 
     # the page fetched the timeline when the job finished: one bar per action, per panel
     for panel, actions in (("executed", timeline["executed"]), ("simulated", timeline["simulated"])):

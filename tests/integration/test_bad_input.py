@@ -66,17 +66,26 @@ BAD = [
     ),
     (with_("parallel.spill", {"device_budget_mb": -5}), "parallel.spill.device_budget_mb", "greater than 0"),
     (with_("resources.device", "tpu"), "resources.device", None),
-    (with_("parallel.data_parallel", 2), "parallel.data_parallel > 1 is not supported yet", None),
+    (
+        with_("parallel.data_parallel", 3),
+        "train.batch_size (8) must be divisible by parallel.data_parallel (3)",
+        None,
+    ),
     (
         with_(
-            "parallel", {"pipeline": {"stages": 2, "microbatches": 2}, "tensor": {"mode": "1d", "size": 2}}
+            "parallel",
+            {
+                "pipeline": {"stages": 2, "microbatches": 4},
+                "data_parallel": 2,
+                "tensor": {"mode": "2d", "q": 2},
+            },
         ),
-        "parallel.pipeline with parallel.tensor",
+        "the rows of one micro-batch per replica (1) must be divisible by q (2)",
         None,
     ),
     (
         with_("parallel", {"spill": {"device_budget_mb": 64}, "tensor": {"mode": "1d", "size": 2}}),
-        "parallel.spill / parallel.offload cannot be combined",
+        "parallel.spill runs on one process only",
         None,
     ),
     ({"model": "gpt"}, "model", "valid dictionary"),

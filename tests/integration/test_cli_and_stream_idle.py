@@ -70,7 +70,10 @@ def test_idle_stream_sends_keepalives_and_catches_up_from_the_database(stack: St
     comments, statuses = 0, []
     t0 = time.monotonic()
     with httpx.stream(
-        "GET", f"{stack.base_url}/api/jobs/{job_id}/stream", timeout=httpx.Timeout(5, read=30)
+        "GET",
+        f"{stack.base_url}/api/jobs/{job_id}/stream",
+        headers=stack.headers,
+        timeout=httpx.Timeout(5, read=30),
     ) as r:
         for line in r.iter_lines():
             if line.startswith(": keep-alive"):

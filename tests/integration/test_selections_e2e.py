@@ -56,6 +56,10 @@ def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
     stopped = [tr for tr in trials.values() if tr["stopped_early"]]
     assert stopped, "ASHA with reduction factor 3 over 6 trials stops some of them"
     assert all(tr["steps_done"] < BASE["train"]["steps"] for tr in stopped)
+    # each stopped trial says why: its rung, its value there and the rung's cut-off
+    for tr in stopped:
+        why = stack.client.get(f"/api/jobs/{tr['job_id']}").json()["result"]["stop_reason"]
+        assert why["rung"] == tr["steps_done"] and why["value"] >= why["cutoff"]
     # the leaderboard is sorted by each trial's best val_loss, and the best is really the lowest
     board = [trials[i]["best_metric"] for i in done["leaderboard"]]
     assert board == sorted(board) and len(board) == 6
@@ -93,6 +97,18 @@ def test_invalid_selections_are_refused(stack: StackHandle) -> None:
     assert code == 422 and "low" in msg
     code, msg = post(space={"model.heads": [2, 3]})
     assert code == 422 and "trial 1" in msg and "divisible" in msg
+    for over, field, rule in [
+        ({"checkpoints": "latest"}, "checkpoints", "'best', 'all' or 'none'"),
+        ({"early_stopping": {"kind": "median"}}, "early_stopping.kind", "'asha', 'sha' or 'hyperband'"),
+        ({"method": "tpe"}, "", "method tpe needs trials"),
+        ({"parallel": 2}, "", "parallel is for the samplers"),
+        ({"method": "anneal", "trials": 4}, "method", "'tpe', 'cmaes' or 'qmc'"),
+    ]:
+        r = stack.client.post("/api/selections", json={"base": BASE, "space": {"train.lr": [1e-3]}, **over})
+        detail = str(r.json()["detail"])
+        assert r.status_code == 422 and field in detail and rule in detail, (over, detail)
+    code, msg = post(method="cmaes", trials=4)
+    assert code == 422 and "method cmaes searches numeric ranges" in msg
     assert stack.client.get("/api/selections/999999").status_code == 404
 
 

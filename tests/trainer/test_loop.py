@@ -76,3 +76,26 @@ def test_sgd_and_adamw_both_train() -> None:
         )
         loss = sink.series("loss")
         assert loss[-1] < loss[0], opt
+
+
+def test_a_finished_run_resumed_again_re_emits_its_result_and_no_metrics(tmp_path: Path) -> None:
+    """A worker that died between the trainer's exit and its final status write runs the job again
+    from the last checkpoint: the same `result` comes out, and no metric step is written twice."""
+    job = tiny(steps=4, eval_every=2)
+    first = ListSink()
+    result = train(job, sink=first, stop=NeverStop(), checkpoint_dir=tmp_path)
+    assert result["steps"] == 4 and first.series("val_loss")
+    again = ListSink()
+    assert train(job, sink=again, stop=NeverStop(), checkpoint_dir=tmp_path) == result
+    assert again.results == [result] and again.metrics == []
+
+
+def test_a_stopped_run_resumed_with_an_immediate_stop_keeps_its_last_losses(tmp_path: Path) -> None:
+    job = tiny(steps=6, eval_every=2)
+    first = ListSink()
+    r1 = train(job, sink=first, stop=StopAfter(first, 3), checkpoint_dir=tmp_path)
+    assert r1["steps"] == 3 and r1["stopped"]
+    again = ListSink()
+    r2 = train(job, sink=again, stop=StopAfter(again, 0), checkpoint_dir=tmp_path)
+    assert r2["steps"] == 3 and r2["stopped"] and again.metrics == []
+    assert (r2["final_loss"], r2["val_loss"]) == (r1["final_loss"], r1["val_loss"])

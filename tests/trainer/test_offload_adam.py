@@ -1,16 +1,21 @@
 """The AxoNN offloaded optimizer against torch.optim.AdamW: exact in fp32 mode, to mixed-precision
-tolerance in bf16 mode; fp16 loss scaling skips a step on inf and lowers the scale. Device = CPU
-(the same code path as CUDA, without the side stream)."""
+tolerance in bf16 mode; fp16 loss scaling skips a real step on an inf gradient and lowers the
+scale; only the bucket buffers are computed on. Device = CPU (the same code path as CUDA, without
+the side stream)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
+from tests.device_census import DeviceCensus
 from tests.trainer.test_spill_engine import ADAMW, MODEL, make_engine, make_stream
 from trainer.config import OffloadConfig
+from trainer.spill.engine import SpillEngine
 from trainer.spill.ledger import DeviceLedger
-from trainer.spill.offload import LossScaler, OffloadedAdamW, bucket_bytes
+from trainer.spill.offload import NonFiniteGradient, OffloadedAdamW, bucket_bytes
 
 CPU = torch.device("cpu")
 
@@ -89,37 +94,86 @@ def test_bf16_mode_matches_to_mixed_precision_tolerance() -> None:
     assert max((m - r).abs().max().item() for r, m in zip(ref, masters, strict=True)) > 0
 
 
-def test_inf_gradient_skips_the_step_and_lowers_the_loss_scale() -> None:
-    sizes = [50]
-    masters = make_groups(sizes)
-    before = masters[0].clone()
-    scaler = LossScaler(scale=2.0**16, dynamic=True, growth_interval=3)
-    off = OffloadedAdamW(
-        masters=masters,
-        lr=1e-2,
-        dtype=torch.float16,
-        device=CPU,
-        bucket_numel=16,
-        ledger=DeviceLedger(),
-        scaler=scaler,
-    )
-    params = masters[0].to(torch.float16)
-    grads = (grads_for(0, sizes)[0] * scaler.scale).to(torch.float16)
-    grads[7] = float("inf")
-    assert off.found_inf(grads)
-    scaler.update(found_inf=True)
-    assert scaler.scale == 2.0**15 and scaler.skipped_steps == 1
-    torch.testing.assert_close(masters[0], before, rtol=0, atol=0)
-    assert off.steps == [0]
-    # clean steps: the update happens, unscaled by the current scale; the scale grows back
-    for step in range(3):
-        g = (grads_for(step, sizes)[0] * scaler.scale).to(torch.float16)
-        assert not off.found_inf(g)
-        off.step_group(0, params=params, grads=g)
-        scaler.update(found_inf=False)
-    assert off.steps == [3]
-    assert scaler.scale == 2.0**16
-    assert not torch.equal(masters[0], before)
+def _offloaded_engine(dtype: str, cuts: list[int]) -> SpillEngine:
+    engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=OffloadConfig(optimizer=True, dtype=dtype))
+    return engine
+
+
+def _snapshot(engine: SpillEngine) -> dict[str, Any]:
+    """Everything a step would change in host memory: fp32 masters, Adam moments and step counts,
+    the low-precision copies the device is loaded from."""
+    opt = engine.opt
+    assert opt is not None
+    return {
+        "masters": engine.model_state(),
+        "moments": [t.clone() for t in (*opt.exp_avg, *opt.exp_avg_sq)],
+        "steps": list(opt.steps),
+        "host_lp": [t.clone() for t in opt.host_lp],
+    }
+
+
+def _assert_device_copies_hold(engine: SpillEngine, host_lp: list[torch.Tensor]) -> None:
+    """Every shard resident on the device computes with the low-precision values `host_lp`."""
+    resident = [s for s in engine.shards if s.dev is not None]
+    assert resident
+    for s in resident:
+        torch.testing.assert_close(s.dev, host_lp[s.index], rtol=0, atol=0)
+
+
+def _inf_in_one_gradient(engine: SpillEngine) -> torch.utils.hooks.RemovableHandle:
+    """A hook on one weight of the first layer: its gradient gets an inf in one row during the real
+    backward (the first layer's backward runs last, so every other gradient is finite)."""
+    weight = engine.shards[0].params[0]
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        return g.index_fill(0, torch.tensor([3]), float("inf"))
+
+    return weight.register_hook(poison)
+
+
+@pytest.mark.parametrize("cuts", [[], [2]], ids=["one-shard", "two-shards-deferred"])
+def test_inf_gradient_skips_the_step_and_lowers_the_loss_scale(cuts: list[int]) -> None:
+    """fp16, dynamic loss scaling: a real training step whose backward yields an inf gradient. The
+    step is attempted; nothing it would change changes (masters, moments, step counts, host and
+    device low-precision copies) and the scale halves. The next clean step does update. Both the
+    per-shard step (one shard) and the deferred step (two shards: one global decision)."""
+    stream = make_stream()
+    engine = _offloaded_engine("fp16", cuts)
+    opt = engine.opt
+    assert opt is not None
+    engine.train_step(*stream.batch_for(0))  # moments non-zero, so "unchanged" means something
+    assert opt.scaler.skipped_steps == 0
+    scale, before = opt.scaler.scale, _snapshot(engine)
+
+    handle = _inf_in_one_gradient(engine)
+    engine.train_step(*stream.batch_for(1))
+    handle.remove()
+
+    assert opt.scaler.skipped_steps == 1
+    assert opt.scaler.scale == scale / 2
+    torch.testing.assert_close(_snapshot(engine), before, rtol=0, atol=0)
+    _assert_device_copies_hold(engine, before["host_lp"])
+
+    engine.train_step(*stream.batch_for(1))
+    assert opt.scaler.skipped_steps == 1
+    after = _snapshot(engine)
+    assert after["steps"] == [n + 1 for n in before["steps"]]
+    for name, value in after["masters"].items():
+        assert not torch.equal(value, before["masters"][name]), name
+
+
+def test_inf_gradient_without_loss_scaling_fails_the_step_and_changes_nothing() -> None:
+    """bf16 has no dynamic scale to lower: an inf gradient in a real step is a terminal error, raised
+    before any parameter or optimizer state moves."""
+    stream = make_stream()
+    engine = _offloaded_engine("bf16", [])
+    engine.train_step(*stream.batch_for(0))
+    before = _snapshot(engine)
+    _inf_in_one_gradient(engine)
+    with pytest.raises(NonFiniteGradient):
+        engine.train_step(*stream.batch_for(1))
+    torch.testing.assert_close(_snapshot(engine), before, rtol=0, atol=0)
+    _assert_device_copies_hold(engine, before["host_lp"])
 
 
 def test_engine_fp16_overflow_skips_step_and_backs_off() -> None:
@@ -143,11 +197,32 @@ def test_engine_fp16_overflow_skips_step_and_backs_off() -> None:
 
 
 def test_bucket_buffers_are_the_only_fp32_on_the_device() -> None:
+    """A real step of two groups over many buckets, under a census of the storages its kernels
+    compute on (tests/device_census.py): only the bucket buffers, all held for the run (no
+    temporaries), their bytes equal to what the ledger and `device_bytes` say; the fp32 masters and
+    moments in host memory are only ever copy endpoints. The update did happen."""
+    sizes, bucket = [1000, 300], 64
+    masters = make_groups(sizes)
+    before = [m.clone() for m in masters]
     ledger = DeviceLedger()
-    OffloadedAdamW(
-        masters=make_groups([1000]), lr=1e-3, dtype=torch.bfloat16, device=CPU, bucket_numel=64, ledger=ledger
+    off = OffloadedAdamW(
+        masters=masters, lr=1e-3, dtype=torch.bfloat16, device=CPU, bucket_numel=bucket, ledger=ledger
     )
-    assert ledger.entries == {"offload.buckets": bucket_bytes(64)} and bucket_bytes(64) == 64 * 40
+    params = [m.to(torch.bfloat16) for m in masters]
+    grads = [g.to(torch.bfloat16) for g in grads_for(0, sizes)]
+    with DeviceCensus(CPU) as census:
+        for i in range(len(sizes)):
+            off.step_group(i, params=params[i], grads=grads[i])
+    seen = list(census.seen.values())
+    assert all(s.alive for s in seen), "a temporary was computed on during the step"
+    assert {s.dtype for s in seen} == {torch.float32}
+    assert sum(s.nbytes for s in seen) == bucket_bytes(bucket) == 64 * 40
+    assert ledger.entries == {"offload.buckets": bucket_bytes(bucket)} and off.device_bytes == bucket_bytes(
+        bucket
+    )
+    host = [*masters, *off.exp_avg, *off.exp_avg_sq, *off.host_lp]
+    assert not any(census.holds(t) for t in host)
+    assert all(not torch.equal(m, b) for m, b in zip(masters, before, strict=True))
 
 
 def test_fp16_spilled_equals_fp16_resident_including_skips() -> None:

@@ -42,7 +42,7 @@ CASES = {
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    window = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
+    window = torch.randint(0, cfg.vocab_size or 128, (BATCH, cfg.seq_len + 1), generator=g)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 

@@ -137,7 +137,7 @@ def test_resumed_pipeline_job_continues_the_loss_curve() -> None:
     torch.testing.assert_close(first, ref[:2], rtol=1e-4, atol=1e-5)
     assert [s for s, _ in second] == [3]
     torch.testing.assert_close(second[0][1], ref[2], rtol=1e-4, atol=1e-5)
-    assert any("resumed at step 2" in m for m in lead["logs"])
+    assert any(m.endswith("at step 2") and m.startswith("resumed from") for m in lead["logs"])
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ the interleaving of shards over the two CPU 'devices' (worker threads), for SGD 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,8 +17,8 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import JobConfig
 from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
-from trainer.selection.asha import AshaConfig
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.halving import HalvingConfig
 from trainer.selection.scheduler import TrialView
 from trainer.selection.shards import ShardedTrial
 
@@ -105,6 +107,7 @@ def run_batch(tmp: Path, *, scheduler: str = "shard-lrtf", custom=None, **cfg): 
         TrialEntry(index=i, job=job(i), sink=sinks[i], checkpoint_dir=tmp / f"trial-{i}")
         for i in range(len(SPECS))
     ]
+    cfg.setdefault("checkpoints", "all")
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler=scheduler, **cfg), scheduler=custom)
     results = ex.run()
     return ex, results, sinks
@@ -173,8 +176,8 @@ def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
 @pytest.mark.parametrize("how", ["shard-lrtf", "sequential"])
 def test_asha_stops_the_right_trials(tmp_path: Path, how: str) -> None:
     # rungs at steps 1 and 2 (and 4 for the 5-step trial); reduction factor 2
-    asha = AshaConfig(reduction_factor=2, min_steps=1, mode="min")
-    ex, results, sinks = run_batch(tmp_path, scheduler=how, metric="val_loss", asha=asha)
+    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min")
+    ex, results, sinks = run_batch(tmp_path, scheduler=how, metric="val_loss", early_stopping=asha)
     statuses = {i: r["status"] for i, r in results.items()}
     assert "stopped_early" in statuses.values() and "succeeded" in statuses.values()
     val = {i: {s: v for s, n, v in sinks[i].metrics if n == "val_loss"} for i in statuses}
@@ -184,10 +187,12 @@ def test_asha_stops_the_right_trials(tmp_path: Path, how: str) -> None:
         if st == "stopped_early":
             assert results[i]["stopped_early"] and last < job(i).train.steps
             assert events == ["running", "stopped_early"]
-            # stopped at a rung it lost: not in the top max(1, n // 2) of the trials that reached it
-            reached = sorted((v[last], j) for j, v in val.items() if last in v)
-            keep = max(1, len(reached) // 2)
-            assert (val[i][last], i) not in reached[:keep]
+            # stopped at a rung it lost, and it says so: its rung, its value, the rung's cut-off
+            stop = results[i]["stop_reason"]
+            assert stop["rung"] == last and stop["value"] == val[i][last]
+            assert stop["value"] >= stop["cutoff"] and stop["kept"] == max(1, stop["of"] // 2)
+            final = [d for e, d in sinks[i].events if e == "trial"][-1]
+            assert final["stop_reason"] == stop and sinks[i].results[-1]["stop_reason"] == stop
         else:
             assert st == "succeeded" and last == job(i).train.steps and events == ["running", "succeeded"]
     # no trial ran past a stop: each stopped trial's last task ends its last mini-batch
@@ -300,3 +305,67 @@ def test_a_task_that_raises_fails_its_trial_and_frees_the_device(
     assert all(r["status"] == "succeeded" for i, r in results.items() if i != 0)
     assert [d["status"] for e, d in sinks[0].events if e == "trial"] == ["running", "failed"]
     assert all(p.ledger.held == 0 for p in ex.places)
+
+
+class Jittery(Executor):
+    """An executor whose device threads sleep a random while before each task: the timing of
+    every rung report changes from run to run."""
+
+    def __init__(self, *args, jitter_seed: int, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self._rng = random.Random(jitter_seed)
+        self._rng_lock = threading.Lock()
+
+    def _run_task(self, d: int, run) -> None:  # noqa: ANN001
+        with self._rng_lock:
+            delay = self._rng.uniform(0.0, 0.004)
+        time.sleep(delay)
+        super()._run_task(d, run)
+
+
+@pytest.mark.parametrize("kind", ["asha", "hyperband"])
+def test_rung_decisions_do_not_depend_on_timing(kind: str) -> None:
+    """The same batch three times, with random delays in the device threads and a scheduler that
+    picks at random: the same trials stop at the same rungs with the same values and cut-offs."""
+    cfg = HalvingConfig(kind=kind, reduction_factor=2, min_steps=1, mode="min", seed=11)
+    outcomes, orders = [], []
+    for run in range(3):
+        sinks = {i: ListSink() for i in range(len(SPECS))}
+        entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
+        ex = Jittery(
+            entries,
+            devices=CPU2,
+            cfg=ExecutorConfig(metric="val_loss", early_stopping=cfg, checkpoints="none"),
+            scheduler=RandomChoice(100 + run),
+            jitter_seed=run,
+        )
+        results = ex.run()
+        outcomes.append({i: (r["status"], r["steps"], r["stop_reason"]) for i, r in results.items()})
+        orders.append([(s.trial, s.kind, s.shard) for s in sorted(ex.trace, key=lambda s: s.start)])
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    assert any(st == "stopped_early" for st, _, _ in outcomes[0].values())
+    assert len({tuple(o) for o in orders}) > 1  # the runs really did interleave differently
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("all", 6), ("none", 0), ("best", 1)])
+def test_checkpoint_policy(tmp_path: Path, policy: str, kept: int) -> None:
+    ex, results, _ = run_batch(tmp_path, checkpoints=policy, metric="val_loss")
+    dirs = sorted(p.name for p in tmp_path.iterdir() if latest_checkpoint(p) is not None)
+    assert len(dirs) == kept
+    if policy == "best":
+        best = min(results.values(), key=lambda r: (r["best_metric"], r["trial"]))
+        assert dirs == [f"trial-{best['trial']}"]
+
+
+def test_cpu_shards_compute_in_host_memory_without_copies() -> None:
+    """On a CPU "device" a shard's device copy is its host copy: nothing is copied in or out."""
+    t = ShardedTrial.build(job(0), index=0, budget_bytes=None, prefetch=True)
+    ex = Executor([TrialEntry(index=0, job=job(0), sink=ListSink())], devices=CPU2, cfg=ExecutorConfig())
+    place = ex.places[0]
+    s = t.shards[t.next_task.shard]
+    t.copy_in(t.next_task.shard, place, state=True)
+    assert s.dev is s.host and all(s.state_dev[k] is s.state_host[k] for k in s.state_host)
+    s.spill()
+    while t.step < 2:  # whole mini-batches through the aliased path, every task
+        t.run_task(place)
+    assert all(sh.dev is None and sh.alias for sh in t.shards)

@@ -59,7 +59,8 @@ def test_run_selection_reports_per_trial_and_ranks_the_leaderboard(tmp_path: Pat
         assert events[0] == {"status": "running", "steps_done": 0}
         assert events[-1]["status"] == status[i] and events[-1]["steps_done"] == len(sinks[i].series("loss"))
         assert sinks[i].series("val_loss")  # every trial evaluated at least at the rung
-        assert (tmp_path / f"trial-{i}").is_dir()
+    # checkpoints "best" (the default): only the best trial's directory stays
+    assert [p.name for p in tmp_path.iterdir()] == [f"trial-{out['best_trial']}"]
     # the best metric of each trial is the min of what its sink received
     for r in out["trials"][:6]:
         assert r["best_metric"] == min(sinks[r["trial"]].series("val_loss"))
@@ -67,7 +68,7 @@ def test_run_selection_reports_per_trial_and_ranks_the_leaderboard(tmp_path: Pat
 
 def test_finished_trials_resume_from_their_checkpoints(tmp_path: Path) -> None:
     kw = {"stop": NeverStop(), "devices": [torch.device("cpu")], "checkpoint_root": tmp_path}
-    b = batch(seeds=(0,), scheduler="fifo")
+    b = batch(seeds=(0,), scheduler="fifo", checkpoints="all")
     run_selection(b, sink_for_trial=lambda i: ListSink(), **kw)
     sinks: dict[int, ListSink] = {}
     out = run_selection(b, sink_for_trial=lambda i: sinks.setdefault(i, ListSink()), **kw)
@@ -81,7 +82,9 @@ def test_finished_trials_resume_from_their_checkpoints(tmp_path: Path) -> None:
         ({"scheduler": "lifo"}, "batch.scheduler must be one of shard-lrtf"),
         ({"trials": []}, "non-empty list"),
         ({"metric": "accuracy"}, "metric must be one of loss, val_loss"),
-        ({"early_stopping": {"kind": "hyperband"}}, "early_stopping must be null or"),
+        ({"early_stopping": {"kind": "median"}}, "early_stopping must be null or"),
+        ({"checkpoints": "latest"}, "checkpoints must be one of best, all, none"),
+        ({"seed": "0"}, "batch.seed must be an integer"),
         ({"early_stopping": {"kind": "asha", "reduction_factor": 1}}, "reduction_factor must be >= 2"),
         ({"colour": 1}, "unknown keys"),
     ],

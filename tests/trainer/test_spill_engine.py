@@ -4,10 +4,13 @@ engine still keeps separate host and "device" copies, through the same code path
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
+from tests.device_census import DeviceCensus, Seen
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.loop import build_optimizer
@@ -231,15 +234,53 @@ def test_spilled_offload_bf16_matches_unspilled_offload_and_tracks_fp32(stream: 
 
 def test_offload_device_bytes_per_param(stream: BatchStream) -> None:
     """bf16 parameters + bf16 gradients = 4 bytes/param on the device; fp32 master weights and
-    moments never are (the bucket buffers are a fixed extra)."""
+    moments never are (the bucket buffers are a fixed extra). Measured by a census of the storages
+    the kernels of a real training step computed on (tests/device_census.py), not read from the
+    ledger: when the optimizer step begins, and after the step."""
     engine, _, ledger = make_engine(
         MODEL, ADAMW, cuts=[], offload=OffloadConfig(optimizer=True), strict=False
     )
-    engine.train_step(*stream.batch_for(0))
-    engine.shards[0]._alloc_grads()
+    assert engine.opt is not None
     n = count_params(build_model(MODEL, seed=0))
-    assert (ledger.entries["s0.params"] + ledger.entries["s0.grads"]) / n == 4.0
-    assert not any(k.endswith(".state") for k in ledger.entries)
+    engine.train_step(*stream.batch_for(0))  # the first step; the census watches the second
+    at_step: list[list[Seen]] = []
+    made_by_optimizer: list[Seen] = []
+    opt = engine.opt
+
+    def watch(method: Any, *, snapshot: bool) -> Any:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if snapshot:
+                at_step.append(census.live())
+            known = set(census.seen)
+            out = method(*args, **kwargs)
+            made_by_optimizer.extend(s for r, s in census.seen.items() if r not in known)
+            return out
+
+        return watched
+
+    opt.found_inf = watch(opt.found_inf, snapshot=False)  # type: ignore[method-assign]
+    opt.step_group = watch(opt.step_group, snapshot=True)  # type: ignore[method-assign]
+    with DeviceCensus(CPU) as census:
+        engine.train_step(*stream.batch_for(1))
+    # the inf check and the update compute on nothing bigger than a bucket (no whole-gradient
+    # temporaries: the device holds params + grads + buckets at the step, not more)
+    bucket = 4 * opt.bucket_numel
+    assert made_by_optimizer and max(s.nbytes for s in made_by_optimizer) <= bucket
+    # when the step begins: the parameters and the gradients (bf16, 2 bytes/param each) and, besides
+    # them, only the scalar loss
+    (live,) = at_step
+    big = sorted((s.dtype, s.nbytes) for s in live if s.nbytes >= 1024)
+    assert big == [(torch.bfloat16, 2 * n), (torch.bfloat16, 2 * n)], big
+    assert sum(s.nbytes for s in live if s.nbytes < 1024) <= 16
+    # after the step: the parameters and the bucket buffers, nothing else
+    after = census.alive()
+    assert census.alive_bytes(torch.bfloat16) == 2 * n
+    assert census.alive_bytes(torch.float32) == engine.opt.device_bytes == ledger.entries["offload.buckets"]
+    assert {s.dtype for s in after} == {torch.bfloat16, torch.float32}
+    # no kernel ever computed on a full fp32 copy (a master or a moment) or on the host state
+    assert max(s.nbytes for s in census.seen.values() if s.dtype == torch.float32) < 4 * n
+    host = [engine.shards[0].host, *engine.opt.exp_avg, *engine.opt.exp_avg_sq, *engine.opt.host_lp]
+    assert not any(census.holds(t) for t in host)
 
 
 def test_state_dict_round_trip_across_cuts(stream: BatchStream) -> None:

@@ -10,7 +10,9 @@ every rank keeps issuing the same collectives and a failure cannot hang the othe
 
 Layers checked (forward output, input gradient, every parameter shard's gradient, against the dense
 layer built from the same weights): linear with and without bias, layer norm, attention, MLP,
-embedding, head, a whole GPT block, and a one-block GPT with its loss.
+embedding, head (vocabulary-split logits), a whole GPT block, and a one-block GPT with its
+vocab-parallel loss. Then, on the same ranks: gradient clipping against clip_grad_norm_, and the
+vocab-parallel cross entropy against F.cross_entropy.
 
 Ledger derivation for one linear layer, fp32 (4 bytes), N = B*T rows, I inputs, O outputs:
 
@@ -45,6 +47,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
@@ -54,7 +58,16 @@ from trainer.loop import train
 from trainer.models import Block, build_model, lm_loss
 from trainer.protocol import ListSink, NeverStop
 from trainer.tensor import comm, layers_1d, layers_25d
-from trainer.tensor.block import global_loss, local_batch, loss_fn, shard_block, shard_model, slicers
+from trainer.tensor.block import (
+    clip_grad_norm,
+    global_loss,
+    local_batch,
+    loss_fn,
+    shard_block,
+    shard_model,
+    slicers,
+)
+from trainer.tensor.cross_entropy import vocab_parallel_cross_entropy
 from trainer.tensor.mesh import Mesh1D, MeshGrid, grid_mesh_from_config
 
 B, T, D, H = 4, 8, 32, 8
@@ -166,6 +179,7 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
             return t
 
         rows = x_shard
+        vocab = cols  # the head's output: all rows, this rank's vocabulary block
         for label, lin in linears.items():
             comm.LEDGER.reset()
             col = layers_1d.ColumnLinear(lin, mesh=mesh, name=f"col.{label}")
@@ -184,6 +198,8 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return layers_25d.rows_of(t, mesh)
+
+        vocab = x_shard  # the head's output: this rank's rows, its vocabulary block j
 
         for label, lin in linears.items():
             comm.LEDGER.reset()
@@ -214,7 +230,7 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
         calls, payload, sent = block_ledger.get((layer, phase), (0, 0, Fraction(0)))
         block_ledger[(layer, phase)] = (calls + c.calls, payload + c.payload, sent + c.sent)
 
-    # embedding: integer input, no input gradient; head: full-vocabulary logits of this rank's rows
+    # embedding: integer input, no input gradient; head: this rank's vocabulary block of its rows
     tp_model = shard_model(gpt, mesh=mesh)
     idx, targets = ids[:, :-1], ids[:, 1:]
     _compare(
@@ -234,7 +250,7 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
         tp=tp_model[2],
         x=x,
         x_local=x_shard(x),
-        out_shard=rows,
+        out_shard=vocab,
         in_shard=x_shard,
     )
 
@@ -243,17 +259,96 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
     tp_model.zero_grad()
     dense_loss = lm_loss(gpt(idx), targets)
     dense_loss.backward()
+    comm.LEDGER.reset()
     local = loss_fn(
         tp_model(local_batch(idx, mesh=mesh)), local_batch(targets, mesh=mesh), mesh=mesh, global_rows=B
     )
+    gathers = [key for key in comm.LEDGER.records if key[2] == "all_gather"]
+    if gathers:
+        checks.failures["gpt"].append(f"the forward gathered: {gathers}")
     local.backward()
-    checks.close("gpt", global_loss(local, mesh=mesh), dense_loss.item(), "loss")
+    checks.close("gpt", torch.tensor(global_loss(local, mesh=mesh)), dense_loss.detach(), "loss")
     dense_params = dict(gpt.named_parameters())
     cut = slicers(tp_model)
     for name, p in tp_model.named_parameters():
         checks.close("gpt", p.grad, cut[name](dense_params[name].grad), f"{name} grad")
     checks.done.append("gpt")
-    return {"failures": dict(checks.failures), "done": checks.done, "ledgers": ledgers, "block": block_ledger}
+
+    _check_clip(checks, dense=gpt, tp=tp_model, mesh=mesh)
+    ce_ledger = _check_cross_entropy(checks, mesh=mesh, rows=rows, vocab=vocab)
+    return {
+        "failures": dict(checks.failures),
+        "done": checks.done,
+        "ledgers": ledgers,
+        "block": block_ledger,
+        "ce": ce_ledger,
+    }
+
+
+def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D | MeshGrid) -> None:
+    """Both models hold the same (sharded) gradients: clip both, compare the norm and every shard.
+    A replicated parameter counted on more than one rank, or a sum over too few ranks, changes the
+    norm and so the clipped gradients."""
+    max_norm = 0.05
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+    if not dense_norm > 4 * max_norm:
+        checks.failures["clip"].append(f"dense norm {dense_norm} too small to clip: the check proves nothing")
+    norm = clip_grad_norm(tp.parameters(), max_norm=max_norm, mesh=mesh)
+    checks.close("clip", norm, dense_norm, "norm")
+    grad = next(p.grad for p in tp.parameters() if p.grad is not None)
+    if norm.device != grad.device or norm.dim() != 0:
+        checks.failures["clip"].append(f"norm is {norm.shape} on {norm.device}, gradients on {grad.device}")
+    dense_params = dict(dense.named_parameters())
+    cut = slicers(tp)
+    for name, p in tp.named_parameters():
+        checks.close("clip", p.grad, cut[name](dense_params[name].grad), f"{name} clipped grad")
+    checks.done.append("clip")
+
+    # the same function on meta-device gradients, over a one-rank mesh: any read-back to the host
+    # (.item(), .cpu(), float(t)) or a tensor made on the host would raise here; on NCCL that is
+    # what would otherwise sync the step or put a CPU tensor into the collective
+    solo, _ = dist.new_subgroups(group_size=1)
+    meta = [nn.Parameter(torch.empty(6, 4, device="meta")) for _ in range(3)]
+    for k, p in enumerate(meta):
+        p.grad = torch.empty(6, 4, device="meta")
+        p.tp_counted = k != 1  # type: ignore[attr-defined]
+    try:
+        norm = clip_grad_norm(meta, max_norm=1.0, mesh=Mesh1D(group=solo, size=1, rank=0))
+        if norm.device.type != "meta":
+            checks.failures["clip"].append(f"meta gradients gave a norm on {norm.device}")
+    except Exception as e:  # noqa: BLE001 - recorded, so every rank goes on to the same collectives
+        checks.failures["clip"].append(f"clip_grad_norm left the gradients' device: {e!r}"[:600])
+
+
+def _check_cross_entropy(
+    checks: Checks,
+    *,
+    mesh: Mesh1D | MeshGrid,
+    rows: Callable[[torch.Tensor], torch.Tensor],
+    vocab: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """Vocab-parallel cross entropy of this rank's logits block against F.cross_entropy of the whole
+    logits: per-token values, the mean loss and the logits' gradient. Large logits, so a missing
+    max subtraction overflows exp(). Returns the ledger of the loss: (calls, payload) per op."""
+    V = 128
+    logits = (torch.randn(B, T, V, generator=torch.Generator().manual_seed(8)) * 30).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(9))
+    dense = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    dense.backward()
+    per_token = F.cross_entropy(logits.detach().flatten(0, 1), targets.flatten(), reduction="none").view(B, T)
+
+    local_logits = vocab(logits.detach()).clone().requires_grad_()
+    comm.LEDGER.reset()
+    local = loss_fn(local_logits, rows(targets), mesh=mesh, global_rows=B)
+    ledger = {(layer, op): (c.calls, c.payload) for (layer, _, op), c in comm.LEDGER.records.items()}
+    local.backward()
+    checks.close("cross-entropy", torch.tensor(global_loss(local, mesh=mesh)), dense.detach(), "loss")
+    checks.close("cross-entropy", local_logits.grad, vocab(logits.grad), "logits grad")
+    with comm.paused():
+        mine = vocab_parallel_cross_entropy(vocab(logits.detach()), rows(targets), mesh=mesh)
+    checks.close("cross-entropy", mine, rows(per_token), "per-token loss")
+    checks.done.append("cross-entropy")
+    return ledger
 
 
 def _job(tensor: TensorConfig | None) -> JobConfig:
@@ -332,7 +427,8 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
     sched = build_schedule("1f1b", stages=2, microbatches=n_micro)
     lo, _ = stage_bounds(dense, 2)[stage]
     (dense_stage,) = build_stages(build_model(job.model, seed=cfg.seed), sched=sched, rank=stage).values()
-    sharded = shard_model(dense_stage, mesh=tp, first_index=lo)
+    # the executor computes lm_loss on whole rows of logits: the last stage's head gathers them
+    sharded = shard_model(dense_stage, mesh=tp, first_index=lo, gather_logits=True)
     executor = PipelineExecutor(
         sched=sched,
         rank=stage,
@@ -354,7 +450,8 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
             opt.zero_grad()
             record = executor.step(x, y)
             if stage == 1:
-                checks.close("pipeline", record.loss, dense_loss.item(), f"step {step} loss")
+                # fp32 losses (a Python float would get float64 tolerances)
+                checks.close("pipeline", torch.tensor(record.loss), dense_loss.detach(), f"step {step} loss")
                 losses.append(record.loss)
             dense_params = dict(dense.named_parameters())
             cut = slicers(sharded)
@@ -442,6 +539,46 @@ def test_layer_matches_dense(key: str, fixture: str, layer: str, request: pytest
     for rank, value in enumerate(_task(request.getfixturevalue(fixture), key)):
         assert layer in value["done"], f"rank {rank}: {layer} not checked"
         assert layer not in value["failures"], f"rank {rank}: " + "\n".join(value["failures"][layer])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "fixture"), MODES, ids=[k for k, _ in MODES])
+def test_clip_grad_norm_matches_dense(key: str, fixture: str, request: pytest.FixtureRequest) -> None:
+    """block.clip_grad_norm of the sharded one-block GPT's gradients equals
+    torch.nn.utils.clip_grad_norm_ of the dense GPT's (the norm and every clipped shard), with a
+    max_norm small enough that it clips. The replicated parameters (1d: layer norms, row-parallel
+    biases, position table; grid: weight blocks repeated over depth, vectors repeated over rows and
+    depth) must each be counted once and the sum must cover the whole tensor mesh, or the norm moves.
+
+    What this proves for NCCL: the sum of squares goes through comm.all_reduce over the tensor
+    mesh's own groups (never WORLD), the same calls NCCL would run. That it stays on the device is
+    proved separately on meta-device gradients (a host read-back or a host tensor raises there); gloo
+    itself would accept a CPU tensor, so the gloo run cannot show it."""
+    for rank, value in enumerate(_task(request.getfixturevalue(fixture), key)):
+        assert "clip" in value["done"], f"rank {rank}: clip not checked"
+        assert "clip" not in value["failures"], f"rank {rank}: " + "\n".join(value["failures"]["clip"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("key", "fixture"), MODES, ids=[k for k, _ in MODES])
+def test_vocab_parallel_cross_entropy_matches_dense(
+    key: str, fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Each rank holds only its vocabulary block of its rows' logits (1d: V/P columns of every row;
+    grid: V/q columns of its B/(dq) rows). The loss, the per-token losses and the logits' gradient
+    equal F.cross_entropy on the whole logits. What travels is two all-reduces over the ranks that
+    share the rows (the row max, then sum-exp with the target logit): 3 floats per row, never an
+    all-gather; the whole GPT's forward (previous check, "gpt") issues no all-gather either.
+
+    What this proves for NCCL: the collectives and their groups; their operands are derived from the
+    logits (on the device under NCCL), and backward issues none."""
+    tensor = {"1d-P4": TP_1D_4, "2d-P4": TP_2D, "1d-P8": TP_1D_8, "2.5d-P8": TP_25D}[key]
+    rows = B * T if tensor.mode == "1d" else B // (tensor.d * tensor.q) * T
+    for rank, value in enumerate(_task(request.getfixturevalue(fixture), key)):
+        assert "cross-entropy" in value["done"], f"rank {rank}: cross-entropy not checked"
+        failures = value["failures"].get("cross-entropy", [])
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
+        assert value["ce"] == {("ce", "all_reduce"): (2, 4 * rows + 8 * rows)}, f"rank {rank}: {value['ce']}"
 
 
 @pytest.mark.slow

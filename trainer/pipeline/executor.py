@@ -159,13 +159,15 @@ class PipelineExecutor:
         ranks: list[int] | None = None,
         cap: int | None = None,
         delay: Callable[[Action], float] | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
         channel_groups: list[Any] | None = None,
     ) -> None:
         """`ranks` maps pipeline rank to global rank (default identity); `group` is the process
         group the static schedules talk on (default WORLD); `channel_groups` are the message-
         driven mode's groups (default: `async_groups(ranks)`, made here, so every pipeline rank
         must build its executor at the same point); `delay(action)` returns seconds to sleep
-        before the action's compute (jitter injection for tests and benches)."""
+        before the action's compute (jitter injection for tests and benches); `loss_fn(outputs,
+        targets)` is the model recipe's mean loss of one micro-batch."""
         self.sched = sched
         self.rank = rank
         self.modules = modules
@@ -176,6 +178,7 @@ class PipelineExecutor:
         self.ranks = ranks or list(range(sched.stages))
         self.cap = cap if cap is not None else async_cap(sched.stages)
         self.delay = delay
+        self.loss_fn = loss_fn
         if sched.dynamic:
             if sched.replicas != 1 or sched.split_backward:
                 raise ValueError("the message-driven mode runs one replica with a whole backward")
@@ -323,7 +326,7 @@ class _StepRun:
             out = mod(self.xs[a.mb] if inp is None else inp)
             if a.stage == D - 1:
                 # note: scaled by 1/N so the N micro-batch gradients sum to the full-batch one
-                out = lm_loss(out, self.ys[a.mb]) / N
+                out = self.ex.loss_fn(out, self.ys[a.mb]) / N
                 self.loss += out.detach().double()
             else:
                 send = out.detach()

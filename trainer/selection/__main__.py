@@ -24,20 +24,32 @@ import torch
 
 from trainer.config import ConfigError
 from trainer.protocol import FileStopSignal
+from trainer.workspace import set_workspace
+
+
+class Numbering:
+    """The process's line numbers (protocol `seq`) and the lock that keeps lines whole."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next = 0
 
 
 class TrialLines:
-    """JSON lines tagged with the trial; one lock for all trials, so lines never interleave."""
+    """JSON lines tagged with the trial and numbered in the order they are written; one lock for
+    all trials, so lines never interleave and their numbers grow down the stream."""
 
-    def __init__(self, stream: TextIO, *, trial: int | None, lock: threading.Lock) -> None:
+    def __init__(self, stream: TextIO, *, trial: int | None, numbering: Numbering) -> None:
         self._stream = stream
         self._trial = trial
-        self._lock = lock
+        self._numbering = numbering
 
     def write(self, obj: dict[str, Any]) -> None:
-        obj = {"trial": self._trial, **obj, "time": time.time()}
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
-        with self._lock:
+        n = self._numbering
+        with n.lock:
+            obj = {"seq": n.next, "trial": self._trial, **obj, "time": time.time()}
+            n.next += 1
+            line = json.dumps(obj, separators=(",", ":")) + "\n"
             self._stream.write(line)
             self._stream.flush()
 
@@ -90,16 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-root", type=Path, default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--stop-trials-file", default=None)
+    ap.add_argument("--workspace", type=Path, default=None, help="the batch's unpacked workspace folder")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
     args = ap.parse_args(argv)
 
-    lock = threading.Lock()
-    batch_lines = TrialLines(sys.stdout, trial=None, lock=lock)
+    numbering = Numbering()
+    batch_lines = TrialLines(sys.stdout, trial=None, numbering=numbering)
     try:
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
         raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
         devices = pick_devices(args.device, args.devices)
+        set_workspace(args.workspace)
     except (OSError, ValueError) as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
         return 2
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = run_selection(
             raw,
-            sink_for_trial=lambda i: TrialLines(sys.stdout, trial=i, lock=lock),
+            sink_for_trial=lambda i: TrialLines(sys.stdout, trial=i, numbering=numbering),
             stop=FileStopSignal(args.stop_file),
             devices=devices,
             checkpoint_root=args.checkpoint_root,

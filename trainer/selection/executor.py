@@ -16,6 +16,7 @@ Threading: every piece of shared state (trial status, holders, ledgers, ASHA) ch
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 import time
 import traceback
@@ -28,7 +29,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
-from trainer.selection.asha import Asha, AshaConfig
+from trainer.selection.halving import Decisions, Halving, HalvingConfig, StopReason
 from trainer.selection.ledger import Ledger
 from trainer.selection.scheduler import Scheduler, TrialView, make_scheduler
 from trainer.selection.shards import Place, ShardedTrial
@@ -37,6 +38,7 @@ from trainer.spill.ledger import DeviceLedger
 Status = Literal["pending", "running", "paused", "succeeded", "stopped_early", "stopped", "failed"]
 FINAL = ("succeeded", "stopped_early", "stopped", "failed")
 METRICS = ("loss", "val_loss")
+CHECKPOINTS = ("best", "all", "none")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,7 +57,11 @@ class ExecutorConfig:
     metric: str = "val_loss"
     """What ASHA and the leaderboard rank by: loss or val_loss."""
     mode: Literal["min", "max"] = "min"
-    asha: AshaConfig | None = None
+    early_stopping: HalvingConfig | None = None
+    """ASHA, successive halving or Hyperband rungs (trainer/selection/halving.py); None: none."""
+    checkpoints: str = "best"
+    """Which end-of-trial checkpoints stay once trials end: the best trial's (`best`), every
+    trial's (`all`) or none (`none`); a trial's directory goes with them."""
     prefetch: bool = True
     """Copy the next chosen trial's shard in while the current one computes."""
     device_budget_bytes: int | None = None
@@ -69,6 +75,8 @@ class ExecutorConfig:
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {self.mode!r}")
         make_scheduler(self.scheduler)  # names the valid ones
+        if self.checkpoints not in CHECKPOINTS:
+            raise ValueError(f"checkpoints must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoints!r}")
         if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
             raise ValueError(f"device budget must be > 0 bytes, got {self.device_budget_bytes}")
 
@@ -114,6 +122,8 @@ class TrialRun:
     prefetch_s: float = 0.0
     """Of copy_s, the part copied by a prefetch (in another trial's slot)."""
     started: bool = False
+    stop_reason: StopReason | None = None
+    """Why the rungs stopped the trial (its rung, its value, the rung's cut-off)."""
 
     @property
     def index(self) -> int:
@@ -148,7 +158,9 @@ class Executor:
         self.ledgers = [
             Ledger(device=f"{d}#{i}", budget_bytes=cfg.device_budget_bytes) for i, d in enumerate(devices)
         ]
-        self.asha: Asha | None = None
+        self.rungs: Halving | None = None
+        self._kept: int | None = None
+        """Checkpoints `best`: the ended trial whose checkpoints are kept so far."""
         self.trace: list[Slot] = []
         self._cond = threading.Condition()
         self._waiting = 0
@@ -194,13 +206,13 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - reported on the trial, the batch goes on
                 self._fail(run, exc)
         max_steps = {i: r.entry.job.train.steps for i, r in self.runs.items()}
-        if self.cfg.asha is not None:
-            self.asha = Asha(self.cfg.asha, max_steps=max_steps)
+        if self.cfg.early_stopping is not None:
+            self.rungs = Halving(self.cfg.early_stopping, max_steps=max_steps)
             for run in self.runs.values():
                 if run.status in FINAL:
-                    self.asha.finished(run.index, step=run.trial.step if run.trial else 0)
+                    self.rungs.finished(run.index, step=run.trial.step if run.trial else 0)
                 elif run.trial.step > 0:
-                    self.asha.resumed(run.index, step=run.trial.step)
+                    self.rungs.resumed(run.index, step=run.trial.step)
 
     # -- the scheduler's view --------------------------------------------------------------------
 
@@ -237,11 +249,16 @@ class Executor:
             return None
         active = [r.index for r in self.runs.values() if r.status in ("pending", "running")]
         free = self.ledgers[d].free_bytes()
-        choice = self.scheduler.choose(
-            [self._view(r) for r in idle],
-            active=active,
-            free_bytes=None if free is None else free - extra_bytes,
-        )
+        free = None if free is None else free - extra_bytes
+        choice = None
+        if self.rungs is not None:
+            # trials that paused ones wait for go first (the policy still chooses among them)
+            urgent = self.rungs.blocking()
+            first = [self._view(r) for r in idle if r.index in urgent]
+            if first:
+                choice = self.scheduler.choose(first, active=active, free_bytes=free)
+        if choice is None:
+            choice = self.scheduler.choose([self._view(r) for r in idle], active=active, free_bytes=free)
         if choice is None:
             return None
         run = self.runs[choice.index]
@@ -277,24 +294,53 @@ class Executor:
         run.status = status
         t = run.trial
         steps = t.step if t is not None else 0
-        if t is not None and run.entry.checkpoint_dir is not None and steps > 0:
-            path = t.save(run.entry.checkpoint_dir)
+        ckpt = run.entry.checkpoint_dir
+        if t is not None and ckpt is not None and steps > 0 and self.cfg.checkpoints != "none":
+            path = t.save(ckpt)
             run.sink.event("checkpoint", {"step": steps, "path": str(path)})
-        run.sink.event("trial", {"status": status, "steps_done": steps})
-        run.sink.result(self._result(run))
-        if self.asha is not None:
-            self._apply(self.asha.finished(run.index, step=steps))
+        self._report_end(run, steps)
+        self._keep_checkpoints(run)
+        if self.rungs is not None:
+            self._apply(self.rungs.finished(run.index, step=steps))
 
     def _fail(self, run: TrialRun, exc: BaseException) -> None:
         run.error = f"{type(exc).__name__}: {exc}"
         run.sink.log(f"trial {run.index} failed: {run.error}\n{traceback.format_exc()}")
         run.status = "failed"
-        run.sink.event("trial", {"status": "failed", "steps_done": run.trial.step if run.trial else 0})
-        run.sink.result(self._result(run))
-        if self.asha is not None:
-            self._apply(self.asha.finished(run.index, step=run.trial.step if run.trial else 0))
+        steps = run.trial.step if run.trial else 0
+        self._report_end(run, steps)
+        self._keep_checkpoints(run)
+        if self.rungs is not None:
+            self._apply(self.rungs.finished(run.index, step=steps))
 
-    def _apply(self, decisions: Any) -> None:
+    def _report_end(self, run: TrialRun, steps: int) -> None:
+        """The trial's result, then its final event (both say why it stopped)."""
+        result = self._result(run)
+        run.sink.result(result)
+        data: dict[str, Any] = {"status": run.status, "steps_done": steps}
+        if run.stop_reason is not None:
+            data["stop_reason"] = result["stop_reason"]
+        if run.error is not None:
+            data["error"] = run.error
+        run.sink.event("trial", data)
+
+    def _keep_checkpoints(self, run: TrialRun) -> None:
+        """Apply the checkpoint policy to an ended trial: `none` removes its directory, `best`
+        keeps only the best ended trial's (by the leaderboard's rule), `all` keeps every one."""
+        policy = self.cfg.checkpoints
+        if policy == "all" or run.entry.checkpoint_dir is None:
+            return
+        if policy == "best" and run.best_metric is not None:
+            kept = self.runs[self._kept] if self._kept is not None else None
+            sign = 1.0 if self.cfg.mode == "min" else -1.0
+            if kept is None or (sign * run.best_metric, run.index) < (sign * kept.best_metric, kept.index):
+                self._kept = run.index
+                run = kept  # the previous best loses its place
+            if run is None:
+                return
+        shutil.rmtree(run.entry.checkpoint_dir, ignore_errors=True)
+
+    def _apply(self, decisions: Decisions) -> None:
         for i in decisions.promoted:
             run = self.runs[i]
             if run.status == "paused":
@@ -302,6 +348,7 @@ class Executor:
         for i in decisions.stopped:
             run = self.runs[i]
             if run.status not in FINAL:
+                run.stop_reason = decisions.reasons.get(i)
                 self._finish(run, "stopped_early")
 
     def _result(self, run: TrialRun) -> dict[str, Any]:
@@ -316,6 +363,7 @@ class Executor:
             "last_metric": run.last_metric,
             "best_metric": run.best_metric,
             "stopped_early": run.status == "stopped_early",
+            "stop_reason": None if run.stop_reason is None else run.stop_reason.as_dict(),
             "error": run.error,
             "compute_s": run.compute_s,
             "copy_s": run.copy_s,
@@ -466,7 +514,7 @@ class Executor:
         )
         sink.metric(step, "peak_mem_mb", place.ledger.peak / 2**20)
         run.done_in_step_s = 0.0
-        rung = self.asha is not None and self.asha.is_rung(run.index, step)
+        rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
         if step % cfg.eval_every == 0 or step == t.steps_total or (rung and self.cfg.metric == "val_loss"):
             t0 = time.perf_counter()
             run.val_loss = t.evaluate(place)
@@ -503,10 +551,10 @@ class Executor:
         if run.stop_requested:
             self._finish(run, "stopped")
             return
-        if self.asha is not None and self.asha.is_rung(run.index, t.step):
+        if self.rungs is not None and self.rungs.is_rung(run.index, t.step):
             value = run.last_metric if run.last_metric is not None else t.loss
             run.status = "paused"
-            self._apply(self.asha.report(run.index, step=t.step, value=value))
+            self._apply(self.rungs.report(run.index, step=t.step, value=value))
 
     # -- run -------------------------------------------------------------------------------------
 

@@ -4,7 +4,10 @@
         "trials": [{"index": 0, "spec": {...JobSpec...}, "warm_start": "/path/ckpt-dir"?}, ...],
         "metric": "val_loss", "mode": "min",
         "scheduler": "shard-lrtf" | "fifo" | "round-robin" | "sequential",
-        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 10} | None,
+        "early_stopping": {"kind": "asha" | "sha" | "hyperband", "reduction_factor": 3,
+                           "min_steps": 10} | None,
+        "seed": 0,                       # orders the rungs' decisions (trainer/selection/halving.py)
+        "checkpoints": "best" | "all" | "none",
         "prefetch": true, "device_budget_mb": null,        # optional
     }
 
@@ -27,13 +30,23 @@ import torch
 
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
-from trainer.selection.asha import AshaConfig
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.halving import KINDS, HalvingConfig
 from trainer.selection.scheduler import SCHEDULERS
 
-BATCH_KEYS = {"trials", "metric", "mode", "scheduler", "early_stopping", "prefetch", "device_budget_mb"}
+BATCH_KEYS = {
+    "trials",
+    "metric",
+    "mode",
+    "scheduler",
+    "early_stopping",
+    "seed",
+    "checkpoints",
+    "prefetch",
+    "device_budget_mb",
+}
 # keys the service may keep in the batch document that the executor does not act on
-IGNORED_KEYS = {"id", "name", "base", "space", "method", "seed", "devices"}
+IGNORED_KEYS = {"id", "name", "base", "space", "method", "devices"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,19 +91,26 @@ def parse_batch(batch: dict[str, Any]) -> BatchSpec:
         raise ConfigError(f"batch.scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
     mode = batch.get("mode") or "min"
     metric = batch.get("metric") or "val_loss"
-    asha = None
+    seed = batch.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"batch.seed must be an integer, got {seed!r}")
+    rungs = None
     es = batch.get("early_stopping")
     if es is not None:
-        if not isinstance(es, dict) or es.get("kind") != "asha":
-            raise ConfigError(f"batch.early_stopping must be null or {{'kind': 'asha', ...}}, got {es!r}")
+        if not isinstance(es, dict) or es.get("kind") not in KINDS:
+            raise ConfigError(
+                f"batch.early_stopping must be null or {{'kind': {' | '.join(KINDS)}, ...}}, got {es!r}"
+            )
         extra = set(es) - {"kind", "reduction_factor", "min_steps"}
         if extra:
             raise ConfigError(f"batch.early_stopping has unknown keys {sorted(extra)}")
         try:
-            asha = AshaConfig(
+            rungs = HalvingConfig(
+                kind=es["kind"],
                 reduction_factor=int(es.get("reduction_factor", 3)),
                 min_steps=int(es.get("min_steps", 1)),
                 mode=mode,
+                seed=seed,
             )
         except ValueError as e:
             raise ConfigError(str(e)) from e
@@ -100,7 +120,8 @@ def parse_batch(batch: dict[str, Any]) -> BatchSpec:
             scheduler=scheduler,
             metric=metric,
             mode=mode,
-            asha=asha,
+            early_stopping=rungs,
+            checkpoints=batch.get("checkpoints") or "best",
             prefetch=bool(batch.get("prefetch", True)),
             device_budget_bytes=None if budget_mb is None else int(float(budget_mb) * 2**20),
         )

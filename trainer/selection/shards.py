@@ -29,9 +29,10 @@ from torch import nn
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig
-from trainer.data import BatchStream, TextData
-from trainer.loop import build_optimizer, check_finite
-from trainer.models import build_model, count_params, lm_loss
+from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
+from trainer.loop import build_optimizer, check_finite, val_batches
+from trainer.models import count_params, recipe_for
+from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.partition import (
     LayerCost,
@@ -81,6 +82,24 @@ class Place:
     stream: torch.cuda.Stream | None = None
 
 
+class HostShard(Shard):
+    """A spilling-engine shard that, while it runs on a CPU "device", computes on its host copy:
+    host and device are the same memory there, so copying in and out would only cost time."""
+
+    alias = False
+    """Set while the shard is bound to a CPU place: a copy in returns the host tensor itself."""
+
+    def _copy_in(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.alias and src.dtype == dtype:
+            return src
+        return super()._copy_in(src, dtype)
+
+    def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.data_ptr() == dst.data_ptr():  # an aliased shard writes its host copy in place
+            return
+        super()._copy_out(src, dst)
+
+
 def mini_batch_tasks(n_shards: int, *, deferred: bool) -> list[Task]:
     last = n_shards - 1
     return (
@@ -102,13 +121,15 @@ def _sync(place: Place) -> None:
 class ShardedTrial:
     index: int
     job: JobConfig
+    recipe: ModelRecipe
+    """The model's recipe: its loss and how a batch feeds it, as in every engine."""
     model: nn.Sequential
-    shards: list[Shard]
+    shards: list[HostShard]
     work_bytes: list[int]
     """W(s): device bytes while shard s runs (the partitioner's rule)."""
     copy_bytes: list[int]
     """Pf(s): device bytes a prefetched shard s holds before it runs."""
-    data: TextData
+    data: Dataset
     stream: BatchStream
     flops_per_step: float
     step: int = 0
@@ -131,8 +152,10 @@ class ShardedTrial:
     def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
         """Cut the model so that one shard's working set plus a prefetched shard of any other trial
         fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
+        job = with_data_vocab(job)
         cfg = job.train
-        model = build_model(job.model, seed=cfg.seed)
+        recipe = recipe_for(job.model)
+        model = build_dense(recipe, seed=cfg.seed)
         spill = job.parallel.spill
         if spill is not None:
             own = int(spill.device_budget_mb * 2**20)
@@ -158,7 +181,7 @@ class ShardedTrial:
             keys = ["momentum_buffer"]
         shards = []
         for k, (a, b) in enumerate(plan.bounds):
-            s = Shard(
+            s = HostShard(
                 index=k,
                 start=a,
                 stop=b,
@@ -170,10 +193,11 @@ class ShardedTrial:
             s.tag = f"t{index}.s{k}"  # one device ledger holds several trials' shards
             s.attach_optimizer(build_optimizer(s.params, cfg), state_keys=keys)
             shards.append(s)
-        data = TextData.from_config(job.data, seq_len=job.model.seq_len)
+        data = data_for(job)
         return cls(
             index=index,
             job=job,
+            recipe=recipe,
             model=model,
             shards=shards,
             work_bytes=[working_set(costs, start=a, stop=b) for a, b in plan.bounds],
@@ -206,6 +230,7 @@ class ShardedTrial:
         s = self.shards[k]
         if not s.resident:
             s.device, s.ledger, s.copy_stream = place.device, place.ledger, place.stream
+            s.alias = place.device.type == HOST.type
         s.to_device(state=state, grads=grads)
         return time.perf_counter() - t0
 
@@ -248,7 +273,7 @@ class ShardedTrial:
     def _compute(self, task: Task, s: Shard, place: Place) -> None:
         k = task.shard
         if k == 0 and task.kind != BACKWARD:  # the mini-batch starts: step k's batch, as the loop
-            x, self._y = self.stream.batch_for(self.step)
+            x, self._y = self.recipe.feed(self.stream.batch_for(self.step))
             self._inputs[0] = x
         h = self._hold(place, "in", self._inputs[k])
         if task.kind == FORWARD:
@@ -256,7 +281,7 @@ class ShardedTrial:
         else:
             if task.kind == LAST:
                 y = self._hold(place, "target", self._y)
-                grad, loss = s.backward(h, target=y)
+                grad, loss = s.backward(h, target=y, loss_fn=self.recipe.loss)
                 self.loss = float(loss.item())  # note: a CPU-GPU sync point, once per mini-batch
                 check_finite(self.loss, self.step + 1)
             else:
@@ -287,11 +312,7 @@ class ShardedTrial:
     def evaluate(self, place: Place) -> float:
         """The loop's validation loss (same fixed batches), computed shard by shard at `place`."""
         cfg = self.job.train
-        g = torch.Generator().manual_seed(cfg.seed + 7919)
-        batches = [
-            self.data.batch(split="val", batch_size=cfg.batch_size, generator=g)
-            for _ in range(cfg.eval_batches)
-        ]
+        batches = list(val_batches(self.data, recipe=self.recipe, cfg=cfg))
         hs = [x.to(place.device) for x, _ in batches]
         self.model.eval()
         for k, s in enumerate(self.shards):
@@ -300,7 +321,9 @@ class ShardedTrial:
             hs = [s.forward(h) for h in hs]
             s.spill()
         self.model.train()
-        total = sum(lm_loss(h, y.to(place.device)).item() for h, (_, y) in zip(hs, batches, strict=True))
+        total = sum(
+            self.recipe.loss(h, y.to(place.device)).item() for h, (_, y) in zip(hs, batches, strict=True)
+        )
         _sync(place)
         return total / cfg.eval_batches
 

@@ -41,6 +41,7 @@ and shards 1..K-1 come back in turn (with prefetch) to step. One more pass over 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,8 +76,10 @@ class SpillEngine:
         prefetch: bool = True,
         offload: OffloadConfig | None = None,
         bucket_numel: int | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
     ) -> None:
         self.device, self.ledger, self.prefetch, self.train = device, ledger, prefetch, train
+        self.loss_fn = loss_fn  # the model recipe's mean loss
         self.plan = plan
         self.offloaded = offload is not None and offload.optimizer
         self.param_dtype = DTYPES[offload.dtype] if self.offloaded else torch.float32
@@ -289,7 +292,7 @@ class SpillEngine:
 
         last = shards[K - 1]
         last.ready()
-        grad, loss = last.backward(h, target=y_BT, loss_scale=self.loss_scale)
+        grad, loss = last.backward(h, target=y_BT, loss_scale=self.loss_scale, loss_fn=self.loss_fn)
         assert loss is not None
         del h
         self.ledger.release(f"in{K - 1}")
@@ -331,7 +334,7 @@ class SpillEngine:
             h = shard.forward(h)
             if k + 1 < K:
                 shard.spill()
-        loss = lm_loss(h, y_BT.to(self.device)).item()
+        loss = self.loss_fn(h, y_BT.to(self.device)).item()
         if K > 1:
             self.shards[-1].spill()
             self.shards[0].to_device(state=False)

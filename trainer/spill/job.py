@@ -1,6 +1,7 @@
-"""A training job on the spilling engine (called by trainer/runner.py for `parallel.spill` or
-`parallel.offload.optimizer`). Same data, metrics, stop handling and checkpoint files as
-trainer/loop.py's `train`, plus the memory metrics `ledger_peak_mb` and `resident_shards`.
+"""The spilling engine as a trainer/loop.py Engine (trainer/runner.py picks it for `parallel.spill`,
+and for `parallel.offload.optimizer` on one process). The one loop gives it the same data, metrics,
+stop handling and checkpoint files as every engine; it adds the memory metrics `ledger_peak_mb` and
+`resident_shards`.
 
 Checkpoints use loop.train's format ({"model": state_dict, "optimizer": torch optimizer state_dict})
 with fp32 weights and AdamW/SGD state under torch's own keys, so a job can resume on either engine
@@ -9,20 +10,20 @@ and with different cuts; the spill-only extras (loss scale, cuts) ride under "sp
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig, TrainConfig
-from trainer.data import BatchStream, TextData
+from trainer.data import data_for
 from trainer.device import pick_device
-from trainer.loop import StepRange, build_optimizer, check_finite, report_step, run_summary
-from trainer.models import build_model, count_params
+from trainer.loop import run_steps
+from trainer.models import count_params, recipe_for
+from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal
+from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import DTYPES, bucket_bytes
@@ -88,6 +89,106 @@ def from_torch_optimizer_state(sd: dict[str, Any], *, model: nn.Module) -> dict[
     return out
 
 
+class SpilledEngine:
+    """The spilling engine (with or without the offloaded optimizer) behind trainer/loop.py's
+    Engine interface. Single process: the whole model lives in host memory (HYDRA's premise) and
+    only the running shard, plus the prefetched next one, on the device."""
+
+    checkpoint_subdir: str | None = None
+    writes_checkpoints = True
+
+    def __init__(
+        self, job: JobConfig, *, recipe: ModelRecipe, sink: MetricsSink, device: torch.device
+    ) -> None:
+        cfg = job.train
+        self.job, self.device = job, device
+        self.model = build_dense(recipe, seed=cfg.seed)
+        self.n_params = count_params(self.model)
+        self.plan, self.how = plan_job(job, self.model, device=device)
+        spill = job.parallel.spill
+        self.ledger = DeviceLedger(
+            budget_bytes=int(spill.device_budget_mb * MiB) if spill is not None else None
+        )
+        self.base = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+        self.engine = SpillEngine(
+            self.model,
+            plan=self.plan,
+            train=cfg,
+            device=device,
+            ledger=self.ledger,
+            prefetch=self.plan.prefetch,
+            offload=job.parallel.offload,
+            loss_fn=recipe.loss,
+        )
+        off = job.parallel.offload
+        self.shard_info = {
+            "shards": self.plan.n_shards,
+            "cuts": self.plan.cuts,
+            "planned_peak_mb": self.plan.peak_bytes / MiB,
+            "budget_mb": spill.device_budget_mb if spill is not None else None,
+            "prefetch": self.plan.prefetch,
+            "offload": off.dtype if self.engine.offloaded and off else None,
+        }
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self.engine.train_step(inputs, targets)
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self.engine.eval_loss(inputs, targets)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"ledger_peak_mb": self.ledger.step_peak / MiB, "resident_shards": self.ledger.resident_peak}
+
+    def eval_report(self, step: int, sink: MetricsSink) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """loop.train's format: fp32 weights and torch optimizer state under torch's own keys, so
+        a job resumes on either engine; loss scale and cuts ride under "spill"."""
+        sd = self.engine.state_dict()
+        optim = to_torch_optimizer_state(sd["optimizer"]["per_param"], model=self.model, cfg=self.job.train)
+        extra: dict[str, Any] = {"cuts": self.plan.cuts}
+        if "loss_scale" in sd["optimizer"]:
+            extra["loss_scale"] = sd["optimizer"]["loss_scale"]
+        return {"model": sd["model"], "optimizer": optim, "spill": extra}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        extra = state.get("spill", {})
+        self.engine.load_state_dict(
+            {
+                "model": state["model"],
+                "optimizer": {
+                    "per_param": from_torch_optimizer_state(state["optimizer"], model=self.model),
+                    **({"loss_scale": extra["loss_scale"]} if "loss_scale" in extra else {}),
+                },
+            }
+        )
+
+    def describe(self) -> str:
+        p = self.plan
+        return f"{p.n_shards} shards (cuts {p.cuts}), planned peak {p.peak_bytes / MiB:.3f} MiB ({self.how})"
+
+    def start_info(self) -> dict[str, Any]:
+        return dict(self.shard_info)
+
+    def summary(self, *, steps_ran: int, sink: MetricsSink) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.shard_info, "ledger_peak_mb": self.ledger.peak / MiB}
+        if self.device.type == "cuda":
+            # the ledger beside the allocator: what the engine does not hold (autograd transients,
+            # workspaces, allocator rounding) shows up as untracked_mb
+            out.update(cuda_check(self.ledger, device=self.device, baseline_bytes=self.base))
+        if self.engine.opt is not None:
+            out["loss_scale"] = self.engine.opt.scaler.scale
+            out["skipped_steps"] = self.engine.opt.scaler.skipped_steps
+        return out
+
+    def close(self) -> None:
+        self.engine.release()
+
+
 def train_spilled(
     job: JobConfig,
     *,
@@ -96,118 +197,10 @@ def train_spilled(
     checkpoint_dir: Path | None = None,
     device: torch.device | None = None,
 ) -> dict[str, Any]:
-    cfg = job.train
-    device = device or pick_device(job.resources.device)
-    model = build_model(job.model, seed=cfg.seed)
-    plan, how = plan_job(job, model, device=device)
-    spill = job.parallel.spill
-    budget = int(spill.device_budget_mb * MiB) if spill is not None else None
-    ledger = DeviceLedger(budget_bytes=budget)
-    base = 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    engine = SpillEngine(
-        model,
-        plan=plan,
-        train=cfg,
-        device=device,
-        ledger=ledger,
-        prefetch=plan.prefetch,
-        offload=job.parallel.offload,
+    """A spilled (or offloaded single-process) job through the one loop."""
+    recipe = recipe_for(job.model)
+    engine = SpilledEngine(job, recipe=recipe, sink=sink, device=device or pick_device(job.resources.device))
+    data = data_for(job)
+    return run_steps(
+        engine, job=job, recipe=recipe, data=data, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir
     )
-    data = TextData.from_config(job.data, seq_len=job.model.seq_len)
-    stream = BatchStream(data=data, batch_size=cfg.batch_size, seed=cfg.seed)
-
-    start = 0
-    if (path := latest_checkpoint(checkpoint_dir)) is not None:
-        state = load_checkpoint(path)
-        extra = state.get("spill", {})
-        engine.load_state_dict(
-            {
-                "model": state["model"],
-                "optimizer": {
-                    "per_param": from_torch_optimizer_state(state["optimizer"], model=model),
-                    **({"loss_scale": extra["loss_scale"]} if "loss_scale" in extra else {}),
-                },
-            }
-        )
-        start = int(state["step"])
-        sink.log(f"resumed from {path.name} at step {start}")
-    n_params = count_params(model)
-    shard_info = {
-        "shards": plan.n_shards,
-        "cuts": plan.cuts,
-        "planned_peak_mb": plan.peak_bytes / MiB,
-        "budget_mb": spill.device_budget_mb if spill is not None else None,
-        "prefetch": plan.prefetch,
-        "offload": job.parallel.offload.dtype if engine.offloaded and job.parallel.offload else None,
-    }
-    sink.log(
-        f"model {job.model.kind}: {n_params:,} parameters on {device}, {plan.n_shards} shards "
-        f"(cuts {plan.cuts}), planned peak {plan.peak_bytes / MiB:.3f} MiB ({how})"
-    )
-    sink.event("start", {"params": n_params, "device": str(device), "start_step": start, **shard_info})
-
-    def save(step: int) -> Path:
-        sd = engine.state_dict()
-        optim = to_torch_optimizer_state(sd["optimizer"]["per_param"], model=model, cfg=cfg)
-        spill_extra: dict[str, Any] = {"cuts": plan.cuts}
-        if "loss_scale" in sd["optimizer"]:
-            spill_extra["loss_scale"] = sd["optimizer"]["loss_scale"]
-        return save_checkpoint(
-            checkpoint_dir, step=step, state={"model": sd["model"], "optimizer": optim, "spill": spill_extra}
-        )
-
-    tokens_per_step = cfg.batch_size * job.model.seq_len
-    loss_value = val_loss = float("nan")
-    steps = StepRange(start=start, end=cfg.steps, stop=stop)
-    for step in steps:
-        t0 = time.perf_counter()
-        x, y = stream.batch_for(step - 1)
-        loss_value = engine.train_step(x, y)
-        check_finite(loss_value, step)
-        dt = time.perf_counter() - t0
-        report_step(sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=device)
-        sink.metric(step, "ledger_peak_mb", ledger.step_peak / MiB)
-        sink.metric(step, "resident_shards", ledger.resident_peak)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            val_loss = evaluate(engine, data, cfg=cfg)
-            sink.metric(step, "val_loss", val_loss)
-        if checkpoint_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0:
-            p = save(step)
-            sink.event("checkpoint", {"step": step, "path": str(p)})
-
-    if checkpoint_dir is not None and steps.ran > 0:
-        save(steps.last)
-    result = run_summary(
-        steps,
-        final_loss=loss_value,
-        val_loss=val_loss,
-        params=n_params,
-        tokens_per_step=tokens_per_step,
-        device=device,
-    ) | {
-        **shard_info,
-        "ledger_peak_mb": ledger.peak / MiB,
-    }
-    if device.type == "cuda":
-        # the ledger beside the allocator: what the engine does not hold (autograd transients,
-        # workspaces, allocator rounding) shows up as untracked_mb
-        result.update(cuda_check(ledger, device=device, baseline_bytes=base))
-    if engine.opt is not None:
-        result["loss_scale"] = engine.opt.scaler.scale
-        result["skipped_steps"] = engine.opt.scaler.skipped_steps
-    engine.release()
-    sink.result(result)
-    return result
-
-
-def evaluate(engine: SpillEngine, data: TextData, *, cfg: TrainConfig) -> float:
-    """The same fixed validation batches as trainer/loop.py's `evaluate`."""
-    g = torch.Generator().manual_seed(cfg.seed + 7919)
-    total = 0.0
-    for _ in range(cfg.eval_batches):
-        x, y = data.batch(split="val", batch_size=cfg.batch_size, generator=g)
-        total += engine.eval_loss(x, y)
-    return total / cfg.eval_batches

@@ -14,6 +14,7 @@ freed by a spill is not handed out again while a kernel or a copy still reads it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -230,6 +231,7 @@ class Shard:
         grad_out: torch.Tensor | None = None,
         target: torch.Tensor | None = None,
         loss_scale: float = 1.0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Recompute the forward from the saved boundary input `x_in`, then backpropagate
         `grad_out` (inner shard) or the loss against `target` (last shard). Returns (gradient of
@@ -243,7 +245,7 @@ class Shard:
         with torch.enable_grad(), SavedActivations(exclude=[self.dev, x_in]) as saved:
             out = self.layers(x_in)
             if target is not None:
-                loss = lm_loss(out, target)
+                loss = loss_fn(out, target)
                 root = loss * loss_scale if loss_scale != 1.0 else loss
             else:
                 root = out

@@ -7,13 +7,16 @@ checkpoint can match every shard to the dense parameter it was cut from.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from trainer.llama_tp import shard_llama_layer
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
+from trainer.tensor.cross_entropy import row_blocks, tp_loss
 from trainer.tensor.layers_1d import Slicer
 from trainer.tensor.mesh import Mesh1D, MeshGrid, TensorMesh
 
@@ -48,8 +51,11 @@ def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
     )
 
 
-def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str) -> nn.Module:
-    """One layer of the GPT's nn.Sequential: embedding, block or head."""
+def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str, gather_logits: bool = False) -> nn.Module:
+    """One layer of a GPT (embedding, block or head) or a Llama (1d). The head's output is this
+    rank's vocabulary block of the logits (for `loss_fn`) unless `gather_logits`."""
+    if (llama := shard_llama_layer(layer, mesh=mesh, name=name, gather_logits=gather_logits)) is not None:
+        return llama
     if isinstance(layer, Block):
         return shard_block(layer, mesh=mesh, name=name)
     grid = isinstance(mesh, MeshGrid)
@@ -57,16 +63,25 @@ def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str) -> nn.Module:
         cls = layers_25d.EmbeddingGrid if grid else layers_1d.Embedding1D
         return cls(layer, mesh=mesh, name=name)
     if isinstance(layer, Head):
-        cls = layers_25d.HeadGrid if grid else layers_1d.Head1D
-        return cls(layer, mesh=mesh, name=name)
+        head = layers_25d.HeadGrid if grid else layers_1d.Head1D
+        return head(layer, mesh=mesh, name=name, gather=gather_logits)
     raise TypeError(f"no tensor-parallel version of {type(layer).__name__}")
 
 
-def shard_model(model: nn.Sequential, *, mesh: TensorMesh, first_index: int = 0) -> nn.Sequential:
+def shard_model(
+    model: nn.Sequential, *, mesh: TensorMesh, first_index: int = 0, gather_logits: bool = False
+) -> nn.Sequential:
     """Shard every layer (embedding, blocks and head all sharded). Names follow the dense indices,
-    offset by `first_index` when `model` is a pipeline stage cut from a longer Sequential."""
+    offset by `first_index` when `model` is a pipeline stage cut from a longer Sequential.
+
+    The model's output is vocabulary-split logits (see `loss_fn` / cross_entropy.py); with
+    `gather_logits=True` the head all-gathers them into whole rows instead, for a caller whose loss
+    needs dense logits (each rank then holds its rows x the full vocabulary)."""
     names = [f"{first_index + n}" for n in range(len(model))]
-    layers = [shard_layer(layer, mesh=mesh, name=n) for n, layer in zip(names, model, strict=True)]
+    layers = [
+        shard_layer(layer, mesh=mesh, name=n, gather_logits=gather_logits)
+        for n, layer in zip(names, model, strict=True)
+    ]
     return nn.Sequential(*layers)
 
 
@@ -87,19 +102,24 @@ def local_batch(t: torch.Tensor, *, mesh: TensorMesh) -> torch.Tensor:
 
 
 def loss_fn(
-    logits_BTV: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorMesh, global_rows: int
+    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorMesh, global_rows: int
 ) -> torch.Tensor:
-    """The part of the dense mean cross entropy this rank's rows contribute (1d: all of it).
+    """The part of the dense mean cross entropy this rank's rows contribute (1d: all of it), from
+    the sharded model's vocabulary-split logits, by the vocab-parallel cross entropy (no rank
+    gathers whole rows of logits).
 
-    On the grid each rank holds full-vocabulary logits for its B/(dq) rows, identical across its row
-    peers, so the sum over row blocks of these local terms is the dense loss and its gradient with
-    respect to each rank's logits is the dense one."""
-    ce = F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), reduction="sum")
-    return ce / (global_rows * targets_BT.shape[1])
+    Ranks sharing rows (1d: all; grid: a row's q ranks) compute the same value; on the grid the sum
+    of these terms over the d*q row blocks is the dense loss. The gradient of each rank's term with
+    respect to its logits block is that block of the dense gradient."""
+    assert targets_BT.shape[0] * row_blocks(mesh) == global_rows, (
+        f"{targets_BT.shape[0]} local rows x {row_blocks(mesh)} row blocks != {global_rows} rows"
+    )
+    return tp_loss(logits_BTv, targets_BT, mesh=mesh)
 
 
 def global_loss(local: torch.Tensor, *, mesh: TensorMesh) -> float:
-    """The dense loss value from every rank's local term (for reporting; not differentiated)."""
+    """The dense loss value from every rank's local term (for reporting; not differentiated).
+    A sync point: the value is read back to the host."""
     if isinstance(mesh, Mesh1D):
         return float(local.item())
     t = local.detach().clone().reshape(1)
@@ -109,19 +129,45 @@ def global_loss(local: torch.Tensor, *, mesh: TensorMesh) -> float:
     return float(t.item())
 
 
-def clip_grad_norm(params: list[nn.Parameter], *, max_norm: float, group: dist.ProcessGroup) -> float:
-    """Global gradient norm over the shards of `group` (every rank holding part of the model),
-    counting each replicated parameter once."""
-    sq = torch.zeros(1, dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            sq += p.grad.double().pow(2).sum() / getattr(p, "tp_replicas", 1)
+def mesh_groups(mesh: TensorMesh) -> tuple[dist.ProcessGroup, ...]:
+    """Groups whose successive all-reduces sum a value over every rank of the tensor mesh."""
+    if isinstance(mesh, Mesh1D):
+        return (mesh.group,)
+    return (mesh.row_peers, mesh.col_peers, mesh.depth_peers)
+
+
+def clip_grad_norm(
+    params: Iterable[nn.Parameter],
+    *,
+    max_norm: float,
+    mesh: TensorMesh,
+    also_over: Sequence[dist.ProcessGroup] = (),
+) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the global 2-norm of the dense
+    model's gradient, from the shards, then every gradient scaled by min(1, max_norm / (norm + 1e-6)).
+
+    Each rank sums the squares of the gradients it counts (`tp_counted`: a parameter replicated
+    over ranks, such as a 1d layer norm or a 2.5d weight block repeated over depth, is counted on
+    exactly one of them), then the sum is all-reduced over the tensor mesh only, plus `also_over`
+    (e.g. the pipeline group, when the model is also split into stages). Data-parallel replicas hold
+    the same reduced gradients and must not be summed: do not pass their group.
+
+    Returns the norm as a 0-d tensor on the gradients' device. Nothing is read back to the host and
+    no CPU tensor enters a collective, so under NCCL this issues no sync and no host copy."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else params[0].device
+    mine = [p.grad for p in params if p.grad is not None and getattr(p, "tp_counted", True)]
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    if mine:
+        # per-parameter norms first, as clip_grad_norm_ computes them
+        norms = torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in mine])
+        sq += norms.square().sum()
     with comm.paused():
-        comm.all_reduce(sq, group=group, layer="clip", phase="bwd")
-    norm = float(sq.sqrt().item())
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for group in (*mesh_groups(mesh), *also_over):
+            comm.all_reduce(sq, group=group, layer="clip", phase="bwd")
+    norm = sq.sqrt().reshape(())
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
     return norm

@@ -120,14 +120,21 @@ def _size(group: dist.ProcessGroup) -> int:
 # ---- raw collectives (no autograd); every call is counted --------------------------------------
 
 
-def all_reduce(t: torch.Tensor, *, group: dist.ProcessGroup, layer: str, phase: str) -> torch.Tensor:
-    """Sum `t` in place over `group`."""
+def all_reduce(
+    t: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    layer: str,
+    phase: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> torch.Tensor:
+    """Reduce `t` in place over `group` (a sum unless `op` says otherwise; the cost is the same)."""
     p = _size(group)
     if p == 1:
         return t
     n = _nbytes(t)
     LEDGER.record(layer=layer, phase=phase, op="all_reduce", payload=n, sent=Fraction(2 * (p - 1) * n, p))
-    dist.all_reduce(t, group=group)
+    dist.all_reduce(t, op=op, group=group)
     return t
 
 

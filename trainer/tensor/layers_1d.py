@@ -5,11 +5,13 @@ output features (input gradient summed over the axis in backward: Megatron's f);
 linear splits the input features and sums its partial outputs (forward all-reduce: Megatron's g).
 Attention splits heads, the MLP splits its hidden width, so each sub-block costs one all-reduce of
 x_BTD forward and one backward. Layer norms are replicated. The token embedding is split over the
-vocabulary (forward all-reduce), the output head over the vocabulary (logits all-gathered).
+vocabulary (forward all-reduce), the output head over the vocabulary (each rank keeps its vocabulary
+block of the logits; cross_entropy.py computes the loss from the blocks).
 
 Every layer keeps `slicers`: for each of its parameters, the function that cuts this rank's shard
 out of the dense parameter of the same name (used to build it and, in tests, to compare gradients).
-Each parameter carries `tp_replicas`: how many ranks hold an identical copy.
+Each parameter carries `tp_replicas`: how many ranks hold an identical copy, and `tp_counted`: whether
+this rank's copy is the one counted in a global gradient norm (1d: rank 0's copy of a replicated one).
 
 Shape suffixes: B batch, T time, D d_model, O/I output/input features, V vocabulary; a lowercase
 letter is this rank's shard of that dim.
@@ -30,9 +32,13 @@ from trainer.tensor.mesh import Mesh1D
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def param(t: torch.Tensor, *, replicas: int) -> nn.Parameter:
+def param(t: torch.Tensor, *, replicas: int, counted: bool = True) -> nn.Parameter:
+    """A shard as a parameter. `replicas`: how many ranks of the tensor mesh hold an identical copy
+    (gradients included); `counted`: whether this rank's copy is the one a global gradient norm
+    counts (exactly one copy of each replicated parameter is)."""
     p = nn.Parameter(t.detach().clone().contiguous())
     p.tp_replicas = replicas  # type: ignore[attr-defined]
+    p.tp_counted = counted  # type: ignore[attr-defined]
     return p
 
 
@@ -98,7 +104,7 @@ class RowLinear(nn.Module):
         self.bias = None
         if dense.bias is not None:
             self.slicers["bias"] = lambda t: t
-            self.bias = param(dense.bias, replicas=mesh.size)
+            self.bias = param(dense.bias, replicas=mesh.size, counted=mesh.rank == 0)
 
     def forward(self, x_BTi: torch.Tensor) -> torch.Tensor:
         y_BTO = comm.reduce_from(F.linear(x_BTi, self.weight), group=self.mesh.group, layer=self.name)
@@ -113,8 +119,8 @@ class LayerNorm1D(nn.LayerNorm):
         super().__init__(dense.normalized_shape, eps=dense.eps)
         self.name = name
         self.slicers: dict[str, Slicer] = {"weight": lambda t: t, "bias": lambda t: t}
-        self.weight = param(dense.weight, replicas=mesh.size)
-        self.bias = param(dense.bias, replicas=mesh.size)
+        self.weight = param(dense.weight, replicas=mesh.size, counted=mesh.rank == 0)
+        self.bias = param(dense.bias, replicas=mesh.size, counted=mesh.rank == 0)
 
 
 class Attention1D(nn.Module):
@@ -154,7 +160,7 @@ class Embedding1D(nn.Module):
         self.tok = nn.Module()
         self.tok.weight = param(cut(dense.tok.weight), replicas=1)
         self.pos = nn.Module()
-        self.pos.weight = param(dense.pos.weight, replicas=mesh.size)
+        self.pos.weight = param(dense.pos.weight, replicas=mesh.size, counted=mesh.rank == 0)
         self.slicers: dict[str, Slicer] = {"tok.weight": cut, "pos.weight": lambda t: t}
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
@@ -166,14 +172,19 @@ class Embedding1D(nn.Module):
 
 
 class Head1D(nn.Module):
-    """Replicated final norm; vocabulary projection split over the vocabulary; logits gathered."""
+    """Replicated final norm; vocabulary projection split over the vocabulary. The output is this
+    rank's vocabulary block of the logits (block `mesh.rank`), for cross_entropy.py's
+    vocab-parallel loss; `gather=True` all-gathers the full logits instead (for a consumer that
+    needs whole rows, e.g. a loss computed on dense logits)."""
 
-    def __init__(self, dense: Head, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: Head, *, mesh: Mesh1D, name: str, gather: bool = False) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.mesh, self.name, self.gather = mesh, name, gather
         self.ln = LayerNorm1D(dense.ln, mesh=mesh, name=f"{name}.ln")
         self.out = ColumnLinear(dense.out, mesh=mesh, name=f"{name}.out")
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         logits_BTv = self.out(self.ln(x_BTD))
+        if not self.gather:
+            return logits_BTv
         return comm.gather_last(logits_BTv, group=self.mesh.group, layer=self.name)

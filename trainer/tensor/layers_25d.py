@@ -128,11 +128,11 @@ class LinearGrid(nn.Module):
             return cols_of(heads_grouped(t, groups=mesh.q) if qkv else t, mesh)
 
         self.slicers: dict[str, Slicer] = {"weight": cut_w}
-        self.weight = param(cut_w(dense.weight), replicas=mesh.d)
+        self.weight = param(cut_w(dense.weight), replicas=mesh.d, counted=mesh.k == 0)
         self.bias = None
         if dense.bias is not None:
             self.slicers["bias"] = cut_b
-            self.bias = param(cut_b(dense.bias), replicas=mesh.q * mesh.d)
+            self.bias = param(cut_b(dense.bias), replicas=mesh.q * mesh.d, counted=_counted(mesh))
 
     def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTI.shape
@@ -141,6 +141,11 @@ class LinearGrid(nn.Module):
         if self.bias is None:
             return y_BTO
         return y_BTO + _replicated(self.bias, self.mesh, self.name)
+
+
+def _counted(mesh: MeshGrid) -> bool:
+    """A column-split vector is replicated over rows and depth: row 0 of layer 0 counts it."""
+    return mesh.i == 0 and mesh.k == 0
 
 
 def _replicated(w: torch.Tensor, mesh: MeshGrid, layer: str) -> torch.Tensor:
@@ -156,8 +161,8 @@ class LayerNormGrid(nn.Module):
         self.features = dense.normalized_shape[0]
         cut = lambda t: cols_of(t, mesh)  # noqa: E731
         self.slicers: dict[str, Slicer] = {"weight": cut, "bias": cut}
-        self.weight = param(cut(dense.weight), replicas=mesh.q * mesh.d)
-        self.bias = param(cut(dense.bias), replicas=mesh.q * mesh.d)
+        self.weight = param(cut(dense.weight), replicas=mesh.q * mesh.d, counted=_counted(mesh))
+        self.bias = param(cut(dense.bias), replicas=mesh.q * mesh.d, counted=_counted(mesh))
 
     def forward(self, x_BTc: torch.Tensor) -> torch.Tensor:
         # sum and sum of squares of each row's D features, over the row's q column blocks
@@ -201,9 +206,9 @@ class EmbeddingGrid(nn.Module):
         self.mesh, self.name = mesh, name
         cut = lambda t: cols_of(t, mesh)  # noqa: E731
         self.tok = nn.Module()
-        self.tok.weight = param(cut(dense.tok.weight), replicas=mesh.q * mesh.d)
+        self.tok.weight = param(cut(dense.tok.weight), replicas=mesh.q * mesh.d, counted=_counted(mesh))
         self.pos = nn.Module()
-        self.pos.weight = param(cut(dense.pos.weight), replicas=mesh.q * mesh.d)
+        self.pos.weight = param(cut(dense.pos.weight), replicas=mesh.q * mesh.d, counted=_counted(mesh))
         self.slicers: dict[str, Slicer] = {"tok.weight": cut, "pos.weight": cut}
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
@@ -213,15 +218,18 @@ class EmbeddingGrid(nn.Module):
 
 
 class HeadGrid(nn.Module):
-    """Sharded final norm and vocabulary projection; the row's logits gathered over its columns,
-    so each rank holds full-vocabulary logits for its own rows."""
+    """Sharded final norm and vocabulary projection. The output is this rank's block of the logits:
+    its rows, vocabulary block j, for cross_entropy.py's vocab-parallel loss; `gather=True`
+    all-gathers the row's logits over its columns instead (full-vocabulary logits of its rows)."""
 
-    def __init__(self, dense: Head, *, mesh: MeshGrid, name: str) -> None:
+    def __init__(self, dense: Head, *, mesh: MeshGrid, name: str, gather: bool = False) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.mesh, self.name, self.gather = mesh, name, gather
         self.ln = LayerNormGrid(dense.ln, mesh=mesh, name=f"{name}.ln")
         self.out = LinearGrid(dense.out, mesh=mesh, name=f"{name}.out")
 
     def forward(self, x_BTc: torch.Tensor) -> torch.Tensor:
         logits_BTv = self.out(self.ln(x_BTc))
+        if not self.gather:
+            return logits_BTv
         return comm.gather_last(logits_BTv, group=self.mesh.row_peers, layer=self.name)

@@ -12,11 +12,13 @@ To keep that straight the groups here are named by who is in them, not by the ax
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from jobrules.models import tensor_kind_problems
 from trainer.config import ConfigError, ModelConfig, TensorConfig
 
 VOCAB = 128
@@ -36,16 +38,16 @@ def check_tensor_layout(
             f"parallel.tensor {tensor.mode} needs {need} ranks "
             f"({_ranks_formula(tensor)}) but the tensor axis has {world_size}"
         )
-    if model.kind != "gpt":
-        raise ConfigError(f"tensor parallelism shards GPT blocks; model.kind is {model.kind!r}")
     split = tensor.size if tensor.mode == "1d" else tensor.q
+    if problems := tensor_kind_problems(dataclasses.asdict(model), mode=tensor.mode, split=split):
+        raise ConfigError("; ".join(problems))
     what = "parallel.tensor.size" if tensor.mode == "1d" else "parallel.tensor.q"
     ffn = model.mlp_ratio * model.d_model
     for name, value in (
         ("model.heads", model.heads),
         ("model.d_model", model.d_model),
         ("the MLP width (mlp_ratio * d_model)", ffn),
-        ("the vocabulary (128)", VOCAB),
+        (f"the vocabulary ({model.vocab_size or VOCAB})", model.vocab_size or VOCAB),
     ):
         if value % split:
             raise ConfigError(f"{name} ({value}) must be divisible by {what} ({split}) for {tensor.mode}")

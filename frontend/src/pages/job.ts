@@ -84,6 +84,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       h(
         "dl",
         { class: "facts" },
+        fact("owner", j.owner ?? "—"),
         fact("worker", j.worker ?? "—"),
         fact("attempts", j.attempts),
         fact(

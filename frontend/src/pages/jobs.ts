@@ -1,8 +1,12 @@
-// Jobs list: live table from the global event stream, a submit form, cancel buttons.
+// Jobs list: one page of the table at a time, filtered on the server (status, owner, name) so it
+// stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
 import { api, type Job, type Page, post, subscribe, TERMINAL } from "../api";
 import { badge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
+import { specTools } from "../workspace";
 
 const POLL_MS = 5000;
+const PAGE = 50;
+const STATUSES = ["", "queued", "running", "succeeded", "failed", "cancelled"];
 
 export const DEFAULT_SPEC = {
   name: "tiny-gpt",
@@ -23,7 +27,64 @@ export function jobsPage(root: HTMLElement): () => void {
   const jobs = new Map<number, Job>();
   const tbody = h("tbody");
   const note = h("div", { class: "muted", id: "live-state" }, "connecting…");
+  const pageInfo = h("span", { id: "jobs-page-info", class: "muted" }, "");
   let poll: number | null = null;
+  let offset = 0;
+  let total = 0;
+  let reloadTimer: number | null = null;
+
+  const statusSel = h(
+    "select",
+    { id: "filter-status", onchange: () => refilter() },
+    ...STATUSES.map((s) => h("option", { value: s }, s || "any status")),
+  );
+  const ownerIn = h("input", {
+    id: "filter-owner",
+    placeholder: "owner",
+    size: 12,
+    oninput: () => refilter(),
+  });
+  const nameIn = h("input", {
+    id: "filter-name",
+    placeholder: "name contains",
+    size: 18,
+    oninput: () => refilter(),
+  });
+  const prev = h(
+    "button",
+    { class: "small secondary", id: "page-prev", onclick: () => turn(-PAGE) },
+    "‹ Newer",
+  );
+  const next = h(
+    "button",
+    { class: "small secondary", id: "page-next", onclick: () => turn(PAGE) },
+    "Older ›",
+  );
+
+  const query = () => {
+    const q = new URLSearchParams({ limit: String(PAGE), offset: String(offset) });
+    if (statusSel.value) q.set("status", statusSel.value);
+    if (ownerIn.value.trim()) q.set("owner", ownerIn.value.trim());
+    if (nameIn.value.trim()) q.set("name", nameIn.value.trim());
+    return q;
+  };
+
+  /** Does a job from the live stream belong on the page the filters show? */
+  const matches = (job: Job) =>
+    (!statusSel.value || job.status === statusSel.value) &&
+    (!ownerIn.value.trim() || job.owner === ownerIn.value.trim()) &&
+    (!nameIn.value.trim() || job.name.toLowerCase().includes(nameIn.value.trim().toLowerCase()));
+
+  const turn = (delta: number) => {
+    offset = Math.max(0, Math.min(offset + delta, Math.max(0, total - 1)));
+    void load();
+  };
+
+  const refilter = () => {
+    offset = 0;
+    if (reloadTimer !== null) window.clearTimeout(reloadTimer);
+    reloadTimer = window.setTimeout(() => void load(), 250);
+  };
 
   const row = (job: Job): HTMLTableRowElement => {
     const active = !TERMINAL.has(job.status);
@@ -34,11 +95,15 @@ export function jobsPage(root: HTMLElement): () => void {
       { "data-job-id": job.id, "data-status": job.status },
       h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.id)),
       h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.name)),
+      h("td", { class: "owner" }, job.owner ?? "—"),
       h(
         "td",
         {},
         badge(job.status),
         job.cancel_requested && active ? h("span", { class: "muted" }, " cancelling…") : null,
+        job.wait_reason && job.status === "queued"
+          ? h("div", { class: "muted wait-reason" }, `waiting: ${job.wait_reason}`)
+          : null,
       ),
       h("td", {}, progressBar(step, steps)),
       h("td", { class: "num" }, fmtNum(jobLoss(job))),
@@ -61,21 +126,31 @@ export function jobsPage(root: HTMLElement): () => void {
   const render = () => {
     const sorted = [...jobs.values()].sort((a, b) => b.id - a.id);
     tbody.replaceChildren(...sorted.map(row));
-    if (!sorted.length) tbody.append(h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No jobs yet.")));
+    if (!sorted.length) tbody.append(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "No jobs.")));
+    pageInfo.textContent = total ? `${offset + 1}–${offset + sorted.length} of ${total}` : "0 jobs";
+    prev.toggleAttribute("disabled", offset === 0);
+    next.toggleAttribute("disabled", offset + PAGE >= total);
   };
 
   const upsert = (job: Job) => {
-    jobs.set(job.id, job);
     const old = tbody.querySelector(`tr[data-job-id="${job.id}"]`);
-    if (old) old.replaceWith(row(job));
-    else render();
+    if (old && matches(job)) {
+      jobs.set(job.id, job);
+      old.replaceWith(row(job));
+    } else if (old || (offset === 0 && matches(job))) {
+      // it joins or leaves this page: let the server page it (debounced for bursts of events)
+      if (reloadTimer === null) reloadTimer = window.setTimeout(() => void load(), 300);
+    }
   };
 
   const load = async () => {
+    if (reloadTimer !== null) window.clearTimeout(reloadTimer);
+    reloadTimer = null;
     try {
-      const page = await api<Page<Job>>("/api/jobs?limit=100");
+      const page = await api<Page<Job>>(`/api/jobs?${query()}`);
       jobs.clear();
       for (const j of page.items) jobs.set(j.id, j);
+      total = page.total;
       render();
     } catch (err) {
       note.textContent = `could not load jobs: ${errorText(err)}`;
@@ -105,6 +180,7 @@ export function jobsPage(root: HTMLElement): () => void {
 
   root.append(
     h("section", {}, h("div", { class: "title-row" }, h("h1", {}, "Jobs"), note)),
+    h("div", { class: "filters", id: "jobs-filters" }, statusSel, ownerIn, nameIn, prev, pageInfo, next),
     h(
       "table",
       { class: "grid", id: "jobs-table" },
@@ -114,7 +190,9 @@ export function jobsPage(root: HTMLElement): () => void {
         h(
           "tr",
           {},
-          ...["id", "name", "status", "progress", "loss", "created", "worker", ""].map((c) => h("th", {}, c)),
+          ...["id", "name", "owner", "status", "progress", "loss", "created", "worker", ""].map((c) =>
+            h("th", {}, c),
+          ),
         ),
       ),
       tbody,
@@ -126,11 +204,12 @@ export function jobsPage(root: HTMLElement): () => void {
   return () => {
     events.close();
     if (poll !== null) window.clearInterval(poll);
+    if (reloadTimer !== null) window.clearTimeout(reloadTimer);
   };
 }
 
 function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
-  const text = h("textarea", { id: "spec-input", rows: 14, spellcheck: "false" });
+  const text = h("textarea", { id: "spec-input", rows: 14, spellcheck: "false" }) as HTMLTextAreaElement;
   text.value = JSON.stringify(DEFAULT_SPEC, null, 2);
   const out = h("div", { id: "submit-result", role: "status" });
   const submit = async (ev: Event) => {
@@ -159,6 +238,7 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
     "form",
     { class: "card", id: "submit-form", onsubmit: submit },
     h("h2", {}, "Submit job"),
+    specTools(text),
     h("label", { for: "spec-input", class: "muted" }, "JobSpec (JSON)"),
     text,
     h(

@@ -1,6 +1,7 @@
 // Model-selection batches: the list, and one batch's leaderboard, curves and parallel coordinates.
 import {
   api,
+  type Job,
   lookup,
   type Metrics,
   type Page,
@@ -9,6 +10,7 @@ import {
   subscribe,
   TERMINAL,
   type Trial,
+  type TrialResult,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
@@ -105,6 +107,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   let sel: Selection | null = null;
   const trials = new Map<number, Trial>();
+  // ended trials' results read from their jobs, for servers whose trial rows do not carry them
+  const jobResults = new Map<number, TrialResult | null>();
   let sort: SortKey = { col: "rank", dir: 1 };
   let chart: StepChart | null = null;
   let stream: EventSource | null = null;
@@ -134,11 +138,40 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     chart?.addSeries(lineKey(t), m?.series[metric()]);
   };
 
+  const resultOf = (t: Trial): TrialResult | null => t.result ?? jobResults.get(t.id) ?? null;
+
+  const loadResult = async (t: Trial) => {
+    if (t.result !== undefined || jobResults.has(t.id) || t.job_id === null || !TERMINAL.has(t.status))
+      return;
+    jobResults.set(t.id, null); // once per trial
+    const job = await api<Job>(`/api/jobs/${t.job_id}`).catch(() => null);
+    jobResults.set(t.id, (job?.result as TrialResult | null) ?? null);
+    scheduleRedraw();
+  };
+
   const upsertTrial = (t: Trial) => {
     const before = trials.get(t.id);
     trials.set(t.id, t);
     if (ensureLine(t) || (before && before.job_id === null && t.job_id !== null)) void loadCurve(t);
+    void loadResult(t);
     scheduleRedraw();
+  };
+
+  // why a trial ended, in words: for a rung stop, its value against the rung's cut-off
+  const whyEnded = (t: Trial): string => {
+    const r = resultOf(t);
+    const stop = t.stop_reason ?? r?.stop_reason ?? null;
+    if (t.status === "stopped_early" && stop) {
+      const worse = sel?.mode === "max" ? "≤" : "≥";
+      const bracket = sel?.request?.early_stopping?.kind === "hyperband" ? `, bracket ${stop.bracket}` : "";
+      return `rung ${stop.rung}: ${fmtNum(stop.value)} ${worse} cut-off ${fmtNum(stop.cutoff)} (kept ${stop.kept} of ${stop.of}${bracket})`;
+    }
+    if (t.status === "stopped_early") return "stopped at a rung";
+    if (t.status === "succeeded") return `trained to step ${t.steps_done}`;
+    if (t.status === "stopped") return "stopped on request";
+    if (t.status === "cancelled") return "batch cancelled";
+    if (t.status === "failed") return r?.error ?? "failed";
+    return "—";
   };
 
   // leaderboard order: the server's when it has one, else by best metric
@@ -173,6 +206,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       { key: "steps", label: "steps", value: (t) => t.steps_done },
       { key: "last", label: `last ${metric()}`, value: (t) => t.last_metric },
       { key: "best", label: `best ${metric()}`, value: (t) => t.best_metric },
+      { key: "compute", label: "compute s", value: (t) => t.compute_s ?? resultOf(t)?.compute_s ?? null },
+      { key: "copy", label: "copy s", value: (t) => t.copy_s ?? resultOf(t)?.copy_s ?? null },
+      { key: "why", label: "why it ended", value: (t) => whyEnded(t) },
     ];
     const col = cols.find((c) => c.key === sort.col) ?? cols[0];
     const rows = [...trials.values()].sort((a, b) => compare(col.value(a), col.value(b), sort.dir));
@@ -204,7 +240,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
               if (c.key === "steps") return h("td", {}, progressBar(t.steps_done, t.steps_total));
               return h(
                 "td",
-                { class: typeof v === "number" ? "num" : "" },
+                { class: typeof v === "number" ? "num" : "", "data-col": c.key },
                 typeof v === "number" ? fmtNum(v) : (v ?? "—"),
               );
             }),
@@ -248,11 +284,15 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         "dl",
         { class: "facts" },
         fact("metric", `${s.metric} (${s.mode})`),
+        fact("search", searchText(s)),
+        fact("early stopping", stoppingText(s)),
+        fact("checkpoints kept", s.request?.checkpoints ?? "—"),
         fact("scheduler", s.scheduler),
         fact("trials", trials.size),
         fact("created", fmtTime(s.created_at)),
         fact("finished", fmtTime(s.finished_at)),
       ),
+      s.error ? h("p", { class: "error", id: "selection-error" }, s.error) : null,
       h("details", {}, h("summary", {}, "search space"), h("pre", {}, JSON.stringify(s.space, null, 2))),
     );
   };
@@ -377,6 +417,21 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     chart?.destroy();
     if (redrawTimer !== null) window.clearTimeout(redrawTimer);
   };
+}
+
+function searchText(s: Selection): string {
+  const r = s.request;
+  if (!r?.method) return "—";
+  const seed = r.seed !== undefined ? `, seed ${r.seed}` : "";
+  if (r.method === "grid") return "grid";
+  if (r.method === "random") return `random, ${r.trials} trials${seed}`;
+  return `${r.method}, ${r.trials} trials in generations of ${r.parallel ?? "one per device"}${seed}`;
+}
+
+function stoppingText(s: Selection): string {
+  const es = s.request?.early_stopping;
+  if (!es) return "none";
+  return `${es.kind}, reduction factor ${es.reduction_factor}, first rung at step ${es.min_steps}`;
 }
 
 function compare(a: number | string | null, b: number | string | null, dir: 1 | -1): number {

@@ -1,0 +1,81 @@
+"""Admission at submit: refuse a job that could never run, with the numbers.
+
+Never means: over the submitting user's own quota even with nothing else running, or beyond every
+live worker's inventory (rank slots, GPUs, host RAM against jobrules/hostmem.py's estimate). A job
+that fits but must wait (the user's other jobs fill the quota, workers are busy) is accepted and
+waits queued. With no live worker at all the job is accepted too: workers may be restarting.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from api.placement import placement_problem
+from api.schemas import JobSpec
+from core.settings import Settings
+from db.jobs import live_workers
+from db.models import User
+from db.quotas import job_gpus
+from jobrules.hostmem import host_memory_bytes
+
+GiB = 2**30
+
+
+def user_quotas(user: User, settings: Settings) -> dict[str, int]:
+    """The user's limits: their own row's, or the service defaults."""
+
+    own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
+    return {k: v if own[k] is None else own[k] for k, v in settings.quota_defaults.items()}
+
+
+def quota_problem(spec: JobSpec, *, user: User, settings: Settings) -> str | None:
+    q = user_quotas(user, settings)
+    ranks, gpus = spec.parallel.world_size, job_gpus(spec.model_dump())
+    if q["running_jobs"] < 1:
+        return f"user {user.name} may run no jobs (quota running_jobs = {q['running_jobs']})"
+    if ranks > q["ranks"]:
+        return (
+            f"parallel: the job needs {ranks} ranks, more than user {user.name}'s quota of "
+            f"{q['ranks']} ranks, so it could never start"
+        )
+    if gpus > q["gpus"]:
+        return (
+            f"resources.gpus: the job needs {gpus} GPU(s), more than user {user.name}'s quota of "
+            f"{q['gpus']}, so it could never start"
+        )
+    return None
+
+
+def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> str | None:
+    workers = live_workers(session, within_s=settings.worker_alive_s)
+    hosts = [w.devices.get("host") or {} for w in workers]
+    hosts = [h for h in hosts if h.get("slots") and h.get("ram_bytes")]
+    if not hosts:
+        return None  # no worker reported an inventory yet
+    ranks = spec.parallel.world_size
+    most_slots = max(h["slots"] for h in hosts)
+    if ranks > most_slots:
+        return (
+            f"parallel: the job needs {ranks} ranks on one worker; the largest live worker has "
+            f"{most_slots} slots ({len(hosts)} worker(s) alive)"
+        )
+    need = host_memory_bytes(spec.model_dump())
+    fits = [h for h in hosts if h["slots"] >= ranks]
+    most_ram = max(h["ram_bytes"] for h in fits)
+    if need["total"] > most_ram:
+        return (
+            f"host memory: the job needs about {need['total'] / GiB:,.1f} GiB (model state "
+            f"{need['model_state'] / GiB:,.1f} GiB: parameters, gradients and optimizer state; "
+            f"activations {need['activations'] / GiB:,.1f} GiB; {ranks} rank runtime(s) "
+            f"{need['runtime'] / GiB:,.1f} GiB), more than the {most_ram / GiB:,.1f} GiB of RAM of "
+            f"the largest live worker with room for {ranks} rank(s); shrink the model, batch_size or seq_len"
+        )
+    return None
+
+
+def admission_problem(session: Session, spec: JobSpec, *, settings: Settings, user: User) -> str | None:
+    return (
+        quota_problem(spec, user=user, settings=settings)
+        or placement_problem(session, spec, settings)
+        or inventory_problem(session, spec, settings)
+    )

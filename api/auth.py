@@ -1,0 +1,166 @@
+"""Who is calling: bearer tokens for programs, a cookie session for the dashboard.
+
+- `Authorization: Bearer <token>` on every REST and SSE call (CLI, scripts, tests).
+- The dashboard signs in once with a token (POST /api/auth/session) and gets an HttpOnly,
+  SameSite=Strict session cookie, which EventSource sends on its own (it cannot set headers).
+  A cookie is sent by the browser whatever page started the request, so every unsafe request
+  made with the cookie must also carry the session's CSRF token in `X-CSRF-Token`, and an
+  `Origin` naming another site is refused outright.
+
+Secrets are 256 random bits; only their SHA-256 is stored. A slow password hash buys nothing for a
+secret nobody can guess, and a fast one keeps the per-request lookup cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import timedelta
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.deps import SessionDep
+from core.settings import Settings
+from db import users as db_users
+from db.engine import session_for
+from db.models import ApiToken, User, utcnow
+
+SESSION_COOKIE = "shardyard_session"
+CSRF_COOKIE = "shardyard_csrf"
+CSRF_HEADER = "x-csrf-token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+BOOTSTRAP_LABEL = "SHARDYARD_ADMIN_TOKEN"
+
+
+def new_secret() -> str:
+    return "sy_" + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def csrf_for(session_secret: str) -> str:
+    """The CSRF token is derived from the session secret: another site can neither read the cookie
+    nor compute this."""
+    return hashlib.sha256(b"csrf:" + session_secret.encode()).hexdigest()[:40]
+
+
+def issue_token(
+    session: Session, *, user_id: int, label: str = "", kind: str = "api", ttl_s: float | None = None
+) -> tuple[str, ApiToken]:
+    """A new secret and its row; the secret is returned once and never stored."""
+    secret = new_secret()
+    expires = utcnow() + timedelta(seconds=ttl_s) if ttl_s else None
+    row = db_users.add_token(
+        session,
+        user_id=user_id,
+        token_hash=hash_secret(secret),
+        prefix=secret[:8],
+        kind=kind,
+        label=label,
+        expires_at=expires,
+    )
+    return secret, row
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _same_origin(request: Request) -> bool:
+    """No Origin (and no Referer) is a non-browser client; otherwise it must name this host."""
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if not origin:
+        return True
+    return urlsplit(origin).netloc == request.headers.get("host", "")
+
+
+def check_origin(request: Request) -> None:
+    if request.method not in SAFE_METHODS and not _same_origin(request):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, "cross-site request refused: Origin does not match this host"
+        )
+
+
+def _check_csrf(request: Request, session_secret: str) -> None:
+    check_origin(request)
+    sent = request.headers.get(CSRF_HEADER, "")
+    if not hmac.compare_digest(sent.encode(), csrf_for(session_secret).encode()):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"missing or wrong {CSRF_HEADER} header: a signed-in browser must send the CSRF token "
+            "it got at sign-in with every POST and DELETE",
+        )
+
+
+def current_user(request: Request, session: SessionDep) -> User:
+    header = request.headers.get("authorization")
+    if header is not None:
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise _unauthorized("Authorization must be 'Bearer <token>'")
+        user = db_users.user_for_token(session, token_hash=hash_secret(secret.strip()), kind="api")
+        if user is None:
+            raise _unauthorized("the token is unknown or revoked")
+        return user
+    cookie = request.cookies.get(SESSION_COOKIE)
+    if cookie:
+        user = db_users.user_for_token(session, token_hash=hash_secret(cookie), kind="session")
+        if user is None:
+            raise _unauthorized("the session has expired or was ended; sign in again")
+        if request.method not in SAFE_METHODS:
+            _check_csrf(request, cookie)
+        return user
+    raise _unauthorized("sign in: send 'Authorization: Bearer <token>' (see `shardyard admin create-user`)")
+
+
+def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
+    if not user.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "only an admin may do this")
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+AdminUser = Annotated[User, Depends(admin_user)]
+
+
+def may_see(user: User, owner_id: int | None) -> bool:
+    """Users see and act on their own; admins on everything (rows from before users included)."""
+    return user.is_admin or owner_id == user.id
+
+
+def bootstrap_admin(settings: Settings) -> None:
+    """Make `settings.admin_token` an admin's live token (idempotent; start-up of every API
+    process). Tokens from an earlier value of the variable are revoked, so a changed variable
+    takes the old secret out of service."""
+    if settings.admin_token is None:
+        return
+    secret = settings.admin_token.get_secret_value()
+    digest = hash_secret(secret)
+    with session_for(settings.database_url) as s:
+        if db_users.user_for_token(s, token_hash=digest, kind="api") is not None:
+            return
+        user = db_users.user_by_name(s, settings.admin_name)
+        if user is None:
+            try:
+                user = db_users.create_user(s, name=settings.admin_name, is_admin=True)
+            except db_users.Conflict:  # another API process made it just now
+                user = db_users.user_by_name(s, settings.admin_name)
+        elif not user.is_admin:
+            user.is_admin = True
+            s.commit()
+        for tok in db_users.list_tokens(s, user_id=user.id):
+            if tok.label == BOOTSTRAP_LABEL and tok.revoked_at is None:
+                db_users.revoke_token(s, token_id=tok.id)
+        try:
+            db_users.add_token(
+                s, user_id=user.id, token_hash=digest, prefix=secret[:8], label=BOOTSTRAP_LABEL
+            )
+        except IntegrityError:  # a racing API process stored the same token
+            s.rollback()

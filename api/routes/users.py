@@ -1,0 +1,154 @@
+"""/api/users, /api/tokens and /api/auth: accounts, API tokens and the dashboard's sign-in.
+
+Tokens are shown once, in the answer that creates them. Admins create users; everyone manages
+their own tokens; a user's token list and another user's token read as absent to others.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Request, Response, status
+
+from api.admission import user_quotas
+from api.auth import (
+    CSRF_COOKIE,
+    SESSION_COOKIE,
+    AdminUser,
+    CurrentUser,
+    check_origin,
+    csrf_for,
+    hash_secret,
+    issue_token,
+)
+from api.deps import SessionDep, SettingsDep
+from api.schemas import DB_INT
+from api.user_schemas import (
+    Me,
+    Quotas,
+    SignIn,
+    TokenCreate,
+    TokenIssued,
+    TokenPublic,
+    TokensPublic,
+    UserCreate,
+    UserIssued,
+    UserPublic,
+    UsersPublic,
+)
+from core.settings import Settings
+from db import users as db_users
+from db.jobs import Conflict, NotFound, aware
+from db.models import ApiToken, User
+
+router = APIRouter(prefix="/api", tags=["users"])
+Id = Annotated[int, Path(ge=1, le=DB_INT)]
+
+
+def user_public(user: User, settings: Settings) -> UserPublic:
+    return UserPublic(
+        id=user.id,
+        name=user.name,
+        is_admin=user.is_admin,
+        created_at=aware(user.created_at),
+        quotas=Quotas(**user_quotas(user, settings)),
+    )
+
+
+def token_public(tok: ApiToken) -> TokenPublic:
+    return TokenPublic(
+        id=tok.id,
+        user_id=tok.user_id,
+        user=tok.user.name,
+        label=tok.label,
+        prefix=tok.prefix,
+        created_at=aware(tok.created_at),
+        revoked_at=aware(tok.revoked_at),
+    )
+
+
+@router.post("/users", status_code=status.HTTP_201_CREATED, response_model=UserIssued)
+def create_user(
+    body: UserCreate, session: SessionDep, settings: SettingsDep, _admin: AdminUser
+) -> UserIssued:
+    try:
+        user = db_users.create_user(session, **body.model_dump())
+    except Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
+    secret, _ = issue_token(session, user_id=user.id, label="first")
+    return UserIssued(user=user_public(user, settings), token=secret)
+
+
+@router.get("/users", response_model=UsersPublic)
+def list_users(session: SessionDep, settings: SettingsDep, _admin: AdminUser) -> UsersPublic:
+    return UsersPublic(items=[user_public(u, settings) for u in db_users.list_users(session)])
+
+
+@router.post("/users/{user_id}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenIssued)
+def create_token(user_id: Id, body: TokenCreate, session: SessionDep, user: CurrentUser) -> TokenIssued:
+    if user_id != user.id and not user.is_admin:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
+    try:
+        db_users.get_user(session, user_id)
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    secret, row = issue_token(session, user_id=user_id, label=body.label)
+    return TokenIssued(token=secret, info=token_public(row))
+
+
+@router.get("/tokens", response_model=TokensPublic)
+def list_tokens(session: SessionDep, user: CurrentUser) -> TokensPublic:
+    """Your tokens (an admin: everyone's), without their secrets."""
+    rows = db_users.list_tokens(session, user_id=None if user.is_admin else user.id)
+    return TokensPublic(items=[token_public(t) for t in rows])
+
+
+@router.delete("/tokens/{token_id}", response_model=TokenPublic)
+def revoke_token(token_id: Id, session: SessionDep, user: CurrentUser) -> TokenPublic:
+    try:
+        tok = db_users.revoke_token(session, token_id=token_id, user_id=None if user.is_admin else user.id)
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    return token_public(tok)
+
+
+@router.get("/auth/me", response_model=Me)
+def me(request: Request, user: CurrentUser, settings: SettingsDep) -> Me:
+    cookie = request.cookies.get(SESSION_COOKIE)
+    return Me(user=user_public(user, settings), csrf_token=csrf_for(cookie) if cookie else None)
+
+
+@router.post("/auth/session", response_model=Me)
+def sign_in(
+    body: SignIn, request: Request, response: Response, session: SessionDep, settings: SettingsDep
+) -> Me:
+    """Trade an API token for a dashboard session: an HttpOnly cookie the browser sends with
+    every request and EventSource, and the CSRF token to send back with every POST and DELETE."""
+    check_origin(request)
+    user = db_users.user_for_token(session, token_hash=hash_secret(body.token.strip()), kind="api")
+    if user is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "the token is unknown or revoked")
+    secret, _ = issue_token(
+        session, user_id=user.id, kind="session", label="dashboard", ttl_s=settings.session_ttl_s
+    )
+    csrf = csrf_for(secret)
+    common = {
+        "max_age": int(settings.session_ttl_s),
+        "samesite": "strict",
+        "secure": settings.cookie_secure,
+        "path": "/",
+    }
+    response.set_cookie(SESSION_COOKIE, secret, httponly=True, **common)
+    response.set_cookie(CSRF_COOKIE, csrf, httponly=False, **common)
+    return Me(user=user_public(user, settings), csrf_token=csrf)
+
+
+@router.delete("/auth/session", status_code=status.HTTP_204_NO_CONTENT)
+def sign_out(request: Request, response: Response, session: SessionDep, _user: CurrentUser) -> Response:
+    cookie = request.cookies.get(SESSION_COOKIE)
+    if cookie:
+        db_users.end_session(session, token_hash=hash_secret(cookie))
+    response = Response(status_code=status.HTTP_204_NO_CONTENT)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    response.delete_cookie(CSRF_COOKIE, path="/")
+    return response

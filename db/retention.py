@@ -1,0 +1,64 @@
+"""Deleting finished jobs: one on request, or every one past its retention. A job's metric points
+and events go with it, in the same transaction; a job that is not finished is never deleted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from db.jobs import Conflict, NotFound
+from db.models import TERMINAL, Job, JobEvent, MetricPoint
+
+
+def _delete_rows(session: Session, job_ids: Sequence[int]) -> list[int]:
+    """Delete the jobs among `job_ids` that are finished plain jobs, with their points and events;
+    the status is checked in the statement itself, so a job re-queued meanwhile stays. Commits."""
+    gone = list(
+        session.scalars(
+            delete(Job)
+            .where(Job.id.in_(list(job_ids)), Job.status.in_(list(TERMINAL)), Job.kind == "job")
+            .returning(Job.id)
+        ).all()
+    )
+    if gone:
+        # the foreign keys cascade too; explicit, so nothing depends on SQLite's foreign_keys pragma
+        session.execute(delete(MetricPoint).where(MetricPoint.job_id.in_(gone)))
+        session.execute(delete(JobEvent).where(JobEvent.job_id.in_(gone)))
+    session.commit()
+    return gone
+
+
+def delete_job(session: Session, *, job_id: int) -> None:
+    """Delete one finished job. NotFound when it does not exist; Conflict when it has not finished
+    or is a trial of a selection batch (trials go with their batch)."""
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist")
+    if job.kind != "job":
+        raise Conflict(f"job {job_id} is a trial of selection {job.selection_id}; it is kept with its batch")
+    if job.status not in TERMINAL:
+        raise Conflict(
+            f"job {job_id} is {job.status}; cancel it and wait until it has ended before deleting it"
+        )
+    if not _delete_rows(session, [job_id]):
+        session.refresh(job)
+        raise Conflict(f"job {job_id} is {job.status} again; it was not deleted")
+
+
+def finished_before(session: Session, *, cutoff: datetime, limit: int = 500) -> list[int]:
+    """Ids of finished plain jobs that ended before `cutoff`, oldest first."""
+    q = (
+        select(Job.id)
+        .where(Job.status.in_(list(TERMINAL)), Job.kind == "job", Job.finished_at < cutoff)
+        .order_by(Job.finished_at)
+        .limit(limit)
+    )
+    return list(session.scalars(q).all())
+
+
+def delete_jobs(session: Session, *, job_ids: Sequence[int]) -> list[int]:
+    """Delete those of `job_ids` that are finished plain jobs; returns the ids deleted."""
+    return _delete_rows(session, job_ids) if job_ids else []

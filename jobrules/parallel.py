@@ -1,0 +1,160 @@
+"""The `parallel` rules of a JobSpec, in one place (standard library only): world size, schedule
+names, tensor layouts, divisibility, and which combinations run. The API (api/sizing.py, a 422) and
+the trainer (trainer/config.py, `python -m trainer` exits 2) both call `parallel_problems`, so a spec
+is refused by both with the same words, or run by both as asked.
+
+The spec is the JobSpec as a plain dict (pydantic's model_dump() or JobConfig.to_dict()); every
+message names the field and the numbers.
+
+How a job's processes are laid out: world = pp x dp x tp, tp = size (1d), q*q (2d), q*q*d (2.5d).
+The global batch of train.batch_size rows is split first over data-parallel replicas (dp), then a
+pipeline splits a replica's rows into micro-batches, then a 2d/2.5d tensor grid splits a
+micro-batch's rows over d*q row blocks. Each split must be exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobrules.data import data_vocab_size
+from jobrules.models import tensor_kind_problems
+
+SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
+"""Pipeline schedule names; chimera and chimera-zb need an even number of stages."""
+TENSOR_MODES = ("1d", "2d", "2.5d")
+"""1d: Megatron (size ranks); 2d: SUMMA on a q x q grid; 2.5d: Tesseract on q x q x d."""
+
+
+def tensor_world_size(tensor: dict[str, Any] | None) -> int:
+    if not tensor:
+        return 1
+    mode = tensor.get("mode", "1d")
+    if mode == "1d":
+        return int(tensor.get("size", 1))
+    q, d = int(tensor.get("q", 1)), int(tensor.get("d", 1))
+    return q * q if mode == "2d" else q * q * d
+
+
+def axis_sizes(parallel: dict[str, Any]) -> tuple[int, int, int]:
+    """(pp, dp, tp): pipeline stages, data-parallel replicas, tensor ranks."""
+    pipe = parallel.get("pipeline")
+    pp = int(pipe.get("stages", 1)) if pipe else 1
+    return pp, int(parallel.get("data_parallel", 1)), tensor_world_size(parallel.get("tensor"))
+
+
+def world_size(parallel: dict[str, Any]) -> int:
+    """Processes the job needs: pipeline stages x data-parallel replicas x tensor ranks."""
+    pp, dp, tp = axis_sizes(parallel)
+    return pp * dp * tp
+
+
+def tensor_split(tensor: dict[str, Any]) -> tuple[int, int, str]:
+    """(how many ways d_model/heads/vocab are cut, how many row blocks the rows are cut into, the
+    field that sets the first)."""
+    mode = tensor.get("mode", "1d")
+    if mode == "1d":
+        return int(tensor.get("size", 1)), 1, "parallel.tensor.size"
+    q, d = int(tensor.get("q", 1)), int(tensor.get("d", 1))
+    return q, (q if mode == "2d" else q * d), "parallel.tensor.q"
+
+
+def parallel_problems(spec: dict[str, Any]) -> list[str]:
+    """Every `parallel` rule this spec breaks (empty when it runs as asked)."""
+    problems: list[str] = []
+    model, train = spec.get("model", {}), spec.get("train", {})
+    par = spec.get("parallel") or {}
+    pipe, tensor, spill, offload = (par.get(k) for k in ("pipeline", "tensor", "spill", "offload"))
+    pp, dp, tp = axis_sizes(par)
+    n_layers = int(model.get("layers", 4)) + 2  # embedding and head are layers too
+    batch = int(train.get("batch_size", 16))
+    offloaded = bool(offload and offload.get("optimizer"))
+
+    if dp < 1:
+        problems.append(f"parallel.data_parallel must be >= 1, got {dp}")
+        return problems
+    if pipe:
+        if pipe.get("schedule", "1f1b") not in SCHEDULES:
+            problems.append(
+                f"parallel.pipeline.schedule must be one of {', '.join(SCHEDULES)}, got {pipe.get('schedule')!r}"
+            )
+        if str(pipe.get("schedule", "")).startswith("chimera") and pp % 2:
+            problems.append(
+                f"parallel.pipeline.stages must be even for {pipe['schedule']} "
+                f"(two pipelines in opposite directions), got {pp}"
+            )
+    if tensor and tensor.get("mode", "1d") not in TENSOR_MODES:
+        problems.append(f"parallel.tensor.mode must be 1d, 2d or 2.5d, got {tensor.get('mode')!r}")
+        return problems
+
+    # rows: batch -> dp replicas -> micro-batches -> tensor row blocks
+    rows = batch
+    if dp > 1:
+        if batch % dp:
+            problems.append(
+                f"train.batch_size ({batch}) must be divisible by parallel.data_parallel ({dp}): "
+                "each replica takes an equal share of the rows"
+            )
+        rows = max(1, batch // dp)
+    if pp > 1:
+        micro = int(pipe.get("microbatches", 1))
+        if pp > n_layers:
+            problems.append(
+                f"parallel.pipeline.stages ({pp}) must be <= the model's layers "
+                f"({model.get('layers')} blocks + embedding + head = {n_layers})"
+            )
+        if rows % micro:
+            what = (
+                "train.batch_size"
+                if dp == 1
+                else f"a replica's rows (train.batch_size / data_parallel = {rows})"
+            )
+            problems.append(f"parallel.pipeline.microbatches ({micro}) must divide {what} ({rows})")
+        rows = max(1, rows // micro)
+    if tensor and tp > 1:
+        split, row_blocks, field = tensor_split(tensor)
+        # which model kinds have a form in this mode, and their own divisibility rules
+        problems.extend(tensor_kind_problems(model, mode=tensor["mode"], split=split))
+        d_model, heads = int(model.get("d_model", 128)), int(model.get("heads", 4))
+        ffn = int(model.get("mlp_ratio", 4)) * d_model
+        for name, value in (
+            ("model.heads", heads),
+            ("model.d_model", d_model),
+            # (a Llama's SwiGLU width is checked by tensor_kind_problems)
+            ("the MLP width (mlp_ratio * d_model)", ffn if model.get("kind", "gpt") == "gpt" else None),
+            # the vocabulary, where the API can know it (else the trainer checks it from the data)
+            ("the vocabulary", model.get("vocab_size") or data_vocab_size(spec.get("data") or {})),
+        ):
+            if value is not None and value % split:
+                problems.append(
+                    f"{name} ({value}) must be divisible by {field} ({split}) for {tensor['mode']}"
+                )
+        if rows % row_blocks:
+            if rows == batch:
+                what = "train.batch_size"
+            else:
+                what = "a replica's rows" if pp == 1 else "the rows of one micro-batch per replica"
+            formula = "q" if tensor["mode"] == "2d" else "d*q"
+            problems.append(
+                f"{what} ({rows}) must be divisible by {formula} ({row_blocks}) for {tensor['mode']}: "
+                "the grid splits the rows"
+            )
+
+    # combinations: each one either runs composed (trainer/parallelize.py) or is refused here
+    if spill and (pp > 1 or tp > 1 or dp > 1):
+        problems.append(
+            "parallel.spill runs on one process only: spilling drives its own shard-by-shard forward "
+            "and backward over the whole model, which a pipeline stage, a tensor-parallel layer or a "
+            "data-parallel gradient reduction cannot step into; use parallel.offload (optimizer state "
+            "in host memory) with pipeline, tensor or data parallelism"
+        )
+    if offloaded and train.get("optimizer", "adamw") != "adamw":
+        problems.append(
+            f"parallel.offload.optimizer streams AdamW state through the device; train.optimizer is "
+            f"{train.get('optimizer')!r} (use adamw)"
+        )
+    if offloaded and offload.get("dtype", "bf16") == "fp16" and (pp > 1 or tp > 1 or dp > 1):
+        problems.append(
+            "parallel.offload.dtype fp16 needs dynamic loss scaling, which only the single-process "
+            "engine runs; use bf16 or fp32 with pipeline, tensor or data parallelism"
+        )
+    return problems

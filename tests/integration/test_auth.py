@@ -1,0 +1,135 @@
+"""Users, tokens, ownership and the dashboard's cookie session, over real HTTP against the stack
+(uvicorn, redis-server, a Celery worker)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TINY_SPEC, StackHandle
+
+pytestmark = pytest.mark.integration
+
+# a job that trains in a few seconds; these tests check who may see and touch it
+SHORT = {**TINY_SPEC, "train": {**TINY_SPEC["train"], "steps": 3, "eval_every": 3}}
+
+
+def new_user(stack: StackHandle, **fields: Any) -> tuple[dict, httpx.Client]:
+    name = f"u{secrets.token_hex(4)}"
+    resp = stack.client.post("/api/users", json={"name": name, **fields})
+    assert resp.status_code == 201, resp.text
+    body = resp.json()
+    client = httpx.Client(
+        base_url=stack.base_url, timeout=30, headers={"Authorization": f"Bearer {body['token']}"}
+    )
+    return body, client
+
+
+def test_two_users_see_and_touch_only_their_own_jobs(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    b, cb = new_user(stack)
+    with ca, cb:
+        job = ca.post("/api/jobs", json={**SHORT, "name": "alices"}).json()
+        assert job["owner"] == a["user"]["name"]
+        # B sees nothing of A's: not in the list, not by id, not its stream, metrics or logs
+        assert all(j["id"] != job["id"] for j in cb.get("/api/jobs").json()["items"])
+        for path in ("", "/metrics", "/logs", "/stream"):
+            assert cb.get(f"/api/jobs/{job['id']}{path}").status_code == 404, path
+        # and cannot cancel it: it reads as absent
+        resp = cb.post(f"/api/jobs/{job['id']}/cancel")
+        assert resp.status_code == 404 and "does not exist" in resp.json()["detail"]
+        mine = ca.get("/api/jobs").json()
+        assert [j["id"] for j in mine["items"]] == [job["id"]] and mine["total"] == 1
+        # the admin sees everyone's, with the owner, and filters by owner and name
+        by_owner = stack.client.get("/api/jobs", params={"owner": a["user"]["name"]}).json()
+        assert [j["id"] for j in by_owner["items"]] == [job["id"]]
+        by_name = stack.client.get("/api/jobs", params={"name": "ALICE", "owner": a["user"]["name"]}).json()
+        assert by_name["total"] == 1
+        assert stack.client.get("/api/jobs", params={"name": "no-such-name-xyz"}).json()["total"] == 0
+        # the admin acts on it, and the event says who did
+        stack.wait(job["id"], ("succeeded",), timeout=180)
+        logs = ca.get(f"/api/jobs/{job['id']}/logs").json()["items"]
+        assert logs[0]["data"] == {"by": a["user"]["name"]}
+
+
+def test_admin_cancel_is_recorded_with_the_acting_user(stack: StackHandle) -> None:
+    a, ca = new_user(stack, max_running_jobs=0)  # its jobs could never start...
+    with ca:
+        resp = ca.post("/api/jobs", json=SHORT)
+        assert resp.status_code == 422 and "may run no jobs" in resp.json()["detail"]
+    a, ca = new_user(stack)
+    with ca:
+        job = ca.post("/api/jobs", json={**SHORT, "train": {**SHORT["train"], "steps": 100000}}).json()
+        resp = stack.client.post(f"/api/jobs/{job['id']}/cancel")
+        assert resp.status_code == 200
+        stack.wait(job["id"], ("cancelled",), timeout=60)
+        events = ca.get(f"/api/jobs/{job['id']}/logs").json()["items"]
+        assert any((e["data"] or {}).get("by") == "admin" for e in events[1:]), events
+
+
+def test_revoked_token_is_refused_and_tokens_are_shown_once(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    with ca:
+        uid = a["user"]["id"]
+        second = ca.post(f"/api/users/{uid}/tokens", json={"label": "laptop"}).json()
+        listed = ca.get("/api/tokens").json()["items"]
+        assert {t["label"] for t in listed} == {"first", "laptop"}
+        assert all("token" not in t and second["token"] not in str(t) for t in listed)
+        assert ca.delete(f"/api/tokens/{second['info']['id']}").status_code == 200
+        gone = httpx.get(f"{stack.base_url}/api/jobs", headers={"Authorization": f"Bearer {second['token']}"})
+        assert gone.status_code == 401 and "revoked" in gone.json()["detail"]
+        assert gone.headers["www-authenticate"] == "Bearer"
+        assert ca.get("/api/jobs").status_code == 200  # the other token still works
+        # no token, a malformed header, a made-up token
+        assert httpx.get(f"{stack.base_url}/api/jobs").status_code == 401
+        assert (
+            httpx.get(f"{stack.base_url}/api/jobs", headers={"Authorization": "Basic eDp5"}).status_code
+            == 401
+        )
+        assert (
+            httpx.get(f"{stack.base_url}/api/jobs", headers={"Authorization": "Bearer sy_nope"}).status_code
+            == 401
+        )
+        # a user cannot make users, nor list or revoke others' tokens
+        assert ca.post("/api/users", json={"name": "mallory"}).status_code == 403
+        admin_tokens = [t for t in stack.client.get("/api/tokens").json()["items"] if t["user"] == "admin"]
+        assert ca.delete(f"/api/tokens/{admin_tokens[0]['id']}").status_code == 404
+
+
+def test_cookie_session_needs_csrf_and_same_origin(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    with ca, httpx.Client(base_url=stack.base_url, timeout=30) as browser:
+        resp = browser.post("/api/auth/session", json={"token": a["token"]})
+        assert resp.status_code == 200, resp.text
+        csrf = resp.json()["csrf_token"]
+        assert "httponly" in resp.headers.get_list("set-cookie")[0].lower()
+        assert browser.get("/api/auth/me").json()["user"]["name"] == a["user"]["name"]
+        job = browser.post("/api/jobs", json=SHORT, headers={"X-CSRF-Token": csrf}).json()
+        assert job["owner"] == a["user"]["name"]
+        # another site's page posting with the browser's cookie: no CSRF token -> 403
+        evil = {"Origin": "http://evil.example"}
+        resp = browser.post(f"/api/jobs/{job['id']}/cancel", headers=evil)
+        assert resp.status_code == 403
+        # even with a token it cannot know, the foreign Origin alone is refused
+        resp = browser.post(f"/api/jobs/{job['id']}/cancel", headers={**evil, "X-CSRF-Token": csrf})
+        assert resp.status_code == 403 and "Origin" in resp.json()["detail"]
+        # a plain HTML form (text/plain, form-encoded) is refused before any route
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            resp = browser.post(
+                f"/api/jobs/{job['id']}/cancel", content=b"a=b", headers={"Content-Type": ctype}
+            )
+            assert resp.status_code == 415, ctype
+        assert stack.job(job["id"])["cancel_requested"] is False
+        # the dashboard's own request: same origin, CSRF header
+        same = {"Origin": stack.base_url, "X-CSRF-Token": csrf}
+        assert browser.post(f"/api/jobs/{job['id']}/cancel", headers=same).status_code == 200
+        # the SSE stream works on the cookie alone (EventSource sends no headers)
+        with browser.stream("GET", f"/api/jobs/{job['id']}/stream") as r:
+            assert r.status_code == 200
+            assert any(line.startswith("event: status") for line in r.iter_lines())
+        # sign out ends the session
+        assert browser.delete("/api/auth/session", headers=same).status_code == 204
+        assert browser.get("/api/auth/me").status_code == 401

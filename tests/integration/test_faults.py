@@ -1,0 +1,237 @@
+"""Faults injected while a job trains, on the real stack (redis-server, the API, Celery worker
+processes, trainer subprocesses, SQLite). After each fault the job ends `succeeded` with every
+metric step exactly once (no gap, no duplicate), resumed from its checkpoint, and no process of it
+is left behind.
+
+One stack for the module, with tight lease timings (3 s leases, a reconciler every second) so
+every recovery is quick; tests restart `worker1` under the same name as needed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.stack import Stack
+from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
+
+pytestmark = pytest.mark.integration
+
+FAST = {
+    "SHARDYARD_HEARTBEAT_S": "0.5",
+    "SHARDYARD_WORKER_ALIVE_S": "2",
+    "SHARDYARD_LEASE_S": "3",
+    "SHARDYARD_RECONCILE_S": "1",
+    "SHARDYARD_SHUTDOWN_GRACE_S": "20",
+}
+STEPS = 30
+SPEC = {
+    **TINY_SPEC,
+    "name": "fault",
+    "checkpoint_every": 5,
+    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
+}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
+    st = Stack(root=tmp_path_factory.mktemp("faults"), workers=1, concurrency=1, extra_env=FAST)
+    st.start()
+    handle = StackHandle(st)
+    try:
+        yield handle
+    finally:
+        handle.client.close()
+        st.stop()
+        assert _processes_under(st.root) == [], "processes left behind after the stack stopped"
+
+
+def _cmdlines() -> Iterator[tuple[int, str]]:
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                yield int(d), Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+
+
+def _processes_under(root: Path) -> list[int]:
+    return [pid for pid, cmd in _cmdlines() if str(root) in cmd and "celery" not in cmd]
+
+
+def _trainer_pids(root: Path, job_id: int) -> list[int]:
+    spec = str(root / "jobs" / str(job_id) / "spec.json")
+    return [pid for pid, cmd in _cmdlines() if spec in cmd]
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ensure_worker(st: Stack) -> None:
+    proc = st.procs.get("worker1")
+    if proc is None or proc.poll() is not None:
+        st.start_worker(1)
+
+
+def _kill_worker(st: Stack) -> None:
+    proc = st.procs.pop("worker1")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def assert_exactly_once(h: StackHandle, job_id: int, steps: int = STEPS) -> dict[str, Any]:
+    done = h.wait(job_id, timeout=240)
+    got = h.client.get(f"/api/jobs/{job_id}/metrics", params={"names": "loss,step_time_ms,val_loss"}).json()
+    for name in ("loss", "step_time_ms"):
+        assert got["series"][name]["steps"] == list(range(1, steps + 1)), name
+    assert got["series"]["val_loss"]["steps"] == list(range(10, steps + 1, 10))
+    assert done["result"] is not None and done["progress"]["step"] == steps
+    assert _trainer_pids(h.stack.root, job_id) == [], "a trainer outlived its job"
+    return done
+
+
+def _logs(h: StackHandle, job_id: int) -> list[str]:
+    return [e["message"] for e in h.client.get(f"/api/jobs/{job_id}/logs").json()["items"]]
+
+
+def _started(h: StackHandle, step: int = 8) -> int:
+    _ensure_worker(h.stack)
+    job = h.submit(SPEC)
+    h.wait_until(job["id"], lambda j: j["progress"]["step"] >= step, timeout=180)
+    return job["id"]
+
+
+def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle) -> None:
+    job_id = _started(faults)
+    _kill_worker(faults.stack)
+    time.sleep(0.5)
+    assert _trainer_pids(faults.stack.root, job_id) == [], "the trainer must die with its worker"
+    assert faults.job(job_id)["status"] == "running"
+    faults.stack.start_worker(1)  # same name: worker1@host; a new process start, a new owner id
+    done = assert_exactly_once(faults, job_id)
+    assert done["attempts"] == 2
+    assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
+
+
+def test_kill_only_the_pool_child(faults: StackHandle) -> None:
+    job_id = _started(faults)
+    (trainer,) = _trainer_pids(faults.stack.root, job_id)
+    pool_child = _ppid(trainer)
+    assert pool_child != faults.stack.procs["worker1"].pid
+    os.kill(pool_child, signal.SIGKILL)
+    # Celery gives the message back and starts a new pool process; it waits out the dead one's
+    # lease, then takes the job and resumes it
+    done = assert_exactly_once(faults, job_id)
+    assert done["attempts"] == 2
+    assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
+
+
+def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
+    job_id = _started(faults)
+    db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
+    db.execute("BEGIN IMMEDIATE")  # longer than the 10 s busy timeout of every writer
+    time.sleep(15)
+    db.rollback()
+    db.close()
+    assert_exactly_once(faults, job_id)
+
+
+def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: StackHandle) -> None:
+    job_id = _started(faults, step=STEPS - 15)
+    # hold the write lock so nothing more reaches the database, let the trainer finish, and kill
+    # the worker while it still has the trainer's last lines and the final status to write
+    db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        deadline = time.monotonic() + 120
+        while _trainer_pids(faults.stack.root, job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _trainer_pids(faults.stack.root, job_id), "the trainer did not finish"
+        _kill_worker(faults.stack)
+    finally:
+        db.rollback()
+        db.close()
+    assert faults.job(job_id)["status"] == "running"
+    faults.stack.start_worker(1)
+    done = assert_exactly_once(faults, job_id)
+    assert done["attempts"] == 2
+
+
+def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(faults: StackHandle) -> None:
+    job_id = _started(faults)
+    proc = faults.stack.procs.pop("worker1")
+    os.kill(proc.pid, signal.SIGTERM)  # Celery's warm shutdown, to the main process only
+    proc.wait(timeout=60)
+    job = faults.job(job_id)
+    assert job["status"] == "queued", job
+    assert _trainer_pids(faults.stack.root, job_id) == []
+    faults.stack.start_worker(1)
+    done = assert_exactly_once(faults, job_id)
+    assert done["attempts"] == 2
+    assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
+
+
+def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_requeue(
+    faults: StackHandle,
+) -> None:
+    job_id = _started(faults)
+    _kill_worker(faults.stack)
+    deadline = time.monotonic() + 30  # one lease period at most
+    while faults.client.post(f"/api/jobs/{job_id}/cancel").json()["status"] != "cancelled":
+        assert time.monotonic() < deadline, "cancel of a job whose owner is gone did not end it"
+        time.sleep(0.5)
+    # an operator re-queues the cancelled job: it resumes and ends with every step once
+    resp = faults.client.post(f"/api/jobs/{job_id}/requeue", json={"reason": "retry after cancel"})
+    assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+    faults.stack.start_worker(1)
+    assert_exactly_once(faults, job_id)
+    # and fails a running one: the trainer is stopped, the job ends failed with the reason
+    other = _started(faults, step=3)
+    resp = faults.client.post(f"/api/jobs/{other}/fail", json={"reason": "bad data"})
+    assert resp.status_code == 200 and resp.json()["status"] == "failed", resp.text
+    deadline = time.monotonic() + 30
+    while _trainer_pids(faults.stack.root, other):
+        assert time.monotonic() < deadline, "the fenced-off attempt's trainer kept running"
+        time.sleep(0.2)
+    job = faults.job(other)
+    assert (job["status"], job["error"]) == ("failed", "bad data")
+    assert faults.client.post(f"/api/jobs/{other}/fail").status_code == 409
+
+
+def test_kill_the_worker_mid_selection(faults: StackHandle) -> None:
+    _ensure_worker(faults.stack)
+    body = {
+        "name": "fault-batch",
+        "base": SPEC,
+        "space": {"train.lr": [1e-3, 3e-3]},
+        "method": "grid",
+        "devices": 1,
+    }
+    resp = faults.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sel = resp.json()
+    jobs = [t["job_id"] for t in sel["trials"]]
+    deadline = time.monotonic() + 180
+    while max(faults.job(j)["progress"]["step"] for j in jobs) < 8:
+        assert time.monotonic() < deadline, "the batch did not start"
+        time.sleep(0.2)
+    _kill_worker(faults.stack)
+    faults.stack.start_worker(1)
+    deadline = time.monotonic() + 300
+    while (sel := faults.client.get(f"/api/selections/{sel['id']}").json())["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"the batch did not end: {sel}"
+        time.sleep(0.5)
+    assert sel["status"] == "succeeded", sel
+    for trial in sel["trials"]:
+        assert trial["status"] == "succeeded" and trial["result"]["steps"] == STEPS, trial
+        assert trial["compute_s"] is not None and trial["best_metric"] is not None
+        assert_exactly_once(faults, trial["job_id"])
+    assert max(faults.job(j)["attempts"] for j in jobs) == 2

@@ -1,0 +1,191 @@
+"""Request limits and admission, over real HTTP against the stack: each limit answers 4xx naming
+the rule (never 500), and a job no worker could ever run is refused with the numbers."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TINY_SPEC, StackHandle
+
+pytestmark = pytest.mark.integration
+
+HUGE = 2**70
+
+
+def with_(**fields: Any) -> dict[str, Any]:
+    return json.loads(json.dumps({**TINY_SPEC, **fields}))
+
+
+def test_body_size_is_limited(stack: StackHandle) -> None:
+    big = b'{"name": "' + b"x" * (2 * 2**20) + b'"}'
+    resp = stack.client.post("/api/jobs", content=big, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413 and "limit" in resp.json()["detail"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b"x" * 65536
+
+    resp = stack.client.post("/api/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+
+
+def test_non_json_bodies_are_refused_on_every_post(stack: StackHandle) -> None:
+    for path in ("/api/jobs", "/api/selections", "/api/users", "/api/jobs/1/cancel", "/api/auth/session"):
+        resp = stack.client.post(path, content=b"{}", headers={"Content-Type": "text/plain"})
+        assert resp.status_code == 415, path
+        assert "application/json" in resp.json()["detail"]
+
+
+def test_foreign_host_header_is_refused(stack: StackHandle) -> None:
+    resp = stack.client.get("/api/jobs", headers={"Host": "evil.example"})
+    assert resp.status_code == 400
+    assert stack.client.get("/api/jobs", headers={"Host": "localhost"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/api/jobs/{HUGE}",
+        f"/api/jobs/{HUGE}/cancel",
+        f"/api/jobs?offset={HUGE}",
+        f"/api/jobs/1/metrics?since_step={HUGE}",
+        f"/api/jobs/1/logs?after_id={HUGE}",
+        f"/api/selections/{HUGE}",
+        f"/api/selections?offset={HUGE}",
+        f"/api/tokens/{HUGE}",
+    ],
+)
+def test_integers_beyond_the_database_range_are_422(stack: StackHandle, path: str) -> None:
+    method = "POST" if path.endswith("cancel") else "DELETE" if "tokens" in path else "GET"
+    resp = stack.client.request(method, path)
+    assert resp.status_code == 422, resp.text
+    assert "less than or equal" in resp.json()["detail"]
+
+
+def test_stream_cursor_beyond_the_database_range_is_422(stack: StackHandle) -> None:
+    job = stack.submit(with_(name="cursor", train={**TINY_SPEC["train"], "steps": 2}))
+    resp = stack.client.get(f"/api/jobs/{job['id']}/stream", headers={"Last-Event-ID": f"m{HUGE}e0"})
+    assert resp.status_code == 422 and "Last-Event-ID" in resp.json()["detail"]
+
+
+def test_non_finite_floats_and_control_characters_are_refused(stack: StackHandle) -> None:
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        body = json.dumps(TINY_SPEC).replace('"lr": 0.003', f'"lr": {bad}')
+        resp = stack.client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 422 and "train.lr" in resp.json()["detail"], (bad, resp.text)
+    resp = stack.client.post("/api/jobs", json=with_(name="bell\x07job"))
+    assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "name"
+
+
+def test_error_messages_do_not_echo_huge_inputs(stack: StackHandle) -> None:
+    key = "k" * 100_000
+    for body in (with_(name="n" * 500_000), {**TINY_SPEC, key: 1}):
+        resp = stack.client.post("/api/jobs", json=body)
+        assert resp.status_code == 422
+        assert len(resp.text) < 5000
+    sel = {"base": TINY_SPEC, "space": {key: [1, 2]}, "trials": 2}
+    resp = stack.client.post("/api/selections", json=sel)
+    assert resp.status_code == 422 and len(resp.text) < 5000
+
+
+def test_search_spaces_are_bounded_before_expansion(stack: StackHandle) -> None:
+    deep: Any = 1
+    for _ in range(900):
+        deep = [deep]
+    sel = {"base": TINY_SPEC, "space": {"train.seed": [deep]}, "trials": 1}
+    resp = stack.client.post("/api/selections", json=sel)
+    assert resp.status_code == 422 and "nested" in resp.json()["detail"]
+    # shallow enough for the parser, still not a value any field takes
+    sel["space"] = {"train.seed": [[[[1]]]]}
+    resp = stack.client.post("/api/selections", json=sel)
+    assert resp.status_code == 422 and "each value must be" in resp.json()["detail"]
+    sel = {"base": TINY_SPEC, "space": {"train.lr": {"low": 0.001, "high": 0.1, "num": 2_000_000}}}
+    t0 = time.monotonic()
+    resp = stack.client.post("/api/selections", json={**sel, "method": "grid"})
+    assert resp.status_code == 422 and "more than the limit of 1024" in resp.json()["detail"]
+    print(f"2,000,000-point range refused in {time.monotonic() - t0:.3f}s")
+
+
+def _user(stack: StackHandle, **quota: int) -> httpx.Client:
+    resp = stack.client.post("/api/users", json={"name": f"q{secrets.token_hex(4)}", **quota})
+    assert resp.status_code == 201, resp.text
+    token = resp.json()["token"]
+    return httpx.Client(base_url=stack.base_url, timeout=30, headers={"Authorization": f"Bearer {token}"})
+
+
+def test_jobs_no_worker_could_run_are_refused_with_the_numbers(stack: StackHandle) -> None:
+    host = stack.client.get("/api/health").json()["workers"][0]["host"]
+    assert host["slots"] >= 1 and host["ram_bytes"] > 2**30
+    # the issue's 262,144-rank layout: beyond any quota and any worker
+    layout = with_(
+        model={"kind": "gpt", "layers": 4, "d_model": 4096, "heads": 64, "seq_len": 64},
+        train={**TINY_SPEC["train"], "batch_size": 4096},
+        parallel={"tensor": {"mode": "2.5d", "q": 64, "d": 64}},
+    )
+    resp = stack.client.post("/api/jobs", json=layout)
+    assert resp.status_code == 422 and "262144 ranks" in resp.json()["detail"], resp.text
+    # more ranks than the largest worker's slots, for a user whose quota would allow it
+    with _user(stack, max_ranks=1_000_000) as c:
+        q = next(q for q in range(2, 64) if q * q > host["slots"] and 64 % q == 0)
+        wide = with_(
+            model={"kind": "gpt", "layers": 2, "d_model": 64 * q, "heads": q, "seq_len": 16},
+            train={**TINY_SPEC["train"], "batch_size": q},
+            parallel={"tensor": {"mode": "2d", "q": q}},
+        )
+        resp = c.post("/api/jobs", json=wide)
+        assert resp.status_code == 422, resp.text
+        assert f"needs {q * q} ranks" in resp.json()["detail"]
+        assert f"has {host['slots']} slots" in resp.json()["detail"]
+    # a model far larger than the worker's RAM: the numbers are in the answer
+    big = with_(
+        model={"kind": "gpt", "layers": 256, "d_model": 16384, "heads": 128, "seq_len": 64},
+        train={**TINY_SPEC["train"], "batch_size": 8},
+    )
+    resp = stack.client.post("/api/jobs", json=big)
+    detail = resp.json()["detail"]
+    assert resp.status_code == 422 and "host memory" in detail and "GiB of RAM" in detail, detail
+    # batch 65,536 x seq 8,192: the activations alone
+    wide_batch = with_(
+        model={"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 8192},
+        train={**TINY_SPEC["train"], "batch_size": 65536},
+    )
+    resp = stack.client.post("/api/jobs", json=wide_batch)
+    assert resp.status_code == 422 and "activations" in resp.json()["detail"]
+
+
+def test_quota_refuses_what_never_fits_and_queues_what_must_wait(stack: StackHandle) -> None:
+    with _user(stack, max_ranks=1) as c:
+        piped = with_(parallel={"pipeline": {"stages": 2, "microbatches": 2}})
+        resp = c.post("/api/jobs", json=piped)
+        assert resp.status_code == 422 and "quota of 1 ranks" in resp.json()["detail"]
+    with _user(stack, max_running_jobs=1) as c:
+        long = {**TINY_SPEC["train"], "steps": 1_000_000}
+        first = c.post("/api/jobs", json=with_(name="first", train=long)).json()
+        stack.wait_until(first["id"], lambda j: j["status"] == "running", timeout=120)
+        second = c.post(
+            "/api/jobs", json=with_(name="second", train={**TINY_SPEC["train"], "steps": 3})
+        ).json()
+        # the worker has a free slot but the owner's quota is full: it waits, saying why
+        waiting = stack.wait_until(second["id"], lambda j: j["wait_reason"] is not None, timeout=60)
+        assert waiting["status"] == "queued"
+        assert "quota is 1" in waiting["wait_reason"]
+        assert stack.job(first["id"])["status"] == "running"
+        # when the first ends, the second is sent again and runs
+        assert c.post(f"/api/jobs/{first['id']}/cancel").status_code == 200
+        stack.wait(first["id"], ("cancelled",), timeout=120)
+        done = stack.wait(second["id"], timeout=180)
+        assert done["wait_reason"] is None
+
+
+def test_max_runtime_s_is_enforced(stack: StackHandle) -> None:
+    job = stack.submit(
+        with_(name="too-long", max_runtime_s=2, train={**TINY_SPEC["train"], "steps": 1_000_000})
+    )
+    done = stack.wait(job["id"], ("failed",), timeout=120)
+    assert "max_runtime_s (2 s)" in done["error"]

@@ -1,0 +1,155 @@
+"""Faults injected while a job trains, on a stack of this module's own (the faults would disturb
+the shared one): redis-server restarted with a stream and `shardyard follow` open, the API
+restarted under `shardyard follow`, a full disk under the job's checkpoints; and checkpoint
+pruning and deletion of a real finished job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.schemas import JobSpec
+from api.stack import Stack
+from core.broker import send_run_job
+from core.settings import Settings
+from db.engine import session_for
+from db.jobs import create_job
+from tests.conftest import StackHandle
+from tests.fullfs import full_disk
+from tests.sse import read_sse
+
+pytestmark = pytest.mark.integration
+
+# fast steps (a one-layer MLP), so a job of a few hundred steps lasts seconds, not minutes
+FAST = {
+    "name": "fast",
+    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
+    "data": {"max_chars": 20_000},
+    "train": {"steps": 100, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def ops_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
+    st = Stack(root=tmp_path_factory.mktemp("ops"), workers=1, extra_env={"SHARDYARD_SSE_KEEPALIVE_S": "1"})
+    st.start()
+    handle = StackHandle(st)
+    try:
+        yield handle
+    finally:
+        handle.client.close()
+        st.stop()
+
+
+def _follow(handle: StackHandle, job_id: int) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "SHARDYARD_API_URL": handle.base_url,
+        "SHARDYARD_TOKEN": handle.token,
+        "COLUMNS": "200",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "follow", str(job_id)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _loss_steps(frames: list) -> list[int]:
+    return [d["step"] for _, ev, d in frames if ev == "metric" and d["name"] == "loss"]
+
+
+def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None:
+    h = ops_stack
+    job = h.submit(FAST)
+    frames: list = []
+    reader = threading.Thread(
+        target=lambda: frames.extend(read_sse(h.base_url, f"/api/jobs/{job['id']}/stream", token=h.token))
+    )
+    reader.start()
+    follow = _follow(h, job["id"])
+    h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
+    h.stack.restart_redis()
+    # the restart happened mid-job, or this test would prove nothing
+    assert h.job(job["id"])["status"] == "running"
+    done = h.wait(job["id"], timeout=300)
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the stream did not close after the job ended"
+    # one connection, opened before the restart: every step exactly once, in order
+    assert _loss_steps(frames) == list(range(1, FAST["train"]["steps"] + 1))
+    assert [d["status"] for _, ev, d in frames if ev == "status"][-1] == "succeeded"
+    ids = [fid for fid, ev, _ in frames if ev == "metric"]
+    assert len(ids) == len(set(ids))
+    out, err = follow.communicate(timeout=120)
+    assert follow.returncode == 0, err
+    assert "Traceback" not in err
+    assert done["result"]["steps"] == FAST["train"]["steps"]
+
+
+def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None:
+    h = ops_stack
+    job = h.submit(FAST)
+    follow = _follow(h, job["id"])
+    h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
+    h.stack.restart_api()
+    h.wait(job["id"], timeout=300)
+    out, err = follow.communicate(timeout=120)
+    assert follow.returncode == 0, err
+    assert "reconnecting" in err and "Traceback" not in err
+    assert '"final_loss"' in out  # it saw the job to its end and printed the result
+
+
+def test_checkpoints_are_pruned_and_a_finished_job_is_deleted(ops_stack: StackHandle) -> None:
+    h = ops_stack
+    job = h.submit({**FAST, "train": {**FAST["train"], "steps": 12}, "checkpoint_every": 2})
+    h.wait(job["id"], timeout=300)
+    folder = h.stack.root / "jobs" / str(job["id"])
+    # SHARDYARD_CHECKPOINT_KEEP is unset: the newest 3 of the 6 saved stay
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == [
+        "step-00000008.pt",
+        "step-00000010.pt",
+        "step-00000012.pt",
+    ]
+    r = h.client.delete(f"/api/jobs/{job['id']}")
+    assert r.status_code == 204, r.text
+    assert not folder.exists()
+    assert h.client.get(f"/api/jobs/{job['id']}/metrics").status_code == 404
+
+
+def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
+    ops_stack: StackHandle, tmp_path: Path
+) -> None:
+    """Injects a real full disk: the job's checkpoint folder is a 64 KiB tmpfs (about 85 KB per
+    checkpoint of this model), so the trainer's first checkpoint write gets ENOSPC from the
+    kernel. Needs permission to mount (root here); without it the trainer-level test in
+    tests/trainer/test_checkpoint.py covers the same path with a file-size limit."""
+    h = ops_stack
+    spec = JobSpec.model_validate({**FAST, "train": {**FAST["train"], "steps": 6}, "checkpoint_every": 2})
+    with session_for(h.stack.database_url) as s:
+        job_id = create_job(s, name="full-disk", spec=spec.model_dump(), steps=6).id
+    mount = tmp_path / "full"
+    try:
+        cm = full_disk(mount, size_kib=64)
+        cm.__enter__()
+    except RuntimeError as e:
+        pytest.skip(f"no full disk to inject here: {e}")
+    try:
+        workdir = h.stack.root / "jobs" / str(job_id)
+        workdir.mkdir(parents=True)
+        (workdir / "checkpoints").symlink_to(mount)
+        settings = Settings(database_url=h.stack.database_url, broker_url=h.stack.broker_url)
+        send_run_job(settings, job_id=job_id, queue="cpu")
+        done = h.wait(job_id, statuses=("failed",), timeout=300)
+        left = sorted(p.name for p in mount.iterdir())
+    finally:
+        cm.__exit__(None, None, None)
+    assert "No space left on device" in done["error"], done["error"]
+    assert left == []  # no partial checkpoint, no temporary file

@@ -1,0 +1,140 @@
+"""Checkpoints are written atomically, pruned to the newest K, and a damaged file is never loaded;
+a full disk fails the trainer with the reason and leaves no partial checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fullfs import full_disk
+from trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trainer.config import JobConfig
+from trainer.loop import train
+from trainer.protocol import ListSink, NeverStop
+
+SPEC = {
+    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
+    "data": {"max_chars": 20_000},
+    "train": {"steps": 4, "batch_size": 2, "eval_every": 2, "eval_batches": 1},
+    "checkpoint_every": 2,
+}
+"""About 85 KB per checkpoint (weights, AdamW state, the zip's alignment)."""
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((256,), float(step))}}
+
+
+def test_save_is_atomic_and_prunes_to_the_newest_k(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step=step, state=_state(step), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004.pt", "step-00000005.pt"]
+    latest = latest_checkpoint(tmp_path)
+    assert latest == checkpoint_path(tmp_path, 5)
+    assert torch.equal(load_checkpoint(latest)["model"]["w"], torch.full((256,), 5.0))
+    # keep=0 keeps everything
+    for step in range(6, 9):
+        save_checkpoint(tmp_path, step=step, state=_state(step), keep=0)
+    assert len(list(tmp_path.glob("step-*.pt"))) == 5
+
+
+def test_the_keep_count_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDYARD_CHECKPOINT_KEEP", "1")
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step=step, state=_state(step))
+    assert [p.name for p in tmp_path.glob("step-*.pt")] == ["step-00000003.pt"]
+
+
+def test_truncated_and_corrupt_files_beside_good_ones_are_never_loaded(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step=step, state=_state(step), keep=0)
+    newest = checkpoint_path(tmp_path, 3)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a cut-off copy
+    middle = checkpoint_path(tmp_path, 2)
+    raw = bytearray(middle.read_bytes())
+    at = raw.index(torch.full((256,), 2.0).numpy().tobytes()[:64])  # inside the tensor's data
+    raw[at + 10] ^= 0xFF  # one flipped byte: still a complete zip, but its CRC fails
+    middle.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(middle)
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(newest)
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == [
+        "step-00000002.pt.corrupt",
+        "step-00000003.pt.corrupt",
+    ]
+    assert torch.equal(load_checkpoint(checkpoint_path(tmp_path, 1))["model"]["w"], torch.full((256,), 1.0))
+
+
+def test_the_loop_resumes_from_the_newest_intact_checkpoint(tmp_path: Path) -> None:
+    job = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 4}})
+    train(job, sink=ListSink(), stop=NeverStop(), checkpoint_dir=tmp_path)
+    newest = latest_checkpoint(tmp_path)
+    assert newest == checkpoint_path(tmp_path, 4)
+    newest.write_bytes(newest.read_bytes()[:-100])  # the end of the archive is gone
+    sink = ListSink()
+    job6 = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 6}})
+    result = train(job6, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path)
+    assert any("resumed from step-00000002.pt at step 2" in m for m in sink.logs), sink.logs
+    assert [s for s, n, _ in sink.metrics if n == "loss"] == [3, 4, 5, 6]
+    assert result["steps"] == 6
+
+
+def _run_trainer(
+    tmp_path: Path, ckpt_dir: Path, *, fsize_limit: int | None = None
+) -> tuple[int, list[dict], str]:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+
+    def limit() -> None:
+        if fsize_limit is not None:
+            # the fallback where no tmpfs can be mounted: a file-size limit on the trainer alone
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "--spec", str(spec), "--checkpoint-dir", str(ckpt_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,  # noqa: PLW1509 - only a signal disposition and an rlimit
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    return done.returncode, lines, done.stderr
+
+
+def test_a_full_disk_fails_the_trainer_with_the_reason_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    """Injects a real full disk: the checkpoint folder is a 64 KiB tmpfs, smaller than one
+    checkpoint of this model, so the kernel answers the write with ENOSPC. Where mounting is not
+    permitted, a 64 KiB RLIMIT_FSIZE on the trainer process stands in (EFBIG instead of ENOSPC)."""
+    ckpt = tmp_path / "ckpt"
+    try:
+        with full_disk(ckpt, size_kib=64):
+            rc, lines, stderr = _run_trainer(tmp_path, ckpt)
+            left = sorted(p.name for p in ckpt.iterdir())
+        reason = "No space left on device"
+    except RuntimeError:
+        rc, lines, stderr = _run_trainer(tmp_path, ckpt, fsize_limit=64 * 1024)
+        left = sorted(p.name for p in ckpt.iterdir())
+        reason = "File too large"
+    assert rc == 1, stderr[-2000:]
+    errors = [ln["message"] for ln in lines if ln["kind"] == "error"]
+    assert len(errors) == 1 and reason in errors[0], (errors, stderr[-2000:])
+    assert [ln["step"] for ln in lines if ln["kind"] == "metric" and ln["name"] == "loss"] == [1, 2]
+    assert left == []  # neither a partial step-*.pt nor the temporary file

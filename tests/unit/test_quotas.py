@@ -1,0 +1,98 @@
+"""Per-user quotas at claim time, against real SQLite and Postgres (migrated by Alembic)."""
+
+from __future__ import annotations
+
+import threading
+
+from db import jobs as dbj
+from db.engine import session_for
+from db.quotas import quota_gate, waiting_jobs
+from db.users import create_user
+
+DEFAULTS = {"running_jobs": 4, "ranks": 64, "gpus": 8}
+
+
+def _jobs(url: str, owner_id: int, n: int, **kw) -> list[int]:
+    with session_for(url) as s:
+        return [
+            dbj.create_job(s, name=f"j{i}", spec={"train": {"steps": 1}}, owner_id=owner_id, **kw).id
+            for i in range(n)
+        ]
+
+
+ATTEMPTS: dict[int, dbj.Attempt] = {}
+
+
+def _gate_and_claim(url: str, job_id: int) -> str | None:
+    with session_for(url) as s:
+        reason = quota_gate(s, job_id=job_id, defaults=DEFAULTS)
+        if reason is None:
+            attempt = dbj.claim_job(s, job_id=job_id, owner=f"w{job_id}", worker="w", lease_s=60)
+            assert attempt is not None
+            ATTEMPTS[job_id] = attempt
+        return reason
+
+
+def _finish(s, job_id: int) -> None:  # noqa: ANN001
+    assert dbj.finish_job(s, attempt=ATTEMPTS[job_id], status=dbj.JobStatus.succeeded) is not None
+
+
+def test_over_quota_waits_with_the_reason_then_runs(db_url: str) -> None:
+    with session_for(db_url) as s:
+        uid = create_user(s, name="ann", max_running_jobs=1).id
+    first, second = _jobs(db_url, uid, 2)
+    assert _gate_and_claim(db_url, first) is None
+    reason = _gate_and_claim(db_url, second)
+    assert reason == "1 of ann's jobs are running, the quota is 1"
+    with session_for(db_url) as s:
+        job = dbj.get_job(s, second)
+        assert (job.status, job.wait_reason) == ("queued", reason)
+        assert waiting_jobs(s, owner_id=uid) == [(second, "cpu")]
+        _finish(s, first)
+    assert _gate_and_claim(db_url, second) is None
+    with session_for(db_url) as s:
+        job = dbj.get_job(s, second)
+        assert (job.status, job.wait_reason) == ("running", None)
+
+
+def test_ranks_and_gpus_count_across_running_jobs(db_url: str) -> None:
+    with session_for(db_url) as s:
+        uid = create_user(s, name="bo", max_ranks=4, max_gpus=1).id
+    (a,) = _jobs(db_url, uid, 1, world_size=3)
+    (b,) = _jobs(db_url, uid, 1, world_size=2)
+    assert _gate_and_claim(db_url, a) is None
+    assert "use 3 ranks; this one needs 2 more, the quota is 4" in _gate_and_claim(db_url, b)
+    with session_for(db_url) as s:
+        _finish(s, a)
+        g1 = dbj.create_job(s, name="g1", spec={"resources": {"gpus": 1}}, owner_id=uid).id
+        g2 = dbj.create_job(s, name="g2", spec={"resources": {"device": "cuda"}}, owner_id=uid).id
+    assert _gate_and_claim(db_url, g1) is None
+    assert "use 1 GPU(s); this one needs 1 more, the quota is 1" in _gate_and_claim(db_url, g2)
+
+
+def test_racing_workers_never_exceed_the_quota(db_url: str) -> None:
+    with session_for(db_url) as s:
+        uid = create_user(s, name="cy", max_running_jobs=2).id
+    ids = _jobs(db_url, uid, 6)
+    barrier = threading.Barrier(len(ids))
+    started: list[int] = []
+
+    def race(job_id: int) -> None:
+        barrier.wait()
+        if _gate_and_claim(db_url, job_id) is None:
+            started.append(job_id)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(started) == 2
+    with session_for(db_url) as s:
+        assert len(waiting_jobs(s, owner_id=uid)) == 4
+
+
+def test_jobs_without_an_owner_have_no_quota(db_url: str) -> None:
+    with session_for(db_url) as s:
+        job_id = dbj.create_job(s, name="old", spec={}).id
+    assert _gate_and_claim(db_url, job_id) is None

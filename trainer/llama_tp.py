@@ -1,0 +1,126 @@
+"""1-D (Megatron) tensor-parallel versions of the Llama recipe's layers (trainer/llama.py), built
+from trainer/tensor/layers_1d.py's column and row linears.
+
+Attention splits query heads and key/value heads in contiguous blocks (rank r holds query heads
+r*H/s.. and exactly the key/value heads they read, because H/s is a multiple of H/G); SwiGLU splits
+its hidden width (gate and up by column, proj by row); RMSNorm is replicated; the token table and
+the output head split the vocabulary. Per block: one forward all-reduce per sub-block, and in
+backward one all-reduce per column linear's input gradient (q, k, v; gate, up).
+2-D and 2.5-D have no Llama form here (refused by jobrules/models.py's tensor_problems).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.llama import GQAttention, LlamaBlock, LlamaHead, RMSNorm, SwiGLU, TokenEmbedding, attend
+from trainer.tensor import comm
+from trainer.tensor.layers_1d import ColumnLinear, RowLinear, Slicer, block_of, param
+from trainer.tensor.mesh import Mesh1D
+
+
+class RMSNorm1D(nn.Module):
+    """Replicated: every rank normalises the full x_BTD."""
+
+    def __init__(self, dense: RMSNorm, *, mesh: Mesh1D) -> None:
+        super().__init__()
+        self.eps = dense.eps
+        self.weight = param(dense.weight, replicas=mesh.size)
+        self.slicers: dict[str, Slicer] = {"weight": lambda t: t}
+
+    forward = RMSNorm.forward
+
+
+class GQAttention1D(nn.Module):
+    def __init__(self, dense: GQAttention, *, mesh: Mesh1D, name: str) -> None:
+        super().__init__()
+        self.head_dim = dense.head_dim
+        self.q = ColumnLinear(dense.q, mesh=mesh, name=f"{name}.q")
+        self.k = ColumnLinear(dense.k, mesh=mesh, name=f"{name}.k")
+        self.v = ColumnLinear(dense.v, mesh=mesh, name=f"{name}.v")
+        self.proj = RowLinear(dense.proj, mesh=mesh, name=f"{name}.proj")
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.proj(attend(self.q(x_BTD), self.k(x_BTD), self.v(x_BTD), head_dim=self.head_dim))
+
+
+class SwiGLU1D(nn.Module):
+    def __init__(self, dense: SwiGLU, *, mesh: Mesh1D, name: str) -> None:
+        super().__init__()
+        self.gate = ColumnLinear(dense.gate, mesh=mesh, name=f"{name}.gate")
+        self.up = ColumnLinear(dense.up, mesh=mesh, name=f"{name}.up")
+        self.proj = RowLinear(dense.proj, mesh=mesh, name=f"{name}.proj")
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
+
+
+class LlamaBlock1D(nn.Module):
+    def __init__(self, dense: LlamaBlock, *, mesh: Mesh1D, name: str) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm1D(dense.attn_norm, mesh=mesh)
+        self.attn = GQAttention1D(dense.attn, mesh=mesh, name=f"{name}.attn")
+        self.mlp_norm = RMSNorm1D(dense.mlp_norm, mesh=mesh)
+        self.mlp = SwiGLU1D(dense.mlp, mesh=mesh, name=f"{name}.mlp")
+
+    forward = LlamaBlock.forward
+
+
+class TokenEmbedding1D(nn.Module):
+    """Token table split over the vocabulary; one all-reduce assembles x_BTD."""
+
+    def __init__(self, dense: TokenEmbedding, *, mesh: Mesh1D, name: str) -> None:
+        super().__init__()
+        self.mesh, self.name = mesh, name
+        vocab = dense.tok.weight.shape[0]
+        self.lo, self.hi = mesh.rank * vocab // mesh.size, (mesh.rank + 1) * vocab // mesh.size
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return block_of(t, dim=0, index=mesh.rank, parts=mesh.size)
+
+        self.tok = nn.Module()
+        self.tok.weight = param(cut(dense.tok.weight), replicas=1)
+        self.slicers: dict[str, Slicer] = {"tok.weight": cut}
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        mine_BT = (idx_BT >= self.lo) & (idx_BT < self.hi)
+        local_BT = torch.where(mine_BT, idx_BT - self.lo, 0)
+        x_BTD = F.embedding(local_BT, self.tok.weight) * mine_BT.unsqueeze(-1)
+        return comm.reduce_from(x_BTD, group=self.mesh.group, layer=self.name)
+
+
+class LlamaHead1D(nn.Module):
+    """Replicated RMSNorm; vocabulary projection split over the vocabulary. Like GPT's Head1D, the
+    output is this rank's vocabulary block of the logits (for the vocab-parallel loss) unless
+    `gather`, which all-gathers whole rows."""
+
+    def __init__(self, dense: LlamaHead, *, mesh: Mesh1D, name: str, gather: bool = False) -> None:
+        super().__init__()
+        self.mesh, self.name, self.gather = mesh, name, gather
+        self.norm = RMSNorm1D(dense.norm, mesh=mesh)
+        self.out = ColumnLinear(dense.out, mesh=mesh, name=f"{name}.out")
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        logits_BTv = self.out(self.norm(x_BTD))
+        if not self.gather:
+            return logits_BTv
+        return comm.gather_last(logits_BTv, group=self.mesh.group, layer=self.name)
+
+
+def shard_llama_layer(
+    layer: nn.Module, *, mesh: object, name: str, gather_logits: bool = False
+) -> nn.Module | None:
+    """The 1-D version of a Llama layer; None when `layer` is not one."""
+    kinds = {TokenEmbedding: TokenEmbedding1D, LlamaBlock: LlamaBlock1D, LlamaHead: LlamaHead1D}
+    cls = kinds.get(type(layer))
+    if cls is None:
+        return None
+    if not isinstance(mesh, Mesh1D):
+        raise TypeError(
+            f"{type(layer).__name__} has a 1-D tensor-parallel form only (parallel.tensor.mode 1d)"
+        )
+    if cls is LlamaHead1D:
+        return LlamaHead1D(layer, mesh=mesh, name=name, gather=gather_logits)
+    return cls(layer, mesh=mesh, name=name)

@@ -1,0 +1,186 @@
+"""The one supervision path for a trainer process, a job's or a selection group's: launch it in
+its own session, read its stdout protocol lines (core/messages.py) into a callback, keep its
+stderr, and run one stop watcher that asks it to stop (the stop file), then kills it after a
+grace. It never outlives `supervise`.
+
+Warm shutdown: SIGTERM to the pool process sets DRAIN (see workers/tasks.py); the watcher then asks
+the trainer to stop and checkpoint, and kills it after `shutdown_grace_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from core.messages import Message, parse_line
+from workers.limits import apply_memory_limit
+
+log = logging.getLogger(__name__)
+
+DRAIN = threading.Event()
+"""Set when this worker process is shutting down warm: every trainer it runs stops and checkpoints."""
+
+
+class Ask(Enum):
+    """What the stop poll wants: nothing, a clean stop at the next step, or the process gone now."""
+
+    none = 0
+    stop = 1
+    kill = 2
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What supervision learned besides the lines: the first error line, the stderr tail, and
+    why the process was stopped or killed (None when it ended on its own)."""
+
+    error: str | None = None
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
+    stopped: str | None = None
+    """"stop" (asked to stop, e.g. a cancel), "drain" (warm shutdown), "kill" (fenced off or gave
+    up on the database)"""
+
+    def failure(self, rc: int) -> str:
+        tail = "\n".join(list(self.stderr_tail)[-5:])
+        return self.error or f"trainer exited with code {rc}" + (f": {tail}" if tail else "")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: own session (so a stop can kill torchrun and its ranks as one
+    group), and SIGKILL when the worker process that launched it dies (Linux), so a killed worker
+    never leaves a trainer running unsupervised; its job's lease then runs out."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome) -> None:
+    assert proc.stderr is not None
+    with path.open("a") as f:
+        for line in proc.stderr:
+            f.write(line)
+            out.stderr_tail.append(line.rstrip())
+
+
+def _watch(
+    proc: subprocess.Popen[str],
+    *,
+    poll: Callable[[], Ask],
+    stop_file: Path,
+    grace_s: float,
+    shutdown_grace_s: float,
+    out: Outcome,
+    done: threading.Event,
+) -> None:
+    """Every 0.5 s: ask `poll`; a stop touches the stop file (the trainer leaves at its next step
+    boundary, checkpointing), and after the grace the process group gets SIGKILL."""
+    deadline: float | None = None
+    while not done.wait(0.5):
+        try:
+            ask = poll()
+        except Exception:  # noqa: BLE001 - a locked database this tick: ask again next tick
+            log.exception("stop poll failed")
+            ask = Ask.none
+        if DRAIN.is_set() and out.stopped is None:
+            out.stopped, ask = "drain", Ask.stop
+        if ask == Ask.kill:
+            out.stopped = "kill"
+            kill_group(proc, signal.SIGKILL)
+            return
+        if ask == Ask.stop and deadline is None:
+            out.stopped = out.stopped or "stop"
+            stop_file.touch()
+            deadline = time.monotonic() + (shutdown_grace_s if out.stopped == "drain" else grace_s)
+        if deadline is not None and time.monotonic() > deadline:
+            log.warning("trainer %s did not stop within its grace: killed", proc.pid)
+            kill_group(proc, signal.SIGKILL)
+            return
+
+
+def supervise(
+    cmd: list[str],
+    *,
+    on_message: Callable[[Message], None],
+    poll: Callable[[], Ask],
+    stop_file: Path,
+    stderr_log: Path,
+    grace_s: float,
+    shutdown_grace_s: float,
+    out: Outcome,
+    memory_limit: int | None = None,
+) -> int:
+    """Run `cmd` to its end; every stdout line goes to `on_message` in order (this thread), the
+    first `error` line is kept in `out`. Returns the exit code; the process group never outlives
+    this call. `memory_limit`: the process's address-space limit (workers/limits.py)."""
+    stop_file.unlink(missing_ok=True)
+
+    def preexec() -> None:
+        _die_with_parent()
+        apply_memory_limit(memory_limit)
+
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
+    )
+    done = threading.Event()
+    threads = [
+        threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out), daemon=True),
+        threading.Thread(
+            target=_watch,
+            kwargs={
+                "proc": proc,
+                "poll": poll,
+                "stop_file": stop_file,
+                "grace_s": grace_s,
+                "shutdown_grace_s": shutdown_grace_s,
+                "out": out,
+                "done": done,
+            },
+            daemon=True,
+        ),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            msg = parse_line(line)
+            if msg is None:
+                continue
+            if msg.kind == "error" and out.error is None:
+                out.error = msg.message
+            on_message(msg)
+        return proc.wait()
+    finally:
+        done.set()
+        if proc.poll() is None:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+        kill_group(proc, signal.SIGKILL)  # ranks torchrun left behind, if any
+        for t in threads:
+            t.join(timeout=5)
