@@ -213,7 +213,7 @@ def real_jitter_rows(*, steps: int = 6, base_s: float = 0.01) -> list[dict[str, 
 
 
 # ---- against torch.distributed.pipelining, and the split backward executed --------------------
-VS_CFG = {"kind": "gpt", "layers": 6, "d_model": 128, "heads": 4, "seq_len": 64}
+VS_CFG = {"kind": "gpt", "layers": 6, "d_model": 128, "heads": 4, "seq_len": 64, "vocab_size": 128}
 VS_BATCH = 16
 
 
@@ -300,7 +300,7 @@ def _split_rank(rank: int, world: int, N: int, steps: int, base_s: float) -> dic
 
     cfg = ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
     g = torch.Generator().manual_seed(0)
-    window = torch.randint(0, cfg.vocab_size, (N, cfg.seq_len + 1), generator=g)
+    window = torch.randint(0, cfg.vocab_size or 128, (N, cfg.seq_len + 1), generator=g)
     x, y = window[:, :-1], window[:, 1:]
     out: dict[str, list[float]] = {}
     for name in ("1f1b", "chimera", "chimera-zb"):
