@@ -233,14 +233,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_fail(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
     console.print(f"job {job['id']}: {job['status']} ({job['error']})")
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    with _client(args.api) as c:
+    with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/requeue", json={"reason": args.reason}))
     console.print(f"job {job['id']}: {job['status']}, resumes from its latest checkpoint")
     return 0
@@ -318,7 +318,9 @@ def cmd_stack(args: argparse.Namespace) -> int:
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(args.root)
-    shutdown_s = get_settings().stack_shutdown_s
+    # the workers' warm shutdown kills trainers that have not checkpointed after the grace;
+    # wait that long plus time for the worker to write the jobs back and exit
+    shutdown_s = get_settings().shutdown_grace_s + 30
     stack = Stack(root=root, api_port=args.port, workers=args.workers, shutdown_s=shutdown_s)
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"

@@ -43,9 +43,9 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
     itself is never echoed (it may be megabytes); at most 20 problems are listed."""
     errors = []
     for err in exc.errors()[:20]:
-        msg = clip(err["msg"].removeprefix("Value error, "))
+        msg = clip(err["msg"].removeprefix("Value error, "), 1000)
         errors.append({"field": _field(tuple(err["loc"])), "message": msg, "type": err["type"]})
-    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 2000)
+    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 4000)
     return JSONResponse(status_code=422, content={"detail": detail, "errors": errors})
 
 
@@ -106,14 +106,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.stream_slots = StreamSlots(settings.sse_max_per_client)
     app.dependency_overrides[get_settings] = lambda: settings
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     # infrastructure faults answer 503 with the reason instead of 500
     app.add_exception_handler(DbError, _database_error)
     app.add_exception_handler(PoolTimeout, _pool_exhausted)
     app.add_exception_handler(RedisError, _broker_error)
     app.add_exception_handler(BrokerError, _broker_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    # the last added runs first: a foreign Host is refused before a body is read
-    app.add_middleware(RequestLimits, max_body_bytes=settings.max_body_bytes)
+    # the last added runs first: a foreign Host is refused before a body is read; workspace
+    # uploads are archives, bounded by their own limit (api/routes/workspaces.py)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        raw_paths=(r"^/api/workspaces/?$",),
+        max_raw_bytes=int(settings.workspace_max_mb * 2**20),
+    )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     app.include_router(users.router)
     app.include_router(health.router)

@@ -242,13 +242,18 @@ class Stack:
         return self
 
     def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
-        """Stop one process of the stack (tests stop redis-server to see the rest cope)."""
+        """Stop one process of the stack (tests stop redis-server to see the rest cope); SIGKILL
+        after `timeout_s`, or at once if we are interrupted while waiting."""
         proc = self.procs.pop(name)
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
@@ -286,11 +291,16 @@ class Stack:
 
     def stop(self) -> None:
         """Workers first (warm), then the API, then redis-server, which the workers' last writes
-        and messages may still need."""
-        self._warm_stop_workers()
-        for name in reversed(list(self.procs)):
-            # SIGTERM is uvicorn's graceful stop and redis's clean exit
-            self.stop_process(name)
+        and messages may still need. Whatever interrupts this (a second Ctrl-C or SIGTERM) still
+        leaves no process behind: the rest are killed."""
+        try:
+            self._warm_stop_workers()
+            for name in reversed(list(self.procs)):
+                # SIGTERM is uvicorn's graceful stop and redis's clean exit
+                self.stop_process(name)
+        finally:
+            for name in list(self.procs):
+                self.stop_process(name, sig=signal.SIGKILL)
 
     def __enter__(self) -> Stack:
         return self.start()

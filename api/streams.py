@@ -11,14 +11,13 @@ import threading
 from collections.abc import AsyncIterator
 
 from fastapi import HTTPException, Request, status
+from sqlalchemy.orm import Session
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 
-def client_key(request: Request) -> str:
-    """Whom a stream counts against: the signed-in user once the request carries one, else the
-    peer address."""
-    user = getattr(request.state, "user", None)
+def client_key(request: Request, user: object | None = None) -> str:
+    """Whom a stream counts against: the signed-in user, else the peer address."""
     if user is not None:
         return f"user:{getattr(user, 'id', user)}"
     return f"addr:{request.client.host if request.client else 'unknown'}"
@@ -77,10 +76,21 @@ class SseResponse(StreamingResponse):
                 await aclose()
 
 
-def open_stream(request: Request, body_factory) -> SseResponse:  # noqa: ANN001 - () -> AsyncIterator[str]
-    """The stream `body_factory()` makes, or 429 when this client already has its cap open."""
+def open_stream(
+    request: Request,
+    body_factory,  # noqa: ANN001 - () -> AsyncIterator[str]
+    *,
+    session: Session | None = None,
+    user: object | None = None,
+) -> SseResponse:
+    """The stream `body_factory()` makes, or 429 when this client (`user`) already has its cap
+    open. `session` is the request's own (the sign-in check read the user with it): it is closed
+    here, before the stream starts, because a request-scoped session lives until the response
+    ends, and a stream that kept its connection for hours would starve the pool."""
+    if session is not None:
+        session.close()
     slots: StreamSlots = request.app.state.stream_slots
-    key = client_key(request)
+    key = client_key(request, user)
     if not slots.acquire(key):
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS,

@@ -8,7 +8,8 @@ Rows:
    estimates; the largest model of each mode is then really trained for 2 steps with a strict
    device ledger. On CPU "trainable" means: the ledger's peak stayed under the budget (there is no
    device allocator to ask); on CUDA the allocator's peak is reported beside it.
-2. device bytes per parameter with the offloaded optimizer (ledger entries / parameter count).
+2. device bytes per parameter with the offloaded optimizer, measured by a census of the storages the
+   kernels of a real training step compute on (tests/device_census.py), beside the ledger's peak.
 3. throughput of spilled relative to resident training on a model that fits both ways, with
    prefetch off and on. On CPU this measures the engine's own overhead (copies between separate
    host and "device" buffers, bookkeeping, and the recompute of every shard but the last); there is
@@ -20,6 +21,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import statistics
 import time
@@ -27,7 +29,8 @@ from typing import Any
 
 import torch
 
-from bench.common import machine, table, write_results
+from bench.common import RESULTS, machine, table, write_results
+from tests.device_census import DeviceCensus, Seen
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, load_data
 from trainer.loop import build_optimizer
@@ -158,8 +161,31 @@ def _param_counts(mcfg: ModelConfig) -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
 
+def census_of_step(engine: SpillEngine, stream: BatchStream) -> tuple[DeviceCensus, list[list[Seen]]]:
+    """A census (tests/device_census.py) of the storages the kernels of the engine's second
+    training step compute on, with a snapshot of the live ones right after each optimizer step of a
+    shard (parameters, gradients and bucket buffers are all held then)."""
+    assert engine.opt is not None
+    engine.train_step(*stream.batch_for(0))
+    snaps: list[list[Seen]] = []
+    step_group = engine.opt.step_group
+
+    def watched(*args: Any, **kwargs: Any) -> None:
+        step_group(*args, **kwargs)
+        snaps.append(census.live())
+
+    engine.opt.step_group = watched  # type: ignore[method-assign]
+    try:
+        with DeviceCensus(engine.device) as census:
+            engine.train_step(*stream.batch_for(1))
+    finally:
+        del engine.opt.step_group  # back to the class's method
+    return census, snaps
+
+
 def bytes_per_param_rows(*, device: torch.device) -> list[dict[str, Any]]:
-    """Device bytes/param of the offloaded optimizer, model resident (one shard) and spilled."""
+    """Device bytes/param of the offloaded optimizer, model resident (one shard) and spilled,
+    measured by a census of the storages a real step computes on (not read from the ledger)."""
     rows = []
     for layers, d in ((8, 256), (8, 512)):
         mcfg = gpt(d, layers=layers)
@@ -173,21 +199,21 @@ def bytes_per_param_rows(*, device: torch.device) -> list[dict[str, Any]]:
             plan = partition(costs, budget_bytes=None, prefetch=True, cuts=cuts)
             ledger = DeviceLedger()
             engine = SpillEngine(
-                model, plan=plan, train=TrainConfig(steps=1), device=device, ledger=ledger, offload=BF16
+                model, plan=plan, train=TrainConfig(steps=2), device=device, ledger=ledger, offload=BF16
             )
-            stream = stream_for(mcfg, SEARCH_BATCH)
-            engine.train_step(*stream.batch_for(0))
-            params_grads = sum(s.numel * 2 * 2 for s in engine.shards)
-            buckets = ledger.entries.get("offload.buckets", 0)
+            census, snaps = census_of_step(engine, stream_for(mcfg, SEARCH_BATCH))
+            low = max(sum(s.nbytes for s in snap if s.dtype == torch.bfloat16) for snap in snaps)
+            held = max(sum(s.nbytes for s in snap) for snap in snaps)
             rows.append(
                 {
                     "model": f"gpt L{layers} d{d}",
                     "params_M": n / 1e6,
                     "shards": cuts_mode,
-                    "params+grads B/param": params_grads / n,
-                    "with buckets B/param": (params_grads + buckets) / n if cuts_mode == "one shard" else "",
+                    "bf16 params+grads B/param": low / n,
+                    "all held at a step B/param": held / n,
+                    "fp32 held B/param": census.alive_bytes(torch.float32) / n,
+                    "census peak B/param": census.peak_bytes / n,
                     "ledger peak B/param": ledger.peak / n,
-                    "note": "peak includes activations of one batch" if cuts_mode == "one shard" else "",
                 }
             )
             engine.release()
@@ -346,6 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.memory")
     ap.add_argument("--budget-mb", type=float, default=16.0)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per throughput variant")
+    ap.add_argument(
+        "--only-bytes-per-param",
+        action="store_true",
+        help="measure only row 2 and replace it in the existing results file (stamped with its own time)",
+    )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     # one intra-op thread: the machine is shared, and a fixed thread count keeps the resident and
@@ -353,6 +384,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     cpu = torch.device("cpu")
+
+    if args.only_bytes_per_param:
+        bpp = bytes_per_param_rows(device=cpu)
+        print(table(bpp, title="Device bytes per parameter with the offloaded optimizer (bf16), census"))
+        path = RESULTS / "memory.json"
+        doc = json.loads(path.read_text())
+        doc["offload_bytes_per_param"] = bpp
+        doc["offload_bytes_per_param_run"] = {
+            "machine": machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"updated offload_bytes_per_param in {path}")
+        return
 
     t0 = time.perf_counter()
     largest = largest_rows(budget_mb=args.budget_mb, device=cpu)
@@ -365,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     bpp = bytes_per_param_rows(device=cpu)
-    print(table(bpp, title="Device bytes per parameter with the offloaded optimizer (bf16)"))
+    print(table(bpp, title="Device bytes per parameter with the offloaded optimizer (bf16), census"))
     cpu_tp = throughput_rows(device=cpu, steps=args.steps, gpu=False)
     print(table(cpu_tp, title="Throughput on CPU (engine overhead incl. recompute; no side stream on CPU)"))
 

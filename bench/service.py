@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 import time
@@ -36,6 +37,11 @@ TINY = {
 }
 
 
+def _auth(stack: Stack) -> dict[str, str]:
+    """Every request is authenticated as the stack's admin (a token lookup per request)."""
+    return {"Authorization": f"Bearer {stack.admin_token}"}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
@@ -43,7 +49,9 @@ def pct(xs: list[float], q: float) -> float:
 
 def bench_submits(stack: Stack, n: int, threads: int) -> dict:
     """POST /api/jobs from `threads` keep-alive clients; no worker consumes meanwhile."""
-    clients = [httpx.Client(base_url=stack.base_url, timeout=30) for _ in range(threads)]
+    clients = [
+        httpx.Client(base_url=stack.base_url, timeout=30, headers=_auth(stack)) for _ in range(threads)
+    ]
     for c in clients:  # warm connections and the app
         c.post("/api/jobs", json=TINY).raise_for_status()
     per = n // threads
@@ -77,7 +85,7 @@ def bench_latency(stack: Stack, n: int) -> dict:
     """Sequential tiny jobs on a warm worker: created_at -> started_at (both stamped by the db
     writers on this machine's clock)."""
     lat = []
-    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+    with httpx.Client(base_url=stack.base_url, timeout=30, headers=_auth(stack)) as c:
         for i in range(n + 1):
             job = c.post("/api/jobs", json=TINY).json()
             while True:
@@ -133,7 +141,10 @@ def bench_sse(stack: Stack, settings: Settings, n: int) -> dict:
 
     def client() -> None:
         with httpx.stream(
-            "GET", f"{stack.base_url}/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=60)
+            "GET",
+            f"{stack.base_url}/api/jobs/{job_id}/stream",
+            headers=_auth(stack),
+            timeout=httpx.Timeout(10, read=60),
         ) as r:
             ready.set()
             event = None
@@ -184,6 +195,7 @@ def main() -> None:
     ap.add_argument("--sse", type=int, default=300)
     args = ap.parse_args()
 
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(root=Path(tmp), workers=0)
         with stack:
@@ -245,8 +257,11 @@ def main() -> None:
             rows, title="Shardyard service benchmark (embedded stack: SQLite, local redis-server, 1 worker)"
         )
     )
+    # the machine is shared: its load while this ran says how far the numbers can be compared
+    extra = {"auth": "bearer token on every request", "load_avg_1m": load}
     path = write_results(
-        "service", {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse}
+        "service",
+        {"rows": rows, "submit": submit, "latency": latency, "ingest": ingest, "sse": sse, **extra},
     )
     print(f"wrote {path}")
 

@@ -37,6 +37,12 @@ from trainer.tensor.accounting import (
 B, T, D, H, RATIO = 32, 4, 128, 16, 4
 SHAPE = BlockShape(N=B * T, D=D, F=RATIO * D)
 
+# The regime where 2.5d should send least (see regime_rows): P = 16, N/h >= 4. The smallest block
+# that every P = 16 layout can shard: h = 32 with 16 heads (1d splits heads 16 ways), F = 4h;
+# batch x sequence 8 x 16 (N/h = 4) and 16 x 16 (N/h = 8), batches divisible by d*q = 8.
+REGIME_H, REGIME_HEADS = 32, 16
+REGIME_BT = [(8, 16), (16, 16)]
+
 SPAWNED: dict[int, list[TensorConfig]] = {
     4: [TensorConfig(mode="1d", size=4), TensorConfig(mode="2d", q=2)],
     8: [TensorConfig(mode="1d", size=8), TensorConfig(mode="2.5d", q=2, d=2)],
@@ -59,39 +65,70 @@ def _key(t: TensorConfig) -> str:
 # ---- inside each rank --------------------------------------------------------------------------
 
 
-def _measure(rank: int, world_size: int, configs: list[TensorConfig]) -> dict[str, Any]:
+def socket_bytes() -> int:
+    """Bytes this process has written through write(2)/writev(2), sockets included (Linux
+    /proc/self/io `wchar`): gloo's TCP transport writes every message that way, so the difference
+    over a window with no file or console output is what this rank put on the wire, headers
+    included, under gloo's real algorithms (ring all-reduce, binomial-tree broadcast, ...)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def _block_ledger(records: dict) -> dict[str, dict[str, tuple[int, int, Fraction]]]:
+    by_layer: dict[str, dict[str, tuple[int, int, Fraction]]] = {}
+    for (layer, phase, _), c in records.items():
+        entry = by_layer.setdefault(layer, {})
+        calls, payload, sent = entry.get(phase, (0, 0, Fraction(0)))
+        entry[phase] = (calls + c.calls, payload + c.payload, sent + c.sent)
+    return by_layer
+
+
+def _measure(
+    rank: int, world_size: int, configs: list[TensorConfig], regime: list[tuple[int, int]] | None = None
+) -> dict[str, Any]:
+    """Per config: the main shape's block + one square linear (ledger), and, for each (B, T) of
+    `regime`, a block of hidden size REGIME_H (ledger and socket bytes, fwd + bwd)."""
+    import torch.distributed as dist
     from torch import nn
 
     from trainer.models import Block
     from trainer.tensor import comm, layers_1d, layers_25d
-    from trainer.tensor.block import shard_block
+    from trainer.tensor.block import local_batch, shard_block
     from trainer.tensor.mesh import Mesh1D, grid_mesh_from_config
 
     torch.manual_seed(0)
     dense = Block(d_model=D, heads=H, mlp_ratio=RATIO)
     square = nn.Linear(D, D, bias=False)
     x_BTD = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
-    out: dict[str, Any] = {}
+    small = Block(d_model=REGIME_H, heads=REGIME_HEADS, mlp_ratio=RATIO)
+    out: dict[str, Any] = {"regime": {}}
     for tensor in configs:
         mesh = grid_mesh_from_config(tensor)
+
+        def shard(t: torch.Tensor, mesh: Any = mesh) -> torch.Tensor:
+            if isinstance(mesh, Mesh1D):
+                return t
+            return layers_25d.cols_of(local_batch(t, mesh=mesh), mesh)
+
+        x_local = shard(x_BTD)
         if isinstance(mesh, Mesh1D):
-            x_local = x_BTD
             lin = layers_1d.RowLinear(square, mesh=mesh, name="lin")
             lin_in = layers_1d.block_of(x_BTD, dim=-1, index=mesh.rank, parts=mesh.size)
         else:
-            x_local = layers_25d.cols_of(layers_25d.rows_of(x_BTD, mesh), mesh)
             lin = layers_25d.LinearGrid(square, mesh=mesh, name="lin")
             lin_in = x_local
         block = shard_block(dense, mesh=mesh, name="blk")
         comm.LEDGER.reset()
+        dist.barrier()
+        w0 = socket_bytes()
         y = block(x_local.clone().requires_grad_())
         y.square().sum().backward()
+        w1 = socket_bytes()
+        dist.barrier()
         lin(lin_in.clone().requires_grad_()).sum().backward()
-        by_layer: dict[str, dict[str, tuple[int, int, Fraction]]] = {}
-        for (layer, phase, _), c in comm.LEDGER.records.items():
-            entry = by_layer.setdefault(layer, {})
-            calls, payload, sent = entry.get(phase, (0, 0, Fraction(0)))
-            entry[phase] = (calls + c.calls, payload + c.payload, sent + c.sent)
         depth = sum(
             (
                 c.sent
@@ -101,11 +138,26 @@ def _measure(rank: int, world_size: int, configs: list[TensorConfig]) -> dict[st
             Fraction(0),
         )
         out[_key(tensor)] = {
-            "by_layer": by_layer,
+            "by_layer": _block_ledger(comm.LEDGER.records),
+            "socket_bytes": w1 - w0,
             "param_bytes": sum(p.numel() * p.element_size() for p in block.parameters()),
             "act_bytes": x_local.numel() * x_local.element_size(),
             "linear_depth_sent": depth if tensor.mode != "1d" else Fraction(0),
         }
+        small_tp = shard_block(small, mesh=mesh, name="blk")
+        for b, t in regime or []:
+            x = torch.randn(b, t, REGIME_H, generator=torch.Generator().manual_seed(2))
+            x_local = shard(x).clone().requires_grad_()
+            comm.LEDGER.reset()
+            dist.barrier()
+            w0 = socket_bytes()
+            small_tp(x_local).square().sum().backward()
+            w1 = socket_bytes()
+            dist.barrier()
+            out["regime"][f"{_key(tensor)}|{b}x{t}"] = {
+                "by_layer": _block_ledger(comm.LEDGER.records),
+                "socket_bytes": w1 - w0,
+            }
     return out
 
 
@@ -168,7 +220,10 @@ def block_row(
     params, acts = dense_block_bytes(SHAPE)
     p_bytes = block_param_bytes(tensor.mode, shape=SHAPE, P=tensor.size, q=tensor.q)
     a_bytes = block_activation_bytes(tensor.mode, shape=SHAPE, q=tensor.q, d=tensor.d)
+    sockets: Any = "dry run"
     if measured is not None:
+        per_rank = [out[_key(tensor)]["socket_bytes"] for out in measured]
+        sockets = round(sum(per_rank) / len(per_rank))
         sents = set()
         for out in measured:
             layers = out[_key(tensor)]["by_layer"]
@@ -195,6 +250,7 @@ def block_row(
         "calls fwd/bwd": f"{tot.fwd.calls}/{tot.bwd.calls}",
         "sent B measured": sent_measured,
         "sent B derived": _num(tot.total.sent),
+        "socket B (gloo, mean/rank)": sockets,
         "equal": ("yes" if check["equal"] else "NO") if check is not None else "-",
         "param B": p_bytes,
         "param/dense": round(p_bytes / params, 4),
@@ -328,6 +384,56 @@ def sweep_rows(P: int, *, h: int) -> list[dict[str, Any]]:
     return rows
 
 
+def regime_measured_rows(measured: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """P = 16 at hidden size REGIME_H: per mode and N/h, what every rank's ledger counted (payload:
+    real tensors; sent: the algorithm model) and what it wrote to its sockets, checked against the
+    derivation."""
+    rows, checks = [], {}
+    for b, t in REGIME_BT:
+        shape = BlockShape(N=b * t, D=REGIME_H, F=RATIO * REGIME_H)
+        group = []
+        for tensor in SPAWNED[16]:
+            key = f"{_key(tensor)}|{b}x{t}"
+            want = derived(tensor, shape=shape)
+            tot = block_total(want)
+            mismatches = []
+            payloads, sents, sockets = [], [], []
+            for r, out in enumerate(measured):
+                got = out["regime"][key]["by_layer"]
+                for sub, cost in want.items():
+                    for ph in ("fwd", "bwd"):
+                        g = got.get(f"blk.{sub}", {}).get(ph, (0, 0, Fraction(0)))
+                        if g != _as_tuple(getattr(cost, ph)):
+                            mismatches.append(f"rank {r} {sub} {ph}: measured {g}")
+                payloads.append(sum(v[1] for ph in got.values() for v in ph.values()))
+                sents.append(sum((v[2] for ph in got.values() for v in ph.values()), Fraction(0)))
+                sockets.append(out["regime"][key]["socket_bytes"])
+            checks[f"P=16 regime {key}"] = {"equal": not mismatches, "mismatches": mismatches[:20]}
+            P = len(measured)
+            group.append(
+                {
+                    "N/h": b * t / REGIME_H,
+                    "B x T": f"{b} x {t}",
+                    "mode": _key(tensor),
+                    "calls fwd/bwd": f"{tot.fwd.calls}/{tot.bwd.calls}",
+                    "payload B/rank (tensors)": round(sum(payloads) / P),
+                    "sent B/rank (model)": round(float(sum(sents, Fraction(0)) / P)),
+                    "socket B/rank (gloo)": round(sum(sockets) / P),
+                    "socket B max rank": max(sockets),
+                    "ledger == derived": "yes" if not mismatches else "NO",
+                }
+            )
+        for col, mark in (
+            ("sent B/rank (model)", "least sent (model)"),
+            ("socket B/rank (gloo)", "least on sockets"),
+        ):
+            best = min(group, key=lambda row: row[col])["mode"]
+            for row in group:
+                row[mark] = "<-" if row["mode"] == best else ""
+        rows += group
+    return rows, checks
+
+
 def main() -> None:
     from tests.gloo import run_ranks
 
@@ -341,7 +447,8 @@ def main() -> None:
         if P > args.max_p:
             continue
         t0 = time.perf_counter()
-        measured[P] = run_ranks(_measure, world_size=P, args=(configs,), timeout_s=600)
+        regime = REGIME_BT if P == 16 else None
+        measured[P] = run_ranks(_measure, world_size=P, args=(configs, regime), timeout_s=900)
         spawn_s[P] = round(time.perf_counter() - t0, 1)
 
     block_rows, model_rows, checks = [], [], {}
@@ -368,6 +475,17 @@ def main() -> None:
             title="One D x D linear (no bias) vs the paper's normalised cost, S = 4*N*D bytes, N = D",
         )
     )
+    regime_measured: list[dict[str, Any]] = []
+    if 16 in measured:
+        regime_measured, regime_checks = regime_measured_rows(measured[16])
+        checks.update(regime_checks)
+        print(
+            table(
+                regime_measured,
+                title=f"Measured on 16 gloo ranks in the regime where 2.5d should send least: one GPT block "
+                f"fwd+bwd, h = {REGIME_H}, {REGIME_HEADS} heads, F = {RATIO}h, fp32; per rank (mean over ranks)",
+            )
+        )
     h = 4096
     regime = regime_rows(h)
     print(
@@ -397,6 +515,13 @@ def main() -> None:
             "block": block_rows,
             "sublayers_P16": sub_rows,
             "cost_model": model_rows,
+            "regime_measured_P16": {
+                "h": REGIME_H,
+                "heads": REGIME_HEADS,
+                "mlp_width": RATIO * REGIME_H,
+                "batch_x_seq": [f"{b}x{t}" for b, t in REGIME_BT],
+                "rows": regime_measured,
+            },
             "regime_h": h,
             "regime": regime,
             "sweep": {str(P): rows for P, rows in sweeps.items()},

@@ -31,10 +31,27 @@ def transport_options(settings: Settings) -> dict[str, object]:
     return {"visibility_timeout": settings.max_job_runtime_s + 3600}
 
 
+SEND_TIMEOUT_S = 5.0
+"""Longest wait for an answer from Redis when sending or publishing."""
+
+
 @functools.cache
 def celery_client(broker_url: str, visibility_timeout: int) -> Celery:
     app = Celery("shardyard-api", broker=broker_url)
-    app.conf.broker_transport_options = {"visibility_timeout": visibility_timeout}
+    # bounded waits: a broker that is down or hung (accepts, never answers) fails a send within
+    # seconds instead of hanging the request; the job stays queued and is sent again later
+    app.conf.broker_transport_options = {
+        "visibility_timeout": visibility_timeout,
+        "socket_timeout": SEND_TIMEOUT_S,
+        "socket_connect_timeout": 2,
+    }
+    app.conf.broker_connection_timeout = 2
+    app.conf.task_publish_retry_policy = {
+        "max_retries": 1,
+        "interval_start": 0,
+        "interval_step": 0.5,
+        "interval_max": 0.5,
+    }
     app.conf.broker_connection_retry_on_startup = True
     return app
 
@@ -51,4 +68,6 @@ def send_run_selection(settings: Settings, *, selection_id: int, trial_ids: list
 
 @functools.cache
 def redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_connect_timeout=2, health_check_interval=30)
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=2, socket_timeout=SEND_TIMEOUT_S, health_check_interval=30
+    )

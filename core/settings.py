@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     sse_max_per_client: int = 20
-    """Open Server-Sent Event streams one client (user, else address) may hold; one more is
+    """Open Server-Sent Event streams one user may hold; one more is
     answered 429."""
     checkpoint_keep: int = 3
     """The trainer keeps this many newest checkpoints per job (0 keeps all); it reads the same
@@ -69,9 +69,6 @@ class Settings(BaseSettings):
     API's periodic cleanup; 0 keeps them forever."""
     retention_check_s: float = 3600.0
     """How often the API looks for finished jobs past their retention."""
-    stack_shutdown_s: float = 120.0
-    """`shardyard stack`: how long a stop waits for the workers' warm shutdown (running trainers
-    checkpoint and their jobs go back to the queue) before killing them."""
     cancel_grace_s: float = 30.0
     """After a cancel, the trainer has this long to stop at a step boundary before it is killed."""
 

@@ -384,7 +384,7 @@ def expire_leases(session: Session) -> tuple[list[Job], list[Job]]:
     return requeued, cancelled
 
 
-def fail_job(session: Session, *, job_id: int, reason: str) -> Job:
+def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
     """An operator ends a job `failed` whatever its state; a running attempt is fenced off (its
     worker notices at its next batch and kills the trainer)."""
     job = get_job(session, job_id)
@@ -396,14 +396,20 @@ def fail_job(session: Session, *, job_id: int, reason: str) -> Job:
         .values(status=JobStatus.failed, error=reason, finished_at=utcnow(), owner=None, lease_until=None)
     )
     session.add(
-        JobEvent(job_id=job_id, time=time.time(), kind="status", message="failed", data={"error": reason})
+        JobEvent(
+            job_id=job_id,
+            time=time.time(),
+            kind="status",
+            message="failed",
+            data={"error": reason, **({"by": actor} if actor else {})},
+        )
     )
     session.commit()
     session.refresh(job)
     return job
 
 
-def requeue_job(session: Session, *, job_id: int, reason: str) -> Job:
+def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
     """An operator puts a job back in the queue: a running one (its attempt fenced off), or an
     ended one to run again (resuming from its checkpoint). The caller sends the message."""
     job = get_job(session, job_id)
@@ -423,7 +429,13 @@ def requeue_job(session: Session, *, job_id: int, reason: str) -> Job:
         )
     )
     session.add(
-        JobEvent(job_id=job_id, time=time.time(), kind="status", message="queued", data={"reason": reason})
+        JobEvent(
+            job_id=job_id,
+            time=time.time(),
+            kind="status",
+            message="queued",
+            data={"reason": reason, **({"by": actor} if actor else {})},
+        )
     )
     session.commit()
     session.refresh(job)

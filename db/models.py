@@ -223,15 +223,20 @@ class Workspace(Base):
     the data dir (core/settings.py workspaces_dir) by its sha256."""
 
     __tablename__ = "workspaces"
+    __table_args__ = (UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), unique=True)
-    """sha256 of the archive bytes, hex."""
+    digest: Mapped[str] = mapped_column(String(64))
+    """sha256 of the archive bytes, hex (one stored file per digest, one row per owner)."""
     size: Mapped[int] = mapped_column(BigInteger)
     """Archive bytes as uploaded."""
     name: Mapped[str] = mapped_column(String(200))
     format: Mapped[str] = mapped_column(String(10))
     """`tar.gz` or `zip`."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    owner_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
-    """The uploading user (no foreign key here; the users table wires it)."""
+    owner_id: Mapped[int | None] = mapped_column(
+        ForeignKey("users.id", ondelete="SET NULL", name="fk_workspaces_owner_id_users"),
+        default=None,
+        index=True,
+    )
+    """The uploading user."""

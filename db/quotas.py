@@ -26,15 +26,19 @@ def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> st
     for the caller's claim to commit. Otherwise the reason it must wait, recorded on the job
     (committed). `defaults`: {running_jobs, ranks, gpus} for users without their own limits."""
     job = session.get(Job, job_id)
-    if job is None or job.owner_id is None or job.status != JobStatus.queued:
+    if job is None or job.owner_id is None or job.status != JobStatus.queued or job.kind != "job":
         return None
     session.execute(update(User).where(User.id == job.owner_id).values(id=User.id))  # the lock
     user = session.get(User, job.owner_id)
     own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
     limits = {k: v if own[k] is None else own[k] for k, v in defaults.items()}
+    # a selection's trials share the devices of their batch's worker task and are not counted here
     running = session.execute(
         select(Job.world_size, Job.spec).where(
-            Job.owner_id == job.owner_id, Job.status == JobStatus.running, Job.id != job_id
+            Job.owner_id == job.owner_id,
+            Job.status == JobStatus.running,
+            Job.kind == "job",
+            Job.id != job_id,
         )
     ).all()
     used_ranks = sum(r.world_size for r in running)

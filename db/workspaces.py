@@ -12,9 +12,9 @@ from db.models import Workspace
 def add_workspace(
     session: Session, *, digest: str, size: int, name: str, format: str, owner_id: int | None = None
 ) -> tuple[Workspace, bool]:
-    """The row for `digest`, created if new. Returns (row, created): uploading the same bytes
-    twice gives the same workspace."""
-    row = session.scalar(select(Workspace).where(Workspace.digest == digest))
+    """The owner's row for `digest`, created if new. Returns (row, created): the same user
+    uploading the same bytes twice gets the same workspace."""
+    row = session.scalar(select(Workspace).where(Workspace.digest == digest, Workspace.owner_id == owner_id))
     if row is not None:
         return row, False
     row = Workspace(digest=digest, size=size, name=name, format=format, owner_id=owner_id)
@@ -23,16 +23,26 @@ def add_workspace(
     return row, True
 
 
-def list_workspaces(session: Session, *, limit: int, offset: int) -> tuple[list[Workspace], int]:
-    total = session.scalar(select(func.count()).select_from(Workspace)) or 0
-    rows = session.scalars(select(Workspace).order_by(Workspace.id.desc()).limit(limit).offset(offset)).all()
+def list_workspaces(
+    session: Session, *, limit: int, offset: int, owner_id: int | None = None
+) -> tuple[list[Workspace], int]:
+    """Newest first; only `owner_id`'s when given (None: everyone's)."""
+    query = select(Workspace)
+    if owner_id is not None:
+        query = query.where(Workspace.owner_id == owner_id)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(query.order_by(Workspace.id.desc()).limit(limit).offset(offset)).all()
     return list(rows), total
 
 
-def get_workspace(session: Session, ref: int | str) -> Workspace:
-    """By id (an int or its digits) or by `sha256:<digest>`."""
+def get_workspace(session: Session, ref: int | str, *, owner_id: int | None = None) -> Workspace:
+    """By id (an int or its digits) or by `sha256:<digest>` (`owner_id`'s row of that digest when
+    given, else any: the bytes are the same)."""
     if isinstance(ref, str) and ref.startswith("sha256:"):
-        row = session.scalar(select(Workspace).where(Workspace.digest == ref.removeprefix("sha256:")))
+        query = select(Workspace).where(Workspace.digest == ref.removeprefix("sha256:"))
+        if owner_id is not None:
+            query = query.where(Workspace.owner_id == owner_id)
+        row = session.scalars(query.order_by(Workspace.id).limit(1)).first()
     else:
         row = session.get(Workspace, int(ref))
     if row is None:
@@ -40,8 +50,10 @@ def get_workspace(session: Session, ref: int | str) -> Workspace:
     return row
 
 
-def delete_workspace(session: Session, *, workspace_id: int) -> Workspace:
+def delete_workspace(session: Session, *, workspace_id: int) -> bool:
+    """Delete the row; True when no other row shares its digest (the stored file may go too)."""
     row = get_workspace(session, workspace_id)
+    digest = row.digest
     session.delete(row)
     session.commit()
-    return row
+    return session.scalar(select(func.count()).select_from(Workspace).where(Workspace.digest == digest)) == 0

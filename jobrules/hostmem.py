@@ -11,16 +11,17 @@ The estimate, all ranks of the job together (they run on one worker):
 - activations: what autograd saves for the whole batch (an upper bound for pipelines, which hold
   only the micro-batches in flight).
 - per rank: the Python + torch runtime (about 280 MiB measured after `import torch` on CPU,
-  rounded up) and the corpus as int64 token ids.
+  rounded up) and a text corpus's token ids (1 byte each for the char and byte tokenizers, 4 for a
+  tokenizer file; `tokens` data is memory-mapped and `python` data is the user's, so 0).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jobrules.data import data_vocab_size
+from jobrules.data import BUILTIN_TOKENIZERS, data_vocab_size
 from jobrules.parallel import world_size
-from jobrules.sizing import FP32, INT64, layer_activation_bytes, layer_param_counts, state_bytes_per_param
+from jobrules.sizing import FP32, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
 __all__ = ["RANK_RUNTIME_BYTES", "host_memory_bytes", "world_size"]
 
@@ -30,16 +31,16 @@ RANK_RUNTIME_BYTES = 384 * 2**20
 def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     """{'model_state', 'activations', 'runtime', 'total'} in bytes for a validated JobSpec dict."""
     model, train, par = spec["model"], spec["train"], spec.get("parallel") or {}
-    keys = ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio")
-    shape = {k: model[k] for k in keys if model.get(k) is not None}
-    # a model that follows its data's vocabulary (vocab_size left out) sizes with the data's
-    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data") or {})
-    if vocab is not None:
-        shape["vocab_size"] = vocab
+    data = spec.get("data") or {}
+    keys = ("kind", "layers", "d_model", "heads", "seq_len", "mlp_ratio")
+    shape = {k: model[k] for k in keys if k in model}
+    # the vocabulary follows the data when the spec leaves it out; unknown until the worker reads
+    # the files (a tokenizer file, tokens without vocab_size): count the model's other layers only
+    shape["vocab_size"] = model.get("vocab_size") or data_vocab_size(data) or 0
     try:
         params = sum(layer_param_counts(**shape))
         activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))
-    except ValueError:  # a model kind sizing.py does not know: count the runtime only
+    except ValueError:  # a model sizing.py cannot size from the spec (llama, python): runtime only
         params = activations = 0
     pipe = par.get("pipeline")
     replicas = 2 if pipe and str(pipe.get("schedule", "")).startswith("chimera") else 1
@@ -49,7 +50,10 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     )
     model_state = replicas * params * per_param
     ranks = world_size(par)
-    corpus = INT64 * spec.get("data", {}).get("max_chars", 0)
+    corpus = 0
+    if data.get("kind", "text") == "text":
+        per_id = 1 if data.get("tokenizer", "char") in BUILTIN_TOKENIZERS else FP32
+        corpus = per_id * (data.get("max_chars") or 0)
     runtime = ranks * (RANK_RUNTIME_BYTES + corpus)
     return {
         "model_state": model_state,

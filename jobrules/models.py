@@ -78,7 +78,9 @@ def tensor_kind_problems(model: dict[str, Any], *, mode: str, split: int) -> lis
     modes = TENSOR_KINDS.get(kind, ())
     if mode not in modes:
         if not modes:
-            return [f"parallel.tensor: model.kind {kind} has no tensor-parallel layers (gpt and llama do)"]
+            return [
+                f"parallel.tensor: model.kind is {kind!r}, which has no tensor-parallel layers (gpt and llama do)"
+            ]
         return [
             f"parallel.tensor.mode {mode} has no form for model.kind {kind} (RMSNorm, SwiGLU and "
             f"grouped-query attention are sharded 1d only): use mode {' or '.join(modes)}"

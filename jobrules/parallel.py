@@ -63,7 +63,6 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     model, train = spec.get("model", {}), spec.get("train", {})
     par = spec.get("parallel") or {}
-    res = spec.get("resources") or {}
     pipe, tensor, spill, offload = (par.get(k) for k in ("pipeline", "tensor", "spill", "offload"))
     pp, dp, tp = axis_sizes(par)
     n_layers = int(model.get("layers", 4)) + 2  # embedding and head are layers too
@@ -157,10 +156,5 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
         problems.append(
             "parallel.offload.dtype fp16 needs dynamic loss scaling, which only the single-process "
             "engine runs; use bf16 or fp32 with pipeline, tensor or data parallelism"
-        )
-    if pp > 1 and (res.get("device") == "cuda" or int(res.get("gpus", 0) or 0) > 0):
-        problems.append(
-            "parallel.pipeline jobs run on CPU ranks (gloo) for now: the executor tags its "
-            "point-to-point messages and NCCL ignores tags; set resources.device to cpu or auto and gpus to 0"
         )
     return problems

@@ -26,9 +26,32 @@ Method = Literal["grid", "random"]
 # Every leaf of a JobSpec a search may set. tests/trainer/test_selection_space.py checks this table
 # against trainer/config.py's dataclasses, so a new config field fails a test until it is added here.
 JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("name", "checkpoint_every", "priority", "max_runtime_s"),
-    "model": ("kind", "layers", "d_model", "heads", "seq_len", "vocab_size", "mlp_ratio"),
-    "data": ("kind", "corpus", "max_chars", "val_fraction"),
+    "": ("name", "checkpoint_every", "priority", "max_runtime_s", "workspace"),
+    "model": (
+        "kind",
+        "layers",
+        "d_model",
+        "heads",
+        "kv_heads",
+        "seq_len",
+        "vocab_size",
+        "mlp_ratio",
+        "entry",
+        "args",
+        "init_from",
+    ),
+    "data": (
+        "kind",
+        "corpus",
+        "path",
+        "tokenizer",
+        "dtype",
+        "vocab_size",
+        "entry",
+        "args",
+        "max_chars",
+        "val_fraction",
+    ),
     "train": (
         "steps",
         "batch_size",
@@ -51,6 +74,8 @@ JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
 KNOWN_PATHS: frozenset[str] = frozenset(
     f"{section}.{name}" if section else name for section, names in JOBSPEC_FIELDS.items() for name in names
 )
+ENTRY_ARGS = ("model.args.", "data.args.")
+"""A search may also set any keyword argument of a user entry point: `model.args.<name>`."""
 MAX_TRIALS = 1024
 """A grid larger than this is refused: it is almost always a typo (a range with a huge `num`)."""
 MAX_VALUE_ITEMS = 64
@@ -133,7 +158,9 @@ def parse_space(space: dict[str, Any], *, known_paths: frozenset[str] = KNOWN_PA
         raise SpaceError("space must be a non-empty object of dotted JobSpec paths")
     dims: list[Dimension] = []
     for path, raw in space.items():
-        if path not in known_paths:
+        if path.startswith(ENTRY_ARGS) and path.rpartition(".")[2].isidentifier():
+            pass  # the recipe's own hyper-parameters: the entry point checks them
+        elif path not in known_paths:
             section = path.rpartition(".")[0]
             near = sorted(p for p in known_paths if p.rpartition(".")[0] == section)
             hint = f"; fields under {section or 'the top level'}: {', '.join(near)}" if near else ""

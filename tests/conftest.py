@@ -14,6 +14,7 @@ import pytest
 
 from api.stack import Stack
 from db.migrate import upgrade
+from tests.sse import TOKENS
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -34,6 +35,7 @@ class StackHandle:
         self.token = stack.admin_token
         self.headers = {"Authorization": f"Bearer {self.token}"}
         self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=self.headers)
+        TOKENS[stack.base_url] = self.token
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         resp = self.client.post("/api/jobs", json=spec)

@@ -8,6 +8,10 @@ from typing import Any
 
 import httpx
 
+TOKENS: dict[str, str] = {}
+"""base URL -> the admin token of the stack there (StackHandle fills it), so a stream read from
+any test's stack is authenticated without passing the token around."""
+
 
 def read_sse(
     base_url: str,
@@ -18,9 +22,9 @@ def read_sse(
     token: str | None = None,
 ) -> list[tuple[str | None, str, dict[str, Any]]]:
     """(id, event, data) frames until the server closes the stream (or `stop_after` frames).
-    Sent with `token`, by default the `stack` fixture's admin token ($SHARDYARD_TOKEN)."""
+    Sent with `token`, by default the admin token of the stack at `base_url`."""
     headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-    token = token or os.environ.get("SHARDYARD_TOKEN")
+    token = token or TOKENS.get(base_url) or os.environ.get("SHARDYARD_TOKEN")
     if token:
         headers["Authorization"] = f"Bearer {token}"
     frames: list[tuple[str | None, str, dict[str, Any]]] = []

@@ -390,11 +390,16 @@ _OPEN: dict[tuple[Any, ...], Dataset] = {}
 
 
 def data_for(job: JobConfig) -> Dataset:
-    """The job's dataset, opened once per process (the runner's vocabulary check and the engine
-    share it, so user code and vocabulary scans run once)."""
+    """The job's dataset, opened once per process for the file kinds (the runner's vocabulary
+    check and the engine share it, so tokenizing and vocabulary scans run once)."""
     from trainer.workspace import workspace
 
     key = (repr(job.data), job.model.seq_len, job.train.batch_size, job.train.seed, str(workspace()))
+    if job.data.kind == "python":
+        # iterables carry state: every run (and every trial of a selection) starts its own
+        return load_data(
+            job.data, seq_len=job.model.seq_len, batch_size=job.train.batch_size, seed=job.train.seed
+        )
     if key not in _OPEN:
         _OPEN.clear()
         _OPEN[key] = load_data(

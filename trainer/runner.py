@@ -82,10 +82,6 @@ def _initialized() -> bool:
 def _join(job: JobConfig, shape: MeshShape) -> tuple[torch.device, Any]:
     want = job.resources.device
     cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
-    if shape.pp > 1:
-        # pipelines run on CPU ranks with gloo until the executor is NCCL-safe (jobrules refuses
-        # an explicit cuda pipeline; `auto` on a GPU machine lands here)
-        cuda = False
     device_type = "cuda" if cuda else "cpu"
     # join first: on GPUs init_from_env selects this rank's device (LOCAL_RANK), which pick_device reads
     init_from_env(device_type=device_type)

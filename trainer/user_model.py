@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from trainer.config import ConfigError, JobConfig, ModelConfig
+from trainer.config import JobConfig, ModelConfig
 from trainer.recipe import ModelRecipe, meta_layers
 from trainer.workspace import UserCodeError, call_entry, load_entry
 
@@ -41,10 +41,10 @@ def user_recipe(cfg: ModelConfig) -> ModelRecipe:
     return recipe
 
 
-def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> list[tuple[int, ...]]:
+def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> None:
     """Run one batch through every layer on the meta device (no memory, no kernels): a layer that
     cannot be built or does not accept its input's shape fails here, before any training, naming
-    the layer and the shapes. Returns the output shape of each layer."""
+    the layer and the shapes."""
     try:
         layers = meta_layers(recipe)
     except Exception as e:
@@ -58,7 +58,6 @@ def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> list[tupl
     except Exception as e:
         raise UserCodeError(f"model.entry {entry}: feed(batch) failed: {type(e).__name__}: {e}") from e
     h = x.to("meta")
-    shapes = []
     for i, layer in enumerate(layers):
         try:
             with torch.no_grad():
@@ -73,7 +72,6 @@ def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> list[tupl
                 f"model.entry {entry}: layer {i} ({type(layer).__name__}) must return one tensor, "
                 f"got {type(out).__name__}"
             )
-        shapes.append(tuple(out.shape))
         h = out
     try:
         loss = recipe.loss(h, y.to("meta"))
@@ -86,7 +84,6 @@ def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> list[tupl
         raise UserCodeError(
             f"model.entry {entry}: loss must be a scalar (a mean), got shape {tuple(loss.shape)}"
         )
-    return shapes
 
 
 def check_user_model(job: JobConfig) -> None:
@@ -99,24 +96,3 @@ def check_user_model(job: JobConfig) -> None:
         split="val", batch_size=job.train.batch_size, generator=torch.Generator().manual_seed(0)
     )
     check_recipe(recipe_for(job.model), batch, entry=job.model.entry or "")
-
-
-def boundary_shape(job: JobConfig, *, model: torch.nn.Sequential, stages: int, rows: int) -> tuple[int, ...]:
-    """The activation shape crossing every pipeline stage boundary for `rows` rows, traced on the
-    meta device from the recipe's own layers (a user model's width is not model.d_model). Stages
-    exchange one buffer shape, so boundaries of different shapes are refused with the shapes."""
-    from trainer.data import data_for
-    from trainer.models import recipe_for
-    from trainer.pipeline.stage import stage_bounds
-
-    recipe = recipe_for(job.model)
-    batch = data_for(job).batch(split="val", batch_size=rows, generator=torch.Generator().manual_seed(0))
-    shapes = check_recipe(recipe, batch, entry=job.model.entry or job.model.kind)
-    cuts = [hi - 1 for _, hi in stage_bounds(model, stages)[:-1]]
-    found = {shapes[c] for c in cuts}
-    if len(found) != 1:
-        raise ConfigError(
-            f"parallel.pipeline: the stage boundaries (after layers {cuts}) carry activations of "
-            f"different shapes {sorted(found)}; a pipeline passes one shape between stages"
-        )
-    return found.pop()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import resource
 from typing import Any
 
-from jobrules.hostmem import host_memory_bytes, world_size
+from jobrules.hostmem import host_memory_bytes
+from jobrules.parallel import world_size
 from workers.devices import host_ram_bytes
 
 GiB = 2**30

@@ -28,6 +28,7 @@ from db.engine import session_for
 from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, trial_fields
+from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Relay:
         self.points_written = 0
         self._final: dict[int, tuple[str, str | None, int]] = {}
         self._result_seen: set[int] = set()
+        self._result_error: dict[int, str | None] = {}
         self._pending: list[tuple[int | None, Message]] = []
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
@@ -114,7 +116,8 @@ class Relay:
             elif msg.kind == "event" and msg.message == "trial" and key is not None:
                 status, steps = msg.data.get("status"), int(msg.data.get("steps_done", 0))
                 progress[key].steps_done = steps
-                if status in FINAL:
+                # a trial stopped by a warm shutdown has not ended: it goes back to its batch
+                if status in FINAL and not (status == "stopped" and DRAIN.is_set()):
                     self._final[key] = (str(status), msg.data.get("error"), steps)
             elif msg.kind == "event":
                 jl.events.append((msg.seq, "event", msg.message, msg.data, msg.time))
@@ -122,17 +125,14 @@ class Relay:
                 jl.result = (msg.seq, msg.data)
                 if key is not None:
                     self._result_seen.add(key)
-        for key, p in progress.items():
-            # a trial ends only once its final event AND its result are in (either order)
-            if key in self._final and key in self._result_seen:
-                status, error, _ = self._final[key]
-                p.finish = (status, error or (self._result_of(batch, key) or {}).get("error"))
+                    self._result_error[key] = msg.data.get("error")
+        # a trial ends once its final event AND its result are in this batch or an earlier one
+        # (either order); its end goes into the same transaction as the later of the two
+        for key in self._final.keys() & self._result_seen - self.finished - self.fenced:
+            status, error, _ = self._final[key]
+            finish = (status, error or self._result_error.get(key))
+            progress.setdefault(key, TrialProgress(values=[])).finish = finish
         return lines, progress
-
-    @staticmethod
-    def _result_of(batch: list[tuple[int | None, Message]], key: int) -> dict[str, Any] | None:
-        found = [m.data for k, m in batch if k == key and m.kind == "result"]
-        return found[-1] if found else None
 
     def flush(self, *, renew: bool = False) -> None:
         """Apply everything pending in one transaction (and renew the leases). Raises on a
@@ -141,13 +141,10 @@ class Relay:
             with self._lock:
                 batch, self._pending = self._pending, []
             due = renew or time.monotonic() - self._renewed > self.settings.lease_s / 3
-            ready = [k for k in self._final if k in self._result_seen and k not in self.finished]
-            if not batch and not due and not ready:
+            if not batch and not due:
                 return
             try:
                 lines, progress = self._route(batch)
-                for k in ready:
-                    progress.setdefault(k, TrialProgress(values=[]))
                 applied, fenced = self._apply(lines, progress)
             except Exception:
                 with self._lock:

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from celery.signals import worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job, send_run_selection
@@ -24,6 +24,7 @@ from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
+from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
 
@@ -48,6 +49,7 @@ RETRY_INFRA = {
 def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
     """One job, end to end (workers/execute.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
+    _guard_sigterm()
     _BUSY.set()
     try:
         return execute_job(job_id, settings=get_settings(), worker=name)
@@ -59,6 +61,7 @@ def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
 def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
     """One group of a selection batch on this worker's devices (shard alternation)."""
     name = self.request.hostname or _WORKER_NAME["name"]
+    _guard_sigterm()
     _BUSY.set()
     try:
         return execute_selection(selection_id, trial_ids, settings=get_settings(), worker=name)
@@ -92,7 +95,10 @@ def reconcile_once() -> int:
             send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
             sent += job_ids
         mark_enqueued(s, job_ids=sent)
+        s.commit()  # grow writes in its own session
         for selection_id in touched | set(unsettled_selections(s)):
+            # a sampler batch whose worker died before asking its next generation asks it here
+            grow(settings, selection_id=selection_id)
             settle_selection(s, selection_id=selection_id)
     return len(sent)
 
@@ -149,17 +155,27 @@ def _stop_heartbeat(**_kwargs) -> None:
 # re-sent, to resume from the checkpoint at the next start. An idle pool process just exits.
 
 
-def _on_sigterm(signum: int, _frame: Any) -> None:
+_pool_sigterm: dict[str, Any] = {}
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
     if _BUSY.is_set():
         DRAIN.set()
+        return
+    before = _pool_sigterm.get("before")
+    if callable(before):
+        before(signum, frame)  # billiard's own: leave the pool process
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-@worker_process_init.connect
-def _pool_process_init(**_kwargs) -> None:  # noqa: ANN003 - Celery signal
-    signal.signal(signal.SIGTERM, _on_sigterm)
+def _guard_sigterm() -> None:
+    """In the pool process, at its first task (billiard sets its own SIGTERM handler after
+    Celery's worker_process_init, so this cannot go there): SIGTERM drains the running task."""
+    if "before" not in _pool_sigterm and threading.current_thread() is threading.main_thread():
+        _pool_sigterm["before"] = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 @worker_shutting_down.connect

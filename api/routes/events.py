@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentUser, may_see
 from api.convert import job_public
-from api.deps import SettingsDep
+from api.deps import SessionDep, SettingsDep
 from api.live import LiveChannel
 from api.sse import frame
 from api.streams import SseResponse, open_stream
@@ -64,6 +64,8 @@ async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
 
 
 @router.get("/events")
-def all_job_events(request: Request, settings: SettingsDep, user: CurrentUser) -> SseResponse:
+def all_job_events(
+    request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> SseResponse:
     """Status changes of the jobs the caller may see (an admin: all)."""
-    return open_stream(request, lambda: _all_jobs(settings, user))
+    return open_stream(request, lambda: _all_jobs(settings, user), session=session, user=user)

@@ -31,7 +31,6 @@ from api.streams import SseResponse, open_stream
 from core.broker import send_run_job, send_run_selection
 from db import jobs as db_jobs
 from db import selections as db_sel
-from db.engine import session_for
 from db.models import Job, User
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
@@ -66,7 +65,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=pin_workspace(session, spec.model_dump()),
+        spec=pin_workspace(session, spec.model_dump(), user=user),
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,
@@ -159,11 +158,11 @@ def fail_job(
     admin: AdminUser,
     body: OperatorAction | None = None,
 ) -> JobPublic:
-    """An operator ends a queued or running job `failed`; a running attempt is fenced off (its
+    """An admin ends a queued or running job `failed`; a running attempt is fenced off (its
     worker kills the trainer at its next batch)."""
     reason = (body.reason if body else "") or f"failed by {admin.name}"
     try:
-        job = db_jobs.fail_job(session, job_id=job_id, reason=reason)
+        job = db_jobs.fail_job(session, job_id=job_id, reason=reason, actor=admin.name)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except db_jobs.Conflict as e:
@@ -179,11 +178,11 @@ def requeue_job(
     admin: AdminUser,
     body: OperatorAction | None = None,
 ) -> JobPublic:
-    """An operator puts a running or ended job back in the queue; it resumes from its latest
+    """An admin puts a running or ended job back in the queue; it resumes from its latest
     checkpoint. A running attempt is fenced off."""
     reason = (body.reason if body else "") or f"re-queued by {admin.name}"
     try:
-        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason)
+        job = db_jobs.requeue_job(session, job_id=job_id, reason=reason, actor=admin.name)
     except db_jobs.NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     except db_jobs.Conflict as e:
@@ -193,7 +192,7 @@ def requeue_job(
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
-    """A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
+    """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
     try:
         delete_finished_job(settings, job_id=job_id)
     except db_jobs.NotFound as e:
@@ -251,17 +250,22 @@ def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
 def stream_job(
     job_id: JobId,
     request: Request,
+    session: SessionDep,
     settings: SettingsDep,
     user: CurrentUser,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
 ) -> SseResponse:
-    # a short session, closed before the stream starts: a stream that held a pooled connection
-    # while it waits would starve every other request once the pool's worth of streams is open
-    with session_for(settings.database_url) as session:
-        _job_or_404(session, job_id, user)
+    _job_or_404(session, job_id, user)
     cursor = last_event_id or request.query_params.get("last_event_id")
     if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
         )
-    return open_stream(request, lambda: job_events(settings, job_id=job_id, last_event_id=cursor))
+    # open_stream closes the session: a stream that held a pooled connection while it waits would
+    # starve every other request once the pool's worth of streams is open
+    return open_stream(
+        request,
+        lambda: job_events(settings, job_id=job_id, last_event_id=cursor),
+        session=session,
+        user=user,
+    )

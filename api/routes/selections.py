@@ -30,7 +30,6 @@ from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
-from db.engine import session_for
 from db.models import Selection, Trial, User
 from jobrules.space import SpaceError, apply_params, sample_params
 
@@ -118,7 +117,7 @@ def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
 def submit_selection(
     body: SelectionCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SelectionPublic:
-    base = pin_workspace(session, body.base.model_dump(), field="base.workspace")
+    base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
     try:
         params = _first_params(body)
     except SpaceError as e:
@@ -231,12 +230,13 @@ def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: Curren
 
 @router.get("/{selection_id}/stream")
 def stream_selection(
-    selection_id: Id, request: Request, settings: SettingsDep, user: CurrentUser
+    selection_id: Id, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SseResponse:
     """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
     (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
     reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
-    # a short session: a stream must not hold a pooled connection while it waits
-    with session_for(settings.database_url) as session:
-        _selection_or_404(session, selection_id, user)
-    return open_stream(request, lambda: selection_events(settings, selection_id=selection_id))
+    _selection_or_404(session, selection_id, user)
+    # open_stream closes the session: a stream must not hold a pooled connection while it waits
+    return open_stream(
+        request, lambda: selection_events(settings, selection_id=selection_id), session=session, user=user
+    )

@@ -15,13 +15,15 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.auth import CurrentUser, may_see
 from api.deps import SessionDep, SettingsDep
 from api.schemas import WorkspacePublic, WorkspacesPublic
 from core.archive import ArchiveError, inspect_archive
 from core.settings import Settings
 from db import workspaces as db_ws
+from db.engine import session_for
 from db.jobs import NotFound, aware
-from db.models import TERMINAL, Job, Workspace
+from db.models import TERMINAL, Job, User, Workspace
 
 router = APIRouter(prefix="/api/workspaces", tags=["workspaces"])
 MiB = 2**20
@@ -44,19 +46,29 @@ def blob_path(settings: Settings, row: Workspace) -> Path:
     return settings.workspaces_dir / f"{row.digest}.{row.format}"
 
 
-def pin_workspace(session: Session, spec: dict[str, Any], *, field: str = "workspace") -> dict[str, Any]:
+def pin_workspace(
+    session: Session, spec: dict[str, Any], *, user: User, field: str = "workspace"
+) -> dict[str, Any]:
     """The spec with its workspace reference (an id or a digest) pinned to `sha256:<digest>`, so
-    the job runs on exactly the bytes it was submitted with; 422 when there is no such workspace."""
+    the job runs on exactly the bytes it was submitted with; 422 when `user` has no such workspace."""
     ref = spec.get("workspace")
     if ref is None:
         return spec
     try:
-        row = db_ws.get_workspace(session, ref)
+        row = _visible(session, ref, user=user)
     except NotFound as e:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, f"{field}: {e} (upload it with POST /api/workspaces)"
         ) from e
     return {**spec, "workspace": f"sha256:{row.digest}"}
+
+
+def _visible(session: Session, ref: str, *, user: User) -> Workspace:
+    """The workspace `ref` names among those `user` may see (admins: all); NotFound otherwise."""
+    row = db_ws.get_workspace(session, ref, owner_id=None if user.is_admin else user.id)
+    if not may_see(user, row.owner_id):
+        raise NotFound(f"workspace {ref} not found")
+    return row
 
 
 async def _receive(request: Request, *, settings: Settings) -> tuple[Path, str, int]:
@@ -94,6 +106,7 @@ async def _receive(request: Request, *, settings: Settings) -> tuple[Path, str, 
 async def upload_workspace(
     request: Request,
     settings: SettingsDep,
+    user: CurrentUser,
     name: str = Query("workspace", min_length=1, max_length=200, description="a label for the upload"),
 ) -> WorkspacePublic:
     """The body is the archive itself (Content-Type application/gzip, application/zip or
@@ -112,33 +125,44 @@ async def upload_workspace(
         os.replace(tmp, final)  # same bytes, same name: a repeated upload is harmless
     finally:
         tmp.unlink(missing_ok=True)
-    return await run_in_threadpool(_record, settings, digest=digest, size=size, name=name, format=info.format)
+    return await run_in_threadpool(
+        _record, settings, digest=digest, size=size, name=name, format=info.format, owner_id=user.id
+    )
 
 
-def _record(settings: Settings, *, digest: str, size: int, name: str, format: str) -> WorkspacePublic:
-    from db.engine import session_for
-
+def _record(
+    settings: Settings, *, digest: str, size: int, name: str, format: str, owner_id: int
+) -> WorkspacePublic:
     with session_for(settings.database_url) as session:
-        row, _created = db_ws.add_workspace(session, digest=digest, size=size, name=name, format=format)
+        row, _created = db_ws.add_workspace(
+            session, digest=digest, size=size, name=name, format=format, owner_id=owner_id
+        )
         return workspace_public(row)
 
 
 @router.get("", response_model=WorkspacesPublic)
 def list_workspaces(
-    session: SessionDep, limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)
+    session: SessionDep,
+    user: CurrentUser,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0),
 ) -> WorkspacesPublic:
-    rows, total = db_ws.list_workspaces(session, limit=limit, offset=offset)
+    """The caller's workspaces (an admin's: everyone's)."""
+    owner = None if user.is_admin else user.id
+    rows, total = db_ws.list_workspaces(session, limit=limit, offset=offset, owner_id=owner)
     return WorkspacesPublic(items=[workspace_public(r) for r in rows], total=total)
 
 
 @router.get("/{ref}", response_model=WorkspacePublic)
-def get_workspace(ref: str, session: SessionDep) -> WorkspacePublic:
-    return workspace_public(_workspace_or_404(session, ref))
+def get_workspace(ref: str, session: SessionDep, user: CurrentUser) -> WorkspacePublic:
+    return workspace_public(_workspace_or_404(session, ref, user=user))
 
 
 @router.delete("/{workspace_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_workspace(workspace_id: int, session: SessionDep, settings: SettingsDep) -> None:
-    row = _workspace_or_404(session, str(workspace_id))
+def delete_workspace(
+    workspace_id: int, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> None:
+    row = _workspace_or_404(session, str(workspace_id), user=user)
     ref = f"sha256:{row.digest}"
     live = session.scalars(select(Job.id).where(Job.status.not_in([str(s) for s in TERMINAL]))).all()
     users = [job_id for job_id in live if (session.get(Job, job_id).spec or {}).get("workspace") == ref]
@@ -148,14 +172,14 @@ def delete_workspace(workspace_id: int, session: SessionDep, settings: SettingsD
             f"workspace {workspace_id} is used by queued or running job(s) {', '.join(map(str, users))}",
         )
     path = blob_path(settings, row)
-    db_ws.delete_workspace(session, workspace_id=workspace_id)
-    path.unlink(missing_ok=True)
+    if db_ws.delete_workspace(session, workspace_id=workspace_id):
+        path.unlink(missing_ok=True)  # the last row of these bytes
 
 
-def _workspace_or_404(session: Session, ref: str) -> Workspace:
+def _workspace_or_404(session: Session, ref: str, *, user: User) -> Workspace:
     if not (ref.isdigit() or ref.startswith("sha256:")):
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "ref: give an id or sha256:<digest>")
     try:
-        return db_ws.get_workspace(session, ref)
+        return _visible(session, ref, user=user)
     except NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
@@ -24,7 +23,7 @@ def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Pa
         "seed": 1,
         "early_stopping": {"kind": "sha", "reduction_factor": 2, "min_steps": 2},
     }
-    resp = httpx.post(f"{stack.base_url}/api/selections", json=body)
+    resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sid = resp.json()["id"]
     page.goto(f"{stack.base_url}/#/selections/{sid}")
@@ -34,7 +33,7 @@ def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Pa
     stopped = [t for t in done["trials"] if t["status"] == "stopped_early"]
     assert stopped  # SHA keeps max(1, 4 // 2) = 2 at rung 2, and 1 at rung 4
     for t in done["trials"]:
-        result = httpx.get(f"{stack.base_url}/api/jobs/{t['job_id']}").json()["result"]
+        result = stack.client.get(f"/api/jobs/{t['job_id']}").json()["result"]
         row = page.locator(f'#leaderboard tbody tr[data-trial-id="{t["id"]}"]')
         why = row.locator('td[data-col="why"]')
         if t["status"] == "stopped_early":

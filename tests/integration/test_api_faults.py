@@ -1,10 +1,12 @@
 """The API under load and faults, on its own stack (redis-server + uvicorn, no worker): open streams
 hold no database connection and are capped per client; a database write lock held by another
-process and a stopped redis-server are answered 503 with the reason, or served degraded, never a
+process and a stopped or hung redis-server are answered 503 with the reason, or served degraded, never a
 hang or a 500; finished jobs are deleted on request and by the retention cleanup."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from sqlalchemy import func, select, update
 
 from api.stack import Stack
 from db.engine import session_for
-from db.jobs import add_event, add_metric_points, claim_job, create_job, finish_job
+from db.jobs import Attempt, add_event, claim_job, create_job, finish_job
 from db.models import Job, JobEvent, JobStatus, MetricPoint, utcnow
 from tests.conftest import TINY_SPEC
 
@@ -49,6 +51,13 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
+def _client(st: Stack, timeout: float) -> httpx.Client:
+    """Signed in as the stack's admin."""
+    return httpx.Client(
+        base_url=st.base_url, timeout=timeout, headers={"Authorization": f"Bearer {st.admin_token}"}
+    )
+
+
 def _queued_job(st: Stack, name: str = "idle") -> int:
     """A job row whose message is never sent: it stays queued, so its stream stays open."""
     with session_for(st.database_url) as s:
@@ -58,7 +67,10 @@ def _queued_job(st: Stack, name: str = "idle") -> int:
 def _open_stream(st: Stack, path: str) -> tuple[socket.socket, bytes]:
     """A raw HTTP/1.1 stream request; returns the socket (kept open) and the response head."""
     sock = socket.create_connection(("127.0.0.1", st.api_port), timeout=30)
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n".encode())
+    auth = f"Authorization: Bearer {st.admin_token}\r\n"
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
+    )
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = sock.recv(4096)
@@ -82,7 +94,7 @@ def test_open_streams_hold_no_db_connection_and_are_capped(api_stack: Stack) -> 
             sock, head = _open_stream(st, p)
             socks.append(sock)
             assert head.startswith(b"HTTP/1.1 200"), head[:200]
-        with httpx.Client(base_url=st.base_url, timeout=30) as c:
+        with _client(st, 30) as c:
             # the pool holds 5 connections (+10 overflow): 40 streams that each pinned one would
             # have taken them all, and every other request would wait the pool timeout for a 503
             pool = c.get("/api/health").json()["db"]["pool"]
@@ -136,7 +148,7 @@ def test_database_write_lock_answers_503_with_the_reason(api_stack: Stack) -> No
     job_id = _queued_job(st)
     locker = _hold_write_lock(st.root / "shardyard.db")
     try:
-        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+        with _client(st, 60) as c:
             # reads go on under WAL while another process holds the write lock
             assert c.get("/api/jobs").status_code == 200
             assert c.get(f"/api/jobs/{job_id}").status_code == 200
@@ -152,7 +164,7 @@ def test_database_write_lock_answers_503_with_the_reason(api_stack: Stack) -> No
         assert locker.stdin is not None
         locker.stdin.close()
         locker.wait(timeout=30)
-    with httpx.Client(base_url=st.base_url, timeout=60) as c:
+    with _client(st, 60) as c:
         assert c.post("/api/jobs", json=TINY_SPEC).status_code == 201
 
 
@@ -161,7 +173,7 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
     job_id = _queued_job(st)
     st.stop_process("redis")
     try:
-        with httpx.Client(base_url=st.base_url, timeout=60) as c:
+        with _client(st, 60) as c:
             health = c.get("/api/health").json()
             assert health["status"] == "degraded" and health["broker"]["ok"] is False
             # a submit is accepted: the job is in the database, its message goes out later
@@ -185,13 +197,46 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
         st.start_redis()
 
 
-def _finished_job(st: Stack, *, finished_ago: timedelta, points: int = 3) -> int:
-    job_id = _queued_job(st, "done")
+def _running_job(st: Stack, name: str) -> tuple[int, Attempt]:
+    job_id = _queued_job(st, name)
     with session_for(st.database_url) as s:
-        assert claim_job(s, job_id=job_id, worker="test")
-        add_metric_points(s, job_id=job_id, points=[(i, "loss", 1.0, 0.0) for i in range(1, points + 1)])
+        attempt = claim_job(s, job_id=job_id, owner=f"test-{job_id}", worker="test", lease_s=3600)
+    assert attempt is not None
+    return job_id, attempt
+
+
+def test_a_hung_broker_never_hangs_the_api(api_stack: Stack) -> None:
+    """redis-server stopped with SIGSTOP: it accepts connections and answers nothing. Every call
+    to it must time out instead of waiting forever (the client's 60 s timeout fails a hang)."""
+    st = api_stack
+    job_id = _queued_job(st)
+    redis = st.procs["redis"]
+    os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        with _client(st, 60) as c:
+            health = c.get("/api/health").json()
+            assert health["status"] == "degraded" and health["broker"]["ok"] is False, health
+            r = c.post("/api/jobs", json=TINY_SPEC)
+            assert r.status_code == 201, r.text
+            with c.stream("GET", f"/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=30)) as s:
+                assert s.status_code == 200
+                for line in s.iter_lines():
+                    if line.startswith("data:"):
+                        assert '"queued"' in line
+                        break
+            assert c.post(f"/api/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+
+
+def _finished_job(st: Stack, *, finished_ago: timedelta, points: int = 3) -> int:
+    """Events: queued, running, one log line, succeeded."""
+    job_id, attempt = _running_job(st, "done")
+    with session_for(st.database_url) as s:
+        s.add_all(MetricPoint(job_id=job_id, step=i, name="loss", value=1.0, time=0.0) for i in range(points))
+        s.commit()
         add_event(s, job_id=job_id, kind="log", message="hello")
-        finish_job(s, job_id=job_id, status=JobStatus.succeeded)
+        assert finish_job(s, attempt=attempt, status=JobStatus.succeeded) is not None
         s.execute(update(Job).where(Job.id == job_id).values(finished_at=utcnow() - finished_ago))
         s.commit()
     folder = st.root / "jobs" / str(job_id) / "checkpoints"
@@ -211,12 +256,10 @@ def _rows(st: Stack, job_id: int) -> tuple[int, int, int]:
 
 def test_delete_finished_job_and_refuse_unfinished(api_stack: Stack) -> None:
     st = api_stack
-    running = _queued_job(st, "running")
-    with session_for(st.database_url) as s:
-        assert claim_job(s, job_id=running, worker="test")
+    running, _ = _running_job(st, "running")
     done = _finished_job(st, finished_ago=timedelta(0))
-    assert _rows(st, done) == (1, 3, 2)  # the queued status event and one log line
-    with httpx.Client(base_url=st.base_url, timeout=30) as c:
+    assert _rows(st, done) == (1, 3, 4)
+    with _client(st, 30) as c:
         r = c.delete(f"/api/jobs/{running}")
         assert r.status_code == 409 and "is running" in r.json()["detail"], r.text
         assert _rows(st, running)[0] == 1
@@ -243,5 +286,5 @@ def test_retention_cleanup_deletes_only_old_finished_jobs(api_stack: Stack) -> N
         time.sleep(0.2)
     assert _rows(st, old) == (0, 0, 0)
     assert not (st.root / "jobs" / str(old)).exists()
-    assert _rows(st, recent) == (1, 3, 2) and (st.root / "jobs" / str(recent)).exists()
+    assert _rows(st, recent) == (1, 3, 4) and (st.root / "jobs" / str(recent)).exists()
     assert _rows(st, queued)[0] == 1

@@ -67,11 +67,6 @@ BAD = [
     (with_("parallel.spill", {"device_budget_mb": -5}), "parallel.spill.device_budget_mb", "greater than 0"),
     (with_("resources.device", "tpu"), "resources.device", None),
     (
-        {**with_("parallel.pipeline", {"stages": 2, "microbatches": 2}), "resources": {"device": "cuda"}},
-        "parallel.pipeline jobs run on CPU ranks (gloo) for now",
-        None,
-    ),
-    (
         with_("parallel.data_parallel", 3),
         "train.batch_size (8) must be divisible by parallel.data_parallel (3)",
         None,

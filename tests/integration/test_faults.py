@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,12 @@ FAST = {
     "SHARDYARD_RECONCILE_S": "1",
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
 }
-STEPS = 60
+STEPS = 20
 SPEC = {
     **TINY_SPEC,
     "name": "fault",
-    "checkpoint_every": 5,
-    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 20},
+    "checkpoint_every": 4,
+    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
 }
 
 
@@ -92,7 +92,7 @@ def assert_exactly_once(h: StackHandle, job_id: int, steps: int = STEPS) -> dict
     got = h.client.get(f"/api/jobs/{job_id}/metrics", params={"names": "loss,step_time_ms,val_loss"}).json()
     for name in ("loss", "step_time_ms"):
         assert got["series"][name]["steps"] == list(range(1, steps + 1)), name
-    assert got["series"]["val_loss"]["steps"] == list(range(20, steps + 1, 20))
+    assert got["series"]["val_loss"]["steps"] == list(range(10, steps + 1, 10))
     assert done["result"] is not None and done["progress"]["step"] == steps
     assert _trainer_pids(h.stack.root, job_id) == [], "a trainer outlived its job"
     return done
@@ -102,7 +102,7 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
     return [e["message"] for e in h.client.get(f"/api/jobs/{job_id}/logs").json()["items"]]
 
 
-def _started(h: StackHandle, step: int = 10) -> int:
+def _started(h: StackHandle, step: int = 6) -> int:
     _ensure_worker(h.stack)
     job = h.submit(SPEC)
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= step, timeout=180)
@@ -145,7 +145,7 @@ def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
 
 
 def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: StackHandle) -> None:
-    job_id = _started(faults, step=STEPS - 20)
+    job_id = _started(faults, step=STEPS - 12)
     # hold the write lock so nothing more reaches the database, let the trainer finish, and kill
     # the worker while it still has the trainer's last lines and the final status to write
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
@@ -204,3 +204,34 @@ def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_reque
     job = faults.job(other)
     assert (job["status"], job["error"]) == ("failed", "bad data")
     assert faults.client.post(f"/api/jobs/{other}/fail").status_code == 409
+
+
+def test_kill_the_worker_mid_selection(faults: StackHandle) -> None:
+    _ensure_worker(faults.stack)
+    body = {
+        "name": "fault-batch",
+        "base": SPEC,
+        "space": {"train.lr": [1e-3, 3e-3]},
+        "method": "grid",
+        "devices": 1,
+    }
+    resp = faults.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sel = resp.json()
+    jobs = [t["job_id"] for t in sel["trials"]]
+    deadline = time.monotonic() + 180
+    while max(faults.job(j)["progress"]["step"] for j in jobs) < 6:
+        assert time.monotonic() < deadline, "the batch did not start"
+        time.sleep(0.2)
+    _kill_worker(faults.stack)
+    faults.stack.start_worker(1)
+    deadline = time.monotonic() + 300
+    while (sel := faults.client.get(f"/api/selections/{sel['id']}").json())["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"the batch did not end: {sel}"
+        time.sleep(0.5)
+    assert sel["status"] == "succeeded", sel
+    for trial in sel["trials"]:
+        assert trial["status"] == "succeeded" and trial["result"]["steps"] == STEPS, trial
+        assert trial["compute_s"] is not None and trial["best_metric"] is not None
+        assert_exactly_once(faults, trial["job_id"])
+    assert max(faults.job(j)["attempts"] for j in jobs) == 2

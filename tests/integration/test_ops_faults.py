@@ -31,7 +31,7 @@ FAST = {
     "name": "fast",
     "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
     "data": {"max_chars": 20_000},
-    "train": {"steps": 150, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
+    "train": {"steps": 100, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
 }
 
 
@@ -48,7 +48,12 @@ def ops_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]
 
 
 def _follow(handle: StackHandle, job_id: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "SHARDYARD_API_URL": handle.base_url, "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "SHARDYARD_API_URL": handle.base_url,
+        "SHARDYARD_TOKEN": handle.token,
+        "COLUMNS": "200",
+    }
     return subprocess.Popen(
         [sys.executable, "-m", "api.cli", "follow", str(job_id)],
         stdout=subprocess.PIPE,
@@ -67,7 +72,7 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
     job = h.submit(FAST)
     frames: list = []
     reader = threading.Thread(
-        target=lambda: frames.extend(read_sse(h.base_url, f"/api/jobs/{job['id']}/stream"))
+        target=lambda: frames.extend(read_sse(h.base_url, f"/api/jobs/{job['id']}/stream", token=h.token))
     )
     reader.start()
     follow = _follow(h, job["id"])

@@ -10,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.archives import MALICIOUS, targz
-from tests.conftest import StackHandle
+from tests.conftest import TERMINAL, StackHandle
+from tests.trainer.user_model_src import USER_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +107,12 @@ def test_user_text_and_tokenizer_from_the_workspace_train(stack: StackHandle, tm
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(tiny(name="bpe", data={"path": "corpus.txt", "tokenizer": "tokenizer.json"})))
 
-    env = {**os.environ, "SHARDYARD_API_URL": stack.base_url, "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "SHARDYARD_API_URL": stack.base_url,
+        "SHARDYARD_TOKEN": stack.token,
+        "COLUMNS": "200",
+    }
     out = subprocess.run(
         [sys.executable, "-m", "api.cli", "submit", str(spec), "--workspace", str(folder)],
         capture_output=True,
@@ -137,3 +144,77 @@ def test_python_data_entry_point_and_a_broken_one(stack: StackHandle) -> None:
     assert "NameError" in failed["error"] and "helper_that_does_not_exist" in failed["error"]
     logs = "\n".join(e["message"] for e in stack.client.get(f"/api/jobs/{broken['id']}/logs").json()["items"])
     assert 'mydata/source.py", line 14, in broken' in logs  # the user's own frame, in the job's logs
+
+
+def test_user_model_trains_through_the_api_and_a_selection_ranges_over_its_args(stack: StackHandle) -> None:
+    ws = upload(stack, targz({"userlm/__init__.py": b"", "userlm/model.py": USER_MODEL.encode()})).json()
+    model = {"kind": "python", "entry": "userlm.model:make", "args": {"width": 32}, "seq_len": 16}
+    job = stack.submit(tiny(name="user-model", model=model, data={"max_chars": 100_000}, workspace=ws["ref"]))
+    broken = stack.submit(
+        tiny(
+            name="user-broken",
+            model={**model, "entry": "userlm.model:mismatched", "args": {}},
+            workspace=ws["ref"],
+        )
+    )
+    done = stack.wait(job["id"], timeout=180)
+    assert falls(stack, job["id"]) and done["result"]["params"] > 0
+    failed = stack.wait(broken["id"], ("failed",), timeout=180)
+    assert "layer 1 (Linear) failed on an input of shape" in failed["error"]
+    logs = "\n".join(e["message"] for e in stack.client.get(f"/api/jobs/{broken['id']}/logs").json()["items"])
+    assert "traceback of the user's code" in logs and "must have same reduction dim" in logs
+
+    body = {
+        "name": "user-widths",
+        "base": tiny(
+            name="sel",
+            model=model,
+            workspace=str(ws["id"]),
+            train={"steps": 12, "batch_size": 8, "lr": 3e-3, "eval_every": 4},
+        ),
+        "space": {"model.args.width": [8, 16, 24, 32, 40, 48]},
+        "method": "grid",
+        "devices": 2,
+        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
+    }
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    deadline = time.monotonic() + 300
+    while (sel := stack.client.get(f"/api/selections/{sid}").json())["status"] not in TERMINAL:
+        assert time.monotonic() < deadline, sel
+        time.sleep(0.5)
+    assert sel["status"] == "succeeded", sel
+    assert sorted(t["params"]["model.args.width"] for t in sel["trials"]) == [8, 16, 24, 32, 40, 48]
+    assert all(t["status"] in ("succeeded", "stopped_early") for t in sel["trials"])
+    assert any(t["stopped_early"] for t in sel["trials"]), "ASHA stops some of six trials"
+    widths = {stack.job(t["job_id"])["spec"]["model"]["args"]["width"] for t in sel["trials"]}
+    assert widths == {8, 16, 24, 32, 40, 48}
+
+
+def test_workspaces_belong_to_their_uploader(stack: StackHandle) -> None:
+    from tests.integration.test_auth import new_user
+
+    body = targz({"mine.txt": b"alice's code"})
+    _a, ca = new_user(stack)
+    _b, cb = new_user(stack)
+    with ca, cb:
+        headers = {"content-type": "application/gzip"}
+        mine = ca.post("/api/workspaces", params={"name": "a"}, content=body, headers=headers).json()
+        assert [w["id"] for w in ca.get("/api/workspaces").json()["items"]] == [mine["id"]]
+        # B sees nothing of A's: not listed, not by id or digest, not usable in a job, not deletable
+        assert cb.get("/api/workspaces").json()["total"] == 0
+        assert cb.get(f"/api/workspaces/{mine['id']}").status_code == 404
+        assert cb.get(f"/api/workspaces/{mine['ref']}").status_code == 404
+        resp = cb.post("/api/jobs", json=tiny(workspace=mine["ref"]))
+        assert resp.status_code == 422 and "not found" in resp.json()["detail"]
+        assert cb.delete(f"/api/workspaces/{mine['id']}").status_code == 404
+        # the same bytes uploaded by B are B's own workspace (one stored file)
+        theirs = cb.post("/api/workspaces", params={"name": "b"}, content=body, headers=headers).json()
+        assert theirs["id"] != mine["id"] and theirs["digest"] == mine["digest"]
+        assert cb.delete(f"/api/workspaces/{theirs['id']}").status_code == 204
+        assert ca.get(f"/api/workspaces/{mine['ref']}").json()["id"] == mine["id"]
+        blob = Path(stack.stack.root) / "workspaces" / f"{mine['digest']}.tar.gz"
+        assert blob.is_file(), "A's row still needs the stored file"
+        assert ca.delete(f"/api/workspaces/{mine['id']}").status_code == 204
+        assert not blob.exists()

@@ -4,6 +4,12 @@ One spawn per pipeline depth runs every schedule at several micro-batch counts (
 the expensive part on a 2-core machine); each case rebuilds the model from the same seed. The
 message-driven (`async`) cases run with random sleeps of 0-10 ms injected before every action on
 every rank, so arrival order varies from run to run while the result must not.
+
+What this proves for NCCL: every send and receive is recorded and must carry tag 0, so gloo
+matches each pair's messages first-in first-out, as NCCL does; a message landing in the wrong
+receive would show in the losses and gradients. What gloo cannot show (in-order streams, waits
+that do not block the CPU) is proved by the NCCL-semantics checker (test_pipeline_schedules.py).
+PyTorch's own ScheduleGPipe / Schedule1F1B run in the same spawn as the `torch-*` cases.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ CFG = {
     4: ModelConfig(layers=2, d_model=32, heads=2, seq_len=16),
 }
 BATCH = 8
+TORCH = ("torch-gpipe", "torch-1f1b")
 CASES = {
-    2: [(name, n) for name in SCHEDULES for n in (2, 4)],
-    4: [(name, n) for name in SCHEDULES for n in (4, 8)],
+    2: [(name, n) for name in (*SCHEDULES, *TORCH) for n in (2, 4)],
+    4: [(name, n) for name in (*SCHEDULES, *TORCH) for n in (4, 8)],
 }
 
 
@@ -59,14 +66,41 @@ def _jitter(rank: int) -> object:
     return lambda a: rng.uniform(0.0, 0.01)
 
 
+def _record_tags(tags: set[int]) -> None:
+    """Wrap this rank's isend/irecv and P2POp (what batch_isend_irecv runs) to collect tags."""
+    real = {"isend": dist.isend, "irecv": dist.irecv}
+    real_op = dist.P2POp
+
+    def wrap(fname: str) -> object:
+        def call(*args: object, tag: int = 0, **kw: object) -> object:
+            tags.add(tag)
+            return real[fname](*args, tag=tag, **kw)
+
+        return call
+
+    wrapped = {"isend": wrap("isend"), "irecv": wrap("irecv")}
+    unwrap = {wrapped[k]: real[k] for k in real}
+
+    def p2p(
+        op: object, tensor: object, peer: object = None, group: object = None, tag: int = 0, **kw: object
+    ):
+        tags.add(tag)
+        return real_op(unwrap.get(op, op), tensor, peer, group, tag, **kw)
+
+    dist.isend, dist.irecv, dist.P2POp = wrapped["isend"], wrapped["irecv"], p2p
+
+
 def _run_cases(rank: int, world: int, cases: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     cfg = CFG[world]
     x, y = _batch(cfg)
-    out = {}
+    out: dict = {}
+    tags: set[int] = set()
     for name, N in cases:
         if name.startswith("torch-"):
             out[(name, N)] = _run_torch_pipelining(rank, world, name=name, N=N)
             continue
+        if not tags:
+            _record_tags(tags)
         model = build_model(cfg, seed=0)
         sched = build_schedule(name, stages=world, microbatches=N)
         modules = build_stages(model, sched=sched, rank=rank)
@@ -105,6 +139,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, int]]) -> dict[tupl
             "planned": [(a.op, a.mb, a.stage, a.replica) for a in sched.ranks[rank]],
             "peak_stash": rec.peak_stash,
         }
+    out["tags"] = tags
     return out
 
 
@@ -139,7 +174,7 @@ def _run_torch_pipelining(rank: int, world: int, *, name: str, N: int) -> dict:
 
 @functools.cache
 def _results(world: int) -> list[dict[tuple[str, int], dict]]:
-    return run_ranks(_run_cases, world_size=world, args=(CASES[world],), timeout_s=240)
+    return run_ranks(_run_cases, world_size=world, args=(CASES[world],), timeout_s=600)
 
 
 @pytest.mark.slow
@@ -171,6 +206,13 @@ def test_every_schedule_matches_the_full_batch_reference(world: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
+def test_every_message_is_untagged(world: int) -> None:
+    for r in _results(world):
+        assert r["tags"] == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_static_mode_executes_the_lists_in_order(world: int) -> None:
     for r, res in enumerate(_results(world)):
         for case in CASES[world]:
@@ -188,12 +230,15 @@ def test_static_mode_executes_the_lists_in_order(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpipe_and_1f1b_agree_with_torch_pipelining(world: int) -> None:
     per_rank = _results(world)
+    compared = 0
     for case in CASES[world]:
         if not case[0].startswith("torch-"):
             continue
+        compared += 1
         ours = (case[0].removeprefix("torch-"), case[1])
         for r in per_rank:
             torch.testing.assert_close(r[case]["loss"], r[ours]["loss"], rtol=1e-5, atol=1e-6, msg=str(case))
             assert r[case]["grads"].keys() == r[ours]["grads"].keys()
             for n, g in r[case]["grads"].items():
                 torch.testing.assert_close(r[ours]["grads"][n], g, rtol=1e-4, atol=1e-6, msg=f"{case} {n}")
+    assert compared == 4  # torch's GPipe and 1F1B, at two micro-batch counts each

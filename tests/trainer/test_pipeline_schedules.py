@@ -1,12 +1,24 @@
-"""Schedules as data: every builder passes the dependency checker, the checker catches broken
-schedules, and the simulator reproduces the closed-form bubble ratios."""
+"""Schedules as data: every builder passes the dependency checker and, lowered to untagged sends
+and receives, the NCCL-semantics checker over D in 2..16 and N in D..4D; the checkers catch
+broken schedules; the simulator reproduces the closed-form bubble ratios."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.pipeline.checker import check_schedule
-from trainer.pipeline.schedules import SCHEDULES, Action, ScheduleError, build_schedule, chimera_zb
+from trainer.pipeline.checker import check_async_nccl, check_nccl, check_schedule
+from trainer.pipeline.schedules import (
+    P2P,
+    SCHEDULES,
+    Action,
+    Msg,
+    Post,
+    Run,
+    ScheduleError,
+    build_schedule,
+    chimera_zb,
+    lower,
+)
 from trainer.pipeline.simulate import Costs, bubble_1f1b, bubble_chimera, jitter, simulate
 
 SHAPES = [(D, N) for D in (2, 4, 6, 8, 16) for N in (1, 2, 3, D, D + 2, 2 * D)]
@@ -19,6 +31,99 @@ def test_every_schedule_passes_the_checker(name: str, D: int, N: int) -> None:
     check_schedule(sched)
     n_ops = 3 if sched.split_backward else 2
     assert sum(a.op != "AR" for acts in sched.ranks for a in acts) == n_ops * D * N
+
+
+NCCL_GRID = [(D, N) for D in range(2, 17) for N in range(D, 4 * D + 1)]
+
+
+@pytest.mark.slow  # pure Python, no processes, but ~10-25 s per schedule on a 2-core machine
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "chimera", "chimera-zb"])
+def test_every_lowered_schedule_is_deadlock_free_and_matched_under_nccl(name: str) -> None:
+    """The whole grid: D in 2..16 (even only for Chimera), every N in D..4D."""
+    checked = 0
+    for D, N in NCCL_GRID:
+        if name.startswith("chimera") and D % 2:
+            continue
+        check_nccl(build_schedule(name, stages=D, microbatches=N))
+        checked += 1
+    assert checked == (224 if name.startswith("chimera") else 420)
+
+
+def test_message_driven_mode_is_correct_under_nccl_for_every_interleaving_of_small_pipelines() -> None:
+    for D, N in [(2, 2), (2, 4), (2, 8), (3, 3), (3, 6), (4, 4)]:
+        assert check_async_nccl(D, N, exhaustive=True) > N
+        # at 1F1B's own in-flight bound too
+        check_async_nccl(D, N, cap=D, exhaustive=True)
+
+
+@pytest.mark.slow
+def test_message_driven_mode_is_correct_under_nccl_over_the_grid() -> None:
+    """One random interleaving of transfers and CPU steps per shape (the exhaustive test covers
+    every interleaving where the state space is small)."""
+    for D, N in NCCL_GRID:
+        check_async_nccl(D, N, seeds=1)
+
+
+def test_async_checker_finds_a_stall() -> None:
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        check_async_nccl(3, 3, cap=0, exhaustive=True)
+
+
+def _m(kind: str, mb: int, src: int, dst: int) -> Msg:
+    return Msg(kind, mb, dst, 0, src, dst)
+
+
+def test_nccl_checker_finds_sends_that_wait_for_each_other() -> None:
+    """Two ranks that each send before they receive, in separate groups, wait forever under
+    NCCL (a send completes only once its receive is posted, and each rank's receive queues
+    behind its own send); the same pair grouped in one batch_isend_irecv is fine."""
+    sched = build_schedule("gpipe", stages=2, microbatches=1)
+    a, b = _m("act", 0, 0, 1), _m("grad", 0, 1, 0)
+    made_a, made_b = Run(Action("F", 0, 0), sends=(a,)), Run(Action("F", 0, 1), sends=(b,))
+    split = [
+        [made_a, Post((P2P("send", a),)), Post((P2P("recv", b),)), Run(None, needs=(b,))],
+        [made_b, Post((P2P("send", b),)), Post((P2P("recv", a),)), Run(None, needs=(a,))],
+    ]
+    with pytest.raises(ScheduleError, match="deadlocks under NCCL"):
+        check_nccl(sched, split)
+    grouped = [
+        [made_a, Post((P2P("send", a), P2P("recv", b))), Run(None, needs=(b,))],
+        [made_b, Post((P2P("send", b), P2P("recv", a))), Run(None, needs=(a,))],
+    ]
+    check_nccl(sched, grouped)
+
+
+def test_nccl_checker_finds_receives_in_the_wrong_order() -> None:
+    """Untagged messages match by position: receiving micro-batch 1 before 0 swaps them."""
+    sched = build_schedule("gpipe", stages=2, microbatches=2)
+    progs = lower(sched)
+    r1 = progs[1]
+    posts = [i for i, ins in enumerate(r1) if isinstance(ins, Post) and ins.ops[0].op == "recv"]
+    first, second = r1[posts[0]], r1[posts[1]]
+    r1[posts[0]], r1[posts[1]] = Post(second.ops), Post(first.ops)
+    with pytest.raises(ScheduleError, match="issue order|before posting"):
+        check_nccl(sched, progs)
+
+
+def test_posting_every_receive_up_front_deadlocks_chimera_under_nccl() -> None:
+    """The old executor's plan: each rank posts all its receives at the start of the step. On
+    NCCL's in-order streams the first pending receive holds up the rank's sends."""
+    sched = build_schedule("chimera", stages=4, microbatches=4)
+    progs = lower(sched)
+    upfront = []
+    for prog in progs:
+        recvs = tuple(op for ins in prog if isinstance(ins, Post) for op in ins.ops if op.op == "recv")
+        rest = []
+        for ins in prog:
+            if isinstance(ins, Post):
+                sends = tuple(op for op in ins.ops if op.op == "send")
+                if sends:
+                    rest.append(Post(sends))
+            else:
+                rest.append(ins)
+        upfront.append([Post(recvs), *rest])
+    with pytest.raises(ScheduleError, match="deadlocks under NCCL"):
+        check_nccl(sched, upfront)
 
 
 def test_checker_finds_a_deadlock() -> None:

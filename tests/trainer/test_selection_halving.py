@@ -45,6 +45,8 @@ def test_asha_hand_worked_in_logical_order() -> None:
     # rung 3: p4 arrives first but waits for p2, which comes before it in logical order
     assert rep(4, 3, 0.9) == ([], [])
     assert h.paused() == {p[4]}
+    # the trials that can still reach rung 3 are the ones to run first
+    assert h.blocking() == {p[2], p[6], p[8]}
     assert h.finished(p[2], step=2).stopped == []  # p2 failed before the rung; p4 is taken (n=1)
     assert rep(6, 3, 0.7) == ([], [])  # n=2
     assert rep(8, 3, 0.8) == ([p[6]], [p[8], p[4]])  # n=3: top 1 = {p6}; stops in rank order

@@ -244,15 +244,28 @@ def test_offload_device_bytes_per_param(stream: BatchStream) -> None:
     n = count_params(build_model(MODEL, seed=0))
     engine.train_step(*stream.batch_for(0))  # the first step; the census watches the second
     at_step: list[list[Seen]] = []
-    step_group = engine.opt.step_group
+    made_by_optimizer: list[Seen] = []
+    opt = engine.opt
 
-    def watched(*args: Any, **kwargs: Any) -> None:
-        at_step.append(census.live())
-        step_group(*args, **kwargs)
+    def watch(method: Any, *, snapshot: bool) -> Any:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            if snapshot:
+                at_step.append(census.live())
+            known = set(census.seen)
+            out = method(*args, **kwargs)
+            made_by_optimizer.extend(s for r, s in census.seen.items() if r not in known)
+            return out
 
-    engine.opt.step_group = watched  # type: ignore[method-assign]
+        return watched
+
+    opt.found_inf = watch(opt.found_inf, snapshot=False)  # type: ignore[method-assign]
+    opt.step_group = watch(opt.step_group, snapshot=True)  # type: ignore[method-assign]
     with DeviceCensus(CPU) as census:
         engine.train_step(*stream.batch_for(1))
+    # the inf check and the update compute on nothing bigger than a bucket (no whole-gradient
+    # temporaries: the device holds params + grads + buckets at the step, not more)
+    bucket = 4 * opt.bucket_numel
+    assert made_by_optimizer and max(s.nbytes for s in made_by_optimizer) <= bucket
     # when the step begins: the parameters and the gradients (bf16, 2 bytes/param each) and, besides
     # them, only the scalar loss
     (live,) = at_step

@@ -20,12 +20,21 @@ def _jobs(url: str, owner_id: int, n: int, **kw) -> list[int]:
         ]
 
 
+ATTEMPTS: dict[int, dbj.Attempt] = {}
+
+
 def _gate_and_claim(url: str, job_id: int) -> str | None:
     with session_for(url) as s:
         reason = quota_gate(s, job_id=job_id, defaults=DEFAULTS)
         if reason is None:
-            assert dbj.claim_job(s, job_id=job_id, worker="w")
+            attempt = dbj.claim_job(s, job_id=job_id, owner=f"w{job_id}", worker="w", lease_s=60)
+            assert attempt is not None
+            ATTEMPTS[job_id] = attempt
         return reason
+
+
+def _finish(s, job_id: int) -> None:  # noqa: ANN001
+    assert dbj.finish_job(s, attempt=ATTEMPTS[job_id], status=dbj.JobStatus.succeeded) is not None
 
 
 def test_over_quota_waits_with_the_reason_then_runs(db_url: str) -> None:
@@ -39,7 +48,7 @@ def test_over_quota_waits_with_the_reason_then_runs(db_url: str) -> None:
         job = dbj.get_job(s, second)
         assert (job.status, job.wait_reason) == ("queued", reason)
         assert waiting_jobs(s, owner_id=uid) == [(second, "cpu")]
-        dbj.finish_job(s, job_id=first, status=dbj.JobStatus.succeeded)
+        _finish(s, first)
     assert _gate_and_claim(db_url, second) is None
     with session_for(db_url) as s:
         job = dbj.get_job(s, second)
@@ -54,7 +63,7 @@ def test_ranks_and_gpus_count_across_running_jobs(db_url: str) -> None:
     assert _gate_and_claim(db_url, a) is None
     assert "use 3 ranks; this one needs 2 more, the quota is 4" in _gate_and_claim(db_url, b)
     with session_for(db_url) as s:
-        dbj.finish_job(s, job_id=a, status=dbj.JobStatus.succeeded)
+        _finish(s, a)
         g1 = dbj.create_job(s, name="g1", spec={"resources": {"gpus": 1}}, owner_id=uid).id
         g2 = dbj.create_job(s, name="g2", spec={"resources": {"device": "cuda"}}, owner_id=uid).id
     assert _gate_and_claim(db_url, g1) is None

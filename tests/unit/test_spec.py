@@ -20,6 +20,11 @@ GOOD = [
         "train": {"batch_size": 16},
     },
     {"parallel": {"tensor": {"mode": "2.5d", "q": 2, "d": 2}}, "train": {"batch_size": 16}},
+    # pipelines run on NCCL: their messages are untagged and ordered (trainer/pipeline/checker.py)
+    {
+        "parallel": {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "chimera-zb"}},
+        "resources": {"device": "cuda", "gpus": 2},
+    },
     {"parallel": {"tensor": {"mode": "1d", "size": 4}}},
     {"parallel": {"spill": {"device_budget_mb": 64, "prefetch": False}, "offload": {"optimizer": True}}},
 ]

@@ -1,21 +1,39 @@
-"""Runs one pipeline training step on this rank with point-to-point messages over gloo.
+"""Runs one pipeline training step on this rank with untagged point-to-point messages.
 
-Static mode executes the rank's action list in order. Message-driven mode (schedule `async`,
-after AxoNN) takes whichever input arrived first, backward work before forward, and lets stage 0
-inject a new micro-batch whenever fewer than `cap` are in flight.
+Written for NCCL's rules and tested on gloo with tag 0 everywhere:
 
-Every receive of the step is posted up front, and a waiter thread per receive announces its
-arrival: gloo's `Work.is_completed()` does not report a finished irecv until someone waits on it,
-so polling cannot tell which message came first, but a thread blocked in `wait()` can.
+- NCCL ignores tags and matches a pair's sends and receives in issue order; gloo with one tag
+  matches first-in first-out. So no message carries a tag: a receive gets whatever the peer sent
+  in that position of the pair's order, and the order is planned so that it is the right message.
+- `Work.wait()` on NCCL does not block the CPU (it makes the compute stream wait), and a posted
+  receive holds up the operations queued behind it. So receives are posted just before they are
+  needed, never all at the start of the step, and nothing decides what to run next by blocking.
+
+Static schedules run the rank's lowered program (`schedules.lower`): groups of sends and receives
+issued with one `dist.batch_isend_irecv` each, and computations that wait for the receives they
+need. `checker.check_nccl` proves every lowered program deadlock-free and correctly matched under
+NCCL's semantics.
+
+Message-driven mode (schedule `async`, after AxoNN) keeps one outstanding receive per channel
+(activations from the previous stage, gradients from the next), identifies micro-batches by
+arrival order (each stage runs its forwards and its backwards in micro-batch order, so the k-th
+message on a channel is micro-batch k) and polls for completion: `Work.is_completed()` on NCCL;
+gloo's irecv only reports completion through `wait()`, so there a waiter thread per channel (two
+at most) stands in for the poll. Each direction of each stage boundary travels on its own process
+group (`async_groups`), so no stream ever holds a send behind a receive; `checker.check_async_nccl`
+explores the mode's interleavings under the same semantics.
 
 Micro-batch losses are lm_loss / N, so the gradients accumulated over the N micro-batches equal
-the full-batch gradient. Chimera's two copies of a stage exchange gradients (AR actions) as soon as
-both are final; the sum lands in both copies before the optimizer step, so they stay identical.
+the full-batch gradient. Chimera's two copies of a stage exchange gradients at the end of the step
+(one group per rank, after its pipeline messages); both copies then hold the sum and take
+identical optimizer steps.
 
-torch.distributed.pipelining is not used for execution: its PipelineStage binds one stage to one
-rank in one direction and its schedules run fixed orders, while Chimera needs two stage copies per
-rank on two opposite rank orders and the async mode needs arrival-order execution. The tests
-check this executor against its ScheduleGPipe / Schedule1F1B on the same model and data.
+Split backward (chimera-zb): B computes the stage input's gradient and keeps, for each group of
+parameters, the gradient arriving at the graph node where the parameters join the input's path
+(`torch.distributed.pipelining._backward.stage_backward_input`); W starts from those saved
+gradients and computes only the weight gradients (`stage_backward_weight`), so B + W costs one
+backward. The first stage, whose input needs no gradient, has nothing to compute in B and runs its
+whole backward in W.
 """
 
 from __future__ import annotations
@@ -23,23 +41,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from trainer.models import lm_loss
-from trainer.pipeline.schedules import Action, Schedule, async_cap
-
-_ACT, _GRAD, _AR = 0, 1, 2
-
-
-def _tag(kind: int, *, mb: int, stage: int, replica: int) -> int:
-    """One tag per message, so receives match by content and not by arrival order."""
-    return ((kind * 2 + replica) * 4096 + stage) * 65536 + mb + 1
+from trainer.pipeline.schedules import Action, Msg, Post, Run, Schedule, async_cap, async_next, lower
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,61 +63,86 @@ class StepRecord:
 
 @dataclass(slots=True)
 class _Stashed:
-    """What a forward leaves for its backward: the stage input (its .grad is the message back),
-    the output (or the scaled loss on the last stage) and, between a split B and its W, the
-    output gradient W needs again."""
+    """What a forward leaves for its backward: the stage input (None on the first stage), the
+    output (or the scaled loss on the last stage) and, between a split B and its W, what W needs:
+    the output gradient (first stage) or the saved parameter-group gradients."""
 
-    inp: torch.Tensor
+    inp: torch.Tensor | None
     out: torch.Tensor
     grad_out: torch.Tensor | None = None
+    param_groups: list[dict[str, Any]] | None = None
 
 
-class _Mailbox:
-    """Pre-posted receives; a thread per receive marks it arrived when its wait() returns."""
+def async_groups(ranks: list[int]) -> list[Any]:
+    """The four process groups of the message-driven mode: activations crossing boundary
+    s -> s+1 travel on group `s % 2`, gradients crossing it back on group `2 + s % 2`. On every
+    rank each group then carries either sends to one peer or receives from one peer, so a pending
+    receive never holds up a send on the same NCCL stream. Only the pipeline's ranks call this
+    (`use_local_synchronization`), in the same order, so it composes with other meshes."""
+    return [dist.new_group(ranks, use_local_synchronization=True) for _ in range(4)]
 
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self._pool = pool
-        self._cond = threading.Condition()
-        self.buffers: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self.arrived: set[tuple[int, int, int, int]] = set()
-        self._error: BaseException | None = None
 
-    def post(self, key: tuple[int, int, int, int], buf: torch.Tensor, src: int, group: Any) -> None:
-        kind, mb, stage, replica = key
-        self.buffers[key] = buf
-        work = dist.irecv(buf, src=src, group=group, tag=_tag(kind, mb=mb, stage=stage, replica=replica))
-        self._pool.submit(self._watch, key, work)
+class _Channel:
+    """One incoming channel of the message-driven mode: at most one receive outstanding, the k-th
+    message is micro-batch k. `ready()` polls without blocking."""
 
-    def _watch(self, key: tuple[int, int, int, int], work: Any) -> None:
+    def __init__(
+        self,
+        *,
+        src: int,
+        group: Any,
+        count: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        wake: threading.Condition,
+    ) -> None:
+        self.src, self.group, self.count = src, group, count
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.wake = wake
+        self.taken = 0
+        self.buf: torch.Tensor | None = None
+        self.work: Any = None
+        # gloo's Work.is_completed() stays False until someone waits, so a thread waits for it
+        self.threaded = device.type == "cpu"
+        self.arrived = False
+        self.error: BaseException | None = None
+        self._post()
+
+    def _post(self) -> None:
+        if self.taken >= self.count:
+            self.work = None
+            return
+        self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.arrived = False
+        self.work = dist.irecv(self.buf, src=self.src, group=self.group)
+        if self.threaded:
+            threading.Thread(target=self._watch, args=(self.work,), daemon=True).start()
+
+    def _watch(self, work: Any) -> None:
         try:
             work.wait()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-            return
-        with self._cond:
-            self.arrived.add(key)
-            self._cond.notify_all()
+            self.error = e
+        with self.wake:
+            self.arrived = True
+            self.wake.notify_all()
 
-    def wait_for(self, key: tuple[int, int, int, int]) -> torch.Tensor:
-        with self._cond:
-            self._cond.wait_for(lambda: key in self.arrived or self._error is not None)
-            if self._error is not None:
-                raise self._error
-            self.arrived.discard(key)
-        return self.buffers.pop(key)
+    def ready(self) -> bool:
+        if self.work is None:
+            return False
+        if self.error is not None:
+            raise self.error
+        return self.arrived if self.threaded else bool(self.work.is_completed())
 
-    def wait_any(self, want: Callable[[set[tuple[int, int, int, int]]], bool]) -> None:
-        """Block until `want(arrived)` holds (the caller decides what it can act on)."""
-        with self._cond:
-            self._cond.wait_for(lambda: want(self.arrived) or self._error is not None)
-            if self._error is not None:
-                raise self._error
-
-    def snapshot(self) -> set[tuple[int, int, int, int]]:
-        with self._cond:
-            return set(self.arrived)
+    def take(self) -> tuple[int, torch.Tensor]:
+        """The next micro-batch's tensor, identified by arrival order; posts the next receive."""
+        if not self.threaded:
+            self.work.wait()  # NCCL: orders the compute stream after the receive
+        mb, buf = self.taken, self.buf
+        self.taken += 1
+        self._post()
+        return mb, buf
 
 
 class PipelineExecutor:
@@ -124,10 +160,14 @@ class PipelineExecutor:
         cap: int | None = None,
         delay: Callable[[Action], float] | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+        channel_groups: list[Any] | None = None,
     ) -> None:
-        """`ranks` maps pipeline rank to global rank (default identity); `delay(action)` returns
-        seconds to sleep before the action's compute (jitter injection for tests and benches);
-        `loss_fn(outputs, targets)` is the model recipe's mean loss of one micro-batch."""
+        """`ranks` maps pipeline rank to global rank (default identity); `group` is the process
+        group the static schedules talk on (default WORLD); `channel_groups` are the message-
+        driven mode's groups (default: `async_groups(ranks)`, made here, so every pipeline rank
+        must build its executor at the same point); `delay(action)` returns seconds to sleep
+        before the action's compute (jitter injection for tests and benches); `loss_fn(outputs,
+        targets)` is the model recipe's mean loss of one micro-batch."""
         self.sched = sched
         self.rank = rank
         self.modules = modules
@@ -139,217 +179,238 @@ class PipelineExecutor:
         self.cap = cap if cap is not None else async_cap(sched.stages)
         self.delay = delay
         self.loss_fn = loss_fn
-        n_recv = sum(1 for a in sched.ranks[rank] if self._source(a) is not None) + 4
-        self._pool = ThreadPoolExecutor(max_workers=n_recv, thread_name_prefix=f"pp{rank}-recv")
+        if sched.dynamic:
+            if sched.replicas != 1 or sched.split_backward:
+                raise ValueError("the message-driven mode runs one replica with a whole backward")
+            self.program: list[Post | Run] = []
+            self.channel_groups = channel_groups if channel_groups is not None else async_groups(self.ranks)
+        else:
+            self.program = lower(sched)[rank]
+            self.channel_groups = []
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing outlives a step; kept so callers can release an executor explicitly."""
 
-    # ---- where messages come from and go to -------------------------------------------------
     def _peer(self, *, stage: int, replica: int) -> int:
         return self.ranks[self.sched.rank_of(stage=stage, replica=replica)]
 
-    def _source(self, a: Action) -> tuple[int, int] | None:
-        """(kind, global source rank) of the message action `a` consumes, if any."""
-        D = self.sched.stages
-        if a.op == "F" and a.stage > 0:
-            return _ACT, self._peer(stage=a.stage - 1, replica=a.replica)
-        if a.op == "B" and a.stage < D - 1:
-            return _GRAD, self._peer(stage=a.stage + 1, replica=a.replica)
-        return None
-
-    # ---- one step ---------------------------------------------------------------------------
     def step(self, x_BT: torch.Tensor, y_BT: torch.Tensor, *, t0: float | None = None) -> StepRecord:
         """Run this rank's share of one step; parameter gradients are left in `.grad`."""
-        sched, N = self.sched, self.sched.microbatches
+        N = self.sched.microbatches
         t0 = time.perf_counter() if t0 is None else t0
-        xs = x_BT.to(self.device).chunk(N)
-        ys = y_BT.to(self.device).chunk(N)
-        mail = _Mailbox(self._pool)
-        for a in sched.ranks[self.rank]:
-            src = self._source(a)
-            if src is not None:
-                kind, peer = src
-                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                mail.post((kind, a.mb, a.stage, a.replica), buf, peer, self.group)
-        run = _StepRun(self, mail=mail, xs=xs, ys=ys, t0=t0)
-        if sched.dynamic:
+        run = _StepRun(self, xs=x_BT.to(self.device).chunk(N), ys=y_BT.to(self.device).chunk(N), t0=t0)
+        if self.sched.dynamic:
             run.message_driven()
         else:
-            for a in sched.ranks[self.rank]:
-                run.do(a)
+            run.static()
         run.finish()
-        return StepRecord(loss=run.loss, timeline=run.timeline, peak_stash=run.peak_stash)
+        return StepRecord(loss=run.loss.item(), timeline=run.timeline, peak_stash=run.peak_stash)
 
 
 class _StepRun:
     """The mutable state of one step on one rank."""
 
     def __init__(
-        self,
-        ex: PipelineExecutor,
-        *,
-        mail: _Mailbox,
-        xs: tuple[torch.Tensor, ...],
-        ys: tuple[torch.Tensor, ...],
-        t0: float,
+        self, ex: PipelineExecutor, *, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], t0: float
     ) -> None:
         self.ex = ex
-        self.mail = mail
         self.xs, self.ys = xs, ys
         self.t0 = t0
         self.stash: dict[tuple[int, int, int], _Stashed] = {}
         self.peak_stash = 0
-        self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.exchanges: list[
-            tuple[Any, Any, torch.Tensor, torch.Tensor, tuple[int, int], dict[str, Any]]
-        ] = []
-        self.loss = 0.0
+        # the loss stays on the device until the step ends: no CPU sync inside the step
+        self.loss = torch.zeros((), dtype=torch.float64, device=ex.device)
         self.timeline: list[dict[str, Any]] = []
+        self.outbox: dict[Msg, torch.Tensor] = {}
+        self.inbox: dict[Msg, tuple[Any, torch.Tensor]] = {}
+        self.sent: list[tuple[Any, torch.Tensor]] = []
+        self.flat: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _send(self, t: torch.Tensor, *, dst: int, tag: int) -> None:
-        t = t.detach().contiguous()
-        # keep the tensor alive until the send completes
-        self.sends.append((dist.isend(t, dst=dst, group=self.ex.group, tag=tag), t))
+    # ---- static schedules -------------------------------------------------------------------
+    def static(self) -> None:
+        for ins in self.ex.program:
+            if isinstance(ins, Post):
+                self._post(ins)
+                continue
+            inputs = []
+            for m in ins.needs:
+                work, buf = self.inbox.pop(m)
+                work.wait()
+                inputs.append(buf)
+            if ins.action is None:
+                self._sum_exchanged(dict(zip(ins.needs, inputs, strict=True)))
+            elif ins.action.op == "AR":
+                self._flatten(ins.action, ins.sends[0])
+            else:
+                out = self.compute(ins.action, inputs[0] if inputs else None)
+                for m in ins.sends:
+                    self.outbox[m] = out
 
-    def _record(self, a: Action, start: float) -> dict[str, Any]:
-        e = {
-            "rank": self.ex.rank,
-            "op": a.op,
-            "mb": a.mb,
-            "stage": a.stage,
-            "replica": a.replica,
-            "start": start - self.t0,
-            "end": time.perf_counter() - self.t0,
-        }
-        self.timeline.append(e)
-        return e
+    def _post(self, post: Post) -> None:
+        """One `batch_isend_irecv` per group; no tags (P2POp's default tag 0 everywhere)."""
+        ex = self.ex
+        ops, tensors = [], []
+        for op in post.ops:
+            m = op.msg
+            if op.op == "send":
+                t = self.outbox.pop(m).contiguous()
+                ops.append(dist.P2POp(dist.isend, t, ex.ranks[m.dst], group=ex.group))
+            else:
+                t = torch.empty(self._shape(m), dtype=ex.act_dtype, device=ex.device)
+                ops.append(dist.P2POp(dist.irecv, t, ex.ranks[m.src], group=ex.group))
+            tensors.append(t)
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            # a coalesced backend (NCCL) hands back one work for the whole group
+            works = works * len(ops) if len(works) == 1 else works
+        for op, work, t in zip(post.ops, works, tensors, strict=True):
+            if op.op == "send":
+                self.sent.append((work, t))  # the tensor lives until the send completes
+            else:
+                self.inbox[op.msg] = (work, t)
 
-    def do(self, a: Action) -> None:
-        if a.op == "AR":
-            self._allreduce(a)
-            return
-        D, N = self.ex.sched.stages, self.ex.sched.microbatches
-        key = (a.mb, a.stage, a.replica)
-        mod = self.ex.modules[(a.stage, a.replica)]
-        src = self.ex._source(a)
-        received = self.mail.wait_for((src[0], a.mb, a.stage, a.replica)) if src else None
+    def _shape(self, m: Msg) -> tuple[int, ...]:
+        if m.kind == "ar":
+            return (sum(p.numel() for p in self.ex.modules[(m.stage, m.replica)].parameters()),)
+        return self.ex.act_shape
+
+    def _flatten(self, a: Action, msg: Msg) -> None:
+        """This stage copy's gradients are final: flatten them for the other copy."""
         start = time.perf_counter()
-        if self.ex.delay is not None:
+        params = list(self.ex.modules[(a.stage, a.replica)].parameters())
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        self.flat[(a.stage, a.replica)] = flat
+        self.outbox[msg] = flat
+        self._record(a, start)
+
+    def _sum_exchanged(self, got: dict[Msg, torch.Tensor]) -> None:
+        """Both copies of a stage end with the sum of their gradients."""
+        for m, other in got.items():
+            key = (m.stage, m.replica)
+            total = self.flat.pop(key) + other
+            offset = 0
+            for p in self.ex.modules[key].parameters():
+                n = p.numel()
+                p.grad = total[offset : offset + n].view_as(p).clone()
+                offset += n
+
+    # ---- compute ----------------------------------------------------------------------------
+    def _record(self, a: Action, start: float) -> None:
+        self.timeline.append(
+            {
+                "rank": self.ex.rank,
+                "op": a.op,
+                "mb": a.mb,
+                "stage": a.stage,
+                "replica": a.replica,
+                "start": start - self.t0,
+                "end": time.perf_counter() - self.t0,
+            }
+        )
+
+    def compute(self, a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run F, B or W; returns the tensor to send on (activation or input gradient), if any."""
+        ex = self.ex
+        D, N = ex.sched.stages, ex.sched.microbatches
+        key = (a.mb, a.stage, a.replica)
+        mod = ex.modules[(a.stage, a.replica)]
+        start = time.perf_counter()
+        if ex.delay is not None:
             # injected inside the timed span: it stands for slower compute, not a late message
-            time.sleep(self.ex.delay(a))
+            time.sleep(ex.delay(a))
+        send: torch.Tensor | None = None
         if a.op == "F":
-            inp = self.xs[a.mb] if a.stage == 0 else received.requires_grad_()
-            out = mod(inp)
+            inp = None if a.stage == 0 else received.requires_grad_()
+            out = mod(self.xs[a.mb] if inp is None else inp)
             if a.stage == D - 1:
                 # note: scaled by 1/N so the N micro-batch gradients sum to the full-batch one
                 out = self.ex.loss_fn(out, self.ys[a.mb]) / N
-                self.loss += out.item()
+                self.loss += out.detach().double()
             else:
-                self._send(
-                    out, dst=self.ex._peer(stage=a.stage + 1, replica=a.replica), tag=self._tag(_ACT, a)
-                )
+                send = out.detach()
             self.stash[key] = _Stashed(inp=inp, out=out)
             self.peak_stash = max(self.peak_stash, len(self.stash))
         elif a.op == "B":
             st = self.stash[key]
-            if self.ex.sched.split_backward:
-                if a.stage > 0:
-                    # input gradient only; the graph stays for the deferred weight gradient
-                    (g,) = torch.autograd.grad(st.out, st.inp, grad_outputs=received, retain_graph=True)
-                    self._send(
-                        g, dst=self.ex._peer(stage=a.stage - 1, replica=a.replica), tag=self._tag(_GRAD, a)
-                    )
-                st.grad_out = received
-            else:
-                torch.autograd.backward(st.out, grad_tensors=received)
-                if a.stage > 0:
-                    self._send(
-                        st.inp.grad,
-                        dst=self.ex._peer(stage=a.stage - 1, replica=a.replica),
-                        tag=self._tag(_GRAD, a),
-                    )
+            grad = None if a.stage == D - 1 else received
+            if not ex.sched.split_backward:
+                torch.autograd.backward(st.out, grad_tensors=grad)
+                send = st.inp.grad if st.inp is not None else None
                 del self.stash[key]
+            elif st.inp is None:
+                st.grad_out = grad  # nothing upstream: the whole backward runs in W
+            else:
+                params = [p for p in mod.parameters() if p.requires_grad]
+                (send,), st.param_groups = stage_backward_input(
+                    [st.out], None if grad is None else [grad], [st.inp], iter(params)
+                )
         elif a.op == "W":
             st = self.stash.pop(key)
             params = [p for p in mod.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(st.out, params, grad_outputs=st.grad_out, allow_unused=True)
-            for p, g in zip(params, grads, strict=True):
-                if g is None:
-                    continue
-                p.grad = g if p.grad is None else p.grad + g
-        self._record(a, start)
-
-    @staticmethod
-    def _tag(kind: int, a: Action) -> int:
-        # the receiver files a message under the stage that consumes it
-        stage = a.stage + 1 if kind == _ACT else a.stage - 1
-        return _tag(kind, mb=a.mb, stage=stage, replica=a.replica)
-
-    def _allreduce(self, a: Action) -> None:
-        """Start the gradient exchange of this stage copy with the other replica's copy."""
-        start = time.perf_counter()
-        mod = self.ex.modules[(a.stage, a.replica)]
-        params = list(mod.parameters())
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        other = torch.empty_like(flat)
-        peer = self.ex._peer(stage=a.stage, replica=1 - a.replica)
-        send = dist.isend(
-            flat, dst=peer, group=self.ex.group, tag=_tag(_AR, mb=-1, stage=a.stage, replica=a.replica)
-        )
-        recv = dist.irecv(
-            other, src=peer, group=self.ex.group, tag=_tag(_AR, mb=-1, stage=a.stage, replica=1 - a.replica)
-        )
-        entry = self._record(a, start)
-        self.exchanges.append((send, recv, flat, other, (a.stage, a.replica), entry))
-
-    def message_driven(self) -> None:
-        """AxoNN-style: act on whatever has arrived, gradients first."""
-        ex, mail = self.ex, self.mail
-        D, N = ex.sched.stages, ex.sched.microbatches
-        s = ex.rank  # single replica: stage s on rank s
-        f_done: set[int] = set()
-        b_done: set[int] = set()
-        next_inject = 0
-
-        def choose(arrived: set[tuple[int, int, int, int]]) -> Action | None:
-            ready_b = [m for m in f_done - b_done if s == D - 1 or (_GRAD, m, s, 0) in arrived]
-            if ready_b:
-                return Action("B", min(ready_b), s)
-            if s == 0:
-                if next_inject < N and len(f_done) - len(b_done) < ex.cap:
-                    return Action("F", next_inject, 0)
-                return None
-            ready_f = [k[1] for k in arrived if k[0] == _ACT and k[1] not in f_done]
-            return Action("F", min(ready_f), s) if ready_f else None
-
-        while len(b_done) < N:
-            a = choose(mail.snapshot())
-            if a is None:
-                mail.wait_any(lambda arrived: choose(arrived) is not None)
-                continue
-            self.do(a)
-            if a.op == "F":
-                f_done.add(a.mb)
-                if s == 0:
-                    next_inject += 1
+            if st.param_groups is None:
+                torch.autograd.backward(st.out, grad_tensors=st.grad_out)
             else:
-                b_done.add(a.mb)
+                stage_backward_weight(iter(params), st.param_groups)
+        self._record(a, start)
+        return send
+
+    # ---- message-driven mode ----------------------------------------------------------------
+    def message_driven(self) -> None:
+        """AxoNN-style: act on whatever has arrived, gradients first; poll, never block on one
+        receive while another could be served."""
+        ex = self.ex
+        D, N = ex.sched.stages, ex.sched.microbatches
+        s = ex.rank  # one replica: stage s on rank s
+        groups = ex.channel_groups
+        wake = threading.Condition()
+        common = {"count": N, "shape": ex.act_shape, "dtype": ex.act_dtype, "device": ex.device, "wake": wake}
+        act_in = _Channel(src=ex.ranks[s - 1], group=groups[(s - 1) % 2], **common) if s > 0 else None
+        grad_in = _Channel(src=ex.ranks[s + 1], group=groups[2 + s % 2], **common) if s < D - 1 else None
+        f_done = b_done = 0
+        while b_done < N:
+            # decide under the channels' lock: an arrival between the poll and the wait wakes it
+            with wake:
+                op = async_next(
+                    stage=s,
+                    stages=D,
+                    microbatches=N,
+                    cap=ex.cap,
+                    f_done=f_done,
+                    b_done=b_done,
+                    grad_ready=grad_in is not None and grad_in.ready(),
+                    act_ready=act_in is not None and act_in.ready(),
+                )
+                if op is None:
+                    # gloo: a channel thread notifies; NCCL: poll again shortly
+                    wake.wait(timeout=1e-4 if ex.device.type != "cpu" else 1.0)
+                    continue
+            got = None
+            if op == "B":
+                mb = b_done
+                if s < D - 1:
+                    mb, got = grad_in.take()
+            else:
+                mb = f_done
+                if s > 0:
+                    mb, got = act_in.take()
+            a = Action(op, mb, s)
+            out = self.compute(a, got)
+            if a.op == "F":
+                f_done += 1
+                if s < D - 1:
+                    self._isend(out, dst=ex.ranks[s + 1], group=groups[s % 2])
+            else:
+                b_done += 1
+                if s > 0:
+                    self._isend(out, dst=ex.ranks[s - 1], group=groups[2 + (s - 1) % 2])
+
+    def _isend(self, t: torch.Tensor, *, dst: int, group: Any) -> None:
+        t = t.contiguous()
+        self.sent.append((dist.isend(t, dst=dst, group=group), t))
 
     def finish(self) -> None:
-        for work, _ in self.sends:
+        for work, _ in self.sent:
             work.wait()
-        for send, recv, flat, other, (stage, replica), entry in self.exchanges:
-            send.wait()
-            recv.wait()
-            entry["end"] = time.perf_counter() - self.t0
-            total = flat + other
-            offset = 0
-            for p in self.ex.modules[(stage, replica)].parameters():
-                n = p.numel()
-                p.grad = total[offset : offset + n].view_as(p).clone()
-                offset += n
-        self.sends.clear()
-        self.exchanges.clear()
+        self.sent.clear()

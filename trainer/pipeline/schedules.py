@@ -13,16 +13,18 @@ and deadlock-free, `trainer.pipeline.simulate.simulate` times it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Op = Literal["F", "B", "W", "AR"]
 SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
 COMPUTE_OPS = ("F", "B", "W")
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
+class Action(NamedTuple):
+    """(op, micro-batch, stage, replica); a tuple, because schedules hash many thousands."""
+
     op: Op
     mb: int
     """Micro-batch index; -1 for AR (it covers every micro-batch of the stage)."""
@@ -331,3 +333,234 @@ def build_schedule(name: str, *, stages: int, microbatches: int, backward_ratio:
     if name == "async":
         return async_plan(stages, microbatches)
     raise ScheduleError(f"unknown schedule {name!r}; one of {', '.join(SCHEDULES)}")
+
+
+# ---- lowering to explicit point-to-point messages ----------------------------------------------
+MsgKind = Literal["act", "grad", "ar"]
+
+
+class Msg(NamedTuple):
+    """One point-to-point message of a step, named by what it carries and who consumes it (a
+    tuple: the checker hashes hundreds of thousands of them)."""
+
+    kind: MsgKind
+    """act: a stage output going to the next stage; grad: an input gradient going to the
+    previous stage; ar: a Chimera stage copy's flattened gradients going to the other copy."""
+    mb: int
+    """Micro-batch; -1 for ar."""
+    stage: int
+    """The stage that consumes it (for ar: the stage whose gradients they are)."""
+    replica: int
+    """The consumer's replica."""
+    src: int
+    dst: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb if self.mb >= 0 else ''}{chr(39) * self.replica}@s{self.stage} {self.src}->{self.dst}"
+
+
+@dataclass(frozen=True, slots=True)
+class P2P:
+    op: Literal["send", "recv"]
+    msg: Msg
+
+    @property
+    def peer(self) -> int:
+        return self.msg.dst if self.op == "send" else self.msg.src
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """Neighbouring sends and receives issued together (one `dist.batch_isend_irecv`, one NCCL
+    group): the outputs of the action just run plus the receives the next action needs."""
+
+    ops: tuple[P2P, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Compute one action once the messages in `needs` have arrived; it produces `sends`.
+    `action` None is the step's end, which needs Chimera's exchanged gradients."""
+
+    action: Action | None
+    needs: tuple[Msg, ...] = ()
+    sends: tuple[Msg, ...] = ()
+
+
+Instr = Post | Run
+
+
+def message_in(sched: Schedule, a: Action) -> Msg | None:
+    """The message action `a` consumes, if any."""
+    D = sched.stages
+    me = sched.rank_of(stage=a.stage, replica=a.replica)
+    if a.op == "F" and a.stage > 0:
+        src = sched.rank_of(stage=a.stage - 1, replica=a.replica)
+        return Msg("act", a.mb, a.stage, a.replica, src, me)
+    if a.op == "B" and a.stage < D - 1:
+        src = sched.rank_of(stage=a.stage + 1, replica=a.replica)
+        return Msg("grad", a.mb, a.stage, a.replica, src, me)
+    return None
+
+
+def messages_out(sched: Schedule, a: Action) -> tuple[Msg, ...]:
+    """The messages action `a` produces."""
+    D = sched.stages
+    me = sched.rank_of(stage=a.stage, replica=a.replica)
+    if a.op == "F" and a.stage < D - 1:
+        dst = sched.rank_of(stage=a.stage + 1, replica=a.replica)
+        return (Msg("act", a.mb, a.stage + 1, a.replica, me, dst),)
+    if a.op == "B" and a.stage > 0:
+        dst = sched.rank_of(stage=a.stage - 1, replica=a.replica)
+        return (Msg("grad", a.mb, a.stage - 1, a.replica, me, dst),)
+    if a.op == "AR":
+        dst = sched.rank_of(stage=a.stage, replica=1 - a.replica)
+        return (Msg("ar", -1, a.stage, 1 - a.replica, me, dst),)
+    return ()
+
+
+def _production_times(sched: Schedule) -> dict[Msg, tuple[float, int, int]]:
+    """When each message is produced in an in-order run at forward 1, backward 2 (split: B 1,
+    W 1), ties broken by the sender's rank and position: the order two ranks agree to talk in."""
+    cost = {"F": 1.0, "B": 1.0 if sched.split_backward else 2.0, "W": 1.0, "AR": 0.0}
+    D = sched.stages
+    made: dict[Msg, float] = {}
+    out: dict[Msg, tuple[float, int, int]] = {}
+    pos, free = [0] * D, [0.0] * D
+    waiting: dict[Msg, list[int]] = {}
+    todo = list(range(D))
+    while todo:
+        r = todo.pop()
+        acts = sched.ranks[r]
+        while pos[r] < len(acts):
+            a = acts[pos[r]]
+            need = message_in(sched, a)
+            if need is not None and need not in made:
+                waiting.setdefault(need, []).append(r)
+                break
+            start = max(free[r], made[need]) if need is not None else free[r]
+            free[r] = start + cost[a.op]
+            for m in messages_out(sched, a):
+                # Chimera's exchanges go last, after every pipeline message of the step
+                made[m] = free[r]
+                out[m] = (math.inf if m.kind == "ar" else free[r], r, pos[r])
+                todo += waiting.pop(m, [])
+            pos[r] += 1
+    if stuck := [r for r in range(D) if pos[r] < len(sched.ranks[r])]:
+        raise ScheduleError(f"{sched.name}: ranks {stuck} never get their inputs")
+    return out
+
+
+def lower(sched: Schedule) -> list[list[Instr]]:
+    """Each rank's action list as explicit sends and receives, with no tags to match by.
+
+    Messages between two ranks are matched in issue order (NCCL runs a pair's operations in
+    order and ignores tags; gloo with tag 0 matches first-in first-out), so both ranks of a pair
+    must issue their operations on it in one agreed order. The agreed order is the order the
+    messages are produced in an in-order run of the schedule (forward 1, backward 2); each
+    sender's own sends are already in that order. A rank posts a receive as late as it can: just
+    before the action that needs it, or earlier if it must precede one of its own sends to that
+    peer in the agreed order, or a receive it needs sooner (first in, first out). The outputs of
+    an action go out in one group (`dist.batch_isend_irecv`, one NCCL group) with the receives
+    posted at that point, the grouping torch.distributed.pipelining uses so that two neighbours
+    sending to each other wait on neither's receive. `check_nccl` proves the result deadlock-free
+    and correctly matched under NCCL's rules; the tests run it for every schedule, D in 2..16 and
+    N in D..4D."""
+    if sched.dynamic:
+        raise ScheduleError(f"{sched.name} orders its work at run time; it has no static lowering")
+    D = sched.stages
+    when = _production_times(sched)
+    # each directed pair's messages in the agreed order
+    incoming: list[dict[int, list[Msg]]] = [{} for _ in range(D)]
+    for m in sorted(when, key=when.__getitem__):
+        incoming[m.dst].setdefault(m.src, []).append(m)
+    return [_RankLowering(sched, rank=r, incoming=incoming[r], when=when).program() for r in range(D)]
+
+
+class _RankLowering:
+    """One rank's program: its actions with the posts lower() describes between them."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        *,
+        rank: int,
+        incoming: dict[int, list[Msg]],
+        when: dict[Msg, tuple[float, int, int]],
+    ) -> None:
+        self.sched, self.rank, self.incoming, self.when = sched, rank, incoming, when
+        self.posted = dict.fromkeys(incoming, 0)
+        self.index = {m: i for msgs in incoming.values() for i, m in enumerate(msgs)}
+        self.prog: list[Instr] = []
+        self.outbox: list[Msg] = []
+
+    def upto(self, src: int, n: int) -> list[P2P]:
+        """Receives from `src` until the first n of its messages to this rank are posted."""
+        msgs = self.incoming.get(src, [])
+        got = [P2P("recv", x) for x in msgs[self.posted.get(src, 0) : n]]
+        if got:
+            self.posted[src] = n
+        return got
+
+    def before_send(self, m: Msg) -> list[P2P]:
+        """Receives from m's destination that precede m in the agreed order."""
+        msgs = self.incoming.get(m.dst, [])
+        n = self.posted.get(m.dst, 0)
+        while n < len(msgs) and self.when[msgs[n]] < self.when[m]:
+            n += 1
+        return self.upto(m.dst, n)
+
+    def flush(self, need: Msg | None) -> None:
+        ops: list[P2P] = []
+        for m in self.outbox:
+            ops += self.before_send(m)
+            ops.append(P2P("send", m))
+        if need is not None:
+            ops += self.upto(need.src, self.index[need] + 1)
+        self.outbox = []
+        if ops:
+            self.prog.append(Post(tuple(ops)))
+
+    def program(self) -> list[Instr]:
+        exchange: list[P2P] = []
+        for a in self.sched.ranks[self.rank]:
+            need = message_in(self.sched, a)
+            self.flush(need)
+            outs = messages_out(self.sched, a)
+            self.prog.append(Run(a, needs=(need,) if need is not None else (), sends=outs))
+            self.outbox += [m for m in outs if m.kind != "ar"]
+            exchange += [P2P("send", m) for m in outs if m.kind == "ar"]
+        self.flush(None)
+        # the end of the step: Chimera's gradient exchanges, sent and received in one group
+        # after the rank's pipeline messages, and whatever is still unreceived
+        rest = [op for src, msgs in self.incoming.items() for op in self.upto(src, len(msgs))]
+        if rest or exchange:
+            self.prog.append(Post(tuple(exchange + rest)))
+        ars = tuple(m for msgs in self.incoming.values() for m in msgs if m.kind == "ar")
+        self.prog.append(Run(None, needs=ars))
+        return self.prog
+
+
+def async_next(
+    *,
+    stage: int,
+    stages: int,
+    microbatches: int,
+    cap: int,
+    f_done: int,
+    b_done: int,
+    grad_ready: bool,
+    act_ready: bool,
+) -> Literal["F", "B"] | None:
+    """The message-driven mode's choice on one stage, shared by the executor and the checker:
+    backward work first (the last stage's own, else an arrived gradient), then a forward (stage 0
+    injects while fewer than `cap` micro-batches are in flight, the others take an arrived
+    activation). Forwards and backwards each run in micro-batch order on every stage, which is
+    what lets a receiver name the k-th message on a channel micro-batch k."""
+    if stage == stages - 1 and b_done < f_done:
+        return "B"
+    if grad_ready:
+        return "B"
+    if stage == 0:
+        return "F" if f_done < microbatches and f_done - b_done < cap else None
+    return "F" if act_ready else None

@@ -249,11 +249,16 @@ class Executor:
             return None
         active = [r.index for r in self.runs.values() if r.status in ("pending", "running")]
         free = self.ledgers[d].free_bytes()
-        choice = self.scheduler.choose(
-            [self._view(r) for r in idle],
-            active=active,
-            free_bytes=None if free is None else free - extra_bytes,
-        )
+        free = None if free is None else free - extra_bytes
+        choice = None
+        if self.rungs is not None:
+            # trials that paused ones wait for go first (the policy still chooses among them)
+            urgent = self.rungs.blocking()
+            first = [self._view(r) for r in idle if r.index in urgent]
+            if first:
+                choice = self.scheduler.choose(first, active=active, free_bytes=free)
+        if choice is None:
+            choice = self.scheduler.choose([self._view(r) for r in idle], active=active, free_bytes=free)
         if choice is None:
             return None
         run = self.runs[choice.index]

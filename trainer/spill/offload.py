@@ -117,14 +117,21 @@ class OffloadedAdamW:
         """Bytes of the device buffers this optimizer holds, read off the buffers themselves."""
         return sum(t.untyped_storage().nbytes() for bufs in self._sets for t in bufs)
 
+    def _chunks(self, grads: torch.Tensor) -> list[torch.Tensor]:
+        return [grads[a : a + self.bucket_numel] for a in range(0, grads.numel(), self.bucket_numel)]
+
     # note: `.item()` is a CPU-GPU sync point, once per group and step; the skip decision needs it
     def found_inf(self, grads: torch.Tensor) -> bool:
-        return not bool(torch.isfinite(grads).all().item())
+        # bucket by bucket: isfinite makes temporaries the size of its input (abs, compares), which
+        # on the whole flat gradient would be another 2 bytes/param on the device
+        finite = torch.stack([torch.isfinite(c).all() for c in self._chunks(grads)])
+        return not bool(finite.all().item())
 
     def grad_sq_norm(self, grads: torch.Tensor) -> float:
-        """Sum of squares of the unscaled gradient (for global-norm clipping)."""
-        g = grads.float()
-        return float(torch.dot(g, g).item()) / (self.scaler.scale**2)
+        """Sum of squares of the unscaled gradient (for global-norm clipping); in fp32, a bucket at a
+        time (a whole fp32 copy of the gradient would be 4 bytes/param on the device)."""
+        sq = torch.stack([torch.dot(c32, c32) for c32 in (c.float() for c in self._chunks(grads))]).sum()
+        return float(sq.item()) / (self.scaler.scale**2)
 
     @torch.no_grad()
     def step_group(

@@ -24,8 +24,11 @@ def upgrade() -> None:
         sa.Column("format", sa.String(length=10), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("owner_id", sa.Integer(), nullable=True),
+        sa.ForeignKeyConstraint(
+            ["owner_id"], ["users.id"], name="fk_workspaces_owner_id_users", ondelete="SET NULL"
+        ),
         sa.PrimaryKeyConstraint("id"),
-        sa.UniqueConstraint("digest"),
+        sa.UniqueConstraint("owner_id", "digest", name="uq_workspaces_owner_digest"),
     )
     op.create_index("ix_workspaces_owner_id", "workspaces", ["owner_id"])
 

@@ -2,6 +2,7 @@
 // stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
 import { api, type Job, type Page, post, subscribe, TERMINAL } from "../api";
 import { badge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
+import { specTools } from "../workspace";
 
 const POLL_MS = 5000;
 const PAGE = 50;
@@ -208,7 +209,7 @@ export function jobsPage(root: HTMLElement): () => void {
 }
 
 function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
-  const text = h("textarea", { id: "spec-input", rows: 14, spellcheck: "false" });
+  const text = h("textarea", { id: "spec-input", rows: 14, spellcheck: "false" }) as HTMLTextAreaElement;
   text.value = JSON.stringify(DEFAULT_SPEC, null, 2);
   const out = h("div", { id: "submit-result", role: "status" });
   const submit = async (ev: Event) => {
@@ -237,6 +238,7 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
     "form",
     { class: "card", id: "submit-form", onsubmit: submit },
     h("h2", {}, "Submit job"),
+    specTools(text),
     h("label", { for: "spec-input", class: "muted" }, "JobSpec (JSON)"),
     text,
     h(

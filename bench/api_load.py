@@ -1,0 +1,213 @@
+"""API latency under load on the real embedded stack (redis-server, uvicorn with one process, one
+Celery worker, SQLite WAL): 50 Server-Sent Event streams open on a job that trains and streams its
+metrics the whole time, 20 submits per second (open loop: each POST starts on its schedule,
+whether or not the previous one answered), and a probe issuing the reads the dashboard and CLI
+make. Every request's latency is kept; the table gives p50/p95/p99 per route and overall.
+
+    python -m bench.api_load [--streams 50] [--submits-per-s 20] [--seconds 30]
+
+Writes bench/results/api_load.json naming the machine and its load average during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from api.stack import Stack
+from bench.common import table, write_results
+
+# a job that trains for the whole run (one-layer MLP: many small steps, a steady metric stream)
+STREAMED = {
+    "name": "streamed",
+    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
+    "data": {"max_chars": 20_000},
+    "train": {"steps": 1_000_000, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
+}
+SUBMITTED = {**STREAMED, "name": "queued", "train": {**STREAMED["train"], "steps": 10}}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+class Streams:
+    """`n` raw SSE connections drained by one thread (what they cost the server, not the bench)."""
+
+    def __init__(self, port: int, path: str, n: int, token: str) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.bytes = 0
+        self.closed = 0
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            auth = f"Authorization: Bearer {token}\r\n"
+            s.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
+            )
+            head = s.recv(4096)
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"stream refused: {head[:200]!r}")
+            s.setblocking(False)
+            self.sel.register(s, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self.sel.select(timeout=0.5):
+                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                if not data:
+                    self.sel.unregister(key.fileobj)
+                    self.closed += 1
+                self.bytes += len(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+
+
+def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
+    lat: dict[str, list[float]] = {}
+    errors: dict[str, int] = {}
+    lock = threading.Lock()
+    local = threading.local()
+    auth = {"Authorization": f"Bearer {stack.admin_token}"}
+
+    def timed(route: str, method: str, url: str, **kw: object) -> None:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=stack.base_url, timeout=60, headers=auth)
+        t0 = time.perf_counter()
+        r = local.client.request(method, url, **kw)
+        dt = (time.perf_counter() - t0) * 1e3
+        with lock:
+            lat.setdefault(route, []).append(dt)
+            if r.status_code >= 400:
+                errors[f"{route} {r.status_code}"] = errors.get(f"{route} {r.status_code}", 0) + 1
+
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers=auth) as c:
+        job = c.post("/api/jobs", json=STREAMED).json()
+        while c.get(f"/api/jobs/{job['id']}").json()["progress"]["step"] < 5:
+            time.sleep(0.2)
+        open_streams = Streams(stack.api_port, f"/api/jobs/{job['id']}/stream", streams, stack.admin_token)
+        load = [os.getloadavg()[0]]
+        stop = threading.Event()
+
+        def probe() -> None:
+            routes = [
+                ("GET /api/jobs", "/api/jobs", {"limit": 50}),
+                ("GET /api/jobs/{id}", f"/api/jobs/{job['id']}", {}),
+                ("GET /api/jobs/{id}/metrics", f"/api/jobs/{job['id']}/metrics", {"max_points": 200}),
+                ("GET /api/health", "/api/health", {}),
+            ]
+            i = 0
+            while not stop.is_set():
+                route, url, params = routes[i % len(routes)]
+                timed(route, "GET", url, params=params)
+                i += 1
+                time.sleep(0.1)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        t0 = time.perf_counter()
+        n = int(rate * seconds)
+        with ThreadPoolExecutor(16) as pool:
+            for k in range(n):
+                # open loop: the k-th submit starts at k / rate seconds
+                delay = t0 + k / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                pool.submit(timed, "POST /api/jobs", "POST", "/api/jobs", json=SUBMITTED)
+                if k % int(rate * 5) == 0:
+                    load.append(os.getloadavg()[0])
+        achieved = n / (time.perf_counter() - t0)
+        stop.set()
+        prober.join(timeout=10)
+        load.append(os.getloadavg()[0])
+        delivered = open_streams.bytes
+        dropped = open_streams.closed
+        open_streams.close()
+        # leave nothing behind for the stack's stop: cancel what queued up and the streamed job
+        while queued := c.get("/api/jobs", params={"status": "queued", "limit": 500}).json()["items"]:
+            for j in queued:
+                c.post(f"/api/jobs/{j['id']}/cancel")
+        c.post(f"/api/jobs/{job['id']}/cancel")
+    every = [x for xs in lat.values() for x in xs]
+    routes = {
+        r: {
+            "n": len(xs),
+            "p50_ms": pct(xs, 0.5),
+            "p95_ms": pct(xs, 0.95),
+            "p99_ms": pct(xs, 0.99),
+            "max_ms": max(xs),
+        }
+        for r, xs in sorted(lat.items())
+    }
+    return {
+        "streams": streams,
+        "stream_bytes": delivered,
+        "streams_closed_early": dropped,
+        "submits_per_s_target": rate,
+        "submits_per_s_achieved": achieved,
+        "seconds": seconds,
+        "load_average_1m": load,
+        "errors": errors,
+        "routes": routes,
+        "all": {
+            "n": len(every),
+            "p50_ms": pct(every, 0.5),
+            "p95_ms": pct(every, 0.95),
+            "p99_ms": pct(every, 0.99),
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=50)
+    ap.add_argument("--submits-per-s", type=float, default=20.0)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--name", default="api_load", help="results file: bench/results/<name>.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        # one client opens all the streams: raise its cap above them
+        env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10)}
+        with Stack(root=Path(tmp), workers=1, extra_env=env, shutdown_s=60) as stack:
+            res = run(stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds)
+    rows = [
+        {"route": r, "requests": v["n"], "p50 ms": v["p50_ms"], "p95 ms": v["p95_ms"], "p99 ms": v["p99_ms"]}
+        for r, v in res["routes"].items()
+    ]
+    a = res["all"]
+    rows.append(
+        {
+            "route": "all",
+            "requests": a["n"],
+            "p50 ms": a["p50_ms"],
+            "p95 ms": a["p95_ms"],
+            "p99 ms": a["p99_ms"],
+        }
+    )
+    title = (
+        f"API latency with {res['streams']} open streams and {res['submits_per_s_achieved']:.1f} submits/s "
+        f"for {res['seconds']:.0f} s (goal: p95 <= 100 ms); load average "
+        f"{min(res['load_average_1m']):.1f}-{max(res['load_average_1m']):.1f}; errors {res['errors'] or 'none'}"
+    )
+    print(table(rows, title=title))
+    print(f"wrote {write_results(args.name, {'goal_p95_ms': 100, 'met': a['p95_ms'] <= 100, **res})}")
+
+
+if __name__ == "__main__":
+    main()

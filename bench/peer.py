@@ -1,0 +1,386 @@
+"""Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
+
+    python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
+
+The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
+CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and with ASHA
+(reduction factor 2, first rung at step 10), the sides interleaved within each repetition:
+
+- bare: the floor with no orchestrator: a 2-process pool (`multiprocessing`, spawn) running
+  trainer/loop.py's `train` per trial, one torch thread each. FIFO only (no early stopping).
+- executor: `python -m trainer.selection` alone (Shardyard's executor, shard alternation over 2
+  devices, Sharded-LRTF), launched as the worker launches it.
+- rest: the same batch through `POST /api/selections` on a warm embedded stack (redis-server,
+  uvicorn, one Celery worker, SQLite); timed from the submit to the batch's end (server clock).
+- ray / ray-reuse: Ray Tune (`Tuner`, a function trainable running trainer/loop.py's `train`, one
+  CPU per trial, `ray.init(num_cpus=2)` done before timing), with `reuse_actors` off (Ray's
+  default) and on; FIFOScheduler or ASHAScheduler(grace_period=1 report = 10 steps, rf 2).
+
+Every side reports the best trial's parameters and val_loss, so a fast wrong answer shows. The
+work floor is the bare side's summed per-trial training time over two cores. Checkpoints are off on
+every side (Shardyard: `checkpoints: none`). Prints a table and writes bench/results/peer.json with
+the machine and its load average around each run (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import table, write_results
+from jobrules.space import expand
+
+ROOT = Path(__file__).resolve().parents[1]
+LRS = [1e-3, 3e-3, 1e-2, 3e-2]
+LAYERS = [2, 4]
+SPACE = {"train.lr": LRS, "model.layers": LAYERS}
+MODES = ("fifo", "asha")
+ASHA = {"kind": "asha", "reduction_factor": 2, "min_steps": 10}
+
+
+def base_spec(steps: int) -> dict[str, Any]:
+    return {
+        "name": "peer",
+        "model": {"kind": "gpt", "layers": 2, "d_model": 64, "heads": 4, "seq_len": 64},
+        "data": {"kind": "text", "corpus": "stdlib", "max_chars": 1_000_000},
+        "train": {
+            "steps": steps,
+            "batch_size": 16,
+            "lr": 1e-3,
+            "eval_every": 10,
+            "eval_batches": 2,
+            "seed": 0,
+        },
+        "resources": {"device": "cpu"},
+    }
+
+
+def trials(steps: int) -> list[dict[str, Any]]:
+    """(index, params, spec) as the API expands the grid."""
+    return [
+        {"index": p.index, "params": p.params, "spec": p.spec}
+        for p in expand(base=base_spec(steps), space=SPACE, method="grid")
+    ]
+
+
+def best_of(per_trial: dict[int, dict[str, Any]], params: dict[int, dict]) -> dict[str, Any]:
+    """The trial with the lowest val_loss at the last step it ran (ties to the lower index)."""
+    scored = [(r["val_loss"], i) for i, r in per_trial.items() if r.get("val_loss") is not None]
+    v, i = min(scored)
+    return {"trial": i, "params": params[i], "val_loss": v, "steps": per_trial[i]["steps"]}
+
+
+# -- bare: a process pool, no orchestrator --------------------------------------------------------
+
+
+def _bare_trial(t: dict[str, Any]) -> tuple[int, float, int, float]:
+    import torch
+
+    from trainer.config import JobConfig
+    from trainer.loop import train
+    from trainer.protocol import NeverStop, NullSink
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    res = train(JobConfig.from_dict(t["spec"]), sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+    return t["index"], float(res["val_loss"]), int(res["steps"]), time.perf_counter() - t0
+
+
+def run_bare(ts: list[dict[str, Any]]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(2) as pool:
+        out = pool.map(_bare_trial, ts, chunksize=1)
+    wall = time.perf_counter() - t0
+    per = {i: {"val_loss": v, "steps": s, "seconds": sec} for i, v, s, sec in out}
+    return {"wall_s": wall, "trials": per, "work_s": sum(r["seconds"] for r in per.values())}
+
+
+# -- Shardyard: the executor alone, and through the REST API --------------------------------------
+
+
+def batch_doc(ts: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    return {
+        "trials": [{"index": t["index"], "spec": t["spec"]} for t in ts],
+        "metric": "val_loss",
+        "mode": "min",
+        "scheduler": "shard-lrtf",
+        "early_stopping": ASHA if mode == "asha" else None,
+        "seed": 0,
+        "checkpoints": "none",
+    }
+
+
+def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path) -> dict[str, Any]:
+    path = tmp / f"batch-{mode}.json"
+    path.write_text(json.dumps(batch_doc(ts, mode)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.selection",
+        "--batch",
+        str(path),
+        "--devices",
+        "2",
+        "--device",
+        "cpu",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer.selection exited {proc.returncode}: {proc.stderr[-2000:]}")
+    summary = next(json.loads(line)["data"] for line in proc.stdout.splitlines() if '"batch_result"' in line)
+    per = {
+        r["trial"]: {"val_loss": r["val_loss"], "steps": r["steps"], "status": r["status"]}
+        for r in summary["trials"]
+    }
+    return {"wall_s": wall, "trials": per}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _ts(s: str) -> float:
+    return datetime.fromisoformat(s).timestamp()
+
+
+def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
+    body = {
+        "name": f"peer-{mode}",
+        "base": base_spec(steps),
+        "space": SPACE,
+        "method": "grid",
+        "devices": 2,
+        "scheduler": "shard-lrtf",
+        "early_stopping": ASHA if mode == "asha" else None,
+        "checkpoints": "none",
+    }
+    t0 = time.perf_counter()
+    r = client.post("/api/selections", json=body)
+    r.raise_for_status()
+    sid = r.json()["id"]
+    while True:
+        sel = client.get(f"/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(0.05)
+    client_wall = time.perf_counter() - t0
+    if sel["status"] != "succeeded":
+        raise RuntimeError(f"selection {sid} ended {sel['status']}")
+    per = {}
+    for t in sel["trials"]:
+        result = t.get("result") or client.get(f"/api/jobs/{t['job_id']}").json()["result"] or {}
+        per[t["index"]] = {
+            "val_loss": result.get("val_loss"),
+            "steps": t["steps_done"],
+            "status": t["status"],
+        }
+    return {
+        "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),
+        "client_wall_s": client_wall,
+        "trials": per,
+    }
+
+
+# -- Ray Tune --------------------------------------------------------------------------------------
+
+
+def _ray_trial(config: dict[str, Any], specs: list[dict[str, Any]]) -> None:
+    import torch
+    from ray import tune
+
+    from trainer.config import JobConfig
+    from trainer.loop import train
+    from trainer.protocol import NeverStop, NullSink
+
+    class Report(NullSink):
+        def metric(self, step: int, name: str, value: float) -> None:
+            if name == "val_loss":
+                tune.report({"val_loss": float(value), "step": step})
+
+    torch.set_num_threads(1)
+    spec = specs[config["index"]]
+    train(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
+
+
+def run_ray(ts: list[dict[str, Any]], mode: str, *, reuse: bool, steps: int, tmp: Path) -> dict[str, Any]:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    scheduler = (
+        ASHAScheduler(time_attr="training_iteration", max_t=steps // 10, grace_period=1, reduction_factor=2)
+        if mode == "asha"
+        else FIFOScheduler()
+    )
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(_ray_trial, specs=[t["spec"] for t in ts]), {"cpu": 1}),
+        param_space={"index": tune.grid_search([t["index"] for t in ts])},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler, reuse_actors=reuse),
+        run_config=tune.RunConfig(storage_path=str(tmp / "ray"), verbose=0),
+    )
+    t0 = time.perf_counter()
+    grid = tuner.fit()
+    wall = time.perf_counter() - t0
+    per = {}
+    for res in grid:
+        i = res.config["index"]
+        per[i] = {"val_loss": res.metrics.get("val_loss"), "steps": res.metrics.get("step", 0)}
+    return {"wall_s": wall, "trials": per}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
+    ap.add_argument("--out", default="peer")
+    args = ap.parse_args()
+    sides = args.sides.split(",")
+    ts = trials(args.steps)
+    params = {t["index"]: t["params"] for t in ts}
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmpdir:
+        tmp = Path(tmpdir)
+        stack = client = None
+        if "rest" in sides:
+            from api.stack import Stack
+
+            os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+            stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
+            (tmp / "stack").mkdir()
+            stack.start()
+            client = httpx.Client(
+                base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+            )
+            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
+        if any(s.startswith("ray") for s in sides):
+            import ray
+
+            os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+            ray.init(
+                num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20
+            )
+        try:
+            for rep in range(args.reps):
+                for side in sides:
+                    for mode in MODES:
+                        if side == "bare" and mode == "asha":
+                            continue
+                        before = load()
+                        if side == "bare":
+                            out = run_bare(ts)
+                        elif side == "executor":
+                            out = run_executor(ts, mode, tmp)
+                        elif side == "rest":
+                            assert client is not None
+                            out = run_rest(client, args.steps, mode)
+                        else:
+                            out = run_ray(ts, mode, reuse=side == "ray-reuse", steps=args.steps, tmp=tmp)
+                        out.update(
+                            side=side,
+                            mode=mode,
+                            rep=rep,
+                            load_before=before,
+                            load_after=load(),
+                            best=best_of(out["trials"], params),
+                        )
+                        runs.append(out)
+                        b = out["best"]
+                        print(
+                            f"rep {rep} {side:9s} {mode}: {out['wall_s']:7.2f} s  best trial {b['trial']} "
+                            f"{b['params']} val_loss {b['val_loss']:.6f}  load {before:.1f}->{out['load_after']:.1f}",
+                            flush=True,
+                        )
+        finally:
+            if client is not None:
+                client.close()
+            if stack is not None:
+                stack.stop()
+    summary = summarize(runs)
+    print(table(summary["rows"], title=f"\nmedians over {args.reps} interleaved repetitions"))
+    for line in summary["goals"]:
+        print(line)
+    path = write_results(
+        args.out,
+        {
+            "trials": len(ts),
+            "steps": args.steps,
+            "space": SPACE,
+            "asha": ASHA,
+            "runs": runs,
+            "summary": summary,
+        },
+    )
+    print(f"wrote {path}")
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    med: dict[tuple[str, str], float] = {}
+    rows = []
+    bare = [r for r in runs if r["side"] == "bare"]
+    floor = statistics.median(r["work_s"] for r in bare) / 2 if bare else None
+    for side in dict.fromkeys(r["side"] for r in runs):
+        for mode in MODES:
+            rs = [r for r in runs if r["side"] == side and r["mode"] == mode]
+            if not rs:
+                continue
+            med[side, mode] = m = statistics.median(r["wall_s"] for r in rs)
+            bests = {(r["best"]["trial"], round(r["best"]["val_loss"], 6)) for r in rs}
+            b = rs[0]["best"]
+            rows.append(
+                {
+                    "side": side,
+                    "mode": mode,
+                    "wall s (median)": m,
+                    "runs": len(rs),
+                    "/ work floor": m / floor if floor else "",
+                    "/ bare": m / med["bare", "fifo"] if ("bare", "fifo") in med else "",
+                    "best trial": b["trial"],
+                    "best params": json.dumps(b["params"]),
+                    "best val_loss": f"{b['val_loss']:.6f}",
+                    "same best every run": len(bests) == 1,
+                }
+            )
+    goals = []
+    if ("rest", "fifo") in med and ("bare", "fifo") in med:
+        r = med["rest", "fifo"] / med["bare", "fifo"]
+        goals.append(f"REST warm / bare floor (FIFO): {r:.3f} (goal <= 1)")
+    for mode in MODES:
+        if ("rest", mode) in med and ("executor", mode) in med:
+            o = med["rest", mode] / med["executor", mode] - 1
+            goals.append(f"service overhead over the executor ({mode}): {100 * o:+.1f}% (goal < 3%)")
+        if ("rest", mode) in med and ("ray-reuse", mode) in med:
+            s = med["ray-reuse", mode] / med["rest", mode]
+            goals.append(f"Ray reuse_actors / Shardyard REST ({mode}): {s:.2f}x (goal >= 1.5x)")
+    return {
+        "rows": rows,
+        "goals": goals,
+        "work_floor_s": floor,
+        "medians": {f"{k[0]}/{k[1]}": v for k, v in med.items()},
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""chimera-zb's split backward costs one backward: B (input gradient) + W (weight gradients) is
+measured with FlopCounterMode against a plain backward of the same stage, and gives the same
+gradients. Runs the executor's own compute path (no processes: compute sends nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainer.config import ModelConfig
+from trainer.models import build_model
+from trainer.pipeline.executor import PipelineExecutor, _StepRun
+from trainer.pipeline.schedules import Action, build_schedule
+from trainer.pipeline.stage import build_stages
+
+CFG = ModelConfig(layers=4, d_model=64, heads=4, seq_len=16, vocab_size=128)
+D, N, BATCH = 4, 4, 8
+
+
+def _flops(fn) -> int:  # noqa: ANN001
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _run(name: str, stage: int) -> tuple[dict[str, int], torch.Tensor | None, dict[str, torch.Tensor]]:
+    """F, then B (and W) of micro-batch 0 on `stage`; flops per op, input gradient, weight grads."""
+    sched = build_schedule(name, stages=D, microbatches=N)
+    model = build_model(CFG, seed=0)
+    modules = build_stages(model, sched=sched, rank=stage)
+    ex = PipelineExecutor(
+        sched=sched, rank=stage, modules=modules, act_shape=(BATCH // N, CFG.seq_len, CFG.d_model)
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
+    run = _StepRun(ex, xs=x.chunk(N), ys=x.chunk(N), t0=0.0)
+    act = None if stage == 0 else torch.randn(BATCH // N, CFG.seq_len, CFG.d_model, generator=g)
+    grad = None if stage == D - 1 else torch.randn(BATCH // N, CFG.seq_len, CFG.d_model, generator=g)
+    run.compute(Action("F", 0, stage), act)
+    out: list[torch.Tensor | None] = []
+    flops = {"B": _flops(lambda: out.append(run.compute(Action("B", 0, stage), grad)))}
+    if sched.split_backward:
+        flops["W"] = _flops(lambda: run.compute(Action("W", 0, stage), None))
+    mod = modules[(stage, 0)]
+    return flops, out[0], {n: p.grad.clone() for n, p in mod.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, D - 1])
+def test_split_backward_costs_one_backward_and_gives_the_same_gradients(stage: int) -> None:
+    plain, plain_dx, plain_grads = _run("chimera", stage)
+    split, split_dx, split_grads = _run("chimera-zb", stage)
+    assert plain["B"] > 0
+    assert split["B"] + split["W"] <= 1.05 * plain["B"], (split, plain)
+    if 0 < stage:
+        # B carries the input-gradient chain; W only the weight gradients
+        assert split["B"] < plain["B"] and split["W"] < plain["B"]
+        torch.testing.assert_close(split_dx, plain_dx)
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(split_grads[n], g, msg=n)
