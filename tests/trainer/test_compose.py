@@ -5,7 +5,8 @@ reference's dense weights the way the rank's layout cuts them) agree with torch.
 Layouts: dp=2; pp=2 x dp=2; pp=2 x tp(1d)=2; tp(2d, q=2) x dp=2 (8 ranks); pp=2 + offloaded AdamW
 (fp32, so it must match torch's AdamW to rounding); the message-driven (async) pipeline x dp=2 (each
 pipeline makes its own channel groups); Chimera pp=2 x dp=2 with gradient clipping at a norm that
-does clip (a norm summed over WORLD instead of one replica's ranks would clip differently and fail).
+does clip (a norm summed over WORLD instead of one replica's ranks would clip differently and fail);
+the tensor layouts clip too (each replicated tensor piece counted once, pipeline stages summed).
 
 What this proves for NCCL: the ranks issue the same collectives in the same order with device-side
 tensors (gradient buckets, the loss all-reduce, the clip norm); gloo would also accept CPU tensors,
@@ -58,10 +59,10 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
             "pipeline": {"stages": 2, "microbatches": 2, "schedule": "gpipe"},
             "tensor": {"mode": "1d", "size": 2},
         },
-        {},
+        {"grad_clip": 0.05},
         4,
     ),
-    "tp2dxdp2": ({"tensor": {"mode": "2d", "q": 2}, "data_parallel": 2}, {}, 8),
+    "tp2dxdp2": ({"tensor": {"mode": "2d", "q": 2}, "data_parallel": 2}, {"grad_clip": 0.05}, 8),
     "pp2+offload": (
         {
             "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
