@@ -51,7 +51,9 @@ class Streams:
         for _ in range(n):
             s = socket.create_connection(("127.0.0.1", port), timeout=30)
             auth = f"Authorization: Bearer {token}\r\n"
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Accept: text/event-stream\r\n\r\n".encode())
+            s.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
+            )
             head = s.recv(4096)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"stream refused: {head[:200]!r}")
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--submits-per-s", type=float, default=20.0)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--name", default="api_load", help="results file: bench/results/<name>.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them
@@ -203,7 +206,7 @@ def main() -> None:
         f"{min(res['load_average_1m']):.1f}-{max(res['load_average_1m']):.1f}; errors {res['errors'] or 'none'}"
     )
     print(table(rows, title=title))
-    print(f"wrote {write_results('api_load', {'goal_p95_ms': 100, 'met': a['p95_ms'] <= 100, **res})}")
+    print(f"wrote {write_results(args.name, {'goal_p95_ms': 100, 'met': a['p95_ms'] <= 100, **res})}")
 
 
 if __name__ == "__main__":

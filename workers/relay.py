@@ -28,6 +28,7 @@ from db.engine import session_for
 from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, trial_fields
+from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class Relay:
             elif msg.kind == "event" and msg.message == "trial" and key is not None:
                 status, steps = msg.data.get("status"), int(msg.data.get("steps_done", 0))
                 progress[key].steps_done = steps
-                if status in FINAL:
+                # a trial stopped by a warm shutdown has not ended: it goes back to its batch
+                if status in FINAL and not (status == "stopped" and DRAIN.is_set()):
                     self._final[key] = (str(status), msg.data.get("error"), steps)
             elif msg.kind == "event":
                 jl.events.append((msg.seq, "event", msg.message, msg.data, msg.time))

@@ -31,11 +31,11 @@ FAST = {
     "SHARDYARD_RECONCILE_S": "1",
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
 }
-STEPS = 30
+STEPS = 20
 SPEC = {
     **TINY_SPEC,
     "name": "fault",
-    "checkpoint_every": 5,
+    "checkpoint_every": 4,
     "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
 }
 
@@ -102,7 +102,7 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
     return [e["message"] for e in h.client.get(f"/api/jobs/{job_id}/logs").json()["items"]]
 
 
-def _started(h: StackHandle, step: int = 8) -> int:
+def _started(h: StackHandle, step: int = 6) -> int:
     _ensure_worker(h.stack)
     job = h.submit(SPEC)
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= step, timeout=180)
@@ -145,7 +145,7 @@ def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
 
 
 def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: StackHandle) -> None:
-    job_id = _started(faults, step=STEPS - 15)
+    job_id = _started(faults, step=STEPS - 12)
     # hold the write lock so nothing more reaches the database, let the trainer finish, and kill
     # the worker while it still has the trainer's last lines and the final status to write
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
@@ -220,7 +220,7 @@ def test_kill_the_worker_mid_selection(faults: StackHandle) -> None:
     sel = resp.json()
     jobs = [t["job_id"] for t in sel["trials"]]
     deadline = time.monotonic() + 180
-    while max(faults.job(j)["progress"]["step"] for j in jobs) < 8:
+    while max(faults.job(j)["progress"]["step"] for j in jobs) < 6:
         assert time.monotonic() < deadline, "the batch did not start"
         time.sleep(0.2)
     _kill_worker(faults.stack)

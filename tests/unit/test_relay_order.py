@@ -92,3 +92,28 @@ def test_a_worker_dying_between_a_trials_final_event_and_its_result_reruns_the_t
         dbs.sync_trials(s, job_ids=[j.id for j in requeued])
         assert dbs.settle_selection(s, selection_id=sid) == "queued"
     assert _trial(db_url, t0.id)[0::2] == ("queued", "queued")
+
+
+def test_a_trial_stopped_by_a_warm_shutdown_has_not_ended(db_url: str) -> None:
+    from workers.supervise import DRAIN
+
+    _, won = _batch(db_url, 1)
+    ((t0, _),) = won
+    relay = _relay(db_url, won)
+    DRAIN.set()
+    try:
+        _feed(
+            relay,
+            _line(0, 0, "event", event="trial", data={"status": "stopped", "steps_done": 2}),
+            _line(1, 0, "result", data={"steps": 2, "status": "stopped"}),
+        )
+        assert relay.close()
+    finally:
+        DRAIN.clear()
+    # its result is kept, and it is still the group's to give back to the queue (workers/selection.py)
+    assert _trial(db_url, t0.id) == (
+        "running",
+        {"steps": 2, "status": "stopped"},
+        "running",
+        {"steps": 2, "status": "stopped"},
+    )
