@@ -71,11 +71,12 @@ def average_gradients(
 @torch.no_grad()
 def grad_sq_sum(params: Iterable[torch.nn.Parameter], *, device: torch.device) -> torch.Tensor:
     """Sum of squared gradients, each tensor counted once per model copy: a tensor-parallel layer
-    marks a parameter that several tensor ranks hold identically with `tp_replicas`."""
+    marks the copies of a parameter that several tensor ranks hold identically, and only the one
+    with `tp_counted` counts (trainer/tensor/layers_1d.py's convention)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if p.grad is not None:
-            sq += p.grad.float().pow(2).sum() / getattr(p, "tp_replicas", 1)
+        if p.grad is not None and getattr(p, "tp_counted", True):
+            sq += p.grad.float().pow(2).sum()
     return sq
 
 

@@ -126,7 +126,9 @@ def should_stop(stop: StopSignal) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return stop.requested()
-    flag = torch.tensor([1 if (dist.get_rank() == 0 and stop.requested()) else 0])
+    # NCCL reduces device tensors only: the flag lives on this rank's GPU there
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([1 if (dist.get_rank() == 0 and stop.requested()) else 0], device=device)
     # note: a collective per step; a few microseconds on gloo, negligible beside a training step
     dist.all_reduce(flag)
     return bool(flag.item())

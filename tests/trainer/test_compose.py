@@ -3,7 +3,8 @@ step, the validation loss, and every parameter piece each rank holds after train
 reference's dense weights the way the rank's layout cuts them) agree with torch.testing.assert_close.
 
 Layouts: dp=2; pp=2 x dp=2; pp=2 x tp(1d)=2; tp(2d, q=2) x dp=2 (8 ranks); pp=2 + offloaded AdamW
-(fp32, so it must match torch's AdamW to rounding); pp=2 x dp=2 with gradient clipping at a norm that
+(fp32, so it must match torch's AdamW to rounding); the message-driven (async) pipeline x dp=2 (each
+pipeline makes its own channel groups); Chimera pp=2 x dp=2 with gradient clipping at a norm that
 does clip (a norm summed over WORLD instead of one replica's ranks would clip differently and fail).
 
 What this proves for NCCL: the ranks issue the same collectives in the same order with device-side
@@ -68,6 +69,11 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         },
         {},
         2,
+    ),
+    "pp2xdp2-async": (
+        {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "async"}, "data_parallel": 2},
+        {},
+        4,
     ),
     "pp2xdp2+clip": (
         {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "chimera"}, "data_parallel": 2},
