@@ -37,7 +37,7 @@ def engines(steps: int) -> list[dict[str, Any]]:
     rows = []
     for name, parallel in (
         ("resident", {}),
-        ("spilled (1.5 MiB budget)", {"spill": {"device_budget_mb": 1.5, "prefetch": True}}),
+        ("spilled (40 MiB budget)", {"spill": {"device_budget_mb": 40, "prefetch": True}}),
         ("offloaded (fp32)", {"offload": {"optimizer": True, "dtype": "fp32"}}),
         ("offloaded (bf16)", {"offload": {"optimizer": True, "dtype": "bf16"}}),
     ):

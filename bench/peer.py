@@ -271,7 +271,9 @@ def main() -> None:
             stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
             (tmp / "stack").mkdir()
             stack.start()
-            client = httpx.Client(base_url=stack.base_url, timeout=60)
+            client = httpx.Client(
+                base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+            )
             run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
         if any(s.startswith("ray") for s in sides):
             import ray

@@ -9,7 +9,13 @@ Sections:
 2. message-driven (`async`) vs static 1F1B makespan under +/-30% per-action compute jitter;
 3. a real D=4 gloo run of train_pipeline per schedule: bubble measured from the executed
    timelines, beside the simulation fed with the costs measured in that run, and step time;
-4. a GPT-2 1.3B-shaped projection at 8-2048 devices from per-layer costs measured on this CPU.
+4. a GPT-2 1.3B-shaped projection at 8-2048 devices from per-layer costs measured on this CPU;
+5. our gpipe / 1f1b executor against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
+   same model, split, micro-batches and data, gloo D=2 and D=4, interleaved in one run;
+6. executed 1f1b / chimera / chimera-zb steps at backward = 2x forward (sleeps stand in for
+   compute, so the schedule and its messages are what is measured).
+
+    .venv/bin/python -m bench.pipeline --executed-only   # sections 5 and 6 only
 """
 
 from __future__ import annotations
@@ -206,6 +212,149 @@ def real_jitter_rows(*, steps: int = 6, base_s: float = 0.01) -> list[dict[str, 
     return rows
 
 
+# ---- against torch.distributed.pipelining, and the split backward executed --------------------
+VS_CFG = {"kind": "gpt", "layers": 6, "d_model": 128, "heads": 4, "seq_len": 64, "vocab_size": 128}
+VS_BATCH = 16
+
+
+def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[float]]:
+    """Our gpipe / 1f1b executor and torch's ScheduleGPipe / Schedule1F1B on the same model, split,
+    micro-batches and data, interleaved step by step in one run so load changes hit both."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from trainer.config import ModelConfig
+    from trainer.models import build_model, lm_loss
+    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.stage import build_stages
+
+    cfg = ModelConfig(**VS_CFG)
+    g = torch.Generator().manual_seed(0)
+    window = torch.randint(0, cfg.vocab_size, (VS_BATCH, cfg.seq_len + 1), generator=g)
+    x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    runners = {}
+    for name in ("gpipe", "1f1b"):
+        sched = build_schedule(name, stages=world, microbatches=N)
+        ours = build_stages(build_model(cfg, seed=0), sched=sched, rank=rank)
+        ex = PipelineExecutor(
+            sched=sched, rank=rank, modules=ours, act_shape=(VS_BATCH // N, cfg.seq_len, cfg.d_model)
+        )
+        runners[f"ours {name}"] = (lambda ex=ex: ex.step(x, y), ours[(rank, 0)])
+        mod = build_stages(build_model(cfg, seed=0), sched=sched, rank=rank)[(rank, 0)]
+        stage = PipelineStage(mod, stage_index=rank, num_stages=world, device=torch.device("cpu"))
+        kind = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+        ts = kind(stage, n_microbatches=N, loss_fn=lm_loss, scale_grads=True)
+
+        def torch_step(ts: Any = ts) -> None:
+            if rank == 0:
+                ts.step(x)
+            elif rank == world - 1:
+                ts.step(target=y, losses=[])
+            else:
+                ts.step()
+
+        runners[f"torch {name}"] = (torch_step, mod)
+    out: dict[str, list[float]] = {k: [] for k in runners}
+    for step in range(steps + 1):  # step 0 warms up (connections, allocator)
+        for key, (fn, mod) in runners.items():
+            mod.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if step:
+                out[key].append(time.perf_counter() - t0)
+    return out
+
+
+def vs_torch_rows(*, steps: int = 8) -> list[dict[str, Any]]:
+    from tests.gloo import run_ranks
+
+    rows = []
+    for D, N in ((2, 4), (2, 8), (4, 4), (4, 8)):
+        res = run_ranks(_vs_torch_rank, world_size=D, args=(N, steps), timeout_s=900)[0]
+        for name in ("gpipe", "1f1b"):
+            o, t = statistics.median(res[f"ours {name}"]), statistics.median(res[f"torch {name}"])
+            rows.append(
+                {
+                    "D": D,
+                    "N": N,
+                    "schedule": name,
+                    "ours ms (median)": round(o * 1e3, 1),
+                    "torch ms (median)": round(t * 1e3, 1),
+                    "ours/torch": round(o / t, 3),
+                }
+            )
+    return rows
+
+
+def _split_rank(rank: int, world: int, N: int, steps: int, base_s: float) -> dict[str, list[float]]:
+    """Executed step time of 1f1b / chimera / chimera-zb with compute stood in by sleeps at
+    backward = 2 x forward (chimera-zb: B = W = forward), on a tiny real model underneath."""
+    import torch.distributed as dist
+
+    from trainer.config import ModelConfig
+    from trainer.models import build_model
+    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.stage import build_stages
+
+    cfg = ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
+    g = torch.Generator().manual_seed(0)
+    window = torch.randint(0, cfg.vocab_size or 128, (N, cfg.seq_len + 1), generator=g)
+    x, y = window[:, :-1], window[:, 1:]
+    out: dict[str, list[float]] = {}
+    for name in ("1f1b", "chimera", "chimera-zb"):
+        sched = build_schedule(name, stages=world, microbatches=N, backward_ratio=2.0)
+        modules = build_stages(build_model(cfg, seed=0), sched=sched, rank=rank)
+        split = sched.split_backward
+
+        def delay(a: Any, split: bool = split) -> float:
+            return base_s * (2.0 if a.op == "B" and not split else 1.0)
+
+        ex = PipelineExecutor(
+            sched=sched, rank=rank, modules=modules, act_shape=(1, cfg.seq_len, cfg.d_model), delay=delay
+        )
+        spans = []
+        for step in range(steps + 1):
+            for m in modules.values():
+                m.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex.step(x, y, t0=t0)
+            dist.barrier()
+            if step:
+                spans.append(time.perf_counter() - t0)
+        out[name] = spans
+    return out
+
+
+def split_rows(*, steps: int = 5, base_s: float = 0.01) -> list[dict[str, Any]]:
+    from tests.gloo import run_ranks
+
+    rows = []
+    for D, N in ((2, 4), (2, 8), (4, 4), (4, 8)):
+        res = run_ranks(_split_rank, world_size=D, args=(N, steps, base_s), timeout_s=900)[0]
+        med = {k: statistics.median(v) for k, v in res.items()}
+        ideal = {
+            k: simulate(
+                build_schedule(k, stages=D, microbatches=N, backward_ratio=2.0), Costs(backward=2.0)
+            ).makespan
+            * base_s
+            for k in med
+        }
+        rows.append(
+            {
+                "D": D,
+                "N": N,
+                **{f"{k} ms": round(v * 1e3, 1) for k, v in med.items()},
+                **{f"{k} sim ms": round(v * 1e3, 1) for k, v in ideal.items()},
+                "chimera-zb/chimera": round(med["chimera-zb"] / med["chimera"], 3),
+                "chimera/1f1b": round(med["chimera"] / med["1f1b"], 3),
+            }
+        )
+    return rows
+
+
 # ---- projection -------------------------------------------------------------------------------
 # GPT-2 1.3B-shaped: 24 blocks, d_model 2048, 16 heads (12 * 24 * 2048^2 = 1.21e9 block parameters
 # plus embeddings ~ 1.3e9). Per-block forward/backward measured on this CPU at one sequence of
@@ -304,13 +453,42 @@ def projection_rows(block: dict[str, float]) -> list[dict[str, Any]]:
     return rows
 
 
+def executed_sections(payload: dict[str, Any]) -> None:
+    t = time.perf_counter()
+    vs = vs_torch_rows()
+    payload["vs_torch_pipelining"] = vs
+    print(
+        table(
+            vs,
+            title="5. our executor vs torch.distributed.pipelining, same GPT 6x128, batch 16, gloo "
+            f"(step ms, median of 8, interleaved) ({time.perf_counter() - t:.0f}s)",
+        )
+    )
+    t = time.perf_counter()
+    sp = split_rows()
+    payload["executed_bwd_2x"] = sp
+    print(
+        table(
+            sp,
+            title="6. executed step, compute stood in by sleeps: F 10 ms, B 20 ms (chimera-zb: B 10 + W 10) "
+            f"({time.perf_counter() - t:.0f}s)",
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="skip the real gloo run")
+    ap.add_argument("--quick", action="store_true", help="skip the real gloo runs")
+    ap.add_argument("--executed-only", action="store_true", help="only sections 5 and 6 (gloo runs)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     payload: dict[str, Any] = {}
 
+    if args.executed_only:
+        executed_sections(payload)
+        path = write_results("pipeline-executed", payload)
+        print(f"wrote {path}")
+        return
     t = time.perf_counter()
     sim = simulated_rows()
     payload["simulated"] = sim
@@ -376,6 +554,8 @@ def main() -> None:
                 f"({time.perf_counter() - t:.0f}s)",
             )
         )
+
+        executed_sections(payload)
 
     block = measure_block()
     proj = projection_rows(block)

@@ -314,6 +314,22 @@ def derive_status(states: Sequence[str], *, cancel_requested: bool) -> str:
     return JobStatus.succeeded
 
 
+GROWING_METHODS = frozenset({"tpe", "cmaes", "qmc"})
+"""The samplers of core/search.py: their batches add their own trials, a generation at a time."""
+
+
+def still_growing(sel: Selection) -> bool:
+    """A sampler batch is not over while it has fewer trials than it asked for, unless it was
+    cancelled or its search stopped (`error`): its next generation is about to be added."""
+    req = sel.request or {}
+    return (
+        req.get("method") in GROWING_METHODS
+        and not sel.cancel_requested
+        and sel.error is None
+        and len(sel.trials) < int(req.get("trials") or 0)
+    )
+
+
 def settle_selection(session: Session, *, selection_id: int) -> str:
     """Set the batch's status from its trials'."""
     sel = get_selection(session, selection_id)
@@ -321,6 +337,8 @@ def settle_selection(session: Session, *, selection_id: int) -> str:
     for t in sel.trials:
         session.refresh(t)
     status = derive_status([t.status for t in sel.trials], cancel_requested=sel.cancel_requested)
+    if status in TERMINAL and still_growing(sel):
+        status = JobStatus.running
     if status != sel.status:
         sel.status = status
         sel.finished_at = utcnow() if status in TERMINAL else None

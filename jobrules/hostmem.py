@@ -11,16 +11,19 @@ The estimate, all ranks of the job together (they run on one worker):
 - activations: what autograd saves for the whole batch (an upper bound for pipelines, which hold
   only the micro-batches in flight).
 - per rank: the Python + torch runtime (about 280 MiB measured after `import torch` on CPU,
-  rounded up) and the corpus as int64 token ids.
+  rounded up) and a text corpus's token ids (1 byte each for the char and byte tokenizers, 4 for a
+  tokenizer file; `tokens` data is memory-mapped and `python` data is the user's, so 0).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jobrules.data import data_vocab_size
+from jobrules.data import BUILTIN_TOKENIZERS, data_vocab_size
 from jobrules.parallel import world_size
-from jobrules.sizing import FP32, INT64, layer_activation_bytes, layer_param_counts, state_bytes_per_param
+from jobrules.sizing import FP32, layer_activation_bytes, layer_param_counts, state_bytes_per_param
+
+__all__ = ["RANK_RUNTIME_BYTES", "host_memory_bytes", "world_size"]
 
 RANK_RUNTIME_BYTES = 384 * 2**20
 
@@ -28,14 +31,15 @@ RANK_RUNTIME_BYTES = 384 * 2**20
 def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     """{'model_state', 'activations', 'runtime', 'total'} in bytes for a validated JobSpec dict."""
     model, train, par = spec["model"], spec["train"], spec.get("parallel") or {}
+    data = spec.get("data") or {}
     keys = ("kind", "layers", "d_model", "heads", "seq_len", "mlp_ratio")
     shape = {k: model[k] for k in keys if k in model}
-    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data") or {})
+    # the vocabulary follows the data when the spec leaves it out; unknown until the worker reads
+    # the files (a tokenizer file, tokens without vocab_size): count the model's other layers only
+    shape["vocab_size"] = model.get("vocab_size") or data_vocab_size(data) or 0
     try:
-        if vocab is None:  # only the data files on the worker tell it
-            raise ValueError("vocabulary unknown")
-        params = sum(layer_param_counts(**shape, vocab_size=vocab))
-        activations = sum(layer_activation_bytes(batch_size=train["batch_size"], vocab_size=vocab, **shape))
+        params = sum(layer_param_counts(**shape))
+        activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))
     except ValueError:  # a model sizing.py cannot size from the spec (llama, python): runtime only
         params = activations = 0
     pipe = par.get("pipeline")
@@ -46,7 +50,10 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     )
     model_state = replicas * params * per_param
     ranks = world_size(par)
-    corpus = INT64 * ((spec.get("data") or {}).get("max_chars") or 0)
+    corpus = 0
+    if data.get("kind", "text") == "text":
+        per_id = 1 if data.get("tokenizer", "char") in BUILTIN_TOKENIZERS else FP32
+        corpus = per_id * (data.get("max_chars") or 0)
     runtime = ranks * (RANK_RUNTIME_BYTES + corpus)
     return {
         "model_state": model_state,

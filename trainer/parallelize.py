@@ -23,7 +23,7 @@ engine (trainer/engine.py) are the only places that know the layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,7 +67,6 @@ class Parallelized:
     schedule: Any = None
     """trainer.pipeline.schedules.Schedule when pp > 1."""
     param_dtype: torch.dtype = torch.float32
-    notes: list[str] = field(default_factory=list)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for m in self.modules.values() for n, p in m.named_parameters()]

@@ -1,5 +1,7 @@
 """Grows a sampler batch (method tpe, cmaes or qmc) by its next generation once the last one has
-ended: the worker that settles a group calls `grow` (one call-site, workers/selection.py).
+ended: the worker that ends a group calls `grow` before it settles the batch
+(workers/selection.py), and the reconciler calls it for every unsettled batch (workers/tasks.py),
+in case a worker died between its group's end and the ask.
 
 The sampler is replayed from the batch's seed and its trials' values in index order
 (core/search.py), so whichever worker gets here, and whenever, it asks the same trials. Two workers
@@ -13,7 +15,7 @@ import logging
 from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from core.broker import send_run_selection
 from core.search import SAMPLERS, suggest
@@ -31,6 +33,9 @@ def grow(settings: Settings, *, selection_id: int) -> list[int]:
     search that cannot go on says why in the selection's `error`, and the batch settles."""
     try:
         return _grow(settings, selection_id=selection_id)
+    except OperationalError:  # a locked or unreachable database: the reconciler asks again
+        log.warning("selection %d: the database was busy; its next generation waits", selection_id)
+        return []
     except Exception as e:  # noqa: BLE001 - the group's own results are in; report, do not lose them
         log.exception("selection %d: the search could not ask its next generation", selection_id)
         _give_up(settings, selection_id=selection_id, reason=f"{type(e).__name__}: {e}")

@@ -24,6 +24,7 @@ from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
+from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
 
@@ -94,7 +95,10 @@ def reconcile_once() -> int:
             send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
             sent += job_ids
         mark_enqueued(s, job_ids=sent)
+        s.commit()  # grow writes in its own session
         for selection_id in touched | set(unsettled_selections(s)):
+            # a sampler batch whose worker died before asking its next generation asks it here
+            grow(settings, selection_id=selection_id)
             settle_selection(s, selection_id=selection_id)
     return len(sent)
 

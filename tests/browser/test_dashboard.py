@@ -148,6 +148,8 @@ def test_job_page_charts_fill_live(stack, page: Page) -> None:
     """Opened before the job runs: points reach the chart over EventSource while it is running."""
     job = stack.submit(spec(seed=3, steps=100, eval_every=25))
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
+    # the page draws once the session is confirmed (GET /api/auth/me)
+    expect(page.locator("#loss-chart")).to_be_attached(timeout=15_000)
     # note the job's status each time the chart redraws with new points
     page.evaluate(
         """() => {

@@ -133,3 +133,49 @@ def test_cookie_session_needs_csrf_and_same_origin(stack: StackHandle) -> None:
         # sign out ends the session
         assert browser.delete("/api/auth/session", headers=same).status_code == 204
         assert browser.get("/api/auth/me").status_code == 401
+
+
+def test_workspaces_belong_to_their_uploader(stack: StackHandle) -> None:
+    from tests.archives import targz
+
+    a, ca = new_user(stack)
+    b, cb = new_user(stack)
+    body = targz({"notes.txt": secrets.token_hex(16).encode()})  # unique bytes: a fresh row
+    gz = {"content-type": "application/gzip"}
+    with ca, cb:
+        ws = ca.post("/api/workspaces", content=body, headers=gz)
+        assert ws.status_code == 201, ws.text
+        ws = ws.json()
+        assert ws["owner_id"] == a["user"]["id"]
+        # B: not in the list, absent by id and digest, not usable in a job, not deletable
+        assert all(w["id"] != ws["id"] for w in cb.get("/api/workspaces").json()["items"])
+        assert cb.get(f"/api/workspaces/{ws['id']}").status_code == 404
+        assert cb.get(f"/api/workspaces/{ws['ref']}").status_code == 404
+        resp = cb.post("/api/jobs", json={**SHORT, "workspace": ws["ref"]})
+        assert resp.status_code == 422 and "not found" in resp.json()["detail"]
+        assert cb.delete(f"/api/workspaces/{ws['id']}").status_code == 404
+        # the same bytes uploaded by B are B's own workspace, not A's
+        mine = cb.post("/api/workspaces", content=body, headers=gz)
+        assert mine.status_code == 201, mine.text
+        assert mine.json()["id"] != ws["id"] and mine.json()["owner_id"] == b["user"]["id"]
+        # A and the admin see it
+        assert ca.get(f"/api/workspaces/{ws['ref']}").status_code == 200
+        assert stack.client.get(f"/api/workspaces/{ws['id']}").status_code == 200
+        # an archive over the body limit of JSON requests is fine here (its own limit applies)
+        big = targz({"data.bin": secrets.token_bytes(2 * 2**20)})
+        assert ca.post("/api/workspaces", content=big, headers=gz).status_code == 201
+
+
+def test_operator_actions_are_for_admins_and_record_who(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    with ca:
+        job = ca.post("/api/jobs", json={**SHORT, "train": {**SHORT["train"], "steps": 100000}}).json()
+        for path in (f"/api/jobs/{job['id']}/fail", f"/api/jobs/{job['id']}/requeue"):
+            assert ca.post(path, json={"reason": "mine"}).status_code == 403, path
+        assert ca.delete(f"/api/jobs/{job['id']}").status_code == 403
+        resp = stack.client.post(f"/api/jobs/{job['id']}/fail", json={"reason": "stuck"})
+        assert resp.status_code == 200 and resp.json()["status"] == "failed"
+        events = ca.get(f"/api/jobs/{job['id']}/logs").json()["items"]
+        assert {"error": "stuck", "by": "admin"} in [e["data"] for e in events]
+        assert stack.client.delete(f"/api/jobs/{job['id']}").status_code == 204
+        assert ca.get(f"/api/jobs/{job['id']}").status_code == 404

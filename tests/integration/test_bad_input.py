@@ -24,7 +24,7 @@ def with_(path: str, value: Any) -> dict[str, Any]:
 
 BAD = [
     (with_("model.layers", 0), "model.layers", "greater than or equal to 1"),
-    (with_("model.kind", "rnn"), "model.kind", "'gpt' or 'mlp'"),
+    (with_("model.kind", "rnn"), "model.kind", "'gpt', 'mlp', 'llama' or 'python'"),
     (with_("model.heads", 3), "model.d_model (32) must be divisible by model.heads (3)", None),
     (with_("train.lr", -1), "train.lr", "greater than 0"),
     (with_("train.lr", "fast"), "train.lr", "valid number"),
@@ -55,7 +55,7 @@ BAD = [
     ),
     (
         with_("parallel.tensor", {"mode": "1d", "size": 3}),
-        "model.d_model (32) must be divisible by the 1d split (3)",
+        "model.d_model (32) must be divisible by parallel.tensor.size (3) for 1d",
         None,
     ),
     (with_("parallel.tensor", {"mode": "2.5d", "q": 2, "d": 8}), "must be divisible by d*q (16)", None),

@@ -234,11 +234,12 @@ def test_fp16_spilled_equals_fp16_resident_including_skips() -> None:
     for cuts in ([], [2], [1, 2, 3, 4]):
         engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=fp16)
         assert engine.opt is not None and engine.deferred == bool(cuts)
-        engine.opt.scaler.scale = 2.0**36  # overflows at first: the first steps are skipped
-        losses = [engine.train_step(*stream.batch_for(s)) for s in range(12)]
+        engine.opt.scaler.scale = 2.0**22  # overflows at first: the first steps are skipped
+        # one batch throughout: once the skips end, its loss must fall (batches differ in difficulty)
+        losses = [engine.train_step(*stream.batch_for(0)) for _ in range(12)]
         runs.append((losses, engine.opt.scaler.skipped_steps, engine.opt.scaler.scale, engine.model_state()))
     for losses, skipped, scale, state in runs[1:]:
         assert losses == runs[0][0] and skipped == runs[0][1] and scale == runs[0][2]
         torch.testing.assert_close(state, runs[0][3], rtol=0, atol=0)
-    assert runs[0][1] >= 1 and runs[0][2] < 2.0**36
+    assert runs[0][1] >= 1 and runs[0][2] < 2.0**22
     assert runs[0][0][-1] < runs[0][0][0]

@@ -148,11 +148,16 @@ def test_stop_signal_ends_every_rank_at_the_same_step() -> None:
     assert other["result"]["stopped"] and other["result"]["steps"] == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path on a machine without a GPU")
-def test_cuda_pipeline_jobs_are_no_longer_refused() -> None:
-    """The NCCL refusal is gone (the executor sends untagged messages in a checked order): a CUDA
-    pipeline job gets as far as asking for the device, which this machine lacks."""
+def _cuda_rank(rank: int, world: int) -> None:
     spec = _spec("1f1b")
     spec["resources"]["device"] = "cuda"
+    train_pipeline(JobConfig.from_dict(spec), sink=ListSink(), stop=NeverStop())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path on a machine without a GPU")
+def test_cuda_pipeline_jobs_are_no_longer_refused() -> None:
+    """The NCCL refusal is gone (the executor sends untagged messages in a checked order): on two
+    ranks a CUDA pipeline job gets as far as asking for the device, which this machine lacks."""
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        train_pipeline(JobConfig.from_dict(spec), sink=ListSink(), stop=NeverStop())
+        run_ranks(_cuda_rank, world_size=2, timeout_s=300)

@@ -14,7 +14,7 @@ from trainer.pipeline.executor import PipelineExecutor, _StepRun
 from trainer.pipeline.schedules import Action, build_schedule
 from trainer.pipeline.stage import build_stages
 
-CFG = ModelConfig(layers=4, d_model=64, heads=4, seq_len=16)
+CFG = ModelConfig(layers=4, d_model=64, heads=4, seq_len=16, vocab_size=128)
 D, N, BATCH = 4, 4, 8
 
 

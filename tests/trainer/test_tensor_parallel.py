@@ -67,12 +67,23 @@ from trainer.tensor.block import (
     shard_model,
     slicers,
 )
-from trainer.tensor.cross_entropy import vocab_parallel_cross_entropy
+from trainer.tensor.cross_entropy import VocabParallelLoss, vocab_parallel_cross_entropy
 from trainer.tensor.mesh import Mesh1D, MeshGrid, grid_mesh_from_config
 
 B, T, D, H = 4, 8, 32, 8
 N_IN, N_OUT = 32, 48
-LAYERS = ["linear+bias", "linear", "layernorm", "attention", "mlp", "embedding", "head", "block", "gpt"]
+LAYERS = [
+    "linear+bias",
+    "linear",
+    "layernorm",
+    "attention",
+    "mlp",
+    "embedding",
+    "head",
+    "head-gathered",
+    "block",
+    "gpt",
+]
 
 TP_1D_4 = TensorConfig(mode="1d", size=4)
 TP_2D = TensorConfig(mode="2d", q=2)
@@ -253,6 +264,17 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
         out_shard=vocab,
         in_shard=x_shard,
     )
+    # gather_logits=True: whole rows of logits (every vocabulary block) for this rank's rows
+    _compare(
+        checks,
+        "head-gathered",
+        dense=gpt[2],
+        tp=shard_model(gpt, mesh=mesh, gather_logits=True)[2],
+        x=x,
+        x_local=x_shard(x),
+        out_shard=rows,
+        in_shard=x_shard,
+    )
 
     # one-block GPT and its loss: the local loss terms' gradients are the dense loss's
     gpt.zero_grad()
@@ -290,6 +312,18 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
     A replicated parameter counted on more than one rank, or a sum over too few ranks, changes the
     norm and so the clipped gradients."""
     max_norm = 0.05
+    # first without `tp_counted` (a layer that marks only `tp_replicas`: each copy weighs
+    # 1/replicas) and max_norm = inf, which leaves the gradients as they are
+    unclipped = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
+    marks = {name: p.__dict__.pop("tp_counted") for name, p in tp.named_parameters()}
+    checks.close(
+        "clip",
+        clip_grad_norm(tp.parameters(), max_norm=float("inf"), mesh=mesh),
+        unclipped,
+        "norm by 1/replicas",
+    )
+    for name, p in tp.named_parameters():
+        p.tp_counted = marks[name]  # type: ignore[attr-defined]
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
     if not dense_norm > 4 * max_norm:
         checks.failures["clip"].append(f"dense norm {dense_norm} too small to clip: the check proves nothing")
@@ -311,7 +345,9 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
     meta = [nn.Parameter(torch.empty(6, 4, device="meta")) for _ in range(3)]
     for k, p in enumerate(meta):
         p.grad = torch.empty(6, 4, device="meta")
-        p.tp_counted = k != 1  # type: ignore[attr-defined]
+        p.tp_replicas = 2  # type: ignore[attr-defined]
+        if k != 2:  # the third weighs 1/replicas
+            p.tp_counted = k != 1  # type: ignore[attr-defined]
     try:
         norm = clip_grad_norm(meta, max_norm=1.0, mesh=Mesh1D(group=solo, size=1, rank=0))
         if norm.device.type != "meta":
@@ -405,8 +441,10 @@ def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dic
 
 def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
     """2 pipeline stages x 2-way 1d on 4 ranks, rank = stage*2 + tp: trainer/pipeline's executor runs
-    1F1B over 2 micro-batches, each stage's layers are 1d-sharded over its 2 ranks. Two optimizer
-    steps; the losses and every shard's gradient must equal the dense full-batch ones."""
+    1F1B over 2 micro-batches, each stage's layers are 1d-sharded over its 2 ranks, the last stage's
+    loss is the vocab-parallel cross entropy of its vocabulary-split logits. Two optimizer steps
+    with clipping; the losses, every shard's gradient, the global norm (summed over the tensor mesh
+    and the pipeline group) and every clipped shard must equal the dense full-batch ones."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -427,14 +465,14 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
     sched = build_schedule("1f1b", stages=2, microbatches=n_micro)
     lo, _ = stage_bounds(dense, 2)[stage]
     (dense_stage,) = build_stages(build_model(job.model, seed=cfg.seed), sched=sched, rank=stage).values()
-    # the executor computes lm_loss on whole rows of logits: the last stage's head gathers them
-    sharded = shard_model(dense_stage, mesh=tp, first_index=lo, gather_logits=True)
+    sharded = shard_model(dense_stage, mesh=tp, first_index=lo)
     executor = PipelineExecutor(
         sched=sched,
         rank=stage,
         modules={(stage, 0): sharded},
         act_shape=(cfg.batch_size // n_micro, job.model.seq_len, job.model.d_model),
         ranks=pipe_ranks,
+        loss_fn=VocabParallelLoss(tp),
     )
     opt = build_optimizer(sharded.parameters(), cfg)
     dense_opt = build_optimizer(dense.parameters(), cfg)
@@ -459,6 +497,16 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
                 index, rest = name.split(".", 1)
                 want = cut[name](dense_params[f"{lo + int(index)}.{rest}"].grad)
                 checks.close("pipeline", p.grad, want, f"step {step} {lo + int(index)}.{rest} grad")
+            # clip both: this stage's shards sum over the tensor mesh and then the pipeline group
+            dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
+            norm = clip_grad_norm(
+                sharded.parameters(), max_norm=0.05, mesh=tp, also_over=(dm.get_group("pp"),)
+            )
+            checks.close("pipeline", norm, dense_norm, f"step {step} clip norm")
+            for name, p in sharded.named_parameters():
+                index, rest = name.split(".", 1)
+                want = cut[name](dense_params[f"{lo + int(index)}.{rest}"].grad)
+                checks.close("pipeline", p.grad, want, f"step {step} {lo + int(index)}.{rest} clipped grad")
             opt.step()
             dense_opt.step()
     finally:
@@ -636,6 +684,10 @@ def test_stop_and_resume_from_per_rank_checkpoints(
 
 @pytest.mark.slow
 def test_two_pipeline_stages_of_2way_1d_match_dense(ranks4: list[dict[str, Any]]) -> None:
+    """pp = 2 x tp(1d) = 2: losses, gradients, the clipping norm and the clipped gradients against
+    the dense model (see _pipeline_1d_task). What this proves for NCCL: the loss and the clipping
+    issue their collectives on the tensor group and the pipeline group only, in the same order on
+    every rank; the pipeline's own point-to-point traffic is the executor's (tests of its own)."""
     out = _task(ranks4, "pipeline-2x1d2")
     for rank, value in enumerate(out):
         assert value["done"] == ["pipeline"], f"rank {rank}"

@@ -71,3 +71,43 @@ class Mismatched(TinyLM):
 def mismatched(*, vocab_size):
     return Mismatched(vocab_size=vocab_size, width=16, depth=2)
 '''
+
+
+USER_CNN = '''
+"""A user's tiny CNN classifying 8x8 images from their own python data (not tokens at all)."""
+import torch
+from torch import nn
+from trainer.recipe import ModelRecipe, gpt2_init
+
+def images(*, batch_size, seq_len, seed, n_classes=4):
+    def stream(offset):
+        g = torch.Generator().manual_seed(seed + offset)
+        protos = torch.randn(n_classes, 1, 8, 8, generator=torch.Generator().manual_seed(123))
+        while True:
+            y = torch.randint(0, n_classes, (batch_size,), generator=g)
+            x = protos[y] + 0.5 * torch.randn(batch_size, 1, 8, 8, generator=g)
+            yield x, y
+    return stream(0), stream(1)
+
+class Conv(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__(); self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+    def forward(self, x): return torch.relu(self.conv(x))
+
+class Classify(nn.Module):
+    def __init__(self, c, k):
+        super().__init__(); self.fc = nn.Linear(c * 64, k)
+    def forward(self, x): return self.fc(x.flatten(1))
+
+class CNN(ModelRecipe):
+    kind = "cnn"
+    def __init__(self, width, n_classes):
+        self.width, self.k = width, n_classes; self.n_layers = 3
+    def build_layer(self, i):
+        return [Conv(1, self.width), Conv(self.width, self.width), Classify(self.width, self.k)][i]
+    def init_layer(self, i, layer, *, generator):
+        gpt2_init(layer, generator=generator, n_layers=2)
+
+def make(*, width=8, n_classes=4):
+    return CNN(width, n_classes)
+'''

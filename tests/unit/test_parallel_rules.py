@@ -102,3 +102,17 @@ def test_the_trainer_cli_exits_2_with_the_rule(tmp_path: Path) -> None:
     assert proc.returncode == 2
     (line,) = [json.loads(x) for x in proc.stdout.splitlines()]
     assert line["kind"] == "error" and "parallel.spill runs on one process only" in line["message"]
+
+
+def test_the_host_memory_estimate_sizes_a_model_that_follows_its_datas_vocabulary() -> None:
+    """A default JobSpec leaves model.vocab_size out (it follows the data): admission must size it
+    with the data's vocabulary, not fail on the missing number (it was a 500 at submit)."""
+    from jobrules.hostmem import host_memory_bytes
+
+    dumped = JobSpec.model_validate(spec({"data_parallel": 2})).model_dump()
+    assert dumped["model"].get("vocab_size") is None
+    explicit = JobSpec.model_validate(
+        {**spec({"data_parallel": 2}), "model": {**spec({})["model"], "vocab_size": 128}}
+    )
+    assert host_memory_bytes(dumped) == host_memory_bytes(explicit.model_dump())
+    assert host_memory_bytes(dumped)["model_state"] > 0

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from core.search import check_fits, suggest
+from core.search import SAMPLERS, check_fits, suggest
 from jobrules.space import SpaceError
 
 SPACE = {
@@ -97,3 +97,9 @@ def test_a_failed_trial_is_told_as_failed() -> None:
 def test_spaces_a_sampler_cannot_search_are_refused(method: str, space: dict, message: str) -> None:
     with pytest.raises(SpaceError, match=message):
         check_fits(method, space)
+
+
+def test_the_database_knows_which_batches_grow_themselves() -> None:
+    from db.selections import GROWING_METHODS
+
+    assert set(SAMPLERS) == GROWING_METHODS

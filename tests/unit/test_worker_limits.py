@@ -45,7 +45,7 @@ def test_a_trainer_past_its_memory_limit_fails_alone_with_out_of_host_memory(tmp
 
 def test_estimate_counts_parameters_optimizer_activations_and_ranks() -> None:
     one = host_memory_bytes(SPEC)
-    assert one["runtime"] == RANK_RUNTIME_BYTES + 8 * 200_000
+    assert one["runtime"] == RANK_RUNTIME_BYTES + 200_000  # the char corpus: one byte a token
     sgd = host_memory_bytes({**SPEC, "train": {**SPEC["train"], "optimizer": "sgd"}})
     assert one["model_state"] == 2 * sgd["model_state"]  # 16 vs 8 bytes per parameter
     piped = {**SPEC, "parallel": {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "chimera"}}}

@@ -20,7 +20,7 @@ from trainer.config import JobConfig, TrainConfig
 from trainer.data import data_for
 from trainer.device import pick_device
 from trainer.loop import run_steps
-from trainer.models import count_params, recipe_for
+from trainer.models import count_params, lm_loss, recipe_for
 from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.recipe import ModelRecipe, build_dense
@@ -30,13 +30,21 @@ from trainer.spill.offload import DTYPES, bucket_bytes
 from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, state_bytes_per_param
 
 
-def plan_job(job: JobConfig, model: nn.Sequential, *, device: torch.device) -> tuple[SpillPlan, str]:
+def plan_job(
+    job: JobConfig, model: nn.Sequential, *, device: torch.device, recipe: ModelRecipe | None = None
+) -> tuple[SpillPlan, str]:
     """The shard plan for `job` and a line saying how it was made. Costs are measured by a trial
     pass on CUDA and estimated on the meta device elsewhere. When the budget fits one shard at a
     time but not with the prefetched neighbour, prefetch is turned off rather than the job refused
     (the REST layer's rule is the single-layer one)."""
     spill, off = job.parallel.spill, job.parallel.offload
     offloaded = off is not None and off.optimizer
+    example, loss_fn = None, lm_loss
+    if recipe is not None:
+        # the recipe's own batch and loss: a user model's inputs need not be token ids
+        g = torch.Generator().manual_seed(0)
+        example = recipe.feed(data_for(job).batch(split="val", batch_size=job.train.batch_size, generator=g))
+        loss_fn = recipe.loss
     costs = measure_layers(
         model,
         batch_size=job.train.batch_size,
@@ -46,6 +54,8 @@ def plan_job(job: JobConfig, model: nn.Sequential, *, device: torch.device) -> t
             optimizer=job.train.optimizer, momentum=job.train.momentum, offload=offloaded
         ),
         device=device if device.type == "cuda" else "meta",
+        example=example,
+        loss_fn=loss_fn,
     )
     extra = bucket_bytes(default_bucket_numel(model)) if offloaded else 0
     budget = int(spill.device_budget_mb * MiB) if spill is not None else None
@@ -104,7 +114,7 @@ class SpilledEngine:
         self.job, self.device = job, device
         self.model = build_dense(recipe, seed=cfg.seed)
         self.n_params = count_params(self.model)
-        self.plan, self.how = plan_job(job, self.model, device=device)
+        self.plan, self.how = plan_job(job, self.model, device=device, recipe=recipe)
         spill = job.parallel.spill
         self.ledger = DeviceLedger(
             budget_bytes=int(spill.device_budget_mb * MiB) if spill is not None else None

@@ -21,6 +21,7 @@ pass: on the meta device (no memory, no compute; an estimate that errs high) or 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,18 +91,26 @@ def measure_layers(
     param_dtype: torch.dtype = torch.float32,
     state_bpp: int,
     device: torch.device | str = "meta",
+    example: tuple[torch.Tensor, torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
 ) -> list[LayerCost]:
     """Per-layer costs from a trial forward of one micro-batch, layer by layer.
 
     device="meta" needs no memory and runs no kernels (an estimate: meta picks the math attention
     kernel, which saves more than the fused ones). A real device measures what autograd saves there;
     on CUDA the allocator's peak over each layer's trial also bounds the activation count from below,
-    so transient buffers larger than the saved set are seen too."""
+    so transient buffers larger than the saved set are seen too.
+
+    `example` is one batch's (inputs, targets) as the recipe feeds them (a user model's inputs need
+    not be token ids); without it, zero token ids of (batch_size, seq_len)."""
     device = torch.device(device)
     costs: list[LayerCost] = []
     elt = torch.empty((), dtype=param_dtype).element_size()
-    x = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
-    y = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    if example is None:
+        x = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        y = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    else:
+        x, y = (t.to(device) for t in example)
     last = len(model) - 1
     for i, layer in enumerate(model):
         if device.type == "cuda":
@@ -117,7 +126,7 @@ def measure_layers(
         with SavedActivations(exclude=list(params.values())) as saved:
             out = functional_call(layer, params, (x_in,))
             if i == last:
-                loss = lm_loss(out, y)
+                loss = loss_fn(out, y)
         act = saved.nbytes
         if i == last:
             # the loss's own output and the logits' gradient buffer live during the backward
