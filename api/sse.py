@@ -34,7 +34,7 @@ from db.models import TERMINAL
 log = logging.getLogger(__name__)
 _CURSOR = re.compile(r"^m(\d+)e(\d+)$")
 _REPLAY_CHUNK = 5000
-_DB_RECHECK_S = 5.0
+_DB_RECHECK_S = 15.0
 
 
 @dataclass(slots=True)
@@ -151,8 +151,9 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 if ended:
                     return
             # a lost publish (the broker restarted, or is down: then poll every second) must not
-            # stall the client: catch up from the database
-            recheck = _DB_RECHECK_S if live.up else 1.0
+            # stall the client: catch up from the database, at least once per keep-alive interval
+            # (rarely: with many open streams these reads cost every other request latency)
+            recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up else 1.0
             if live.resubscribed or now - last_check > recheck:
                 live.resubscribed = False
                 last_check = now

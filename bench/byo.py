@@ -3,11 +3,13 @@ big pre-tokenized corpus costs in host memory.
 
 1. tokens/s of the same Llama-style job resident (plain loop), spilled (HYDRA shards under a
    device budget, prefetch on) and offloaded (AxoNN's optimizer in host memory), same steps.
-2. Host RSS of a `data.kind: tokens` job on a 1 GB train.bin (uint16, written to a temp folder and
-   deleted afterwards) against one on a 10 MB file: np.memmap windows keep RSS flat in file size.
-   RSS is sampled from /proc/<pid>/status of the trainer subprocess (`python -m trainer`).
+2. Host memory of a `data.kind: tokens` job on a 1 GB train.bin (uint16, written to a temp folder
+   and deleted afterwards) against one on a 10 MB file, sampled from /proc/<pid>/status of the
+   trainer subprocess (`python -m trainer`): peak VmRSS, and its parts RssAnon (the process's own
+   heap: what loading the corpus would grow) and RssFile (pages of mapped files the process has
+   touched, shared libraries included: clean, reclaimable page cache).
 
-    python -m bench.byo [--steps 20] [--gb 1.0]
+    python -m bench.byo [--steps 10] [--gb 1.0]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 from bench.common import table, write_results
 
-LLAMA = {"kind": "llama", "layers": 4, "d_model": 128, "heads": 8, "kv_heads": 2, "seq_len": 128}
+LLAMA = {"kind": "llama", "layers": 4, "d_model": 128, "heads": 8, "kv_heads": 2, "seq_len": 64}
 
 
 def engines(steps: int) -> list[dict[str, Any]]:
@@ -37,14 +39,14 @@ def engines(steps: int) -> list[dict[str, Any]]:
     rows = []
     for name, parallel in (
         ("resident", {}),
-        ("spilled (40 MiB budget)", {"spill": {"device_budget_mb": 40, "prefetch": True}}),
+        ("spilled (12 MiB budget)", {"spill": {"device_budget_mb": 12, "prefetch": True}}),
         ("offloaded (fp32)", {"offload": {"optimizer": True, "dtype": "fp32"}}),
         ("offloaded (bf16)", {"offload": {"optimizer": True, "dtype": "bf16"}}),
     ):
         spec = {
             "model": LLAMA,
             "data": {"max_chars": 1_000_000},
-            "train": {"steps": steps, "batch_size": 8, "lr": 1e-3, "eval_every": steps, "eval_batches": 1},
+            "train": {"steps": steps, "batch_size": 4, "lr": 1e-3, "eval_every": steps, "eval_batches": 1},
             "parallel": parallel,
             "resources": {"device": "cpu"},
         }
@@ -89,19 +91,22 @@ def rss_of_job(folder: Path, *, steps: int) -> dict[str, float]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    samples: list[int] = []
+    peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+    samples = 0
     while proc.poll() is None:
         try:
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    samples.append(int(line.split()[1]) * 1024)
+                key = line.split(":", 1)[0]
+                if key in peak:
+                    peak[key] = max(peak[key], int(line.split()[1]) * 1024)
+            samples += 1
         except OSError:
             break
         time.sleep(0.05)
     out = proc.stdout.read() if proc.stdout else ""
     if proc.wait() != 0 or '"result"' not in out:
         raise RuntimeError(f"the tokens job failed: {out[-2000:]}")
-    return {"peak_rss_mb": max(samples) / 2**20, "samples": len(samples)}
+    return {f"peak_{k}_mb": v / 2**20 for k, v in peak.items()} | {"samples": samples}
 
 
 def memmap_rss(gb: float, steps: int) -> list[dict[str, Any]]:
@@ -119,7 +124,9 @@ def memmap_rss(gb: float, steps: int) -> list[dict[str, Any]]:
                 {
                     "train.bin": f"{(folder / 'train.bin').stat().st_size / 2**20:,.0f} MiB",
                     "tokens": n,
-                    "peak_rss_mb": round(rss["peak_rss_mb"], 1),
+                    "peak_rss_mb": round(rss["peak_VmRSS_mb"], 1),
+                    "anon_mb": round(rss["peak_RssAnon_mb"], 1),
+                    "file_mapped_mb": round(rss["peak_RssFile_mb"], 1),
                     "int64_in_ram_mb": round(n * 8 / 2**20, 1),
                     "write_s": round(made, 1),
                 }
@@ -132,16 +139,16 @@ def memmap_rss(gb: float, steps: int) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gb", type=float, default=1.0)
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(2)
-    eng = engines(args.steps)
-    print(table(eng, title=f"Llama-style {LLAMA} on CPU, batch 8, {args.steps} steps (median tokens/s)"))
     mem = memmap_rss(args.gb, args.steps)
-    print(table(mem, title="host RSS of a tokens job (memmap windows) by train.bin size"))
+    print(table(mem, title="host RSS of a tokens job (memmap windows) by train.bin size"), flush=True)
+    eng = engines(args.steps)
+    print(table(eng, title=f"Llama-style {LLAMA} on CPU, batch 4, {args.steps} steps (median tokens/s)"))
     path = write_results("byo", {"llama": LLAMA, "engines": eng, "memmap_rss": mem, "steps": args.steps})
     print(f"wrote {path}")
 

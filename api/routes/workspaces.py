@@ -8,16 +8,17 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import CurrentUser, may_see
 from api.deps import SessionDep, SettingsDep
-from api.schemas import WorkspacePublic, WorkspacesPublic
+from api.schemas import DB_INT, WorkspacePublic, WorkspacesPublic
 from core.archive import ArchiveError, inspect_archive
 from core.settings import Settings
 from db import workspaces as db_ws
@@ -65,6 +66,8 @@ def pin_workspace(
 
 def _visible(session: Session, ref: str, *, user: User) -> Workspace:
     """The workspace `ref` names among those `user` may see (admins: all); NotFound otherwise."""
+    if str(ref).isdigit() and int(ref) > DB_INT:  # beyond any id the database holds
+        raise NotFound(f"workspace {str(ref)[:20]}... not found")
     row = db_ws.get_workspace(session, ref, owner_id=None if user.is_admin else user.id)
     if not may_see(user, row.owner_id):
         raise NotFound(f"workspace {ref} not found")
@@ -145,7 +148,7 @@ def list_workspaces(
     session: SessionDep,
     user: CurrentUser,
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT),
 ) -> WorkspacesPublic:
     """The caller's workspaces (an admin's: everyone's)."""
     owner = None if user.is_admin else user.id
@@ -160,7 +163,10 @@ def get_workspace(ref: str, session: SessionDep, user: CurrentUser) -> Workspace
 
 @router.delete("/{workspace_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_workspace(
-    workspace_id: int, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    workspace_id: Annotated[int, PathParam(ge=1, le=DB_INT)],
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
 ) -> None:
     row = _workspace_or_404(session, str(workspace_id), user=user)
     ref = f"sha256:{row.digest}"
@@ -177,7 +183,7 @@ def delete_workspace(
 
 
 def _workspace_or_404(session: Session, ref: str, *, user: User) -> Workspace:
-    if not (ref.isdigit() or ref.startswith("sha256:")):
+    if not (ref.isdigit() or ref.startswith("sha256:")) or len(ref) > 80:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "ref: give an id or sha256:<digest>")
     try:
         return _visible(session, ref, user=user)

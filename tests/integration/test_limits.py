@@ -59,10 +59,18 @@ def test_foreign_host_header_is_refused(stack: StackHandle) -> None:
         f"/api/selections/{HUGE}",
         f"/api/selections?offset={HUGE}",
         f"/api/tokens/{HUGE}",
+        f"/api/workspaces?offset={HUGE}",
+        f"/api/workspaces/{HUGE}",
     ],
 )
 def test_integers_beyond_the_database_range_are_422(stack: StackHandle, path: str) -> None:
-    method = "POST" if path.endswith("cancel") else "DELETE" if "tokens" in path else "GET"
+    method = (
+        "POST"
+        if path.endswith("cancel")
+        else "DELETE"
+        if "tokens" in path or "workspaces/" in path
+        else "GET"
+    )
     resp = stack.client.request(method, path)
     assert resp.status_code == 422, resp.text
     assert "less than or equal" in resp.json()["detail"]
@@ -189,3 +197,10 @@ def test_max_runtime_s_is_enforced(stack: StackHandle) -> None:
     )
     done = stack.wait(job["id"], ("failed",), timeout=120)
     assert "max_runtime_s (2 s)" in done["error"]
+
+
+def test_workspace_refs_beyond_the_database_range_read_as_absent(stack: StackHandle) -> None:
+    assert stack.client.get(f"/api/workspaces/{HUGE}").status_code == 404
+    # the spec allows 18 digits: past the INTEGER column, before any 500
+    resp = stack.client.post("/api/jobs", json=with_(workspace=str(10**17)))
+    assert resp.status_code == 422 and "not found" in resp.json()["detail"]

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from api.stack import free_port
@@ -64,14 +63,17 @@ def _start(root: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], d
 
 def _left_behind(root: Path) -> list[str]:
     """Processes of this stack still alive: redis-server, uvicorn, Celery and trainers all run
-    with the root as their folder or name it on their command line."""
+    with the root as their folder or name it on their command line (read from /proc)."""
     found = []
-    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if p.info["cwd"] == str(root) or any(str(root) in a for a in p.info["cmdline"] or []):
-                found.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'] or [])[:200]}")
-        except (psutil.Error, TypeError):
-            continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if state != "Z" and (cwd == str(root) or str(root) in cmd):
+            found.append(f"{pid}: {cmd[:200]}")
     return found
 
 

@@ -312,6 +312,18 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
     A replicated parameter counted on more than one rank, or a sum over too few ranks, changes the
     norm and so the clipped gradients."""
     max_norm = 0.05
+    # first without `tp_counted` (a layer that marks only `tp_replicas`: each copy weighs
+    # 1/replicas) and max_norm = inf, which leaves the gradients as they are
+    unclipped = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
+    marks = {name: p.__dict__.pop("tp_counted") for name, p in tp.named_parameters()}
+    checks.close(
+        "clip",
+        clip_grad_norm(tp.parameters(), max_norm=float("inf"), mesh=mesh),
+        unclipped,
+        "norm by 1/replicas",
+    )
+    for name, p in tp.named_parameters():
+        p.tp_counted = marks[name]  # type: ignore[attr-defined]
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
     if not dense_norm > 4 * max_norm:
         checks.failures["clip"].append(f"dense norm {dense_norm} too small to clip: the check proves nothing")
@@ -333,7 +345,9 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
     meta = [nn.Parameter(torch.empty(6, 4, device="meta")) for _ in range(3)]
     for k, p in enumerate(meta):
         p.grad = torch.empty(6, 4, device="meta")
-        p.tp_counted = k != 1  # type: ignore[attr-defined]
+        p.tp_replicas = 2  # type: ignore[attr-defined]
+        if k != 2:  # the third weighs 1/replicas
+            p.tp_counted = k != 1  # type: ignore[attr-defined]
     try:
         norm = clip_grad_norm(meta, max_norm=1.0, mesh=Mesh1D(group=solo, size=1, rank=0))
         if norm.device.type != "meta":

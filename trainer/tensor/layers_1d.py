@@ -32,13 +32,15 @@ from trainer.tensor.mesh import Mesh1D
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def param(t: torch.Tensor, *, replicas: int, counted: bool = True) -> nn.Parameter:
+def param(t: torch.Tensor, *, replicas: int, counted: bool | None = None) -> nn.Parameter:
     """A shard as a parameter. `replicas`: how many ranks of the tensor mesh hold an identical copy
     (gradients included); `counted`: whether this rank's copy is the one a global gradient norm
-    counts (exactly one copy of each replicated parameter is)."""
+    counts (exactly one copy of each replicated parameter is). Left out, a norm weighs each copy
+    by 1/replicas instead (the same sum, up to rounding)."""
     p = nn.Parameter(t.detach().clone().contiguous())
     p.tp_replicas = replicas  # type: ignore[attr-defined]
-    p.tp_counted = counted  # type: ignore[attr-defined]
+    if counted is not None or replicas == 1:
+        p.tp_counted = True if counted is None else counted  # type: ignore[attr-defined]
     return p
 
 
