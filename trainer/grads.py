@@ -70,13 +70,16 @@ def average_gradients(
 
 @torch.no_grad()
 def grad_sq_sum(params: Iterable[torch.nn.Parameter], *, device: torch.device) -> torch.Tensor:
-    """Sum of squared gradients, each tensor counted once per model copy: a tensor-parallel layer
-    marks the copies of a parameter that several tensor ranks hold identically, and only the one
-    with `tp_counted` counts (trainer/tensor/layers_1d.py's convention)."""
+    """Sum of squared gradients, each tensor counted once per model copy. A tensor-parallel layer
+    marks a parameter that several tensor ranks hold identically (trainer/tensor/layers_1d.py's
+    convention): `tp_counted` says whether this copy counts; without it every copy weighs
+    1/`tp_replicas`."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if p.grad is not None and getattr(p, "tp_counted", True):
-            sq += p.grad.float().pow(2).sum()
+        if p.grad is None or not getattr(p, "tp_counted", True):
+            continue
+        weight = 1.0 if hasattr(p, "tp_counted") else 1.0 / getattr(p, "tp_replicas", 1)
+        sq += p.grad.float().pow(2).sum() * weight
     return sq
 
 
