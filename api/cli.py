@@ -106,8 +106,25 @@ def sse_events(
             delay = min(2 * delay, 5.0)
 
 
+def _get_patiently(client: httpx.Client, path: str, *, patience_s: float = 600.0) -> dict[str, Any]:
+    """GET that rides out an API restart (connection refused, 503) like the stream does."""
+    delay, deadline = 0.5, time.monotonic() + patience_s
+    while True:
+        try:
+            resp = client.get(path)
+            if resp.status_code not in (502, 503, 504):
+                return _check(resp)
+            problem: str = f"{resp.status_code}: {resp.text[:200]}"
+        except httpx.TransportError as e:
+            problem = str(e) or type(e).__name__
+        if time.monotonic() > deadline:
+            raise CliError(f"GET {path} did not get through for {patience_s:.0f}s: {problem}")
+        time.sleep(delay)
+        delay = min(2 * delay, 5.0)
+
+
 def follow(client: httpx.Client, job_id: int) -> str:
-    job = _check(client.get(f"/api/jobs/{job_id}"))
+    job = _get_patiently(client, f"/api/jobs/{job_id}")
     steps = job["progress"]["steps"] or 1
     status = job["status"]
     with Progress(
@@ -134,7 +151,7 @@ def follow(client: httpx.Client, job_id: int) -> str:
                     break
             elif event == "log":
                 bar.console.print(f"[dim]{data['message']}[/]")
-    final = _check(client.get(f"/api/jobs/{job_id}"))
+    final = _get_patiently(client, f"/api/jobs/{job_id}")
     if final.get("result"):
         console.print_json(data=final["result"])
     return final["status"]

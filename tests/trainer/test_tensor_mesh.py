@@ -68,14 +68,19 @@ def test_train_tensor_refuses_before_joining_a_group(monkeypatch: pytest.MonkeyP
     from trainer.tensor.job import train_tensor
 
     monkeypatch.setenv("WORLD_SIZE", "8")
+    # a layout the grid cannot split is refused by the spec's own rules (jobrules), before any run
+    with pytest.raises(ConfigError, match=r"train.batch_size \(6\) must be divisible by d\*q \(4\)"):
+        JobConfig(
+            model=MODEL,
+            train=TrainConfig(batch_size=6),
+            parallel=ParallelConfig(tensor=TensorConfig(mode="2.5d", q=2, d=2)),
+        )
+    # a valid layout launched on the wrong number of processes is refused before joining a group
     job = JobConfig(
         model=MODEL,
-        train=TrainConfig(batch_size=6),
-        parallel=ParallelConfig(tensor=TensorConfig(mode="2.5d", q=2, d=2)),
+        train=TrainConfig(batch_size=8),
+        parallel=ParallelConfig(tensor=TensorConfig(mode="2.5d", q=2, d=2), data_parallel=2),
     )
-    with pytest.raises(ConfigError, match=r"batch_size \(6\).*d\*q \(2\*2 = 4\)"):
-        train_tensor(job, sink=ListSink(), stop=NeverStop())
-    job.parallel.data_parallel = 2
-    with pytest.raises(ConfigError, match=r"data_parallel \(2\)"):
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE is 8"):
         train_tensor(job, sink=ListSink(), stop=NeverStop())
     assert not dist.is_initialized()
