@@ -96,7 +96,8 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
 
 def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None:
     h = ops_stack
-    job = h.submit(FAST)
+    # long enough to outlast the restart on an idle machine (about a millisecond a step there)
+    job = h.submit({**FAST, "train": {**FAST["train"], "steps": 4000, "eval_every": 1000}})
     follow = _follow(h, job["id"])
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
     h.stack.restart_api()

@@ -20,13 +20,15 @@ from db.models import Job
 
 pytestmark = pytest.mark.integration
 
-STEPS = 150
+# long enough that the job is still running when the SIGTERM lands, on an idle machine too (a
+# step of this model takes about a millisecond there)
+STEPS = 4000
 SPEC = {
     "name": "warm",
     "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
     "data": {"max_chars": 20_000},
-    "train": {"steps": STEPS, "batch_size": 2, "eval_every": 50, "eval_batches": 1},
-    "checkpoint_every": 10,
+    "train": {"steps": STEPS, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
+    "checkpoint_every": 100,
 }
 
 
