@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
@@ -45,6 +47,17 @@ StatusFilter = Annotated[
 ]
 
 JobId = Annotated[int, Path(ge=1, le=DB_INT, description="a job's id")]
+
+
+@contextlib.contextmanager
+def _as_http() -> Iterator[None]:
+    """The data layer's NotFound and Conflict as the 404 and 409 every route answers with."""
+    try:
+        yield
+    except db_jobs.NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except db_jobs.Conflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
 
 
 def _job_or_404(session: SessionDep, job_id: int, user: User) -> Job:
@@ -113,12 +126,8 @@ def get_job(job_id: JobId, session: SessionDep, user: CurrentUser) -> JobPublic:
 @router.post("/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
     _job_or_404(session, job_id, user)
-    try:
+    with _as_http():
         job = db_jobs.request_cancel(session, job_id=job_id, actor=user.name)
-    except db_jobs.NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except db_jobs.Conflict as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     if job.status == "cancelled":
         publish_job_status(settings, job_id=job.id, status="cancelled")
     return job_public(job)
@@ -161,12 +170,8 @@ def fail_job(
     """An admin ends a queued or running job `failed`; a running attempt is fenced off (its
     worker kills the trainer at its next batch)."""
     reason = (body.reason if body else "") or f"failed by {admin.name}"
-    try:
+    with _as_http():
         job = db_jobs.fail_job(session, job_id=job_id, reason=reason, actor=admin.name)
-    except db_jobs.NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except db_jobs.Conflict as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     return _after_operator(session, settings, job)
 
 
@@ -181,24 +186,16 @@ def requeue_job(
     """An admin puts a running or ended job back in the queue; it resumes from its latest
     checkpoint. A running attempt is fenced off."""
     reason = (body.reason if body else "") or f"re-queued by {admin.name}"
-    try:
+    with _as_http():
         job = db_jobs.requeue_job(session, job_id=job_id, reason=reason, actor=admin.name)
-    except db_jobs.NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except db_jobs.Conflict as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     return _after_operator(session, settings, job)
 
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
     """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
-    try:
+    with _as_http():
         delete_finished_job(settings, job_id=job_id)
-    except db_jobs.NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except db_jobs.Conflict as e:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from e
     publish_job_status(settings, job_id=job_id, status="deleted")
 
 
