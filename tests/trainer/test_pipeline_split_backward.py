@@ -58,3 +58,49 @@ def test_split_backward_costs_one_backward_and_gives_the_same_gradients(stage: i
         torch.testing.assert_close(split_dx, plain_dx)
     for n, g in plain_grads.items():
         torch.testing.assert_close(split_grads[n], g, msg=n)
+
+
+class _Tied(torch.nn.Module):
+    """One weight in two linear calls (the second through F.linear with a foreign bias, which is
+    not deferred, so a.weight's gradient is part B and part W), a
+    bias-less linear, a layer norm and an elementwise parameter: W must sum the deferred pieces,
+    B must keep every gradient that is not an owned linear's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        self.ln = torch.nn.LayerNorm(8)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.a(self.ln(x)))
+        h = torch.nn.functional.linear(h, self.a.weight, bias=torch.ones(8)) * self.scale
+        return x + self.b(h)
+
+
+def test_split_backward_of_shared_and_non_linear_parameters_matches_autograd() -> None:
+    torch.manual_seed(0)
+    stage_mod = torch.nn.Sequential(_Tied())
+    ref = torch.nn.Sequential(_Tied())
+    ref.load_state_dict(stage_mod.state_dict())
+    sched = build_schedule("chimera-zb", stages=2, microbatches=2)
+    ex = PipelineExecutor(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
+    x = torch.randn(2, 4, 8)
+    act = torch.randn(1, 4, 8)
+    run = _StepRun(ex, xs=x.chunk(2), ys=torch.zeros(2, 4, dtype=torch.long).chunk(2), t0=0.0)
+    ex.loss_fn = lambda out, _y: out.square().mean()
+    run.compute(Action("F", 0, 1), act)
+    dx = run.compute(Action("B", 0, 1), None)
+    # B leaves the layer norm's and the elementwise parameter's gradients and the foreign-bias
+    # call's share of a.weight; the owned linears' weight gradients wait for W
+    m = stage_mod[0]
+    assert m.ln.weight.grad is not None and m.scale.grad is not None and m.a.weight.grad is not None
+    assert m.a.bias.grad is None and m.b.weight.grad is None
+    run.compute(Action("W", 0, 1), None)
+
+    inp = act.detach().clone().requires_grad_()
+    (ref(inp).square().mean() / 2).backward()
+    torch.testing.assert_close(dx, inp.grad)
+    for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

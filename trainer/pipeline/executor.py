@@ -28,12 +28,12 @@ the full-batch gradient. Chimera's two copies of a stage exchange gradients at t
 (one group per rank, after its pipeline messages); both copies then hold the sum and take
 identical optimizer steps.
 
-Split backward (chimera-zb): B computes the stage input's gradient and keeps, for each group of
-parameters, the gradient arriving at the graph node where the parameters join the input's path
-(`torch.distributed.pipelining._backward.stage_backward_input`); W starts from those saved
-gradients and computes only the weight gradients (`stage_backward_weight`), so B + W costs one
-backward. The first stage, whose input needs no gradient, has nothing to compute in B and runs its
-whole backward in W.
+Split backward (chimera-zb, trainer/pipeline/split.py): a split stage's forward runs its linear
+layers so that their backward returns only the input gradient and records (input, output
+gradient); B is one ordinary backward (the input gradient to send, plus the cheap non-linear
+parameter gradients) and W turns the records into weight gradients with one matmul per linear,
+so B + W costs one backward and W makes no autograd call. The first stage, whose input needs no
+gradient, has nothing to compute in B and runs its whole backward in W.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from trainer.models import lm_loss
 from trainer.pipeline.schedules import Action, Msg, Post, Run, Schedule, async_cap, async_next, lower
+from trainer.pipeline.split import DeferLinearWeightGrads, Record, param_ids, weight_grads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,12 +65,12 @@ class StepRecord:
 class _Stashed:
     """What a forward leaves for its backward: the stage input (None on the first stage), the
     output (or the scaled loss on the last stage) and, between a split B and its W, what W needs:
-    the output gradient (first stage) or the saved parameter-group gradients."""
+    the output gradient (first stage) or the deferred linear-layer records (`split.Record`)."""
 
     inp: torch.Tensor | None
-    out: torch.Tensor
+    out: torch.Tensor | None
     grad_out: torch.Tensor | None = None
-    param_groups: list[dict[str, Any]] | None = None
+    records: list[Record] | None = None
 
 
 def async_groups(ranks: list[int]) -> list[Any]:
@@ -187,6 +187,8 @@ class PipelineExecutor:
         else:
             self.program = lower(sched)[rank]
             self.channel_groups = []
+        # split backward: the parameters whose linear-layer weight gradients W computes
+        self.deferrable = {k: param_ids(m) for k, m in modules.items()} if sched.split_backward else {}
 
     def close(self) -> None:
         """Nothing outlives a step; kept so callers can release an executor explicitly."""
@@ -323,36 +325,42 @@ class _StepRun:
         send: torch.Tensor | None = None
         if a.op == "F":
             inp = None if a.stage == 0 else received.requires_grad_()
-            out = mod(self.xs[a.mb] if inp is None else inp)
+            records: list[Record] | None = None
+            if inp is None:
+                out = mod(self.xs[a.mb])
+            elif ex.sched.split_backward:
+                records = []
+                with DeferLinearWeightGrads(ex.deferrable[(a.stage, a.replica)], records):
+                    out = mod(inp)
+            else:
+                out = mod(inp)
             if a.stage == D - 1:
                 # note: scaled by 1/N so the N micro-batch gradients sum to the full-batch one
                 out = self.ex.loss_fn(out, self.ys[a.mb]) / N
                 self.loss += out.detach().double()
             else:
                 send = out.detach()
-            self.stash[key] = _Stashed(inp=inp, out=out)
+            self.stash[key] = _Stashed(inp=inp, out=out, records=records)
             self.peak_stash = max(self.peak_stash, len(self.stash))
         elif a.op == "B":
             st = self.stash[key]
             grad = None if a.stage == D - 1 else received
-            if not ex.sched.split_backward:
-                torch.autograd.backward(st.out, grad_tensors=grad)
-                send = st.inp.grad if st.inp is not None else None
-                del self.stash[key]
-            elif st.inp is None:
+            if st.inp is None and ex.sched.split_backward:
                 st.grad_out = grad  # nothing upstream: the whole backward runs in W
             else:
-                params = [p for p in mod.parameters() if p.requires_grad]
-                (send,), st.param_groups = stage_backward_input(
-                    [st.out], None if grad is None else [grad], [st.inp], iter(params)
-                )
+                # split: the linear weight gradients are deferred to W (records)
+                torch.autograd.backward(st.out, grad_tensors=grad)
+                send = st.inp.grad if st.inp is not None else None
+                if ex.sched.split_backward:
+                    st.out = None  # the graph is freed; W needs only the records
+                else:
+                    del self.stash[key]
         elif a.op == "W":
             st = self.stash.pop(key)
-            params = [p for p in mod.parameters() if p.requires_grad]
-            if st.param_groups is None:
+            if st.records is None:
                 torch.autograd.backward(st.out, grad_tensors=st.grad_out)
             else:
-                stage_backward_weight(iter(params), st.param_groups)
+                weight_grads(st.records)
         self._record(a, start)
         return send
 

@@ -1,0 +1,84 @@
+"""Zero-bubble split backward: B computes the stage input's gradient, W the weight gradients.
+
+During a split stage's forward, every `F.linear` whose weight belongs to the stage runs as
+`_DeferredLinear`: its backward returns the input gradient only and records (input, output
+gradient, weight, bias). B is then one ordinary backward from the stage output: it yields the
+input gradient to send upstream, and the gradients of the parameters that are not linear weights
+(layer norms, embeddings), which are elementwise and cheap. W turns each record into its weight
+gradient with one matrix product (dW = dY^T X, db = sum dY), with no autograd graph and no graph
+walk. B + W together do exactly the work of one backward, and W costs one matmul per linear.
+
+Any parameter that is not the weight or bias of an intercepted `F.linear` keeps its gradient in
+B, so the split is correct for every model; it only becomes cheaper the more of the stage's
+weights sit in linear layers (all of GPT's and LLaMA's matmul weights do, tensor-parallel ones
+included, since those call `F.linear` on their local shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+Record = tuple[torch.Tensor, torch.Tensor, nn.Parameter, nn.Parameter | None]
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Any, records: list[Record]
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.records = bias, records
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        ctx.records.append((x, dy, weight, ctx.bias))
+        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None
+
+
+class DeferLinearWeightGrads(TorchFunctionMode):
+    """Inside this mode, `F.linear` on one of `params` (as weight, with an owned bias or none)
+    defers its weight and bias gradients to `records`; everything else runs unchanged."""
+
+    def __init__(self, params: set[int], records: list[Record]) -> None:
+        super().__init__()
+        self.params = params
+        self.records = records
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            named = dict(zip(("input", "weight", "bias"), args, strict=False)) | kwargs
+            w, b = named.get("weight"), named.get("bias")
+            if id(w) in self.params and (b is None or id(b) in self.params):
+                return _DeferredLinear.apply(named["input"], w, b, self.records)
+        return func(*args, **kwargs)
+
+
+def param_ids(module: nn.Module) -> set[int]:
+    return {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def weight_grads(records: list[Record]) -> None:
+    """W: accumulate each recorded linear's weight (and bias) gradient into `.grad`."""
+    for x, dy, weight, bias in records:
+        dy_MO = dy.reshape(-1, dy.shape[-1])
+        x_MI = x.reshape(-1, x.shape[-1]).to(dy.dtype)
+        _accumulate(weight, (dy_MO.t() @ x_MI).to(weight.dtype))
+        if bias is not None:
+            _accumulate(bias, dy_MO.sum(0).to(bias.dtype))
+    records.clear()
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
