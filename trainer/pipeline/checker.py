@@ -243,202 +243,174 @@ def check_async_nccl(
     names by arrival order (the k-th message is micro-batch k) must be the one the sender sent.
 
     `seeds` random interleavings of transfers and CPU steps are run to the end; `exhaustive`
-    explores every interleaving (small D and N only). A state with work left and nothing able to
-    move raises ScheduleError, as does a misnamed micro-batch."""
+    explores every interleaving (small D and N only). Both walk the same `_AsyncModel`. A state
+    with work left and nothing able to move raises ScheduleError, as does a misnamed micro-batch."""
     D, N = stages, microbatches
     cap = async_cap(D) if cap is None else cap
-    # channel c = (kind, boundary): 'act' boundary s carries s -> s+1, 'grad' carries s+1 -> s
-    chans = [("act", s) for s in range(D - 1)] + [("grad", s) for s in range(D - 1)]
-
-    def moves(state: tuple) -> list[tuple]:
-        f, b, sent, moved, taken = state
-        out = []
-        for i in range(len(chans)):
-            # transfer `moved[i]` completes when issued and its receive is posted (taken == moved)
-            if moved[i] < len(sent[i]) and taken[i] == moved[i]:
-                out.append(("xfer", i))
-        for r in range(D):
-            op = _async_op(r, state, D=D, N=N, cap=cap, chans=chans)
-            if op is not None:
-                out.append(("cpu", r))
-        return out
-
-    def apply(state: tuple, mv: tuple) -> tuple:
-        f, b, sent, moved, taken = (list(x) for x in state)
-        sent = [list(x) for x in sent]
-        if mv[0] == "xfer":
-            moved[mv[1]] += 1
-        else:
-            r = mv[1]
-            op = _async_op(r, state, D=D, N=N, cap=cap, chans=chans)
-            if op == "F":
-                mb = f[r]
-                if r > 0:
-                    i = chans.index(("act", r - 1))
-                    if sent[i][taken[i]] != mb:
-                        raise ScheduleError(
-                            f"async: stage {r} names its {taken[i]}-th activation micro-batch {mb}, "
-                            f"but stage {r - 1} sent micro-batch {sent[i][taken[i]]}"
-                        )
-                    taken[i] += 1
-                f[r] += 1
-                if r < D - 1:
-                    sent[chans.index(("act", r))].append(mb)
-            else:
-                mb = b[r]
-                if mb >= f[r]:
-                    raise ScheduleError(f"async: stage {r} runs B{mb} before F{mb}")
-                if r < D - 1:
-                    i = chans.index(("grad", r))
-                    if sent[i][taken[i]] != mb:
-                        raise ScheduleError(
-                            f"async: stage {r} names its {taken[i]}-th gradient micro-batch {mb}, "
-                            f"but stage {r + 1} sent micro-batch {sent[i][taken[i]]}"
-                        )
-                    taken[i] += 1
-                b[r] += 1
-                if r > 0:
-                    sent[chans.index(("grad", r - 1))].append(mb)
-        return (tuple(f), tuple(b), tuple(tuple(x) for x in sent), tuple(moved), tuple(taken))
-
-    def finished(state: tuple) -> bool:
-        f, b, sent, moved, taken = state
-        return all(x == N for x in b) and all(m == len(x) for m, x in zip(moved, sent, strict=True))
-
-    def stuck(state: tuple) -> ScheduleError:
-        f, b = state[0], state[1]
-        return ScheduleError(
-            f"async D={D} N={N} cap={cap} deadlocks: forwards done {list(f)}, backwards done {list(b)}"
-        )
-
-    start = (
-        (0,) * D,
-        (0,) * D,
-        tuple(() for _ in chans),
-        (0,) * len(chans),
-        (0,) * len(chans),
-    )
-    visited = 0
-    if exhaustive:
-        seen = {start}
-        todo = [start]
-        while todo:
-            st = todo.pop()
-            visited += 1
-            mvs = moves(st)
-            if not mvs:
-                if not finished(st):
-                    raise stuck(st)
-                continue
-            for mv in mvs:
-                nxt = apply(st, mv)
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
+    start = _AsyncModel(D=D, N=N, cap=cap)
+    if not exhaustive:
+        visited = 0
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            st = start.copy()
+            while mvs := st.moves():
+                st.apply(rng.choice(mvs))
+                visited += 1
+            st.check_finished()
         return visited
-    for seed in range(seeds):
-        visited += _async_random_run(D=D, N=N, cap=cap, rng=random.Random(seed))
-    return visited
-
-
-def _async_random_run(*, D: int, N: int, cap: int, rng: random.Random) -> int:
-    """One random interleaving of check_async_nccl's model, with mutable state (the exhaustive
-    search keeps immutable states for its visited set; the rules are the same)."""
-    f, b = [0] * D, [0] * D
-    # channels: act_in[r] from r-1, grad_in[r] from r+1; sent micro-batches, completed transfers,
-    # receives taken
-    sent_a: list[list[int]] = [[] for _ in range(D)]
-    sent_g: list[list[int]] = [[] for _ in range(D)]
-    moved_a, moved_g, taken_a, taken_g = [0] * D, [0] * D, [0] * D, [0] * D
-    steps = 0
-    while True:
-        steps += 1
-        mvs: list[tuple[int, int]] = []
-        for r in range(D):
-            if moved_a[r] < len(sent_a[r]) and taken_a[r] == moved_a[r]:
-                mvs.append((0, r))
-            if moved_g[r] < len(sent_g[r]) and taken_g[r] == moved_g[r]:
-                mvs.append((1, r))
-            if b[r] < N and async_next(
-                stage=r,
-                stages=D,
-                microbatches=N,
-                cap=cap,
-                f_done=f[r],
-                b_done=b[r],
-                grad_ready=moved_g[r] > taken_g[r],
-                act_ready=moved_a[r] > taken_a[r],
-            ):
-                mvs.append((2, r))
+    seen = {start.key()}
+    todo = [start]
+    while todo:
+        st = todo.pop()
+        mvs = st.moves()
         if not mvs:
-            if all(x == N for x in b) and all(moved_g[r] == len(sent_g[r]) for r in range(D)):
-                return steps
-            raise ScheduleError(
-                f"async D={D} N={N} cap={cap} deadlocks: forwards done {f}, backwards done {b}"
-            )
-        kind, r = rng.choice(mvs)
-        if kind == 0:
-            moved_a[r] += 1
+            st.check_finished()
             continue
-        if kind == 1:
-            moved_g[r] += 1
-            continue
-        op = async_next(
-            stage=r,
-            stages=D,
-            microbatches=N,
-            cap=cap,
-            f_done=f[r],
-            b_done=b[r],
-            grad_ready=moved_g[r] > taken_g[r],
-            act_ready=moved_a[r] > taken_a[r],
-        )
-        if op == "F":
-            mb = f[r]
-            if r > 0:
-                if sent_a[r][taken_a[r]] != mb:
-                    raise ScheduleError(
-                        f"async: stage {r} names its {taken_a[r]}-th activation micro-batch {mb}, "
-                        f"but stage {r - 1} sent micro-batch {sent_a[r][taken_a[r]]}"
-                    )
-                taken_a[r] += 1
-            f[r] += 1
-            if r < D - 1:
-                sent_a[r + 1].append(mb)
-        else:
-            mb = b[r]
-            if mb >= f[r]:
-                raise ScheduleError(f"async: stage {r} runs B{mb} before F{mb}")
-            if r < D - 1:
-                if sent_g[r][taken_g[r]] != mb:
-                    raise ScheduleError(
-                        f"async: stage {r} names its {taken_g[r]}-th gradient micro-batch {mb}, "
-                        f"but stage {r + 1} sent micro-batch {sent_g[r][taken_g[r]]}"
-                    )
-                taken_g[r] += 1
-            b[r] += 1
-            if r > 0:
-                sent_g[r - 1].append(mb)
+        for mv in mvs:
+            nxt = st.copy()
+            nxt.apply(mv)
+            if (k := nxt.key()) not in seen:
+                seen.add(k)
+                todo.append(nxt)
+    return len(seen)
 
 
-def _async_op(r: int, state: tuple, *, D: int, N: int, cap: int, chans: list[tuple[str, int]]) -> str | None:
-    f, b, sent, moved, taken = state
-    if b[r] == N:
-        return None
-    grad_ready = act_ready = False
-    if r < D - 1:
-        i = chans.index(("grad", r))
-        grad_ready = moved[i] > taken[i]  # a completed receive not yet taken: the poll sees it
-    if r > 0:
-        i = chans.index(("act", r - 1))
-        act_ready = moved[i] > taken[i]
-    return async_next(
-        stage=r,
-        stages=D,
-        microbatches=N,
-        cap=cap,
-        f_done=f[r],
-        b_done=b[r],
-        grad_ready=grad_ready,
-        act_ready=act_ready,
+class _AsyncModel:
+    """One state of check_async_nccl's model and its step rules, shared by the exhaustive search
+    and the random runs. Rank r's incoming channels: activations from r-1 (`_a`) and gradients
+    from r+1 (`_g`); per channel the micro-batches sent, the transfers completed (`moved`) and
+    the receives taken. A move is (ACT, r) or (GRAD, r), a transfer into rank r completing, or
+    (CPU, r), rank r acting on its poll. `enabled[r]` caches rank r's moves: a move changes only
+    its own rank's and, through what it sends, a neighbour's, so only those are recomputed."""
+
+    ACT, GRAD, CPU = 0, 1, 2
+    __slots__ = (
+        "D",
+        "N",
+        "cap",
+        "f",
+        "b",
+        "sent_a",
+        "sent_g",
+        "moved_a",
+        "moved_g",
+        "taken_a",
+        "taken_g",
+        "enabled",
     )
+
+    def __init__(self, *, D: int, N: int, cap: int) -> None:
+        self.D, self.N, self.cap = D, N, cap
+        self.f, self.b = [0] * D, [0] * D
+        self.sent_a: list[list[int]] = [[] for _ in range(D)]
+        self.sent_g: list[list[int]] = [[] for _ in range(D)]
+        self.moved_a, self.moved_g = [0] * D, [0] * D
+        self.taken_a, self.taken_g = [0] * D, [0] * D
+        self.enabled: list[tuple[tuple[int, int], ...]] = [()] * D
+        for r in range(D):
+            self._refresh(r)
+
+    def copy(self) -> _AsyncModel:
+        c = object.__new__(_AsyncModel)
+        c.D, c.N, c.cap = self.D, self.N, self.cap
+        c.f, c.b = self.f[:], self.b[:]
+        c.sent_a, c.sent_g = [x[:] for x in self.sent_a], [x[:] for x in self.sent_g]
+        c.moved_a, c.moved_g = self.moved_a[:], self.moved_g[:]
+        c.taken_a, c.taken_g = self.taken_a[:], self.taken_g[:]
+        c.enabled = self.enabled[:]
+        return c
+
+    def key(self) -> tuple:
+        return (
+            tuple(self.f),
+            tuple(self.b),
+            tuple(map(tuple, self.sent_a)),
+            tuple(map(tuple, self.sent_g)),
+            tuple(self.moved_a),
+            tuple(self.moved_g),
+            tuple(self.taken_a),
+            tuple(self.taken_g),
+        )
+
+    def _op(self, r: int) -> str | None:
+        """What rank r's poll decides now (a completed receive not yet taken is what it sees)."""
+        if self.b[r] == self.N:
+            return None
+        return async_next(
+            stage=r,
+            stages=self.D,
+            microbatches=self.N,
+            cap=self.cap,
+            f_done=self.f[r],
+            b_done=self.b[r],
+            grad_ready=self.moved_g[r] > self.taken_g[r],
+            act_ready=self.moved_a[r] > self.taken_a[r],
+        )
+
+    def _refresh(self, r: int) -> None:
+        out = []
+        # transfer k completes once issued and its receive posted (taken == moved)
+        if self.moved_a[r] < len(self.sent_a[r]) and self.taken_a[r] == self.moved_a[r]:
+            out.append((self.ACT, r))
+        if self.moved_g[r] < len(self.sent_g[r]) and self.taken_g[r] == self.moved_g[r]:
+            out.append((self.GRAD, r))
+        if self._op(r) is not None:
+            out.append((self.CPU, r))
+        self.enabled[r] = tuple(out)
+
+    def moves(self) -> list[tuple[int, int]]:
+        """Every move possible now, rank by rank (each rank's transfers, then its CPU)."""
+        return [mv for per_rank in self.enabled for mv in per_rank]
+
+    def apply(self, move: tuple[int, int]) -> None:
+        kind, r = move
+        if kind == self.ACT:
+            self.moved_a[r] += 1
+        elif kind == self.GRAD:
+            self.moved_g[r] += 1
+        else:
+            self._cpu(r)
+            for n in (r - 1, r + 1):  # what r sent changes its neighbours' transfers
+                if 0 <= n < self.D:
+                    self._refresh(n)
+        self._refresh(r)
+
+    def _cpu(self, r: int) -> None:
+        if self._op(r) == "F":
+            mb = self.f[r]
+            if r > 0:
+                self._take(self.sent_a[r], self.taken_a, r, mb, what="activation", peer=r - 1)
+            self.f[r] += 1
+            if r < self.D - 1:
+                self.sent_a[r + 1].append(mb)
+        else:
+            mb = self.b[r]
+            if mb >= self.f[r]:
+                raise ScheduleError(f"async: stage {r} runs B{mb} before F{mb}")
+            if r < self.D - 1:
+                self._take(self.sent_g[r], self.taken_g, r, mb, what="gradient", peer=r + 1)
+            self.b[r] += 1
+            if r > 0:
+                self.sent_g[r - 1].append(mb)
+
+    @staticmethod
+    def _take(sent: list[int], taken: list[int], r: int, mb: int, *, what: str, peer: int) -> None:
+        """Rank r takes its next arrival on a channel and names it micro-batch `mb`."""
+        k = taken[r]
+        if sent[k] != mb:
+            raise ScheduleError(
+                f"async: stage {r} names its {k}-th {what} micro-batch {mb}, "
+                f"but stage {peer} sent micro-batch {sent[k]}"
+            )
+        taken[r] += 1
+
+    def check_finished(self) -> None:
+        """Nothing can move: every backward must be done and every message delivered."""
+        done = all(x == self.N for x in self.b) and all(
+            m == len(s) for m, s in zip(self.moved_a + self.moved_g, self.sent_a + self.sent_g, strict=True)
+        )
+        if not done:
+            raise ScheduleError(
+                f"async D={self.D} N={self.N} cap={self.cap} deadlocks: forwards done {self.f}, "
+                f"backwards done {self.b}"
+            )
