@@ -195,3 +195,36 @@ def test_a_cnn_on_python_image_data_spilled_and_offloaded(workspace: Path) -> No
     torch.testing.assert_close(torch.tensor(spilled), torch.tensor(plain))
     offloaded, _ = losses({**raw, "parallel": {"offload": {"optimizer": True, "dtype": "fp32"}}}, workspace)
     torch.testing.assert_close(torch.tensor(offloaded), torch.tensor(plain), rtol=1e-4, atol=1e-5)
+
+
+def test_selection_trials_size_with_the_recipe_batch_and_loss(workspace: Path) -> None:
+    """A spilled selection trial's cost trial runs the recipe's own batch and loss, as the spilling
+    engine's does (it used to feed zero token ids to cross entropy, which a CNN cannot even run):
+    its shards' working sets equal those of the spilling engine's costs for the same job."""
+    from trainer.data import with_data_vocab
+    from trainer.models import recipe_for
+    from trainer.recipe import build_dense
+    from trainer.selection.shards import ShardedTrial
+    from trainer.spill.job import plan_job
+    from trainer.spill.partition import working_set
+
+    raw = {
+        "model": {"kind": "python", "entry": "cnn:make", "args": {"width": 8}},
+        "data": {"kind": "python", "entry": "cnn:images"},
+        "train": {"steps": 2, "batch_size": 16},
+        "parallel": {"spill": {"device_budget_mb": 1, "cuts": [1, 2]}},
+        "resources": {"device": "cpu"},
+    }
+    set_workspace(workspace)
+    try:
+        job = with_data_vocab(JobConfig.from_dict(raw))
+        trial = ShardedTrial.build(job, index=0, budget_bytes=None, prefetch=False)
+        recipe = recipe_for(job.model)
+        plan, _ = plan_job(job, build_dense(recipe, seed=0), device=torch.device("cpu"), recipe=recipe)
+    finally:
+        set_workspace(None)
+        sys.modules.pop("cnn", None)
+    assert len(trial.shards) == plan.n_shards == 3
+    assert trial.work_bytes == [working_set(plan.costs, start=a, stop=b) for a, b in plan.bounds]
+    # the classifier's loss is over (batch, classes) logits, not (batch, seq_len, vocabulary)
+    assert plan.costs[-1].out_bytes == 16 * 4 * 4

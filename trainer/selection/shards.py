@@ -33,6 +33,7 @@ from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import build_optimizer, check_finite, val_batches
 from trainer.models import count_params, recipe_for
 from trainer.recipe import ModelRecipe, build_dense
+from trainer.spill.job import trial_example
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.partition import (
     LayerCost,
@@ -44,8 +45,8 @@ from trainer.spill.partition import (
 )
 from trainer.spill.shard import Shard
 
-_COSTS: dict[tuple[str, int, int], list[LayerCost]] = {}
-"""Per-layer costs by (model config, batch size, optimizer state bytes per parameter)."""
+_COSTS: dict[tuple[str, str, int, int], list[LayerCost]] = {}
+"""Per-layer costs by (model config, data config, batch size, optimizer state bytes per parameter)."""
 
 FORWARD = "F"
 LAST = "FB"
@@ -162,15 +163,19 @@ class ShardedTrial:
             budget_bytes = own if budget_bytes is None else min(own, budget_bytes)
         state_bpp = state_bytes_per_param(optimizer=cfg.optimizer, momentum=cfg.momentum, offload=False)
         # trials of a search often share an architecture (only lr or seed differ): measure it once
-        key = (repr(job.model), cfg.batch_size, state_bpp)
+        key = (repr(job.model), repr(job.data), cfg.batch_size, state_bpp)
         costs = _COSTS.get(key)
         if costs is None:
+            # the recipe's own batch and loss, as the spilling engine sizes (trainer/spill/job.py)
+            example = trial_example(job, recipe)
             costs = _COSTS[key] = measure_layers(
                 model,
                 batch_size=cfg.batch_size,
                 seq_len=job.model.seq_len,
                 state_bpp=state_bpp,
                 device="meta",
+                example=example,
+                loss_fn=recipe.loss,
             )
         shard_budget = None if budget_bytes is None else (budget_bytes // 2 if prefetch else budget_bytes)
         plan = partition(

@@ -20,7 +20,7 @@ from trainer.config import JobConfig, TrainConfig
 from trainer.data import data_for
 from trainer.device import pick_device
 from trainer.loop import run_steps
-from trainer.models import count_params, lm_loss, recipe_for
+from trainer.models import count_params, recipe_for
 from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.recipe import ModelRecipe, build_dense
@@ -30,21 +30,22 @@ from trainer.spill.offload import DTYPES, bucket_bytes
 from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, state_bytes_per_param
 
 
+def trial_example(job: JobConfig, recipe: ModelRecipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch as the recipe feeds it (a user model's inputs need not be token ids): what the
+    cost trial runs, with the recipe's own loss."""
+    g = torch.Generator().manual_seed(0)
+    return recipe.feed(data_for(job).batch(split="val", batch_size=job.train.batch_size, generator=g))
+
+
 def plan_job(
-    job: JobConfig, model: nn.Sequential, *, device: torch.device, recipe: ModelRecipe | None = None
+    job: JobConfig, model: nn.Sequential, *, device: torch.device, recipe: ModelRecipe
 ) -> tuple[SpillPlan, str]:
     """The shard plan for `job` and a line saying how it was made. Costs are measured by a trial
-    pass on CUDA and estimated on the meta device elsewhere. When the budget fits one shard at a
-    time but not with the prefetched neighbour, prefetch is turned off rather than the job refused
-    (the REST layer's rule is the single-layer one)."""
+    pass of the recipe's own batch and loss, on CUDA, and estimated on the meta device elsewhere.
+    When the budget fits one shard at a time but not with the prefetched neighbour, prefetch is
+    turned off rather than the job refused (the REST layer's rule is the single-layer one)."""
     spill, off = job.parallel.spill, job.parallel.offload
     offloaded = off is not None and off.optimizer
-    example, loss_fn = None, lm_loss
-    if recipe is not None:
-        # the recipe's own batch and loss: a user model's inputs need not be token ids
-        g = torch.Generator().manual_seed(0)
-        example = recipe.feed(data_for(job).batch(split="val", batch_size=job.train.batch_size, generator=g))
-        loss_fn = recipe.loss
     costs = measure_layers(
         model,
         batch_size=job.train.batch_size,
@@ -54,8 +55,8 @@ def plan_job(
             optimizer=job.train.optimizer, momentum=job.train.momentum, offload=offloaded
         ),
         device=device if device.type == "cuda" else "meta",
-        example=example,
-        loss_fn=loss_fn,
+        example=trial_example(job, recipe),
+        loss_fn=recipe.loss,
     )
     extra = bucket_bytes(default_bucket_numel(model)) if offloaded else 0
     budget = int(spill.device_budget_mb * MiB) if spill is not None else None
