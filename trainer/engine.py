@@ -141,7 +141,9 @@ class ComposedEngine:
         average_gradients(self.params, group=self.mesh.dp_group)
         coef = None
         if self.job.train.grad_clip > 0:
-            norm = grad_norm(self.parts.norm_parameters(), group=self.mesh.replica_group, device=self.device)
+            norm = grad_norm(
+                self.parts.norm_parameters(), groups=(self.mesh.replica_group,), device=self.device
+            )
             coef = clip_coefficient(norm, max_norm=self.job.train.grad_clip)
         opt.step(clip_coef=coef)
         return self._global(local)

@@ -68,34 +68,68 @@ def average_gradients(
     return calls
 
 
-@torch.no_grad()
-def grad_sq_sum(params: Iterable[torch.nn.Parameter], *, device: torch.device) -> torch.Tensor:
-    """Sum of squared gradients, each tensor counted once per model copy. A tensor-parallel layer
-    marks a parameter that several tensor ranks hold identically (trainer/tensor/layers_1d.py's
-    convention): `tp_counted` says whether this copy counts; without it every copy weighs
-    1/`tp_replicas`."""
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if p.grad is None or not getattr(p, "tp_counted", True):
-            continue
-        weight = 1.0 if hasattr(p, "tp_counted") else 1.0 / getattr(p, "tp_replicas", 1)
-        sq += p.grad.float().pow(2).sum() * weight
-    return sq
+def _weight(p: torch.nn.Parameter) -> float:
+    """How much this rank's copy of `p` counts toward one model copy's norm (the tensor layers'
+    convention, trainer/tensor/layers_1d.py): a parameter that several tensor ranks hold
+    identically either says with `tp_counted` whether this copy counts (1 or 0), or, without it,
+    weighs 1/`tp_replicas` on every rank holding it."""
+    if hasattr(p, "tp_counted"):
+        return 1.0 if p.tp_counted else 0.0
+    return 1.0 / getattr(p, "tp_replicas", 1)
 
 
 @torch.no_grad()
 def grad_norm(
-    params: Iterable[torch.nn.Parameter], *, group: dist.ProcessGroup | None, device: torch.device
+    params: Iterable[torch.nn.Parameter],
+    *,
+    groups: Sequence[dist.ProcessGroup | None] = (),
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Global gradient norm of `params` (one copy of each distinct piece on this rank) summed over
-    `group`: the ranks of ONE model replica (pipeline stages x tensor ranks). Summing over WORLD
-    would count every data-parallel replica again. A device tensor: no CPU sync here."""
-    sq = grad_sq_sum(params, device=device)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
+    """Global 2-norm of one model copy's gradient, as torch.nn.utils.clip_grad_norm_ computes it
+    for the dense model (per-parameter norms first), from the pieces on this rank.
+
+    Each rank sums the squares of the pieces it counts (`_weight`), then the sum is all-reduced
+    over each of `groups` in turn: together they must span exactly the ranks that hold distinct
+    pieces of ONE model copy (pipeline stages x tensor ranks; a 2.5d mesh is three groups). A
+    data-parallel group must never be among them: its replicas hold the same averaged gradients,
+    and summing them would count the model several times.
+
+    Returns a 0-d float32 tensor on the gradients' device (`device` when no gradient exists yet).
+    Nothing is read back to the host and no CPU tensor enters a collective (NCCL-safe, no sync);
+    the weights are Python scalars, so no host-to-device copy either."""
+    params = list(params)
+    grads = [(p.grad, w) for p in params if p.grad is not None and (w := _weight(p)) > 0.0]
+    if device is None:
+        device = next((p.grad.device for p in params if p.grad is not None), None) or params[0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        squares = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).square() for g, _ in grads]
+        sq += torch.stack([s if w == 1.0 else s * w for s, (_, w) in zip(squares, grads, strict=True)]).sum()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, *, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device."""
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    max_norm: float,
+    groups: Sequence[dist.ProcessGroup | None] = (),
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over a model split across ranks: `grad_norm`, then every
+    gradient on this rank scaled in place by the coefficient (a device tensor). Returns the norm."""
+    params = list(params)
+    norm = grad_norm(params, groups=groups, device=device)
+    coef = clip_coefficient(norm, max_norm=max_norm)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.grads import clip_grad_norm_
 from trainer.llama_tp import shard_llama_layer
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
@@ -143,39 +144,9 @@ def clip_grad_norm(
     mesh: TensorMesh,
     also_over: Sequence[dist.ProcessGroup] = (),
 ) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the global 2-norm of the dense
-    model's gradient, from the shards, then every gradient scaled by min(1, max_norm / (norm + 1e-6)).
-
-    Each rank sums the squares of the gradients it counts (`tp_counted`: a parameter replicated
-    over ranks, such as a 1d layer norm or a 2.5d weight block repeated over depth, is counted on
-    exactly one of them; a layer that marks only `tp_replicas` has each copy weighed by
-    1/replicas), then the sum is all-reduced over the tensor mesh only, plus `also_over`
-    (e.g. the pipeline group, when the model is also split into stages). Data-parallel replicas hold
-    the same reduced gradients and must not be summed: do not pass their group.
-
-    Returns the norm as a 0-d tensor on the gradients' device. Nothing is read back to the host and
-    no CPU tensor enters a collective, so under NCCL this issues no sync and no host copy."""
-    params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else params[0].device
-    # (gradient, weight): a counted copy weighs 1, an uncounted one 0; a replicated parameter that
-    # does not say which copy counts (no `tp_counted`) weighs 1/replicas on every rank
-    mine = [
-        (p.grad, 1.0 if hasattr(p, "tp_counted") else 1.0 / getattr(p, "tp_replicas", 1))
-        for p in params
-        if p.grad is not None and getattr(p, "tp_counted", True)
-    ]
-    sq = torch.zeros(1, dtype=torch.float32, device=device)
-    if mine:
-        # per-parameter norms first, as clip_grad_norm_ computes them; the weights are Python
-        # scalars (a tensor of them built here would be a host-to-device copy, which syncs)
-        squares = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).square() for g, _ in mine]
-        sq += torch.stack([s if w == 1.0 else s * w for s, (_, w) in zip(squares, mine, strict=True)]).sum()
-    with comm.paused():
-        for group in (*mesh_groups(mesh), *also_over):
-            comm.all_reduce(sq, group=group, layer="clip", phase="bwd")
-    norm = sq.sqrt().reshape(())
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm
+    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: `trainer.grads.clip_grad_norm_`
+    (the one clipping implementation, shared with the composed engine) summed over the tensor mesh,
+    plus `also_over` (e.g. the pipeline group, when the model is also split into stages).
+    Data-parallel replicas hold the same reduced gradients and must not be summed: do not pass
+    their group. Returns the norm as a 0-d tensor on the gradients' device."""
+    return clip_grad_norm_(params, max_norm=max_norm, groups=(*mesh_groups(mesh), *also_over))
