@@ -114,9 +114,12 @@ def check_nccl(sched: Schedule, programs: list[list[Instr]] | None = None) -> No
     groups: list[list[Post]] = [[] for _ in range(D)]
     runs: list[list[Run]] = [[] for _ in range(D)]
     runs_before: list[list[int]] = [[] for _ in range(D)]
-    posted_at: dict[tuple[int, Msg], int] = {}
+    # per rank: the group each message was posted in; per run: the last group it needs done
+    posted_at: list[dict[Msg, int]] = [{} for _ in range(D)]
+    needs_group: list[list[int]] = [[] for _ in range(D)]
     for r, prog in enumerate(progs):
         produced: set[Msg] = set()
+        posted = posted_at[r]
         for ins in prog:
             if isinstance(ins, Post):
                 g = len(groups[r])
@@ -134,17 +137,20 @@ def check_nccl(sched: Schedule, programs: list[list[Instr]] | None = None) -> No
                         if m.dst != r:
                             raise ScheduleError(f"{sched.name}: rank {r} receives {m}, meant for {m.dst}")
                         recvs.setdefault((m.src, r), []).append((m, g))
-                    if (r, m) in posted_at:
+                    if m in posted:
                         raise ScheduleError(f"{sched.name}: rank {r} posts {m} twice")
-                    posted_at[(r, m)] = g
+                    posted[m] = g
             else:
+                last = -1
                 for m in ins.needs:
-                    if (r, m) not in posted_at:
+                    if m not in posted:
                         raise ScheduleError(f"{sched.name}: rank {r} needs {m} before posting its receive")
+                    last = max(last, posted[m])
+                needs_group[r].append(last)
                 produced.update(ins.sends)
                 runs[r].append(ins)
     # matching: first in, first out per directed pair
-    partner: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, group) -> [(peer, group)]
+    partner: list[list[list[tuple[int, int]]]] = [[[] for _ in groups[r]] for r in range(D)]
     for pair in set(sends) | set(recvs):
         s, d = sends.get(pair, []), recvs.get(pair, [])
         for i in range(max(len(s), len(d))):
@@ -159,16 +165,16 @@ def check_nccl(sched: Schedule, programs: list[list[Instr]] | None = None) -> No
                     f"{sched.name}: message {i} from rank {pair[0]} to {pair[1]} is {s[i][0]} but the "
                     f"receiver expects {d[i][0]} (messages match in issue order, not by tag)"
                 )
-            partner.setdefault((pair[0], s[i][1]), []).append((pair[1], d[i][1]))
-            partner.setdefault((pair[1], d[i][1]), []).append((pair[0], s[i][1]))
+            partner[pair[0]][s[i][1]].append((pair[1], d[i][1]))
+            partner[pair[1]][d[i][1]].append((pair[0], s[i][1]))
     # every message produced is sent
     for r in range(D):
         for run in runs[r]:
             for m in run.sends:
-                if (r, m) not in posted_at:
+                if m not in posted_at[r]:
                     raise ScheduleError(f"{sched.name}: rank {r} computes {m} but never sends it")
     _run_nccl_model(
-        sched, groups=groups, runs=runs, runs_before=runs_before, partner=partner, posted_at=posted_at
+        sched, groups=groups, runs=runs, runs_before=runs_before, partner=partner, needs_group=needs_group
     )
 
 
@@ -178,9 +184,12 @@ def _run_nccl_model(
     groups: list[list[Post]],
     runs: list[list[Run]],
     runs_before: list[list[int]],
-    partner: dict[tuple[int, int], list[tuple[int, int]]],
-    posted_at: dict[tuple[int, Msg], int],
+    partner: list[list[list[tuple[int, int]]]],
+    needs_group: list[list[int]],
 ) -> None:
+    """Run check_nccl's model to the end: `partner[r][g]` are the (peer, group) pairs whose
+    operations match group g of rank r, `needs_group[r][i]` the last group run i's receives are
+    posted in (-1: none). Raises ScheduleError naming each stuck rank's instruction."""
     D = len(groups)
     done_runs = [0] * D
     started = [0] * D  # groups launched on the communication stream
@@ -191,25 +200,25 @@ def _run_nccl_model(
         r = todo.popleft()
         queued[r] = False
         wake: set[int] = set()
+        n_runs, n_groups = len(runs[r]), len(groups[r])
+        need, before, mine = needs_group[r], runs_before[r], partner[r]
         moved = True
         while moved:
             moved = False
             # computations whose receives completed
-            while done_runs[r] < len(runs[r]) and all(
-                posted_at[(r, m)] < finished[r] for m in runs[r][done_runs[r]].needs
-            ):
+            while done_runs[r] < n_runs and need[done_runs[r]] < finished[r]:
                 done_runs[r] += 1
                 moved = True
             g = started[r]
-            if g < len(groups[r]) and finished[r] == g and runs_before[r][g] <= done_runs[r]:
+            if g < n_groups and finished[r] == g and before[g] <= done_runs[r]:
                 started[r] += 1
                 moved = True
-                wake.update(p for p, _ in partner.get((r, g), []))
+                wake.update(p for p, _ in mine[g])
             g = finished[r]
-            if g < started[r] and all(pg < started[p] for p, pg in partner.get((r, g), [])):
+            if g < started[r] and all(pg < started[p] for p, pg in mine[g]):
                 finished[r] += 1
                 moved = True
-                wake.update(p for p, _ in partner.get((r, g), []))
+                wake.update(p for p, _ in mine[g])
         for p in wake:
             if not queued[p] and p != r:
                 queued[p] = True

@@ -169,20 +169,19 @@ def _list_order(
     ready_at: dict[Action, float] = dict.fromkeys(priority, 0.0)
     free = [0.0] * D
     order: list[list[Action]] = [[] for _ in range(D)]
-    choice: list[tuple[float, int, Action] | None] = [None] * D
+    # each rank's pick (start, priority, rank, action); ties on (start, priority) go to the lowest rank
+    choice: list[tuple[float, int, int, Action] | None] = [None] * D
     dirty = set(range(D))
     for _ in range(len(priority)):
         for r in dirty:
             if not pool[r]:
                 choice[r] = None
                 continue
-            t = min(max(free[r], ready_at[a]) for a in pool[r])
-            a = min((a for a in pool[r] if max(free[r], ready_at[a]) <= t), key=priority.__getitem__)
-            choice[r] = (t, priority[a], a)
+            t = max(free[r], min(ready_at[a] for a in pool[r]))
+            a = min((a for a in pool[r] if ready_at[a] <= t), key=priority.__getitem__)
+            choice[r] = (t, priority[a], r, a)
         dirty.clear()
-        best = min((c for c in choice if c is not None), key=lambda c: (c[0], c[1]))
-        t, _, a = best
-        r = rank[a]
+        t, _, r, a = min(c for c in choice if c is not None)
         free[r] = t + cost[a.op]
         pool[r].remove(a)
         order[r].append(a)
@@ -244,30 +243,42 @@ def chimera_zb(
     )
     cost = {"F": f_cost, "B": b_cost, "W": w_cost}
     max_pending = max(1, D // 2) if max_pending is None else max_pending
+    deps = {a: _fb_deps(a, D) for acts in fb for a in acts}
+    consumers: dict[Action, list[int]] = {}  # the ranks whose actions wait for an action
+    for r, acts in enumerate(fb):
+        for a in acts:
+            for d in deps[a]:
+                consumers.setdefault(d, []).append(r)
     finish: dict[Action, float] = {}
     free = [0.0] * D
     pos = [0] * D
     pending: list[list[Action]] = [[] for _ in range(D)]
+    # each rank's next F/B: (earliest start, rank) once its inputs are finished, else None; it
+    # changes only when the rank moves on or one of the inputs finishes, so only those are redone
+    head: list[tuple[float, int] | None] = [None] * D
+    ready_of = [0.0] * D
+
+    def refresh(r: int) -> None:
+        head[r] = None
+        if pos[r] == len(fb[r]):
+            return
+        ds = deps[fb[r][pos[r]]]
+        if all(d in finish for d in ds):
+            ready_of[r] = max([0.0] + [finish[d] for d in ds])
+            head[r] = (max(ready_of[r], free[r]), r)
+
+    for r in range(D):
+        refresh(r)
     total = sum(len(x) for x in fb)
-    done = 0
-    while done < total:
-        # advance the rank whose next F/B can start earliest (an event-ordered list schedule)
-        best: tuple[float, int] | None = None
-        for r in range(D):
-            if pos[r] == len(fb[r]):
-                continue
-            a = fb[r][pos[r]]
-            deps = _fb_deps(a, D)
-            if not all(d in finish for d in deps):
-                continue
-            ready = max([0.0] + [finish[d] for d in deps])
-            if best is None or max(ready, free[r]) < best[0]:
-                best = (max(ready, free[r]), r)
+    for _ in range(total):
+        # advance the rank whose next F/B can start earliest (an event-ordered list schedule;
+        # ties go to the lowest rank)
+        best = min((h for h in head if h is not None), default=None)
         if best is None:
             raise ScheduleError("chimera-zb: F/B order deadlocked while placing W actions")
-        start, r = best
+        r = best[1]
         a = fb[r][pos[r]]
-        ready = max([0.0] + [finish[d] for d in _fb_deps(a, D)])
+        ready = ready_of[r]
         # fill the idle gap before `a` with deferred weight gradients
         while pending[r] and free[r] < ready:
             w = pending[r].pop(0)
@@ -283,7 +294,8 @@ def chimera_zb(
                 sched.ranks[r].append(pending[r].pop(0))
                 free[r] += cost["W"]
         pos[r] += 1
-        done += 1
+        for q in {r, *consumers.get(a, ())}:
+            refresh(q)
     for r in range(D):
         sched.ranks[r] += pending[r]
     _allreduce_actions(sched)
@@ -419,7 +431,15 @@ def messages_out(sched: Schedule, a: Action) -> tuple[Msg, ...]:
     return ()
 
 
-def _production_times(sched: Schedule) -> dict[Msg, tuple[float, int, int]]:
+Traffic = list[list[tuple[Msg | None, tuple[Msg, ...]]]]
+"""Per rank, per action of its list: (message_in, messages_out)."""
+
+
+def _traffic(sched: Schedule) -> Traffic:
+    return [[(message_in(sched, a), messages_out(sched, a)) for a in acts] for acts in sched.ranks]
+
+
+def _production_times(sched: Schedule, traffic: Traffic) -> dict[Msg, tuple[float, int, int]]:
     """When each message is produced in an in-order run at forward 1, backward 2 (split: B 1,
     W 1), ties broken by the sender's rank and position: the order two ranks agree to talk in."""
     cost = {"F": 1.0, "B": 1.0 if sched.split_backward else 2.0, "W": 1.0, "AR": 0.0}
@@ -431,16 +451,16 @@ def _production_times(sched: Schedule) -> dict[Msg, tuple[float, int, int]]:
     todo = list(range(D))
     while todo:
         r = todo.pop()
-        acts = sched.ranks[r]
+        acts, io = sched.ranks[r], traffic[r]
         while pos[r] < len(acts):
             a = acts[pos[r]]
-            need = message_in(sched, a)
+            need, outs = io[pos[r]]
             if need is not None and need not in made:
                 waiting.setdefault(need, []).append(r)
                 break
             start = max(free[r], made[need]) if need is not None else free[r]
             free[r] = start + cost[a.op]
-            for m in messages_out(sched, a):
+            for m in outs:
                 # Chimera's exchanges go last, after every pipeline message of the step
                 made[m] = free[r]
                 out[m] = (math.inf if m.kind == "ar" else free[r], r, pos[r])
@@ -469,12 +489,15 @@ def lower(sched: Schedule) -> list[list[Instr]]:
     if sched.dynamic:
         raise ScheduleError(f"{sched.name} orders its work at run time; it has no static lowering")
     D = sched.stages
-    when = _production_times(sched)
+    traffic = _traffic(sched)
+    when = _production_times(sched, traffic)
     # each directed pair's messages in the agreed order
     incoming: list[dict[int, list[Msg]]] = [{} for _ in range(D)]
     for m in sorted(when, key=when.__getitem__):
         incoming[m.dst].setdefault(m.src, []).append(m)
-    return [_RankLowering(sched, rank=r, incoming=incoming[r], when=when).program() for r in range(D)]
+    return [
+        _RankLowering(sched, rank=r, incoming=incoming[r], when=when).program(traffic[r]) for r in range(D)
+    ]
 
 
 class _RankLowering:
@@ -496,11 +519,11 @@ class _RankLowering:
 
     def upto(self, src: int, n: int) -> list[P2P]:
         """Receives from `src` until the first n of its messages to this rank are posted."""
-        msgs = self.incoming.get(src, [])
-        got = [P2P("recv", x) for x in msgs[self.posted.get(src, 0) : n]]
-        if got:
-            self.posted[src] = n
-        return got
+        start = self.posted.get(src, 0)
+        if n <= start:
+            return []
+        self.posted[src] = n
+        return [P2P("recv", x) for x in self.incoming[src][start:n]]
 
     def before_send(self, m: Msg) -> list[P2P]:
         """Receives from m's destination that precede m in the agreed order."""
@@ -521,12 +544,10 @@ class _RankLowering:
         if ops:
             self.prog.append(Post(tuple(ops)))
 
-    def program(self) -> list[Instr]:
+    def program(self, traffic: list[tuple[Msg | None, tuple[Msg, ...]]]) -> list[Instr]:
         exchange: list[P2P] = []
-        for a in self.sched.ranks[self.rank]:
-            need = message_in(self.sched, a)
+        for a, (need, outs) in zip(self.sched.ranks[self.rank], traffic, strict=True):
             self.flush(need)
-            outs = messages_out(self.sched, a)
             self.prog.append(Run(a, needs=(need,) if need is not None else (), sends=outs))
             self.outbox += [m for m in outs if m.kind != "ar"]
             exchange += [P2P("send", m) for m in outs if m.kind == "ar"]
