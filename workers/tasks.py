@@ -12,10 +12,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
-from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job, send_run_selection
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_job, send_run_selection
 from core.settings import get_settings
 from db.engine import session_for
 from db.jobs import expire_leases, mark_enqueued, record_heartbeat, stale_queued_jobs
@@ -46,15 +46,26 @@ RETRY_INFRA = {
 
 
 @app.task(name=TASK_RUN_JOB, bind=True, **RETRY_INFRA)
-def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
-    """One job, end to end (workers/execute.py)."""
+def run_job(self, job_id: int, node_rank: int = 0, nnodes: int = 1) -> str:  # noqa: ANN001 - Celery's bound task
+    """One job, end to end (workers/execute.py); with nnodes > 1, node `node_rank` of a gang."""
     name = self.request.hostname or _WORKER_NAME["name"]
     _guard_sigterm()
     _BUSY.set()
     try:
+        if nnodes > 1:
+            return _run_gang_node(job_id, node_rank=node_rank, nnodes=nnodes, worker=name)
         return execute_job(job_id, settings=get_settings(), worker=name)
     finally:
         _BUSY.clear()
+
+
+def _run_gang_node(job_id: int, *, node_rank: int, nnodes: int, worker: str) -> str:
+    """Placeholder until multi-node execution (issue 13, engineer `gang`) lands: the node's task
+    is left unclaimed, so the job stays queued with its reservation."""
+    log.warning(
+        "job %s node %d/%d on %s: multi-node execution is not built yet", job_id, node_rank, nnodes, worker
+    )
+    return "skipped"
 
 
 @app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
@@ -109,10 +120,10 @@ def _trials_of(job_ids: list[int]) -> Any:
     return select(Trial.id).where(Trial.job_id.in_(job_ids)).order_by(Trial.index)
 
 
-def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
+def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -> None:
     settings = get_settings()
     devices = local_devices()
-    host = host_inventory(slots=settings.worker_slots)
+    host = host_inventory(slots=settings.worker_slots, tasks=tasks)
     last_reconcile = 0.0
     while True:
         try:
@@ -134,12 +145,23 @@ _stop_beat = threading.Event()
 _controller: dict[str, Any] = {}
 
 
+@celeryd_after_setup.connect
+def _consume_node_queue(sender: str = "", instance=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
+    """Every worker also consumes its own direct queue (node.<name>): the scheduler sends a job
+    there after reserving this worker's slots."""
+    if instance is not None and sender:
+        instance.app.amqp.queues.select_add(node_queue(sender))
+
+
 @worker_ready.connect
 def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
     _controller["worker"] = sender
     name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
     queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
-    threading.Thread(target=_beat, args=(_stop_beat, name, queues), daemon=True, name="heartbeat").start()
+    tasks = int(getattr(sender, "concurrency", 1) or 1)
+    threading.Thread(
+        target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
+    ).start()
 
 
 @worker_shutdown.connect
