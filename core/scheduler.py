@@ -445,9 +445,12 @@ def read_state(
     )
 
 
+_VIEW_NEEDS = _Needs()
+
+
 def queue_positions(session: Any, settings: Settings) -> list[Want]:
     """The queued jobs in the scheduler's order (the REST queue view)."""
-    st = read_state(session, settings, _Needs())
+    st = read_state(session, settings, _VIEW_NEEDS)
     return order_queue(
         st.wants, now=st.now, aging_s=settings.aging_s, running_slots=st.running_slots, recent=st.recent
     )
