@@ -490,7 +490,8 @@ class Scheduler:
             fresh = not self.leading
             self.leading = True
             beats = dbs.workers_seen(session, within_s=s.worker_alive_s)
-            freed = dbs.free_reservations(session, live={w.name for w in beats})
+            # a worker that stopped beating or is draining gets its unclaimed reservations back
+            freed = dbs.free_reservations(session, live={w.name for w in beats if box_of(w) is not None})
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
             st = read_state(session, s, self.needs, beats=beats)
