@@ -212,12 +212,10 @@ def test_a_4_rank_job_spans_two_workers_and_matches_the_one_worker_run(gang: Gan
     # the rank that printed every line ran on node 1 (worker 1), not on the job owner's node
     node_logs = g.stack.root / "jobs" / str(job_id)
     ranks = {
-        n: re.findall(
-            r"as rank (\d+) in a world of size 2", (node_logs / f"node-{n}" / "stderr.log").read_text()
-        )
+        n: re.findall(r"global_ranks=\[([\d, ]+)\]", (node_logs / f"node-{n}" / "stderr.log").read_text())
         for n in (0, 1)
     }
-    assert ranks == {0: ["1"], 1: ["0"]}, ranks
+    assert ranks == {0: ["2, 3"], 1: ["0, 1"]}, ranks
     with session_for(g.url) as s:  # the job's end gave its slots back
         assert s.query(Reservation).filter_by(job_id=job_id).count() == 0
 
