@@ -12,22 +12,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, func, insert, select, text, update
+from sqlalchemy import case, delete, exists, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from db.models import (
-    TERMINAL,
-    Job,
-    JobEvent,
-    JobStatus,
-    MetricPoint,
-    Reservation,
-    User,
-    WorkerBeat,
-    utcnow,
-)
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, User, WorkerBeat, utcnow
 
 
 class NotFound(LookupError):
@@ -168,16 +158,44 @@ def _claimable(now: datetime, owner: str) -> Any:
     return (Job.status == JobStatus.queued) | ((Job.status == JobStatus.running) & expired)
 
 
+def free_job_reservations(session: Session, *, job_id: int) -> None:
+    """The job's slots go back to the pool (inside the caller's transaction)."""
+    session.execute(delete(Reservation).where(Reservation.job_id == job_id))
+
+
+def _reserved_here(job_id: int, worker: str) -> Any:
+    return exists().where(
+        Reservation.job_id == job_id, Reservation.worker == worker, Reservation.node_rank == 0
+    )
+
+
+def reserved_here(session: Session, *, job_id: int, worker: str) -> bool:
+    """The scheduler placed node 0 of job `job_id` on `worker`."""
+    return bool(session.scalar(select(_reserved_here(job_id, worker))))
+
+
 def claim_job(
-    session: Session, *, job_id: int, owner: str, worker: str, lease_s: float, kind: str = "job"
+    session: Session,
+    *,
+    job_id: int,
+    owner: str,
+    worker: str,
+    lease_s: float,
+    kind: str = "job",
+    reserved: bool = False,
 ) -> Attempt | None:
     """Take the lease of job `job_id` for `owner` (one worker process start), atomically: one
     conditional UPDATE, so of many racing deliveries exactly one wins. None when the job is taken
-    (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch)."""
+    (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch).
+    `reserved`: only when the scheduler reserved node 0 of the job on `worker` (a task for a job
+    placed elsewhere is skipped); the reservation records the claim."""
     now = db_now(session)
+    where = [Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner)]
+    if reserved:
+        where.append(_reserved_here(job_id, worker))
     got = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner))
+        .where(*where)
         .values(
             status=JobStatus.running,
             started_at=now,
@@ -190,6 +208,12 @@ def claim_job(
         .returning(Job.attempts)
         .execution_options(synchronize_session=False)
     ).first()
+    if got and reserved:
+        session.execute(
+            update(Reservation)
+            .where(Reservation.job_id == job_id, Reservation.node_rank == 0)
+            .values(claimed_at=now, owner=owner)
+        )
     if got:
         data = {"worker": worker, "attempt": got[0]}
         session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="running", data=data))
@@ -337,10 +361,11 @@ def finish_job(
     }
     if result is not None:
         values["result"] = result
-    res = session.execute(update(Job).where(_fence(attempt)).values(**values))
+    res = session.execute(update(Job).where(_fence(attempt)).values(**values, preempt_requested=False))
     if res.rowcount != 1:
         session.rollback()
         return None
+    free_job_reservations(session, job_id=attempt.job_id)
     ev = JobEvent(
         job_id=attempt.job_id, time=time.time(), kind="status", message=str(status), data={"error": error}
     )
@@ -355,11 +380,14 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
     res = session.execute(
         update(Job)
         .where(_fence(attempt), Job.status == JobStatus.running)
-        .values(status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None)
+        .values(
+            status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None, preempt_requested=False
+        )
     )
     if res.rowcount != 1:
         session.rollback()
         return False
+    free_job_reservations(session, job_id=attempt.job_id)
     session.add(
         JobEvent(
             job_id=attempt.job_id, time=time.time(), kind="status", message="queued", data={"reason": reason}
@@ -392,10 +420,12 @@ def expire_leases(session: Session, *, gang_restarts: int = 3) -> tuple[list[Job
                 lease_until=None,
                 enqueued_at=None,
                 finished_at=utcnow() if cancel else None,
+                preempt_requested=False,
             )
         )
         if res.rowcount != 1:
             continue
+        free_job_reservations(session, job_id=job.id)
         why = f"the lease of {job.worker} (attempt {job.attempts}) ran out"
         msg = "cancelled" if cancel else "queued"
         session.add(
@@ -417,6 +447,7 @@ def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = 
         .where(Job.id == job_id)
         .values(status=JobStatus.failed, error=reason, finished_at=utcnow(), owner=None, lease_until=None)
     )
+    free_job_reservations(session, job_id=job_id)
     session.add(
         JobEvent(
             job_id=job_id,
@@ -448,8 +479,10 @@ def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None
             error=None,
             finished_at=None,
             enqueued_at=utcnow(),
+            preempt_requested=False,
         )
     )
+    free_job_reservations(session, job_id=job_id)
     session.add(
         JobEvent(
             job_id=job_id,
@@ -488,6 +521,7 @@ def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -
         .execution_options(synchronize_session="fetch")
     )
     if res.rowcount == 1:
+        free_job_reservations(session, job_id=job_id)
         session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled", data=by))
     else:
         session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
@@ -496,6 +530,12 @@ def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -
     session.commit()
     session.refresh(job)
     return job
+
+
+def stop_flags(session: Session, *, job_id: int) -> tuple[bool, bool]:
+    """(cancel requested, preemption requested) of a job."""
+    row = session.execute(select(Job.cancel_requested, Job.preempt_requested).where(Job.id == job_id)).first()
+    return (bool(row[0]), bool(row[1])) if row else (False, False)
 
 
 def cancel_requested(session: Session, *, job_id: int) -> bool:
@@ -619,6 +659,17 @@ def record_heartbeat(
     session.commit()
 
 
+def mark_draining(session: Session, *, name: str) -> None:
+    """The worker is shutting down warm: its inventory says so, and the scheduler places nothing
+    more on it (its heartbeat stops soon after)."""
+    beat = session.get(WorkerBeat, name)
+    if beat is not None:
+        inventory = dict(beat.devices or {})
+        inventory["host"] = {**(inventory.get("host") or {}), "draining": 1}
+        beat.devices = inventory
+        session.commit()
+
+
 def live_workers(session: Session, *, within_s: float) -> list[WorkerBeat]:
     cutoff = utcnow() - timedelta(seconds=within_s)
     return [w for w in session.scalars(select(WorkerBeat)).all() if aware(w.last_seen) >= cutoff]
@@ -725,6 +776,8 @@ class GangView:
 
     intact: bool
     """The job runs this attempt and this node still holds its live reservation."""
+    held: bool = False
+    """This node's reservation is still there, claimed by it (the job may not run yet)."""
     endpoint: str | None = None
     """Node 0's rendezvous endpoint (None until written)."""
     slots: int = 0
@@ -748,6 +801,7 @@ def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView
     session.commit()
     return GangView(
         intact=live and running,
+        held=mine is not None,
         endpoint=head.rdzv_endpoint
         if head is not None and head.attempt == attempt.attempt - 1 and running
         else None,
@@ -867,12 +921,13 @@ def give_back_gang(
             lease_until=None,
             enqueued_at=None,
             finished_at=utcnow() if terminal else None,
+            preempt_requested=False,
         )
     )
     if res.rowcount != 1:
         session.rollback()
         return None
-    session.execute(delete(Reservation).where(Reservation.job_id == job_id))
+    free_job_reservations(session, job_id=job_id)
     session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message=str(status), data=data))
     session.commit()
     return str(status)

@@ -148,7 +148,7 @@ def _await_endpoint(settings: Settings, attempt: Attempt, node_rank: int) -> str
         view = _view(settings, attempt, node_rank)
         if view.endpoint:
             return view.endpoint
-        if view.cancel:
+        if view.cancel or not view.held:  # cancelled, or the scheduler took the placement back
             return None
         if time.monotonic() - renewed > settings.lease_s / 3:
             with session_for(settings.database_url) as s:

@@ -15,10 +15,10 @@ from typing import Any
 from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
-from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_job, send_run_selection
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_selection
 from core.settings import get_settings
 from db.engine import session_for
-from db.jobs import expire_leases, mark_enqueued, record_heartbeat, stale_queued_jobs
+from db.jobs import expire_leases, mark_draining, mark_enqueued, record_heartbeat, stale_queued_jobs
 from db.models import Trial
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
@@ -31,6 +31,8 @@ from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
+_DRAINING = threading.Event()
+"""Set in the main process at a warm shutdown: the heartbeat reports the worker draining."""
 _BUSY = threading.Event()
 """Set while this pool process runs a task (SIGTERM then drains instead of exiting)."""
 
@@ -77,10 +79,11 @@ def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa
 
 def reconcile_once() -> int:
     """Take back every running job and trial whose lease ran out (by database time): a cancel
-    that was asked ends it `cancelled`, the rest go back to `queued`. Then send the message of
-    every queued job with none on record (or an old one): jobs as jobs, trials as trials of their
-    batch, never as plain jobs. Settle every open batch from its trials. Claims are idempotent,
-    so a duplicate message is harmless. Returns how many messages were sent."""
+    that was asked ends it `cancelled`, the rest go back to `queued` (their reservations freed,
+    for the scheduler to place again). Then send the message of every queued trial with none on
+    record (or an old one), as trials of their batch. Settle every open batch from its trials.
+    Plain jobs are sent by the scheduler alone (core/scheduler.py). Returns how many messages
+    were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
         requeued, cancelled = expire_leases(s, gang_restarts=settings.gang_restarts)
@@ -93,9 +96,6 @@ def reconcile_once() -> int:
         for job in stale:
             if job.kind == "trial" and job.selection_id is not None:
                 groups[(job.selection_id, job.queue)].append(job.id)
-            else:
-                send_run_job(settings, job_id=job.id, queue=job.queue)
-                sent.append(job.id)
         for (selection_id, queue), job_ids in groups.items():
             trial_ids = list(s.scalars(_trials_of(job_ids)))
             send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
@@ -123,8 +123,14 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
     while True:
         try:
             with session_for(settings.database_url) as s:
+                inventory = {**host, "draining": 1} if _DRAINING.is_set() else host
                 record_heartbeat(
-                    s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices, host=host
+                    s,
+                    name=name,
+                    hostname=socket.gethostname(),
+                    queues=queues,
+                    devices=devices,
+                    host=inventory,
                 )
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
@@ -200,6 +206,12 @@ def _drain_pool(sig: str = "", how: str = "", **_kwargs) -> None:  # noqa: ANN00
     if how != "Warm":
         return  # a cold shutdown kills the trainers with their pool processes; leases run out
     worker = _controller.get("worker")
+    _DRAINING.set()
+    try:  # the scheduler places nothing more here (the jobs given back go to other workers)
+        with session_for(get_settings().database_url) as s:
+            mark_draining(s, name=getattr(worker, "hostname", None) or _WORKER_NAME["name"])
+    except Exception:  # noqa: BLE001 - the heartbeat then just stops
+        log.warning("could not mark this worker draining")
     pool = getattr(worker, "pool", None)
     try:
         pids = list(pool.info.get("processes", [])) if pool is not None else []
