@@ -140,22 +140,25 @@ def _claim(settings: Settings, *, job_id: int, node_rank: int, worker: str) -> A
     return mine
 
 
-def _await_endpoint(settings: Settings, attempt: Attempt, node_rank: int) -> str | None:
-    """A node > 0 waits for node 0's endpoint, renewing its own lease meanwhile."""
+def _await_endpoint(settings: Settings, attempt: Attempt, node_rank: int) -> tuple[str | None, str]:
+    """A node > 0 waits for node 0's endpoint, renewing its own lease meanwhile. Returns (the
+    endpoint, "") or (None, why not)."""
     deadline = time.monotonic() + settings.gang_join_s
     renewed = time.monotonic()
     while time.monotonic() < deadline:
         view = _view(settings, attempt, node_rank)
         if view.endpoint:
-            return view.endpoint
-        if view.cancel or not view.held:  # cancelled, or the scheduler took the placement back
-            return None
+            return view.endpoint, ""
+        if view.cancel:
+            return None, "cancelled"
+        if not view.held:
+            return None, "the scheduler took the placement back"
         if time.monotonic() - renewed > settings.lease_s / 3:
             with session_for(settings.database_url) as s:
                 renew_node(s, attempt=attempt, node_rank=node_rank, lease_s=settings.lease_s)
             renewed = time.monotonic()
         time.sleep(0.5)
-    return None
+    return None, f"waited {settings.gang_join_s:g} s (gang_join_s) for node 0's rendezvous endpoint"
 
 
 def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Settings, worker: str) -> str:
@@ -177,14 +180,15 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
             if not set_rdzv_endpoint(s, attempt=attempt, endpoint=endpoint, lease_s=settings.lease_s):
                 return "lost"
     else:
-        endpoint = retry_db(settings, "rendezvous", lambda: _await_endpoint(settings, attempt, node_rank))
+        endpoint, why = retry_db(
+            settings, "rendezvous", lambda: _await_endpoint(settings, attempt, node_rank)
+        )
         if endpoint is None:
-            why = (
-                f"node {node_rank} on {worker} waited {settings.gang_join_s:g} s (gang_join_s) for node 0's "
-                "rendezvous endpoint and gave its claim back"
-            )
             with session_for(settings.database_url) as s:
-                unclaim_node(s, attempt=attempt, node_rank=node_rank, reason=why)
+                # the scheduler sends the node's task again (a lost or late node 0 message)
+                unclaim_node(
+                    s, attempt=attempt, node_rank=node_rank, reason=f"node {node_rank} on {worker}: {why}"
+                )
             return "waited"
 
     with session_for(settings.database_url) as s:

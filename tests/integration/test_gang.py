@@ -32,14 +32,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
-from api.schemas import JobSpec
 from api.stack import Stack, worker_command
-from core.broker import node_queue, send_run_job
 from core.messages import parse_line
-from core.settings import Settings
 from db import jobs as dbj
 from db.engine import session_for
 from db.models import Job, Reservation
@@ -57,8 +55,9 @@ SPEC: dict[str, Any] = {
     "parallel": {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}, "data_parallel": 2},
     "checkpoint_every": 5,
 }
-ADDRS = {1: "127.0.0.1", 2: "127.0.0.2"}
-"""Each worker's address; node 0 goes on worker 2, so c10d's rank 0 is on worker 1 (node 1)."""
+ADDRS = {1: "127.0.0.2", 2: "127.0.0.1"}
+"""Each worker's address. The scheduler puts node 0 on worker 1 (equal room: by name), and c10d's
+rank 0 then lands on worker 2 (node 1), whose address sorts first."""
 
 
 class Gang:
@@ -75,10 +74,10 @@ class Gang:
                 "SHARDYARD_RECONCILE_S": "2",
                 "SHARDYARD_GANG_JOIN_S": "120",
                 "SHARDYARD_CHECKPOINT_KEEP": "0",
+                "SHARDYARD_WORKER_ALIVE_S": "5",
             },
         )
         self.url = self.stack.database_url
-        self.settings = Settings(database_url=self.url, broker_url=self.stack.broker_url, data_dir=root)
         self.names: dict[int, str] = {}
         self.ref: subprocess.Popen[str] | None = None
         self._want: dict[str, tuple[list[int], list[float]]] | None = None
@@ -109,33 +108,24 @@ class Gang:
             time.sleep(0.3)
         raise AssertionError(f"worker{index} did not register")
 
-    def place(self, job_id: int) -> None:
-        """The scheduler's gang placement: both nodes reserved in one transaction, then one task
-        per node to that worker's own queue (node 0 on worker 2)."""
-        with session_for(self.url) as s:
-            job = s.get(Job, job_id)
-            job.nnodes = 2
-            for rank, index in ((0, 2), (1, 1)):
-                s.add(
-                    Reservation(
-                        job_id=job_id,
-                        worker=self.names[index],
-                        node_rank=rank,
-                        nnodes=2,
-                        slots=2,
-                        attempt=job.attempts,
-                    )
-                )
-            s.commit()
-        for rank, index in ((0, 2), (1, 1)):
-            send_run_job(
-                self.settings, job_id=job_id, queue=node_queue(self.names[index]), node_rank=rank, nnodes=2
-            )
-
     def submit(self) -> int:
+        """Through the API; the scheduler reserves both workers and sends each its node's task."""
+        resp = httpx.post(
+            f"{self.stack.base_url}/api/jobs",
+            json=SPEC,
+            headers={"Authorization": f"Bearer {self.stack.admin_token}"},
+            timeout=30,
+        )
+        assert resp.status_code == 201, resp.text
+        return resp.json()["id"]
+
+    def placement(self, job_id: int) -> dict[int, str]:
+        """node rank -> worker name, of the running attempt."""
+        job = self.wait(job_id, lambda j: j.status == "running", "running")
         with session_for(self.url) as s:
-            spec = JobSpec.model_validate(SPEC).model_dump()  # as the API stores it
-            return dbj.create_job(s, name="gang", spec=spec, world_size=4, steps=STEPS).id
+            rows = s.query(Reservation).filter_by(job_id=job_id, attempt=job.attempts - 1).all()
+        assert len(rows) == 2 and job.nnodes == 2, "a gang of two nodes"
+        return {r.node_rank: r.worker for r in rows}
 
     def job(self, job_id: int) -> Job:
         with session_for(self.url) as s:
@@ -203,13 +193,16 @@ def assert_same_losses(got: dict, want: dict) -> None:
 def test_a_4_rank_job_spans_two_workers_and_matches_the_one_worker_run(gang: Gang) -> None:
     g = gang
     job_id = g.submit()
-    g.place(job_id)
+    nodes = g.placement(job_id)
     job = g.wait(job_id, lambda j: j.status == "succeeded", "succeeded")
     assert job.attempts == 1 and job.result["steps"] == STEPS
     want = g.reference()
     assert want["loss"][0] == list(range(1, STEPS + 1))
     assert_same_losses(g.series(job_id), want)
-    # the rank that printed every line ran on node 1 (worker 1), not on the job owner's node
+    # the rank that printed every line ran on the node at 127.0.0.1 (the agents' sort), which is
+    # node 1 here: every line reached the database through a node without the job's lease
+    addr = {name: ADDRS[i] for i, name in g.names.items()}
+    assert addr[nodes[1]] == "127.0.0.1", f"node 0 was placed on {nodes[0]}: rank 0 would be on it"
     node_logs = g.stack.root / "jobs" / str(job_id)
     ranks = {
         n: re.findall(r"global_ranks=\[([\d, ]+)\]", (node_logs / f"node-{n}" / "stderr.log").read_text())
@@ -241,12 +234,13 @@ def _tree(root_pid: int) -> list[int]:
 def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> None:
     g = gang
     job_id = g.submit()
-    g.place(job_id)
-    g.wait(job_id, lambda j: j.status == "running" and j.applied_step >= 5, "past its first checkpoint")
-    # worker 2 runs node 0: the job's owner and the rendezvous host. Freeze its whole tree first
-    # (Celery, its pool, torchrun, the ranks): the gang then waits in its collectives, so the
-    # kill lands mid-job whatever the machine's speed; then kill -9 all of it
-    victim = _tree(g.stack.procs.pop("worker2").pid)
+    nodes = g.placement(job_id)
+    g.wait(job_id, lambda j: j.applied_step >= 5, "past its first checkpoint")
+    # node 0's worker: the job's owner and the rendezvous host. Freeze its whole tree first
+    # (Celery, its pool, torchrun, the ranks): the gang then waits in its collectives, so the kill
+    # lands mid-job whatever the machine's speed; then kill -9 all of it
+    index = next(i for i, name in g.names.items() if name == nodes[0])
+    victim = _tree(g.stack.procs.pop(f"worker{index}").pid)
     for pid in victim:
         os.kill(pid, signal.SIGSTOP)
     at = g.job(job_id)
@@ -254,19 +248,23 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     for pid in victim:
         os.kill(pid, signal.SIGKILL)
 
-    # the surviving node (worker 1) is fenced off and the job goes back whole, counted
-    back = g.wait(job_id, lambda j: j.status == "queued", "given back", timeout=120)
-    assert back.attempts == 1
-    with session_for(g.url) as s:
-        assert s.query(Reservation).filter_by(job_id=job_id).count() == 0
-        event = dbj.last_status_event(s, job_id=job_id)
-        assert event.data.get("gang_restart") == 1, event.data
-    survivor = g.stack.root / "jobs" / str(job_id) / "node-1"
-    assert survivor.is_dir()
+    # the surviving node's trainer fails (its peers' sockets closed): it gives the gang back
+    # whole, counted as a restart, and the first attempt's reservations are gone
+    def given_back(_job: Job) -> list[Any]:
+        with session_for(g.url) as s:
+            events = dbj.events_after(s, job_id=job_id, kinds=["status"])
+            return [e.data for e in events if e.message == "queued" and (e.data or {}).get("gang_restart")]
 
-    # the worker comes back; the gang is placed again and resumes from the checkpoint
-    g.start_worker(2)
-    g.place(job_id)
+    g.wait(job_id, given_back, "given back", timeout=120)
+    [restart] = given_back(at)
+    # (the survivor's own failure, or the reaper when node 0's lease ran out first)
+    assert restart["gang_restart"] == 1, restart
+    assert restart["reason"].startswith("node 1 on ") or "ran out" in restart["reason"], restart
+    with session_for(g.url) as s:
+        assert s.query(Reservation).filter_by(job_id=job_id, attempt=0).count() == 0
+
+    # the worker comes back; the scheduler places the gang again; it resumes from the checkpoint
+    g.start_worker(index)
     job = g.wait(job_id, lambda j: j.status == "succeeded", "succeeded")
     assert job.attempts == 2
     with session_for(g.url) as s:
