@@ -785,6 +785,8 @@ class GangView:
     cancel: bool = False
     preempt: bool = False
     has_result: bool = False
+    stopped: bool = False
+    """The result says the run stopped before train.steps (a stop asked on some node)."""
 
 
 def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView:
@@ -809,6 +811,7 @@ def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView
         cancel=job.cancel_requested,
         preempt=bool(getattr(job, "preempt_requested", False)),
         has_result=job.result is not None,
+        stopped=bool((job.result or {}).get("stopped")),
     )
 
 

@@ -320,7 +320,7 @@ class GangEnd:
         if rc == 0:
             return self.finish_ok() if self.node_rank == 0 else self.wait_for_end()
         if view.has_result:  # the job's result is in: node 0 ends it
-            return "done" if self.node_rank else self.finish(JobStatus.succeeded)
+            return self.wait_for_end() if self.node_rank else self.end_with_result(view)
         oom = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit)
         failure = oom or out.failure(rc)
         # a spec the trainer refused, or a limit, fails on every attempt alike: no restart
@@ -363,8 +363,17 @@ class GangEnd:
         if view is None:
             return "lost"
         if view.has_result:
-            return self.finish(JobStatus.succeeded)
+            return self.end_with_result(view)
         return self.give_back("the gang's trainers ended but no node reported the result", restart=True)
+
+    def end_with_result(self, view: GangView) -> str:
+        """A result that says the run stopped early came from a stop asked on another node (its
+        warm shutdown stops every rank at one step): the gang goes back, not counted."""
+        if view.stopped:
+            return self.give_back(
+                "a node of the gang shut down; it resumes from its checkpoint", restart=False
+            )
+        return self.finish(JobStatus.succeeded)
 
     def wait_for_end(self) -> str:
         """A node > 0 whose part ended: it stays (its lease alive, so the reaper does not take its
