@@ -13,9 +13,13 @@ Sections:
 5. our gpipe / 1f1b executor against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
    same model, split, micro-batches and data, gloo D=2 and D=4, interleaved in one run;
 6. executed 1f1b / chimera / chimera-zb steps at backward = 2x forward (sleeps stand in for
-   compute, so the schedule and its messages are what is measured).
+   compute, so the schedule and its messages are what is measured), and the same three with the
+   GPT of section 5 computing for real (what chimera-zb's split backward really costs).
 
     .venv/bin/python -m bench.pipeline --executed-only   # sections 5 and 6 only
+    .venv/bin/python -m bench.pipeline --split-only      # section 6 only
+
+Sections 1-4 write bench/results/pipeline.json, 5 pipeline-executed.json, 6 pipeline-split.json.
 """
 
 from __future__ import annotations
@@ -220,7 +224,6 @@ VS_BATCH = 16
 def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[float]]:
     """Our gpipe / 1f1b executor and torch's ScheduleGPipe / Schedule1F1B on the same model, split,
     micro-batches and data, interleaved step by step in one run so load changes hit both."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from trainer.config import ModelConfig
@@ -254,17 +257,7 @@ def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[
                 ts.step()
 
         runners[f"torch {name}"] = (torch_step, mod)
-    out: dict[str, list[float]] = {k: [] for k in runners}
-    for step in range(steps + 1):  # step 0 warms up (connections, allocator)
-        for key, (fn, mod) in runners.items():
-            mod.zero_grad(set_to_none=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            if step:
-                out[key].append(time.perf_counter() - t0)
-    return out
+    return _interleaved(runners, steps=steps)
 
 
 def vs_torch_rows(*, steps: int = 8) -> list[dict[str, Any]]:
@@ -288,21 +281,27 @@ def vs_torch_rows(*, steps: int = 8) -> list[dict[str, Any]]:
     return rows
 
 
-def _split_rank(rank: int, world: int, N: int, steps: int, base_s: float) -> dict[str, list[float]]:
-    """Executed step time of 1f1b / chimera / chimera-zb with compute stood in by sleeps at
-    backward = 2 x forward (chimera-zb: B = W = forward), on a tiny real model underneath."""
-    import torch.distributed as dist
+def _split_rank(
+    rank: int, world: int, N: int, steps: int, base_s: float, real: bool
+) -> dict[str, list[float]]:
+    """Executed step time of 1f1b / chimera / chimera-zb, the three interleaved step by step (so a
+    load change on the shared machine hits all three). `real`: the GPT 6x128 of section 5 with
+    its own compute (the split backward's true cost: B + W against a whole backward). Otherwise
+    compute is stood in by sleeps at backward = 2 x forward (chimera-zb: B = W = forward) on a
+    tiny real model underneath, so what is measured is the schedule and its messages."""
+    from torch import nn
 
     from trainer.config import ModelConfig
     from trainer.models import build_model
     from trainer.pipeline.executor import PipelineExecutor
     from trainer.pipeline.stage import build_stages
 
-    cfg = ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
+    cfg = ModelConfig(**VS_CFG) if real else ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
+    batch = VS_BATCH if real else N
     g = torch.Generator().manual_seed(0)
-    window = torch.randint(0, cfg.vocab_size or 128, (N, cfg.seq_len + 1), generator=g)
-    x, y = window[:, :-1], window[:, 1:]
-    out: dict[str, list[float]] = {}
+    window = torch.randint(0, cfg.vocab_size or 128, (batch, cfg.seq_len + 1), generator=g)
+    x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    runs: dict[str, tuple[Any, Any]] = {}
     for name in ("1f1b", "chimera", "chimera-zb"):
         sched = build_schedule(name, stages=world, microbatches=N, backward_ratio=2.0)
         modules = build_stages(build_model(cfg, seed=0), sched=sched, rank=rank)
@@ -312,46 +311,54 @@ def _split_rank(rank: int, world: int, N: int, steps: int, base_s: float) -> dic
             return base_s * (2.0 if a.op == "B" and not split else 1.0)
 
         ex = PipelineExecutor(
-            sched=sched, rank=rank, modules=modules, act_shape=(1, cfg.seq_len, cfg.d_model), delay=delay
+            sched=sched,
+            rank=rank,
+            modules=modules,
+            act_shape=(batch // N, cfg.seq_len, cfg.d_model),
+            delay=None if real else delay,
         )
-        spans = []
-        for step in range(steps + 1):
-            for m in modules.values():
-                m.zero_grad(set_to_none=True)
+        runs[name] = (lambda ex=ex: ex.step(x, y), nn.ModuleList(modules.values()))
+    return _interleaved(runs, steps=steps)
+
+
+def _interleaved(runners: dict[str, tuple[Any, Any]], *, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each runner (a step function and the module whose gradients it fills),
+    the runners taking turns step by step so a load change on the shared machine hits them all;
+    every rank between barriers. Step 0 warms up (connections, allocator) and is not counted."""
+    import torch.distributed as dist
+
+    out: dict[str, list[float]] = {k: [] for k in runners}
+    for step in range(steps + 1):
+        for key, (fn, mod) in runners.items():
+            mod.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
-            ex.step(x, y, t0=t0)
+            fn()
             dist.barrier()
             if step:
-                spans.append(time.perf_counter() - t0)
-        out[name] = spans
+                out[key].append(time.perf_counter() - t0)
     return out
 
 
-def split_rows(*, steps: int = 5, base_s: float = 0.01) -> list[dict[str, Any]]:
+SPLIT_SHAPES = ((2, 4), (2, 8), (4, 4), (4, 8))
+
+
+def split_rows(*, real: bool, steps: int = 10, base_s: float = 0.01) -> list[dict[str, Any]]:
+    """One row per (D, N): median step ms per schedule; with sleeps also the simulated makespan."""
     from tests.gloo import run_ranks
 
     rows = []
-    for D, N in ((2, 4), (2, 8), (4, 4), (4, 8)):
-        res = run_ranks(_split_rank, world_size=D, args=(N, steps, base_s), timeout_s=900)[0]
+    for D, N in SPLIT_SHAPES:
+        res = run_ranks(_split_rank, world_size=D, args=(N, steps, base_s, real), timeout_s=900)[0]
         med = {k: statistics.median(v) for k, v in res.items()}
-        ideal = {
-            k: simulate(
-                build_schedule(k, stages=D, microbatches=N, backward_ratio=2.0), Costs(backward=2.0)
-            ).makespan
-            * base_s
-            for k in med
-        }
-        rows.append(
-            {
-                "D": D,
-                "N": N,
-                **{f"{k} ms": round(v * 1e3, 1) for k, v in med.items()},
-                **{f"{k} sim ms": round(v * 1e3, 1) for k, v in ideal.items()},
-                "chimera-zb/chimera": round(med["chimera-zb"] / med["chimera"], 3),
-                "chimera/1f1b": round(med["chimera"] / med["1f1b"], 3),
-            }
-        )
+        row: dict[str, Any] = {"D": D, "N": N, **{f"{k} ms": round(v * 1e3, 1) for k, v in med.items()}}
+        if not real:
+            for k in med:
+                sched = build_schedule(k, stages=D, microbatches=N, backward_ratio=2.0)
+                row[f"{k} sim ms"] = round(simulate(sched, Costs(backward=2.0)).makespan * base_s * 1e3, 1)
+        row["chimera-zb/chimera"] = round(med["chimera-zb"] / med["chimera"], 3)
+        row["chimera/1f1b"] = round(med["chimera"] / med["1f1b"], 3)
+        rows.append(row)
     return rows
 
 
@@ -464,30 +471,48 @@ def executed_sections(payload: dict[str, Any]) -> None:
             f"(step ms, median of 8, interleaved) ({time.perf_counter() - t:.0f}s)",
         )
     )
+
+
+def split_sections() -> None:
+    """Section 6, written to its own results file."""
+    payload: dict[str, Any] = {}
     t = time.perf_counter()
-    sp = split_rows()
+    sp = split_rows(real=False)
     payload["executed_bwd_2x"] = sp
     print(
         table(
             sp,
-            title="6. executed step, compute stood in by sleeps: F 10 ms, B 20 ms (chimera-zb: B 10 + W 10) "
-            f"({time.perf_counter() - t:.0f}s)",
+            title="6. executed step, compute stood in by sleeps: F 10 ms, B 20 ms (chimera-zb: B 10 + W 10), "
+            f"median of 10 interleaved steps ({time.perf_counter() - t:.0f}s)",
         )
     )
+    t = time.perf_counter()
+    real = split_rows(real=True)
+    payload["executed_real_compute"] = real
+    print(
+        table(
+            real,
+            title="6b. executed step, real compute: GPT 6x128, batch 16, seq 64 "
+            f"(step ms, median of 10 interleaved steps) ({time.perf_counter() - t:.0f}s)",
+        )
+    )
+    print(f"wrote {write_results('pipeline-split', payload)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the real gloo runs")
     ap.add_argument("--executed-only", action="store_true", help="only sections 5 and 6 (gloo runs)")
+    ap.add_argument("--split-only", action="store_true", help="only section 6 (gloo runs)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     payload: dict[str, Any] = {}
 
-    if args.executed_only:
-        executed_sections(payload)
-        path = write_results("pipeline-executed", payload)
-        print(f"wrote {path}")
+    if args.executed_only or args.split_only:
+        if args.executed_only:
+            executed_sections(payload)
+            print(f"wrote {write_results('pipeline-executed', payload)}")
+        split_sections()
         return
     t = time.perf_counter()
     sim = simulated_rows()
@@ -556,6 +581,7 @@ def main() -> None:
         )
 
         executed_sections(payload)
+        split_sections()
 
     block = measure_block()
     proj = projection_rows(block)
