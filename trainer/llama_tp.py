@@ -4,7 +4,8 @@ from trainer/tensor/layers_1d.py's column and row linears.
 Attention splits query heads and key/value heads in contiguous blocks (rank r holds query heads
 r*H/s.. and exactly the key/value heads they read, because H/s is a multiple of H/G); SwiGLU splits
 its hidden width (gate and up by column, proj by row); RMSNorm is replicated; the token table and
-the output head split the vocabulary. Per block: one forward all-reduce per sub-block, and in
+the output head split the vocabulary (the token table is layers_1d's TokenTable1D, as in GPT's
+embedding). Per block: one forward all-reduce per sub-block, and in
 backward one all-reduce per column linear's input gradient (q, k, v; gate, up).
 2-D and 2.5-D have no Llama form here (refused by jobrules/models.py's tensor_problems).
 """
@@ -17,7 +18,7 @@ from torch import nn
 
 from trainer.llama import GQAttention, LlamaBlock, LlamaHead, RMSNorm, SwiGLU, TokenEmbedding, attend
 from trainer.tensor import comm
-from trainer.tensor.layers_1d import ColumnLinear, RowLinear, Slicer, block_of, param
+from trainer.tensor.layers_1d import ColumnLinear, RowLinear, Slicer, TokenTable1D, param
 from trainer.tensor.mesh import Mesh1D
 
 
@@ -68,27 +69,11 @@ class LlamaBlock1D(nn.Module):
     forward = LlamaBlock.forward
 
 
-class TokenEmbedding1D(nn.Module):
-    """Token table split over the vocabulary; one all-reduce assembles x_BTD."""
+class TokenEmbedding1D(TokenTable1D):
+    """Token table split over the vocabulary (layers_1d's, shared with GPT's embedding)."""
 
     def __init__(self, dense: TokenEmbedding, *, mesh: Mesh1D, name: str) -> None:
-        super().__init__()
-        self.mesh, self.name = mesh, name
-        vocab = dense.tok.weight.shape[0]
-        self.lo, self.hi = mesh.rank * vocab // mesh.size, (mesh.rank + 1) * vocab // mesh.size
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return block_of(t, dim=0, index=mesh.rank, parts=mesh.size)
-
-        self.tok = nn.Module()
-        self.tok.weight = param(cut(dense.tok.weight), replicas=1)
-        self.slicers: dict[str, Slicer] = {"tok.weight": cut}
-
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        mine_BT = (idx_BT >= self.lo) & (idx_BT < self.hi)
-        local_BT = torch.where(mine_BT, idx_BT - self.lo, 0)
-        x_BTD = F.embedding(local_BT, self.tok.weight) * mine_BT.unsqueeze(-1)
-        return comm.reduce_from(x_BTD, group=self.mesh.group, layer=self.name)
+        super().__init__(dense.tok, mesh=mesh, name=name)
 
 
 class LlamaHead1D(nn.Module):

@@ -146,31 +146,42 @@ class MLP1D(nn.Module):
         return self.proj(F.gelu(self.fc(x_BTD)))
 
 
-class Embedding1D(nn.Module):
+class TokenTable1D(nn.Module):
     """Token table split over the vocabulary: each rank looks up the ids it owns, zeros for the rest,
-    and one all-reduce assembles x_BTD. The position table is replicated."""
+    and one all-reduce assembles x_BTD. GPT's Embedding1D adds its position table; the Llama
+    recipe's token embedding is this alone (trainer/llama_tp.py)."""
 
-    def __init__(self, dense: Embedding, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, tok: nn.Embedding, *, mesh: Mesh1D, name: str) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
-        vocab = dense.tok.weight.shape[0]
+        vocab = tok.weight.shape[0]
         self.lo, self.hi = mesh.rank * vocab // mesh.size, (mesh.rank + 1) * vocab // mesh.size
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             return block_of(t, dim=0, index=mesh.rank, parts=mesh.size)
 
         self.tok = nn.Module()
-        self.tok.weight = param(cut(dense.tok.weight), replicas=1)
-        self.pos = nn.Module()
-        self.pos.weight = param(dense.pos.weight, replicas=mesh.size, counted=mesh.rank == 0)
-        self.slicers: dict[str, Slicer] = {"tok.weight": cut, "pos.weight": lambda t: t}
+        self.tok.weight = param(cut(tok.weight), replicas=1)
+        self.slicers: dict[str, Slicer] = {"tok.weight": cut}
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         mine_BT = (idx_BT >= self.lo) & (idx_BT < self.hi)
         local_BT = torch.where(mine_BT, idx_BT - self.lo, 0)
         x_BTD = F.embedding(local_BT, self.tok.weight) * mine_BT.unsqueeze(-1)
-        x_BTD = comm.reduce_from(x_BTD, group=self.mesh.group, layer=self.name)
-        return x_BTD + self.pos.weight[: idx_BT.shape[1]]
+        return comm.reduce_from(x_BTD, group=self.mesh.group, layer=self.name)
+
+
+class Embedding1D(TokenTable1D):
+    """GPT's embedding: the vocabulary-split token table plus a replicated position table."""
+
+    def __init__(self, dense: Embedding, *, mesh: Mesh1D, name: str) -> None:
+        super().__init__(dense.tok, mesh=mesh, name=name)
+        self.pos = nn.Module()
+        self.pos.weight = param(dense.pos.weight, replicas=mesh.size, counted=mesh.rank == 0)
+        self.slicers["pos.weight"] = lambda t: t
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx_BT) + self.pos.weight[: idx_BT.shape[1]]
 
 
 class Head1D(nn.Module):
