@@ -134,8 +134,20 @@ def _claim(settings: Settings, *, job_id: int, node_rank: int, worker: str) -> A
         mine = claim_node(
             s, job_id=job_id, node_rank=node_rank, worker=worker, owner=owner_id(), lease_s=settings.lease_s
         )
-    if node_rank == 0 and mine is not None and mine != attempt:
-        log.warning("job %s: node 0's reservation is of attempt %s, the lease of %s", job_id, mine, attempt)
+    if node_rank == 0 and mine != attempt:
+        # e.g. a retried task re-claimed the job (attempts + 1) past its placement: the other
+        # nodes' reservations name the old attempt, so this placement is given back, uncounted
+        why = f"node 0 on {worker}: its reservation does not match attempt {attempt.attempt}; placed again"
+        with session_for(settings.database_url) as s:
+            give_back_gang(
+                s,
+                job_id=job_id,
+                attempt=attempt.attempt,
+                reason=why,
+                restart=False,
+                gang_restarts=settings.gang_restarts,
+                writer=attempt,
+            )
         return None
     return mine
 
@@ -235,7 +247,6 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     out = Outcome()
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
     deadline = time.monotonic() + runtime_s
-    asked: list[str] = []
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
@@ -246,10 +257,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         view = _view(settings, attempt, node_rank)
         if not view.intact:  # another node gave the gang back, or the reaper did
             return Ask.kill
-        if view.cancel or view.preempt:
-            asked.append("cancel" if view.cancel else "preempt")
-            return Ask.stop
-        return Ask.none
+        return Ask.stop if view.cancel or view.preempt else Ask.none
 
     mem_limit = memory_limit_bytes(spec)
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
