@@ -17,7 +17,7 @@ from db import jobs as dbj
 from db.engine import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Reservation
-from workers.gang import GangEnd
+from workers.gang import GangEnd, execute_gang_node
 from workers.relay import Relay
 from workers.supervise import Outcome
 
@@ -134,3 +134,23 @@ def test_a_cancel_ends_the_gang_cancelled(settings: Settings) -> None:
     threading.Timer(0.5, _end, args=(settings, head, 0), kwargs={"rc": 0}).start()
     assert _end(settings, member, 1, rc=0) == "done"
     assert _job(settings, head.job_id)[0].status == JobStatus.cancelled
+
+
+def test_a_node_whose_node_0_never_comes_gives_its_claim_back(settings: Settings) -> None:
+    with session_for(settings.database_url) as s:
+        job = dbj.create_job(s, name="g", spec={}, steps=9, world_size=4)
+        for r in range(2):
+            s.add(Reservation(job_id=job.id, worker=f"w{r}", node_rank=r, nnodes=2, slots=2, attempt=0))
+        s.commit()
+    # node 0's message was lost: node 1 waits gang_join_s for its endpoint, then says why and
+    # leaves its reservation unclaimed for the scheduler to send the task again
+    quick = settings.model_copy(update={"gang_join_s": 1.0})
+    assert execute_gang_node(job.id, node_rank=1, nnodes=2, settings=quick, worker="w1") == "waited"
+    with session_for(settings.database_url) as s:
+        row = s.scalars(
+            select(Reservation).where(Reservation.job_id == job.id, Reservation.node_rank == 1)
+        ).one()
+        assert (row.owner, row.claimed_at, row.lease_until) == (None, None, None)
+        [log] = dbj.events_after(s, job_id=job.id, kinds=["log"])
+        assert log.message == "node 1 on w1: waited 1 s (gang_join_s) for node 0's rendezvous endpoint"
+        assert dbj.get_job(s, job.id).status == JobStatus.queued
