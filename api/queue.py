@@ -16,16 +16,28 @@ from core.settings import Settings
 from db.models import Job
 from db.scheduling import reservations_of
 
+_CACHE: dict[str, tuple[float, list[Want]]] = {}
+CACHE_S = 0.5
+"""Positions are recomputed at most this often per database (a dashboard polling the job list
+must not order the whole queue on every request); they move only as fast as the scheduler ticks."""
+
 
 def wake_scheduler(request: Request) -> None:
-    """A job was queued: the API's embedded scheduler (if this process runs one) ticks now."""
+    """A job was queued: the API's embedded scheduler (if this process runs one) ticks now, and
+    the next position asked for is computed afresh."""
+    _CACHE.clear()
     sched = getattr(request.app.state, "scheduler", None)
     if sched is not None:
         sched.wake()
 
 
 def positions(session: Session, settings: Settings) -> tuple[list[Want], dict[int, int]]:
-    order = queue_positions(session, settings)
+    hit = _CACHE.get(settings.database_url)
+    if hit is not None and time.monotonic() - hit[0] < CACHE_S:
+        order = hit[1]
+    else:
+        order = queue_positions(session, settings)
+        _CACHE[settings.database_url] = (time.monotonic(), order)
     return order, {w.id: i + 1 for i, w in enumerate(order)}
 
 

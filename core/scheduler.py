@@ -445,9 +445,12 @@ def read_state(
     )
 
 
+_VIEW_NEEDS = _Needs()
+
+
 def queue_positions(session: Any, settings: Settings) -> list[Want]:
     """The queued jobs in the scheduler's order (the REST queue view)."""
-    st = read_state(session, settings, _Needs())
+    st = read_state(session, settings, _VIEW_NEEDS)
     return order_queue(
         st.wants, now=st.now, aging_s=settings.aging_s, running_slots=st.running_slots, recent=st.recent
     )
@@ -487,7 +490,8 @@ class Scheduler:
             fresh = not self.leading
             self.leading = True
             beats = dbs.workers_seen(session, within_s=s.worker_alive_s)
-            freed = dbs.free_reservations(session, live={w.name for w in beats})
+            # a worker that stopped beating or is draining gets its unclaimed reservations back
+            freed = dbs.free_reservations(session, live={w.name for w in beats if box_of(w) is not None})
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
             st = read_state(session, s, self.needs, beats=beats)

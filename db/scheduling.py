@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from db.jobs import aware, db_now
 from db.models import Job, JobStatus, Reservation, SchedulerLock, User, WorkerBeat, utcnow
+from db.quotas import job_gpus as spec_gpus
 from db.quotas import quota_reason
 
 LOCK = "scheduler"
@@ -195,10 +196,12 @@ def running_unreserved(session: Session) -> list[tuple[int, int | None, int, str
 
 
 def user_limits(session: Session, *, defaults: dict[str, int]) -> dict[int, tuple[str, dict[str, int]]]:
+    """Per user id: (name, their limits or the defaults)."""
     out = {}
-    for u in session.scalars(select(User)):
-        own = {"running_jobs": u.max_running_jobs, "ranks": u.max_ranks, "gpus": u.max_gpus}
-        out[u.id] = (u.name, {k: v if own[k] is None else own[k] for k, v in defaults.items()})
+    q = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)
+    for uid, name, jobs, ranks, gpus in session.execute(q):
+        own = {"running_jobs": jobs, "ranks": ranks, "gpus": gpus}
+        out[uid] = (name, {k: v if own[k] is None else own[k] for k, v in defaults.items()})
     return out
 
 
@@ -343,11 +346,12 @@ def reserve(
         # the lock first: on SQLite this write makes the transaction a writer before any read
         session.execute(update(WorkerBeat).where(WorkerBeat.name.in_(workers)).values(name=WorkerBeat.name))
         job = session.execute(
-            select(
-                Job.status, Job.attempts, Job.owner_id, Job.world_size, Job.spec, Job.cancel_requested
-            ).where(Job.id == job_id)
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
+            .values(nnodes=len(nodes), wait_reason=None, enqueued_at=utcnow())
+            .returning(Job.attempts, Job.owner_id, Job.world_size, Job.spec)
         ).first()
-        if job is None or job.status != JobStatus.queued or job.cancel_requested:
+        if job is None:
             session.rollback()
             return None
         held = {
@@ -384,17 +388,17 @@ def reserve(
                 return None
         if quota is not None and job.owner_id is not None:
             session.execute(update(User).where(User.id == job.owner_id).values(id=User.id))
-            if owner_quota_problem(session, owner_id=job.owner_id, job_id=job_id, limits=quota) is not None:
+            why = owner_quota_problem(
+                session,
+                owner_id=job.owner_id,
+                job_id=job_id,
+                limits=quota,
+                job_ranks=job.world_size,
+                job_gpus=spec_gpus(job.spec),
+            )
+            if why is not None:
                 session.rollback()
                 return None
-        res = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.queued)
-            .values(nnodes=len(nodes), wait_reason=None, enqueued_at=utcnow())
-        )
-        if res.rowcount != 1:
-            session.rollback()
-            return None
         now = utcnow()
         rows = [
             {
@@ -422,12 +426,10 @@ def reserve(
 
 
 def owner_quota_problem(
-    session: Session, *, owner_id: int, job_id: int, limits: dict[str, int]
+    session: Session, *, owner_id: int, job_id: int, limits: dict[str, int], job_ranks: int, job_gpus: int
 ) -> str | None:
-    """The quota reason for job `job_id` given the owner's reserved jobs and running ones without
-    a reservation (counted in the caller's transaction)."""
-    from db.quotas import job_gpus
-
+    """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
+    jobs and running ones without a reservation (counted in the caller's transaction)."""
     held = session.execute(
         select(
             func.count(func.distinct(Reservation.job_id)),
@@ -446,14 +448,13 @@ def owner_quota_problem(
             Job.id.not_in(select(Reservation.job_id)),
         )
     ).all()
-    job = session.execute(select(Job.world_size, Job.spec).where(Job.id == job_id)).one()
     name = session.scalar(select(User.name).where(User.id == owner_id)) or str(owner_id)
     return quota_reason(
         name,
         limits,
         running=int(held[0]) + len(loose),
         ranks=int(held[1]) + sum(r.world_size for r in loose),
-        gpus=int(held[2]) + sum(job_gpus(r.spec) for r in loose),
-        job_ranks=job.world_size,
-        job_gpus=job_gpus(job.spec),
+        gpus=int(held[2]) + sum(spec_gpus(r.spec) for r in loose),
+        job_ranks=job_ranks,
+        job_gpus=job_gpus,
     )

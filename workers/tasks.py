@@ -174,8 +174,9 @@ def _stop_heartbeat(**_kwargs) -> None:
 # Celery's warm shutdown (SIGTERM to the main process) waits for running tasks to end. We make
 # them end soon: the main process passes SIGTERM on to its pool processes; a pool process running
 # a task sets DRAIN, its trainer is asked to stop and checkpoint (killed after shutdown_grace_s),
-# and the job goes back to `queued` (or ends `cancelled` if that was asked) with its message
-# re-sent, to resume from the checkpoint at the next start. An idle pool process just exits.
+# and the job goes back to `queued` (or ends `cancelled` if that was asked) for the scheduler to
+# place again (this worker is marked draining, so elsewhere or after its restart), to resume from
+# the checkpoint. An idle pool process just exits.
 
 
 _pool_sigterm: dict[str, Any] = {}
