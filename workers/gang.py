@@ -253,6 +253,19 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
             return Ask.kill
         if time.monotonic() > deadline:
             out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            # failed before any trainer dies: the other nodes then see the gang over, and none
+            # of them takes its peers' deaths for a lost node to restart from
+            with session_for(settings.database_url) as s:
+                give_back_gang(
+                    s,
+                    job_id=job_id,
+                    attempt=attempt.attempt,
+                    reason=f"node {node_rank} on {worker}: {out.error}",
+                    restart=False,
+                    gang_restarts=settings.gang_restarts,
+                    writer=attempt,
+                    fail=True,
+                )
             return Ask.kill
         view = _view(settings, attempt, node_rank)
         if not view.intact:  # another node gave the gang back, or the reaper did
