@@ -45,7 +45,7 @@ from workers.execute import trainer_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 60
+STEPS = 80
 SPEC: dict[str, Any] = {
     "name": "gang",
     "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
