@@ -17,6 +17,7 @@ from db import jobs as dbj
 from db.engine import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Reservation
+from workers.execute import drop_checkpoints_past
 from workers.gang import GangEnd, execute_gang_node
 from workers.relay import Relay
 from workers.supervise import Outcome
@@ -154,3 +155,20 @@ def test_a_node_whose_node_0_never_comes_gives_its_claim_back(settings: Settings
         [log] = dbj.events_after(s, job_id=job.id, kinds=["log"])
         assert log.message == "node 1 on w1: waited 1 s (gang_join_s) for node 0's rendezvous endpoint"
         assert dbj.get_job(s, job.id).status == JobStatus.queued
+
+
+def test_a_checkpoint_step_missing_a_piece_is_dropped(tmp_path: Path) -> None:
+    # a pipeline's two stage folders; the gang died after stage 0 wrote step 10, before stage 1
+    # did: every rank must resume from step 5, and steps past the applied lines go too
+    for folder, steps in (("pp0-tp0", (5, 10, 15)), ("pp1-tp0", (5, 15))):
+        (tmp_path / folder).mkdir()
+        for at in steps:
+            (tmp_path / folder / f"step-{at:08d}.pt").write_bytes(b"x")
+    dropped = drop_checkpoints_past(tmp_path, 12)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in dropped) == [
+        "pp0-tp0/step-00000010.pt",
+        "pp0-tp0/step-00000015.pt",
+        "pp1-tp0/step-00000015.pt",
+    ]
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("step-*.pt"))
+    assert left == ["pp0-tp0/step-00000005.pt", "pp1-tp0/step-00000005.pt"]
