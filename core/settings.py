@@ -109,6 +109,14 @@ class Settings(BaseSettings):
     quota_ranks: int = 64
     quota_gpus: int = 8
 
+    # ---- jobs wider than one node (workers/gang.py) ----
+    node_addr: str = ""
+    """The address other nodes reach this worker at (torchrun's --local-addr, and node 0's
+    rendezvous endpoint host); empty: the address the hostname resolves to."""
+    gang_join_s: float = 120.0
+    """How long a node of a multi-node job waits for node 0's rendezvous endpoint, and torchrun
+    waits for every node to join, before the node gives up with the reason."""
+
     @property
     def quota_defaults(self) -> dict[str, int]:
         return {"running_jobs": self.quota_running_jobs, "ranks": self.quota_ranks, "gpus": self.quota_gpus}

@@ -84,9 +84,10 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
 
 def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     """Checkpoints written after the last step whose lines are all in the database: resuming from
-    one would lose the metric lines of the steps before it, so the new attempt re-runs them."""
+    one would lose the metric lines of the steps before it, so the new attempt re-runs them.
+    Sub-folders too: ranks of a pipeline or tensor layout write theirs in one each."""
     dropped = []
-    for p in sorted(ckpt_dir.glob("step-*.pt")):
+    for p in sorted(ckpt_dir.rglob("step-*.pt")):
         try:
             at = int(p.stem.removeprefix("step-"))
         except ValueError:

@@ -24,6 +24,7 @@ from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
+from workers.gang import execute_gang_node
 from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
@@ -49,25 +50,19 @@ RETRY_INFRA = {
 
 @app.task(name=TASK_RUN_JOB, bind=True, **RETRY_INFRA)
 def run_job(self, job_id: int, node_rank: int = 0, nnodes: int = 1) -> str:  # noqa: ANN001 - Celery's bound task
-    """One job, end to end (workers/execute.py); with nnodes > 1, node `node_rank` of a gang."""
+    """One job, end to end (workers/execute.py); with nnodes > 1, node `node_rank` of a gang
+    (workers/gang.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
     _guard_sigterm()
     _BUSY.set()
     try:
         if nnodes > 1:
-            return _run_gang_node(job_id, node_rank=node_rank, nnodes=nnodes, worker=name)
+            return execute_gang_node(
+                job_id, node_rank=node_rank, nnodes=nnodes, settings=get_settings(), worker=name
+            )
         return execute_job(job_id, settings=get_settings(), worker=name)
     finally:
         _BUSY.clear()
-
-
-def _run_gang_node(job_id: int, *, node_rank: int, nnodes: int, worker: str) -> str:
-    """Placeholder until multi-node execution (issue 13, engineer `gang`) lands: the node's task
-    is left unclaimed, so the job stays queued with its reservation."""
-    log.warning(
-        "job %s node %d/%d on %s: multi-node execution is not built yet", job_id, node_rank, nnodes, worker
-    )
-    return "skipped"
 
 
 @app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
@@ -91,7 +86,7 @@ def reconcile_once() -> int:
     were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        requeued, cancelled = expire_leases(s)
+        requeued, cancelled = expire_leases(s, gang_restarts=settings.gang_restarts)
         for job in requeued + cancelled:
             log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
         touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])
