@@ -336,7 +336,8 @@ class GangEnd:
             if view.cancel and self.node_rank == 0:
                 return self.finish(JobStatus.cancelled)
             if view.preempt:
-                return self.give_back("preempted; the gang resumes from its checkpoint", restart=False)
+                why = view.wait_reason or "preempted"
+                return self.give_back(f"{why}; the gang resumes from its checkpoint", restart=False)
             return self.wait_for_end()
         if rc == 0:
             return self.finish_ok() if self.node_rank == 0 else self.wait_for_end()

@@ -172,3 +172,17 @@ def test_a_checkpoint_step_missing_a_piece_is_dropped(tmp_path: Path) -> None:
     ]
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("step-*.pt"))
     assert left == ["pp0-tp0/step-00000005.pt", "pp1-tp0/step-00000005.pt"]
+
+
+def test_a_preempted_gang_goes_back_uncounted_with_the_schedulers_reason(settings: Settings) -> None:
+    head, member = _running_gang(settings)
+    with session_for(settings.database_url) as s:
+        job = s.get(Job, head.job_id)
+        job.preempt_requested, job.wait_reason = True, "preempted by job 7"
+        s.commit()
+    # every node saw the flag and stopped its trainer at one step; the first to end gives it back
+    assert _end(settings, member, 1, rc=0) == "queued"
+    assert _end(settings, head, 0, rc=0) == "lost"
+    job, events, held = _job(settings, head.job_id)
+    assert (job.status, job.preempt_requested, held) == (JobStatus.queued, False, 0)
+    assert events[-1] == {"reason": "preempted by job 7; the gang resumes from its checkpoint"}
