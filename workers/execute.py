@@ -227,6 +227,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
         return "lost"
     status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    relay.drain_live()
     if user_id is not None and status not in ("queued", "lost"):
         _send_waiting(settings, user_id)
     return status

@@ -8,12 +8,12 @@ fenced by (job id, attempt, owner): a stale attempt writes nothing and is report
 `on_fenced`. A batch that fails (database locked, unreachable) is kept and retried; one that keeps
 failing for `db_retry_s` marks the relay broken and the supervisor kills the trainer (the lease then
 runs out and the job runs again from its checkpoint). Redis gets the rows after the commit, with
-their ids (the dashboard's streams resume by id); losing Redis loses nothing.
+their ids (the dashboard's streams resume by id) through a publisher thread that never holds up
+this one; losing Redis, or Redis hanging, loses nothing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -21,13 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from core.broker import JOBS_CHANNEL, redis_client
+from core.broker import JOBS_CHANNEL
 from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, trial_fields
+from workers.publisher import live_publisher
 from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
@@ -198,13 +199,13 @@ class Relay:
     # ---- publishing --------------------------------------------------------------------------
 
     def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...]) -> None:
-        try:
-            r = redis_client(self.settings.broker_url)
-            payload = json.dumps(msg, separators=(",", ":"))
-            for ch in channels:
-                r.publish(ch, payload)
-        except Exception as e:  # noqa: BLE001 - the database has it; live delivery is best effort
-            log.warning("publish failed: %s", e)
+        """Hand `msg` to this process's publisher thread (workers/publisher.py): a broker that is
+        down or hung never holds up the database writes and lease renewals of this relay."""
+        live_publisher(self.settings.broker_url).send(msg, channels=channels)
+
+    def drain_live(self, timeout_s: float = 5.0) -> None:
+        """Let what was published go out before the task returns (best effort, bounded)."""
+        live_publisher(self.settings.broker_url).drain(timeout_s)
 
     def _publish(self, applied: dict[int | None, Applied], progress: dict) -> None:
         for key, got in applied.items():

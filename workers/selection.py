@@ -174,11 +174,13 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
     if not relay.close():
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
-    return retry_db(
+    status = retry_db(
         settings,
         "trial ends",
         lambda: _end_group(settings, selection_id, won, relay=relay, rc=rc, out=out, queue=queue),
     )
+    relay.drain_live()
+    return status
 
 
 def _end_group(

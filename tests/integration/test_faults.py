@@ -134,6 +134,42 @@ def test_kill_only_the_pool_child(faults: StackHandle) -> None:
     assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
 
 
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_broker_down_during_a_run(faults: StackHandle, how: str) -> None:
+    """redis-server killed (connections refused), or stopped with SIGSTOP (it accepts and never
+    answers: every publish waits out its socket timeout), while the job trains; back a while
+    later. The database path does not go through Redis: the relay keeps writing metric points and
+    renewing the lease while the broker is gone (live publishing drops; streams catch up from the
+    database), so the same attempt trains on and ends `succeeded` with every step exactly once,
+    and no process is left behind."""
+    steps = 60
+    spec = {**SPEC, "train": {**SPEC["train"], "steps": steps}}
+    _ensure_worker(faults.stack)
+    job = faults.submit(spec)
+    faults.wait_until(job["id"], lambda j: j["progress"]["step"] >= 6, timeout=180)
+    redis = faults.stack.procs["redis"]
+    if how == "killed":
+        faults.stack.stop_process("redis", sig=signal.SIGKILL)
+    else:
+        os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        at = faults.job(job["id"])["progress"]["step"]
+        # progress (the relay's writes) keeps reaching the database with the broker gone, for
+        # longer than a lease period, under the same attempt
+        faults.wait_until(job["id"], lambda j: j["progress"]["step"] >= min(at + 20, steps), timeout=180)
+        time.sleep(2 * float(FAST["SHARDYARD_LEASE_S"]))
+        mid = faults.job(job["id"])
+        assert mid["attempts"] == 1, "the attempt lost its lease while the broker was down"
+    finally:
+        if how == "killed":
+            faults.stack.start_redis()
+        else:
+            os.kill(redis.pid, signal.SIGCONT)
+    done = assert_exactly_once(faults, job["id"], steps=steps)
+    assert done["attempts"] == 1
+    assert faults.stack.procs["worker1"].poll() is None, "the worker died with the broker"
+
+
 def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
     job_id = _started(faults)
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
