@@ -27,7 +27,7 @@ from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
 from db.models import Trial
-from db.selections import TrialProgress, apply_trial_lines, trial_fields
+from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
 from workers.publisher import live_publisher
 from workers.supervise import DRAIN
 
@@ -57,6 +57,7 @@ class Relay:
         metric: str = "val_loss",
         mode: str = "min",
         selection_channel: str | None = None,
+        selection_id: int | None = None,
         flush_s: float = 0.2,
     ) -> None:
         self.settings = settings
@@ -64,6 +65,7 @@ class Relay:
         self.on_fenced = on_fenced
         self.metric, self.mode = metric, mode
         self.selection_channel = selection_channel
+        self.selection_id = selection_id
         self.fenced: set[int | None] = set()
         self.finished: set[int | None] = set()
         """Trials whose end was written (their job is terminal; later lines are dropped)."""
@@ -164,6 +166,8 @@ class Relay:
         applied: dict[int | None, Applied] = {}
         fenced: list[int | None] = []
         with session_for(self.settings.database_url) as s:
+            if self.selection_id is not None and any(not jl.empty() for jl in lines.values()):
+                lock_selection_writes(s, selection_id=self.selection_id)
             now = db_now(s)
             for key, target in self.targets.items():
                 if key in self.fenced or key in self.finished:

@@ -123,6 +123,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         metric=batch["metric"],
         mode=batch["mode"],
         selection_channel=channel,
+        selection_id=selection_id,
     )
     for t, _ in won:
         publish_status(relay, job_id=t.job_id)

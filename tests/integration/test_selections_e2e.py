@@ -138,3 +138,43 @@ def test_cancel_a_running_batch_and_stop_one_trial(stack: StackHandle) -> None:
     assert all(t["status"] in ("stopped", "cancelled") for t in done["trials"])
     assert all(t["steps_done"] < 100_000 for t in done["trials"])
     assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 409
+
+
+def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle) -> None:
+    """The selection stream cut mid-batch and reopened with the last id it gave: the two parts
+    together carry every point of every trial once, the same points a fresh stream replays."""
+    body = {
+        "name": "resume",
+        "base": {**BASE, "train": {**BASE["train"], "steps": 40, "eval_every": 10}},
+        "space": {"train.lr": [1e-3, 3e-3, 6e-3]},
+        "method": "grid",
+        "devices": 1,
+    }
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    path = f"/api/selections/{sid}/stream"
+    # the three trials' states, the batch's status, then a dozen points: cut there
+    first = read_sse(stack.base_url, path, stop_after=3 + 1 + 12)
+    assert stack.client.get(f"/api/selections/{sid}").json()["status"] not in ("succeeded", "failed")
+    ids = [fid for fid, ev, _ in first if ev == "metric"]
+    assert ids and all(fid is not None for fid in ids)
+    second = read_sse(stack.base_url, path, last_event_id=ids[-1])
+    assert [d["status"] for _, ev, d in second if ev == "status"][-1] == "succeeded"
+    full = read_sse(stack.base_url, path)
+
+    def points(frames: list) -> list[tuple]:
+        return [(d["trial_id"], d["name"], d["step"], d["value"]) for _, ev, d in frames if ev == "metric"]
+
+    got = points(first) + points(second)
+    assert len(got) == len(set(got)), "a point came twice"
+    assert sorted(got) == sorted(points(full))
+    # and that is every point of every trial in the database
+    sel = stack.client.get(f"/api/selections/{sid}").json()
+    total = 0
+    for tr in sel["trials"]:
+        series = stack.client.get(f"/api/jobs/{tr['job_id']}/metrics").json()["series"]
+        total += sum(len(s["steps"]) for s in series.values())
+    assert len(got) == total
+    loss_steps = sorted(st for tid, name, st, _ in got if name == "loss" and tid == sel["trials"][0]["id"])
+    assert loss_steps == list(range(1, 41))
