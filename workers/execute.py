@@ -84,7 +84,7 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     """Checkpoints written after the last step whose lines are all in the database: resuming from
     one would lose the metric lines of the steps before it, so the new attempt re-runs them."""
     dropped = []
-    for p in sorted(ckpt_dir.glob("step-*.pt")):
+    for p in sorted(ckpt_dir.rglob("step-*.pt")):  # a multi-rank job's pieces are in subfolders
         try:
             at = int(p.stem.removeprefix("step-"))
         except ValueError:
