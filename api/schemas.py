@@ -195,6 +195,8 @@ class JobPublic(BaseModel):
     owner: str | None
     wait_reason: str | None
     """Why a queued job has not started (its owner's quota is full)."""
+    run_seconds: float = 0.0
+    """Wall time its attempts have run so far (max_runtime_s counts all of it)."""
 
 
 class JobsPublic(BaseModel):

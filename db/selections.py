@@ -196,10 +196,13 @@ def apply_trial_lines(
     mode: str,
     lease_s: float,
     now: Any,
+    run_seconds: float | None = None,
 ) -> Applied | None:
     """A trial's share of a batch, fenced like a job's: its job's lines, its result (stored as it
     arrives), its best metric, and its end once its final event and its result are both in."""
-    applied = apply_lines(session, attempt=attempt, lines=lines, lease_s=lease_s, now=now)
+    applied = apply_lines(
+        session, attempt=attempt, lines=lines, lease_s=lease_s, now=now, run_seconds=run_seconds
+    )
     if applied is None:
         return None
     trial = session.get(Trial, trial_id)

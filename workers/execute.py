@@ -36,7 +36,7 @@ from db.jobs import (
 )
 from db.models import Job, JobStatus
 from db.quotas import quota_gate, waiting_jobs
-from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
@@ -178,7 +178,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
-        user_id = job.owner_id
+        user_id, used_s = job.owner_id, job.run_seconds or 0.0
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -193,19 +193,20 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),))},
+        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     publish_status(relay, job_id=job_id)
 
+    # the limit counts every attempt: the time earlier attempts ran is already used up
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s
+    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
         if time.monotonic() > deadline:
-            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            out.error = runtime_error(runtime_s, used_s)
             return Ask.kill
         with session_for(settings.database_url) as s:
             return Ask.stop if cancel_requested(s, job_id=job_id) else Ask.none

@@ -1,5 +1,9 @@
 """Limits a worker puts on a trainer process: host memory and wall-clock time.
 
+Time: max_runtime_s (never more than the service's max_job_runtime_s) counts the wall time of all
+of a job's attempts (jobs.run_seconds, written with each relay batch), so a job re-claimed after a
+kill has only what is left of it.
+
 Memory: a CPU job's processes run under RLIMIT_AS of about twice their share of the job's
 host-memory estimate (jobrules/hostmem.py, the number admission checked) plus a fixed runtime
 margin, and never more than this machine's RAM shared among the ranks. An allocation past it fails
@@ -45,6 +49,12 @@ def runtime_limit_s(spec: dict[str, Any], *, service_max_s: float) -> float:
     """The job's own max_runtime_s, never more than the service's max_job_runtime_s."""
     own = spec.get("max_runtime_s")
     return min(float(own), service_max_s) if own else service_max_s
+
+
+def runtime_error(limit_s: float, earlier_s: float) -> str:
+    """Why a job (or trial) was stopped at its runtime limit, which counts every attempt."""
+    earlier = f", {earlier_s:.1f} s of it in earlier attempts" if earlier_s > 0 else ""
+    return f"ran past its max_runtime_s ({limit_s:g} s over all its attempts{earlier}) and was stopped"
 
 
 def out_of_memory_error(*, error: str | None, stderr_tail: list[str], limit: int | None) -> str | None:

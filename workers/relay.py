@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.broker import JOBS_CHANNEL
@@ -43,6 +43,13 @@ class Target:
     attempt: Attempt
     channels: tuple[str, ...]
     trial_id: int | None = None
+    run_base: float = 0.0
+    """Seconds the job's earlier attempts ran (jobs.run_seconds at the claim)."""
+    started: float = field(default_factory=time.monotonic)
+    """When this attempt started (this process's monotonic clock)."""
+
+    def run_seconds(self) -> float:
+        return self.run_base + time.monotonic() - self.started
 
 
 class Relay:
@@ -175,7 +182,12 @@ class Relay:
                 jl = lines.get(key) or JobLines()
                 if target.trial_id is None:
                     got = apply_lines(
-                        s, attempt=target.attempt, lines=jl, lease_s=self.settings.lease_s, now=now
+                        s,
+                        attempt=target.attempt,
+                        lines=jl,
+                        lease_s=self.settings.lease_s,
+                        now=now,
+                        run_seconds=target.run_seconds(),
                     )
                 else:
                     got = apply_trial_lines(
@@ -187,6 +199,7 @@ class Relay:
                         mode=self.mode,
                         lease_s=self.settings.lease_s,
                         now=now,
+                        run_seconds=target.run_seconds(),
                     )
                 if got is None:
                     fenced.append(key)

@@ -10,6 +10,7 @@ every recovery is quick; tests restart `worker1` under the same name as needed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import time
@@ -168,6 +169,32 @@ def test_broker_down_during_a_run(faults: StackHandle, how: str) -> None:
     done = assert_exactly_once(faults, job["id"], steps=steps)
     assert done["attempts"] == 1
     assert faults.stack.procs["worker1"].poll() is None, "the worker died with the broker"
+
+
+def test_max_runtime_counts_every_attempt(faults: StackHandle) -> None:
+    """A job with max_runtime_s = 10 runs half of it, its worker is killed and restarted: the
+    re-claimed attempt gets only what is left (the time is kept in jobs.run_seconds), so the job
+    fails at about 10 s in all, not 10 s after the restart."""
+    limit = 10
+    spec = {
+        **SPEC,
+        "max_runtime_s": limit,
+        "train": {**SPEC["train"], "steps": 1_000_000, "eval_every": 1000},
+    }
+    _ensure_worker(faults.stack)
+    job = faults.submit(spec)
+    faults.wait_until(job["id"], lambda j: j["run_seconds"] >= limit / 2, timeout=180)
+    used = faults.job(job["id"])["run_seconds"]
+    _kill_worker(faults.stack)
+    faults.stack.start_worker(1)
+    done = faults.wait(job["id"], ("failed",), timeout=180)
+    assert done["attempts"] == 2
+    assert f"max_runtime_s ({limit} s over all its attempts" in done["error"], done["error"]
+    earlier = float(re.search(r"([\d.]+) s of it in earlier attempts", done["error"])[1])
+    assert earlier >= used - 0.05
+    # it ran to the limit, and the second attempt did not get a fresh 10 s (that would be >= 15)
+    assert limit <= done["run_seconds"] < limit + limit / 2, done["run_seconds"]
+    assert _trainer_pids(faults.stack.root, job["id"]) == []
 
 
 def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
