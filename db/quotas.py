@@ -1,24 +1,101 @@
 """Per-user quotas at claim time: jobs running at once, their ranks and their GPUs.
 
-`quota_gate` runs in the claiming worker's session just before the claim. It first writes to the
-owner's row, which takes the owner's lock (a row lock on Postgres, the database write lock on
-SQLite) until the claim commits, so two workers claiming two jobs of one user count one after the
-other and never both squeeze under the limit.
+`quota_gate` (a job) and `group_quota_gate` (a group of a selection batch's trials) run in the
+claiming worker's session just before the claim. They first write to the owner's row, which takes
+the owner's lock (a row lock on Postgres, the database write lock on SQLite) until the claim
+commits, so two workers claiming for one user count one after the other and never both squeeze
+under the limit.
+
+What a selection's trials count: a group of trials runs as ONE trainer process over the batch's
+`devices` devices (shard alternation: its trials take turns on them, idle ones wait in host
+memory). So a running group counts as one running job using `devices` ranks (and `devices` GPUs
+when its trials are CUDA runs), however many trials it holds; a group is the trials of one batch
+held by one worker process (their jobs' `owner`). A batch split into several groups counts once per
+group running at the time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from db.models import Job, JobStatus, User
+from db.models import Job, JobStatus, Selection, Trial, User
 
 
 def job_gpus(spec: dict[str, Any]) -> int:
     res = spec.get("resources") or {}
     return max(int(res.get("gpus", 0) or 0), 1 if res.get("device") == "cuda" else 0)
+
+
+def group_size(request: dict[str, Any], spec: dict[str, Any]) -> tuple[int, int]:
+    """(ranks, gpus) a group of a batch uses: the batch's devices, GPUs when its trials run on CUDA."""
+    devices = max(int(request.get("devices", 1) or 1), 1)
+    return devices, devices if job_gpus(spec) else 0
+
+
+def _usage(session: Session, owner_id: int, skip: Sequence[int]) -> tuple[int, int, int]:
+    """(running jobs and groups, their ranks, their GPUs) of the user, leaving out jobs `skip`."""
+    jobs = session.execute(
+        select(Job.world_size, Job.spec).where(
+            Job.owner_id == owner_id,
+            Job.status == JobStatus.running,
+            Job.kind == "job",
+            Job.id.not_in(list(skip)),
+        )
+    ).all()
+    groups: dict[tuple[int | None, str | None], tuple[int, int]] = {}
+    for sel_id, holder, request, spec in session.execute(
+        select(Job.selection_id, Job.owner, Selection.request, Job.spec)
+        .join(Selection, Selection.id == Job.selection_id)
+        .where(
+            Job.owner_id == owner_id,
+            Job.status == JobStatus.running,
+            Job.kind == "trial",
+            Job.id.not_in(list(skip)),
+        )
+    ):
+        groups[(sel_id, holder)] = group_size(request, spec)
+    units = len(jobs) + len(groups)
+    ranks = sum(r.world_size for r in jobs) + sum(r for r, _ in groups.values())
+    gpus = sum(job_gpus(r.spec) for r in jobs) + sum(g for _, g in groups.values())
+    return units, ranks, gpus
+
+
+def _check(
+    session: Session,
+    user: User,
+    defaults: dict[str, int],
+    skip: Sequence[int],
+    need: tuple[int, int],
+    what: str,
+) -> str | None:
+    own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
+    limits = {k: v if own[k] is None else own[k] for k, v in defaults.items()}
+    running, used_ranks, used_gpus = _usage(session, user.id, skip)
+    ranks, gpus = need
+    if running + 1 > limits["running_jobs"]:
+        return f"{running} of {user.name}'s jobs are running, the quota is {limits['running_jobs']}"
+    if used_ranks + ranks > limits["ranks"]:
+        return (
+            f"{user.name}'s running jobs use {used_ranks} ranks; {what} needs {ranks} "
+            f"more, the quota is {limits['ranks']}"
+        )
+    if used_gpus + gpus > limits["gpus"]:
+        return (
+            f"{user.name}'s running jobs use {used_gpus} GPU(s); {what} needs {gpus} "
+            f"more, the quota is {limits['gpus']}"
+        )
+    return None
+
+
+def _lock_owner(session: Session, owner_id: int) -> User:
+    session.execute(update(User).where(User.id == owner_id).values(id=User.id))  # the lock
+    user = session.get(User, owner_id)
+    assert user is not None
+    return user
 
 
 def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> str | None:
@@ -28,35 +105,33 @@ def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> st
     job = session.get(Job, job_id)
     if job is None or job.owner_id is None or job.status != JobStatus.queued or job.kind != "job":
         return None
-    session.execute(update(User).where(User.id == job.owner_id).values(id=User.id))  # the lock
-    user = session.get(User, job.owner_id)
-    own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
-    limits = {k: v if own[k] is None else own[k] for k, v in defaults.items()}
-    # a selection's trials share the devices of their batch's worker task and are not counted here
-    running = session.execute(
-        select(Job.world_size, Job.spec).where(
-            Job.owner_id == job.owner_id,
-            Job.status == JobStatus.running,
-            Job.kind == "job",
-            Job.id != job_id,
-        )
-    ).all()
-    used_ranks = sum(r.world_size for r in running)
-    used_gpus = sum(job_gpus(r.spec) for r in running)
-    reason = None
-    if len(running) + 1 > limits["running_jobs"]:
-        reason = f"{len(running)} of {user.name}'s jobs are running, the quota is {limits['running_jobs']}"
-    elif used_ranks + job.world_size > limits["ranks"]:
-        reason = (
-            f"{user.name}'s running jobs use {used_ranks} ranks; this one needs {job.world_size} "
-            f"more, the quota is {limits['ranks']}"
-        )
-    elif used_gpus + job_gpus(job.spec) > limits["gpus"]:
-        reason = (
-            f"{user.name}'s running jobs use {used_gpus} GPU(s); this one needs {job_gpus(job.spec)} "
-            f"more, the quota is {limits['gpus']}"
-        )
+    user = _lock_owner(session, job.owner_id)
+    reason = _check(session, user, defaults, [job_id], (job.world_size, job_gpus(job.spec)), "this one")
     session.execute(update(Job).where(Job.id == job_id).values(wait_reason=reason))
+    if reason is not None:
+        session.commit()
+    return reason
+
+
+def group_quota_gate(session: Session, *, trial_ids: Sequence[int], defaults: dict[str, int]) -> str | None:
+    """Like `quota_gate`, for a group of one batch's trials about to be claimed together: None
+    when the group may start (the owner's lock held for the claim), else the reason, recorded on
+    the queued trials' jobs (committed). The group's own trials are left out of the count (a
+    group taken back after its worker died is still `running` until claimed again)."""
+    rows = session.execute(
+        select(Job.id, Job.status, Job.spec, Selection.owner_id, Selection.request)
+        .join(Trial, Trial.job_id == Job.id)
+        .join(Selection, Selection.id == Trial.selection_id)
+        .where(Trial.id.in_(list(trial_ids)))
+    ).all()
+    if not rows or rows[0].owner_id is None:
+        return None
+    user = _lock_owner(session, rows[0].owner_id)
+    job_ids = [r.id for r in rows]
+    need = group_size(rows[0].request, rows[0].spec)
+    reason = _check(session, user, defaults, job_ids, need, f"a group of this batch ({need[0]} device(s))")
+    queued = [r.id for r in rows if r.status == JobStatus.queued]
+    session.execute(update(Job).where(Job.id.in_(queued)).values(wait_reason=reason))
     if reason is not None:
         session.commit()
     return reason
@@ -66,7 +141,31 @@ def waiting_jobs(session: Session, *, owner_id: int) -> list[tuple[int, str]]:
     """(id, queue) of the owner's queued jobs held back by the quota, oldest first."""
     q = (
         select(Job.id, Job.queue)
-        .where(Job.owner_id == owner_id, Job.status == JobStatus.queued, Job.wait_reason.is_not(None))
+        .where(
+            Job.owner_id == owner_id,
+            Job.status == JobStatus.queued,
+            Job.kind == "job",
+            Job.wait_reason.is_not(None),
+        )
         .order_by(Job.priority.desc(), Job.id)
     )
     return [(r.id, r.queue) for r in session.execute(q)]
+
+
+def waiting_groups(session: Session, *, owner_id: int) -> dict[tuple[int, str], list[int]]:
+    """{(selection id, queue): trial ids} of the owner's queued trials held back by the quota."""
+    q = (
+        select(Trial.selection_id, Job.queue, Trial.id)
+        .join(Job, Job.id == Trial.job_id)
+        .where(
+            Job.owner_id == owner_id,
+            Job.status == JobStatus.queued,
+            Job.kind == "trial",
+            Job.wait_reason.is_not(None),
+        )
+        .order_by(Trial.selection_id, Trial.index)
+    )
+    out: dict[tuple[int, str], list[int]] = {}
+    for sel_id, queue, tid in session.execute(q):
+        out.setdefault((sel_id, queue), []).append(tid)
+    return out

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from core.broker import JOBS_CHANNEL, job_channel, send_run_job
+from core.broker import JOBS_CHANNEL, job_channel, send_run_job, send_run_selection
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
@@ -35,7 +35,7 @@ from db.jobs import (
     release_job,
 )
 from db.models import Job, JobStatus
-from db.quotas import quota_gate, waiting_jobs
+from db.quotas import quota_gate, waiting_groups, waiting_jobs
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -230,17 +230,21 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
     relay.drain_live()
     if user_id is not None and status not in ("queued", "lost"):
-        _send_waiting(settings, user_id)
+        send_waiting(settings, user_id)
     return status
 
 
-def _send_waiting(settings: Settings, user_id: int) -> None:
-    """A job of this user ended: their jobs held back by the quota get another try."""
+def send_waiting(settings: Settings, user_id: int) -> None:
+    """A job or a selection group of this user ended: their jobs and trial groups held back by
+    the quota get another try."""
     try:
         with session_for(settings.database_url) as s:
             waiting = waiting_jobs(s, owner_id=user_id)
+            groups = waiting_groups(s, owner_id=user_id)
         for waiting_id, queue in waiting:
             send_run_job(settings, job_id=waiting_id, queue=queue)
+        for (selection_id, queue), trial_ids in groups.items():
+            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
     except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued jobs later
         log.warning("could not re-send %s's waiting jobs: %s", user_id, e)
 

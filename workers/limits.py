@@ -28,15 +28,30 @@ buffers): `import torch` alone maps ~0.6 GiB."""
 _OOM_MARKS = ("can't allocate memory", "MemoryError", "Cannot allocate memory", "std::bad_alloc")
 
 
+def _cuda(spec: dict[str, Any]) -> bool:
+    res = spec.get("resources") or {}
+    return res.get("device") == "cuda" or bool(res.get("gpus", 0))
+
+
 def memory_limit_bytes(spec: dict[str, Any], *, ram_bytes: int | None = None) -> int | None:
     """Per-process address-space limit for this job, or None (CUDA jobs)."""
-    res = spec.get("resources") or {}
-    if res.get("device") == "cuda" or res.get("gpus", 0):
+    if _cuda(spec):
         return None
     ranks = world_size(spec.get("parallel") or {})
     share = 2 * host_memory_bytes(spec)["total"] // ranks + MARGIN_BYTES
     ram = ram_bytes or host_ram_bytes()
     return int(min(share, max(ram // ranks, MARGIN_BYTES)))
+
+
+def group_memory_limit_bytes(specs: list[dict[str, Any]], *, ram_bytes: int | None = None) -> int | None:
+    """Address-space limit of a selection group's one process, or None (CUDA trials). All its
+    trials live in that process (HYDRA keeps idle models in host memory), so the limit is twice
+    the sum of their estimates plus the runtime margin, never more than this machine's RAM."""
+    if not specs or any(_cuda(s) for s in specs):
+        return None
+    total = sum(host_memory_bytes(s)["total"] for s in specs)
+    ram = ram_bytes or host_ram_bytes()
+    return int(min(2 * total + MARGIN_BYTES, max(ram, MARGIN_BYTES)))
 
 
 def apply_memory_limit(limit: int | None) -> None:

@@ -178,3 +178,45 @@ def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle) -> None
     assert len(got) == total
     loss_steps = sorted(st for tid, name, st, _ in got if name == "loss" and tid == sel["trials"][0]["id"])
     assert loss_steps == list(range(1, 41))
+
+
+def test_trials_count_against_the_owners_quota_and_stop_at_max_runtime(stack: StackHandle) -> None:
+    """A user allowed one running job: while their batch's group trains, their job waits queued
+    with the quota as its reason; the group stops at the base spec's max_runtime_s (its trial
+    fails with the reason), and then the job runs."""
+    import secrets
+
+    import httpx
+
+    name = f"q{secrets.token_hex(4)}"
+    made = stack.client.post("/api/users", json={"name": name, "max_running_jobs": 1}).json()
+    with httpx.Client(
+        base_url=stack.base_url, timeout=30, headers={"Authorization": f"Bearer {made['token']}"}
+    ) as cu:
+        base = {
+            **BASE,
+            "max_runtime_s": 4,
+            "train": {**BASE["train"], "steps": 1_000_000, "eval_every": 1000},
+        }
+        body = {"name": "timed", "base": base, "space": {"train.lr": [1e-3]}, "method": "grid", "devices": 1}
+        resp = cu.post("/api/selections", json=body)
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+        deadline = time.monotonic() + 120
+        while cu.get(f"/api/selections/{sid}").json()["trials"][0]["status"] != "running":
+            assert time.monotonic() < deadline, "the trial never started"
+            time.sleep(0.2)
+        short = {**TINY_SPEC, "name": "after", "train": {**TINY_SPEC["train"], "steps": 3, "eval_every": 3}}
+        job = cu.post("/api/jobs", json=short).json()
+        held = stack.wait_until(job["id"], lambda j: j["wait_reason"] is not None, timeout=60)
+        assert held["status"] == "queued"
+        assert held["wait_reason"] == f"1 of {name}'s jobs are running, the quota is 1"
+        done = wait_selection(stack, sid, timeout=120)
+        (trial,) = done["trials"]
+        assert done["status"] == "failed" and trial["status"] == "failed"
+        trial_job = stack.job(trial["job_id"])
+        assert "max_runtime_s (4 s over all its attempts" in trial_job["error"], trial_job["error"]
+        assert trial_job["run_seconds"] >= 4
+        # the group's end sent the user's waiting job again
+        ended = stack.wait(job["id"], ("succeeded",), timeout=180)
+        assert ended["wait_reason"] is None
