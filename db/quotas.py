@@ -30,10 +30,43 @@ def job_gpus(spec: dict[str, Any]) -> int:
     return max(int(res.get("gpus", 0) or 0), 1 if res.get("device") == "cuda" else 0)
 
 
+def quota_reason(
+    name: str, limits: dict[str, int], *, running: int, ranks: int, gpus: int, job_ranks: int, job_gpus: int
+) -> str | None:
+    """Why one more job (job_ranks, job_gpus) would take user `name` over `limits` given what
+    their other jobs hold (`running` jobs, `ranks`, `gpus`); None when it fits."""
+    if running + 1 > limits["running_jobs"]:
+        return f"{running} of {name}'s jobs are running, the quota is {limits['running_jobs']}"
+    if ranks + job_ranks > limits["ranks"]:
+        return f"{name}'s running jobs use {ranks} ranks; this one needs {job_ranks} more, the quota is {limits['ranks']}"
+    if gpus + job_gpus > limits["gpus"]:
+        return f"{name}'s running jobs use {gpus} GPU(s); this one needs {job_gpus} more, the quota is {limits['gpus']}"
+    return None
+
+
 def group_size(request: dict[str, Any], spec: dict[str, Any]) -> tuple[int, int]:
     """(ranks, gpus) a group of a batch uses: the batch's devices, GPUs when its trials run on CUDA."""
     devices = max(int(request.get("devices", 1) or 1), 1)
     return devices, devices if job_gpus(spec) else 0
+
+
+def running_groups(
+    session: Session, *, owner_id: int | None = None, skip: Sequence[int] = ()
+) -> list[tuple[int | None, int, int]]:
+    """(owner id, ranks, gpus) of each running selection group (of one user when `owner_id` is
+    given), leaving out the trial jobs `skip`. A group is the running trials of one batch held
+    by one worker process (their jobs' lease `owner`)."""
+    where = [Job.status == JobStatus.running, Job.kind == "trial", Job.id.not_in(list(skip))]
+    if owner_id is not None:
+        where.append(Job.owner_id == owner_id)
+    groups: dict[tuple[int | None, str | None], tuple[int | None, int, int]] = {}
+    for sel_id, holder, user_id, request, spec in session.execute(
+        select(Job.selection_id, Job.owner, Job.owner_id, Selection.request, Job.spec)
+        .join(Selection, Selection.id == Job.selection_id)
+        .where(*where)
+    ):
+        groups[(sel_id, holder)] = (user_id, *group_size(request, spec))
+    return list(groups.values())
 
 
 def _usage(session: Session, owner_id: int, skip: Sequence[int]) -> tuple[int, int, int]:
@@ -46,49 +79,22 @@ def _usage(session: Session, owner_id: int, skip: Sequence[int]) -> tuple[int, i
             Job.id.not_in(list(skip)),
         )
     ).all()
-    groups: dict[tuple[int | None, str | None], tuple[int, int]] = {}
-    for sel_id, holder, request, spec in session.execute(
-        select(Job.selection_id, Job.owner, Selection.request, Job.spec)
-        .join(Selection, Selection.id == Job.selection_id)
-        .where(
-            Job.owner_id == owner_id,
-            Job.status == JobStatus.running,
-            Job.kind == "trial",
-            Job.id.not_in(list(skip)),
-        )
-    ):
-        groups[(sel_id, holder)] = group_size(request, spec)
+    groups = running_groups(session, owner_id=owner_id, skip=skip)
     units = len(jobs) + len(groups)
-    ranks = sum(r.world_size for r in jobs) + sum(r for r, _ in groups.values())
-    gpus = sum(job_gpus(r.spec) for r in jobs) + sum(g for _, g in groups.values())
+    ranks = sum(r.world_size for r in jobs) + sum(r for _, r, _ in groups)
+    gpus = sum(job_gpus(r.spec) for r in jobs) + sum(g for _, _, g in groups)
     return units, ranks, gpus
 
 
 def _check(
-    session: Session,
-    user: User,
-    defaults: dict[str, int],
-    skip: Sequence[int],
-    need: tuple[int, int],
-    what: str,
+    session: Session, user: User, defaults: dict[str, int], skip: Sequence[int], need: tuple[int, int]
 ) -> str | None:
     own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
     limits = {k: v if own[k] is None else own[k] for k, v in defaults.items()}
-    running, used_ranks, used_gpus = _usage(session, user.id, skip)
-    ranks, gpus = need
-    if running + 1 > limits["running_jobs"]:
-        return f"{running} of {user.name}'s jobs are running, the quota is {limits['running_jobs']}"
-    if used_ranks + ranks > limits["ranks"]:
-        return (
-            f"{user.name}'s running jobs use {used_ranks} ranks; {what} needs {ranks} "
-            f"more, the quota is {limits['ranks']}"
-        )
-    if used_gpus + gpus > limits["gpus"]:
-        return (
-            f"{user.name}'s running jobs use {used_gpus} GPU(s); {what} needs {gpus} "
-            f"more, the quota is {limits['gpus']}"
-        )
-    return None
+    running, ranks, gpus = _usage(session, user.id, skip)
+    return quota_reason(
+        user.name, limits, running=running, ranks=ranks, gpus=gpus, job_ranks=need[0], job_gpus=need[1]
+    )
 
 
 def _lock_owner(session: Session, owner_id: int) -> User:
@@ -106,7 +112,7 @@ def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> st
     if job is None or job.owner_id is None or job.status != JobStatus.queued or job.kind != "job":
         return None
     user = _lock_owner(session, job.owner_id)
-    reason = _check(session, user, defaults, [job_id], (job.world_size, job_gpus(job.spec)), "this one")
+    reason = _check(session, user, defaults, [job_id], (job.world_size, job_gpus(job.spec)))
     session.execute(update(Job).where(Job.id == job_id).values(wait_reason=reason))
     if reason is not None:
         session.commit()
@@ -129,7 +135,7 @@ def group_quota_gate(session: Session, *, trial_ids: Sequence[int], defaults: di
     user = _lock_owner(session, rows[0].owner_id)
     job_ids = [r.id for r in rows]
     need = group_size(rows[0].request, rows[0].spec)
-    reason = _check(session, user, defaults, job_ids, need, f"a group of this batch ({need[0]} device(s))")
+    reason = _check(session, user, defaults, job_ids, need)
     queued = [r.id for r in rows if r.status == JobStatus.queued]
     session.execute(update(Job).where(Job.id.in_(queued)).values(wait_reason=reason))
     if reason is not None:

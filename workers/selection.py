@@ -31,7 +31,7 @@ from db.selections import (
     stop_requests,
     sync_trials,
 )
-from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status, send_waiting
+from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status, send_waiting_groups
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.search import grow
@@ -216,7 +216,7 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
     )
     relay.drain_live()
     if user_id is not None and status not in ("lost",):
-        send_waiting(settings, user_id)
+        send_waiting_groups(settings, user_id)
     return status
 
 
