@@ -268,7 +268,8 @@ class WorkerPublic(BaseModel):
     queues: list[str]
     devices: list[dict[str, Any]]
     host: dict[str, int]
-    """What admission compares jobs with: ram_bytes, slots (ranks one job may run), cpus."""
+    """What admission and the scheduler compare jobs with: ram_bytes, slots (rank slots), cpus,
+    tasks (jobs at once: the Celery concurrency), and draining (1 while it shuts down warm)."""
     last_seen: datetime
 
 

@@ -40,7 +40,7 @@ from core.broker import node_queue, send_run_job
 from core.settings import Settings
 from db import scheduling as dbs
 from db.engine import session_for
-from db.jobs import aware, db_now
+from db.jobs import add_event, aware, db_now
 from db.models import JobStatus, WorkerBeat
 from db.quotas import job_gpus, quota_reason, running_groups
 from jobrules.hostmem import host_memory_bytes
@@ -552,6 +552,10 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the broker is down: sent again next tick
                 log.warning("job %s: could not send node %s's task: %s", job_id, r.node_rank, e)
                 dbs.mark_unsent(session, reservation_ids=[r.id])
+                if r.sent_at is not None:  # the first failure goes in the job's log, not every retry
+                    add_event(
+                        session, job_id=job_id, kind="log", message=f"broker unavailable, will retry: {e}"
+                    )
         dbs.mark_sent(session, reservation_ids=sent)
 
     def _resend(self, session: Any, held: Sequence[dbs.HeldRow], *, everything: bool) -> None:

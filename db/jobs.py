@@ -791,6 +791,8 @@ class GangView:
     has_result: bool = False
     stopped: bool = False
     """The result says the run stopped before train.steps (a stop asked on some node)."""
+    wait_reason: str | None = None
+    """The scheduler's reason (a preemption names the job it makes room for)."""
 
 
 def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView:
@@ -816,6 +818,7 @@ def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView
         preempt=bool(getattr(job, "preempt_requested", False)),
         has_result=job.result is not None,
         stopped=bool((job.result or {}).get("stopped")),
+        wait_reason=job.wait_reason,
     )
 
 

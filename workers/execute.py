@@ -85,16 +85,24 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
 def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     """Checkpoints written after the last step whose lines are all in the database: resuming from
     one would lose the metric lines of the steps before it, so the new attempt re-runs them.
-    Sub-folders too: ranks of a pipeline or tensor layout write theirs in one each."""
-    dropped = []
-    for p in sorted(ckpt_dir.rglob("step-*.pt")):
+    Sub-folders too: the ranks of a pipeline or tensor layout each write their piece in one, and a
+    step whose pieces are not all there (a rank died between the writes, on its node or another)
+    is dropped as well, or the ranks would resume from different steps."""
+    found: dict[Path, dict[int, Path]] = {}
+    for p in ckpt_dir.rglob("step-*.pt"):
         try:
-            at = int(p.stem.removeprefix("step-"))
+            found.setdefault(p.parent, {})[int(p.stem.removeprefix("step-"))] = p
         except ValueError:
             continue
-        if at > step:
-            p.unlink(missing_ok=True)
-            dropped.append(p)
+    # pieces: one folder per rank that writes (trainer/engine.py checkpoint_subdir), none on top
+    pieces = [steps for d, steps in found.items() if d.parent == ckpt_dir]
+    whole = None if ckpt_dir in found or len(pieces) < 2 else set.intersection(*(set(s) for s in pieces))
+    dropped = []
+    for steps in found.values():
+        for at, p in sorted(steps.items()):
+            if at > step or (whole is not None and at not in whole):
+                p.unlink(missing_ok=True)
+                dropped.append(p)
     return dropped
 
 

@@ -134,8 +134,20 @@ def _claim(settings: Settings, *, job_id: int, node_rank: int, worker: str) -> A
         mine = claim_node(
             s, job_id=job_id, node_rank=node_rank, worker=worker, owner=owner_id(), lease_s=settings.lease_s
         )
-    if node_rank == 0 and mine is not None and mine != attempt:
-        log.warning("job %s: node 0's reservation is of attempt %s, the lease of %s", job_id, mine, attempt)
+    if node_rank == 0 and mine != attempt:
+        # e.g. a retried task re-claimed the job (attempts + 1) past its placement: the other
+        # nodes' reservations name the old attempt, so this placement is given back, uncounted
+        why = f"node 0 on {worker}: its reservation does not match attempt {attempt.attempt}; placed again"
+        with session_for(settings.database_url) as s:
+            give_back_gang(
+                s,
+                job_id=job_id,
+                attempt=attempt.attempt,
+                reason=why,
+                restart=False,
+                gang_restarts=settings.gang_restarts,
+                writer=attempt,
+            )
         return None
     return mine
 
@@ -235,21 +247,30 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     out = Outcome()
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
     deadline = time.monotonic() + runtime_s
-    asked: list[str] = []
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
         if time.monotonic() > deadline:
             out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            # failed before any trainer dies: the other nodes then see the gang over, and none
+            # of them takes its peers' deaths for a lost node to restart from
+            with session_for(settings.database_url) as s:
+                give_back_gang(
+                    s,
+                    job_id=job_id,
+                    attempt=attempt.attempt,
+                    reason=f"node {node_rank} on {worker}: {out.error}",
+                    restart=False,
+                    gang_restarts=settings.gang_restarts,
+                    writer=attempt,
+                    fail=True,
+                )
             return Ask.kill
         view = _view(settings, attempt, node_rank)
         if not view.intact:  # another node gave the gang back, or the reaper did
             return Ask.kill
-        if view.cancel or view.preempt:
-            asked.append("cancel" if view.cancel else "preempt")
-            return Ask.stop
-        return Ask.none
+        return Ask.stop if view.cancel or view.preempt else Ask.none
 
     mem_limit = memory_limit_bytes(spec)
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
@@ -315,7 +336,8 @@ class GangEnd:
             if view.cancel and self.node_rank == 0:
                 return self.finish(JobStatus.cancelled)
             if view.preempt:
-                return self.give_back("preempted; the gang resumes from its checkpoint", restart=False)
+                why = view.wait_reason or "preempted"
+                return self.give_back(f"{why}; the gang resumes from its checkpoint", restart=False)
             return self.wait_for_end()
         if rc == 0:
             return self.finish_ok() if self.node_rank == 0 else self.wait_for_end()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
@@ -305,3 +306,31 @@ def test_pipeline_job_shows_executed_and_simulated_gantt(stack, page: Page) -> N
         mbs = {int(t) for t in svg.locator("text.mb").all_text_contents()}
         assert mbs and mbs <= {a["mb"] for a in actions if a["mb"] is not None and a["mb"] >= 0}
     page.screenshot(path="/tmp/dashboard-pipeline.png", full_page=True)
+
+
+def test_queued_job_shows_its_place_and_why_it_waits(stack, page: Page) -> None:
+    """A user at their quota of one running job: the second job waits queued, and both the jobs
+    table and the job page show its place in the scheduler's queue and the reason."""
+    made = stack.client.post("/api/users", json={"name": f"b{time.time_ns()}", "max_running_jobs": 1})
+    assert made.status_code == 201, made.text
+    auth = {"Authorization": f"Bearer {made.json()['token']}"}
+    with httpx.Client(base_url=stack.base_url, headers=auth, timeout=30) as c:
+        first = c.post("/api/jobs", json=spec(steps=1_000_000)).json()["id"]
+        second = c.post("/api/jobs", json=spec(steps=3)).json()["id"]
+    try:
+        stack.wait(first, ("running",), timeout=180)
+        stack.wait_until(second, lambda j: j["queue_position"] and "quota" in (j["wait_reason"] or ""))
+        page.goto(f"{stack.base_url}/#/jobs/{second}")
+        expect(page.locator("#job-wait-reason")).to_contain_text("the quota is 1")
+        expect(page.locator("#job-queue-position")).to_have_text(re.compile(r"^#\d+$"))
+        page.goto(f"{stack.base_url}/")
+        row = page.locator(f'tr[data-job-id="{second}"]')
+        expect(row.locator(".queue-position")).to_contain_text("in queue")
+        expect(row.locator(".wait-reason")).to_contain_text("quota")
+        page.goto(f"{stack.base_url}/#/jobs/{first}")
+        expect(page.locator("#job-reservation")).to_contain_text("node 0/1")
+    finally:
+        for job_id in (first, second):
+            stack.client.post(f"/api/jobs/{job_id}/cancel")
+        for job_id in (first, second):
+            stack.wait(job_id, ("cancelled", "succeeded"), timeout=120)

@@ -176,11 +176,11 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
         with _client(st, 60) as c:
             health = c.get("/api/health").json()
             assert health["status"] == "degraded" and health["broker"]["ok"] is False
-            # a submit is accepted: the job is in the database, its message goes out later
+            # a submit is accepted without the broker: the job is in the database, and the
+            # scheduler sends its task once it is placed (this stack has no worker: it waits)
             r = c.post("/api/jobs", json=TINY_SPEC)
             assert r.status_code == 201, r.text
-            logs = c.get(f"/api/jobs/{r.json()['id']}/logs").json()["items"]
-            assert any("broker unavailable" in e["message"] for e in logs)
+            assert c.get(f"/api/jobs/{r.json()['id']}").json()["status"] == "queued"
             # a selection needs its messages sent now: 503 with the reason
             sel = {"name": "s", "base": TINY_SPEC, "space": {"train.lr": [0.001, 0.002]}, "trials": 2}
             r = c.post("/api/selections", json=sel)

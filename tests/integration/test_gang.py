@@ -45,7 +45,7 @@ from workers.execute import trainer_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 60
+STEPS = 80
 SPEC: dict[str, Any] = {
     "name": "gang",
     "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
@@ -231,6 +231,21 @@ def _tree(root_pid: int) -> list[int]:
     return out
 
 
+def _attempt_processes(job_id: int, attempt: int) -> list[int]:
+    """Processes of the job's attempt on this machine: its torchruns (--rdzv-id <job>-<attempt>)
+    and their ranks (TORCHELASTIC_RUN_ID, which torchrun gives them)."""
+    arg, env = f"\0{job_id}-{attempt}\0".encode(), f"TORCHELASTIC_RUN_ID={job_id}-{attempt}\0".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if arg in (d / "cmdline").read_bytes() or env in (d / "environ").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
 def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> None:
     g = gang
     job_id = g.submit()
@@ -239,6 +254,7 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     # node 0's worker: the job's owner and the rendezvous host. Freeze its whole tree first
     # (Celery, its pool, torchrun, the ranks): the gang then waits in its collectives, so the kill
     # lands mid-job whatever the machine's speed; then kill -9 all of it
+    assert len(_attempt_processes(job_id, 1)) >= 6, "two torchruns and four ranks"
     index = next(i for i, name in g.names.items() if name == nodes[0])
     victim = _tree(g.stack.procs.pop(f"worker{index}").pid)
     for pid in victim:
@@ -262,6 +278,11 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     assert restart["reason"].startswith("node 1 on ") or "ran out" in restart["reason"], restart
     with session_for(g.url) as s:
         assert s.query(Reservation).filter_by(job_id=job_id, attempt=0).count() == 0
+    # never half a job running: the survivor's torchrun and ranks of attempt 1 are gone
+    deadline = time.monotonic() + 60
+    while (left := _attempt_processes(job_id, 1)) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert left == [], f"attempt 1 still runs: {left}"
 
     # the worker comes back; the scheduler places the gang again; it resumes from the checkpoint
     g.start_worker(index)

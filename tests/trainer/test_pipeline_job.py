@@ -38,7 +38,7 @@ SCHEDULES = ("1f1b", "chimera-zb", "async")
 
 
 class StopAfter:
-    """Asks to stop once `steps` steps have started (only rank 0's signal is read)."""
+    """Asks to stop once `steps` steps have started (every rank asks alike; the ranks agree by a sum)."""
 
     def __init__(self, steps: int) -> None:
         self.calls, self.steps = 0, steps

@@ -400,7 +400,7 @@ def _job(tensor: TensorConfig | None) -> JobConfig:
 
 
 class StopAfter:
-    """Asks to stop once `n` steps have been checked (only rank 0's answer counts)."""
+    """Asks to stop once `n` steps have been checked (every rank asks alike; the ranks agree by a sum)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.calls = n, 0
@@ -672,7 +672,7 @@ def test_stop_and_resume_from_per_rank_checkpoints(
     ranks4: list[dict[str, Any]], dense_losses: ListSink
 ) -> None:
     out = _task(ranks4, "resume-2d")
-    for value in out:  # every rank left at the same step, because should_stop broadcasts rank 0's answer
+    for value in out:  # every rank left at the same step, because should_stop sums every rank's answer
         assert value["first"]["stopped"] and value["first"]["steps"] == 2
         assert value["second"]["steps"] == 4
     rank0 = out[0]

@@ -363,3 +363,27 @@ def test_preemption_flag_is_set_on_the_lower_priority_job(db_url: str) -> None:
         job = dbj.get_job(s, low)
         assert (job.preempt_requested, job.wait_reason) == (True, f"preempted by job {high}")
         assert "preempting job(s) " + str(low) in dbj.get_job(s, high).wait_reason
+
+
+def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> None:
+    _beat(db_url, "w1@h")
+    job = _job(db_url)
+    sent = Sent()
+    down = {"on": True}
+
+    def send(settings: Settings, **kw: Any) -> None:
+        if down["on"]:
+            raise ConnectionError("redis is down")
+        sent(settings, **kw)
+
+    sched = Scheduler(Settings(database_url=db_url), send=send)
+    sched.tick()
+    sched.tick()
+    with session_for(db_url) as s:
+        (row,) = s.query(Reservation).filter_by(job_id=job).all()
+        assert row.sent_at is None
+        logs = [e.message for e in dbj.events_after(s, job_id=job, kinds=["log"])]
+        assert logs == ["broker unavailable, will retry: redis is down"]
+    down["on"] = False
+    sched.tick()
+    assert sent.calls == [(job, "node.w1@h", 0, 1)]
