@@ -30,6 +30,7 @@ def job_public(job: Job) -> JobPublic:
         selection_id=job.selection_id,
         owner=job.user.name if job.user else None,
         wait_reason=job.wait_reason,
+        run_seconds=round(job.run_seconds or 0.0, 3),
     )
 
 

@@ -12,10 +12,11 @@ from core.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def publish_job_status(settings: Settings, *, job_id: int, status: str) -> None:
+def publish_job_status(settings: Settings, *, job_id: int, status: str, owner_id: int | None = None) -> None:
+    """`owner_id`: the submitting user, for a job the database no longer has (`deleted`): the
+    /api/events streams pass its frame only to that user and to admins."""
+    body = {"job_id": job_id, "status": status, **({"owner_id": owner_id} if status == "deleted" else {})}
     try:
-        redis_client(settings.broker_url).publish(
-            JOBS_CHANNEL, json.dumps({"job_id": job_id, "status": status})
-        )
+        redis_client(settings.broker_url).publish(JOBS_CHANNEL, json.dumps(body))
     except Exception as e:  # noqa: BLE001 - live updates are best effort
         log.warning("could not publish status of job %s: %s", job_id, e)

@@ -35,11 +35,13 @@ def _remove_folder(settings: Settings, job_id: int) -> None:
         log.warning("job %s deleted, but its folder %s could not be removed: %s", job_id, folder, e)
 
 
-def delete_finished_job(settings: Settings, *, job_id: int) -> None:
-    """Delete a finished job with its metrics, events and folder (NotFound, Conflict from db)."""
+def delete_finished_job(settings: Settings, *, job_id: int) -> int | None:
+    """Delete a finished job with its metrics, events and folder (NotFound, Conflict from db).
+    Returns the id of the user who had submitted it."""
     with session_for(settings.database_url) as s:
-        delete_job(s, job_id=job_id)
+        owner_id = delete_job(s, job_id=job_id)
     _remove_folder(settings, job_id)
+    return owner_id
 
 
 def cleanup_expired(settings: Settings) -> list[int]:

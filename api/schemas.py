@@ -211,6 +211,8 @@ class JobPublic(BaseModel):
     """1-based place of a queued job in the scheduler's order (None when not queued)."""
     reservation: list[ReservationPublic] = []
     """The slots the scheduler reserved for the job, one entry per node (worker)."""
+    run_seconds: float = 0.0
+    """Wall time its attempts have run so far (max_runtime_s counts all of it)."""
 
 
 class QueueEntry(BaseModel):

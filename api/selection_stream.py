@@ -1,7 +1,20 @@
-"""Server-Sent Events for a selection batch: its trials' states, then their live metrics."""
+"""Server-Sent Events for a selection batch: its trials' states, then their metrics, resumable.
+
+The event id of a `metric` frame is a cursor over the batch's metric points, `m<last point id>`.
+A client that reconnects with Last-Event-ID gets the trials' current states again (`trial`
+frames carry no id: they are state, not history) and then exactly the points it has not seen.
+
+The points come from the database, in id order, never from the channel's payload: the relays of
+a batch's groups (on different workers) commit one after the other under the batch's row lock
+(db/selections.py lock_selection_writes), so the committed points of a batch are always a prefix
+in id order and one cursor is exact; their live messages, though, may arrive in another order.
+A `metrics` message on the channel only wakes the stream, which then reads what is new (at most
+every `_READ_EVERY_S`); while the broker is down the stream polls the database once a second.
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,59 +29,118 @@ from core.broker import selection_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.models import TERMINAL
-from db.selections import get_selection
+from db.selections import get_selection, selection_points_after
+
+_CURSOR = re.compile(r"^m(\d+)$")
+_REPLAY_CHUNK = 5000
+_READ_EVERY_S = 0.25
 
 
-def _snapshot(settings: Settings, selection_id: int) -> tuple[str, dict[int, int], list[dict[str, Any]]]:
+def parse_cursor(raw: str | None) -> int:
+    m = _CURSOR.match(raw or "")
+    return int(m[1]) if m else 0
+
+
+def _snapshot(settings: Settings, selection_id: int) -> tuple[str, list[dict[str, Any]]]:
     with session_for(settings.database_url) as s:
         sel = selection_public(get_selection(s, selection_id)).model_dump(mode="json")
-    return sel["status"], {t["job_id"]: t["id"] for t in sel["trials"]}, sel["trials"]
+    return sel["status"], sel["trials"]
 
 
-async def selection_events(settings: Settings, *, selection_id: int) -> AsyncIterator[str]:
+def _points(settings: Settings, selection_id: int, after: int) -> list[tuple]:
+    with session_for(settings.database_url) as s:
+        return selection_points_after(s, selection_id=selection_id, after_id=after, limit=_REPLAY_CHUNK)
+
+
+class _Reader:
+    """The stream's cursor and the frames of the points after it."""
+
+    def __init__(self, settings: Settings, selection_id: int, cursor: int) -> None:
+        self.settings, self.selection_id, self.cursor = settings, selection_id, cursor
+        self.last_read = 0.0
+
+    async def frames(self) -> list[str]:
+        out: list[str] = []
+        self.last_read = time.monotonic()
+        while True:
+            rows = await run_in_threadpool(_points, self.settings, self.selection_id, self.cursor)
+            for pid, job_id, step, name, value, t, trial_id in rows:
+                self.cursor = pid
+                data = {
+                    "trial_id": trial_id,
+                    "job_id": job_id,
+                    "step": step,
+                    "name": name,
+                    "value": value,
+                    "time": t,
+                }
+                out.append(frame(event="metric", data=data, cursor=f"m{pid}"))
+            if len(rows) < _REPLAY_CHUNK:
+                return out
+
+
+async def selection_events(
+    settings: Settings, *, selection_id: int, last_event_id: str | None = None
+) -> AsyncIterator[str]:
+    reader = _Reader(settings, selection_id, parse_cursor(last_event_id))
     live = LiveChannel(settings.broker_url, selection_channel(selection_id))
     try:
+        # subscribe before the first read, so nothing published in between is missed
         await live.connect()
         yield "retry: 2000\n\n"
-        status, job_to_trial, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+        status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
         for t in trials:
             yield frame(event="trial", data=t)
         yield frame(event="status", data={"status": status})
+        for f in await reader.frames():
+            yield f
         if status in TERMINAL:
             return
-        last = time.monotonic()
+        last_sent = time.monotonic()
+        dirty = False
         while True:
-            body = await live.next(timeout=1.0)
+            body = await live.next(timeout=_READ_EVERY_S if dirty else 1.0)
+            now = time.monotonic()
+            out: list[str] = []
+            ended = False
             if live.resubscribed:
                 # what was published while the broker was down is gone: send the state again
                 live.resubscribed = False
                 try:
-                    status, job_to_trial, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+                    status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
                 except SQLAlchemyError:
                     live.resubscribed = True  # try again on the next round
                 else:
-                    for t in trials:
-                        yield frame(event="trial", data=t)
-                    yield frame(event="status", data={"status": status})
-                    if status in TERMINAL:
-                        return
-            if body is None:
-                if time.monotonic() - last > settings.sse_keepalive_s:
-                    last = time.monotonic()
-                    yield ": keep-alive\n\n"
-                continue
-            last = time.monotonic()
-            if body.get("type") == "metrics":
-                for p in body["points"]:
-                    if p["job_id"] not in job_to_trial:  # a trial added after we connected
-                        _, job_to_trial, _ = await run_in_threadpool(_snapshot, settings, selection_id)
-                    data = {k: p[k] for k in ("job_id", "step", "name", "value", "time")}
-                    yield frame(event="metric", data={"trial_id": job_to_trial.get(p["job_id"]), **data})
-            elif body.get("type") == "trial":
-                yield frame(event="trial", data=body["trial"])
-            elif body.get("type") == "selection":
-                yield frame(event="status", data={"status": body["status"]})
-                if body["status"] in TERMINAL:
-                    return
+                    out += [frame(event="trial", data=t) for t in trials]
+                    out.append(frame(event="status", data={"status": status}))
+                    dirty, ended = True, status in TERMINAL
+            if body is not None:
+                if body.get("type") == "metrics":
+                    dirty = True
+                elif body.get("type") == "trial":
+                    out.append(frame(event="trial", data=body["trial"]))
+                elif body.get("type") == "selection":
+                    out.append(frame(event="status", data={"status": body["status"]}))
+                    dirty, ended = True, body["status"] in TERMINAL
+            if not live.up:
+                dirty = True  # no wake-ups while the broker is away: poll the database
+            if dirty and (ended or now - reader.last_read >= (_READ_EVERY_S if live.up else 1.0)):
+                try:
+                    points = await reader.frames()
+                except SQLAlchemyError:
+                    points = []  # the database is busy: the next round reads again
+                else:
+                    dirty = False
+                # the points before the status frame that ends the batch
+                out = points + out if ended else out + points
+            for f in out:
+                yield f
+            if out:
+                last_sent = now
+            if ended:
+                return
+            if now - last_sent > settings.sse_keepalive_s:
+                last_sent = now
+                yield ": keep-alive\n\n"
     finally:
         await live.close()

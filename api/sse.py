@@ -51,7 +51,7 @@ class Cursor:
         return f"m{self.metric}e{self.event}"
 
 
-def frame(*, event: str, data: dict[str, Any], cursor: Cursor | None = None) -> str:
+def frame(*, event: str, data: dict[str, Any], cursor: Cursor | str | None = None) -> str:
     head = f"id: {cursor}\n" if cursor is not None else ""
     return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 

@@ -42,7 +42,7 @@ from db import scheduling as dbs
 from db.engine import session_for
 from db.jobs import add_event, aware, db_now
 from db.models import JobStatus, WorkerBeat
-from db.quotas import job_gpus, quota_reason
+from db.quotas import job_gpus, quota_reason, running_groups
 from jobrules.hostmem import host_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -431,6 +431,12 @@ def read_state(
     for worker in dbs.selection_tasks(session):
         if (b := boxes.get(worker)) is not None:
             b.free_tasks -= 1
+    # a running selection group counts against its owner's quota as one job of its batch's
+    # devices (db/quotas.py), as the claims of jobs and groups count it
+    for owner_id, ranks, gpus in running_groups(session):
+        if owner_id in quotas:
+            q = quotas[owner_id]
+            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ranks, q.gpus + gpus
     recent = dbs.recent_usage(session, window_s=settings.fair_share_window_s, now=now_dt)
     return State(
         wants=wants,

@@ -273,8 +273,10 @@ def apply_lines(
     now: datetime,
     fence: Any = None,
     renew: bool = True,
+    run_seconds: float | None = None,
 ) -> Applied | None:
-    """Apply one job's lines of a batch inside the caller's transaction and renew its lease.
+    """Apply one job's lines of a batch inside the caller's transaction and renew its lease (and
+    record `run_seconds`, the job's run time over all its attempts, when given).
     None when the attempt is fenced off (re-queued, failed by an operator, taken by a newer
     attempt): then nothing of it is written. Lines at or below the applied sequence number are
     skipped, so a batch retried after a commit that did go through changes nothing. `fence` (the
@@ -294,6 +296,8 @@ def apply_lines(
     values: dict[str, Any] = {"applied_seq": top_seq}
     if renew:
         values["lease_until"] = now + timedelta(seconds=lease_s)
+    if run_seconds is not None:
+        values["run_seconds"] = run_seconds
     if metrics:
         latest = {(n, st): (st, n, v, t) for _, st, n, v, t in metrics}  # one row per key per statement
         rows = [

@@ -114,6 +114,9 @@ class Job(Base):
     applied_step: Mapped[int] = mapped_column(Integer, default=0)
     """Every line up to this step is in the database (a `checkpoint` event or the result at that
     step was applied). A new attempt resumes from no later checkpoint, so no metric step is lost."""
+    run_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    """Wall time the job's attempts have run, written with each relay batch of the attempt (a
+    killed attempt loses at most the time since its last batch): max_runtime_s counts it all."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -31,9 +31,10 @@ def _delete_rows(session: Session, job_ids: Sequence[int]) -> list[int]:
     return gone
 
 
-def delete_job(session: Session, *, job_id: int) -> None:
-    """Delete one finished job. NotFound when it does not exist; Conflict when it has not finished
-    or is a trial of a selection batch (trials go with their batch)."""
+def delete_job(session: Session, *, job_id: int) -> int | None:
+    """Delete one finished job; returns its submitting user's id. NotFound when it does not exist;
+    Conflict when it has not finished or is a trial of a selection batch (trials go with their
+    batch)."""
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(f"job {job_id} does not exist")
@@ -43,9 +44,11 @@ def delete_job(session: Session, *, job_id: int) -> None:
         raise Conflict(
             f"job {job_id} is {job.status}; cancel it and wait until it has ended before deleting it"
         )
+    owner_id = job.owner_id
     if not _delete_rows(session, [job_id]):
         session.refresh(job)
         raise Conflict(f"job {job_id} is {job.status} again; it was not deleted")
+    return owner_id
 
 
 def finished_before(session: Session, *, cutoff: datetime, limit: int = 500) -> list[int]:

@@ -12,7 +12,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job
-from db.models import TERMINAL, Job, JobEvent, JobStatus, Selection, Trial, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Selection, Trial, utcnow
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
 
@@ -196,10 +196,13 @@ def apply_trial_lines(
     mode: str,
     lease_s: float,
     now: Any,
+    run_seconds: float | None = None,
 ) -> Applied | None:
     """A trial's share of a batch, fenced like a job's: its job's lines, its result (stored as it
     arrives), its best metric, and its end once its final event and its result are both in."""
-    applied = apply_lines(session, attempt=attempt, lines=lines, lease_s=lease_s, now=now)
+    applied = apply_lines(
+        session, attempt=attempt, lines=lines, lease_s=lease_s, now=now, run_seconds=run_seconds
+    )
     if applied is None:
         return None
     trial = session.get(Trial, trial_id)
@@ -398,3 +401,35 @@ def stop_requests(session: Session, *, selection_id: int) -> tuple[bool, set[int
         )
     )
     return bool(sel and sel.cancel_requested), idx
+
+
+def lock_selection_writes(session: Session, *, selection_id: int) -> None:
+    """Take the batch's row lock for the rest of the caller's transaction (a row lock on
+    Postgres; SQLite serialises every write anyway). The relays of a batch's groups take it
+    before writing trial points, so their transactions commit in the order their points got
+    ids: a stream's single id cursor over the batch (api/selection_stream.py) never skips a
+    point that committed late."""
+    session.execute(update(Selection).where(Selection.id == selection_id).values(id=Selection.id))
+
+
+def selection_points_after(
+    session: Session, *, selection_id: int, after_id: int, limit: int
+) -> list[tuple[int, int, int, str, float, float, int]]:
+    """(id, job_id, step, name, value, time, trial_id) of the batch's metric points after id
+    `after_id`, in id order."""
+    q = (
+        select(
+            MetricPoint.id,
+            MetricPoint.job_id,
+            MetricPoint.step,
+            MetricPoint.name,
+            MetricPoint.value,
+            MetricPoint.time,
+            Trial.id,
+        )
+        .join(Trial, Trial.job_id == MetricPoint.job_id)
+        .where(Trial.selection_id == selection_id, MetricPoint.id > after_id)
+        .order_by(MetricPoint.id)
+        .limit(limit)
+    )
+    return [tuple(r) for r in session.execute(q)]

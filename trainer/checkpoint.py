@@ -112,6 +112,30 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
     return None
 
 
+def checkpoint_steps(directory: Path | None) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in `directory` by its name, newest first (not checked)."""
+    if directory is None or not directory.is_dir():
+        return []
+    out = []
+    for path in _by_step(directory):
+        try:
+            out.append((int(path.stem.removeprefix(_PREFIX)), path))
+        except ValueError:
+            continue
+    return out[::-1]
+
+
+def set_aside(path: Path, why: str) -> None:
+    """Rename a checkpoint that cannot be loaded to `*.corrupt`, reported on stderr (another
+    process that shares the folder may have done it first)."""
+    aside = path.with_name(path.name + ".corrupt")
+    print(f"checkpoint {path} {why}; moved to {aside.name}", file=sys.stderr)
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        pass
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The state saved at `path`; CheckpointError naming the file when it cannot be read."""
     if not is_intact(path):

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint, set_aside
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
@@ -165,30 +165,55 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agree(start: int, *, device: torch.device) -> int:
-    """Every rank must go on from the same step, or the collectives of the run pair up wrongly."""
+def _agree(mine: int, *, device: torch.device) -> int:
+    """The smallest of every rank's `mine` (one all-reduce MIN of a tensor on the engine's device:
+    on NCCL a CUDA tensor, as NCCL requires; on gloo a CPU one). Without a process group: `mine`."""
     if not _distributed():
-        return start
-    t = torch.tensor([start, -start], dtype=torch.int64, device=device)
+        return mine
+    t = torch.tensor([mine], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    lo, hi = int(t[0]), -int(t[1])
-    if lo != hi:
-        raise RuntimeError(f"ranks found checkpoints of different steps ({lo}..{hi}); remove the newer ones")
-    return lo
+    return int(t.item())
+
+
+_NONE_ABOVE = 2**62
 
 
 def resume(directory: Path | None, *, engine: Engine, sink: MetricsSink) -> tuple[int, dict[str, Any]]:
-    """Load the latest checkpoint in `directory` into the engine; (the step to go on from, the
-    loop's saved state). (0, {}) when there is none."""
-    start, loop_state = 0, {}
-    if (path := latest_checkpoint(directory)) is not None:
-        state = load_checkpoint(path)
-        engine.load_state_dict(state)
-        start, loop_state = int(state["step"]), dict(state.get("loop", {}))
-    start = _agree(start, device=engine.device)
-    if path is not None:
-        sink.log(f"resumed from {path.name} at step {start}")
-    return start, loop_state
+    """Load the newest checkpoint that EVERY rank can load into the engine; (the step to go on
+    from, the loop's saved state). (0, {}) when there is none.
+
+    Each rank writes its own pieces, so one rank's newest file can be damaged (a crash, a bad
+    disk) while the others' are fine. The ranks agree on a step in rounds: each loads its newest
+    checkpoint at or below the current bound (skipping files that fail to load), and one
+    all-reduce MIN makes the smallest of those the next bound; when a round leaves the bound where
+    it was, every rank holds that step. Every rank runs the same rounds (the bound is the same on
+    all of them), so the collectives pair up; there are at most as many rounds as checkpoints
+    kept. A rank whose pieces another writes (a data-parallel replica) only reads."""
+    candidates = checkpoint_steps(directory)
+    loaded: tuple[int, Path, dict[str, Any]] | None = None
+    bound = _NONE_ABOVE
+    while True:
+        if loaded is not None and loaded[0] > bound:
+            loaded = None
+        while loaded is None and candidates:  # this rank's newest loadable one within the bound
+            step, path = candidates.pop(0)
+            if step > bound:
+                continue
+            try:
+                loaded = (step, path, load_checkpoint(path))
+            except CheckpointError as e:
+                if engine.writes_checkpoints:
+                    set_aside(path, f"cannot be loaded ({e})")
+        new_bound = _agree(loaded[0] if loaded else 0, device=engine.device)
+        if new_bound == bound:
+            break
+        bound = new_bound
+    if bound == 0 or loaded is None:
+        return 0, {}
+    step, path, state = loaded
+    engine.load_state_dict(state)
+    sink.log(f"resumed from {path.name} at step {step}")
+    return step, dict(state.get("loop", {}))
 
 
 def run_steps(

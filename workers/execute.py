@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from core.broker import JOBS_CHANNEL, job_channel
+from core.broker import JOBS_CHANNEL, job_channel, send_run_selection
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
@@ -37,8 +37,8 @@ from db.jobs import (
     stop_flags,
 )
 from db.models import JobStatus
-from db.quotas import quota_gate
-from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from db.quotas import quota_gate, waiting_groups
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
@@ -190,6 +190,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
+        used_s = job.run_seconds or 0.0
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -204,19 +205,20 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),))},
+        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     publish_status(relay, job_id=job_id)
 
+    # the limit counts every attempt: the time earlier attempts ran is already used up
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s
+    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
         if time.monotonic() > deadline:
-            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            out.error = runtime_error(runtime_s, used_s)
             return Ask.kill
         with session_for(settings.database_url) as s:
             cancel, preempt = stop_flags(s, job_id=job_id)
@@ -243,7 +245,21 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
-    return end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    relay.drain_live()
+    return status
+
+
+def send_waiting_groups(settings: Settings, user_id: int) -> None:
+    """A selection group of this user ended: their trial groups held back by the quota get
+    another try (the scheduler places plain jobs; a batch's groups are sent as messages)."""
+    try:
+        with session_for(settings.database_url) as s:
+            groups = waiting_groups(s, owner_id=user_id)
+        for (selection_id, queue), trial_ids in groups.items():
+            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
+    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued trials later
+        log.warning("could not re-send %s's waiting trial groups: %s", user_id, e)
 
 
 def end_attempt(

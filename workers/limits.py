@@ -1,5 +1,9 @@
 """Limits a worker puts on a trainer process: host memory and wall-clock time.
 
+Time: max_runtime_s (never more than the service's max_job_runtime_s) counts the wall time of all
+of a job's attempts (jobs.run_seconds, written with each relay batch), so a job re-claimed after a
+kill has only what is left of it.
+
 Memory: a CPU job's processes run under RLIMIT_AS of about twice their share of the job's
 host-memory estimate (jobrules/hostmem.py, the number admission checked) plus a fixed runtime
 margin, and never more than this machine's RAM shared among the ranks. An allocation past it fails
@@ -24,15 +28,30 @@ buffers): `import torch` alone maps ~0.6 GiB."""
 _OOM_MARKS = ("can't allocate memory", "MemoryError", "Cannot allocate memory", "std::bad_alloc")
 
 
+def _cuda(spec: dict[str, Any]) -> bool:
+    res = spec.get("resources") or {}
+    return res.get("device") == "cuda" or bool(res.get("gpus", 0))
+
+
 def memory_limit_bytes(spec: dict[str, Any], *, ram_bytes: int | None = None) -> int | None:
     """Per-process address-space limit for this job, or None (CUDA jobs)."""
-    res = spec.get("resources") or {}
-    if res.get("device") == "cuda" or res.get("gpus", 0):
+    if _cuda(spec):
         return None
     ranks = world_size(spec.get("parallel") or {})
     share = 2 * host_memory_bytes(spec)["total"] // ranks + MARGIN_BYTES
     ram = ram_bytes or host_ram_bytes()
     return int(min(share, max(ram // ranks, MARGIN_BYTES)))
+
+
+def group_memory_limit_bytes(specs: list[dict[str, Any]], *, ram_bytes: int | None = None) -> int | None:
+    """Address-space limit of a selection group's one process, or None (CUDA trials). All its
+    trials live in that process (HYDRA keeps idle models in host memory), so the limit is twice
+    the sum of their estimates plus the runtime margin, never more than this machine's RAM."""
+    if not specs or any(_cuda(s) for s in specs):
+        return None
+    total = sum(host_memory_bytes(s)["total"] for s in specs)
+    ram = ram_bytes or host_ram_bytes()
+    return int(min(2 * total + MARGIN_BYTES, max(ram, MARGIN_BYTES)))
 
 
 def apply_memory_limit(limit: int | None) -> None:
@@ -45,6 +64,12 @@ def runtime_limit_s(spec: dict[str, Any], *, service_max_s: float) -> float:
     """The job's own max_runtime_s, never more than the service's max_job_runtime_s."""
     own = spec.get("max_runtime_s")
     return min(float(own), service_max_s) if own else service_max_s
+
+
+def runtime_error(limit_s: float, earlier_s: float) -> str:
+    """Why a job (or trial) was stopped at its runtime limit, which counts every attempt."""
+    earlier = f", {earlier_s:.1f} s of it in earlier attempts" if earlier_s > 0 else ""
+    return f"ran past its max_runtime_s ({limit_s:g} s over all its attempts{earlier}) and was stopped"
 
 
 def out_of_memory_error(*, error: str | None, stderr_tail: list[str], limit: int | None) -> str | None:

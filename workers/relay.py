@@ -8,26 +8,27 @@ fenced by (job id, attempt, owner): a stale attempt writes nothing and is report
 `on_fenced`. A batch that fails (database locked, unreachable) is kept and retried; one that keeps
 failing for `db_retry_s` marks the relay broken and the supervisor kills the trainer (the lease then
 runs out and the job runs again from its checkpoint). Redis gets the rows after the commit, with
-their ids (the dashboard's streams resume by id); losing Redis loses nothing.
+their ids (the dashboard's streams resume by id) through a publisher thread that never holds up
+this one; losing Redis, or Redis hanging, loses nothing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from core.broker import JOBS_CHANNEL, redis_client
+from core.broker import JOBS_CHANNEL
 from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Applied, Attempt, JobLines, apply_gang_lines, apply_lines, db_now
 from db.models import Trial
-from db.selections import TrialProgress, apply_trial_lines, trial_fields
+from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
+from workers.publisher import live_publisher
 from workers.supervise import DRAIN
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,13 @@ class Target:
     node_rank: int | None = None
     """Set for one node of a multi-node job (workers/gang.py): its writes are fenced by the gang's
     rule (db/jobs.py apply_gang_lines) and renew this node's own lease."""
+    run_base: float = 0.0
+    """Seconds the job's earlier attempts ran (jobs.run_seconds at the claim)."""
+    started: float = field(default_factory=time.monotonic)
+    """When this attempt started (this process's monotonic clock)."""
+
+    def run_seconds(self) -> float:
+        return self.run_base + time.monotonic() - self.started
 
 
 class Relay:
@@ -59,6 +67,7 @@ class Relay:
         metric: str = "val_loss",
         mode: str = "min",
         selection_channel: str | None = None,
+        selection_id: int | None = None,
         flush_s: float = 0.2,
     ) -> None:
         self.settings = settings
@@ -66,6 +75,7 @@ class Relay:
         self.on_fenced = on_fenced
         self.metric, self.mode = metric, mode
         self.selection_channel = selection_channel
+        self.selection_id = selection_id
         self.fenced: set[int | None] = set()
         self.finished: set[int | None] = set()
         """Trials whose end was written (their job is terminal; later lines are dropped)."""
@@ -166,6 +176,8 @@ class Relay:
         applied: dict[int | None, Applied] = {}
         fenced: list[int | None] = []
         with session_for(self.settings.database_url) as s:
+            if self.selection_id is not None and any(not jl.empty() for jl in lines.values()):
+                lock_selection_writes(s, selection_id=self.selection_id)
             now = db_now(s)
             for key, target in self.targets.items():
                 if key in self.fenced or key in self.finished:
@@ -182,7 +194,12 @@ class Relay:
                     )
                 elif target.trial_id is None:
                     got = apply_lines(
-                        s, attempt=target.attempt, lines=jl, lease_s=self.settings.lease_s, now=now
+                        s,
+                        attempt=target.attempt,
+                        lines=jl,
+                        lease_s=self.settings.lease_s,
+                        now=now,
+                        run_seconds=target.run_seconds(),
                     )
                 else:
                     got = apply_trial_lines(
@@ -194,6 +211,7 @@ class Relay:
                         mode=self.mode,
                         lease_s=self.settings.lease_s,
                         now=now,
+                        run_seconds=target.run_seconds(),
                     )
                 if got is None:
                     fenced.append(key)
@@ -210,13 +228,13 @@ class Relay:
     # ---- publishing --------------------------------------------------------------------------
 
     def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...]) -> None:
-        try:
-            r = redis_client(self.settings.broker_url)
-            payload = json.dumps(msg, separators=(",", ":"))
-            for ch in channels:
-                r.publish(ch, payload)
-        except Exception as e:  # noqa: BLE001 - the database has it; live delivery is best effort
-            log.warning("publish failed: %s", e)
+        """Hand `msg` to this process's publisher thread (workers/publisher.py): a broker that is
+        down or hung never holds up the database writes and lease renewals of this relay."""
+        live_publisher(self.settings.broker_url).send(msg, channels=channels)
+
+    def drain_live(self, timeout_s: float = 5.0) -> None:
+        """Let what was published go out before the task returns (best effort, bounded)."""
+        live_publisher(self.settings.broker_url).drain(timeout_s)
 
     def _publish(self, applied: dict[int | None, Applied], progress: dict) -> None:
         for key, got in applied.items():

@@ -22,6 +22,7 @@ from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt, lease_left_s, mark_enqueued, release_job
 from db.models import Job, Trial
+from db.quotas import group_quota_gate
 from db.selections import (
     claim_trials,
     finish_trial,
@@ -30,7 +31,8 @@ from db.selections import (
     stop_requests,
     sync_trials,
 )
-from workers.execute import drop_checkpoints_past, owner_id, publish_status
+from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status, send_waiting_groups
+from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.search import grow
 from workers.supervise import Ask, Outcome, supervise
@@ -47,6 +49,10 @@ def take_trials(settings: Settings, *, trial_ids: list[int], worker: str) -> lis
     deadline = time.monotonic() + 2 * settings.lease_s
     while True:
         with session_for(settings.database_url) as s:
+            # the owner's quota (db/quotas.py: a group counts as one job of the batch's devices)
+            # is checked and the trials claimed in one transaction; over it, they wait queued
+            if why := group_quota_gate(s, trial_ids=trial_ids, defaults=settings.quota_defaults):
+                raise QuotaWait(why)
             won = claim_trials(
                 s, trial_ids=trial_ids, owner=owner_id(), worker=worker, lease_s=settings.lease_s
             )
@@ -69,7 +75,10 @@ def resend_trials(settings: Settings, *, selection_id: int, trial_ids: list[int]
 
 
 def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Settings, worker: str) -> str:
-    won = retry_db(settings, "claim", lambda: take_trials(settings, trial_ids=trial_ids, worker=worker))
+    try:
+        won = retry_db(settings, "claim", lambda: take_trials(settings, trial_ids=trial_ids, worker=worker))
+    except QuotaWait:
+        return "waiting"
     if not won:
         return "skipped"
     with session_for(settings.database_url) as s:
@@ -79,7 +88,9 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
         specs = {i: j.spec for i, j in jobs.items()}
         applied_steps = {i: j.applied_step for i, j in jobs.items()}
+        used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
         queue = jobs[won[0][0].index].queue
+        user_id = sel.owner_id
 
     root = settings.data_dir / "selections" / str(selection_id)
     root.mkdir(parents=True, exist_ok=True)
@@ -116,21 +127,40 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
     relay = Relay(
         settings,
         targets={
-            t.index: Target(attempt=a, channels=(job_channel(t.job_id), channel), trial_id=t.id)
+            t.index: Target(
+                attempt=a, channels=(job_channel(t.job_id), channel), trial_id=t.id, run_base=used_s[t.index]
+            )
             for t, a in won
         },
         on_fenced=lambda _key: None,  # the poll below stops fenced trials
         metric=batch["metric"],
         mode=batch["mode"],
         selection_channel=channel,
+        selection_id=selection_id,
     )
     for t, _ in won:
         publish_status(relay, job_id=t.job_id)
     relay.publish({"type": "selection", "status": "running"}, channels=(channel,))
     mine = {t.index for t, _ in won}
+    out = Outcome()
+    # a trial's max_runtime_s (its spec's, within the service's) counts the time its groups ran
+    # while it was in them, over all its attempts; the group runs until the first of its trials
+    # still running reaches its limit, then stops, and the unfinished trials fail with the reason
+    limits = {i: runtime_limit_s(specs[i], service_max_s=settings.max_job_runtime_s) for i in mine}
+    started = time.monotonic()
+
+    def over_time() -> str | None:
+        ran = time.monotonic() - started
+        for i in sorted(mine - relay.finished - relay.fenced):
+            if used_s[i] + ran > limits[i]:
+                return f"trial {i}: " + runtime_error(limits[i], used_s[i])
+        return None
 
     def poll() -> Ask:
         if relay.broken or relay.fenced >= mine:
+            return Ask.kill
+        if why := over_time():
+            out.error = out.error or why
             return Ask.kill
         with session_for(settings.database_url) as s:
             cancel, indices = stop_requests(s, selection_id=selection_id)
@@ -155,7 +185,9 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         str(stop_trials),
         *workspace_args(specs[won[0][0].index], settings=settings, workdir=root),  # one base, one workspace
     ]
-    out = Outcome()
+
+    # every trial of the group lives in this one process (idle ones in host memory)
+    mem_limit = group_memory_limit_bytes([specs[i] for i in sorted(mine)])
 
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is not None:
@@ -170,15 +202,22 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         grace_s=settings.cancel_grace_s,
         shutdown_grace_s=settings.shutdown_grace_s,
         out=out,
+        memory_limit=mem_limit,
     )
+    if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
+        out.error = oom
     if not relay.close():
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
-    return retry_db(
+    status = retry_db(
         settings,
         "trial ends",
         lambda: _end_group(settings, selection_id, won, relay=relay, rc=rc, out=out, queue=queue),
     )
+    relay.drain_live()
+    if user_id is not None and status not in ("lost",):
+        send_waiting_groups(settings, user_id)
+    return status
 
 
 def _end_group(

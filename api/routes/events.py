@@ -54,7 +54,8 @@ async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
                 if job is not None:
                     last = time.monotonic()
                     yield frame(event="job", data=job)
-                elif msg.get("status") == "deleted":
+                elif msg.get("status") == "deleted" and may_see(user, msg.get("owner_id")):
+                    # only its owner and admins learned it existed (a job from before users: admins)
                     yield frame(event="deleted", data={"job_id": msg["job_id"]})
             elif time.monotonic() - last > settings.sse_keepalive_s:
                 last = time.monotonic()

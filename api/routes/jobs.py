@@ -198,8 +198,8 @@ def requeue_job(
 def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
     """(admin) A finished job with its metrics, events and folder (checkpoints, spec, stderr)."""
     with _as_http():
-        delete_finished_job(settings, job_id=job_id)
-    publish_job_status(settings, job_id=job_id, status="deleted")
+        owner_id = delete_finished_job(settings, job_id=job_id)
+    publish_job_status(settings, job_id=job_id, status="deleted", owner_id=owner_id)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -15,6 +16,7 @@ from api.deps import SessionDep, SettingsDep
 from api.limits import clip
 from api.routes.workspaces import pin_workspace
 from api.schemas import (
+    DB_BIGINT,
     DB_INT,
     JobSpec,
     SelectionCreate,
@@ -230,13 +232,27 @@ def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: Curren
 
 @router.get("/{selection_id}/stream")
 def stream_selection(
-    selection_id: Id, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    selection_id: Id,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
+    last_event_id: Annotated[str | None, Header(max_length=40)] = None,
 ) -> SseResponse:
-    """Server-Sent Events: first every trial's state, then live `trial` (a trial changed), `metric`
-    (any trial's point, with trial_id and job_id) and `status` (the batch's status). A client that
-    reconnects gets the current state again; the full series are in /api/jobs/{job_id}/metrics."""
+    """Server-Sent Events: first every trial's state, then `metric` (any trial's point, with
+    trial_id and job_id; its id is the resume cursor), live `trial` (a trial changed) and `status`
+    (the batch's status). A client that reconnects with Last-Event-ID gets the trials' current
+    states and then exactly the points it has not seen."""
     _selection_or_404(session, selection_id, user)
+    cursor = last_event_id or request.query_params.get("last_event_id")
+    if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
+        )
     # open_stream closes the session: a stream must not hold a pooled connection while it waits
     return open_stream(
-        request, lambda: selection_events(settings, selection_id=selection_id), session=session, user=user
+        request,
+        lambda: selection_events(settings, selection_id=selection_id, last_event_id=cursor),
+        session=session,
+        user=user,
     )

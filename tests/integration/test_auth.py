@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from db.engine import session_for
+from db.jobs import JobStatus, claim_job, create_job, finish_job
 from tests.conftest import TINY_SPEC, StackHandle
 
 pytestmark = pytest.mark.integration
@@ -179,3 +181,73 @@ def test_operator_actions_are_for_admins_and_record_who(stack: StackHandle) -> N
         assert {"error": "stuck", "by": "admin"} in [e["data"] for e in events]
         assert stack.client.delete(f"/api/jobs/{job['id']}").status_code == 204
         assert ca.get(f"/api/jobs/{job['id']}").status_code == 404
+
+
+class _Events:
+    """A live /api/events stream read in a thread: its frames in order, and when it was open."""
+
+    def __init__(self, base_url: str, token: str) -> None:
+        import threading
+
+        self.frames: list[tuple[str, dict]] = []
+        self.open = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(base_url, token), daemon=True)
+        self._thread.start()
+        assert self.open.wait(30), "the events stream did not open"
+
+    def _read(self, base_url: str, token: str) -> None:
+        import json
+
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.stream("GET", f"{base_url}/api/events", headers=headers, timeout=60) as r:
+            event = None
+            for line in r.iter_lines():
+                self.open.set()  # the first line comes after the stream subscribed
+                if self._stop.is_set():
+                    return
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:") and event:
+                    self.frames.append((event, json.loads(line[5:])))
+
+    def wait_for(self, predicate, timeout: float = 60) -> None:  # noqa: ANN001
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not any(predicate(ev, data) for ev, data in list(self.frames)):
+            assert time.monotonic() < deadline, f"not seen in {self.frames}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def test_deleted_frames_reach_only_the_owner_and_admins(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    b, cb = new_user(stack)
+    with ca, cb:
+        # A's finished job, written straight into the database (no training needed to delete one)
+        with session_for(stack.stack.database_url) as s:
+            job_id = create_job(s, name="to-delete", spec=SHORT, owner_id=a["user"]["id"]).id
+            attempt = claim_job(s, job_id=job_id, owner="test", worker="test", lease_s=60)
+            assert attempt is not None and finish_job(s, attempt=attempt, status=JobStatus.succeeded)
+        job = ca.get(f"/api/jobs/{job_id}").json()
+        streams = {
+            who: _Events(stack.base_url, tok)
+            for who, tok in (("a", a["token"]), ("b", b["token"]), ("admin", stack.token))
+        }
+        try:
+            assert stack.client.delete(f"/api/jobs/{job['id']}").status_code == 204
+            gone = lambda ev, d: ev == "deleted" and d == {"job_id": job["id"]}  # noqa: E731
+            streams["a"].wait_for(gone)
+            streams["admin"].wait_for(gone)
+            # B's stream is live (it shows B's own new job, announced after the delete) and
+            # never carried the other user's deletion
+            mine = cb.post("/api/jobs", json={**SHORT, "name": "bobs"}).json()
+            streams["b"].wait_for(lambda ev, d: ev == "job" and d.get("id") == mine["id"])
+            assert not any(ev == "deleted" for ev, _ in streams["b"].frames), streams["b"].frames
+            assert cb.post(f"/api/jobs/{mine['id']}/cancel").status_code == 200
+        finally:
+            for st in streams.values():
+                st.close()

@@ -10,6 +10,7 @@ every recovery is quick; tests restart `worker1` under the same name as needed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import time
@@ -132,6 +133,68 @@ def test_kill_only_the_pool_child(faults: StackHandle) -> None:
     done = assert_exactly_once(faults, job_id)
     assert done["attempts"] == 2
     assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_broker_down_during_a_run(faults: StackHandle, how: str) -> None:
+    """redis-server killed (connections refused), or stopped with SIGSTOP (it accepts and never
+    answers: every publish waits out its socket timeout), while the job trains; back a while
+    later. The database path does not go through Redis: the relay keeps writing metric points and
+    renewing the lease while the broker is gone (live publishing drops; streams catch up from the
+    database), so the same attempt trains on and ends `succeeded` with every step exactly once,
+    and no process is left behind."""
+    steps = 60
+    spec = {**SPEC, "train": {**SPEC["train"], "steps": steps}}
+    _ensure_worker(faults.stack)
+    job = faults.submit(spec)
+    faults.wait_until(job["id"], lambda j: j["progress"]["step"] >= 6, timeout=180)
+    redis = faults.stack.procs["redis"]
+    if how == "killed":
+        faults.stack.stop_process("redis", sig=signal.SIGKILL)
+    else:
+        os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        at = faults.job(job["id"])["progress"]["step"]
+        # progress (the relay's writes) keeps reaching the database with the broker gone, for
+        # longer than a lease period, under the same attempt
+        faults.wait_until(job["id"], lambda j: j["progress"]["step"] >= min(at + 20, steps), timeout=180)
+        time.sleep(2 * float(FAST["SHARDYARD_LEASE_S"]))
+        mid = faults.job(job["id"])
+        assert mid["attempts"] == 1, "the attempt lost its lease while the broker was down"
+    finally:
+        if how == "killed":
+            faults.stack.start_redis()
+        else:
+            os.kill(redis.pid, signal.SIGCONT)
+    done = assert_exactly_once(faults, job["id"], steps=steps)
+    assert done["attempts"] == 1
+    assert faults.stack.procs["worker1"].poll() is None, "the worker died with the broker"
+
+
+def test_max_runtime_counts_every_attempt(faults: StackHandle) -> None:
+    """A job with max_runtime_s = 10 runs half of it, its worker is killed and restarted: the
+    re-claimed attempt gets only what is left (the time is kept in jobs.run_seconds), so the job
+    fails at about 10 s in all, not 10 s after the restart."""
+    limit = 10
+    spec = {
+        **SPEC,
+        "max_runtime_s": limit,
+        "train": {**SPEC["train"], "steps": 1_000_000, "eval_every": 1000},
+    }
+    _ensure_worker(faults.stack)
+    job = faults.submit(spec)
+    faults.wait_until(job["id"], lambda j: j["run_seconds"] >= limit / 2, timeout=180)
+    used = faults.job(job["id"])["run_seconds"]
+    _kill_worker(faults.stack)
+    faults.stack.start_worker(1)
+    done = faults.wait(job["id"], ("failed",), timeout=180)
+    assert done["attempts"] == 2
+    assert f"max_runtime_s ({limit} s over all its attempts" in done["error"], done["error"]
+    earlier = float(re.search(r"([\d.]+) s of it in earlier attempts", done["error"])[1])
+    assert earlier >= used - 0.05
+    # it ran to the limit, and the second attempt did not get a fresh 10 s (that would be >= 15)
+    assert limit <= done["run_seconds"] < limit + limit / 2, done["run_seconds"]
+    assert _trainer_pids(faults.stack.root, job["id"]) == []
 
 
 def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:

@@ -196,7 +196,7 @@ def test_max_runtime_s_is_enforced(stack: StackHandle) -> None:
         with_(name="too-long", max_runtime_s=2, train={**TINY_SPEC["train"], "steps": 1_000_000})
     )
     done = stack.wait(job["id"], ("failed",), timeout=120)
-    assert "max_runtime_s (2 s)" in done["error"]
+    assert "max_runtime_s (2 s over all its attempts)" in done["error"]
 
 
 def test_workspace_refs_beyond_the_database_range_read_as_absent(stack: StackHandle) -> None:

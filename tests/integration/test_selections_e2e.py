@@ -138,3 +138,85 @@ def test_cancel_a_running_batch_and_stop_one_trial(stack: StackHandle) -> None:
     assert all(t["status"] in ("stopped", "cancelled") for t in done["trials"])
     assert all(t["steps_done"] < 100_000 for t in done["trials"])
     assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 409
+
+
+def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle) -> None:
+    """The selection stream cut mid-batch and reopened with the last id it gave: the two parts
+    together carry every point of every trial once, the same points a fresh stream replays."""
+    body = {
+        "name": "resume",
+        "base": {**BASE, "train": {**BASE["train"], "steps": 40, "eval_every": 10}},
+        "space": {"train.lr": [1e-3, 3e-3, 6e-3]},
+        "method": "grid",
+        "devices": 1,
+    }
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    path = f"/api/selections/{sid}/stream"
+    # the three trials' states, the batch's status, then a dozen points: cut there
+    first = read_sse(stack.base_url, path, stop_after=3 + 1 + 12)
+    assert stack.client.get(f"/api/selections/{sid}").json()["status"] not in ("succeeded", "failed")
+    ids = [fid for fid, ev, _ in first if ev == "metric"]
+    assert ids and all(fid is not None for fid in ids)
+    second = read_sse(stack.base_url, path, last_event_id=ids[-1])
+    assert [d["status"] for _, ev, d in second if ev == "status"][-1] == "succeeded"
+    full = read_sse(stack.base_url, path)
+
+    def points(frames: list) -> list[tuple]:
+        return [(d["trial_id"], d["name"], d["step"], d["value"]) for _, ev, d in frames if ev == "metric"]
+
+    got = points(first) + points(second)
+    assert len(got) == len(set(got)), "a point came twice"
+    assert sorted(got) == sorted(points(full))
+    # and that is every point of every trial in the database
+    sel = stack.client.get(f"/api/selections/{sid}").json()
+    total = 0
+    for tr in sel["trials"]:
+        series = stack.client.get(f"/api/jobs/{tr['job_id']}/metrics").json()["series"]
+        total += sum(len(s["steps"]) for s in series.values())
+    assert len(got) == total
+    loss_steps = sorted(st for tid, name, st, _ in got if name == "loss" and tid == sel["trials"][0]["id"])
+    assert loss_steps == list(range(1, 41))
+
+
+def test_trials_count_against_the_owners_quota_and_stop_at_max_runtime(stack: StackHandle) -> None:
+    """A user allowed one running job: while their batch's group trains, their job waits queued
+    with the quota as its reason; the group stops at the base spec's max_runtime_s (its trial
+    fails with the reason), and then the job runs."""
+    import secrets
+
+    import httpx
+
+    name = f"q{secrets.token_hex(4)}"
+    made = stack.client.post("/api/users", json={"name": name, "max_running_jobs": 1}).json()
+    with httpx.Client(
+        base_url=stack.base_url, timeout=30, headers={"Authorization": f"Bearer {made['token']}"}
+    ) as cu:
+        base = {
+            **BASE,
+            "max_runtime_s": 4,
+            "train": {**BASE["train"], "steps": 1_000_000, "eval_every": 1000},
+        }
+        body = {"name": "timed", "base": base, "space": {"train.lr": [1e-3]}, "method": "grid", "devices": 1}
+        resp = cu.post("/api/selections", json=body)
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+        deadline = time.monotonic() + 120
+        while cu.get(f"/api/selections/{sid}").json()["trials"][0]["status"] != "running":
+            assert time.monotonic() < deadline, "the trial never started"
+            time.sleep(0.2)
+        short = {**TINY_SPEC, "name": "after", "train": {**TINY_SPEC["train"], "steps": 3, "eval_every": 3}}
+        job = cu.post("/api/jobs", json=short).json()
+        held = stack.wait_until(job["id"], lambda j: j["wait_reason"] is not None, timeout=60)
+        assert held["status"] == "queued"
+        assert f"1 of {name}'s jobs are running, the quota is 1" in held["wait_reason"]
+        done = wait_selection(stack, sid, timeout=120)
+        (trial,) = done["trials"]
+        assert done["status"] == "failed" and trial["status"] == "failed"
+        trial_job = stack.job(trial["job_id"])
+        assert "max_runtime_s (4 s over all its attempts" in trial_job["error"], trial_job["error"]
+        assert trial_job["run_seconds"] >= 4
+        # the group's end sent the user's waiting job again
+        ended = stack.wait(job["id"], ("succeeded",), timeout=180)
+        assert ended["wait_reason"] is None

@@ -218,3 +218,42 @@ def test_data_parallel_run_resumes_from_the_first_replicas_checkpoint() -> None:
     torch.testing.assert_close(lead["first"] + lead["second"], ref["loss"], rtol=2e-4, atol=2e-5)
     assert any(m.startswith("resumed from step-00000002.pt") for m in lead["logs"])
     assert other["first"] == other["second"] == []
+
+
+def _resume_after_damage(rank: int, world: int, raw: dict[str, Any], ckpt: str) -> dict[str, Any]:
+    """Four steps (checkpoints at 2 and 4), then rank 1's newest file is truncated; the same job
+    again must fall back to step 2 on every rank."""
+    job = JobConfig.from_dict(raw)
+    first, second = ListSink(), ListSink()
+    run(job, sink=first, stop=_StopAfter(4), checkpoint_dir=Path(ckpt))
+    torch.distributed.barrier()
+    if rank == 1:
+        (newest,) = [p for p in Path(ckpt).rglob("step-00000004.pt") if p.parent.name == "pp1-tp0"]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    torch.distributed.barrier()
+    run(job, sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+
+    def losses(sink: ListSink) -> list[tuple[int, float]]:
+        return [(st, v) for st, n, v in sink.metrics if n == "loss"]
+
+    return {"first": losses(first), "second": losses(second), "logs": second.logs}
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_on_one_rank_falls_back_to_a_common_step() -> None:
+    """Stage 1's newest piece is damaged, stage 0's is fine: both ranks resume from step 2 (they
+    agree with an all-reduce MIN of a tensor on the engine's device: on gloo a CPU tensor, on NCCL
+    the same code all-reduces a CUDA tensor) and the run goes on exactly as one never stopped."""
+    ref = _reference({"steps": 6, "eval_every": 3})
+    raw = spec({"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}}, steps=6, eval_every=3)
+    raw["checkpoint_every"] = 2
+    with tempfile.TemporaryDirectory() as ckpt:
+        lead, _ = run_ranks(_resume_after_damage, world_size=2, args=(raw, ckpt), timeout_s=300)
+        aside = sorted(p.relative_to(ckpt).as_posix() for p in Path(ckpt).rglob("*.corrupt"))
+    assert aside == ["pp1-tp0/step-00000004.pt.corrupt"]
+    assert [st for st, _ in lead["first"]] == [1, 2, 3, 4]
+    assert "resumed from step-00000002.pt at step 2" in lead["logs"]
+    # steps 1-4, then 3-6 again from the common checkpoint: the same losses as one run of 6
+    assert [st for st, _ in lead["second"]] == [3, 4, 5, 6]
+    resumed = [v for _, v in lead["first"][:2]] + [v for _, v in lead["second"]]
+    torch.testing.assert_close(resumed, ref["loss"], rtol=2e-4, atol=2e-5)

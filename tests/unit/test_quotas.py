@@ -96,3 +96,65 @@ def test_jobs_without_an_owner_have_no_quota(db_url: str) -> None:
     with session_for(db_url) as s:
         job_id = dbj.create_job(s, name="old", spec={}).id
     assert _gate_and_claim(db_url, job_id) is None
+
+
+def _group(url: str, owner_id: int, *, n: int, devices: int) -> list[int]:
+    """A batch of `n` queued trials on `devices` devices; returns the trial ids."""
+    from db.selections import add_trials, create_selection
+
+    with session_for(url) as s:
+        sel = create_selection(
+            s,
+            name="sel",
+            request={"devices": devices},
+            metric="val_loss",
+            mode="min",
+            scheduler="shard-lrtf",
+            owner_id=owner_id,
+        )
+        trials = add_trials(
+            s, selection_id=sel.id, plans=[(i, {}, {"train": {"steps": 1}}) for i in range(n)], queue="cpu"
+        )
+        return [t.id for t in trials]
+
+
+def _gate_and_claim_group(url: str, trial_ids: list[int], holder: str) -> str | None:
+    from db.quotas import group_quota_gate
+    from db.selections import claim_trials
+
+    with session_for(url) as s:
+        reason = group_quota_gate(s, trial_ids=trial_ids, defaults=DEFAULTS)
+        if reason is None:
+            assert len(claim_trials(s, trial_ids=trial_ids, owner=holder, worker="w", lease_s=60)) == len(
+                trial_ids
+            )
+        return reason
+
+
+def test_a_running_selection_group_counts_as_one_job_of_its_devices(db_url: str) -> None:
+    """Four trials in one group (one process on 2 devices) are one running job using 2 ranks: a
+    job of 2 more ranks fits a quota of 4, one of 3 does not, and a second group waits for the
+    job slots."""
+    with session_for(db_url) as s:
+        uid = create_user(s, name="cy", max_running_jobs=2, max_ranks=4).id
+    group = _group(db_url, uid, n=4, devices=2)
+    assert _gate_and_claim_group(db_url, group, "w-group") is None
+    (wide,) = _jobs(db_url, uid, 1, world_size=3)
+    assert (
+        _gate_and_claim(db_url, wide)
+        == "cy's running jobs use 2 ranks; this one needs 3 more, the quota is 4"
+    )
+    (fits,) = _jobs(db_url, uid, 1, world_size=2)
+    assert _gate_and_claim(db_url, fits) is None
+    second = _group(db_url, uid, n=2, devices=1)
+    reason = _gate_and_claim_group(db_url, second, "w-other")
+    assert reason == "2 of cy's jobs are running, the quota is 2"
+    from db.quotas import waiting_groups
+
+    with session_for(db_url) as s:
+        assert [dbj.get_job(s, j).wait_reason for j in (wide,)] == [
+            "cy's running jobs use 2 ranks; this one needs 3 more, the quota is 4"
+        ]
+        assert list(waiting_groups(s, owner_id=uid).values()) == [second]
+        _finish(s, fits)
+    assert _gate_and_claim_group(db_url, second, "w-other") is None

@@ -60,3 +60,18 @@ def test_runtime_limit_is_the_jobs_own_within_the_services() -> None:
     assert runtime_limit_s({"max_runtime_s": 30}, service_max_s=100) == 30
     assert runtime_limit_s({"max_runtime_s": 300}, service_max_s=100) == 100
     assert runtime_limit_s({}, service_max_s=100) == 100
+
+
+def test_a_selection_groups_limit_sums_its_trials_estimates() -> None:
+    """A group's trials all live in its one process, so its limit is twice the sum of their
+    estimates plus one runtime margin, capped by the machine's RAM; CUDA groups get none."""
+    from workers.limits import MARGIN_BYTES, group_memory_limit_bytes
+
+    big = {**SPEC, "model": {**SPEC["model"], "d_model": 64}}
+    specs = [SPEC, SPEC, big]
+    ram = 2**40
+    want = 2 * sum(host_memory_bytes(s)["total"] for s in specs) + MARGIN_BYTES
+    assert group_memory_limit_bytes(specs, ram_bytes=ram) == want
+    assert memory_limit_bytes(SPEC, ram_bytes=ram) < want  # more than any one trial's
+    assert group_memory_limit_bytes(specs, ram_bytes=2**30) == MARGIN_BYTES  # never past the RAM
+    assert group_memory_limit_bytes([SPEC, {**SPEC, "resources": {"device": "cuda", "gpus": 1}}]) is None

@@ -46,6 +46,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
 
   let job: Job | null = null;
   let stream: EventSource | null = null;
+  let deleted = false;
   let closed = false;
   const seenLogs = new Set<string>();
 
@@ -68,14 +69,21 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const renderHeader = () => {
     if (!job) return;
     const j = job;
-    const active = !TERMINAL.has(j.status);
+    const active = !TERMINAL.has(j.status) && !deleted;
     replace(
       header,
+      deleted
+        ? h(
+            "p",
+            { class: "error", id: "job-deleted" },
+            "This job was deleted: its metrics, logs and checkpoints are gone. What is shown is what this page had loaded.",
+          )
+        : null,
       h(
         "div",
         { class: "title-row" },
         h("h1", {}, `Job #${j.id} · ${j.name}`),
-        badge(j.status),
+        deleted ? badge("deleted") : badge(j.status),
         active && !j.cancel_requested
           ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
           : null,
@@ -87,7 +95,10 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         fact("owner", j.owner ?? "—"),
         fact("worker", j.worker ?? "—"),
         j.status === "queued"
-          ? fact("queue", h("span", { id: "job-queue-position" }, j.queue_position ? `#${j.queue_position}` : "—"))
+          ? fact(
+              "queue",
+              h("span", { id: "job-queue-position" }, j.queue_position ? `#${j.queue_position}` : "—"),
+            )
           : null,
         j.status === "queued" && j.wait_reason
           ? fact("waiting", h("span", { id: "job-wait-reason" }, j.wait_reason))
@@ -135,6 +146,18 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const refreshJob = async () => {
     job = await api<Job>(`/api/jobs/${id}`);
     renderHeader();
+  };
+
+  /** Refetch after a change; a job deleted meanwhile (404) shows as deleted. */
+  const refetch = async () => {
+    try {
+      await refreshJob();
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 404 && job) {
+        deleted = true;
+        renderHeader();
+      }
+    }
   };
 
   const cancel = async () => {
@@ -205,7 +228,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         renderHeader();
         // finished: fetch the result and timestamps, and the timeline the worker stored at the end
         if (TERMINAL.has(s.status)) {
-          void refreshJob().then(loadTimeline);
+          void refetch().then(loadTimeline);
           stream?.close();
         }
       },
@@ -218,8 +241,23 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
   void start();
 
+  // the jobs-wide stream tells this page when the job is deleted, and asks for a refetch when
+  // the server lost changes (`resync`: its broker restarted)
+  const changes = subscribe("/api/events", {
+    deleted: (d: { job_id: number }) => {
+      if (d.job_id !== id) return;
+      deleted = true;
+      stream?.close();
+      renderHeader();
+    },
+    resync: () => {
+      if (!deleted && job) void refetch();
+    },
+  });
+
   return () => {
     closed = true;
+    changes.close();
     stream?.close();
     lossChart.destroy();
     tputChart.destroy();

@@ -175,18 +175,30 @@ export function jobsPage(root: HTMLElement): () => void {
     }
   };
 
-  // live updates; if the stream drops, poll until it is back (EventSource reconnects by itself)
-  const events = subscribe("/api/events", { job: upsert }, (state) => {
-    if (state === "open") {
-      note.textContent = "live";
-      if (poll !== null) window.clearInterval(poll);
-      poll = null;
-      void load(); // catch up on whatever changed while disconnected
-    } else if (poll === null) {
-      note.textContent = `stream lost, polling every ${POLL_MS / 1000} s`;
-      poll = window.setInterval(load, POLL_MS);
-    }
-  });
+  /** A job deleted (by an admin): off the table at once, then the page refilled by the server. */
+  const drop = (d: { job_id: number }) => {
+    tbody.querySelector(`tr[data-job-id="${d.job_id}"]`)?.remove();
+    if (jobs.delete(d.job_id) && reloadTimer === null)
+      reloadTimer = window.setTimeout(() => void load(), 300);
+  };
+
+  // live updates; if the stream drops, poll until it is back (EventSource reconnects by itself).
+  // `resync`: the server lost changes (its broker restarted), so reload the page from the API
+  const events = subscribe(
+    "/api/events",
+    { job: upsert, deleted: drop, resync: () => void load() },
+    (state) => {
+      if (state === "open") {
+        note.textContent = "live";
+        if (poll !== null) window.clearInterval(poll);
+        poll = null;
+        void load(); // catch up on whatever changed while disconnected
+      } else if (poll === null) {
+        note.textContent = `stream lost, polling every ${POLL_MS / 1000} s`;
+        poll = window.setInterval(load, POLL_MS);
+      }
+    },
+  );
 
   root.append(
     h("section", {}, h("div", { class: "title-row" }, h("h1", {}, "Jobs"), note)),
