@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     db_retry_s: float = 120.0
     """A worker retries a database write that fails (locked, unreachable) for this long before it
     gives the attempt up; the job's lease then runs out and it runs again from its checkpoint."""
+    warm_trainer: bool = True
+    """Single-process trainer runs are forked from a warm process per worker pool process that
+    imported torch once (workers/warm.py); false: every run starts a fresh Python."""
     shutdown_grace_s: float = 20.0
     """Warm shutdown (SIGTERM): running trainers are asked to stop and checkpoint, and killed
     after this long; their jobs go back to `queued`. Whoever stops a worker should wait this plus

@@ -31,6 +31,7 @@ from db.selections import (
     sync_trials,
 )
 from workers.execute import drop_checkpoints_past, owner_id, publish_status
+from workers.keep_best import keep_best_checkpoints
 from workers.relay import Relay, Target, retry_db
 from workers.search import grow
 from workers.supervise import Ask, Outcome, supervise
@@ -220,6 +221,7 @@ def _end_group(
         # the batch is settled, so it never shows as ended between two generations
         grow(settings, selection_id=selection_id)
         status = settle_selection(s, selection_id=selection_id)
+        keep_best_checkpoints(settings, s, selection_id=selection_id, status=status)
     if rerun:
         resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)
     relay.publish({"type": "selection", "status": str(status)}, channels=(selection_channel(selection_id),))

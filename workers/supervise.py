@@ -23,6 +23,7 @@ from pathlib import Path
 
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
+from workers.warm import launch
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +139,16 @@ def supervise(
         _die_with_parent()
         apply_memory_limit(memory_limit)
 
-    proc = subprocess.Popen(
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a single-process trainer forks from this process's warm trainer (workers/warm.py), else or
+    # when that fails it starts fresh; both are this process's child in their own session
+    proc = launch(cmd, env=env, memory_limit=memory_limit) or subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
         preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
     )
     done = threading.Event()

@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job, send_run_selection
@@ -27,6 +27,7 @@ from workers.execute import execute_job
 from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
+from workers.warm import prestart
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
@@ -140,6 +141,11 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
     name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
     queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
     threading.Thread(target=_beat, args=(_stop_beat, name, queues), daemon=True, name="heartbeat").start()
+
+
+@worker_process_init.connect
+def _start_warm_trainer(**_kwargs) -> None:
+    prestart()  # this pool process's zygote imports torch now, so its first run is warm too
 
 
 @worker_shutdown.connect
