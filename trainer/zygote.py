@@ -59,9 +59,10 @@ def preload() -> None:
     import torch.profiler  # noqa: F401 - the step loop's
 
     try:
-        import setproctitle  # noqa: F401 - so that a run's title costs nothing
+        import setproctitle
     except ImportError:
-        pass
+        return
+    setproctitle.getproctitle()  # finds the command line's memory while the environment is whole
 
 
 def cuda_untouched() -> bool:
@@ -139,6 +140,7 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
 
             limit = int(req["memory_limit"])
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _set_title(req.get("cmd") or [])  # before the environment changes: the title takes its space
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -146,7 +148,6 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
         sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         random.seed()  # a fresh process seeds from the OS; so does this one
-        _set_title(req.get("cmd") or [])
         module = req["module"]
         sys.argv = [module, *req["argv"]]
         if module == "trainer":

@@ -102,11 +102,18 @@ def test_a_warm_run_trains_as_a_fresh_one_and_its_limit_and_kill_end_only_that_r
     # a run killed at its first step (the stop watcher's SIGKILL to its session)
     long = {**SPEC, "train": {**SPEC["train"], "steps": 100_000}}
 
+    seen: list[str] = []
+
     def kill_at_first_step(msgs: list[Any]) -> Ask:
-        return Ask.kill if any(m.kind == "metric" for m in msgs) else Ask.none
+        if not any(m.kind == "metric" for m in msgs):
+            return Ask.none
+        seen.extend(_cmdline(p) for p in _children())
+        return Ask.kill
 
     rc, out, _, err = _supervise(_job(tmp_path, long, "long"), tmp_path, poll=kill_at_first_step)
     assert WARM_MARK in err and rc == -signal.SIGKILL and out.stopped == "kill"
+    # while it ran it was this process's child, under the command line a fresh process has
+    assert any(c.startswith(f"{' '.join(_job(tmp_path, long, 'long'))}") for c in seen), seen
     pids = [p for p in _children() if "long.json" in _cmdline(p)]
     assert pids == [], "the killed run is gone"
     assert warm._ZYGOTE.proc is zygote and warm._ZYGOTE.alive(), "the zygote outlives its runs' ends"
