@@ -23,7 +23,7 @@ from pathlib import Path
 
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
-from workers.warm import launch
+from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
 
@@ -186,5 +186,6 @@ def supervise(
             kill_group(proc, signal.SIGKILL)
             proc.wait()
         kill_group(proc, signal.SIGKILL)  # ranks torchrun left behind, if any
+        reap_group(proc.pid)  # and their exits, when this process adopted them (workers/warm.py)
         for t in threads:
             t.join(timeout=5)

@@ -8,7 +8,8 @@ and this process is a child subreaper), so supervision treats it as it treats a 
 session, its RLIMIT_AS is its own, it dies with this process, and `waitpid` gives its exit code.
 A memory limit or a kill ends the run, never the zygote; the zygote dies with this process.
 
-Multi-rank jobs (torchrun) are not warm. `SHARDYARD_WARM_TRAINER=false` turns this off; any failure
+Multi-rank jobs (torchrun) are not warm, nor any run on a machine with an NVIDIA device (not yet
+checked on a GPU). `SHARDYARD_WARM_TRAINER=false` turns this off; any failure
 of the zygote (it cannot start, died, answers wrongly or late) runs that one trainer as a fresh
 process and starts a new zygote for the next.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -188,7 +191,15 @@ def runs_warm(cmd: list[str]) -> bool:
         and cmd[1] == "-m"
         and cmd[2] in RUNNABLE
         and get_settings().warm_trainer
+        and not _has_cuda_devices()
     )
+
+
+def _has_cuda_devices() -> bool:
+    """An NVIDIA device node on this machine: its runs start fresh. The zygote never initialises
+    CUDA itself, but whether torch's imports leave the driver untouched on a CUDA build has not
+    been checked on a GPU yet (a forked child of an initialised driver is broken)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> WarmProcess | None:
@@ -224,3 +235,19 @@ def shutdown() -> None:
     with _ZYGOTE._lock:
         _ZYGOTE.stop()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def reap_group(pgid: int, *, wait_s: float = 2.0) -> None:
+    """Reap this process's children left in a killed run's process group: as a child subreaper it
+    adopts whatever a run leaves orphaned (torchrun's ranks when torchrun died first), and nobody
+    else waits for them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left in that group
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
