@@ -1,7 +1,8 @@
 """Admission at submit: refuse a job that could never run, with the numbers.
 
 Never means: over the submitting user's own quota even with nothing else running, or beyond every
-live worker's inventory (rank slots, GPUs, host RAM against jobrules/hostmem.py's estimate). A job
+live worker's inventory (rank slots, GPUs, host RAM against jobrules/hostmem.py's estimate) and
+beyond any gang of equal shares over several live workers. A job
 that fits but must wait (the user's other jobs fill the quota, workers are busy) is accepted and
 waits queued. With no live worker at all the job is accepted too: workers may be restarting.
 """
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from api.placement import placement_problem
 from api.schemas import JobSpec
+from core.scheduler import Want, box_of, gang_shape
 from core.settings import Settings
 from db.jobs import live_workers
 from db.models import User
@@ -54,12 +56,28 @@ def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> st
         return None  # no worker reported an inventory yet
     ranks = spec.parallel.world_size
     most_slots = max(h["slots"] for h in hosts)
-    if ranks > most_slots:
-        return (
-            f"parallel: the job needs {ranks} ranks on one worker; the largest live worker has "
-            f"{most_slots} slots ({len(hosts)} worker(s) alive)"
-        )
     need = host_memory_bytes(spec.model_dump())
+    if ranks > most_slots:
+        # wider than any one worker: a gang of equal shares over several (the scheduler places it)
+        boxes = [b for b in (box_of(w) for w in workers) if b is not None]
+        want = Want(
+            id=0,
+            user=None,
+            priority=0,
+            created=0.0,
+            ranks=ranks,
+            gpus=job_gpus(spec.model_dump()),
+            ram=need["total"],
+            queue=spec.queue,
+        )
+        if gang_shape(want, boxes) is not None:
+            return None
+        return (
+            f"parallel: the job needs {ranks} ranks; the largest live worker has {most_slots} slots "
+            f"and no gang of equal shares over the {len(hosts)} live worker(s) can hold them (the "
+            f"ranks must divide evenly over the nodes, each node's share within one worker's slots "
+            f"and RAM)"
+        )
     fits = [h for h in hosts if h["slots"] >= ranks]
     most_ram = max(h["ram_bytes"] for h in fits)
     if need["total"] > most_ram:

@@ -3,6 +3,7 @@
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
+    shardyard scheduler
     shardyard admin create-user NAME [--admin]
 
 The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000), the API
@@ -326,6 +327,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
     os.execvp(cmd[0], cmd)
 
 
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    """The scheduler on its own (core/scheduler.py): one of these, or the API processes' embedded
+    ones, is active at a time (a database lock); set SHARDYARD_EMBEDDED_SCHEDULER=0 on the API
+    when this runs instead."""
+    import logging
+    import signal
+
+    from core.scheduler import Scheduler
+    from core.settings import get_settings
+
+    cmd_migrate(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    sched = Scheduler(get_settings())
+    signal.signal(signal.SIGTERM, lambda *_: sched.stop_event.set())
+    try:
+        sched.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     import signal
 
@@ -424,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queues", default="cpu,gpu")
     p.add_argument("--concurrency", type=int, default=1)
     p.set_defaults(fn=cmd_worker)
+    p = sub.add_parser("scheduler", help="run the scheduler standalone (migrates first)")
+    p.set_defaults(fn=cmd_scheduler)
     p = sub.add_parser("admin", help="administration straight on the database")
     admin = p.add_subparsers(dest="admin_command", required=True)
     p = admin.add_parser("create-user", help="create a user and print its first API token")

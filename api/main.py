@@ -21,8 +21,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from api.auth import bootstrap_admin
 from api.limits import RequestLimits, clip
 from api.retention import retention_loop
-from api.routes import events, health, jobs, selections, users, workspaces
+from api.routes import events, health, jobs, queue, selections, users, workspaces
 from api.streams import StreamSlots
+from core.scheduler import Scheduler
 from core.settings import Settings, get_settings
 from db.engine import POOL_TIMEOUT_S
 
@@ -83,15 +84,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             bootstrap_admin(settings)
         except Exception:  # noqa: BLE001 - an unmigrated database must not stop the API serving 503s
             log.exception("could not set up the admin from SHARDYARD_ADMIN_TOKEN")
         cleanup = asyncio.create_task(retention_loop(settings)) if settings.job_retention_days > 0 else None
+        # the scheduler ticks in a thread of every API process; one at a time holds its lock
+        sched = Scheduler(settings).start() if settings.embedded_scheduler else None
+        app.state.scheduler = sched
         try:
             yield
         finally:
+            if sched is not None:
+                sched.stop()
             if cleanup is not None:
                 cleanup.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -125,6 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(jobs.router)
+    app.include_router(queue.router)
     app.include_router(selections.router)
     app.include_router(workspaces.router)
     if (settings.frontend_dist / "index.html").exists():

@@ -173,6 +173,17 @@ class Progress(BaseModel):
     loss: float | None = None
 
 
+class ReservationPublic(BaseModel):
+    worker: str
+    node_rank: int
+    nnodes: int
+    slots: int
+    gpus: int
+    ram_bytes: int
+    claimed: bool
+    """The node's task has started (claimed the reservation)."""
+
+
 class JobPublic(BaseModel):
     id: int
     name: str
@@ -194,7 +205,32 @@ class JobPublic(BaseModel):
     selection_id: int | None
     owner: str | None
     wait_reason: str | None
-    """Why a queued job has not started (its owner's quota is full)."""
+    """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
+    behind a higher-priority job, no live worker)."""
+    queue_position: int | None = None
+    """1-based place of a queued job in the scheduler's order (None when not queued)."""
+    reservation: list[ReservationPublic] = []
+    """The slots the scheduler reserved for the job, one entry per node (worker)."""
+
+
+class QueueEntry(BaseModel):
+    position: int
+    """1-based, in the scheduler's order among all queued jobs."""
+    job_id: int
+    name: str
+    owner: str | None
+    priority: int
+    effective_priority: int
+    """priority plus one for every aging_s the job has waited."""
+    world_size: int
+    waited_s: float
+    wait_reason: str | None
+
+
+class QueuePublic(BaseModel):
+    items: list[QueueEntry]
+    total: int
+    """Queued jobs in all (a user sees only their own entries, with their global positions)."""
 
 
 class JobsPublic(BaseModel):

@@ -22,10 +22,6 @@ from pathlib import Path
 
 import httpx
 
-from core.broker import send_run_job
-from core.settings import Settings
-from db.engine import session_for
-from db.jobs import mark_enqueued, stale_queued_jobs
 from db.migrate import upgrade
 
 
@@ -213,26 +209,11 @@ class Stack:
 
         _wait(registered, timeout_s=120, what=f"Celery {name}", proc=proc)
 
-    def resend_queued(self) -> int:
-        """Send the message of every queued job again. The embedded redis-server keeps nothing on
-        disk, so after a restart of the stack the queue is empty while the database still holds
-        queued jobs (among them those a warm shutdown put back); the claim is idempotent, so a job
-        whose message did survive still runs once. Selection trials go with their batch's
-        messages, never as plain jobs."""
-        settings = Settings(database_url=self.database_url, broker_url=self.broker_url)
-        with session_for(self.database_url) as s:
-            queued = [j for j in stale_queued_jobs(s, older_than_s=0) if j.kind == "job"]
-            for job in queued:
-                send_run_job(settings, job_id=job.id, queue=job.queue)
-            mark_enqueued(s, job_ids=[j.id for j in queued])
-        return len(queued)
-
     def start(self) -> Stack:
         self.root.mkdir(parents=True, exist_ok=True)
         upgrade(self.database_url)
         try:
             self.start_redis()
-            self.resend_queued()
             self.start_api()
             for i in range(self.workers):
                 self.start_worker(i + 1)

@@ -17,6 +17,15 @@ JOBS_CHANNEL = "shardyard:jobs"
 """Every job status change (data: {"job_id", "status"}), for the dashboard's live jobs table."""
 
 
+NODE_QUEUE_PREFIX = "node."
+
+
+def node_queue(worker_name: str) -> str:
+    """The direct queue of one worker (its Celery node name, e.g. worker1@host): the scheduler
+    sends a job's task there once it reserved that worker's slots."""
+    return NODE_QUEUE_PREFIX + worker_name
+
+
 def job_channel(job_id: int) -> str:
     return f"shardyard:job:{job_id}"
 
@@ -56,9 +65,11 @@ def celery_client(broker_url: str, visibility_timeout: int) -> Celery:
     return app
 
 
-def send_run_job(settings: Settings, *, job_id: int, queue: str) -> None:
+def send_run_job(settings: Settings, *, job_id: int, queue: str, node_rank: int = 0, nnodes: int = 1) -> None:
+    """One node's task of a placed job (the scheduler sends it to the worker's node_queue)."""
     app = celery_client(settings.broker_url, int(transport_options(settings)["visibility_timeout"]))
-    app.send_task(TASK_RUN_JOB, args=[job_id], queue=queue)
+    kwargs = {"node_rank": node_rank, "nnodes": nnodes}
+    app.send_task(TASK_RUN_JOB, args=[job_id], kwargs=kwargs, queue=queue)
 
 
 def send_run_selection(settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str) -> None:

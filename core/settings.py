@@ -44,6 +44,22 @@ class Settings(BaseSettings):
     warm_trainer: bool = True
     """Single-process trainer runs are forked from a warm process per worker pool process that
     imported torch once (workers/warm.py); false: every run starts a fresh Python."""
+    scheduler_s: float = 1.0
+    """The scheduler's tick: how often it frees ended reservations and places queued jobs (a
+    submit also wakes the API's embedded scheduler at once)."""
+    aging_s: float = 600.0
+    """A queued job's effective priority grows by 1 for every aging_s it has waited, so a
+    low-priority job is never passed over forever."""
+    fair_share_window_s: float = 3600.0
+    """Fair share counts each user's slot-seconds over this recent window (plus what runs now)."""
+    preemption: bool = False
+    """A higher-priority job that cannot fit asks lower-priority running jobs to checkpoint and
+    go back to the queue."""
+    gang_restarts: int = 3
+    """How often a multi-node job restarts its gang from the last checkpoint after losing a node."""
+    embedded_scheduler: bool = True
+    """Run the scheduler as a background thread of each API process (one is active at a time,
+    by a database lock); off when `shardyard scheduler` runs it standalone."""
     shutdown_grace_s: float = 20.0
     """Warm shutdown (SIGTERM): running trainers are asked to stop and checkpoint, and killed
     after this long; their jobs go back to `queued`. Whoever stops a worker should wait this plus
@@ -95,6 +111,14 @@ class Settings(BaseSettings):
     refused at submit."""
     quota_ranks: int = 64
     quota_gpus: int = 8
+
+    # ---- jobs wider than one node (workers/gang.py) ----
+    node_addr: str = ""
+    """The address other nodes reach this worker at (torchrun's --local-addr, and node 0's
+    rendezvous endpoint host); empty: the address the hostname resolves to."""
+    gang_join_s: float = 120.0
+    """How long a node of a multi-node job waits for node 0's rendezvous endpoint, and torchrun
+    waits for every node to join, before the node gives up with the reason."""
 
     @property
     def quota_defaults(self) -> dict[str, int]:

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, insert, select, text, update
+from sqlalchemy import case, delete, exists, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, User, WorkerBeat, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, User, WorkerBeat, utcnow
 
 
 class NotFound(LookupError):
@@ -158,16 +158,44 @@ def _claimable(now: datetime, owner: str) -> Any:
     return (Job.status == JobStatus.queued) | ((Job.status == JobStatus.running) & expired)
 
 
+def free_job_reservations(session: Session, *, job_id: int) -> None:
+    """The job's slots go back to the pool (inside the caller's transaction)."""
+    session.execute(delete(Reservation).where(Reservation.job_id == job_id))
+
+
+def _reserved_here(job_id: int, worker: str) -> Any:
+    return exists().where(
+        Reservation.job_id == job_id, Reservation.worker == worker, Reservation.node_rank == 0
+    )
+
+
+def reserved_here(session: Session, *, job_id: int, worker: str) -> bool:
+    """The scheduler placed node 0 of job `job_id` on `worker`."""
+    return bool(session.scalar(select(_reserved_here(job_id, worker))))
+
+
 def claim_job(
-    session: Session, *, job_id: int, owner: str, worker: str, lease_s: float, kind: str = "job"
+    session: Session,
+    *,
+    job_id: int,
+    owner: str,
+    worker: str,
+    lease_s: float,
+    kind: str = "job",
+    reserved: bool = False,
 ) -> Attempt | None:
     """Take the lease of job `job_id` for `owner` (one worker process start), atomically: one
     conditional UPDATE, so of many racing deliveries exactly one wins. None when the job is taken
-    (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch)."""
+    (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch).
+    `reserved`: only when the scheduler reserved node 0 of the job on `worker` (a task for a job
+    placed elsewhere is skipped); the reservation records the claim."""
     now = db_now(session)
+    where = [Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner)]
+    if reserved:
+        where.append(_reserved_here(job_id, worker))
     got = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner))
+        .where(*where)
         .values(
             status=JobStatus.running,
             started_at=now,
@@ -180,6 +208,12 @@ def claim_job(
         .returning(Job.attempts)
         .execution_options(synchronize_session=False)
     ).first()
+    if got and reserved:
+        session.execute(
+            update(Reservation)
+            .where(Reservation.job_id == job_id, Reservation.node_rank == 0)
+            .values(claimed_at=now, owner=owner)
+        )
     if got:
         data = {"worker": worker, "attempt": got[0]}
         session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="running", data=data))
@@ -231,13 +265,22 @@ def _upsert_points(session: Session, rows: list[dict[str, Any]]) -> dict[tuple[s
 
 
 def apply_lines(
-    session: Session, *, attempt: Attempt, lines: JobLines, lease_s: float, now: datetime
+    session: Session,
+    *,
+    attempt: Attempt,
+    lines: JobLines,
+    lease_s: float,
+    now: datetime,
+    fence: Any = None,
+    renew: bool = True,
 ) -> Applied | None:
     """Apply one job's lines of a batch inside the caller's transaction and renew its lease.
     None when the attempt is fenced off (re-queued, failed by an operator, taken by a newer
     attempt): then nothing of it is written. Lines at or below the applied sequence number are
-    skipped, so a batch retried after a commit that did go through changes nothing."""
-    seen = session.scalar(select(Job.applied_seq).where(_fence(attempt)))
+    skipped, so a batch retried after a commit that did go through changes nothing. `fence` (the
+    job owner's by default) and `renew` (the job's lease) are for a gang's nodes (apply_gang_lines)."""
+    fence = _fence(attempt) if fence is None else fence
+    seen = session.scalar(select(Job.applied_seq).where(fence))
     if seen is None:
         return None
     out = Applied()
@@ -248,7 +291,9 @@ def apply_lines(
     seqs = [x[0] for x in (*metrics, *events, *([result] if result else [])) if x[0] is not None]
     top_seq = max([seen, *seqs])
     ckpts: list[int] = []
-    values: dict[str, Any] = {"lease_until": now + timedelta(seconds=lease_s), "applied_seq": top_seq}
+    values: dict[str, Any] = {"applied_seq": top_seq}
+    if renew:
+        values["lease_until"] = now + timedelta(seconds=lease_s)
     if metrics:
         latest = {(n, st): (st, n, v, t) for _, st, n, v, t in metrics}  # one row per key per statement
         rows = [
@@ -281,7 +326,7 @@ def apply_lines(
             ckpts.append(result[1]["steps"])
     if ckpts:
         values["applied_step"] = case((Job.applied_step < max(ckpts), max(ckpts)), else_=Job.applied_step)
-    res = session.execute(update(Job).where(_fence(attempt), Job.applied_seq == seen).values(**values))
+    res = session.execute(update(Job).where(fence, Job.applied_seq == seen).values(**values))
     return out if res.rowcount == 1 else None
 
 
@@ -316,10 +361,11 @@ def finish_job(
     }
     if result is not None:
         values["result"] = result
-    res = session.execute(update(Job).where(_fence(attempt)).values(**values))
+    res = session.execute(update(Job).where(_fence(attempt)).values(**values, preempt_requested=False))
     if res.rowcount != 1:
         session.rollback()
         return None
+    free_job_reservations(session, job_id=attempt.job_id)
     ev = JobEvent(
         job_id=attempt.job_id, time=time.time(), kind="status", message=str(status), data={"error": error}
     )
@@ -334,11 +380,14 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
     res = session.execute(
         update(Job)
         .where(_fence(attempt), Job.status == JobStatus.running)
-        .values(status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None)
+        .values(
+            status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None, preempt_requested=False
+        )
     )
     if res.rowcount != 1:
         session.rollback()
         return False
+    free_job_reservations(session, job_id=attempt.job_id)
     session.add(
         JobEvent(
             job_id=attempt.job_id, time=time.time(), kind="status", message="queued", data={"reason": reason}
@@ -348,17 +397,18 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
     return True
 
 
-def expire_leases(session: Session) -> tuple[list[Job], list[Job]]:
+def expire_leases(session: Session, *, gang_restarts: int = 3) -> tuple[list[Job], list[Job]]:
     """Running jobs (and trials) whose lease ran out by database time: the owner is gone or cut
     off. A cancel that was asked ends them `cancelled`; the rest go back to `queued` with no
-    message on record, for the reconciler to send. Returns (re-queued, cancelled)."""
+    message on record, for the reconciler to send. A multi-node job goes back whole when its lease
+    or any node's ran out (expire_gangs). Returns (re-queued, cancelled)."""
     now = db_now(session)
+    requeued, cancelled = expire_gangs(session, now=now, gang_restarts=gang_restarts)
     gone = session.scalars(
         select(Job).where(
             Job.status == JobStatus.running, Job.lease_until.is_(None) | (Job.lease_until < now)
         )
     ).all()
-    requeued, cancelled = [], []
     for job in gone:
         cancel = job.cancel_requested
         res = session.execute(
@@ -370,10 +420,12 @@ def expire_leases(session: Session) -> tuple[list[Job], list[Job]]:
                 lease_until=None,
                 enqueued_at=None,
                 finished_at=utcnow() if cancel else None,
+                preempt_requested=False,
             )
         )
         if res.rowcount != 1:
             continue
+        free_job_reservations(session, job_id=job.id)
         why = f"the lease of {job.worker} (attempt {job.attempts}) ran out"
         msg = "cancelled" if cancel else "queued"
         session.add(
@@ -395,6 +447,7 @@ def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = 
         .where(Job.id == job_id)
         .values(status=JobStatus.failed, error=reason, finished_at=utcnow(), owner=None, lease_until=None)
     )
+    free_job_reservations(session, job_id=job_id)
     session.add(
         JobEvent(
             job_id=job_id,
@@ -426,8 +479,10 @@ def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None
             error=None,
             finished_at=None,
             enqueued_at=utcnow(),
+            preempt_requested=False,
         )
     )
+    free_job_reservations(session, job_id=job_id)
     session.add(
         JobEvent(
             job_id=job_id,
@@ -466,6 +521,7 @@ def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -
         .execution_options(synchronize_session="fetch")
     )
     if res.rowcount == 1:
+        free_job_reservations(session, job_id=job_id)
         session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled", data=by))
     else:
         session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
@@ -474,6 +530,12 @@ def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -
     session.commit()
     session.refresh(job)
     return job
+
+
+def stop_flags(session: Session, *, job_id: int) -> tuple[bool, bool]:
+    """(cancel requested, preemption requested) of a job."""
+    row = session.execute(select(Job.cancel_requested, Job.preempt_requested).where(Job.id == job_id)).first()
+    return (bool(row[0]), bool(row[1])) if row else (False, False)
 
 
 def cancel_requested(session: Session, *, job_id: int) -> bool:
@@ -597,6 +659,317 @@ def record_heartbeat(
     session.commit()
 
 
+def mark_draining(session: Session, *, name: str) -> None:
+    """The worker is shutting down warm: its inventory says so, and the scheduler places nothing
+    more on it (its heartbeat stops soon after)."""
+    beat = session.get(WorkerBeat, name)
+    if beat is not None:
+        inventory = dict(beat.devices or {})
+        inventory["host"] = {**(inventory.get("host") or {}), "draining": 1}
+        beat.devices = inventory
+        session.commit()
+
+
 def live_workers(session: Session, *, within_s: float) -> list[WorkerBeat]:
     cutoff = utcnow() - timedelta(seconds=within_s)
     return [w for w in session.scalars(select(WorkerBeat)).all() if aware(w.last_seen) >= cutoff]
+
+
+# ---- gangs: one job on several nodes (workers/gang.py) ----------------------------------------
+# Node 0 holds the job's lease (claim_job, `Job.owner`); every other node holds its reservation
+# row (`Reservation.owner`, its own `lease_until`) for the same attempt. Any node may write the
+# job's lines (global rank 0 of torchrun's c10d rendezvous can land on any node), fenced by
+# gang_fence. The first node to see the gang broken gives the whole job back (give_back_gang):
+# its reservations are deleted, so every other node is fenced off and kills its trainer.
+
+
+def gang_fence(attempt: Attempt, *, now: datetime) -> Any:
+    """The job runs this attempt, and the writer is its owner (node 0) or owns a live reservation
+    of the attempt (a reservation made at attempts == n runs attempt n + 1)."""
+    member = (
+        select(Reservation.id)
+        .where(
+            Reservation.job_id == attempt.job_id,
+            Reservation.attempt == attempt.attempt - 1,
+            Reservation.owner == attempt.owner,
+            Reservation.lease_until >= now,
+        )
+        .exists()
+    )
+    return (
+        (Job.id == attempt.job_id)
+        & (Job.attempts == attempt.attempt)
+        & (Job.status == JobStatus.running)
+        & ((Job.owner == attempt.owner) | member)
+    )
+
+
+def _node(attempt: Attempt, node_rank: int) -> Any:
+    return (
+        (Reservation.job_id == attempt.job_id)
+        & (Reservation.node_rank == node_rank)
+        & (Reservation.attempt == attempt.attempt - 1)
+        & (Reservation.owner == attempt.owner)
+    )
+
+
+def claim_node(
+    session: Session, *, job_id: int, node_rank: int, worker: str, owner: str, lease_s: float
+) -> Attempt | None:
+    """A node's task takes its reservation on this worker (one conditional UPDATE: of two
+    deliveries one wins; a retry of this process's own task takes it again). None when the
+    scheduler placed no such node here, another process holds it, or the job ended or moved on."""
+    now = db_now(session)
+    res = session.scalars(
+        select(Reservation).where(
+            Reservation.job_id == job_id, Reservation.node_rank == node_rank, Reservation.worker == worker
+        )
+    ).first()
+    job = session.get(Job, job_id)
+    fits = (
+        res is not None
+        and job is not None
+        and not job.cancel_requested
+        and job.status in (JobStatus.queued, JobStatus.running)
+        and job.attempts in (res.attempt, res.attempt + 1)
+    )
+    if not fits:
+        session.commit()
+        return None
+    got = session.execute(
+        update(Reservation)
+        .where(Reservation.id == res.id, Reservation.owner.is_(None) | (Reservation.owner == owner))  # type: ignore[union-attr]
+        .values(owner=owner, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
+    )
+    session.commit()
+    return Attempt(job_id=job_id, attempt=res.attempt + 1, owner=owner) if got.rowcount == 1 else None  # type: ignore[union-attr]
+
+
+def unclaim_node(session: Session, *, attempt: Attempt, node_rank: int, reason: str) -> None:
+    """A node gives its claim back before the gang started (node 0 never came): the scheduler
+    sends the node's task again; the reason goes into the job's log."""
+    session.execute(
+        update(Reservation)
+        .where(_node(attempt, node_rank))
+        .values(owner=None, claimed_at=None, lease_until=None)
+    )
+    session.add(JobEvent(job_id=attempt.job_id, time=time.time(), kind="log", message=reason))
+    session.commit()
+
+
+def set_rdzv_endpoint(session: Session, *, attempt: Attempt, endpoint: str, lease_s: float) -> bool:
+    """Node 0 (the job's owner) publishes its rendezvous "host:port" on its reservation and renews
+    that reservation's lease. False when fenced off."""
+    now = db_now(session)
+    res = session.execute(
+        update(Reservation)
+        .where(_node(attempt, 0), select(Job.id).where(_fence(attempt)).exists())
+        .values(rdzv_endpoint=endpoint, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
+    )
+    session.commit()
+    return res.rowcount == 1
+
+
+@dataclass(frozen=True, slots=True)
+class GangView:
+    """What a node of a gang needs to know each poll."""
+
+    intact: bool
+    """The job runs this attempt and this node still holds its live reservation."""
+    held: bool = False
+    """This node's reservation is still there, claimed by it (the job may not run yet)."""
+    endpoint: str | None = None
+    """Node 0's rendezvous endpoint (None until written)."""
+    slots: int = 0
+    """Ranks on this node."""
+    cancel: bool = False
+    preempt: bool = False
+    has_result: bool = False
+    stopped: bool = False
+    """The result says the run stopped before train.steps (a stop asked on some node)."""
+
+
+def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView:
+    now = db_now(session)
+    job = session.get(Job, attempt.job_id)
+    if job is None:
+        return GangView(intact=False)
+    mine = session.scalars(select(Reservation).where(_node(attempt, node_rank))).first()
+    head = session.scalars(
+        select(Reservation).where(Reservation.job_id == attempt.job_id, Reservation.node_rank == 0)
+    ).first()
+    live = mine is not None and mine.lease_until is not None and aware(mine.lease_until) >= now
+    running = job.status == JobStatus.running and job.attempts == attempt.attempt
+    session.commit()
+    return GangView(
+        intact=live and running,
+        held=mine is not None,
+        endpoint=head.rdzv_endpoint
+        if head is not None and head.attempt == attempt.attempt - 1 and running
+        else None,
+        slots=mine.slots if mine is not None else 0,
+        cancel=job.cancel_requested,
+        preempt=bool(getattr(job, "preempt_requested", False)),
+        has_result=job.result is not None,
+        stopped=bool((job.result or {}).get("stopped")),
+    )
+
+
+def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: float) -> bool:
+    """Extend this node's reservation lease (node 0: and the job's). False when fenced off."""
+    now = db_now(session)
+    until = now + timedelta(seconds=lease_s)
+    ok = session.execute(
+        update(Reservation)
+        .where(_node(attempt, node_rank), Reservation.lease_until >= now)
+        .values(lease_until=until)
+    ).rowcount
+    if ok and node_rank == 0:
+        ok = session.execute(update(Job).where(_fence(attempt)).values(lease_until=until)).rowcount
+    if not ok:
+        session.rollback()
+        return False
+    session.commit()
+    return True
+
+
+def apply_gang_lines(
+    session: Session, *, attempt: Attempt, node_rank: int, lines: JobLines, lease_s: float, now: datetime
+) -> Applied | None:
+    """apply_lines for one node of a gang, inside the relay's transaction: renews this node's
+    reservation lease (node 0: the job's too) and applies whatever lines this node's trainer wrote
+    (only the node holding global rank 0 writes any), fenced by gang_fence. None when fenced off."""
+    until = now + timedelta(seconds=lease_s)
+    if not session.execute(
+        update(Reservation)
+        .where(_node(attempt, node_rank), Reservation.lease_until >= now)
+        .values(lease_until=until)
+    ).rowcount:
+        return None
+    fence = gang_fence(attempt, now=now)
+    if (
+        node_rank == 0
+        and not session.execute(update(Job).where(_fence(attempt)).values(lease_until=until)).rowcount
+    ):
+        return None
+    if lines.empty():
+        # no applied_seq round trip: the node with the lines may be writing them right now
+        return Applied() if session.scalar(select(Job.id).where(fence)) is not None else None
+    return apply_lines(
+        session, attempt=attempt, lines=lines, lease_s=lease_s, now=now, fence=fence, renew=False
+    )
+
+
+def gang_restarts_used(session: Session, *, job_id: int) -> int:
+    """How many times the job's gang was sent back to the queue after losing a node."""
+    rows = session.scalars(
+        select(JobEvent.data).where(
+            JobEvent.job_id == job_id, JobEvent.kind == "status", JobEvent.message == "queued"
+        )
+    ).all()
+    return sum(1 for d in rows if isinstance(d, dict) and d.get("gang_restart"))
+
+
+def give_back_gang(
+    session: Session,
+    *,
+    job_id: int,
+    attempt: int,
+    reason: str,
+    restart: bool,
+    gang_restarts: int,
+    writer: Attempt | None = None,
+    fail: bool = False,
+) -> str | None:
+    """End a gang's attempt as one: every reservation of the job is deleted (so every node is
+    fenced off and kills its trainer) and the job goes back to `queued` to be placed again and
+    resume from its checkpoint. `restart` (a node was lost or its trainer failed) counts against
+    `gang_restarts`; past it, or with `fail`, the job ends `failed` with the reason. A cancel that
+    was asked ends it `cancelled`. `writer`: the node doing it (fenced by gang_fence); None: the
+    reaper (expire_gangs). Returns the job's new status, or None when the attempt was already over."""
+    now = db_now(session)
+    fence = (
+        gang_fence(writer, now=now)
+        if writer is not None
+        else (Job.id == job_id) & (Job.attempts == attempt) & (Job.status == JobStatus.running)
+    )
+    job = session.scalars(select(Job).where(fence)).first()
+    if job is None:
+        session.rollback()
+        return None
+    used = gang_restarts_used(session, job_id=job_id)
+    data: dict[str, Any] = {"reason": reason}
+    if job.cancel_requested:
+        status, error = JobStatus.cancelled, None
+    elif fail or (restart and used >= gang_restarts):
+        status = JobStatus.failed
+        error = (
+            reason
+            if fail
+            else f"the gang failed {used + 1} times (gang_restarts={gang_restarts}); last: {reason}"
+        )
+        data = {"error": error}
+    else:
+        status, error = JobStatus.queued, None
+        if restart:
+            data["gang_restart"] = used + 1
+    terminal = status != JobStatus.queued
+    res = session.execute(
+        update(Job)
+        .where(fence)
+        .values(
+            status=status,
+            error=error,
+            owner=None,
+            lease_until=None,
+            enqueued_at=None,
+            finished_at=utcnow() if terminal else None,
+            preempt_requested=False,
+        )
+    )
+    if res.rowcount != 1:
+        session.rollback()
+        return None
+    free_job_reservations(session, job_id=job_id)
+    session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message=str(status), data=data))
+    session.commit()
+    return str(status)
+
+
+def expire_gangs(session: Session, *, now: datetime, gang_restarts: int) -> tuple[list[Job], list[Job]]:
+    """Running multi-node jobs whose lease (node 0) or any claimed node's lease ran out: the gang
+    goes back whole (give_back_gang, counted as a restart). Returns (re-queued, cancelled); one
+    past its restarts ends failed."""
+    lapsed = select(Reservation.job_id).where(
+        Reservation.claimed_at.is_not(None), Reservation.lease_until < now
+    )
+    gangs = session.scalars(
+        select(Job).where(
+            Job.status == JobStatus.running,
+            Job.nnodes > 1,
+            Job.lease_until.is_(None) | (Job.lease_until < now) | Job.id.in_(lapsed),
+        )
+    ).all()
+    requeued, cancelled = [], []
+    for job in gangs:
+        late = session.scalars(
+            select(Reservation).where(
+                Reservation.job_id == job.id,
+                Reservation.claimed_at.is_not(None),
+                Reservation.lease_until < now,
+            )
+        ).all()
+        who = ", ".join(f"node {r.node_rank} on {r.worker}" for r in late) or f"node 0 on {job.worker}"
+        status = give_back_gang(
+            session,
+            job_id=job.id,
+            attempt=job.attempts,
+            reason=f"the lease of {who} (attempt {job.attempts}) ran out",
+            restart=True,
+            gang_restarts=gang_restarts,
+        )
+        if status == JobStatus.queued:
+            requeued.append(job)
+        elif status == JobStatus.cancelled:
+            cancelled.append(job)
+    return requeued, cancelled

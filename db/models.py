@@ -123,9 +123,56 @@ class Job(Base):
     owner_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="SET NULL"), default=None)
     """Who submitted it (a trial's job: the selection's owner); null for jobs from before users."""
     wait_reason: Mapped[str | None] = mapped_column(Text, default=None)
-    """Why a queued job is not running yet (its owner's quota is full); cleared when it starts."""
+    """Why a queued job is not running yet (the scheduler's reason: no worker big enough, quota,
+    behind a higher-priority job, no live worker); cleared when it is placed."""
+    nnodes: Mapped[int] = mapped_column(Integer, default=1)
+    """Workers (nodes) the job is placed on: 1, or a gang of several with equal ranks each."""
+    preempt_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    """The scheduler asks the running attempt to checkpoint and give the job back to the queue
+    (a higher-priority job needs its slots); cleared when the job is queued again."""
     user: Mapped[User | None] = relationship(lazy="joined")
     """The submitting user (`owner_id`); `owner` on a job is the worker process holding its lease."""
+
+
+class Reservation(Base):
+    """Slots the scheduler set aside for one node of a job's attempt on one worker. All nodes of a
+    job are reserved in one transaction; the rows are deleted when the attempt ends, is given
+    back, or its lease (or a node's) runs out."""
+
+    __tablename__ = "reservations"
+    __table_args__ = (UniqueConstraint("job_id", "node_rank", name="uq_reservations_job_node"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    worker: Mapped[str] = mapped_column(String(200), index=True)
+    """The WorkerBeat.name the node's task goes to (its direct queue, core/broker.py node_queue)."""
+    node_rank: Mapped[int] = mapped_column(Integer, default=0)
+    nnodes: Mapped[int] = mapped_column(Integer, default=1)
+    slots: Mapped[int] = mapped_column(Integer, default=1)
+    """Ranks of the job on this node."""
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    ram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """The job's attempts counter when reserved; the task's claim makes it attempt + 1."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    sent_at: Mapped[datetime | None] = mapped_column(default=None)
+    """When the node's task was last sent (the scheduler re-sends an unclaimed one later)."""
+    claimed_at: Mapped[datetime | None] = mapped_column(default=None)
+    owner: Mapped[str | None] = mapped_column(String(120), default=None)
+    """The worker process id (workers/execute.py owner_id()) of the node's task, set at its claim."""
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    rdzv_endpoint: Mapped[str | None] = mapped_column(String(200), default=None)
+    """host:port of node 0's rendezvous, written by node 0 for the others (multi-node jobs)."""
+
+
+class SchedulerLock(Base):
+    """One row per lock name: whoever holds an unexpired lease is the active scheduler."""
+
+    __tablename__ = "scheduler_locks"
+
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(120), default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class MetricPoint(Base):

@@ -21,6 +21,20 @@ def job_gpus(spec: dict[str, Any]) -> int:
     return max(int(res.get("gpus", 0) or 0), 1 if res.get("device") == "cuda" else 0)
 
 
+def quota_reason(
+    name: str, limits: dict[str, int], *, running: int, ranks: int, gpus: int, job_ranks: int, job_gpus: int
+) -> str | None:
+    """Why one more job (job_ranks, job_gpus) would take user `name` over `limits` given what
+    their other jobs hold (`running` jobs, `ranks`, `gpus`); None when it fits."""
+    if running + 1 > limits["running_jobs"]:
+        return f"{running} of {name}'s jobs are running, the quota is {limits['running_jobs']}"
+    if ranks + job_ranks > limits["ranks"]:
+        return f"{name}'s running jobs use {ranks} ranks; this one needs {job_ranks} more, the quota is {limits['ranks']}"
+    if gpus + job_gpus > limits["gpus"]:
+        return f"{name}'s running jobs use {gpus} GPU(s); this one needs {job_gpus} more, the quota is {limits['gpus']}"
+    return None
+
+
 def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> str | None:
     """None when job `job_id` may start now: the transaction is left open holding the owner's lock
     for the caller's claim to commit. Otherwise the reason it must wait, recorded on the job
@@ -41,21 +55,15 @@ def quota_gate(session: Session, *, job_id: int, defaults: dict[str, int]) -> st
             Job.id != job_id,
         )
     ).all()
-    used_ranks = sum(r.world_size for r in running)
-    used_gpus = sum(job_gpus(r.spec) for r in running)
-    reason = None
-    if len(running) + 1 > limits["running_jobs"]:
-        reason = f"{len(running)} of {user.name}'s jobs are running, the quota is {limits['running_jobs']}"
-    elif used_ranks + job.world_size > limits["ranks"]:
-        reason = (
-            f"{user.name}'s running jobs use {used_ranks} ranks; this one needs {job.world_size} "
-            f"more, the quota is {limits['ranks']}"
-        )
-    elif used_gpus + job_gpus(job.spec) > limits["gpus"]:
-        reason = (
-            f"{user.name}'s running jobs use {used_gpus} GPU(s); this one needs {job_gpus(job.spec)} "
-            f"more, the quota is {limits['gpus']}"
-        )
+    reason = quota_reason(
+        user.name,
+        limits,
+        running=len(running),
+        ranks=sum(r.world_size for r in running),
+        gpus=sum(job_gpus(r.spec) for r in running),
+        job_ranks=job.world_size,
+        job_gpus=job_gpus(job.spec),
+    )
     session.execute(update(Job).where(Job.id == job_id).values(wait_reason=reason))
     if reason is not None:
         session.commit()

@@ -119,8 +119,9 @@ class NeverStop:
 
 
 def should_stop(stop: StopSignal) -> bool:
-    """Every rank must leave the loop at the same step, or collectives deadlock: rank 0 reads the
-    signal and broadcasts it when a process group exists."""
+    """Every rank must leave the loop at the same step, or collectives deadlock: each rank reads
+    its signal and the ranks agree by a sum, so a stop asked on any node of a multi-node job (each
+    node's worker has its own stop file) stops every rank at the same step."""
     import torch
     import torch.distributed as dist
 
@@ -128,7 +129,7 @@ def should_stop(stop: StopSignal) -> bool:
         return stop.requested()
     # NCCL reduces device tensors only: the flag lives on this rank's GPU there
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    flag = torch.tensor([1 if (dist.get_rank() == 0 and stop.requested()) else 0], device=device)
+    flag = torch.tensor([1 if stop.requested() else 0], device=device)
     # note: a collective per step; a few microseconds on gloo, negligible beside a training step
     dist.all_reduce(flag)
     return bool(flag.item())

@@ -33,8 +33,9 @@ def host_ram_bytes() -> int:
     return ram
 
 
-def host_inventory(*, slots: int = 0) -> dict[str, int]:
-    """What the API's admission check compares a job with: host RAM and rank slots (`slots`, or 4
-    per CPU core: gloo ranks of small jobs share cores well)."""
+def host_inventory(*, slots: int = 0, tasks: int = 1) -> dict[str, int]:
+    """What the scheduler and the API's admission check compare a job with: host RAM, rank slots
+    (`slots`, or 4 per CPU core: gloo ranks of small jobs share cores well) and `tasks`, the jobs
+    the worker can run at once (its Celery concurrency)."""
     cpus = os.cpu_count() or 1
-    return {"ram_bytes": host_ram_bytes(), "slots": slots or 4 * cpus, "cpus": cpus}
+    return {"ram_bytes": host_ram_bytes(), "slots": slots or 4 * cpus, "cpus": cpus, "tasks": max(1, tasks)}

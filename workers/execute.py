@@ -21,21 +21,23 @@ import time
 import uuid
 from pathlib import Path
 
-from core.broker import JOBS_CHANNEL, job_channel, send_run_job
+from core.broker import JOBS_CHANNEL, job_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
     Attempt,
-    cancel_requested,
     claim_job,
     finish_job,
+    free_job_reservations,
     get_job,
     last_status_event,
     lease_left_s,
     release_job,
+    reserved_here,
+    stop_flags,
 )
-from db.models import Job, JobStatus
-from db.quotas import quota_gate, waiting_jobs
+from db.models import JobStatus
+from db.quotas import quota_gate
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -82,9 +84,10 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
 
 def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     """Checkpoints written after the last step whose lines are all in the database: resuming from
-    one would lose the metric lines of the steps before it, so the new attempt re-runs them."""
+    one would lose the metric lines of the steps before it, so the new attempt re-runs them.
+    Sub-folders too: ranks of a pipeline or tensor layout write theirs in one each."""
     dropped = []
-    for p in sorted(ckpt_dir.glob("step-*.pt")):
+    for p in sorted(ckpt_dir.rglob("step-*.pt")):
         try:
             at = int(p.stem.removeprefix("step-"))
         except ValueError:
@@ -109,16 +112,29 @@ def take_lease(
 ) -> Attempt | None:
     """Claim the job; when it is running under another owner's live lease (a redelivered message
     after that owner's process died), wait for the lease to run out and take it then. A live
-    owner keeps renewing, so after two lease periods this gives up (a true duplicate)."""
+    owner keeps renewing, so after two lease periods this gives up (a true duplicate). A job
+    (kind `job`) is claimed only where the scheduler reserved it; a stale message elsewhere is
+    skipped at once."""
     deadline = time.monotonic() + 2 * settings.lease_s
     while True:
         with session_for(settings.database_url) as s:
-            # the owner's quota is checked and the claim made in one transaction (db/quotas.py): a
-            # job over it stays queued with the reason and is sent again when one of theirs ends
+            if kind == "job" and not reserved_here(s, job_id=job_id, worker=worker):
+                return None
+            # the scheduler checked the quota when it reserved; checked again with the claim in
+            # one transaction (db/quotas.py), so a quota lowered meanwhile still holds: the job
+            # then gives its reservation back and waits with the reason
             if kind == "job" and (why := quota_gate(s, job_id=job_id, defaults=settings.quota_defaults)):
+                free_job_reservations(s, job_id=job_id)
+                s.commit()
                 raise QuotaWait(why)
             attempt = claim_job(
-                s, job_id=job_id, owner=owner_id(), worker=worker, lease_s=settings.lease_s, kind=kind
+                s,
+                job_id=job_id,
+                owner=owner_id(),
+                worker=worker,
+                lease_s=settings.lease_s,
+                kind=kind,
+                reserved=kind == "job",
             )
             if attempt is not None:
                 return attempt
@@ -126,18 +142,6 @@ def take_lease(
         if left is None or time.monotonic() > deadline:
             return None
         time.sleep(min(max(left, 0.0) + 0.2, 2.0))
-
-
-def resend(settings: Settings, job: Job) -> None:
-    """Put a given-back job's message on the broker (or leave it to the reconciler)."""
-    from db.jobs import mark_enqueued
-
-    try:
-        send_run_job(settings, job_id=job.id, queue=job.queue)
-        with session_for(settings.database_url) as s:
-            mark_enqueued(s, job_ids=[job.id])
-    except Exception as e:  # noqa: BLE001 - the reconciler sends it when the broker is back
-        log.warning("could not re-send job %s: %s", job.id, e)
 
 
 def publish_status(relay: Relay, *, job_id: int) -> None:
@@ -178,7 +182,6 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
-        user_id = job.owner_id
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
@@ -208,7 +211,12 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
             out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
             return Ask.kill
         with session_for(settings.database_url) as s:
-            return Ask.stop if cancel_requested(s, job_id=job_id) else Ask.none
+            cancel, preempt = stop_flags(s, job_id=job_id)
+        if preempt and not cancel and out.stopped is None:
+            # a higher-priority job needs the slots: stop and checkpoint like a warm shutdown,
+            # and the job goes back to the queue (end_attempt)
+            out.stopped = "drain"
+        return Ask.stop if cancel or preempt else Ask.none
 
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
@@ -226,21 +234,8 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     if not relay.close() or relay.fenced:
         log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
         return "lost"
-    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
-    if user_id is not None and status not in ("queued", "lost"):
-        _send_waiting(settings, user_id)
-    return status
-
-
-def _send_waiting(settings: Settings, user_id: int) -> None:
-    """A job of this user ended: their jobs held back by the quota get another try."""
-    try:
-        with session_for(settings.database_url) as s:
-            waiting = waiting_jobs(s, owner_id=user_id)
-        for waiting_id, queue in waiting:
-            send_run_job(settings, job_id=waiting_id, queue=queue)
-    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued jobs later
-        log.warning("could not re-send %s's waiting jobs: %s", user_id, e)
+    # the job's end frees its reservation; the scheduler places the next queued job
+    return end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
 
 
 def end_attempt(
@@ -261,12 +256,13 @@ def end_attempt(
             if job.cancel_requested:
                 status, error = JobStatus.cancelled, None
             elif out.stopped == "drain":
-                if release_job(
-                    s, attempt=attempt, reason="the worker shut down; resumes from its checkpoint"
-                ):
-                    resend(settings, job)
-                    return "queued"
-                return "lost"
+                # a preemption (the scheduler set the flag and its reason) or a warm shutdown
+                why = (
+                    f"{job.wait_reason}; resumes from its checkpoint"
+                    if job.preempt_requested and job.wait_reason
+                    else "the worker shut down; resumes from its checkpoint"
+                )
+                return "queued" if release_job(s, attempt=attempt, reason=why) else "lost"
             elif rc == 0 and job.result is not None:
                 status, error = JobStatus.succeeded, None
             else:

@@ -25,7 +25,7 @@ from core.broker import JOBS_CHANNEL, redis_client
 from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import Applied, Attempt, JobLines, apply_lines, db_now
+from db.jobs import Applied, Attempt, JobLines, apply_gang_lines, apply_lines, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, trial_fields
 from workers.supervise import DRAIN
@@ -42,6 +42,9 @@ class Target:
     attempt: Attempt
     channels: tuple[str, ...]
     trial_id: int | None = None
+    node_rank: int | None = None
+    """Set for one node of a multi-node job (workers/gang.py): its writes are fenced by the gang's
+    rule (db/jobs.py apply_gang_lines) and renew this node's own lease."""
 
 
 class Relay:
@@ -168,7 +171,16 @@ class Relay:
                 if key in self.fenced or key in self.finished:
                     continue
                 jl = lines.get(key) or JobLines()
-                if target.trial_id is None:
+                if target.node_rank is not None:
+                    got = apply_gang_lines(
+                        s,
+                        attempt=target.attempt,
+                        node_rank=target.node_rank,
+                        lines=jl,
+                        lease_s=self.settings.lease_s,
+                        now=now,
+                    )
+                elif target.trial_id is None:
                     got = apply_lines(
                         s, attempt=target.attempt, lines=jl, lease_s=self.settings.lease_s, now=now
                     )

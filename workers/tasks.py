@@ -12,18 +12,25 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from celery.signals import worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    celeryd_after_setup,
+    worker_process_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from sqlalchemy.exc import OperationalError
 
-from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, send_run_job, send_run_selection
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_selection
 from core.settings import get_settings
 from db.engine import session_for
-from db.jobs import expire_leases, mark_enqueued, record_heartbeat, stale_queued_jobs
+from db.jobs import expire_leases, mark_draining, mark_enqueued, record_heartbeat, stale_queued_jobs
 from db.models import Trial
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
+from workers.gang import execute_gang_node
 from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
@@ -31,6 +38,8 @@ from workers.warm import prestart
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
+_DRAINING = threading.Event()
+"""Set in the main process at a warm shutdown: the heartbeat reports the worker draining."""
 _BUSY = threading.Event()
 """Set while this pool process runs a task (SIGTERM then drains instead of exiting)."""
 
@@ -47,12 +56,17 @@ RETRY_INFRA = {
 
 
 @app.task(name=TASK_RUN_JOB, bind=True, **RETRY_INFRA)
-def run_job(self, job_id: int) -> str:  # noqa: ANN001 - Celery's bound task
-    """One job, end to end (workers/execute.py)."""
+def run_job(self, job_id: int, node_rank: int = 0, nnodes: int = 1) -> str:  # noqa: ANN001 - Celery's bound task
+    """One job, end to end (workers/execute.py); with nnodes > 1, node `node_rank` of a gang
+    (workers/gang.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
     _guard_sigterm()
     _BUSY.set()
     try:
+        if nnodes > 1:
+            return execute_gang_node(
+                job_id, node_rank=node_rank, nnodes=nnodes, settings=get_settings(), worker=name
+            )
         return execute_job(job_id, settings=get_settings(), worker=name)
     finally:
         _BUSY.clear()
@@ -72,13 +86,14 @@ def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa
 
 def reconcile_once() -> int:
     """Take back every running job and trial whose lease ran out (by database time): a cancel
-    that was asked ends it `cancelled`, the rest go back to `queued`. Then send the message of
-    every queued job with none on record (or an old one): jobs as jobs, trials as trials of their
-    batch, never as plain jobs. Settle every open batch from its trials. Claims are idempotent,
-    so a duplicate message is harmless. Returns how many messages were sent."""
+    that was asked ends it `cancelled`, the rest go back to `queued` (their reservations freed,
+    for the scheduler to place again). Then send the message of every queued trial with none on
+    record (or an old one), as trials of their batch. Settle every open batch from its trials.
+    Plain jobs are sent by the scheduler alone (core/scheduler.py). Returns how many messages
+    were sent."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        requeued, cancelled = expire_leases(s)
+        requeued, cancelled = expire_leases(s, gang_restarts=settings.gang_restarts)
         for job in requeued + cancelled:
             log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
         touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])
@@ -88,9 +103,6 @@ def reconcile_once() -> int:
         for job in stale:
             if job.kind == "trial" and job.selection_id is not None:
                 groups[(job.selection_id, job.queue)].append(job.id)
-            else:
-                send_run_job(settings, job_id=job.id, queue=job.queue)
-                sent.append(job.id)
         for (selection_id, queue), job_ids in groups.items():
             trial_ids = list(s.scalars(_trials_of(job_ids)))
             send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
@@ -110,16 +122,22 @@ def _trials_of(job_ids: list[int]) -> Any:
     return select(Trial.id).where(Trial.job_id.in_(job_ids)).order_by(Trial.index)
 
 
-def _beat(stop: threading.Event, name: str, queues: list[str]) -> None:
+def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -> None:
     settings = get_settings()
     devices = local_devices()
-    host = host_inventory(slots=settings.worker_slots)
+    host = host_inventory(slots=settings.worker_slots, tasks=tasks)
     last_reconcile = 0.0
     while True:
         try:
             with session_for(settings.database_url) as s:
+                inventory = {**host, "draining": 1} if _DRAINING.is_set() else host
                 record_heartbeat(
-                    s, name=name, hostname=socket.gethostname(), queues=queues, devices=devices, host=host
+                    s,
+                    name=name,
+                    hostname=socket.gethostname(),
+                    queues=queues,
+                    devices=devices,
+                    host=inventory,
                 )
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
@@ -135,12 +153,23 @@ _stop_beat = threading.Event()
 _controller: dict[str, Any] = {}
 
 
+@celeryd_after_setup.connect
+def _consume_node_queue(sender: str = "", instance=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
+    """Every worker also consumes its own direct queue (node.<name>): the scheduler sends a job
+    there after reserving this worker's slots."""
+    if instance is not None and sender:
+        instance.app.amqp.queues.select_add(node_queue(sender))
+
+
 @worker_ready.connect
 def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
     _controller["worker"] = sender
     name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
     queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
-    threading.Thread(target=_beat, args=(_stop_beat, name, queues), daemon=True, name="heartbeat").start()
+    tasks = int(getattr(sender, "concurrency", 1) or 1)
+    threading.Thread(
+        target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
+    ).start()
 
 
 @worker_process_init.connect
@@ -157,8 +186,9 @@ def _stop_heartbeat(**_kwargs) -> None:
 # Celery's warm shutdown (SIGTERM to the main process) waits for running tasks to end. We make
 # them end soon: the main process passes SIGTERM on to its pool processes; a pool process running
 # a task sets DRAIN, its trainer is asked to stop and checkpoint (killed after shutdown_grace_s),
-# and the job goes back to `queued` (or ends `cancelled` if that was asked) with its message
-# re-sent, to resume from the checkpoint at the next start. An idle pool process just exits.
+# and the job goes back to `queued` (or ends `cancelled` if that was asked) for the scheduler to
+# place again (this worker is marked draining, so elsewhere or after its restart), to resume from
+# the checkpoint. An idle pool process just exits.
 
 
 _pool_sigterm: dict[str, Any] = {}
@@ -189,6 +219,12 @@ def _drain_pool(sig: str = "", how: str = "", **_kwargs) -> None:  # noqa: ANN00
     if how != "Warm":
         return  # a cold shutdown kills the trainers with their pool processes; leases run out
     worker = _controller.get("worker")
+    _DRAINING.set()
+    try:  # the scheduler places nothing more here (the jobs given back go to other workers)
+        with session_for(get_settings().database_url) as s:
+            mark_draining(s, name=getattr(worker, "hostname", None) or _WORKER_NAME["name"])
+    except Exception:  # noqa: BLE001 - the heartbeat then just stops
+        log.warning("could not mark this worker draining")
     pool = getattr(worker, "pool", None)
     try:
         pids = list(pool.info.get("processes", [])) if pool is not None else []

@@ -16,6 +16,7 @@ from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
 from api.downsample import downsample
 from api.publish import publish_job_status
+from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
 from api.routes.workspaces import pin_workspace
 from api.schemas import (
@@ -30,7 +31,7 @@ from api.schemas import (
 )
 from api.sse import job_events
 from api.streams import SseResponse, open_stream
-from core.broker import send_run_job, send_run_selection
+from core.broker import send_run_selection
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Job, User
@@ -72,7 +73,9 @@ def _job_or_404(session: SessionDep, job_id: int, user: User) -> Job:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+def submit_job(
+    spec: JobSpec, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> JobPublic:
     if (reason := admission_problem(session, spec, settings=settings, user=user)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
     job = db_jobs.create_job(
@@ -86,12 +89,8 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
         owner_id=user.id,
         actor=user.name,
     )
-    # the row is committed before the message goes out, so a worker never sees an unknown id;
-    # if the broker is down the job stays queued and the reconciler sends it later
-    try:
-        send_run_job(settings, job_id=job.id, queue=spec.queue)
-    except Exception as e:  # noqa: BLE001 - a broker outage must not lose the accepted job
-        db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
+    # the scheduler places it (core/scheduler.py) and sends its task; wake it now
+    wake_scheduler(request)
     publish_job_status(settings, job_id=job.id, status="queued")
     return job_public(job)
 
@@ -99,6 +98,7 @@ def submit_job(spec: JobSpec, session: SessionDep, settings: SettingsDep, user: 
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     session: SessionDep,
+    settings: SettingsDep,
     user: CurrentUser,
     status_: StatusFilter = None,
     owner: str | None = Query(None, max_length=64, description="only this user's jobs (admins)"),
@@ -115,12 +115,17 @@ def list_jobs(
         limit=limit,
         offset=offset,
     )
-    return JobsPublic(items=[job_public(j) for j in rows], total=total)
+    items = [job_public(j) for j in rows]
+    with_placement(session, settings, list(rows), items)
+    return JobsPublic(items=items, total=total)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: JobId, session: SessionDep, user: CurrentUser) -> JobPublic:
-    return job_public(_job_or_404(session, job_id, user))
+def get_job(job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser) -> JobPublic:
+    job = _job_or_404(session, job_id, user)
+    out = job_public(job)
+    with_placement(session, settings, [job], [out])
+    return out
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
@@ -138,8 +143,8 @@ class OperatorAction(BaseModel):
 
 
 def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> JobPublic:
-    """A trial's batch follows its trial; a re-queued job's message goes out (or the reconciler
-    sends it when the broker is down)."""
+    """A trial's batch follows its trial; a re-queued trial's message goes out (or the
+    reconciler sends it when the broker is down); a re-queued job waits for the scheduler."""
     if job.kind == "trial" and job.selection_id is not None:
         db_sel.sync_trials(session, job_ids=[job.id])
         db_sel.settle_selection(session, selection_id=job.selection_id)
@@ -150,8 +155,6 @@ def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> Job
                 send_run_selection(
                     settings, selection_id=job.selection_id, trial_ids=[trial.id], queue=job.queue
                 )
-            else:
-                send_run_job(settings, job_id=job.id, queue=job.queue)
         except Exception as e:  # noqa: BLE001 - the job is queued in the database either way
             db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
     publish_job_status(settings, job_id=job.id, status=job.status)

@@ -19,6 +19,20 @@ export interface Job {
   progress: { step: number; steps: number; loss?: number | null } | null;
   owner?: string | null;
   wait_reason?: string | null;
+  /** 1-based place among queued jobs in the scheduler's order. */
+  queue_position?: number | null;
+  /** The slots the scheduler reserved, one entry per node. */
+  reservation?: Reservation[];
+}
+
+export interface Reservation {
+  worker: string;
+  node_rank: number;
+  nnodes: number;
+  slots: number;
+  gpus: number;
+  ram_bytes: number;
+  claimed: boolean;
 }
 
 export interface User {

@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import update
 
 from api.schemas import JobSpec
 from api.stack import Stack
-from core.broker import send_run_job
-from core.settings import Settings
 from db.engine import session_for
 from db.jobs import create_job
+from db.models import User
+from db.users import create_user
 from tests.conftest import StackHandle
 from tests.fullfs import full_disk
 from tests.sse import read_sse
@@ -135,7 +136,10 @@ def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
     h = ops_stack
     spec = JobSpec.model_validate({**FAST, "train": {**FAST["train"], "steps": 6}, "checkpoint_every": 2})
     with session_for(h.stack.database_url) as s:
-        job_id = create_job(s, name="full-disk", spec=spec.model_dump(), steps=6).id
+        # owned by a user with a quota of 0 running jobs: the scheduler holds it until the folder
+        # below is in place
+        held = create_user(s, name="full-disk", max_running_jobs=0)
+        job_id = create_job(s, name="full-disk", spec=spec.model_dump(), steps=6, owner_id=held.id).id
     mount = tmp_path / "full"
     try:
         cm = full_disk(mount, size_kib=64)
@@ -146,8 +150,9 @@ def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
         workdir = h.stack.root / "jobs" / str(job_id)
         workdir.mkdir(parents=True)
         (workdir / "checkpoints").symlink_to(mount)
-        settings = Settings(database_url=h.stack.database_url, broker_url=h.stack.broker_url)
-        send_run_job(settings, job_id=job_id, queue="cpu")
+        with session_for(h.stack.database_url) as s:  # now the scheduler places and sends it
+            s.execute(update(User).where(User.id == held.id).values(max_running_jobs=1))
+            s.commit()
         done = h.wait(job_id, statuses=("failed",), timeout=300)
         left = sorted(p.name for p in mount.iterdir())
     finally:

@@ -86,6 +86,29 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         { class: "facts" },
         fact("owner", j.owner ?? "—"),
         fact("worker", j.worker ?? "—"),
+        j.status === "queued"
+          ? fact("queue", h("span", { id: "job-queue-position" }, j.queue_position ? `#${j.queue_position}` : "—"))
+          : null,
+        j.status === "queued" && j.wait_reason
+          ? fact("waiting", h("span", { id: "job-wait-reason" }, j.wait_reason))
+          : null,
+        (j.reservation ?? []).length
+          ? fact(
+              "reservation",
+              h(
+                "span",
+                { id: "job-reservation" },
+                (j.reservation ?? [])
+                  .map(
+                    (r) =>
+                      `node ${r.node_rank}/${r.nnodes}: ${r.worker}, ${r.slots} slot(s)` +
+                      (r.gpus ? `, ${r.gpus} GPU(s)` : "") +
+                      (r.claimed ? "" : " (starting)"),
+                  )
+                  .join("; "),
+              ),
+            )
+          : null,
         fact("attempts", j.attempts),
         fact(
           "progress",

@@ -86,6 +86,13 @@ export function jobsPage(root: HTMLElement): () => void {
     reloadTimer = window.setTimeout(() => void load(), 250);
   };
 
+  /** The reserved worker(s) of a placed job, else the worker that ran it. */
+  const placement = (job: Job): string => {
+    const held = job.reservation ?? [];
+    if (held.length > 1) return held.map((r) => `${r.worker} (${r.slots})`).join(", ");
+    return held[0]?.worker ?? job.worker ?? "—";
+  };
+
   const row = (job: Job): HTMLTableRowElement => {
     const active = !TERMINAL.has(job.status);
     const steps = job.progress?.steps ?? (job.spec?.train as { steps?: number } | undefined)?.steps ?? 0;
@@ -101,6 +108,9 @@ export function jobsPage(root: HTMLElement): () => void {
         {},
         badge(job.status),
         job.cancel_requested && active ? h("span", { class: "muted" }, " cancelling…") : null,
+        job.status === "queued" && job.queue_position
+          ? h("span", { class: "muted queue-position" }, ` #${job.queue_position} in queue`)
+          : null,
         job.wait_reason && job.status === "queued"
           ? h("div", { class: "muted wait-reason" }, `waiting: ${job.wait_reason}`)
           : null,
@@ -108,7 +118,7 @@ export function jobsPage(root: HTMLElement): () => void {
       h("td", {}, progressBar(step, steps)),
       h("td", { class: "num" }, fmtNum(jobLoss(job))),
       h("td", {}, fmtTime(job.created_at)),
-      h("td", {}, job.worker ?? "—"),
+      h("td", { class: "placement" }, placement(job)),
       h(
         "td",
         {},

@@ -1,0 +1,606 @@
+"""The scheduler: decides which queued job runs where, reserves the slots in the database, then
+sends the task(s). Celery only delivers: each worker consumes its own direct queue
+(core/broker.py node_queue) and claims only a job reserved for it.
+
+One tick:
+1. free reservations of ended jobs and unclaimed ones on workers whose heartbeat stopped; re-send
+   the task of a reservation nobody claimed (a lost message);
+2. order the queued jobs: effective priority (priority + one per `aging_s` waited, so nothing is
+   passed over forever), then fair share between users (the user with the fewest slots running
+   now goes first, then the fewest slot-minutes used over the recent window, then the user served
+   least recently; each placement in the order counts at once, so two users with equal standing
+   alternate), then age;
+3. walk that order: a job over its owner's quota waits ("quota: ..."); a job no live worker (or
+   gang of workers) could ever hold waits with that reason; a job that fits now is reserved
+   (db/scheduling.py reserve: one conditional transaction) and sent; the first job that could fit
+   but does not now blocks every job of lower effective priority ("behind higher-priority job N"),
+   while jobs of equal effective priority may still fill the gaps;
+4. with preemption on, that first blocked job asks lower-priority running jobs on one worker to
+   checkpoint and go back to the queue (workers/execute.py treats it like a warm-shutdown drain).
+
+A job needing more ranks than any one worker has gets a gang: the fewest nodes n (n divides its
+ranks and GPUs) of equal share each. The decision itself (`plan`) is pure and runs on plain
+values, so tests and bench/sched.py drive it without a database.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.broker import node_queue, send_run_job
+from core.settings import Settings
+from db import scheduling as dbs
+from db.engine import session_for
+from db.jobs import aware, db_now
+from db.models import JobStatus, WorkerBeat
+from db.quotas import job_gpus, quota_reason
+from jobrules.hostmem import host_memory_bytes
+
+log = logging.getLogger(__name__)
+GiB = 2**30
+
+
+@dataclass(slots=True)
+class Want:
+    """What a queued job asks for."""
+
+    id: int
+    user: int | None
+    priority: int
+    created: float
+    """Unix seconds it was submitted."""
+    ranks: int
+    gpus: int = 0
+    ram: int = 0
+    queue: str = "cpu"
+    eff: int = 0
+    """Effective priority (set by order_queue)."""
+
+
+@dataclass(slots=True)
+class Box:
+    """A live worker: its inventory and what is free now."""
+
+    name: str
+    queues: frozenset[str]
+    slots: int
+    tasks: int
+    gpus: int
+    ram: int
+    free_slots: int = -1
+    free_tasks: int = -1
+    free_gpus: int = -1
+    free_ram: int = -1
+
+    def __post_init__(self) -> None:
+        if self.free_slots < 0:
+            self.free_slots, self.free_tasks, self.free_gpus, self.free_ram = (
+                self.slots,
+                self.tasks,
+                self.gpus,
+                self.ram,
+            )
+
+    def fits(self, ranks: int, gpus: int, ram: int, *, now: bool) -> bool:
+        if now:
+            return (
+                self.free_slots >= ranks
+                and self.free_gpus >= gpus
+                and self.free_ram >= ram
+                and self.free_tasks >= 1
+            )
+        return self.slots >= ranks and self.gpus >= gpus and self.ram >= ram and self.tasks >= 1
+
+    def take(self, ranks: int, gpus: int, ram: int) -> None:
+        self.free_slots -= ranks
+        self.free_gpus -= gpus
+        self.free_ram -= ram
+        self.free_tasks -= 1
+
+
+@dataclass(slots=True)
+class Running:
+    """A running (or reserved) job's share of one worker, for preemption."""
+
+    job_id: int
+    priority: int
+    box: str
+    slots: int
+    gpus: int
+    ram: int
+    preempt_requested: bool = False
+
+
+@dataclass(slots=True)
+class Quota:
+    name: str
+    limits: dict[str, int]
+    running: int = 0
+    ranks: int = 0
+    gpus: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    order: list[Want] = field(default_factory=list)
+    placements: list[tuple[Want, list[tuple[str, int, int, int]]]] = field(default_factory=list)
+    """(job, [(worker, slots, gpus, ram) per node rank])"""
+    reasons: dict[int, str] = field(default_factory=dict)
+    preempt: list[int] = field(default_factory=list)
+    preempt_for: int | None = None
+
+
+NO_USE = (0, 0.0)
+
+
+def effective_priority(priority: int, waited_s: float, aging_s: float) -> int:
+    return priority + (int(max(waited_s, 0.0) // aging_s) if aging_s > 0 else 0)
+
+
+def order_queue(
+    wants: Iterable[Want],
+    *,
+    now: float,
+    aging_s: float,
+    running_slots: dict[int | None, int],
+    recent: dict[int | None, tuple[int, float]],
+    fair: bool = True,
+) -> list[Want]:
+    """The scheduler's order (queue positions are 1-based indexes into it): effective priority
+    first; within one, the user with the fewest slots running goes next (then the fewest recent
+    slot-minutes, then the one whose latest job started longest ago, then the oldest waiting job)
+    and is charged the job's ranks at once; then age. `recent`: user -> (slot-minutes in the
+    window, unix time of their latest start)."""
+    buckets: dict[int, dict[int | None, list[Want]]] = {}
+    for w in wants:
+        w.eff = effective_priority(w.priority, now - w.created, aging_s)
+        buckets.setdefault(w.eff, {}).setdefault(w.user, []).append(w)
+    if not fair:  # plain priority-then-FIFO (bench/sched.py compares it with fair share)
+        return sorted(
+            (w for b in buckets.values() for ws in b.values() for w in ws),
+            key=lambda w: (-w.eff, w.created, w.id),
+        )
+    running = dict(running_slots)
+    out: list[Want] = []
+    for eff in sorted(buckets, reverse=True):
+        per_user = buckets[eff]
+        heap = []
+        for user, jobs in per_user.items():
+            jobs.sort(key=lambda w: (w.created, w.id), reverse=True)  # pop() takes the oldest
+            first = jobs[-1]
+            heap.append((running.get(user, 0), recent.get(user, NO_USE), first.created, first.id, user))
+        heapq.heapify(heap)
+        while heap:
+            _, _, _, _, user = heapq.heappop(heap)
+            jobs = per_user[user]
+            w = jobs.pop()
+            out.append(w)
+            running[user] = running.get(user, 0) + w.ranks
+            if jobs:
+                nxt = jobs[-1]
+                heapq.heappush(heap, (running[user], recent.get(user, NO_USE), nxt.created, nxt.id, user))
+    return out
+
+
+def gang_shape(w: Want, boxes: Sequence[Box]) -> int | None:
+    """Nodes the job needs on this fleet (when all its boxes are empty): 1 when one worker can hold
+    it, else the fewest n >= 2 that divides its ranks (and GPUs) with n workers big enough for a
+    share each; None when no such gang exists."""
+    fit = [b for b in boxes if w.queue in b.queues]
+    if any(b.fits(w.ranks, w.gpus, w.ram, now=False) for b in fit):
+        return 1
+    for n in range(2, min(len(fit), w.ranks) + 1):
+        if w.ranks % n or w.gpus % n:
+            continue
+        share = (w.ranks // n, w.gpus // n, -(-w.ram // n))
+        if sum(1 for b in fit if b.fits(*share, now=False)) >= n:
+            return n
+    return None
+
+
+def _place(w: Want, n: int, boxes: Sequence[Box]) -> list[tuple[str, int, int, int]] | None:
+    """Best fit now: the workers with the least room that still hold a share."""
+    share = (w.ranks // n, w.gpus // n, -(-w.ram // n))
+    ok = [b for b in boxes if w.queue in b.queues and b.fits(*share, now=True)]
+    if len(ok) < n:
+        return None
+    ok.sort(key=lambda b: (b.free_slots, b.free_gpus, b.free_ram, b.name))
+    chosen = ok[:n]
+    for b in chosen:
+        b.take(*share)
+    return [(b.name, *share) for b in chosen]
+
+
+def _quota_problem(w: Want, quotas: dict[int, Quota]) -> str | None:
+    q = quotas.get(w.user) if w.user is not None else None
+    if q is None:
+        return None
+    why = quota_reason(
+        q.name, q.limits, running=q.running, ranks=q.ranks, gpus=q.gpus, job_ranks=w.ranks, job_gpus=w.gpus
+    )
+    return f"quota: {why}" if why else None
+
+
+def _preemption(w: Want, boxes: Sequence[Box], running: Sequence[Running]) -> list[int]:
+    """The fewest lower-priority running jobs on one worker whose slots would let `w` fit there."""
+    if any(r.preempt_requested for r in running):
+        return []  # one preemption at a time: wait for the asked jobs to give their slots back
+    best: list[int] | None = None
+    for b in boxes:
+        if w.queue not in b.queues or not b.fits(w.ranks, w.gpus, w.ram, now=False):
+            continue
+        victims = sorted(
+            (r for r in running if r.box == b.name and r.priority < w.priority), key=lambda r: r.priority
+        )
+        free = [b.free_slots, b.free_gpus, b.free_ram, b.free_tasks]
+        chosen: list[int] = []
+        for r in victims:
+            if free[0] >= w.ranks and free[1] >= w.gpus and free[2] >= w.ram and free[3] >= 1:
+                break
+            chosen.append(r.job_id)
+            free = [free[0] + r.slots, free[1] + r.gpus, free[2] + r.ram, free[3] + 1]
+        if free[0] >= w.ranks and free[1] >= w.gpus and free[2] >= w.ram and free[3] >= 1 and chosen:
+            if best is None or len(chosen) < len(best):
+                best = chosen
+    return best or []
+
+
+def plan(
+    wants: Iterable[Want],
+    boxes: list[Box],
+    *,
+    now: float,
+    aging_s: float,
+    running_slots: dict[int | None, int],
+    recent: dict[int | None, tuple[int, float]],
+    quotas: dict[int, Quota],
+    running: Sequence[Running] = (),
+    preemption: bool = False,
+    fair: bool = True,
+) -> Decision:
+    """One tick's decision on plain values (boxes' free amounts and quotas are updated in place).
+    `fair` False orders by effective priority then age only (FIFO; for bench/sched.py)."""
+    order = order_queue(
+        wants, now=now, aging_s=aging_s, running_slots=running_slots, recent=recent, fair=fair
+    )
+    d = Decision(order=order)
+    if not boxes:
+        d.reasons = {w.id: "no live worker: waiting for one to start" for w in d.order}
+        return d
+    blocker: Want | None = None
+    biggest = max(b.slots for b in boxes)
+    shapes: dict[tuple[int, int, int, str], int | None] = {}  # the fleet's shape for each kind of ask
+    for w in d.order:
+        if why := _quota_problem(w, quotas):
+            d.reasons[w.id] = why
+            continue
+        key = (w.ranks, w.gpus, w.ram, w.queue)
+        if key not in shapes:
+            shapes[key] = gang_shape(w, boxes)
+        n = shapes[key]
+        if n is None:
+            d.reasons[w.id] = (
+                f"no live worker, nor a gang of equal shares, can hold {w.ranks} rank(s), {w.gpus} GPU(s) "
+                f"and {w.ram / GiB:,.1f} GiB of host memory (largest worker: {biggest} slots; "
+                f"{len(boxes)} worker(s) alive)"
+            )
+            continue
+        if blocker is not None and w.eff < blocker.eff:
+            d.reasons[w.id] = f"behind higher-priority job {blocker.id}"
+            continue
+        nodes = _place(w, n, boxes)
+        if nodes is None:
+            # the reason stays the same while the job waits (it is written only when it changes)
+            d.reasons[w.id] = f"no worker big enough now: needs {w.ranks // n} free slot(s)" + (
+                f" on each of {n} workers" if n > 1 else ""
+            )
+            if blocker is None:
+                blocker = w
+                if preemption and n == 1:
+                    d.preempt = _preemption(w, boxes, running)
+                    d.preempt_for = w.id if d.preempt else None
+                    if d.preempt:
+                        d.reasons[w.id] += f"; preempting job(s) {', '.join(map(str, d.preempt))}"
+            continue
+        d.placements.append((w, nodes))
+        if w.user is not None and (q := quotas.get(w.user)) is not None:
+            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + w.ranks, q.gpus + w.gpus
+    return d
+
+
+# ---- the database side of a tick ----------------------------------------------------------------
+
+
+def box_of(beat: WorkerBeat | dbs.BeatRow) -> Box | None:
+    """A live worker's inventory from its heartbeat; None when it reports none or is draining."""
+    host = (beat.devices or {}).get("host") or {}
+    if host.get("draining") or not host.get("slots"):
+        return None
+    gpus = sum(1 for d in (beat.devices or {}).get("devices", []) if d.get("type") == "cuda")
+    return Box(
+        name=beat.name,
+        queues=frozenset((beat.queues or {}).get("queues", [])),
+        slots=int(host["slots"]),
+        tasks=int(host.get("tasks", 1) or 1),
+        gpus=gpus,
+        ram=int(host.get("ram_bytes", 0) or 0),
+    )
+
+
+class _Needs:
+    """Per job id: (gpus, host RAM, unix time submitted), from its row, once per scheduler
+    process (none of them changes)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, tuple[int, int, float]] = {}
+
+    def get(self, session: Any, ids: Iterable[int]) -> dict[int, tuple[int, int, float]]:
+        ids = list(ids)
+        missing = [i for i in ids if i not in self.cache]
+        for job_id, spec, created in dbs.specs_of(session, missing):
+            try:
+                ram = int(host_memory_bytes(spec)["total"])
+            except Exception:  # noqa: BLE001 - an old or odd spec: count no RAM rather than never place it
+                ram = 0
+            self.cache[job_id] = (job_gpus(spec), ram, aware(created).timestamp())  # type: ignore[union-attr]
+        if len(self.cache) > 20000:
+            keep = set(ids)
+            self.cache = {k: v for k, v in self.cache.items() if k in keep}
+        return {i: self.cache[i] for i in ids if i in self.cache}
+
+
+@dataclass(slots=True)
+class State:
+    """What one tick read from the database (also what the REST queue view orders)."""
+
+    wants: list[Want]
+    boxes: list[Box]
+    running_slots: dict[int | None, int]
+    recent: dict[int | None, tuple[int, float]]
+    quotas: dict[int, Quota]
+    running: list[Running]
+    held: list[dbs.HeldRow]
+    reasons: dict[int, str | None]
+    now: float
+
+
+def read_state(
+    session: Any, settings: Settings, needs: _Needs, *, beats: Sequence[dbs.BeatRow] | None = None
+) -> State:
+    now_dt = db_now(session)
+    if beats is None:
+        beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
+    boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
+    held = dbs.reservations(session)
+    queued = dbs.queued_jobs(session)
+    need = needs.get(session, [q.id for q in queued])
+    wants = [
+        Want(
+            id=q.id,
+            user=q.owner_id,
+            priority=q.priority,
+            created=need[q.id][2],
+            ranks=q.world_size,
+            gpus=need[q.id][0],
+            ram=need[q.id][1],
+            queue=q.queue,
+        )
+        for q in queued
+        if q.id in need  # deleted meanwhile
+    ]
+    running_slots: dict[int | None, int] = {}
+    limits = dbs.user_limits(session, defaults=settings.quota_defaults)
+    quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
+    counted: set[int] = set()
+    running: dict[tuple[int, str], Running] = {}
+    preempting = dbs.preempt_pending(session)
+    for h in held:
+        if (b := boxes.get(h.worker)) is not None:
+            b.free_slots -= h.slots
+            b.free_gpus -= h.gpus
+            b.free_ram -= h.ram_bytes
+            b.free_tasks -= 1
+            running[(h.job_id, h.worker)] = Running(
+                h.job_id, h.priority, h.worker, h.slots, h.gpus, h.ram_bytes, h.job_id in preempting
+            )
+        if h.job_id not in counted:
+            counted.add(h.job_id)
+            running_slots[h.owner_id] = running_slots.get(h.owner_id, 0) + h.slots * h.nnodes
+            if h.owner_id in quotas:
+                q = quotas[h.owner_id]
+                q.running += 1
+                q.ranks += h.slots * h.nnodes
+                q.gpus += h.gpus * h.nnodes
+    for _job_id, owner_id, ws, worker, spec in dbs.running_unreserved(session):
+        if (b := boxes.get(worker or "")) is not None:
+            b.free_slots -= ws
+            b.free_tasks -= 1
+        running_slots[owner_id] = running_slots.get(owner_id, 0) + ws
+        if owner_id in quotas:
+            q = quotas[owner_id]
+            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ws, q.gpus + job_gpus(spec)
+    for worker in dbs.selection_tasks(session):
+        if (b := boxes.get(worker)) is not None:
+            b.free_tasks -= 1
+    recent = dbs.recent_usage(session, window_s=settings.fair_share_window_s, now=now_dt)
+    return State(
+        wants=wants,
+        boxes=list(boxes.values()),
+        running_slots=running_slots,
+        recent=recent,
+        quotas=quotas,
+        running=list(running.values()),
+        held=held,
+        reasons={q.id: q.wait_reason for q in queued},
+        now=now_dt.timestamp(),
+    )
+
+
+_VIEW_NEEDS = _Needs()
+
+
+def queue_positions(session: Any, settings: Settings) -> list[Want]:
+    """The queued jobs in the scheduler's order (the REST queue view)."""
+    st = read_state(session, settings, _VIEW_NEEDS)
+    return order_queue(
+        st.wants, now=st.now, aging_s=settings.aging_s, running_slots=st.running_slots, recent=st.recent
+    )
+
+
+Sender = Callable[..., None]
+
+
+class Scheduler:
+    """The loop: `tick` once, or `run` until stopped. Only the holder of the database lock row
+    ticks; the others wait for it to lapse."""
+
+    def __init__(self, settings: Settings, *, send: Sender = send_run_job, name: str = "") -> None:
+        self.settings = settings
+        self.send = send
+        self.holder = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.needs = _Needs()
+        self.leading = False
+        self.wake_event = threading.Event()
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @property
+    def lock_s(self) -> float:
+        return max(5.0, 5 * self.settings.scheduler_s)
+
+    def wake(self) -> None:
+        self.wake_event.set()
+
+    def tick(self) -> Decision | None:
+        """One pass; None when another scheduler holds the lock."""
+        s = self.settings
+        with session_for(s.database_url) as session:
+            if not dbs.acquire_lock(session, holder=self.holder, lease_s=self.lock_s):
+                self.leading = False
+                return None
+            fresh = not self.leading
+            self.leading = True
+            beats = dbs.workers_seen(session, within_s=s.worker_alive_s)
+            # a worker that stopped beating or is draining gets its unclaimed reservations back
+            freed = dbs.free_reservations(session, live={w.name for w in beats if box_of(w) is not None})
+            if freed:
+                log.info("freed the reservations of job(s) %s", freed)
+            st = read_state(session, s, self.needs, beats=beats)
+            self._resend(session, st.held, everything=fresh)
+            d = plan(
+                st.wants,
+                st.boxes,
+                now=st.now,
+                aging_s=s.aging_s,
+                running_slots=st.running_slots,
+                recent=st.recent,
+                quotas=st.quotas,
+                running=st.running,
+                preemption=s.preemption,
+            )
+            capacity = {b.name: dbs.Capacity(b.slots, b.tasks, b.gpus, b.ram) for b in st.boxes}
+            for w, nodes in d.placements:
+                limits = st.quotas[w.user].limits if w.user in st.quotas else None
+                rows = dbs.reserve(
+                    session,
+                    job_id=w.id,
+                    nodes=[dbs.Node(*n) for n in nodes],
+                    capacity=capacity,
+                    quota=limits,
+                )
+                if rows is None:
+                    d.reasons.pop(w.id, None)
+                    continue
+                st.reasons[w.id] = None
+                self._send(session, w.id, rows)
+            changed = {i: r for i, r in d.reasons.items() if st.reasons.get(i) != r}
+            if changed:
+                dbs.set_wait_reasons(session, changed)
+            if d.preempt and d.preempt_for is not None:
+                asked = dbs.request_preemption(session, job_ids=d.preempt, by_job=d.preempt_for)
+                if asked:
+                    log.warning("job %s: asked job(s) %s to checkpoint and requeue", d.preempt_for, asked)
+        return d
+
+    def _send(self, session: Any, job_id: int, rows: Sequence[Any]) -> None:
+        sent = []
+        for r in rows:
+            try:
+                self.send(
+                    self.settings,
+                    job_id=job_id,
+                    queue=node_queue(r.worker),
+                    node_rank=r.node_rank,
+                    nnodes=r.nnodes,
+                )
+                sent.append(r.id)
+            except Exception as e:  # noqa: BLE001 - the broker is down: sent again next tick
+                log.warning("job %s: could not send node %s's task: %s", job_id, r.node_rank, e)
+                dbs.mark_unsent(session, reservation_ids=[r.id])
+        dbs.mark_sent(session, reservation_ids=sent)
+
+    def _resend(self, session: Any, held: Sequence[dbs.HeldRow], *, everything: bool) -> None:
+        """Tasks nobody claimed: never sent (broker down), sent long ago (a lost message), or all of
+        them when this scheduler has just taken over (the broker may have restarted empty)."""
+        cutoff = time.time() - self.settings.requeue_after_s
+        by_job: dict[int, list[dbs.HeldRow]] = {}
+        for h in held:
+            if h.claimed or h.status != JobStatus.queued:
+                continue
+            if everything or h.sent_at is None or aware(h.sent_at).timestamp() < cutoff:  # type: ignore[union-attr]
+                by_job.setdefault(h.job_id, []).append(h)
+        for job_id, rows in by_job.items():
+            self._send(session, job_id, rows)
+
+    def run(self) -> None:
+        """Tick every scheduler_s (sooner when woken) until stopped; errors are logged and the
+        loop goes on (a locked or unreachable database passes)."""
+        while not self.stop_event.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - keep scheduling
+                log.exception("scheduler tick failed")
+            self.wake_event.wait(self.settings.scheduler_s)
+            self.wake_event.clear()
+        try:
+            with session_for(self.settings.database_url) as session:
+                dbs.release_lock(session, holder=self.holder)
+        except Exception:  # noqa: BLE001 - the lock lapses by itself
+            log.warning("could not release the scheduler lock")
+
+    def start(self) -> Scheduler:
+        self.thread = threading.Thread(target=self.run, daemon=True, name="scheduler")
+        self.thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stop_event.set()
+        self.wake_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+__all__ = [
+    "Box",
+    "box_of",
+    "Decision",
+    "Quota",
+    "Running",
+    "Scheduler",
+    "Want",
+    "effective_priority",
+    "gang_shape",
+    "order_queue",
+    "plan",
+    "queue_positions",
+    "read_state",
+]

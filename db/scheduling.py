@@ -1,0 +1,460 @@
+"""The scheduler's database side: its lock row, what it reads each tick (queued jobs, worker
+inventory, reservations, recent usage), and the one conditional transaction that reserves a
+job's nodes.
+
+Nothing is sent from here (db/ imports SQLAlchemy only); core/scheduler.py decides and sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, true, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from db.jobs import aware, db_now
+from db.models import Job, JobStatus, Reservation, SchedulerLock, User, WorkerBeat, utcnow
+from db.quotas import job_gpus as spec_gpus
+from db.quotas import quota_reason
+
+LOCK = "scheduler"
+
+
+# ---- the lock: one active scheduler ---------------------------------------------------------
+
+
+def acquire_lock(session: Session, *, holder: str, lease_s: float, name: str = LOCK) -> bool:
+    """Take or renew the lock row for `holder`: one conditional UPDATE (free, expired by database
+    time, or already ours), so of several schedulers exactly one holds it at a time."""
+    now = db_now(session)
+    free = (
+        SchedulerLock.holder.is_(None) | (SchedulerLock.lease_until < now) | (SchedulerLock.holder == holder)
+    )
+    res = session.execute(
+        update(SchedulerLock)
+        .where(SchedulerLock.name == name, free)
+        .values(holder=holder, lease_until=now + timedelta(seconds=lease_s))
+    )
+    if res.rowcount == 1:
+        session.commit()
+        return True
+    exists = session.scalar(select(SchedulerLock.name).where(SchedulerLock.name == name))
+    session.rollback()
+    if exists is not None:
+        return False
+    try:
+        session.add(SchedulerLock(name=name, holder=holder, lease_until=now + timedelta(seconds=lease_s)))
+        session.commit()
+        return True
+    except IntegrityError:  # another scheduler made the row first
+        session.rollback()
+        return False
+
+
+def release_lock(session: Session, *, holder: str, name: str = LOCK) -> None:
+    session.execute(
+        update(SchedulerLock)
+        .where(SchedulerLock.name == name, SchedulerLock.holder == holder)
+        .values(holder=None, lease_until=None)
+    )
+    session.commit()
+
+
+# ---- what a tick reads --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class QueuedRow:
+    id: int
+    owner_id: int | None
+    priority: int
+    world_size: int
+    queue: str
+    wait_reason: str | None
+
+
+def queued_jobs(session: Session) -> list[QueuedRow]:
+    """Queued jobs with no reservation yet (trials run inside their batch's task, not here)."""
+    reserved = select(Reservation.job_id)
+    q = select(Job.id, Job.owner_id, Job.priority, Job.world_size, Job.queue, Job.wait_reason).where(
+        Job.status == JobStatus.queued,
+        Job.kind == "job",
+        Job.cancel_requested.is_(False),
+        Job.id.not_in(reserved),
+    )
+    return [QueuedRow(*r) for r in session.execute(q)]
+
+
+def specs_of(session: Session, job_ids: Iterable[int]) -> list[tuple[int, dict[str, Any], datetime]]:
+    """(id, spec, created_at) of the jobs."""
+    ids = list(job_ids)
+    out: list[tuple[int, dict[str, Any], datetime]] = []
+    for i in range(0, len(ids), 500):
+        q = select(Job.id, Job.spec, Job.created_at).where(Job.id.in_(ids[i : i + 500]))
+        out += [tuple(r) for r in session.execute(q)]  # type: ignore[misc]
+    return out
+
+
+@dataclass(slots=True)
+class BeatRow:
+    name: str
+    queues: dict[str, Any]
+    devices: dict[str, Any]
+    last_seen: datetime
+
+
+def workers_seen(session: Session, *, within_s: float) -> list[BeatRow]:
+    """Workers whose heartbeat is recent (plain rows: the scheduler reads them every tick)."""
+    cutoff = utcnow() - timedelta(seconds=within_s)
+    q = select(WorkerBeat.name, WorkerBeat.queues, WorkerBeat.devices, WorkerBeat.last_seen)
+    return [BeatRow(*r) for r in session.execute(q) if aware(r.last_seen) >= cutoff]
+
+
+@dataclass(slots=True)
+class HeldRow:
+    """A reservation with what the scheduler needs of its job."""
+
+    id: int
+    job_id: int
+    worker: str
+    node_rank: int
+    nnodes: int
+    slots: int
+    gpus: int
+    ram_bytes: int
+    claimed: bool
+    sent_at: datetime | None
+    owner_id: int | None
+    priority: int
+    status: str
+    queue: str
+
+
+def reservations(session: Session) -> list[HeldRow]:
+    q = select(
+        Reservation.id,
+        Reservation.job_id,
+        Reservation.worker,
+        Reservation.node_rank,
+        Reservation.nnodes,
+        Reservation.slots,
+        Reservation.gpus,
+        Reservation.ram_bytes,
+        Reservation.claimed_at.is_not(None),
+        Reservation.sent_at,
+        Job.owner_id,
+        Job.priority,
+        Job.status,
+        Job.queue,
+    ).join(Job, Job.id == Reservation.job_id)
+    return [HeldRow(*r) for r in session.execute(q)]
+
+
+def reservations_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[Reservation]]:
+    out: dict[int, list[Reservation]] = {}
+    if not job_ids:
+        return out
+    q = select(Reservation).where(Reservation.job_id.in_(list(job_ids))).order_by(Reservation.node_rank)
+    for r in session.scalars(q):
+        out.setdefault(r.job_id, []).append(r)
+    return out
+
+
+def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[int | None, tuple[int, float]]:
+    """Per user: (slot-minutes their jobs ran within the last `window_s`, rounded; unix time of
+    their latest start). A running job counts up to now (its latest attempt only). Whole minutes,
+    so short jobs of two users weigh the same and the user served longest ago goes first."""
+    start = now - timedelta(seconds=window_s)
+    q = select(Job.owner_id, Job.world_size, Job.started_at, Job.finished_at, Job.status).where(
+        Job.kind == "job",
+        Job.started_at.is_not(None),
+        (Job.status == JobStatus.running) | (Job.finished_at > start) | (Job.started_at > start),
+    )
+    seconds: dict[int | None, float] = {}
+    last: dict[int | None, float] = {}
+    for owner_id, ws, started, finished, status in session.execute(q):
+        began = aware(started)
+        last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())  # type: ignore[union-attr]
+        end = now if status == JobStatus.running or finished is None else min(aware(finished), now)
+        begin = max(began, start)  # type: ignore[type-var]
+        if end > begin:
+            seconds[owner_id] = seconds.get(owner_id, 0.0) + ws * (end - begin).total_seconds()
+    return {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
+
+
+def running_unreserved(session: Session) -> list[tuple[int, int | None, int, str | None, dict[str, Any]]]:
+    """Running jobs that hold no reservation (started before the scheduler, or their rows were
+    freed): (id, owner_id, world_size, worker, spec); they still use their worker's slots."""
+    q = select(Job.id, Job.owner_id, Job.world_size, Job.worker, Job.spec).where(
+        Job.status == JobStatus.running, Job.kind == "job", Job.id.not_in(select(Reservation.job_id))
+    )
+    return [tuple(r) for r in session.execute(q)]  # type: ignore[misc]
+
+
+def user_limits(session: Session, *, defaults: dict[str, int]) -> dict[int, tuple[str, dict[str, int]]]:
+    """Per user id: (name, their limits or the defaults)."""
+    out = {}
+    q = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)
+    for uid, name, jobs, ranks, gpus in session.execute(q):
+        own = {"running_jobs": jobs, "ranks": ranks, "gpus": gpus}
+        out[uid] = (name, {k: v if own[k] is None else own[k] for k, v in defaults.items()})
+    return out
+
+
+# ---- freeing ------------------------------------------------------------------------------------
+
+
+def free_reservations(session: Session, *, live: set[str]) -> list[int]:
+    """Delete reservations that hold slots for nothing: of jobs no longer queued or running, and
+    unclaimed ones on workers whose heartbeat stopped (the job is placed again). A claimed node on
+    a dead worker is freed by its lease running out (db/jobs.py expire_leases). Returns the job
+    ids whose reservations went."""
+    ended = (
+        select(Reservation.job_id)
+        .join(Job, Job.id == Reservation.job_id)
+        .where(Job.status.not_in([JobStatus.queued, JobStatus.running]))
+    )
+    dead = (
+        select(Reservation.job_id)
+        .join(Job, Job.id == Reservation.job_id)
+        .where(Job.status == JobStatus.queued, Reservation.worker.not_in(live) if live else true())
+    )
+    ids = set(session.scalars(ended)) | set(session.scalars(dead))
+    if ids:
+        session.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
+    session.commit()
+    return sorted(ids)
+
+
+def mark_unsent(session: Session, *, reservation_ids: Sequence[int]) -> None:
+    """The task could not be sent: the next tick sends it again."""
+    if reservation_ids:
+        session.execute(
+            update(Reservation).where(Reservation.id.in_(list(reservation_ids))).values(sent_at=None)
+        )
+        session.commit()
+
+
+def preempt_pending(session: Session) -> set[int]:
+    """Running jobs asked to checkpoint and requeue that have not yet given their slots back."""
+    q = select(Job.id).where(Job.status == JobStatus.running, Job.preempt_requested.is_(True))
+    return set(session.scalars(q))
+
+
+def selection_tasks(session: Session) -> list[str]:
+    """One entry per running selection group task (worker name): each takes one task slot of its
+    worker; its trials share that task's devices and hold no reservation."""
+    q = (
+        select(Job.worker, Job.selection_id)
+        .where(Job.status == JobStatus.running, Job.kind == "trial", Job.worker.is_not(None))
+        .distinct()
+    )
+    return [w for w, _ in session.execute(q)]
+
+
+def mark_sent(session: Session, *, reservation_ids: Sequence[int]) -> None:
+    if reservation_ids:
+        session.execute(
+            update(Reservation).where(Reservation.id.in_(list(reservation_ids))).values(sent_at=utcnow())
+        )
+        session.commit()
+
+
+def set_wait_reasons(session: Session, reasons: dict[int, str | None]) -> None:
+    """Write the reasons that changed (the caller passes only those), queued jobs only."""
+    by_reason: dict[str | None, list[int]] = {}
+    for job_id, why in reasons.items():
+        by_reason.setdefault(why, []).append(job_id)
+    for why, ids in by_reason.items():
+        session.execute(
+            update(Job).where(Job.id.in_(ids), Job.status == JobStatus.queued).values(wait_reason=why)
+        )
+    session.commit()
+
+
+def request_preemption(session: Session, *, job_ids: Sequence[int], by_job: int) -> list[int]:
+    """Ask running jobs to checkpoint and go back to the queue; returns those newly asked."""
+    asked = []
+    for job_id in job_ids:
+        res = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.running, Job.preempt_requested.is_(False))
+            .values(preempt_requested=True, wait_reason=f"preempted by job {by_job}")
+        )
+        if res.rowcount == 1:
+            asked.append(job_id)
+    session.commit()
+    return asked
+
+
+# ---- reserving ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """One reserved node, as written."""
+
+    id: int
+    job_id: int
+    worker: str
+    node_rank: int
+    nnodes: int
+    slots: int
+    gpus: int
+    ram_bytes: int
+    attempt: int
+    created_at: datetime
+    sent_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    worker: str
+    slots: int
+    gpus: int
+    ram_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    slots: int
+    tasks: int
+    gpus: int
+    ram_bytes: int
+
+
+def reserve(
+    session: Session,
+    *,
+    job_id: int,
+    nodes: Sequence[Node],
+    capacity: dict[str, Capacity],
+    quota: dict[str, int] | None = None,
+) -> list[Reserved] | None:
+    """Reserve all nodes of job `job_id` in one transaction, or nothing. Conditional: the workers'
+    rows are written first (a row lock on Postgres, the write lock on SQLite), then what they
+    already hold is counted again inside the transaction; the job must still be queued and
+    unreserved; and with `quota` (the owner's limits) the owner's row is locked and counted too.
+    Two schedulers (or a scheduler and a stale one) can never book the same slots twice. Returns
+    the rows, or None when anything changed since the caller looked."""
+    workers = sorted({n.worker for n in nodes})
+    try:
+        # the lock first: on SQLite this write makes the transaction a writer before any read
+        session.execute(update(WorkerBeat).where(WorkerBeat.name.in_(workers)).values(name=WorkerBeat.name))
+        job = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
+            .values(nnodes=len(nodes), wait_reason=None, enqueued_at=utcnow())
+            .returning(Job.attempts, Job.owner_id, Job.world_size, Job.spec)
+        ).first()
+        if job is None:
+            session.rollback()
+            return None
+        held = {
+            r.worker: r
+            for r in session.execute(
+                select(
+                    Reservation.worker,
+                    func.sum(Reservation.slots).label("slots"),
+                    func.sum(Reservation.gpus).label("gpus"),
+                    func.sum(Reservation.ram_bytes).label("ram"),
+                    func.count(Reservation.id).label("tasks"),
+                )
+                .where(Reservation.worker.in_(workers))
+                .group_by(Reservation.worker)
+            )
+        }
+        want: dict[str, list[int]] = {}
+        for n in nodes:
+            w = want.setdefault(n.worker, [0, 0, 0, 0])
+            w[0] += n.slots
+            w[1] += n.gpus
+            w[2] += n.ram_bytes
+            w[3] += 1
+        for name, (slots, gpus, ram, tasks) in want.items():
+            cap, h = capacity[name], held.get(name)
+            used = (h.slots, h.gpus, h.ram, h.tasks) if h is not None else (0, 0, 0, 0)
+            if (
+                used[0] + slots > cap.slots
+                or used[1] + gpus > cap.gpus
+                or used[2] + ram > cap.ram_bytes
+                or used[3] + tasks > cap.tasks
+            ):
+                session.rollback()
+                return None
+        if quota is not None and job.owner_id is not None:
+            session.execute(update(User).where(User.id == job.owner_id).values(id=User.id))
+            why = owner_quota_problem(
+                session,
+                owner_id=job.owner_id,
+                job_id=job_id,
+                limits=quota,
+                job_ranks=job.world_size,
+                job_gpus=spec_gpus(job.spec),
+            )
+            if why is not None:
+                session.rollback()
+                return None
+        now = utcnow()
+        rows = [
+            {
+                "job_id": job_id,
+                "worker": n.worker,
+                "node_rank": rank,
+                "nnodes": len(nodes),
+                "slots": n.slots,
+                "gpus": n.gpus,
+                "ram_bytes": n.ram_bytes,
+                "attempt": job.attempts,
+                "created_at": now,
+                "sent_at": now,
+            }
+            for rank, n in enumerate(nodes)
+        ]
+        ids = session.scalars(
+            insert(Reservation).returning(Reservation.id, sort_by_parameter_order=True), rows
+        ).all()
+        session.commit()
+    except IntegrityError:  # the job was reserved by someone else meanwhile
+        session.rollback()
+        return None
+    return [Reserved(id=i, **r) for i, r in zip(ids, rows, strict=True)]
+
+
+def owner_quota_problem(
+    session: Session, *, owner_id: int, job_id: int, limits: dict[str, int], job_ranks: int, job_gpus: int
+) -> str | None:
+    """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
+    jobs and running ones without a reservation (counted in the caller's transaction)."""
+    held = session.execute(
+        select(
+            func.count(func.distinct(Reservation.job_id)),
+            func.coalesce(func.sum(Reservation.slots), 0),
+            func.coalesce(func.sum(Reservation.gpus), 0),
+        )
+        .join(Job, Job.id == Reservation.job_id)
+        .where(Job.owner_id == owner_id, Job.kind == "job", Job.id != job_id)
+    ).one()
+    loose = session.execute(
+        select(Job.world_size, Job.spec).where(
+            Job.owner_id == owner_id,
+            Job.kind == "job",
+            Job.status == JobStatus.running,
+            Job.id != job_id,
+            Job.id.not_in(select(Reservation.job_id)),
+        )
+    ).all()
+    name = session.scalar(select(User.name).where(User.id == owner_id)) or str(owner_id)
+    return quota_reason(
+        name,
+        limits,
+        running=int(held[0]) + len(loose),
+        ranks=int(held[1]) + sum(r.world_size for r in loose),
+        gpus=int(held[2]) + sum(spec_gpus(r.spec) for r in loose),
+        job_ranks=job_ranks,
+        job_gpus=job_gpus,
+    )

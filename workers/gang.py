@@ -1,0 +1,382 @@
+"""Runs one node of a job wider than one worker (a gang): the scheduler reserved N workers at once
+and sent each a `shardyard.run_job` task with its node_rank and nnodes.
+
+- Node 0 takes the job's lease (as a one-node job does), picks a free port on its reachable
+  address and writes "host:port" on its reservation; the other nodes claim their own reservation
+  for the same attempt and wait (at most `gang_join_s`) for that endpoint.
+- Every node runs `torchrun --nnodes N --nproc-per-node <its slots> --rdzv-backend c10d
+  --rdzv-id <job>-<attempt> --rdzv-endpoint <host:port>` on the same spec and one checkpoint
+  folder, so the job's data_dir must be storage every node shares (like Determined's shared_fs).
+- Which node prints the job's lines: torchrun's c10d rendezvous numbers the agents by sorting their
+  node descriptors (--local-addr, the agent's pid, a counter; torch/distributed/elastic/rendezvous/
+  dynamic_rendezvous.py `_mark_rendezvous_complete`), and global rank 0 is local rank 0 of the agent
+  numbered 0 (agent/server/api.py `_assign_worker_ranks`). That is any node, not node 0. So every
+  node relays its trainer's stdout, only the node holding rank 0 has lines to write, and each write
+  is fenced by the gang's rule (db/jobs.py apply_gang_lines): the job runs this attempt and the
+  writer is its owner or holds a live reservation of it. Each metric step reaches the database once.
+- The gang ends as one. Whichever node first sees it broken (its trainer failed, e.g. a peer's
+  sockets closed) gives the job back (db/jobs.py give_back_gang): its reservations are deleted, so
+  every other node is fenced off and kills its trainer at its next poll, and the job goes back to
+  `queued` (attempt + 1) to be placed again and resume from its last checkpoint, at most
+  `gang_restarts` times, then fails with the reason. A node that dies outright stops renewing its
+  lease; the reconciler's expire_leases then gives the gang back the same way.
+- torchrun runs with --max-restarts 0: an in-place restart would re-run steps with the protocol's
+  sequence numbers starting over (the relay would drop them as already applied) and, with a node
+  gone, c10d would wait for a replacement that only the scheduler can provide. The restart goes
+  through the database instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from core.broker import job_channel
+from core.settings import Settings
+from db.engine import session_for
+from db.jobs import (
+    Attempt,
+    GangView,
+    claim_node,
+    finish_job,
+    gang_view,
+    get_job,
+    give_back_gang,
+    renew_node,
+    set_rdzv_endpoint,
+    unclaim_node,
+)
+from db.models import JobStatus
+from workers.execute import (
+    QuotaWait,
+    drop_checkpoints_past,
+    owner_id,
+    publish_status,
+    take_lease,
+)
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.relay import Relay, Target, retry_db
+from workers.supervise import Ask, Outcome, supervise
+from workers.workspace import workspace_args
+
+log = logging.getLogger(__name__)
+
+
+def node_addr(settings: Settings) -> str:
+    """The address the other nodes reach this worker at."""
+    return settings.node_addr or socket.gethostbyname(socket.gethostname())
+
+
+def free_port(addr: str) -> int:
+    # note: the port is free now; torchrun binds it a moment later (a clash fails the attempt,
+    # which the gang's restart covers)
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def gang_command(
+    *,
+    job_id: int,
+    attempt: int,
+    node_rank: int,
+    nnodes: int,
+    slots: int,
+    endpoint: str,
+    addr: str,
+    join_s: float,
+    trainer_args: list[str],
+) -> list[str]:
+    """One node's torchrun. Node 0 hosts the c10d rendezvous store on the endpoint (is_host: the
+    others must not try to, which they would on one machine where every address is local)."""
+    conf = f"is_host={1 if node_rank == 0 else 0},join_timeout={max(int(join_s), 1)}"
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(slots),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        f"{job_id}-{attempt}",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        conf,
+        "--local-addr",
+        addr,
+        "--max-restarts",
+        "0",
+        "-m",
+        "trainer",
+        *trainer_args,
+    ]
+
+
+def _view(settings: Settings, attempt: Attempt, node_rank: int) -> GangView:
+    with session_for(settings.database_url) as s:
+        return gang_view(s, attempt=attempt, node_rank=node_rank)
+
+
+def _claim(settings: Settings, *, job_id: int, node_rank: int, worker: str) -> Attempt | None:
+    if node_rank == 0:
+        attempt = take_lease(settings, job_id=job_id, worker=worker)
+        if attempt is None:
+            return None
+    with session_for(settings.database_url) as s:
+        mine = claim_node(
+            s, job_id=job_id, node_rank=node_rank, worker=worker, owner=owner_id(), lease_s=settings.lease_s
+        )
+    if node_rank == 0 and mine is not None and mine != attempt:
+        log.warning("job %s: node 0's reservation is of attempt %s, the lease of %s", job_id, mine, attempt)
+        return None
+    return mine
+
+
+def _await_endpoint(settings: Settings, attempt: Attempt, node_rank: int) -> tuple[str | None, str]:
+    """A node > 0 waits for node 0's endpoint, renewing its own lease meanwhile. Returns (the
+    endpoint, "") or (None, why not)."""
+    deadline = time.monotonic() + settings.gang_join_s
+    renewed = time.monotonic()
+    while time.monotonic() < deadline:
+        view = _view(settings, attempt, node_rank)
+        if view.endpoint:
+            return view.endpoint, ""
+        if view.cancel:
+            return None, "cancelled"
+        if not view.held:
+            return None, "the scheduler took the placement back"
+        if time.monotonic() - renewed > settings.lease_s / 3:
+            with session_for(settings.database_url) as s:
+                renew_node(s, attempt=attempt, node_rank=node_rank, lease_s=settings.lease_s)
+            renewed = time.monotonic()
+        time.sleep(0.5)
+    return None, f"waited {settings.gang_join_s:g} s (gang_join_s) for node 0's rendezvous endpoint"
+
+
+def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Settings, worker: str) -> str:
+    """Run node `node_rank` of job `job_id` to the gang's end. Returns this node's outcome: the
+    job's final status (node 0), 'done' (a node > 0 whose part ended cleanly), 'queued' (the gang
+    was given back), 'skipped' (not ours), 'waited' (node 0's endpoint never came) or 'lost'."""
+    try:
+        attempt = retry_db(
+            settings, "claim", lambda: _claim(settings, job_id=job_id, node_rank=node_rank, worker=worker)
+        )
+    except QuotaWait:
+        return "waiting"
+    if attempt is None:
+        return "skipped"
+    addr = node_addr(settings)
+    if node_rank == 0:
+        endpoint: str | None = f"{addr}:{free_port(addr)}"
+        with session_for(settings.database_url) as s:
+            if not set_rdzv_endpoint(s, attempt=attempt, endpoint=endpoint, lease_s=settings.lease_s):
+                return "lost"
+    else:
+        endpoint, why = retry_db(
+            settings, "rendezvous", lambda: _await_endpoint(settings, attempt, node_rank)
+        )
+        if endpoint is None:
+            with session_for(settings.database_url) as s:
+                # the scheduler sends the node's task again (a lost or late node 0 message)
+                unclaim_node(
+                    s, attempt=attempt, node_rank=node_rank, reason=f"node {node_rank} on {worker}: {why}"
+                )
+            return "waited"
+
+    with session_for(settings.database_url) as s:
+        job = get_job(s, job_id)
+        spec, applied_step = job.spec, job.applied_step
+    slots = _view(settings, attempt, node_rank).slots
+    workdir = settings.data_dir / "jobs" / str(job_id)
+    node_dir = workdir / f"node-{node_rank}"
+    ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
+    node_dir.mkdir(parents=True, exist_ok=True)
+    if node_rank == 0 and ckpt_dir.is_dir():
+        # before any rank reads it: the other nodes' ranks cannot start before node 0's torchrun
+        drop_checkpoints_past(ckpt_dir, applied_step)
+    spec_path = node_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    stop_file = node_dir / "stop"
+    trainer_args = [
+        "--spec",
+        str(spec_path),
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--stop-file",
+        str(stop_file),
+    ]
+    trainer_args += workspace_args(spec, settings=settings, workdir=node_dir)
+    cmd = gang_command(
+        job_id=job_id,
+        attempt=attempt.attempt,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        slots=slots,
+        endpoint=endpoint,
+        addr=addr,
+        join_s=settings.gang_join_s,
+        trainer_args=trainer_args,
+    )
+    relay = Relay(
+        settings,
+        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank)},
+        on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
+    )
+    if node_rank == 0:
+        publish_status(relay, job_id=job_id)
+    out = Outcome()
+    runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
+    deadline = time.monotonic() + runtime_s
+    asked: list[str] = []
+
+    def poll() -> Ask:
+        if relay.fenced or relay.broken:
+            return Ask.kill
+        if time.monotonic() > deadline:
+            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            return Ask.kill
+        view = _view(settings, attempt, node_rank)
+        if not view.intact:  # another node gave the gang back, or the reaper did
+            return Ask.kill
+        if view.cancel or view.preempt:
+            asked.append("cancel" if view.cancel else "preempt")
+            return Ask.stop
+        return Ask.none
+
+    mem_limit = memory_limit_bytes(spec)
+    log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
+    rc = supervise(
+        cmd,
+        on_message=lambda msg: relay.add(None, msg),
+        poll=poll,
+        stop_file=stop_file,
+        stderr_log=node_dir / "stderr.log",
+        grace_s=settings.cancel_grace_s,
+        shutdown_grace_s=settings.shutdown_grace_s,
+        out=out,
+        memory_limit=mem_limit,
+    )
+    if not relay.close() or relay.fenced:
+        log.warning(
+            "job %s node %d attempt %s: %s", job_id, node_rank, attempt.attempt, relay.broken or "fenced off"
+        )
+        return "lost"
+    ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
+    return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+
+
+class GangEnd:
+    """What a node does once its trainer exited and every line it wrote is applied."""
+
+    def __init__(
+        self, *, settings: Settings, attempt: Attempt, node_rank: int, worker: str, relay: Relay
+    ) -> None:
+        self.settings, self.attempt, self.node_rank, self.worker, self.relay = (
+            settings,
+            attempt,
+            node_rank,
+            worker,
+            relay,
+        )
+
+    def give_back(self, reason: str, *, restart: bool, fail: bool = False) -> str:
+        with session_for(self.settings.database_url) as s:
+            status = give_back_gang(
+                s,
+                job_id=self.attempt.job_id,
+                attempt=self.attempt.attempt,
+                reason=reason,
+                restart=restart,
+                gang_restarts=self.settings.gang_restarts,
+                writer=self.attempt,
+                fail=fail,
+            )
+        if status is None:
+            return "lost"
+        publish_status(self.relay, job_id=self.attempt.job_id)
+        return status
+
+    def decide(self, *, rc: int, out: Outcome, memory_limit: int | None) -> str:
+        view = _view(self.settings, self.attempt, self.node_rank)
+        if not view.intact:
+            return "lost"
+        where = f"node {self.node_rank} on {self.worker}"
+        if out.stopped == "drain":
+            return self.give_back(f"{where} shut down; the gang resumes from its checkpoint", restart=False)
+        if view.cancel or view.preempt:
+            if view.cancel and self.node_rank == 0:
+                return self.finish(JobStatus.cancelled)
+            if view.preempt:
+                return self.give_back("preempted; the gang resumes from its checkpoint", restart=False)
+            return self.wait_for_end()
+        if rc == 0:
+            return self.finish_ok() if self.node_rank == 0 else self.wait_for_end()
+        if view.has_result:  # the job's result is in: node 0 ends it
+            return self.wait_for_end() if self.node_rank else self.end_with_result(view)
+        oom = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit)
+        failure = oom or out.failure(rc)
+        # a spec the trainer refused, or a limit, fails on every attempt alike: no restart
+        terminal = oom is not None or failure.startswith(("bad spec", "ran past its max_runtime_s"))
+        return self.give_back(f"{where}: {failure}", restart=True, fail=terminal)
+
+    def finish(self, status: JobStatus, error: str | None = None) -> str:
+        with session_for(self.settings.database_url) as s:
+            eid = finish_job(s, attempt=self.attempt, status=status, error=error)
+        if eid is None:
+            return "lost"
+        publish_status(self.relay, job_id=self.attempt.job_id)
+        return str(status)
+
+    def _hold(self, until: Callable[[GangView], bool]) -> GangView | None:
+        """Keep this node's lease alive until `until(view)` or the gang is over (None), for at most
+        db_retry_s + 2 lease periods (time for another node's relay to apply its last lines)."""
+        deadline = time.monotonic() + self.settings.db_retry_s + 2 * self.settings.lease_s
+        renewed = time.monotonic()
+        while time.monotonic() < deadline:
+            view = _view(self.settings, self.attempt, self.node_rank)
+            if not view.intact:
+                return None
+            if until(view):
+                return view
+            if time.monotonic() - renewed > self.settings.lease_s / 3:
+                with session_for(self.settings.database_url) as s:
+                    if not renew_node(
+                        s, attempt=self.attempt, node_rank=self.node_rank, lease_s=self.settings.lease_s
+                    ):
+                        return None
+                renewed = time.monotonic()
+            time.sleep(0.3)
+        return _view(self.settings, self.attempt, self.node_rank)
+
+    def finish_ok(self) -> str:
+        """Node 0's trainer ended cleanly: the result may be printed by a rank on another node, so
+        wait for it to be applied, then end the job."""
+        view = self._hold(lambda v: v.has_result)
+        if view is None:
+            return "lost"
+        if view.has_result:
+            return self.end_with_result(view)
+        return self.give_back("the gang's trainers ended but no node reported the result", restart=True)
+
+    def end_with_result(self, view: GangView) -> str:
+        """A result that says the run stopped early came from a stop asked on another node (its
+        warm shutdown stops every rank at one step): the gang goes back, not counted."""
+        if view.stopped:
+            return self.give_back(
+                "a node of the gang shut down; it resumes from its checkpoint", restart=False
+            )
+        return self.finish(JobStatus.succeeded)
+
+    def wait_for_end(self) -> str:
+        """A node > 0 whose part ended: it stays (its lease alive, so the reaper does not take its
+        silence for a loss) until node 0 ends the job or the gang is given back."""
+        self._hold(lambda _v: False)
+        return "done"
