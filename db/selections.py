@@ -348,6 +348,17 @@ def settle_selection(session: Session, *, selection_id: int) -> str:
     return status
 
 
+def batch_over(session: Session, *, selection_id: int) -> bool:
+    """Whether settling the batch now would end it (every trial ended, no generation left to
+    grow), read fresh and without writing anything."""
+    sel = get_selection(session, selection_id)
+    session.refresh(sel)
+    for t in sel.trials:
+        session.refresh(t)
+    status = derive_status([t.status for t in sel.trials], cancel_requested=sel.cancel_requested)
+    return status in TERMINAL and not still_growing(sel)
+
+
 def kept_trial(session: Session, *, selection_id: int) -> int | None:
     """Checkpoints `best` across the whole batch: the index of the one trial whose checkpoints an
     ended batch keeps, by the leaderboard's rule (best metric, then the lower index), whichever

@@ -220,8 +220,8 @@ def _end_group(
         # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
         # the batch is settled, so it never shows as ended between two generations
         grow(settings, selection_id=selection_id)
+        keep_best_checkpoints(settings, s, selection_id=selection_id)  # before the end shows
         status = settle_selection(s, selection_id=selection_id)
-        keep_best_checkpoints(settings, s, selection_id=selection_id, status=status)
     if rerun:
         resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)
     relay.publish({"type": "selection", "status": str(status)}, channels=(selection_channel(selection_id),))
