@@ -364,7 +364,7 @@ def kept_trial(session: Session, *, selection_id: int) -> int | None:
     ended batch keeps, by the leaderboard's rule (best metric, then the lower index), whichever
     group or worker ran it; None when no trial reported the metric."""
     sel = get_selection(session, selection_id)
-    sign = -1.0 if (sel.request or {}).get("mode") == "max" else 1.0
+    sign = -1.0 if sel.mode == "max" else 1.0
     ranked = sorted((sign * t.best_metric, t.index) for t in sel.trials if t.best_metric is not None)
     return ranked[0][1] if ranked else None
 
