@@ -9,17 +9,19 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 - bare: the floor with no orchestrator: a 2-process pool (`multiprocessing`, spawn) running
   trainer/loop.py's `train` per trial, one torch thread each. FIFO only (no early stopping).
 - executor: `python -m trainer.selection` alone (Shardyard's executor, shard alternation over 2
-  devices, Sharded-LRTF), launched as the worker launches it.
+  devices, Sharded-LRTF), a fresh process as a user would start it (it imports torch each time).
 - rest: the same batch through `POST /api/selections` on a warm embedded stack (redis-server,
-  uvicorn, one Celery worker, SQLite); timed from the submit to the batch's end (server clock).
+  uvicorn, one Celery worker, SQLite, the worker's warm trainer on: each group is forked from a
+  process that imported torch once); timed from the submit to the batch's end (server clock).
 - ray / ray-reuse: Ray Tune (`Tuner`, a function trainable running trainer/loop.py's `train`, one
   CPU per trial, `ray.init(num_cpus=2)` done before timing), with `reuse_actors` off (Ray's
   default) and on; FIFOScheduler or ASHAScheduler(grace_period=1 report = 10 steps, rf 2).
 
 Every side reports the best trial's parameters and val_loss, so a fast wrong answer shows. The
 work floor is the bare side's summed per-trial training time over two cores. Checkpoints are off on
-every side (Shardyard: `checkpoints: none`). Prints a table and writes bench/results/peer.json with
-the machine and its load average around each run (the machine is shared).
+every side (Shardyard: `checkpoints: none`). Prints a table, the load average around the runs and
+how many REST groups ran warm, and writes bench/results/peer.json with the machine and the load
+average around each run (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -268,6 +270,8 @@ def main() -> None:
             from api.stack import Stack
 
             os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+            # the worker forks each group from its warm trainer (workers/warm.py), as deployed
+            os.environ["SHARDYARD_WARM_TRAINER"] = "true"
             stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
             (tmp / "stack").mkdir()
             stack.start()
@@ -318,8 +322,20 @@ def main() -> None:
                 client.close()
             if stack is not None:
                 stack.stop()
+            warm_groups = _warm_groups(tmp / "stack")
     summary = summarize(runs)
+    loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
+    cores = os.cpu_count()
     print(table(summary["rows"], title=f"\nmedians over {args.reps} interleaved repetitions"))
+    print(
+        f"load average (1 min) around the runs: {min(loads):.2f} to {max(loads):.2f}, median "
+        f"{statistics.median(loads):.2f}, on {cores} cores; 5/15 min at the end: "
+        f"{os.getloadavg()[1]:.2f}/{os.getloadavg()[2]:.2f}"
+    )
+    if "rest" in sides:
+        print(
+            f"REST side: {warm_groups[0]} of {warm_groups[1]} worker groups ran forked from the warm trainer"
+        )
     for line in summary["goals"]:
         print(line)
     path = write_results(
@@ -331,9 +347,19 @@ def main() -> None:
             "asha": ASHA,
             "runs": runs,
             "summary": summary,
+            "load_average_1min": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)},
+            "rest_groups_warm": {"warm": warm_groups[0], "groups": warm_groups[1]},
         },
     )
     print(f"wrote {path}")
+
+
+def _warm_groups(stack_root: Path) -> tuple[int, int]:
+    """(groups whose trainer was forked from the warm trainer, groups) in the stack's logs."""
+    from trainer.zygote import WARM_MARK
+
+    logs = list((stack_root / "selections").glob("*/group-*.stderr.log"))
+    return sum(WARM_MARK in p.read_text(errors="replace") for p in logs), len(logs)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -351,6 +351,27 @@ def settle_selection(session: Session, *, selection_id: int) -> str:
     return status
 
 
+def batch_over(session: Session, *, selection_id: int) -> bool:
+    """Whether settling the batch now would end it (every trial ended, no generation left to
+    grow), read fresh and without writing anything."""
+    sel = get_selection(session, selection_id)
+    session.refresh(sel)
+    for t in sel.trials:
+        session.refresh(t)
+    status = derive_status([t.status for t in sel.trials], cancel_requested=sel.cancel_requested)
+    return status in TERMINAL and not still_growing(sel)
+
+
+def kept_trial(session: Session, *, selection_id: int) -> int | None:
+    """Checkpoints `best` across the whole batch: the index of the one trial whose checkpoints an
+    ended batch keeps, by the leaderboard's rule (best metric, then the lower index), whichever
+    group or worker ran it; None when no trial reported the metric."""
+    sel = get_selection(session, selection_id)
+    sign = -1.0 if sel.mode == "max" else 1.0
+    ranked = sorted((sign * t.best_metric, t.index) for t in sel.trials if t.best_metric is not None)
+    return ranked[0][1] if ranked else None
+
+
 def unsettled_selections(session: Session) -> list[int]:
     return list(session.scalars(select(Selection.id).where(Selection.status.not_in(list(TERMINAL)))))
 

@@ -32,6 +32,7 @@ from db.selections import (
     sync_trials,
 )
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status, send_waiting_groups
+from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.search import grow
@@ -258,6 +259,7 @@ def _end_group(
         # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
         # the batch is settled, so it never shows as ended between two generations
         grow(settings, selection_id=selection_id)
+        keep_best_checkpoints(settings, s, selection_id=selection_id)  # before the end shows
         status = settle_selection(s, selection_id=selection_id)
     if rerun:
         resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
+from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +139,16 @@ def supervise(
         _die_with_parent()
         apply_memory_limit(memory_limit)
 
-    proc = subprocess.Popen(
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a single-process trainer forks from this process's warm trainer (workers/warm.py), else or
+    # when that fails it starts fresh; both are this process's child in their own session
+    proc = launch(cmd, env=env, memory_limit=memory_limit) or subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
         preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
     )
     done = threading.Event()
@@ -182,5 +186,6 @@ def supervise(
             kill_group(proc, signal.SIGKILL)
             proc.wait()
         kill_group(proc, signal.SIGKILL)  # ranks torchrun left behind, if any
+        reap_group(proc.pid)  # and their exits, when this process adopted them (workers/warm.py)
         for t in threads:
             t.join(timeout=5)

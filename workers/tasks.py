@@ -12,7 +12,13 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    celeryd_after_setup,
+    worker_process_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_selection
@@ -28,6 +34,7 @@ from workers.gang import execute_gang_node
 from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
+from workers.warm import prestart
 
 log = logging.getLogger(__name__)
 _WORKER_NAME = {"name": f"worker@{socket.gethostname()}"}
@@ -163,6 +170,11 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
     threading.Thread(
         target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
     ).start()
+
+
+@worker_process_init.connect
+def _start_warm_trainer(**_kwargs) -> None:
+    prestart()  # this pool process's zygote imports torch now, so its first run is warm too
 
 
 @worker_shutdown.connect

@@ -1,0 +1,155 @@
+"""Cold vs warm trainer start: time from the worker's `supervise` call to the trainer's first step.
+
+`python -m bench.warm [--reps 5]`. Cold: a fresh `python -m trainer` (imports torch, the trainer).
+Warm: the same command forked from this process's zygote (workers/warm.py), as a worker pool
+process does. Both go through workers/supervise.py exactly as the worker runs them, with a tiny GPT
+and 3 steps, for a plain job (`python -m trainer`) and a selection group of two trials
+(`python -m trainer.selection`). Reps are interleaved (cold/warm, then warm/cold) so that the load
+of a shared machine falls on both; medians are reported with the load average before and after.
+The zygote is started and made ready before the first measured run, as a pool process's start
+does (worker_process_init); its own start is reported apart. Results: bench/results/warm_trainer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import table, write_results
+from core.settings import get_settings
+from workers import warm
+from workers.supervise import Ask, Outcome, supervise
+
+SPEC: dict[str, Any] = {
+    "name": "warm-bench",
+    "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
+    "data": {"max_chars": 200_000},
+    "train": {"steps": 3, "batch_size": 8, "lr": 3e-3, "eval_every": 3, "seed": 0},
+}
+
+
+def _set_warm(on: bool) -> None:
+    os.environ["SHARDYARD_WARM_TRAINER"] = "true" if on else "false"
+    get_settings.cache_clear()
+
+
+def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
+    import sys
+
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    batch = tmp / "batch.json"
+    trials = [
+        {"index": i, "spec": {**SPEC, "train": {**SPEC["train"], "lr": lr}}}
+        for i, lr in enumerate((1e-3, 3e-3))
+    ]
+    batch.write_text(json.dumps({"trials": trials, "scheduler": "fifo", "checkpoints": "none"}))
+    job = [sys.executable, "-m", "trainer", "--spec", str(spec), "--checkpoint-dir", str(tmp / f"ck-{tag}")]
+    group = [sys.executable, "-m", "trainer.selection", "--batch", str(batch), "--devices", "1"]
+    return {"job": [*job, "--stop-file", str(tmp / "stop")], "selection group": group}
+
+
+def _one(cmd: list[str], tmp: Path) -> dict[str, float]:
+    """Seconds from the supervise call to the first step's metric line, and to the process's end."""
+    first: list[float] = []
+    t0 = time.perf_counter()
+
+    def on_message(msg: Any) -> None:
+        if not first and msg.kind == "metric" and msg.step >= 1:
+            first.append(time.perf_counter() - t0)
+
+    out = Outcome()
+    rc = supervise(
+        cmd,
+        on_message=on_message,
+        poll=lambda: Ask.none,
+        stop_file=tmp / "stop",
+        stderr_log=tmp / "stderr.log",
+        grace_s=10,
+        shutdown_grace_s=10,
+        out=out,
+    )
+    if rc != 0 or not first:
+        raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
+    return {"first_step_s": first[0], "wall_s": time.perf_counter() - t0}
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    samples: dict[tuple[str, str], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        _set_warm(True)
+        t0 = time.perf_counter()
+        warm.prestart()
+        _one(_commands(tmp, "warmup")["job"], tmp)  # waits for the zygote's imports
+        zygote_ready_s = time.perf_counter() - t0
+        assert warm._ZYGOTE.proc is not None
+        zygote_rss = _rss_mib(warm._ZYGOTE.proc.pid)
+        for rep in range(args.reps):
+            order = (False, True) if rep % 2 == 0 else (True, False)
+            for kind in ("job", "selection group"):
+                for on in order:
+                    _set_warm(on)
+                    cmd = _commands(tmp, f"{rep}-{on}")[kind]
+                    samples.setdefault((kind, "warm" if on else "cold"), []).append(_one(cmd, tmp))
+        warm.shutdown()
+    load_after = os.getloadavg()
+
+    rows = []
+    for kind in ("job", "selection group"):
+        cold, hot = samples[(kind, "cold")], samples[(kind, "warm")]
+        med = {
+            (side, k): statistics.median(s[k] for s in runs)
+            for side, runs in (("cold", cold), ("warm", hot))
+            for k in ("first_step_s", "wall_s")
+        }
+        rows.append(
+            {
+                "run": kind,
+                "cold first step s": med[("cold", "first_step_s")],
+                "warm first step s": med[("warm", "first_step_s")],
+                "saved s": med[("cold", "first_step_s")] - med[("warm", "first_step_s")],
+                "cold wall s": med[("cold", "wall_s")],
+                "warm wall s": med[("warm", "wall_s")],
+            }
+        )
+    load = f"load average before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (1/5/15 min)"
+    print(table(rows, title=f"Cold vs warm trainer start, medians of {args.reps} interleaved reps; {load}"))
+    print(
+        f"zygote: ready {zygote_ready_s:.2f} s after the pool process's start, {zygote_rss:.0f} MiB resident"
+    )
+    path = write_results(
+        "warm_trainer",
+        {
+            "reps": args.reps,
+            "spec": SPEC,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "zygote_ready_s": zygote_ready_s,
+            "zygote_rss_mib": zygote_rss,
+            "rows": rows,
+            "samples": {f"{k[0]} {k[1]}": v for k, v in samples.items()},
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

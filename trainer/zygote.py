@@ -1,0 +1,202 @@
+"""`python -m trainer.zygote --fd N`: the warm trainer, a process that has imported torch and the
+trainer once and forks one single-process run at a time when its worker asks (workers/warm.py).
+
+The worker sends, over the SOCK_SEQPACKET socket whose end is fd N, one JSON request
+{"module": "trainer" | "trainer.selection", "argv": [...], "cmd": [...], "env": {...}, "cwd": ...,
+"memory_limit": int | null, "worker_pid": int} with three file descriptors: the run's stdout and
+stderr (write ends of the worker's pipes) and the read end of a "go" pipe. The zygote forks twice:
+the middle process forks the run and exits, so the run is re-parented to the worker (a child
+subreaper) and the worker waits for it like any child of its own. The zygote replies {"pid": run}
+once that has happened; the worker then writes one byte to the go pipe and the run starts. A worker
+that gives up before (a timeout) closes the go pipe and the run leaves without doing anything.
+
+The run is its own process, exactly as `python -m trainer` would be: its own session (the stop
+watcher kills its group), SIGKILL when the worker dies (PR_SET_PDEATHSIG, set once it is the
+worker's child), its own RLIMIT_AS, the worker's environment and working directory, stdout and
+stderr on the worker's pipes, and `python -m trainer ...` as its command line (ps, /proc). What it
+shares with the zygote is only what importing left behind. The zygote itself never runs a torch
+operation and never touches CUDA (no thread pools, no device context exist when it forks); the one
+difference a forked run keeps is the zygote's PYTHONHASHSEED (string hashing), which nothing the
+trainer computes depends on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import random
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+RUNNABLE = ("trainer", "trainer.selection")
+"""The modules a run may be: `python -m trainer` and `python -m trainer.selection`."""
+PR_SET_PDEATHSIG = 1
+WARM_MARK = "warm trainer: this run was forked from zygote"
+"""The first stderr line of a forked run (the job's stderr.log says how its trainer started)."""
+
+
+def preload() -> None:
+    """Everything a single-process run imports, so that a fork starts with it done."""
+    import torch  # noqa: F401
+
+    # what building the first nn.Module pulls in lazily (torch 2.13): about as long as `import torch`
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    import torch.onnx  # noqa: F401
+
+    import trainer
+
+    for mod in pkgutil.walk_packages(trainer.__path__, "trainer."):
+        if mod.name != __name__:
+            importlib.import_module(mod.name)
+    import torch.profiler  # noqa: F401 - the step loop's
+
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.getproctitle()  # finds the command line's memory while the environment is whole
+
+
+def cuda_untouched() -> bool:
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork one run per request until the worker closes its end."""
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 3)
+        except InterruptedError:
+            continue
+        if not data:
+            return  # the worker is gone or shut us down
+        try:
+            reply = _fork_run(json.loads(data), fds, sock)
+        except Exception as e:  # noqa: BLE001 - the worker falls back to a fresh process
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def _fork_run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> dict[str, Any]:
+    if req.get("module") not in RUNNABLE or len(fds) != 3:
+        return {"error": f"cannot run {req.get('module')!r} with {len(fds)} descriptors"}
+    if not cuda_untouched():
+        return {"error": "CUDA was initialised in the zygote; it must not fork"}
+    req = {**req, "zygote_pid": os.getpid()}
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the middle process: fork the run, tell the zygote its pid, leave
+        try:
+            os.close(r)
+            run = os.fork()
+            if run == 0:
+                os.close(w)
+                _run(req, fds, sock)  # never returns
+            os.write(w, str(run).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read()
+    os.waitpid(middle, 0)  # once it is reaped, the run is the worker's child
+    if not got:
+        return {"error": "the fork of the run failed"}
+    return {"pid": int(got)}
+
+
+def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
+    """In the run's process: become `python -m <module> <argv>` and exit with its code."""
+    code = 70
+    try:
+        sock.close()
+        out_w, err_w, go_r = fds
+        os.setsid()
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd in (out_w, err_w, null):
+            os.close(fd)
+        with os.fdopen(go_r, "rb") as go:
+            if go.read(1) != b"g":
+                os._exit(0)  # the worker gave up on this run before it started
+        _die_with_worker(int(req["worker_pid"]))
+        os.write(2, f"{WARM_MARK} {req['zygote_pid']} (torch imported once)\n".encode())
+        if req.get("memory_limit") is not None:
+            import resource
+
+            limit = int(req["memory_limit"])
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _set_title(req.get("cmd") or [])  # before the environment changes: the title takes its space
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own
+        sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+        random.seed()  # a fresh process seeds from the OS; so does this one
+        module = req["module"]
+        sys.argv = [module, *req["argv"]]
+        if module == "trainer":
+            from trainer.__main__ import main
+        else:
+            from trainer.selection.__main__ import main
+        try:
+            code = main(list(req["argv"]))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _die_with_worker(worker_pid: int) -> None:
+    """SIGKILL when the worker dies; the run must be the worker's child by now (else it leaves)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != worker_pid:
+        os._exit(70)
+
+
+def _set_title(cmd: list[str]) -> None:
+    """The run's command line reads as the one a fresh process would have (ps, /proc/PID/cmdline)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(cmd))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.zygote", description=__doc__)
+    ap.add_argument("--fd", type=int, required=True, help="this end of the worker's SEQPACKET socket")
+    args = ap.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    preload()
+    sock.send(b'{"ready": true}')
+    serve(sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
