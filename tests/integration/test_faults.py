@@ -32,7 +32,9 @@ FAST = {
     "SHARDYARD_RECONCILE_S": "1",
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
 }
-STEPS = 20
+# long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
+# of this model takes a few milliseconds there, and the warm trainer starts it in under a second)
+STEPS = 100
 SPEC = {
     **TINY_SPEC,
     "name": "fault",
