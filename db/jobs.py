@@ -841,11 +841,20 @@ def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: f
 
 
 def apply_gang_lines(
-    session: Session, *, attempt: Attempt, node_rank: int, lines: JobLines, lease_s: float, now: datetime
+    session: Session,
+    *,
+    attempt: Attempt,
+    node_rank: int,
+    lines: JobLines,
+    lease_s: float,
+    now: datetime,
+    run_seconds: float | None = None,
 ) -> Applied | None:
     """apply_lines for one node of a gang, inside the relay's transaction: renews this node's
-    reservation lease (node 0: the job's too) and applies whatever lines this node's trainer wrote
-    (only the node holding global rank 0 writes any), fenced by gang_fence. None when fenced off."""
+    reservation lease (node 0: the job's too, and records `run_seconds`, the job's run time over
+    all its attempts, as apply_lines does for one node) and applies whatever lines this node's
+    trainer wrote (only the node holding global rank 0 writes any), fenced by gang_fence. None
+    when fenced off."""
     until = now + timedelta(seconds=lease_s)
     if not session.execute(
         update(Reservation)
@@ -854,11 +863,12 @@ def apply_gang_lines(
     ).rowcount:
         return None
     fence = gang_fence(attempt, now=now)
-    if (
-        node_rank == 0
-        and not session.execute(update(Job).where(_fence(attempt)).values(lease_until=until)).rowcount
-    ):
-        return None
+    if node_rank == 0:
+        values: dict[str, Any] = {"lease_until": until}
+        if run_seconds is not None:
+            values["run_seconds"] = run_seconds
+        if not session.execute(update(Job).where(_fence(attempt)).values(**values)).rowcount:
+            return None
     if lines.empty():
         # no applied_seq round trip: the node with the lines may be writing them right now
         return Applied() if session.scalar(select(Job.id).where(fence)) is not None else None

@@ -58,7 +58,7 @@ from workers.execute import (
     publish_status,
     take_lease,
 )
-from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
@@ -206,6 +206,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, applied_step = job.spec, job.applied_step
+        used_s = job.run_seconds or 0.0  # node 0 records it (db/jobs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
     workdir = settings.data_dir / "jobs" / str(job_id)
     node_dir = workdir / f"node-{node_rank}"
@@ -239,20 +240,25 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     )
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank)},
+        targets={
+            None: Target(
+                attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s
+            )
+        },
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     if node_rank == 0:
         publish_status(relay, job_id=job_id)
     out = Outcome()
+    # the limit counts every attempt, as for a one-node job (workers/execute.py)
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s
+    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
         if time.monotonic() > deadline:
-            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+            out.error = runtime_error(runtime_s, used_s)
             # failed before any trainer dies: the other nodes then see the gang over, and none
             # of them takes its peers' deaths for a lost node to restart from
             with session_for(settings.database_url) as s:
