@@ -56,11 +56,13 @@ from workers.execute import (
     drop_checkpoints_past,
     owner_id,
     publish_status,
+    run_attempt,
     take_lease,
+    trainer_args,
 )
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Ask, Outcome
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -218,15 +220,8 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     spec_path = node_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = node_dir / "stop"
-    trainer_args = [
-        "--spec",
-        str(spec_path),
-        "--checkpoint-dir",
-        str(ckpt_dir),
-        "--stop-file",
-        str(stop_file),
-    ]
-    trainer_args += workspace_args(spec, settings=settings, workdir=node_dir)
+    args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
+    args += workspace_args(spec, settings=settings, workdir=node_dir)
     cmd = gang_command(
         job_id=job_id,
         attempt=attempt.attempt,
@@ -236,7 +231,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         endpoint=endpoint,
         addr=addr,
         join_s=settings.gang_join_s,
-        trainer_args=trainer_args,
+        trainer_args=args,
     )
     relay = Relay(
         settings,
@@ -280,21 +275,18 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
 
     mem_limit = memory_limit_bytes(spec)
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
-    rc = supervise(
+    rc = run_attempt(
+        settings,
         cmd,
-        on_message=lambda msg: relay.add(None, msg),
+        relay=relay,
         poll=poll,
         stop_file=stop_file,
-        stderr_log=node_dir / "stderr.log",
-        grace_s=settings.cancel_grace_s,
-        shutdown_grace_s=settings.shutdown_grace_s,
+        workdir=node_dir,
         out=out,
         memory_limit=mem_limit,
+        what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
     )
-    if not relay.close() or relay.fenced:
-        log.warning(
-            "job %s node %d attempt %s: %s", job_id, node_rank, attempt.attempt, relay.broken or "fenced off"
-        )
+    if rc is None:
         return "lost"
     ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
     return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
