@@ -200,21 +200,21 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
     cmd += workspace_args(spec, settings=settings, workdir=workdir)
 
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)},
+        targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     publish_status(relay, job_id=job_id)
 
     # the limit counts every attempt: the time earlier attempts ran is already used up
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
-        if time.monotonic() > deadline:
+        if target.run_seconds() > runtime_s:
             out.error = runtime_error(runtime_s, used_s)
             return Ask.kill
         with session_for(settings.database_url) as s:

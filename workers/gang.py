@@ -233,13 +233,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         join_s=settings.gang_join_s,
         trainer_args=args,
     )
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s)
     relay = Relay(
         settings,
-        targets={
-            None: Target(
-                attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s
-            )
-        },
+        targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     if node_rank == 0:
@@ -247,12 +244,11 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     out = Outcome()
     # the limit counts every attempt, as for a one-node job (workers/execute.py)
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
-        if time.monotonic() > deadline:
+        if target.run_seconds() > runtime_s:
             out.error = runtime_error(runtime_s, used_s)
             # failed before any trainer dies: the other nodes then see the gang over, and none
             # of them takes its peers' deaths for a lost node to restart from
