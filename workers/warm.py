@@ -183,16 +183,14 @@ class Zygote:
 _ZYGOTE = Zygote()
 
 
+def enabled() -> bool:
+    """Warm runs are on and can be: `warm_trainer` is set and this machine has no NVIDIA device."""
+    return get_settings().warm_trainer and not _has_cuda_devices()
+
+
 def runs_warm(cmd: list[str]) -> bool:
     """Whether `cmd` is a single-process trainer run the zygote can fork, and warm runs are on."""
-    return (
-        len(cmd) >= 3
-        and cmd[0] == sys.executable
-        and cmd[1] == "-m"
-        and cmd[2] in RUNNABLE
-        and get_settings().warm_trainer
-        and not _has_cuda_devices()
-    )
+    return len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in RUNNABLE and enabled()
 
 
 def _has_cuda_devices() -> bool:
@@ -218,8 +216,9 @@ def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> 
 
 
 def prestart() -> None:
-    """Start this process's zygote now (a pool process's start), so its first run is warm too."""
-    if not get_settings().warm_trainer:
+    """Start this process's zygote now (a pool process's start), so its first run is warm too;
+    none where no run would use it (warm runs off, or an NVIDIA device here)."""
+    if not enabled():
         return
     with _ZYGOTE._lock:
         if not _ZYGOTE.alive():
