@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import IO
 
 from core.settings import get_settings
-from trainer.zygote import RUNNABLE
 from workers.limits import apply_memory_limit
 
 log = logging.getLogger(__name__)
 
+RUNNABLE = ("trainer", "trainer.selection")
+"""`python -m <one of these>` runs warm (the list trainer/zygote.py accepts; workers/ never imports
+trainer/, tests/unit/test_boundaries.py)."""
 PR_SET_CHILD_SUBREAPER = 36
 READY_TIMEOUT_S = 300.0
 """The first run waits this long for the zygote's imports (a loaded machine is slow); after it,
