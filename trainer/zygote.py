@@ -147,6 +147,9 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket, *, zygote: in
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         random.seed()  # a fresh process seeds from the OS; so does this one
         sys.argv = cmd[2:]  # runpy puts the module's path first, as `python -m` does
+        # preload imported the package's __main__ under its own name, which `-m` never does (runpy
+        # would warn that it was in sys.modules before it ran)
+        sys.modules.pop(f"{cmd[2]}.__main__", None)
         try:
             runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
             code = 0

@@ -123,6 +123,8 @@ def test_a_warm_run_trains_as_a_fresh_one_and_its_limit_and_kill_end_only_that_r
     # the same zygote still forks, and its run computes what the fresh process did
     rc, _, warm_msgs, err = _supervise(_job(tmp_path, SPEC, "warm"), tmp_path)
     assert rc == 0 and WARM_MARK in err and f"zygote {zygote.pid} " in err
+    # after its mark line, the warm run's stderr is the fresh one's (no runpy warning, say)
+    assert err.splitlines()[1:] == cold_err.splitlines(), err
     assert len(_losses(cold_msgs)) == SPEC["train"]["steps"]
     torch.testing.assert_close(_losses(warm_msgs), _losses(cold_msgs), rtol=0, atol=0)
     assert [m.name for m in warm_msgs if m.kind == "metric"] == [
