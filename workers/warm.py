@@ -8,8 +8,10 @@ and this process is a child subreaper), so supervision treats it as it treats a 
 session, its RLIMIT_AS is its own, it dies with this process, and `waitpid` gives its exit code.
 A memory limit or a kill ends the run, never the zygote; the zygote dies with this process.
 
-Multi-rank jobs (torchrun) are not warm, nor any run on a machine with an NVIDIA device (not yet
-checked on a GPU). `SHARDYARD_WARM_TRAINER=false` turns this off; any failure
+Multi-rank jobs (torchrun) are not warm. On a machine with NVIDIA devices the forked run initialises
+CUDA itself, which is safe because the zygote's imports leave CUDA untouched (checked on an H100:
+tests/trainer/test_gpu_paths.py; the zygote refuses to fork if CUDA ever was initialised in it).
+`SHARDYARD_WARM_TRAINER=false` turns this off; any failure
 of the zygote (it cannot start, died, answers wrongly or late) runs that one trainer as a fresh
 process and starts a new zygote for the next.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import json
 import logging
 import os
@@ -180,20 +181,13 @@ _ZYGOTE = Zygote()
 
 
 def enabled() -> bool:
-    """Warm runs are on and can be: `warm_trainer` is set and this machine has no NVIDIA device."""
-    return get_settings().warm_trainer and not _has_cuda_devices()
+    """Warm runs are on (`warm_trainer`)."""
+    return get_settings().warm_trainer
 
 
 def runs_warm(cmd: list[str]) -> bool:
     """Whether `cmd` is a single-process trainer run the zygote can fork, and warm runs are on."""
     return len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in RUNNABLE and enabled()
-
-
-def _has_cuda_devices() -> bool:
-    """An NVIDIA device node on this machine: its runs start fresh. The zygote never initialises
-    CUDA itself, but whether torch's imports leave the driver untouched on a CUDA build has not
-    been checked on a GPU yet (a forked child of an initialised driver is broken)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> WarmProcess | None:
@@ -213,7 +207,7 @@ def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> 
 
 def prestart() -> None:
     """Start this process's zygote now (a pool process's start), so its first run is warm too;
-    none where no run would use it (warm runs off, or an NVIDIA device here)."""
+    none where warm runs are off."""
     if not enabled():
         return
     with _ZYGOTE._lock:
