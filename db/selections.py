@@ -61,6 +61,7 @@ def add_trials(
             selection_id=selection_id,
             owner_id=owner_id,
             actor=actor,
+            priority=int(spec.get("priority", 0) or 0),  # the batch's groups are ordered by it
         )
         trial = Trial(
             selection_id=selection_id,

@@ -56,7 +56,13 @@ def _beat(url: str, name: str, *, slots: int = 1, tasks: int = 1) -> None:
 
 
 def _batch(
-    url: str, trials: int, *, group_size: int = 1, devices: int = 1, owner_id: int | None = None
+    url: str,
+    trials: int,
+    *,
+    group_size: int = 1,
+    devices: int = 1,
+    owner_id: int | None = None,
+    priority: int = 0,
 ) -> tuple[int, list[int]]:
     """A selection with `trials` queued trials; returns (selection id, trial ids in index order)."""
     with session_for(url) as s:
@@ -69,7 +75,8 @@ def _batch(
             scheduler="shard-lrtf",
             owner_id=owner_id,
         )
-        plans = [(i, {"train.lr": 0.001 * (i + 1)}, SPEC) for i in range(trials)]
+        spec = {**SPEC, "priority": priority}
+        plans = [(i, {"train.lr": 0.001 * (i + 1)}, spec) for i in range(trials)]
         made = dbsel.add_trials(s, selection_id=sel.id, plans=plans, queue="cpu", owner_id=owner_id)
         return sel.id, [t.id for t in made]
 
@@ -229,3 +236,18 @@ def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
     assert sent.jobs == []
     with session_for(db_url) as s:
         assert dbj.get_job(s, job).wait_reason.startswith("quota: 1 of ann's jobs are running")
+
+
+def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
+    _beat(db_url, "w1@h")
+    with session_for(db_url) as s:
+        job = dbj.create_job(s, name="j", spec=SPEC).id
+    _sel, trials = _batch(db_url, 1, priority=5)
+    with session_for(db_url) as s:
+        order = queue_positions(s, Settings(database_url=db_url))
+    assert [w.trials for w in order] == [(trials[0],), ()]
+    sent = Sent()
+    _sched(db_url, sent).tick()
+    assert [g[1] for g in sent.groups] == [trials] and sent.jobs == []
+    with session_for(db_url) as s:
+        assert dbj.get_job(s, job).wait_reason == "no worker big enough now: needs 1 free slot(s)"
