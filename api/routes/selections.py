@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, stat
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.admission import admission_problem
+from api.admission import admission_problem, group_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
@@ -85,6 +85,28 @@ def _trial_specs(
     return plans
 
 
+def _refuse_groups(
+    plans: list[tuple[int, dict, dict]],
+    req: SelectionCreate,
+    *,
+    session: Session,
+    settings: Settings,
+    user: User,
+) -> None:
+    """A batch whose groups could never be placed is refused, naming `devices` (the scheduler runs
+    each group on one worker)."""
+    why = group_problem(
+        session,
+        specs=[spec for _, _, spec in plans],
+        devices=req.devices,
+        group_size=req.group_size,
+        settings=settings,
+        user=user,
+    )
+    if why is not None:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, why)
+
+
 def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
     """The trials a batch starts with: the whole grid or random sample, or a sampler's first
     generation (the worker asks the next ones as generations end: workers/search.py)."""
@@ -116,6 +138,7 @@ def submit_selection(
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
     plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
+    _refuse_groups(plans, body, session=session, settings=settings, user=user)
     sel = db_sel.create_selection(
         session,
         name=body.name,
@@ -201,6 +224,7 @@ def add_trials(
             f"params: {unknown} are not dimensions of this batch's space ({sorted(req.space)}) nor train.steps",
         )
     plans = _trial_specs(req.base.model_dump(), params, first, session=session, settings=settings, user=user)
+    _refuse_groups(plans, req, session=session, settings=settings, user=user)
     db_sel.add_trials(
         session,
         selection_id=selection_id,

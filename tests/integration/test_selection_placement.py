@@ -140,3 +140,13 @@ def test_a_group_waits_with_a_reason_until_a_worker_frees_up(two: StackHandle) -
     )
     _until(lambda: all(two.job(j)["reservation"] == [] for j in busy_jobs), "reservations freed", 60)
     assert two.client.get("/api/queue").json()["items"] == []
+
+
+def test_a_batch_whose_groups_no_worker_can_hold_is_refused(two: StackHandle) -> None:
+    """Each group runs on one worker: 2 devices on 1-slot workers could never be placed."""
+    body = {"name": "wide", "base": BASE, "space": {"train.lr": [1e-3]}, "method": "grid", "devices": 2}
+    resp = two.client.post("/api/selections", json=body)
+    assert resp.status_code == 422, resp.text
+    detail = resp.json()["detail"]
+    assert detail.startswith("devices: each group of the batch runs as one process on one worker over 2")
+    assert "largest: 1 slots" in detail
