@@ -169,13 +169,11 @@ def group_reserved_here(
     return session.scalar(q)
 
 
-def free_group(session: Session, *, reservation_id: int, owner: str | None = None) -> None:
-    """The group's slots go back to the pool (inside the caller's transaction); with `owner`, only
-    when that process holds it (or nobody does yet)."""
-    where = [Reservation.id == reservation_id, Reservation.trial_ids.is_not(None)]
-    if owner is not None:
-        where.append(Reservation.owner.is_(None) | (Reservation.owner == owner))
-    session.execute(delete(Reservation).where(*where))
+def free_group(session: Session, *, reservation_id: int, worker: str, owner: str) -> None:
+    """The group's slots on `worker` go back to the pool (inside the caller's transaction), only
+    when process `owner` holds them or nobody does yet: a message that reached another worker, or
+    a duplicate that another process runs, frees nothing."""
+    session.execute(delete(Reservation).where(_group_reservation(reservation_id, worker, owner)))
 
 
 def claim_trials(

@@ -62,7 +62,7 @@ def take_trials(settings: Settings, *, worker: str, reservation_id: int) -> list
             # is checked and the trials claimed in one transaction; over it, they wait queued,
             # the reservation given back (the scheduler places them again)
             if why := group_quota_gate(s, trial_ids=trial_ids, defaults=settings.quota_defaults):
-                free_group(s, reservation_id=reservation_id, owner=owner_id())
+                free_group(s, reservation_id=reservation_id, worker=worker, owner=owner_id())
                 s.commit()
                 raise QuotaWait(why)
             won = claim_trials(
@@ -82,9 +82,9 @@ def take_trials(settings: Settings, *, worker: str, reservation_id: int) -> list
         time.sleep(min(max(min(left), 0.0) + 0.2, 2.0))
 
 
-def _give_back(settings: Settings, reservation_id: int) -> None:
+def _give_back(settings: Settings, reservation_id: int, worker: str) -> None:
     with session_for(settings.database_url) as s:
-        free_group(s, reservation_id=reservation_id, owner=owner_id())
+        free_group(s, reservation_id=reservation_id, worker=worker, owner=owner_id())
         s.commit()
 
 
@@ -111,7 +111,7 @@ def execute_selection(
     except QuotaWait:
         return "waiting"
     if not won:
-        retry_db(settings, "give back", lambda: _give_back(settings, reservation_id))
+        retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
     selection_id = won[0][0].selection_id  # the reservation's group (`trial_ids` is the message's)
     with session_for(settings.database_url) as s:
@@ -244,7 +244,7 @@ def execute_selection(
         settings,
         "trial ends",
         lambda: _end_group(
-            settings, selection_id, won, relay=relay, rc=rc, out=out, reservation_id=reservation_id
+            settings, selection_id, won, relay=relay, rc=rc, out=out, group=(reservation_id, worker)
         ),
     )
     relay.drain_live()
@@ -259,7 +259,7 @@ def _end_group(
     relay: Relay,
     rc: int,
     out: Outcome,
-    reservation_id: int,
+    group: tuple[int, str],
 ) -> str:
     """Trials the executor never fully reported (final event and result): cancelled or stopped
     when that was asked, given back when the worker shuts down or the executor lost a result,
@@ -286,7 +286,7 @@ def _end_group(
             publish_status(relay, job_id=t.job_id)
         if rerun:
             sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
-        free_group(s, reservation_id=reservation_id, owner=owner_id())
+        free_group(s, reservation_id=group[0], worker=group[1], owner=owner_id())
         s.commit()
         # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
         # the batch is settled, so it never shows as ended between two generations

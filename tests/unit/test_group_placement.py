@@ -147,7 +147,7 @@ def test_groups_of_a_batch_spread_over_two_workers_and_the_third_waits(db_url: s
         trial, attempt = won[0]
         trial = s.merge(trial)
         assert dbsel.finish_trial(s, trial=trial, status="succeeded", attempt=attempt)
-        dbsel.free_group(s, reservation_id=g1[3], owner="p1")
+        dbsel.free_group(s, reservation_id=g1[3], worker="w1@h", owner="p1")
         s.commit()
     sched.tick()
     assert sent.groups[-1][1:3] == ([trials[2]], "node.w1@h")
@@ -251,3 +251,32 @@ def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
     assert [g[1] for g in sent.groups] == [trials] and sent.jobs == []
     with session_for(db_url) as s:
         assert dbj.get_job(s, job).wait_reason == "no worker big enough now: needs 1 free slot(s)"
+
+
+# ---- the worker's side of a placed group (workers/selection.py, before any trainer starts) ------
+
+
+def test_the_worker_runs_only_a_group_reserved_for_it_and_gives_back_one_over_quota(db_url: str) -> None:
+    from workers.selection import execute_selection
+
+    _beat(db_url, "w1@h", slots=2, tasks=2)
+    with session_for(db_url) as s:
+        uid = create_user(s, name="bo", max_running_jobs=1).id
+    sel, trials = _batch(db_url, 1, owner_id=uid)
+    sent = Sent()
+    _sched(db_url, sent).tick()
+    ((_, ids, _queue, rid),) = sent.groups
+    settings = Settings(database_url=db_url, lease_s=5)
+    # a message without a reservation (sent before groups were placed) or for another worker
+    assert execute_selection(sel, ids, settings=settings, worker="w1@h") == "skipped"
+    assert execute_selection(sel, ids, settings=settings, worker="w2@h", reservation_id=rid) == "skipped"
+    assert _held(db_url) == [("w1@h", trials, False)]
+    # meanwhile bo's quota filled up: the claim refuses, gives the slots back, the trial waits
+    with session_for(db_url) as s:
+        job = dbj.create_job(s, name="j", spec=SPEC, owner_id=uid).id
+        s.execute(update(Job).where(Job.id == job).values(status=dbj.JobStatus.running))
+        s.commit()
+    assert execute_selection(sel, ids, settings=settings, worker="w1@h", reservation_id=rid) == "waiting"
+    assert _held(db_url) == []
+    waiting = _trial_job(db_url, trials[0])
+    assert waiting.status == "queued" and waiting.wait_reason == "1 of bo's jobs are running, the quota is 1"
