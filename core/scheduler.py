@@ -23,8 +23,8 @@ ranks and GPUs) of equal share each. A selection batch's queued trials take part
 its `group_size` trials, in index order): each group asks for the batch's `devices` slots (GPUs
 when its trials run on CUDA) and the sum of its trials' host memory on ONE worker, is ordered,
 held to quotas and reserved like a job, and its task (`run_selection`) goes to that worker's
-queue; the groups of one batch spread over as many workers as have room. The decision itself (`plan`) is pure and runs on plain
-values, so tests and bench/sched.py drive it without a database.
+queue; the groups of one batch spread over as many workers as have room. The decision itself
+(`plan`) is pure and runs on plain values, so tests and bench/sched.py drive it without a database.
 """
 
 from __future__ import annotations

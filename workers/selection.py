@@ -1,7 +1,7 @@
 """Runs one group of a selection batch, placed on this worker by the scheduler (a reservation
-of the batch's devices, core/scheduler.py): claim that reservation and the leases of its trials, launch
-`python -m trainer.selection` over this worker's devices, apply each trial's lines to that trial's
-job (the same supervisor and relay as a plain job), keep the leaderboard current.
+of the batch's devices, core/scheduler.py): claim that reservation and the leases of its trials,
+launch `python -m trainer.selection` over this worker's devices, apply each trial's lines to that
+trial's job (the same supervisor and relay as a plain job), keep the leaderboard current.
 
 A trial ends only once its final event and its result are both applied (in either order). A
 trial the executor left without both (it died, a warm shutdown stopped it) goes back to `queued`
