@@ -3,11 +3,14 @@ embedded scheduler) and two Celery workers with ONE rank slot and one task each,
 
 A batch of two 1-device groups runs one group on each worker (read from the trials' jobs and the
 reservations over REST); a group that finds no free worker waits queued with the scheduler's
-reason (its trial's job and GET /api/queue say so) and runs once a worker frees up. Nothing here
-depends on timing: order is read from the database and REST."""
+reason (its trial's job and GET /api/queue say so) and runs once a worker frees up; a group whose
+worker is killed moves to the other one. Nothing here depends on timing: order is read from the
+database and REST."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +25,10 @@ pytestmark = pytest.mark.integration
 ENV = {
     "SHARDYARD_WORKER_SLOTS": "1",
     "SHARDYARD_SCHEDULER_S": "0.5",
-    "SHARDYARD_HEARTBEAT_S": "1",
+    "SHARDYARD_HEARTBEAT_S": "0.5",
+    "SHARDYARD_WORKER_ALIVE_S": "2",
+    "SHARDYARD_LEASE_S": "3",
+    "SHARDYARD_RECONCILE_S": "1",
     "SHARDYARD_SSE_KEEPALIVE_S": "1",
 }
 STEPS = 8
@@ -150,3 +156,36 @@ def test_a_batch_whose_groups_no_worker_can_hold_is_refused(two: StackHandle) ->
     detail = resp.json()["detail"]
     assert detail.startswith("devices: each group of the batch runs as one process on one worker over 2")
     assert "largest: 1 slots" in detail
+
+
+def test_a_group_whose_worker_dies_runs_again_on_the_other_worker(two: StackHandle) -> None:
+    """kill -9 of the worker (and its trainer) running a group: the trial's lease runs out, the
+    reconciler gives it back, its reservation is freed, and the scheduler places the group on the
+    surviving worker; it resumes from its checkpoint and stores every step once."""
+    steps = 100
+    spec = {
+        **TINY_SPEC,
+        "name": "moved",
+        "checkpoint_every": 4,
+        "train": {**TINY_SPEC["train"], "steps": steps, "eval_every": 10},
+    }
+    sel = _batch(two, spec, [1e-3])
+    job_id = sel["trials"][0]["job_id"]
+    first = two.wait_until(job_id, lambda j: j["progress"]["step"] >= 6, timeout=180)
+    (held,) = first["reservation"]
+    assert held["worker"] == first["worker"]
+    index = int(first["worker"].split("@")[0].removeprefix("worker"))
+    proc = two.stack.procs.pop(f"worker{index}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    try:
+        done = _wait_selection(two, sel["id"], timeout=240)
+        assert done["status"] == "succeeded", done
+        job = two.job(job_id)
+        assert job["attempts"] == 2 and job["worker"] != first["worker"], job
+        assert job["reservation"] == []
+        got = two.client.get(f"/api/jobs/{job_id}/metrics", params={"names": "loss,val_loss"}).json()
+        assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))  # every step once
+        assert got["series"]["val_loss"]["steps"] == list(range(10, steps + 1, 10))
+    finally:
+        two.stack.start_worker(index)
