@@ -178,12 +178,10 @@ def execute_selection(
     # while it was in them, over all its attempts; the group runs until the first of its trials
     # still running reaches its limit, then stops, and the unfinished trials fail with the reason
     limits = {i: runtime_limit_s(specs[i], service_max_s=settings.max_job_runtime_s) for i in mine}
-    started = time.monotonic()
 
     def over_time() -> str | None:
-        ran = time.monotonic() - started
         for i in sorted(mine - relay.finished - relay.fenced):
-            if used_s[i] + ran > limits[i]:
+            if relay.targets[i].run_seconds() > limits[i]:
                 return f"trial {i}: " + runtime_error(limits[i], used_s[i])
         return None
 
