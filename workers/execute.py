@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from core.broker import JOBS_CHANNEL, job_channel, send_run_selection
+from core.broker import JOBS_CHANNEL, job_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
@@ -38,7 +38,7 @@ from db.jobs import (
     stop_flags,
 )
 from db.models import JobStatus
-from db.quotas import quota_gate, waiting_groups
+from db.quotas import quota_gate
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -276,18 +276,6 @@ def run_attempt(
         log.warning("%s: %s", what, relay.broken or "fenced off")
         return None
     return rc
-
-
-def send_waiting_groups(settings: Settings, user_id: int) -> None:
-    """A selection group of this user ended: their trial groups held back by the quota get
-    another try (the scheduler places plain jobs; a batch's groups are sent as messages)."""
-    try:
-        with session_for(settings.database_url) as s:
-            groups = waiting_groups(s, owner_id=user_id)
-        for (selection_id, queue), trial_ids in groups.items():
-            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
-    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued trials later
-        log.warning("could not re-send %s's waiting trial groups: %s", user_id, e)
 
 
 def end_attempt(
