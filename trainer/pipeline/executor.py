@@ -41,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,14 +327,12 @@ class _StepRun:
         if a.op == "F":
             inp = None if a.stage == 0 else received.requires_grad_()
             records: list[Record] | None = None
-            if inp is None:
-                out = mod(self.xs[a.mb])
-            elif ex.sched.split_backward:
+            defer: Any = nullcontext()
+            if inp is not None and ex.sched.split_backward:  # the linear weight gradients wait for W
                 records = []
-                with DeferLinearWeightGrads(ex.deferrable[(a.stage, a.replica)], records):
-                    out = mod(inp)
-            else:
-                out = mod(inp)
+                defer = DeferLinearWeightGrads(ex.deferrable[(a.stage, a.replica)], records)
+            with defer:
+                out = mod(self.xs[a.mb] if inp is None else inp)
             if a.stage == D - 1:
                 # note: scaled by 1/N so the N micro-batch gradients sum to the full-batch one
                 out = self.ex.loss_fn(out, self.ys[a.mb]) / N
@@ -351,10 +350,10 @@ class _StepRun:
                 # split: the linear weight gradients are deferred to W (records)
                 torch.autograd.backward(st.out, grad_tensors=grad)
                 send = st.inp.grad if st.inp is not None else None
-                if ex.sched.split_backward:
-                    st.out = None  # the graph is freed; W needs only the records
-                else:
+                if st.records is None:
                     del self.stash[key]
+                else:
+                    st.inp = st.out = None  # the graph is freed; W needs only the records
         elif a.op == "W":
             st = self.stash.pop(key)
             if st.records is None:
