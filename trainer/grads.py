@@ -98,13 +98,16 @@ def grad_norm(
     Nothing is read back to the host and no CPU tensor enters a collective (NCCL-safe, no sync);
     the weights are Python scalars, so no host-to-device copy either."""
     params = list(params)
-    grads = [(p.grad, w) for p in params if p.grad is not None and (w := _weight(p)) > 0.0]
     if device is None:
-        device = next((p.grad.device for p in params if p.grad is not None), None) or params[0].device
+        device = next((p.grad.device for p in params if p.grad is not None), params[0].device)
+    squares = []
+    for p in params:
+        if p.grad is not None and (w := _weight(p)) > 0.0:
+            s = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32).square()
+            squares.append(s if w == 1.0 else s * w)
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        squares = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32).square() for g, _ in grads]
-        sq += torch.stack([s if w == 1.0 else s * w for s, (_, w) in zip(squares, grads, strict=True)]).sum()
+    if squares:
+        sq += torch.stack(squares).sum()
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
@@ -125,11 +128,17 @@ def clip_grad_norm_(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over a model split across ranks: `grad_norm`, then every
-    gradient on this rank scaled in place by the coefficient (a device tensor). Returns the norm."""
+    gradient on this rank scaled in place by the coefficient (`scale_grads_`). Returns the norm."""
     params = list(params)
     norm = grad_norm(params, groups=groups, device=device)
-    coef = clip_coefficient(norm, max_norm=max_norm)
+    scale_grads_(params, clip_coefficient(norm, max_norm=max_norm))
+    return norm
+
+
+@torch.no_grad()
+def scale_grads_(params: Iterable[torch.nn.Parameter], coef: torch.Tensor) -> None:
+    """Every gradient of `params` times `coef`, in place; `coef` stays a device tensor (no sync).
+    How a clip coefficient is applied, here and by the composed engine's optimizer step."""
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.dtype))
-    return norm

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from trainer.config import OffloadConfig, TrainConfig
+from trainer.grads import scale_grads_
 
 
 def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -30,9 +31,7 @@ class TorchOptimizer:
 
     def step(self, *, clip_coef: torch.Tensor | None) -> None:
         if clip_coef is not None:
-            for _, p in self.named:
-                if p.grad is not None:
-                    p.grad.mul_(clip_coef.to(p.grad.dtype))
+            scale_grads_((p for _, p in self.named), clip_coef)
         self.opt.step()
 
     def zero_grad(self) -> None:
