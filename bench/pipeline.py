@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -474,41 +475,42 @@ def projection_rows(block: dict[str, float]) -> list[dict[str, Any]]:
     return rows
 
 
-def executed_sections(payload: dict[str, Any]) -> None:
+def timed_section(
+    payload: dict[str, Any], key: str, rows: Callable[[], list[dict[str, Any]]], *, title: str
+) -> None:
+    """One measured section: its rows kept in `payload[key]` and printed under `title`, with the
+    seconds the section took."""
     t = time.perf_counter()
-    vs = vs_torch_rows()
-    payload["vs_torch_pipelining"] = vs
-    print(
-        table(
-            vs,
-            title="5. our executor vs torch.distributed.pipelining, same GPT 6x128, batch 16, gloo "
-            f"(step ms, median of 8, interleaved) ({time.perf_counter() - t:.0f}s)",
-        )
+    payload[key] = got = rows()
+    print(table(got, title=f"{title} ({time.perf_counter() - t:.0f}s)"))
+
+
+def executed_sections(payload: dict[str, Any]) -> None:
+    timed_section(
+        payload,
+        "vs_torch_pipelining",
+        vs_torch_rows,
+        title="5. our executor vs torch.distributed.pipelining, same GPT 6x128, batch 16, gloo "
+        "(step ms, median of 8, interleaved)",
     )
 
 
 def split_sections() -> None:
     """Section 6, written to its own results file."""
     payload: dict[str, Any] = {}
-    t = time.perf_counter()
-    sp = split_rows(real=False)
-    payload["executed_bwd_2x"] = sp
-    print(
-        table(
-            sp,
-            title="6. executed step, compute stood in by sleeps: F 10 ms, B 20 ms (chimera-zb: B 10 + W 10), "
-            f"median of 10 interleaved steps ({time.perf_counter() - t:.0f}s)",
-        )
+    timed_section(
+        payload,
+        "executed_bwd_2x",
+        lambda: split_rows(real=False),
+        title="6. executed step, compute stood in by sleeps: F 10 ms, B 20 ms (chimera-zb: B 10 + W 10), "
+        "median of 10 interleaved steps",
     )
-    t = time.perf_counter()
-    real = split_rows(real=True)
-    payload["executed_real_compute"] = real
-    print(
-        table(
-            real,
-            title="6b. executed step, real compute: GPT 6x128, batch 16, seq 64 "
-            f"(step ms, median of 10 interleaved steps) ({time.perf_counter() - t:.0f}s)",
-        )
+    timed_section(
+        payload,
+        "executed_real_compute",
+        lambda: split_rows(real=True),
+        title="6b. executed step, real compute: GPT 6x128, batch 16, seq 64 "
+        "(step ms, median of 10 interleaved steps)",
     )
     print(f"wrote {write_results('pipeline-split', payload)}")
 
@@ -613,25 +615,19 @@ def main() -> None:
     )
 
     if not args.quick:
-        t = time.perf_counter()
-        rj = real_jitter_rows()
-        payload["real_jitter_d4"] = rj
-        print(
-            table(
-                rj,
-                title="2b. executed on 4 gloo ranks: compute stood in by sleeps of 10 ms (F) / 20 ms (B) "
-                f"+/-30%, same draws for both ({time.perf_counter() - t:.0f}s)",
-            )
+        timed_section(
+            payload,
+            "real_jitter_d4",
+            real_jitter_rows,
+            title="2b. executed on 4 gloo ranks: compute stood in by sleeps of 10 ms (F) / 20 ms (B) "
+            "+/-30%, same draws for both",
         )
-        t = time.perf_counter()
-        real = real_rows()
-        payload["real_gloo_d4"] = real
-        print(
-            table(
-                real,
-                title=f"3. real runs of train_pipeline, gloo ranks on this machine (GPT 6 blocks x 128, batch 16, seq 64) "
-                f"({time.perf_counter() - t:.0f}s)",
-            )
+        timed_section(
+            payload,
+            "real_gloo_d4",
+            real_rows,
+            title="3. real runs of train_pipeline, gloo ranks on this machine "
+            "(GPT 6 blocks x 128, batch 16, seq 64)",
         )
 
         executed_sections(payload)
