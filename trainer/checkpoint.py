@@ -103,12 +103,7 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
     for path in reversed(_by_step(directory)):
         if is_intact(path):
             return path
-        aside = path.with_name(path.name + ".corrupt")
-        print(
-            f"checkpoint {path} is damaged (incomplete or failed its CRC check); moved to {aside.name}",
-            file=sys.stderr,
-        )
-        os.replace(path, aside)
+        set_aside(path, "is damaged (incomplete or failed its CRC check)")
     return None
 
 
