@@ -146,7 +146,7 @@ def test_counting_saved_activations_keeps_none_of_them_alive() -> None:
     saved_refs: list[weakref.ref] = []
 
     class Watched(SavedActivations):
-        def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
             saved_refs.append(weakref.ref(t))
             return super()._pack(t)
 
@@ -158,3 +158,25 @@ def test_counting_saved_activations_keeps_none_of_them_alive() -> None:
     leaves = {id(x), *(id(p) for p in block.parameters())}
     alive = [r() for r in saved_refs if r() is not None and id(r()) not in leaves]
     assert alive == [], [tuple(t.shape) for t in alive]
+
+
+def test_a_saved_tensor_changed_in_place_fails_the_backward_under_saved_activations() -> None:
+    """Saved-tensor hooks switch autograd's own version check off, so SavedActivations makes it:
+    a backward through a tensor changed in place after it was saved fails, as it does without
+    hooks, instead of silently giving wrong gradients (the spill engine's backward runs inside
+    SavedActivations). An untouched saved tensor still gives autograd's gradient."""
+    from trainer.spill.ledger import SavedActivations
+
+    x = torch.randn(8, requires_grad=True)
+    with SavedActivations():
+        h = x * 1.0
+        y = h.sin()  # saves h
+        z = h.exp()  # saves its own output
+    y.sum().backward(retain_graph=True)
+    torch.testing.assert_close(x.grad, x.detach().cos())
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    z.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()

@@ -118,7 +118,7 @@ class SavedActivations:
         self._seen: dict[int, int] = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self._exclude and key not in self._seen:
@@ -126,8 +126,10 @@ class SavedActivations:
         # not `t` itself: a tensor an op saves of its own output (softmax, flash attention) would
         # then hold its grad_fn, which holds it, a cycle nothing collects. A graph never run
         # backward (measure_layers' trial) kept every activation on the device (192 MiB of a
-        # 129 MiB budget, seen on the lent H100)
-        return t.detach()
+        # 129 MiB budget, seen on the lent H100). The detached alias shares `t`'s storage and
+        # version counter; the version is kept because autograd skips its own in-place check for
+        # hooked tensors (`_unpack` makes it)
+        return t.detach(), t._version
 
     @property
     def nbytes(self) -> int:
@@ -141,5 +143,11 @@ class SavedActivations:
         self._ctx.__exit__(*exc)
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            f"a tensor of shape {tuple(t.shape)} needed for gradient computation has been modified by an "
+            f"inplace operation after it was saved (version {version}, now {t._version})"
+        )
     return t
