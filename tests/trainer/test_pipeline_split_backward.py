@@ -104,3 +104,42 @@ def test_split_backward_of_shared_and_non_linear_parameters_matches_autograd() -
     torch.testing.assert_close(dx, inp.grad)
     for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+class _Offloaded(torch.nn.Module):
+    """Two linears whose saved activations go to host memory (`save_on_cpu`, a saved-tensor hook,
+    as a model offloading its activations would): a hook hands back a new tensor, not the
+    parameter that was saved, so W must not take the parameter from the saved tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return self.b(torch.tanh(self.a(x)))
+
+
+def test_split_backward_under_saved_tensor_hooks_matches_autograd() -> None:
+    torch.manual_seed(0)
+    stage_mod = torch.nn.Sequential(_Offloaded())
+    ref = torch.nn.Sequential(_Offloaded())
+    ref.load_state_dict(stage_mod.state_dict())
+    sched = build_schedule("chimera-zb", stages=2, microbatches=2)
+    ex = PipelineExecutor(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
+    ex.loss_fn = lambda out, _y: out.square().mean()
+    run = _StepRun(
+        ex, xs=torch.zeros(2, 4, 8).chunk(2), ys=torch.zeros(2, 4, dtype=torch.long).chunk(2), t0=0.0
+    )
+    act = torch.randn(1, 4, 8)
+    run.compute(Action("F", 0, 1), act)
+    dx = run.compute(Action("B", 0, 1), None)
+    run.compute(Action("W", 0, 1), None)
+
+    inp = act.detach().clone().requires_grad_()
+    (ref(inp).square().mean() / 2).backward()
+    torch.testing.assert_close(dx, inp.grad)
+    for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

@@ -31,15 +31,17 @@ class _DeferredLinear(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Any, records: list[Record]
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.records = bias, records
+        ctx.save_for_backward(x)
+        # the parameters themselves, not saved tensors: under a saved-tensor hook (activation
+        # offloading) a saved one unpacks as a new tensor, and W's `.grad` would land on that
+        ctx.weight, ctx.bias, ctx.records = weight, bias, records
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        x, weight = ctx.saved_tensors
-        ctx.records.append((x, dy, weight, ctx.bias))
-        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        (x,) = ctx.saved_tensors
+        ctx.records.append((x, dy, ctx.weight, ctx.bias))
+        dx = dy @ ctx.weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
         return dx, None, None, None
 
 
