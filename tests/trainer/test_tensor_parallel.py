@@ -598,8 +598,8 @@ def test_clip_grad_norm_matches_dense(key: str, fixture: str, request: pytest.Fi
     biases, position table; grid: weight blocks repeated over depth, vectors repeated over rows and
     depth) must each be counted once and the sum must cover the whole tensor mesh, or the norm moves.
 
-    What this proves for NCCL: the sum of squares goes through comm.all_reduce over the tensor
-    mesh's own groups (never WORLD), the same calls NCCL would run. That it stays on the device is
+    What this proves for NCCL: the sum of squares is all-reduced over the tensor mesh's own groups
+    (never WORLD; trainer.grads.grad_norm), the same calls NCCL would run. That it stays on the device is
     proved separately on meta-device gradients (a host read-back or a host tensor raises there); gloo
     itself would accept a CPU tensor, so the gloo run cannot show it."""
     for rank, value in enumerate(_task(request.getfixturevalue(fixture), key)):
