@@ -381,17 +381,19 @@ def measure_block(device: str = "cpu") -> dict[str, float]:
     from trainer.models import Block
 
     dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    skip = 3 if gpu else 1  # the first runs pay allocation, not counted
 
     def sync() -> None:
-        if dev.type == "cuda":
+        if gpu:
             torch.cuda.synchronize(dev)
 
     torch.manual_seed(0)
     block = Block(d_model=PROJ_D, heads=PROJ_HEADS, mlp_ratio=4).to(dev, dtype)
     x = torch.randn(1, PROJ_T, PROJ_D, requires_grad=True, device=dev, dtype=dtype)
     fwd, bwd = [], []
-    for i in range(6 if dev.type == "cpu" else 23):
+    for i in range(skip + (20 if gpu else 5)):
         sync()
         t0 = time.perf_counter()
         y = block(x)
@@ -400,18 +402,18 @@ def measure_block(device: str = "cpu") -> dict[str, float]:
         y.sum().backward()
         sync()
         t2 = time.perf_counter()
-        if i > (0 if dev.type == "cpu" else 2):  # the first runs pay allocation
+        if i >= skip:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     # the optimizer step counts too: a Chimera rank updates two stage copies
     opt = torch.optim.AdamW(block.parameters(), lr=1e-4)
     steps = []
-    for i in range(4 if dev.type == "cpu" else 13):
+    for i in range(skip + (10 if gpu else 3)):
         sync()
         t0 = time.perf_counter()
         opt.step()
         sync()
-        if i > (0 if dev.type == "cpu" else 2):
+        if i >= skip:
             steps.append(time.perf_counter() - t0)
     return {
         "forward_s": statistics.median(fwd),
