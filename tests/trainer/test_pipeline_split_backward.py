@@ -4,6 +4,9 @@ gradients. Runs the executor's own compute path (no processes: compute sends not
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -79,31 +82,41 @@ class _Tied(torch.nn.Module):
         return x + self.b(h)
 
 
-def test_split_backward_of_shared_and_non_linear_parameters_matches_autograd() -> None:
+def _split_stage_matches_autograd(layer: type[torch.nn.Module], after_b: Callable[[Any], None]) -> None:
+    """F, B and W of one micro-batch on stage 1 of a 2-stage chimera-zb executor (loss: the mean
+    square, over 2 micro-batches), `after_b` called on the layer between B and W; the input
+    gradient and every parameter's gradient must equal plain autograd's."""
     torch.manual_seed(0)
-    stage_mod = torch.nn.Sequential(_Tied())
-    ref = torch.nn.Sequential(_Tied())
+    stage_mod = torch.nn.Sequential(layer())
+    ref = torch.nn.Sequential(layer())
     ref.load_state_dict(stage_mod.state_dict())
     sched = build_schedule("chimera-zb", stages=2, microbatches=2)
     ex = PipelineExecutor(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
-    x = torch.randn(2, 4, 8)
-    act = torch.randn(1, 4, 8)
-    run = _StepRun(ex, xs=x.chunk(2), ys=torch.zeros(2, 4, dtype=torch.long).chunk(2), t0=0.0)
     ex.loss_fn = lambda out, _y: out.square().mean()
+    zeros = torch.zeros(2, 4, dtype=torch.long)
+    run = _StepRun(ex, xs=torch.zeros(2, 4, 8).chunk(2), ys=zeros.chunk(2), t0=0.0)
+    act = torch.randn(1, 4, 8)
     run.compute(Action("F", 0, 1), act)
     dx = run.compute(Action("B", 0, 1), None)
-    # B leaves the layer norm's and the elementwise parameter's gradients and the foreign-bias
-    # call's share of a.weight; the owned linears' weight gradients wait for W
-    m = stage_mod[0]
-    assert m.ln.weight.grad is not None and m.scale.grad is not None and m.a.weight.grad is not None
-    assert m.a.bias.grad is None and m.b.weight.grad is None
+    after_b(stage_mod[0])
     run.compute(Action("W", 0, 1), None)
 
     inp = act.detach().clone().requires_grad_()
     (ref(inp).square().mean() / 2).backward()
     torch.testing.assert_close(dx, inp.grad)
     for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, n
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_split_backward_of_shared_and_non_linear_parameters_matches_autograd() -> None:
+    def after_b(m: _Tied) -> None:
+        # B leaves the layer norm's and the elementwise parameter's gradients and the foreign-bias
+        # call's share of a.weight; the owned linears' weight gradients wait for W
+        assert m.ln.weight.grad is not None and m.scale.grad is not None and m.a.weight.grad is not None
+        assert m.a.bias.grad is None and m.b.weight.grad is None
+
+    _split_stage_matches_autograd(_Tied, after_b)
 
 
 class _Offloaded(torch.nn.Module):
@@ -122,24 +135,7 @@ class _Offloaded(torch.nn.Module):
 
 
 def test_split_backward_under_saved_tensor_hooks_matches_autograd() -> None:
-    torch.manual_seed(0)
-    stage_mod = torch.nn.Sequential(_Offloaded())
-    ref = torch.nn.Sequential(_Offloaded())
-    ref.load_state_dict(stage_mod.state_dict())
-    sched = build_schedule("chimera-zb", stages=2, microbatches=2)
-    ex = PipelineExecutor(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
-    ex.loss_fn = lambda out, _y: out.square().mean()
-    run = _StepRun(
-        ex, xs=torch.zeros(2, 4, 8).chunk(2), ys=torch.zeros(2, 4, dtype=torch.long).chunk(2), t0=0.0
-    )
-    act = torch.randn(1, 4, 8)
-    run.compute(Action("F", 0, 1), act)
-    dx = run.compute(Action("B", 0, 1), None)
-    run.compute(Action("W", 0, 1), None)
+    def after_b(m: _Offloaded) -> None:
+        assert m.a.weight.grad is None and m.b.weight.grad is None  # deferred to W
 
-    inp = act.detach().clone().requires_grad_()
-    (ref(inp).square().mean() / 2).backward()
-    torch.testing.assert_close(dx, inp.grad)
-    for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
-        assert p.grad is not None, n
-        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    _split_stage_matches_autograd(_Offloaded, after_b)
