@@ -106,6 +106,9 @@ def _split_stage_matches_autograd(layer: type[torch.nn.Module], after_b: Callabl
     torch.testing.assert_close(dx, inp.grad)
     for (n, p), q in zip(stage_mod.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None, n
+        # a plain tensor: a graph on it would keep the records (every micro-batch's linear inputs
+        # and output gradients) alive until the next zero_grad
+        assert p.grad.grad_fn is None and not p.grad.requires_grad, n
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 

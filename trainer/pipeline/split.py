@@ -68,8 +68,11 @@ def param_ids(module: nn.Module) -> set[int]:
     return {id(p) for p in module.parameters() if p.requires_grad}
 
 
+@torch.no_grad()
 def weight_grads(records: list[Record]) -> None:
-    """W: accumulate each recorded linear's weight (and bias) gradient into `.grad`."""
+    """W: accumulate each recorded linear's weight (and bias) gradient into `.grad`. Without grad
+    mode: a recorded input still has its forward's grad_fn, and a product with it would hang a
+    graph on `.grad` that keeps every record alive until the next zero_grad."""
     for x, dy, weight, bias in records:
         dy_MO = dy.reshape(-1, dy.shape[-1])
         x_MI = x.reshape(-1, x.shape[-1]).to(dy.dtype)
