@@ -142,3 +142,27 @@ def test_split_backward_under_saved_tensor_hooks_matches_autograd() -> None:
         assert m.a.weight.grad is None and m.b.weight.grad is None  # deferred to W
 
     _split_stage_matches_autograd(_Offloaded, after_b)
+
+
+def test_a_split_b_leaves_w_only_the_records() -> None:
+    """Between a split stage's B and its W nothing holds the received activation (W needs only
+    the records: chimera-zb delays W, so whatever it pins is held for that long)."""
+    import gc
+    import weakref
+
+    sched = build_schedule("chimera-zb", stages=D, microbatches=N)
+    modules = build_stages(build_model(CFG, seed=0), sched=sched, rank=1)
+    ex = PipelineExecutor(
+        sched=sched, rank=1, modules=modules, act_shape=(BATCH // N, CFG.seq_len, CFG.d_model)
+    )
+    x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))
+    run = _StepRun(ex, xs=x.chunk(N), ys=x.chunk(N), t0=0.0)
+    act = torch.randn(BATCH // N, CFG.seq_len, CFG.d_model)
+    received = weakref.ref(act)
+    run.compute(Action("F", 0, 1), act)
+    del act
+    assert run.compute(Action("B", 0, 1), torch.randn(BATCH // N, CFG.seq_len, CFG.d_model)) is not None
+    gc.collect()
+    assert received() is None
+    run.compute(Action("W", 0, 1), None)
+    assert all(p.grad is not None for p in modules[(1, 0)].parameters())

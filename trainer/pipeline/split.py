@@ -40,7 +40,9 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (x,) = ctx.saved_tensors
-        ctx.records.append((x, dy, ctx.weight, ctx.bias))
+        # detached: the unpacked input still has its forward's grad_fn, whose chain holds the stage
+        # input (its AccumulateGrad) until W
+        ctx.records.append((x.detach(), dy, ctx.weight, ctx.bias))
         dx = dy @ ctx.weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
         return dx, None, None, None
 
