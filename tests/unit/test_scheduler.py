@@ -9,7 +9,17 @@ import threading
 import time
 from typing import Any
 
-from core.scheduler import Box, Quota, Running, Scheduler, Want, gang_shape, order_queue, plan
+from core.scheduler import (
+    WAKE_GAP_S,
+    Box,
+    Quota,
+    Running,
+    Scheduler,
+    Want,
+    gang_shape,
+    order_queue,
+    plan,
+)
 from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
@@ -387,3 +397,25 @@ def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> 
     down["on"] = False
     sched.tick()
     assert sent.calls == [(job, "node.w1@h", 0, 1)]
+
+
+def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
+    """A submit wakes the loop at once, but a stream of submits gets one tick per WAKE_GAP_S, not
+    one per submit (each tick orders the whole queue, in the API's process)."""
+    ticks: list[float] = []
+
+    class Counting(Scheduler):
+        def tick(self) -> None:  # type: ignore[override]
+            ticks.append(time.monotonic())
+
+    sched = Counting(Settings(database_url=f"sqlite:///{tmp_path / 'none.db'}", scheduler_s=5.0)).start()
+    try:
+        _until = time.monotonic() + 1.0
+        while time.monotonic() < _until:  # 100 submits a second for a second
+            sched.wake()
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    woken = ticks[1:]
+    assert 2 <= len(woken) <= 1.0 / WAKE_GAP_S + 1, ticks
+    assert min(b - a for a, b in zip(ticks, ticks[1:], strict=False)) >= WAKE_GAP_S - 0.02
