@@ -91,6 +91,54 @@ def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> st
     return None
 
 
+def group_problem(
+    session: Session,
+    *,
+    specs: list[dict],
+    devices: int,
+    group_size: int,
+    settings: Settings,
+    user: User,
+) -> str | None:
+    """Why the groups of a selection batch could never run: each group is one process over the
+    batch's `devices` on ONE worker (core/scheduler.py places it like a job that can never be a
+    gang), so `devices` must be within the user's rank quota and some live worker must hold the
+    largest group (its devices, GPUs, and its trials' host memory together). `specs`: the trials'
+    specs in index order."""
+    q = user_quotas(user, settings)
+    if devices > q["ranks"]:
+        return (
+            f"devices: each group of the batch runs on {devices} device slot(s), more than user "
+            f"{user.name}'s quota of {q['ranks']} ranks, so it could never start"
+        )
+    workers = live_workers(session, within_s=settings.worker_alive_s)
+    boxes = [b for b in (box_of(w) for w in workers) if b is not None]
+    if not boxes or not specs:
+        return None  # no worker reported an inventory yet
+    gpus = devices if job_gpus(specs[0]) else 0
+    rams = [host_memory_bytes(s)["total"] for s in specs]
+    ram = max(sum(rams[i : i + group_size]) for i in range(0, len(rams), group_size))
+    group = Want(
+        id=0,
+        user=None,
+        priority=0,
+        created=0.0,
+        ranks=devices,
+        gpus=gpus,
+        ram=ram,
+        queue=specs[0].get("queue", "cpu"),
+    )
+    if gang_shape(group, boxes) == 1:
+        return None
+    most = max(boxes, key=lambda b: (b.slots, b.ram))
+    return (
+        f"devices: each group of the batch runs as one process on one worker over {devices} device "
+        f"slot(s) with {gpus} GPU(s) and about {ram / GiB:,.1f} GiB of host memory for its trials "
+        f"(up to group_size={group_size} of them); no live worker can hold that (largest: "
+        f"{most.slots} slots, {most.gpus} GPU(s), {most.ram / GiB:,.1f} GiB); lower devices or group_size"
+    )
+
+
 def admission_problem(session: Session, spec: JobSpec, *, settings: Settings, user: User) -> str | None:
     return (
         quota_problem(spec, user=user, settings=settings)

@@ -38,7 +38,8 @@ def positions(session: Session, settings: Settings) -> tuple[list[Want], dict[in
     else:
         order = queue_positions(session, settings)
         _CACHE[settings.database_url] = (time.monotonic(), order)
-    return order, {w.id: i + 1 for i, w in enumerate(order)}
+    # a selection group's position is its every trial's
+    return order, {j: i + 1 for i, w in enumerate(order) for j in (w.members or (w.id,))}
 
 
 def with_placement(session: Session, settings: Settings, jobs: list[Job], out: list[JobPublic]) -> None:
@@ -66,7 +67,8 @@ def with_placement(session: Session, settings: Settings, jobs: list[Job], out: l
 def queue_entries(
     session: Session, settings: Settings, *, owner_id: int | None
 ) -> tuple[list[QueueEntry], int]:
-    """Every queued job in order (`owner_id` None: an admin's view), or only that user's."""
+    """Every queued job and selection group in order (`owner_id` None: an admin's view), or only
+    that user's."""
     order, _ = positions(session, settings)
     mine = [(i + 1, w) for i, w in enumerate(order) if owner_id is None or w.user == owner_id]
     jobs = {j.id: j for j in session.query(Job).filter(Job.id.in_([w.id for _, w in mine]))} if mine else {}
@@ -82,6 +84,8 @@ def queue_entries(
             world_size=w.ranks,
             waited_s=round(max(0.0, now - w.created), 3),
             wait_reason=jobs[w.id].wait_reason,
+            selection_id=w.selection,
+            trial_ids=list(w.trials),
         )
         for pos, w in mine
         if w.id in jobs

@@ -227,6 +227,11 @@ class QueueEntry(BaseModel):
     world_size: int
     waited_s: float
     wait_reason: str | None
+    selection_id: int | None = None
+    """Set when the entry is one group of a selection batch's trials: `job_id` is its first
+    trial's job and `world_size` the batch's devices (the group runs on one worker)."""
+    trial_ids: list[int] = []
+    """The group's trials (empty for a job)."""
 
 
 class QueuePublic(BaseModel):

@@ -96,23 +96,29 @@ async def selection_events(
             yield f
         if status in TERMINAL:
             return
-        last_sent = time.monotonic()
+        last_sent = last_state = time.monotonic()
+        shown = {t["id"]: t for t in trials}  # each trial as the client last saw it while polling
         dirty = False
         while True:
             body = await live.next(timeout=_READ_EVERY_S if dirty else 1.0)
             now = time.monotonic()
             out: list[str] = []
             ended = False
-            if live.resubscribed:
-                # what was published while the broker was down is gone: send the state again
-                live.resubscribed = False
+            # resubscribed: what was published while the broker was down is gone, so send the
+            # state again; the broker down: no message tells of a change, so poll for one
+            again = live.resubscribed
+            if again or (not live.up and now - last_state >= 1.0):
+                live.resubscribed, last_state = False, now
                 try:
-                    status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+                    now_status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
                 except SQLAlchemyError:
-                    live.resubscribed = True  # try again on the next round
+                    live.resubscribed = again  # try again on the next round
                 else:
-                    out += [frame(event="trial", data=t) for t in trials]
-                    out.append(frame(event="status", data={"status": status}))
+                    out += [frame(event="trial", data=t) for t in trials if again or shown.get(t["id"]) != t]
+                    if again or now_status != status:
+                        out.append(frame(event="status", data={"status": now_status}))
+                    shown = {t["id"]: t for t in trials}
+                    status = now_status
                     dirty, ended = True, status in TERMINAL
             if body is not None:
                 if body.get("type") == "metrics":

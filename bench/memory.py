@@ -368,6 +368,18 @@ def pending_gpu_rows() -> list[dict[str, Any]]:
     ]
 
 
+def gpu_rows(*, budget_mb: float, steps: int) -> dict[str, Any]:
+    """Row 1 under a 64x larger budget and row 3 at a GPU-sized model, on this machine's GPU."""
+    dev = torch.device("cuda")
+    gpu = {
+        "largest": largest_rows(budget_mb=budget_mb * 64, device=dev),
+        "throughput": throughput_rows(device=dev, steps=steps, gpu=True),
+    }
+    print(table(gpu["largest"], title=f"GPU: largest model under a {budget_mb * 64:g} MiB budget"))
+    print(table(gpu["throughput"], title="GPU: throughput (incl. FSDP2 CPUOffloadPolicy)"))
+    return gpu
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.memory")
     ap.add_argument("--budget-mb", type=float, default=16.0)
@@ -376,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
         "--only-bytes-per-param",
         action="store_true",
         help="measure only row 2 and replace it in the existing results file (stamped with its own time)",
+    )
+    ap.add_argument(
+        "--gpu-only",
+        action="store_true",
+        help="only the GPU rows (needs CUDA), written to bench/results/memory_gpu.json",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -399,6 +416,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"updated offload_bytes_per_param in {path}")
         return
 
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only needs a CUDA device; this machine has none")
+        gpu_doc = gpu_rows(budget_mb=args.budget_mb, steps=args.steps)
+        path = write_results("memory_gpu", {"budget_mb": args.budget_mb * 64, **gpu_doc})
+        print(f"wrote {path} on {machine().get('gpu')} in {time.perf_counter() - t_start:.0f}s")
+        return
+
     t0 = time.perf_counter()
     largest = largest_rows(budget_mb=args.budget_mb, device=cpu)
     print(f"(largest-model search and training: {time.perf_counter() - t0:.0f}s)")
@@ -416,13 +441,7 @@ def main(argv: list[str] | None = None) -> None:
 
     gpu: dict[str, Any]
     if torch.cuda.is_available():
-        dev = torch.device("cuda")
-        gpu = {
-            "largest": largest_rows(budget_mb=args.budget_mb * 64, device=dev),
-            "throughput": throughput_rows(device=dev, steps=args.steps, gpu=True),
-        }
-        print(table(gpu["largest"], title="GPU: largest model under budget"))
-        print(table(gpu["throughput"], title="GPU: throughput (incl. FSDP2 CPUOffloadPolicy)"))
+        gpu = gpu_rows(budget_mb=args.budget_mb, steps=args.steps)
     else:
         gpu = {"pending": pending_gpu_rows()}
         print(table(gpu["pending"], title="GPU rows"))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import table, write_results
+from bench.common import machine, table, write_results
 from trainer.pipeline.schedules import SCHEDULES, build_schedule
 from trainer.pipeline.simulate import Costs, bubble_1f1b, bubble_chimera, jitter, simulate
 
@@ -374,29 +374,43 @@ STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two Adam moments
 ACT_BYTES_PER_BLOCK = 34 * PROJ_T * PROJ_D + 5 * PROJ_HEADS * PROJ_T * PROJ_T  # Megatron's estimate, fp16
 
 
-def measure_block() -> dict[str, float]:
+def measure_block(device: str = "cpu") -> dict[str, float]:
+    """One GPT-2 1.3B-shaped block's forward, backward and AdamW step, in seconds: fp32 on the
+    CPU, bf16 on a GPU (timed with a synchronize around each op)."""
     from trainer.models import Block
 
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     torch.manual_seed(0)
-    block = Block(d_model=PROJ_D, heads=PROJ_HEADS, mlp_ratio=4)
-    x = torch.randn(1, PROJ_T, PROJ_D, requires_grad=True)
+    block = Block(d_model=PROJ_D, heads=PROJ_HEADS, mlp_ratio=4).to(dev, dtype)
+    x = torch.randn(1, PROJ_T, PROJ_D, requires_grad=True, device=dev, dtype=dtype)
     fwd, bwd = [], []
-    for i in range(6):
+    for i in range(6 if dev.type == "cpu" else 23):
+        sync()
         t0 = time.perf_counter()
         y = block(x)
+        sync()
         t1 = time.perf_counter()
         y.sum().backward()
+        sync()
         t2 = time.perf_counter()
-        if i:  # the first run pays allocation
+        if i > (0 if dev.type == "cpu" else 2):  # the first runs pay allocation
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     # the optimizer step counts too: a Chimera rank updates two stage copies
     opt = torch.optim.AdamW(block.parameters(), lr=1e-4)
     steps = []
-    for i in range(4):
+    for i in range(4 if dev.type == "cpu" else 13):
+        sync()
         t0 = time.perf_counter()
         opt.step()
-        if i:
+        sync()
+        if i > (0 if dev.type == "cpu" else 2):
             steps.append(time.perf_counter() - t0)
     return {
         "forward_s": statistics.median(fwd),
@@ -499,15 +513,55 @@ def split_sections() -> None:
     print(f"wrote {write_results('pipeline-split', payload)}")
 
 
+def projection_section(payload: dict[str, Any], *, device: str) -> None:
+    block = measure_block(device)
+    proj = projection_rows(block)
+    where = "this cpu (fp32)" if device == "cpu" else f"{device} (bf16): {machine().get('gpu', device)}"
+    payload["projection"] = {
+        "assumptions": {
+            "model": f"{PROJ_LAYERS} blocks, d_model {PROJ_D}, {PROJ_HEADS} heads (GPT-2 1.3B-shaped)",
+            "micro_batch": f"1 sequence of {PROJ_T} tokens",
+            "global_batch": f"{SEQS_PER_DEVICE} x devices sequences (weak scaling), N = {SEQS_PER_DEVICE} x D",
+            "device_memory_gib": DEVICE_GIB,
+            "state_bytes_per_param": STATE_BYTES_PER_PARAM,
+            "activation_bytes_per_block_per_microbatch": ACT_BYTES_PER_BLOCK,
+            "block_costs_measured_on": where,
+            "block_costs_s": block,
+            "link": f"{LINK_GBPS} GB/s, {LINK_LATENCY_S * 1e6:.0f} us latency (assumed)",
+            "grad_sync": "ring all-reduce, not overlapped with compute, fp32 gradients",
+            "optimizer": "measured AdamW step per block, times the blocks a rank holds (2 copies for Chimera)",
+            "memory": "a configuration must fit the device; if not, activation recomputation is tried "
+            "(backward += forward, only stage inputs stashed); best depth D in {2,4,8,16} per scheme",
+        },
+        "rows": proj,
+    }
+    print(
+        f"4. projection, GPT-2 1.3B-shaped; per block fwd {block['forward_s'] * 1e3:.2f} ms / bwd "
+        f"{block['backward_s'] * 1e3:.2f} ms / AdamW step {block['adamw_step_s'] * 1e3:.2f} ms measured on "
+        f"{where} (assumptions in the JSON); the Chimera paper reports 1.16-2.34x on 2048 GPUs"
+    )
+    print(table(proj))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="skip the real gloo runs")
     ap.add_argument("--executed-only", action="store_true", help="only sections 5 and 6 (gloo runs)")
     ap.add_argument("--split-only", action="store_true", help="only section 6 (gloo runs)")
+    ap.add_argument(
+        "--projection-device",
+        default=None,
+        help="only section 4, with the block costs measured on this device (e.g. cuda: bf16); "
+        "writes bench/results/pipeline-projection-<device>.json",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     payload: dict[str, Any] = {}
 
+    if args.projection_device:
+        projection_section(payload, device=args.projection_device)
+        print(f"wrote {write_results(f'pipeline-projection-{args.projection_device}', payload)}")
+        return
     if args.executed_only or args.split_only:
         if args.executed_only:
             executed_sections(payload)
@@ -583,31 +637,7 @@ def main() -> None:
         executed_sections(payload)
         split_sections()
 
-    block = measure_block()
-    proj = projection_rows(block)
-    payload["projection"] = {
-        "assumptions": {
-            "model": f"{PROJ_LAYERS} blocks, d_model {PROJ_D}, {PROJ_HEADS} heads (GPT-2 1.3B-shaped)",
-            "micro_batch": f"1 sequence of {PROJ_T} tokens",
-            "global_batch": f"{SEQS_PER_DEVICE} x devices sequences (weak scaling), N = {SEQS_PER_DEVICE} x D",
-            "device_memory_gib": DEVICE_GIB,
-            "state_bytes_per_param": STATE_BYTES_PER_PARAM,
-            "activation_bytes_per_block_per_microbatch": ACT_BYTES_PER_BLOCK,
-            "block_costs_measured_on_this_cpu": block,
-            "link": f"{LINK_GBPS} GB/s, {LINK_LATENCY_S * 1e6:.0f} us latency (assumed)",
-            "grad_sync": "ring all-reduce, not overlapped with compute, fp32 gradients",
-            "optimizer": "measured AdamW step per block, times the blocks a rank holds (2 copies for Chimera)",
-            "memory": "a configuration must fit the device; if not, activation recomputation is tried "
-            "(backward += forward, only stage inputs stashed); best depth D in {2,4,8,16} per scheme",
-        },
-        "rows": proj,
-    }
-    print(
-        f"4. projection, GPT-2 1.3B-shaped; per block fwd {block['forward_s'] * 1e3:.1f} ms / bwd "
-        f"{block['backward_s'] * 1e3:.1f} ms / AdamW step {block['adamw_step_s'] * 1e3:.1f} ms measured here "
-        f"(assumptions in the JSON); the Chimera paper reports 1.16-2.34x on 2048 GPUs"
-    )
-    print(table(proj))
+    projection_section(payload, device="cpu")
     path = write_results("pipeline", payload)
     print(f"wrote {path}")
 

@@ -16,8 +16,10 @@
    device-thread time on a trial's behalf that is neither compute (including data and evaluation)
    nor copying, over the trial's total.
 
-GPU rows (trials larger than a device budget, concurrent vs one at a time, prefetch on and off) are
-pending: no GPU was lent to this session.
+4. `--gpu` (alone, on a CUDA machine; bench/results/selection_gpu.json): 4 GPT trials, each larger
+   than the device budget, on one GPU: shard alternation (Sharded-LRTF) with the copy stream's
+   prefetch on and off, against one trial at a time (sequential policy) with prefetch on; and the
+   same trials resident one after another without a budget (the floor when everything fits).
 """
 
 from __future__ import annotations
@@ -297,6 +299,108 @@ def long_trials(*, target_s: float, n: int = 4) -> list[dict[str, Any]]:
     return rows
 
 
+GPU_BUDGET_MIB = 3072
+
+
+def gpu_batch() -> list[JobConfig]:
+    """4 trials of 200-340 M parameters: each needs more than GPU_BUDGET_MIB resident (fp32 weights,
+    gradients and Adam moments alone are 16 bytes a parameter), so each is cut into shards."""
+    out = []
+    for i, (layers, d_model, lr) in enumerate(
+        [(16, 1024, 3e-4), (16, 1024, 1e-4), (24, 1024, 3e-4), (12, 1536, 2e-4)]
+    ):
+        spec = {
+            "name": f"g{i}",
+            "model": {"kind": "gpt", "layers": layers, "d_model": d_model, "heads": 16, "seq_len": 256},
+            "data": {"max_chars": 2_000_000},
+            "train": {"steps": 8, "batch_size": 8, "lr": lr, "eval_every": 10_000, "seed": i},
+            "parallel": {"spill": {"device_budget_mb": GPU_BUDGET_MIB}},
+            "resources": {"device": "cuda"},
+        }
+        out.append(JobConfig.from_dict(spec))
+    return out
+
+
+def gpu_rows(*, reps: int) -> list[dict[str, Any]]:
+    from trainer.models import recipe_for
+    from trainer.recipe import meta_layers
+
+    dev = torch.device("cuda", 0)
+    jobs = gpu_batch()
+    resident = [JobConfig.from_dict(_plain_spec(j)) for j in jobs]
+    configs = [
+        ("one trial at a time (sequential), prefetch on", "sequential", True, jobs),
+        ("shard alternation, Sharded-LRTF, prefetch on", "shard-lrtf", True, jobs),
+        ("shard alternation, Sharded-LRTF, prefetch off", "shard-lrtf", False, jobs),
+        ("resident, no budget, one after another (floor)", "sequential", True, resident),
+    ]
+
+    def once(policy: str, prefetch: bool, batch: list[JobConfig], budget: bool) -> tuple[float, dict]:
+        entries = [TrialEntry(index=i, job=j, sink=NullSink()) for i, j in enumerate(batch)]
+        cfg = ExecutorConfig(
+            scheduler=policy,
+            prefetch=prefetch,
+            checkpoints="none",
+            device_budget_bytes=GPU_BUDGET_MIB * 2**20 if budget else None,
+        )
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        results = Executor(entries, devices=[dev], cfg=cfg).run()
+        torch.cuda.synchronize(dev)
+        bad = {i: r for i, r in results.items() if r["status"] != "succeeded"}
+        if bad:
+            raise RuntimeError(f"trials failed: {bad}")
+        return time.perf_counter() - t0, results
+
+    once("sequential", True, jobs[:1], True)  # warm-up: kernels, corpus, allocator
+    walls: dict[str, list[float]] = {c[0]: [] for c in configs}
+    detail: dict[str, dict] = {}
+    for _ in range(reps):
+        for name, policy, prefetch, batch in configs:
+            wall, res = once(policy, prefetch, batch, batch is jobs)
+            walls[name].append(wall)
+            detail[name] = res
+    base = statistics.median(walls[configs[0][0]])
+    rows = []
+    for name, _policy, _prefetch, _batch in configs:
+        med = statistics.median(walls[name])
+        res = detail[name]
+        rows.append(
+            {
+                "run": name,
+                "wall_s median": med,
+                "wall_s all": [round(w, 3) for w in walls[name]],
+                "x sequential": base / med,
+                "compute_s": sum(r["compute_s"] for r in res.values()),
+                "copy_s": sum(r["copy_s"] for r in res.values()),
+                "prefetch_s": sum(r.get("prefetch_s", 0.0) for r in res.values()),
+            }
+        )
+    rows.append(
+        {
+            "run": "trials (params M)",
+            "wall_s median": float("nan"),
+            "wall_s all": [
+                round(
+                    sum(p.numel() for m in meta_layers(recipe_for(j.model)) for p in m.parameters()) / 1e6, 1
+                )
+                for j in jobs
+            ],
+            "x sequential": float("nan"),
+            "compute_s": float("nan"),
+            "copy_s": float("nan"),
+            "prefetch_s": float("nan"),
+        }
+    )
+    return rows
+
+
+def _plain_spec(job: JobConfig) -> dict[str, Any]:
+    spec = job.to_dict()
+    spec.pop("parallel", None)
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -306,7 +410,18 @@ def main() -> None:
     ap.add_argument(
         "--loop-baseline", action="store_true", help="also time trainer/loop.py trial after trial, 2 threads"
     )
+    ap.add_argument("--gpu", action="store_true", help="only the GPU rows (section 4; needs CUDA)")
     args = ap.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu needs a CUDA device; this machine has none")
+        rows = gpu_rows(reps=args.reps or 2)
+        title = (
+            f"4 trials larger than a {GPU_BUDGET_MIB} MiB budget on one GPU ({torch.cuda.get_device_name(0)})"
+        )
+        print(table(rows, title=title))
+        print(f"wrote {write_results('selection_gpu', {'budget_mib': GPU_BUDGET_MIB, 'rows': rows})}")
+        return
     seeds = args.seeds or (2 if args.quick else 5)
     scale = args.scale or (0.5 if args.quick else 1.0)
     load = os.getloadavg()[0]

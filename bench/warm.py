@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 from bench.common import table, write_results
 from core.settings import get_settings
 from workers import warm
+from workers.execute import trainer_command
 from workers.supervise import Ask, Outcome, supervise
 
 SPEC: dict[str, Any] = {
@@ -40,8 +42,6 @@ def _set_warm(on: bool) -> None:
 
 
 def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
-    import sys
-
     spec = tmp / "spec.json"
     spec.write_text(json.dumps(SPEC))
     batch = tmp / "batch.json"
@@ -50,9 +50,9 @@ def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
         for i, lr in enumerate((1e-3, 3e-3))
     ]
     batch.write_text(json.dumps({"trials": trials, "scheduler": "fifo", "checkpoints": "none"}))
-    job = [sys.executable, "-m", "trainer", "--spec", str(spec), "--checkpoint-dir", str(tmp / f"ck-{tag}")]
+    job = trainer_command(world_size=1, spec_path=spec, ckpt_dir=tmp / f"ck-{tag}", stop_file=tmp / "stop")
     group = [sys.executable, "-m", "trainer.selection", "--batch", str(batch), "--devices", "1"]
-    return {"job": [*job, "--stop-file", str(tmp / "stop")], "selection group": group}
+    return {"job": job, "selection group": group}
 
 
 def _one(cmd: list[str], tmp: Path) -> dict[str, float]:

@@ -72,9 +72,14 @@ def send_run_job(settings: Settings, *, job_id: int, queue: str, node_rank: int 
     app.send_task(TASK_RUN_JOB, args=[job_id], kwargs=kwargs, queue=queue)
 
 
-def send_run_selection(settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str) -> None:
+def send_run_selection(
+    settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str, reservation_id: int
+) -> None:
+    """One group of a selection batch, placed by the scheduler: reservation `reservation_id` holds
+    the group's slots on the worker whose node_queue `queue` is."""
     app = celery_client(settings.broker_url, int(transport_options(settings)["visibility_timeout"]))
-    app.send_task(TASK_RUN_SELECTION, args=[selection_id, trial_ids], queue=queue)
+    kwargs = {"reservation_id": reservation_id}
+    app.send_task(TASK_RUN_SELECTION, args=[selection_id, trial_ids], kwargs=kwargs, queue=queue)
 
 
 @functools.cache

@@ -19,8 +19,12 @@ One tick:
    checkpoint and go back to the queue (workers/execute.py treats it like a warm-shutdown drain).
 
 A job needing more ranks than any one worker has gets a gang: the fewest nodes n (n divides its
-ranks and GPUs) of equal share each. The decision itself (`plan`) is pure and runs on plain
-values, so tests and bench/sched.py drive it without a database.
+ranks and GPUs) of equal share each. A selection batch's queued trials take part as groups (up to
+its `group_size` trials, in index order): each group asks for the batch's `devices` slots (GPUs
+when its trials run on CUDA) and the sum of its trials' host memory on ONE worker, is ordered,
+held to quotas and reserved like a job, and its task (`run_selection`) goes to that worker's
+queue; the groups of one batch spread over as many workers as have room. The decision itself
+(`plan`) is pure and runs on plain values, so tests and bench/sched.py drive it without a database.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.broker import node_queue, send_run_job
+from core.broker import node_queue, send_run_job, send_run_selection
 from core.settings import Settings
 from db import scheduling as dbs
 from db.engine import session_for
 from db.jobs import add_event, aware, db_now
 from db.models import JobStatus, WorkerBeat
-from db.quotas import job_gpus, quota_reason, running_groups
+from db.quotas import job_gpus, quota_reason
 from jobrules.hostmem import host_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,11 @@ class Want:
     queue: str = "cpu"
     eff: int = 0
     """Effective priority (set by order_queue)."""
+    trials: tuple[int, ...] = ()
+    """A selection group: its trial ids (`id` is the first trial's job). Empty for a job."""
+    members: tuple[int, ...] = ()
+    """A selection group: its trials' job ids (the first is `id`)."""
+    selection: int | None = None
 
 
 @dataclass(slots=True)
@@ -287,12 +296,19 @@ def plan(
         if key not in shapes:
             shapes[key] = gang_shape(w, boxes)
         n = shapes[key]
+        if w.trials and n is not None and n > 1:
+            n = None  # a group runs as one process on one worker
         if n is None:
             d.reasons[w.id] = (
                 f"no live worker, nor a gang of equal shares, can hold {w.ranks} rank(s), {w.gpus} GPU(s) "
                 f"and {w.ram / GiB:,.1f} GiB of host memory (largest worker: {biggest} slots; "
                 f"{len(boxes)} worker(s) alive)"
             )
+            if w.trials:
+                d.reasons[w.id] = (
+                    f"no live worker can hold this selection group ({w.ranks} device slot(s), {w.gpus} GPU(s), "
+                    f"{w.ram / GiB:,.1f} GiB of host memory; largest worker: {biggest} slots)"
+                )
             continue
         if blocker is not None and w.eff < blocker.eff:
             d.reasons[w.id] = f"behind higher-priority job {blocker.id}"
@@ -397,6 +413,30 @@ def read_state(
         for q in queued
         if q.id in need  # deleted meanwhile
     ]
+    reasons: dict[int, str | None] = {q.id: q.wait_reason for q in queued}
+    groups = dbs.queued_groups(session)
+    need_t = needs.get(session, [j for g in groups for j in g.job_ids])
+    for g in groups:
+        if any(j not in need_t for j in g.job_ids):
+            continue  # deleted meanwhile
+        first = need_t[g.job_ids[0]]
+        ranks, gpus = g.devices, g.devices if first[0] else 0
+        wants.append(
+            Want(
+                id=g.job_ids[0],
+                user=g.owner_id,
+                priority=g.priority,
+                created=first[2],
+                ranks=ranks,
+                gpus=gpus,
+                ram=sum(need_t[j][1] for j in g.job_ids),
+                queue=g.queue,
+                trials=tuple(g.trial_ids),
+                members=tuple(g.job_ids),
+                selection=g.selection_id,
+            )
+        )
+        reasons[g.job_ids[0]] = g.wait_reason
     running_slots: dict[int | None, int] = {}
     limits = dbs.user_limits(session, defaults=settings.quota_defaults)
     quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
@@ -409,9 +449,10 @@ def read_state(
             b.free_gpus -= h.gpus
             b.free_ram -= h.ram_bytes
             b.free_tasks -= 1
-            running[(h.job_id, h.worker)] = Running(
-                h.job_id, h.priority, h.worker, h.slots, h.gpus, h.ram_bytes, h.job_id in preempting
-            )
+            if h.trial_ids is None:  # a selection group is not preempted
+                running[(h.job_id, h.worker)] = Running(
+                    h.job_id, h.priority, h.worker, h.slots, h.gpus, h.ram_bytes, h.job_id in preempting
+                )
         if h.job_id not in counted:
             counted.add(h.job_id)
             running_slots[h.owner_id] = running_slots.get(h.owner_id, 0) + h.slots * h.nnodes
@@ -428,15 +469,8 @@ def read_state(
         if owner_id in quotas:
             q = quotas[owner_id]
             q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ws, q.gpus + job_gpus(spec)
-    for worker in dbs.selection_tasks(session):
-        if (b := boxes.get(worker)) is not None:
-            b.free_tasks -= 1
-    # a running selection group counts against its owner's quota as one job of its batch's
-    # devices (db/quotas.py), as the claims of jobs and groups count it
-    for owner_id, ranks, gpus in running_groups(session):
-        if owner_id in quotas:
-            q = quotas[owner_id]
-            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ranks, q.gpus + gpus
+    # a selection group's reservation counts like a job's: one task, the batch's devices as
+    # slots (and GPUs), against its owner's quota as one job (db/quotas.py group_size)
     recent = dbs.recent_usage(session, window_s=settings.fair_share_window_s, now=now_dt)
     return State(
         wants=wants,
@@ -446,7 +480,7 @@ def read_state(
         quotas=quotas,
         running=list(running.values()),
         held=held,
-        reasons={q.id: q.wait_reason for q in queued},
+        reasons=reasons,
         now=now_dt.timestamp(),
     )
 
@@ -473,9 +507,17 @@ class Scheduler:
     """The loop: `tick` once, or `run` until stopped. Only the holder of the database lock row
     ticks; the others wait for it to lapse."""
 
-    def __init__(self, settings: Settings, *, send: Sender = send_run_job, name: str = "") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        send: Sender = send_run_job,
+        send_group: Sender = send_run_selection,
+        name: str = "",
+    ) -> None:
         self.settings = settings
         self.send = send
+        self.send_group = send_group
         self.holder = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.needs = _Needs()
         self.leading = False
@@ -526,13 +568,17 @@ class Scheduler:
                     nodes=[dbs.Node(*n) for n in nodes],
                     capacity=capacity,
                     quota=limits,
+                    trial_ids=w.trials or None,
                 )
                 if rows is None:
                     d.reasons.pop(w.id, None)
                     continue
                 st.reasons[w.id] = None
-                self._send(session, w.id, rows)
+                self._send(session, w.id, rows, selection_id=w.selection)
             changed = {i: r for i, r in d.reasons.items() if st.reasons.get(i) != r}
+            for w in d.order:  # a group's reason is its every trial's
+                if w.members and w.id in changed:
+                    changed.update(dict.fromkeys(w.members, changed[w.id]))
             if changed:
                 dbs.set_wait_reasons(session, changed)
             if d.preempt and d.preempt_for is not None:
@@ -541,17 +587,28 @@ class Scheduler:
                     log.warning("job %s: asked job(s) %s to checkpoint and requeue", d.preempt_for, asked)
         return d
 
-    def _send(self, session: Any, job_id: int, rows: Sequence[Any]) -> None:
+    def _send(
+        self, session: Any, job_id: int, rows: Sequence[Any], *, selection_id: int | None = None
+    ) -> None:
         sent = []
         for r in rows:
             try:
-                self.send(
-                    self.settings,
-                    job_id=job_id,
-                    queue=node_queue(r.worker),
-                    node_rank=r.node_rank,
-                    nnodes=r.nnodes,
-                )
+                if r.trial_ids is not None:  # a selection group's task
+                    self.send_group(
+                        self.settings,
+                        selection_id=selection_id,
+                        trial_ids=list(r.trial_ids),
+                        queue=node_queue(r.worker),
+                        reservation_id=r.id,
+                    )
+                else:
+                    self.send(
+                        self.settings,
+                        job_id=job_id,
+                        queue=node_queue(r.worker),
+                        node_rank=r.node_rank,
+                        nnodes=r.nnodes,
+                    )
                 sent.append(r.id)
             except Exception as e:  # noqa: BLE001 - the broker is down: sent again next tick
                 log.warning("job %s: could not send node %s's task: %s", job_id, r.node_rank, e)
@@ -573,7 +630,7 @@ class Scheduler:
             if everything or h.sent_at is None or aware(h.sent_at).timestamp() < cutoff:  # type: ignore[union-attr]
                 by_job.setdefault(h.job_id, []).append(h)
         for job_id, rows in by_job.items():
-            self._send(session, job_id, rows)
+            self._send(session, job_id, rows, selection_id=rows[0].selection_id)
 
     def run(self) -> None:
         """Tick every scheduler_s (sooner when woken, at most one tick per WAKE_GAP_S) until

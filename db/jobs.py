@@ -829,18 +829,35 @@ def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView
     )
 
 
-def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: float) -> bool:
-    """Extend this node's reservation lease (node 0: and the job's). False when fenced off."""
-    now = db_now(session)
+def _renew_node(
+    session: Session,
+    *,
+    attempt: Attempt,
+    node_rank: int,
+    lease_s: float,
+    now: datetime,
+    run_seconds: float | None = None,
+) -> bool:
+    """Extend this node's reservation lease (node 0: the job's too, recording `run_seconds` when
+    given) inside the caller's transaction. False when fenced off."""
     until = now + timedelta(seconds=lease_s)
-    ok = session.execute(
+    if not session.execute(
         update(Reservation)
         .where(_node(attempt, node_rank), Reservation.lease_until >= now)
         .values(lease_until=until)
-    ).rowcount
-    if ok and node_rank == 0:
-        ok = session.execute(update(Job).where(_fence(attempt)).values(lease_until=until)).rowcount
-    if not ok:
+    ).rowcount:
+        return False
+    if node_rank != 0:
+        return True
+    values: dict[str, Any] = {"lease_until": until}
+    if run_seconds is not None:
+        values["run_seconds"] = run_seconds
+    return bool(session.execute(update(Job).where(_fence(attempt)).values(**values)).rowcount)
+
+
+def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: float) -> bool:
+    """Extend this node's reservation lease (node 0: and the job's). False when fenced off."""
+    if not _renew_node(session, attempt=attempt, node_rank=node_rank, lease_s=lease_s, now=db_now(session)):
         session.rollback()
         return False
     session.commit()
@@ -848,24 +865,25 @@ def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: f
 
 
 def apply_gang_lines(
-    session: Session, *, attempt: Attempt, node_rank: int, lines: JobLines, lease_s: float, now: datetime
+    session: Session,
+    *,
+    attempt: Attempt,
+    node_rank: int,
+    lines: JobLines,
+    lease_s: float,
+    now: datetime,
+    run_seconds: float | None = None,
 ) -> Applied | None:
     """apply_lines for one node of a gang, inside the relay's transaction: renews this node's
-    reservation lease (node 0: the job's too) and applies whatever lines this node's trainer wrote
-    (only the node holding global rank 0 writes any), fenced by gang_fence. None when fenced off."""
-    until = now + timedelta(seconds=lease_s)
-    if not session.execute(
-        update(Reservation)
-        .where(_node(attempt, node_rank), Reservation.lease_until >= now)
-        .values(lease_until=until)
-    ).rowcount:
-        return None
-    fence = gang_fence(attempt, now=now)
-    if (
-        node_rank == 0
-        and not session.execute(update(Job).where(_fence(attempt)).values(lease_until=until)).rowcount
+    reservation lease (node 0: the job's too, and records `run_seconds`, the job's run time over
+    all its attempts, as apply_lines does for one node) and applies whatever lines this node's
+    trainer wrote (only the node holding global rank 0 writes any), fenced by gang_fence. None
+    when fenced off."""
+    if not _renew_node(
+        session, attempt=attempt, node_rank=node_rank, lease_s=lease_s, now=now, run_seconds=run_seconds
     ):
         return None
+    fence = gang_fence(attempt, now=now)
     if lines.empty():
         # no applied_seq round trip: the node with the lines may be writing them right now
         return Applied() if session.scalar(select(Job.id).where(fence)) is not None else None

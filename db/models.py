@@ -138,9 +138,10 @@ class Job(Base):
 
 
 class Reservation(Base):
-    """Slots the scheduler set aside for one node of a job's attempt on one worker. All nodes of a
-    job are reserved in one transaction; the rows are deleted when the attempt ends, is given
-    back, or its lease (or a node's) runs out."""
+    """Slots the scheduler set aside for one node of a job's attempt on one worker, or for one
+    group of a selection batch's trials (`trial_ids`). All nodes of a job are reserved in one
+    transaction; the rows are deleted when the attempt (or the group) ends, is given back, or its
+    lease (or a node's) runs out."""
 
     __tablename__ = "reservations"
     __table_args__ = (UniqueConstraint("job_id", "node_rank", name="uq_reservations_job_node"),)
@@ -166,6 +167,9 @@ class Reservation(Base):
     lease_until: Mapped[datetime | None] = mapped_column(default=None)
     rdzv_endpoint: Mapped[str | None] = mapped_column(String(200), default=None)
     """host:port of node 0's rendezvous, written by node 0 for the others (multi-node jobs)."""
+    trial_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    """A selection group's reservation: the ids of the trials its task runs (`job_id` is the
+    first trial's job, node 0 of 1). None for a job's node."""
 
 
 class SchedulerLock(Base):

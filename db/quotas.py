@@ -156,22 +156,3 @@ def waiting_jobs(session: Session, *, owner_id: int) -> list[tuple[int, str]]:
         .order_by(Job.priority.desc(), Job.id)
     )
     return [(r.id, r.queue) for r in session.execute(q)]
-
-
-def waiting_groups(session: Session, *, owner_id: int) -> dict[tuple[int, str], list[int]]:
-    """{(selection id, queue): trial ids} of the owner's queued trials held back by the quota."""
-    q = (
-        select(Trial.selection_id, Job.queue, Trial.id)
-        .join(Job, Job.id == Trial.job_id)
-        .where(
-            Job.owner_id == owner_id,
-            Job.status == JobStatus.queued,
-            Job.kind == "trial",
-            Job.wait_reason.is_not(None),
-        )
-        .order_by(Trial.selection_id, Trial.index)
-    )
-    out: dict[tuple[int, str], list[int]] = {}
-    for sel_id, queue, tid in session.execute(q):
-        out.setdefault((sel_id, queue), []).append(tid)
-    return out

@@ -1,6 +1,6 @@
-"""The scheduler's database side: its lock row, what it reads each tick (queued jobs, worker
-inventory, reservations, recent usage), and the one conditional transaction that reserves a
-job's nodes.
+"""The scheduler's database side: its lock row, what it reads each tick (queued jobs and selection
+groups, worker inventory, reservations, recent usage), and the one conditional transaction that
+reserves a job's nodes or a group's worker.
 
 Nothing is sent from here (db/ imports SQLAlchemy only); core/scheduler.py decides and sends.
 """
@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from db.jobs import aware, db_now
-from db.models import Job, JobStatus, Reservation, SchedulerLock, User, WorkerBeat, utcnow
+from db.models import Job, JobStatus, Reservation, SchedulerLock, Selection, Trial, User, WorkerBeat, utcnow
 from db.quotas import job_gpus as spec_gpus
 from db.quotas import quota_reason
 
@@ -89,6 +89,70 @@ def queued_jobs(session: Session) -> list[QueuedRow]:
     return [QueuedRow(*r) for r in session.execute(q)]
 
 
+@dataclass(slots=True)
+class QueuedGroup:
+    """One group of a batch's queued trials that no reservation holds yet: up to the batch's
+    `group_size` trials in index order, run by one task on one worker over `devices` devices.
+    Its first trial's job stands for it (reservation, reason, queue position)."""
+
+    selection_id: int
+    job_ids: list[int]
+    trial_ids: list[int]
+    owner_id: int | None
+    priority: int
+    queue: str
+    devices: int
+    wait_reason: str | None
+
+
+MIXED = "\0"
+"""A group whose trials carry different wait reasons (never a reason itself)."""
+
+
+def queued_groups(session: Session) -> list[QueuedGroup]:
+    """The queued trials of every batch not cancelled, less those a group reservation already
+    holds, cut into groups of the batch's `group_size` in index order."""
+    held: set[int] = set()
+    for ids in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
+        held.update(ids or [])
+    q = (
+        select(
+            Trial.selection_id,
+            Trial.id,
+            Job.id,
+            Job.owner_id,
+            Job.priority,
+            Job.queue,
+            Job.wait_reason,
+            Selection.request,
+        )
+        .join(Job, Job.id == Trial.job_id)
+        .join(Selection, Selection.id == Trial.selection_id)
+        .where(
+            Job.status == JobStatus.queued,
+            Job.kind == "trial",
+            Job.cancel_requested.is_(False),
+            Selection.cancel_requested.is_(False),
+        )
+        .order_by(Trial.selection_id, Trial.index)
+    )
+    out: list[QueuedGroup] = []
+    for sel_id, trial_id, job_id, owner_id, priority, queue, why, request in session.execute(q):
+        if trial_id in held:
+            continue
+        size = max(int((request or {}).get("group_size") or 16), 1)
+        last = out[-1] if out else None
+        if last is None or last.selection_id != sel_id or len(last.trial_ids) >= size:
+            devices = max(int((request or {}).get("devices") or 1), 1)
+            last = QueuedGroup(sel_id, [], [], owner_id, priority, queue, devices, why)
+            out.append(last)
+        elif last.wait_reason != why:
+            last.wait_reason = MIXED  # the group's reason is written to every trial again
+        last.job_ids.append(job_id)
+        last.trial_ids.append(trial_id)
+    return out
+
+
 def specs_of(session: Session, job_ids: Iterable[int]) -> list[tuple[int, dict[str, Any], datetime]]:
     """(id, spec, created_at) of the jobs."""
     ids = list(job_ids)
@@ -132,6 +196,9 @@ class HeldRow:
     priority: int
     status: str
     queue: str
+    trial_ids: list[int] | None = None
+    """A selection group's reservation: its trials (job_id is the first one's job)."""
+    selection_id: int | None = None
 
 
 def reservations(session: Session) -> list[HeldRow]:
@@ -150,6 +217,8 @@ def reservations(session: Session) -> list[HeldRow]:
         Job.priority,
         Job.status,
         Job.queue,
+        Reservation.trial_ids,
+        Job.selection_id,
     ).join(Job, Job.id == Reservation.job_id)
     return [HeldRow(*r) for r in session.execute(q)]
 
@@ -211,21 +280,50 @@ def user_limits(session: Session, *, defaults: dict[str, int]) -> dict[int, tupl
 def free_reservations(session: Session, *, live: set[str]) -> list[int]:
     """Delete reservations that hold slots for nothing: of jobs no longer queued or running, and
     unclaimed ones on workers whose heartbeat stopped (the job is placed again). A claimed node on
-    a dead worker is freed by its lease running out (db/jobs.py expire_leases). Returns the job
-    ids whose reservations went."""
+    a dead worker is freed by its lease running out (db/jobs.py expire_leases). A selection
+    group's reservation goes when none of its trials is queued any more (before its claim) or none
+    runs under its task (after: the group ended, or its worker died and the trials' leases ran
+    out), and an unclaimed one on a dead worker. Returns the job ids whose reservations went."""
+    job_rows = Reservation.trial_ids.is_(None)
     ended = (
         select(Reservation.job_id)
         .join(Job, Job.id == Reservation.job_id)
-        .where(Job.status.not_in([JobStatus.queued, JobStatus.running]))
+        .where(job_rows, Job.status.not_in([JobStatus.queued, JobStatus.running]))
     )
     dead = (
         select(Reservation.job_id)
         .join(Job, Job.id == Reservation.job_id)
-        .where(Job.status == JobStatus.queued, Reservation.worker.not_in(live) if live else true())
+        .where(job_rows, Job.status == JobStatus.queued, Reservation.worker.not_in(live) if live else true())
     )
     ids = set(session.scalars(ended)) | set(session.scalars(dead))
     if ids:
         session.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
+    groups = session.execute(
+        select(
+            Reservation.id, Reservation.job_id, Reservation.worker, Reservation.owner, Reservation.trial_ids
+        ).where(Reservation.trial_ids.is_not(None))
+    ).all()
+    if groups:
+        trial_state = {
+            tid: (status, owner)
+            for tid, status, owner in session.execute(
+                select(Trial.id, Job.status, Job.owner)
+                .join(Job, Job.id == Trial.job_id)
+                .where(Trial.id.in_(sorted({t for g in groups for t in g.trial_ids or []})))
+            )
+        }
+        gone = []
+        for g in groups:
+            states = [trial_state.get(t, (None, None)) for t in g.trial_ids or []]
+            if g.owner is None:  # not claimed yet
+                keep = g.worker in live and any(st == JobStatus.queued for st, _ in states)
+            else:
+                keep = any(st == JobStatus.running and owner == g.owner for st, owner in states)
+            if not keep:
+                gone.append(g)
+        if gone:
+            session.execute(delete(Reservation).where(Reservation.id.in_([g.id for g in gone])))
+            ids |= {g.job_id for g in gone}
     session.commit()
     return sorted(ids)
 
@@ -243,17 +341,6 @@ def preempt_pending(session: Session) -> set[int]:
     """Running jobs asked to checkpoint and requeue that have not yet given their slots back."""
     q = select(Job.id).where(Job.status == JobStatus.running, Job.preempt_requested.is_(True))
     return set(session.scalars(q))
-
-
-def selection_tasks(session: Session) -> list[str]:
-    """One entry per running selection group task (worker name): each takes one task slot of its
-    worker; its trials share that task's devices and hold no reservation."""
-    q = (
-        select(Job.worker, Job.selection_id)
-        .where(Job.status == JobStatus.running, Job.kind == "trial", Job.worker.is_not(None))
-        .distinct()
-    )
-    return [w for w, _ in session.execute(q)]
 
 
 def mark_sent(session: Session, *, reservation_ids: Sequence[int]) -> None:
@@ -309,6 +396,7 @@ class Reserved:
     attempt: int
     created_at: datetime
     sent_at: datetime | None
+    trial_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,13 +422,17 @@ def reserve(
     nodes: Sequence[Node],
     capacity: dict[str, Capacity],
     quota: dict[str, int] | None = None,
+    trial_ids: Sequence[int] | None = None,
 ) -> list[Reserved] | None:
     """Reserve all nodes of job `job_id` in one transaction, or nothing. Conditional: the workers'
     rows are written first (a row lock on Postgres, the write lock on SQLite), then what they
     already hold is counted again inside the transaction; the job must still be queued and
     unreserved; and with `quota` (the owner's limits) the owner's row is locked and counted too.
     Two schedulers (or a scheduler and a stale one) can never book the same slots twice. Returns
-    the rows, or None when anything changed since the caller looked."""
+    the rows, or None when anything changed since the caller looked.
+
+    `trial_ids`: a selection group (one node; `job_id` is its first trial's job): every trial
+    must still be queued and held by no other group's reservation."""
     workers = sorted({n.worker for n in nodes})
     try:
         # the lock first: on SQLite this write makes the transaction a writer before any read
@@ -352,6 +444,9 @@ def reserve(
             .returning(Job.attempts, Job.owner_id, Job.world_size, Job.spec)
         ).first()
         if job is None:
+            session.rollback()
+            return None
+        if trial_ids is not None and not _group_free(session, trial_ids):
             session.rollback()
             return None
         held = {
@@ -393,8 +488,8 @@ def reserve(
                 owner_id=job.owner_id,
                 job_id=job_id,
                 limits=quota,
-                job_ranks=job.world_size,
-                job_gpus=spec_gpus(job.spec),
+                job_ranks=sum(n.slots for n in nodes),
+                job_gpus=sum(n.gpus for n in nodes),
             )
             if why is not None:
                 session.rollback()
@@ -412,6 +507,7 @@ def reserve(
                 "attempt": job.attempts,
                 "created_at": now,
                 "sent_at": now,
+                "trial_ids": list(trial_ids) if trial_ids is not None else None,
             }
             for rank, n in enumerate(nodes)
         ]
@@ -425,11 +521,28 @@ def reserve(
     return [Reserved(id=i, **r) for i, r in zip(ids, rows, strict=True)]
 
 
+def _group_free(session: Session, trial_ids: Sequence[int]) -> bool:
+    """Every trial of the group is queued and no other group's reservation holds any of them;
+    their jobs' wait reasons are cleared (in the caller's transaction)."""
+    ids = set(trial_ids)
+    for held in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
+        if ids & set(held or []):
+            return False
+    rows = session.execute(
+        select(Job.id, Job.status).join(Trial, Trial.job_id == Job.id).where(Trial.id.in_(sorted(ids)))
+    ).all()
+    if len(rows) != len(ids) or any(st != JobStatus.queued for _, st in rows):
+        return False
+    session.execute(update(Job).where(Job.id.in_([j for j, _ in rows])).values(wait_reason=None))
+    return True
+
+
 def owner_quota_problem(
     session: Session, *, owner_id: int, job_id: int, limits: dict[str, int], job_ranks: int, job_gpus: int
 ) -> str | None:
     """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
-    jobs and running ones without a reservation (counted in the caller's transaction)."""
+    jobs and selection groups and running jobs without a reservation (counted in the caller's
+    transaction)."""
     held = session.execute(
         select(
             func.count(func.distinct(Reservation.job_id)),
@@ -437,7 +550,7 @@ def owner_quota_problem(
             func.coalesce(func.sum(Reservation.gpus), 0),
         )
         .join(Job, Job.id == Reservation.job_id)
-        .where(Job.owner_id == owner_id, Job.kind == "job", Job.id != job_id)
+        .where(Job.owner_id == owner_id, Job.id != job_id)
     ).one()
     loose = session.execute(
         select(Job.world_size, Job.spec).where(

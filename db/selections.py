@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Selection, Trial, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, Selection, Trial, utcnow
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
 
@@ -61,6 +61,7 @@ def add_trials(
             selection_id=selection_id,
             owner_id=owner_id,
             actor=actor,
+            priority=int(spec.get("priority", 0) or 0),  # the batch's groups are ordered by it
         )
         trial = Trial(
             selection_id=selection_id,
@@ -149,12 +150,56 @@ def trial_of_job(session: Session, *, job_id: int) -> Trial:
     return trial
 
 
+def _group_reservation(reservation_id: int, worker: str, owner: str) -> Any:
+    return (
+        (Reservation.id == reservation_id)
+        & (Reservation.worker == worker)
+        & (Reservation.trial_ids.is_not(None))
+        & (Reservation.owner.is_(None) | (Reservation.owner == owner))
+    )
+
+
+def group_reserved_here(
+    session: Session, *, reservation_id: int, worker: str, owner: str
+) -> list[int] | None:
+    """The trials of the group the scheduler placed on `worker` as reservation `reservation_id`,
+    when no other process has claimed it; else None. The reservation's trials, not a message's:
+    an id that the database reused after a group ended names the new group."""
+    q = select(Reservation.trial_ids).where(_group_reservation(reservation_id, worker, owner))
+    return session.scalar(q)
+
+
+def free_group(session: Session, *, reservation_id: int, worker: str, owner: str) -> None:
+    """The group's slots on `worker` go back to the pool (inside the caller's transaction), only
+    when process `owner` holds them or nobody does yet: a message that reached another worker, or
+    a duplicate that another process runs, frees nothing."""
+    session.execute(delete(Reservation).where(_group_reservation(reservation_id, worker, owner)))
+
+
 def claim_trials(
-    session: Session, *, trial_ids: Sequence[int], owner: str, worker: str, lease_s: float
+    session: Session,
+    *,
+    trial_ids: Sequence[int],
+    owner: str,
+    worker: str,
+    lease_s: float,
+    reservation_id: int | None = None,
 ) -> list[tuple[Trial, Attempt]]:
     """Take the lease of each trial's job, atomically per trial (queued, or running under a lease
     that ran out); returns the trials this call won with their attempts. A redelivered group
-    message finds them taken and runs nothing twice; a lost group's trials are taken back here."""
+    message finds them taken and runs nothing twice; a lost group's trials are taken back here.
+    `reservation_id`: the group's reservation (core/scheduler.py placed it on `worker`) is
+    claimed for `owner` in the same transaction; when it is gone or another process holds it,
+    nothing is claimed."""
+    if reservation_id is not None:
+        res = session.execute(
+            update(Reservation)
+            .where(_group_reservation(reservation_id, worker, owner))
+            .values(claimed_at=utcnow(), owner=owner)
+        )
+        if res.rowcount != 1:
+            session.rollback()
+            return []
     won = []
     for trial in session.scalars(
         select(Trial).where(Trial.id.in_(list(trial_ids))).order_by(Trial.index)

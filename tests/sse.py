@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -31,18 +32,24 @@ def read_sse(
     with httpx.stream("GET", base_url + path, headers=headers, timeout=httpx.Timeout(10, read=60)) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        fid, event, data = None, "message", []
-        for line in r.iter_lines():
-            if line == "":
-                if data:
-                    frames.append((fid, event, json.loads("\n".join(data))))
-                    if stop_after and len(frames) >= stop_after:
-                        break
-                fid, event, data = None, "message", []
-            elif line.startswith("id:"):
-                fid = line[3:].strip()
-            elif line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
+        for f in sse_frames(r.iter_lines()):
+            frames.append(f)
+            if stop_after and len(frames) >= stop_after:
+                break
     return frames
+
+
+def sse_frames(lines: Iterable[str]) -> Iterator[tuple[str | None, str, dict[str, Any]]]:
+    """(id, event, data) of each frame in a stream's lines, as each one ends."""
+    fid, event, data = None, "message", []
+    for line in lines:
+        if line == "":
+            if data:
+                yield fid, event, json.loads("\n".join(data))
+            fid, event, data = None, "message", []
+        elif line.startswith("id:"):
+            fid = line[3:].strip()
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())

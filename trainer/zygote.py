@@ -2,22 +2,22 @@
 trainer once and forks one single-process run at a time when its worker asks (workers/warm.py).
 
 The worker sends, over the SOCK_SEQPACKET socket whose end is fd N, one JSON request
-{"module": "trainer" | "trainer.selection", "argv": [...], "cmd": [...], "env": {...}, "cwd": ...,
-"memory_limit": int | null, "worker_pid": int} with three file descriptors: the run's stdout and
-stderr (write ends of the worker's pipes) and the read end of a "go" pipe. The zygote forks twice:
-the middle process forks the run and exits, so the run is re-parented to the worker (a child
-subreaper) and the worker waits for it like any child of its own. The zygote replies {"pid": run}
-once that has happened; the worker then writes one byte to the go pipe and the run starts. A worker
-that gives up before (a timeout) closes the go pipe and the run leaves without doing anything.
+{"cmd": [python, "-m", "trainer" | "trainer.selection", ...], "env": {...}, "cwd": ...} with three
+file descriptors: the run's stdout and stderr (write ends of the worker's pipes) and the read end
+of a "go" pipe. The zygote forks twice: the middle process forks the run and exits, so the run is
+re-parented to the worker (the zygote's parent, a child subreaper) and the worker waits for it like
+any child of its own. The zygote replies {"pid": run} once that has happened; the worker then sets
+the run's memory limit and writes one byte to the go pipe, and the run starts. A worker that gives
+up before (a timeout) closes the go pipe and the run leaves without doing anything.
 
 The run is its own process, exactly as `python -m trainer` would be: its own session (the stop
 watcher kills its group), SIGKILL when the worker dies (PR_SET_PDEATHSIG, set once it is the
 worker's child), its own RLIMIT_AS, the worker's environment and working directory, stdout and
-stderr on the worker's pipes, and `python -m trainer ...` as its command line (ps, /proc). What it
-shares with the zygote is only what importing left behind. The zygote itself never runs a torch
-operation and never touches CUDA (no thread pools, no device context exist when it forks); the one
-difference a forked run keeps is the zygote's PYTHONHASHSEED (string hashing), which nothing the
-trainer computes depends on.
+stderr on the worker's pipes, `python -m trainer ...` as its command line (ps, /proc), and the
+module run as `__main__` (runpy, as `-m` does). What it shares with the zygote is only what
+importing left behind. The zygote itself never runs a torch operation and never touches CUDA (no
+thread pools, no device context exist when it forks); the one difference a forked run keeps is the
+zygote's PYTHONHASHSEED (string hashing), which nothing the trainer computes depends on.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import os
 import pkgutil
 import random
+import runpy
 import signal
 import socket
 import sys
@@ -91,11 +92,12 @@ def serve(sock: socket.socket) -> None:
 
 
 def _fork_run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> dict[str, Any]:
-    if req.get("module") not in RUNNABLE or len(fds) != 3:
-        return {"error": f"cannot run {req.get('module')!r} with {len(fds)} descriptors"}
+    cmd = req.get("cmd") or []
+    if len(cmd) < 3 or cmd[1] != "-m" or cmd[2] not in RUNNABLE or len(fds) != 3:
+        return {"error": f"cannot run {cmd[1:3]!r} with {len(fds)} descriptors"}
     if not cuda_untouched():
         return {"error": "CUDA was initialised in the zygote; it must not fork"}
-    req = {**req, "zygote_pid": os.getpid()}
+    zygote, worker = os.getpid(), os.getppid()
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:  # the middle process: fork the run, tell the zygote its pid, leave
@@ -104,7 +106,7 @@ def _fork_run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> dict[
             run = os.fork()
             if run == 0:
                 os.close(w)
-                _run(req, fds, sock)  # never returns
+                _run(req, fds, sock, zygote=zygote, worker=worker)  # never returns
             os.write(w, str(run).encode())
         finally:
             os._exit(0)
@@ -117,8 +119,8 @@ def _fork_run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> dict[
     return {"pid": int(got)}
 
 
-def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
-    """In the run's process: become `python -m <module> <argv>` and exit with its code."""
+def _run(req: dict[str, Any], fds: list[int], sock: socket.socket, *, zygote: int, worker: int) -> None:
+    """In the run's process: become `python -m <module> <args>` and exit with its code."""
     code = 70
     try:
         sock.close()
@@ -133,14 +135,10 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
         with os.fdopen(go_r, "rb") as go:
             if go.read(1) != b"g":
                 os._exit(0)  # the worker gave up on this run before it started
-        _die_with_worker(int(req["worker_pid"]))
-        os.write(2, f"{WARM_MARK} {req['zygote_pid']} (torch imported once)\n".encode())
-        if req.get("memory_limit") is not None:
-            import resource
-
-            limit = int(req["memory_limit"])
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        _set_title(req.get("cmd") or [])  # before the environment changes: the title takes its space
+        _die_with_worker(worker)
+        os.write(2, f"{WARM_MARK} {zygote} (torch imported once)\n".encode())
+        cmd = req["cmd"]
+        _set_title(cmd)  # before the environment changes: the title takes its space
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -148,15 +146,14 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
         sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
         random.seed()  # a fresh process seeds from the OS; so does this one
-        module = req["module"]
-        sys.argv = [module, *req["argv"]]
-        if module == "trainer":
-            from trainer.__main__ import main
-        else:
-            from trainer.selection.__main__ import main
+        sys.argv = cmd[2:]  # runpy puts the module's path first, as `python -m` does
+        # preload imported the package's __main__ under its own name, which `-m` never does (runpy
+        # would warn that it was in sys.modules before it ran)
+        sys.modules.pop(f"{cmd[2]}.__main__", None)
         try:
-            code = main(list(req["argv"]))
-        except SystemExit as e:  # argparse's usage errors
+            runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # the module's own exit (and argparse's usage errors)
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
         traceback.print_exc()

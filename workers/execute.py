@@ -19,9 +19,10 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from core.broker import JOBS_CHANNEL, job_channel, send_run_selection
+from core.broker import JOBS_CHANNEL, job_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
@@ -37,7 +38,7 @@ from db.jobs import (
     stop_flags,
 )
 from db.models import JobStatus
-from db.quotas import quota_gate, waiting_groups
+from db.quotas import quota_gate
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -56,17 +57,13 @@ def owner_id() -> str:
     return _OWNER[pid]
 
 
+def trainer_args(*, spec_path: Path, ckpt_dir: Path, stop_file: Path) -> list[str]:
+    """`python -m trainer`'s own arguments (one node's torchrun in workers/gang.py takes them too)."""
+    return ["--spec", str(spec_path), "--checkpoint-dir", str(ckpt_dir), "--stop-file", str(stop_file)]
+
+
 def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_file: Path) -> list[str]:
-    args = [
-        "-m",
-        "trainer",
-        "--spec",
-        str(spec_path),
-        "--checkpoint-dir",
-        str(ckpt_dir),
-        "--stop-file",
-        str(stop_file),
-    ]
+    args = ["-m", "trainer", *trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)]
     if world_size == 1:
         return [sys.executable, *args]
     return [
@@ -203,21 +200,21 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
     cmd += workspace_args(spec, settings=settings, workdir=workdir)
 
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)},
+        targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     publish_status(relay, job_id=job_id)
 
     # the limit counts every attempt: the time earlier attempts ran is already used up
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s - used_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
-        if time.monotonic() > deadline:
+        if target.run_seconds() > runtime_s:
             out.error = runtime_error(runtime_s, used_s)
             return Ask.kill
         with session_for(settings.database_url) as s:
@@ -230,6 +227,40 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
+    rc = run_attempt(
+        settings,
+        cmd,
+        relay=relay,
+        poll=poll,
+        stop_file=stop_file,
+        workdir=workdir,
+        out=out,
+        memory_limit=mem_limit,
+        what=f"job {job_id} attempt {attempt.attempt}",
+    )
+    if rc is None:
+        return "lost"
+    # the job's end frees its reservation; the scheduler places the next queued job
+    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    relay.drain_live()
+    return status
+
+
+def run_attempt(
+    settings: Settings,
+    cmd: list[str],
+    *,
+    relay: Relay,
+    poll: Callable[[], Ask],
+    stop_file: Path,
+    workdir: Path,
+    out: Outcome,
+    memory_limit: int | None,
+    what: str,
+) -> int | None:
+    """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
+    Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
+    unreachable: the lease then runs out)."""
     rc = supervise(
         cmd,
         on_message=lambda msg: relay.add(None, msg),
@@ -239,27 +270,12 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         grace_s=settings.cancel_grace_s,
         shutdown_grace_s=settings.shutdown_grace_s,
         out=out,
-        memory_limit=mem_limit,
+        memory_limit=memory_limit,
     )
     if not relay.close() or relay.fenced:
-        log.warning("job %s attempt %s: %s", job_id, attempt.attempt, relay.broken or "fenced off")
-        return "lost"
-    # the job's end frees its reservation; the scheduler places the next queued job
-    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
-    relay.drain_live()
-    return status
-
-
-def send_waiting_groups(settings: Settings, user_id: int) -> None:
-    """A selection group of this user ended: their trial groups held back by the quota get
-    another try (the scheduler places plain jobs; a batch's groups are sent as messages)."""
-    try:
-        with session_for(settings.database_url) as s:
-            groups = waiting_groups(s, owner_id=user_id)
-        for (selection_id, queue), trial_ids in groups.items():
-            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
-    except Exception as e:  # noqa: BLE001 - the reconciler re-sends queued trials later
-        log.warning("could not re-send %s's waiting trial groups: %s", user_id, e)
+        log.warning("%s: %s", what, relay.broken or "fenced off")
+        return None
+    return rc
 
 
 def end_attempt(

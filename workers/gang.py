@@ -56,11 +56,13 @@ from workers.execute import (
     drop_checkpoints_past,
     owner_id,
     publish_status,
+    run_attempt,
     take_lease,
+    trainer_args,
 )
-from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_limit_s
+from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Ask, Outcome
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -206,6 +208,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, applied_step = job.spec, job.applied_step
+        used_s = job.run_seconds or 0.0  # node 0 records it (db/jobs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
     workdir = settings.data_dir / "jobs" / str(job_id)
     node_dir = workdir / f"node-{node_rank}"
@@ -217,15 +220,8 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     spec_path = node_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = node_dir / "stop"
-    trainer_args = [
-        "--spec",
-        str(spec_path),
-        "--checkpoint-dir",
-        str(ckpt_dir),
-        "--stop-file",
-        str(stop_file),
-    ]
-    trainer_args += workspace_args(spec, settings=settings, workdir=node_dir)
+    args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
+    args += workspace_args(spec, settings=settings, workdir=node_dir)
     cmd = gang_command(
         job_id=job_id,
         attempt=attempt.attempt,
@@ -235,24 +231,25 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         endpoint=endpoint,
         addr=addr,
         join_s=settings.gang_join_s,
-        trainer_args=trainer_args,
+        trainer_args=args,
     )
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s)
     relay = Relay(
         settings,
-        targets={None: Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank)},
+        targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     if node_rank == 0:
         publish_status(relay, job_id=job_id)
     out = Outcome()
+    # the limit counts every attempt, as for a one-node job (workers/execute.py)
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-    deadline = time.monotonic() + runtime_s
 
     def poll() -> Ask:
         if relay.fenced or relay.broken:
             return Ask.kill
-        if time.monotonic() > deadline:
-            out.error = f"ran past its max_runtime_s ({runtime_s:g} s) and was stopped"
+        if target.run_seconds() > runtime_s:
+            out.error = runtime_error(runtime_s, used_s)
             # failed before any trainer dies: the other nodes then see the gang over, and none
             # of them takes its peers' deaths for a lost node to restart from
             with session_for(settings.database_url) as s:
@@ -274,21 +271,18 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
 
     mem_limit = memory_limit_bytes(spec)
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
-    rc = supervise(
+    rc = run_attempt(
+        settings,
         cmd,
-        on_message=lambda msg: relay.add(None, msg),
+        relay=relay,
         poll=poll,
         stop_file=stop_file,
-        stderr_log=node_dir / "stderr.log",
-        grace_s=settings.cancel_grace_s,
-        shutdown_grace_s=settings.shutdown_grace_s,
+        workdir=node_dir,
         out=out,
         memory_limit=mem_limit,
+        what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
     )
-    if not relay.close() or relay.fenced:
-        log.warning(
-            "job %s node %d attempt %s: %s", job_id, node_rank, attempt.attempt, relay.broken or "fenced off"
-        )
+    if rc is None:
         return "lost"
     ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
     return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))

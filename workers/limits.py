@@ -54,10 +54,11 @@ def group_memory_limit_bytes(specs: list[dict[str, Any]], *, ram_bytes: int | No
     return int(min(2 * total + MARGIN_BYTES, max(ram, MARGIN_BYTES)))
 
 
-def apply_memory_limit(limit: int | None) -> None:
-    """In the child before exec (children inherit it: torchrun's ranks too)."""
+def apply_memory_limit(limit: int | None, *, pid: int = 0) -> None:
+    """In the child before exec (children inherit it: torchrun's ranks too), or with `pid`, on
+    that process of this user before it starts (a warm run, workers/warm.py)."""
     if limit is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
 
 
 def runtime_limit_s(spec: dict[str, Any], *, service_max_s: float) -> float:

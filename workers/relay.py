@@ -191,6 +191,7 @@ class Relay:
                         lines=jl,
                         lease_s=self.settings.lease_s,
                         now=now,
+                        run_seconds=target.run_seconds(),
                     )
                 elif target.trial_id is None:
                     got = apply_lines(

@@ -6,7 +6,8 @@ in case a worker died between its group's end and the ask.
 The sampler is replayed from the batch's seed and its trials' values in index order
 (core/search.py), so whichever worker gets here, and whenever, it asks the same trials. Two workers
 that end the generation's last groups at the same moment may both ask: the unique (selection,
-index) index lets one add the trials and the other add none.
+index) index lets one add the trials and the other add none. The new trials are queued; the
+scheduler (core/scheduler.py) places them in groups like the batch's first ones.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from core.broker import send_run_selection
 from core.search import SAMPLERS, suggest
 from core.settings import Settings
 from db.engine import session_for
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def grow(settings: Settings, *, selection_id: int) -> list[int]:
-    """Add and dispatch the batch's next generation if it is due; returns the new trial ids. A
+    """Add the batch's next generation if it is due; returns the new trial ids. A
     search that cannot go on says why in the selection's `error`, and the batch settles."""
     try:
         return _grow(settings, selection_id=selection_id)
@@ -88,10 +88,4 @@ def _grow(settings: Settings, *, selection_id: int) -> list[int]:
         except IntegrityError:
             s.rollback()  # another worker added this generation first
             return []
-        ids = [t.id for t in new]
-    group = int(req.get("group_size") or 16)
-    for start in range(0, len(ids), group):
-        send_run_selection(
-            settings, selection_id=selection_id, trial_ids=ids[start : start + group], queue=queue
-        )
-    return ids
+        return [t.id for t in new]

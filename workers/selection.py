@@ -1,11 +1,13 @@
-"""Runs one group of a selection batch: take the leases of its trials, launch
-`python -m trainer.selection` over this worker's devices, apply each trial's lines to that trial's
-job (the same supervisor and relay as a plain job), keep the leaderboard current.
+"""Runs one group of a selection batch, placed on this worker by the scheduler (a reservation
+of the batch's devices, core/scheduler.py): claim that reservation and the leases of its trials,
+launch `python -m trainer.selection` over this worker's devices, apply each trial's lines to that
+trial's job (the same supervisor and relay as a plain job), keep the leaderboard current.
 
 A trial ends only once its final event and its result are both applied (in either order). A
 trial the executor left without both (it died, a warm shutdown stopped it) goes back to `queued`
 and runs again as a trial of its batch, from its checkpoint; the batch's status is derived from
-its trials, so it always ends.
+its trials, so it always ends. The group's reservation is freed when it ends (and by the
+scheduler when its trials' leases ran out); the scheduler places the trials given back again.
 """
 
 from __future__ import annotations
@@ -17,21 +19,23 @@ import time
 
 from sqlalchemy import select
 
-from core.broker import job_channel, selection_channel, send_run_selection
+from core.broker import job_channel, selection_channel
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import Attempt, lease_left_s, mark_enqueued, release_job
+from db.jobs import Attempt, lease_left_s, release_job
 from db.models import Job, Trial
 from db.quotas import group_quota_gate
 from db.selections import (
     claim_trials,
     finish_trial,
+    free_group,
     get_selection,
+    group_reserved_here,
     settle_selection,
     stop_requests,
     sync_trials,
 )
-from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status, send_waiting_groups
+from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
@@ -44,18 +48,30 @@ MAX_ATTEMPTS = 3
 """A trial whose executor keeps ending without its result is re-run this many times, then failed."""
 
 
-def take_trials(settings: Settings, *, trial_ids: list[int], worker: str) -> list[tuple[Trial, Attempt]]:
-    """Claim the group's trials; while some are still held under a lease that is running out (a
-    redelivered group after its worker died), wait for it and take them then."""
+def take_trials(settings: Settings, *, worker: str, reservation_id: int) -> list[tuple[Trial, Attempt]]:
+    """Claim the group's reservation and trials; while some are still held under a lease that is
+    running out, wait for it and take them then. A group the scheduler did not place here (or
+    that another process holds) is skipped at once."""
     deadline = time.monotonic() + 2 * settings.lease_s
     while True:
         with session_for(settings.database_url) as s:
+            trial_ids = group_reserved_here(s, reservation_id=reservation_id, worker=worker, owner=owner_id())
+            if not trial_ids:
+                return []
             # the owner's quota (db/quotas.py: a group counts as one job of the batch's devices)
-            # is checked and the trials claimed in one transaction; over it, they wait queued
+            # is checked and the trials claimed in one transaction; over it, they wait queued,
+            # the reservation given back (the scheduler places them again)
             if why := group_quota_gate(s, trial_ids=trial_ids, defaults=settings.quota_defaults):
+                free_group(s, reservation_id=reservation_id, worker=worker, owner=owner_id())
+                s.commit()
                 raise QuotaWait(why)
             won = claim_trials(
-                s, trial_ids=trial_ids, owner=owner_id(), worker=worker, lease_s=settings.lease_s
+                s,
+                trial_ids=trial_ids,
+                owner=owner_id(),
+                worker=worker,
+                lease_s=settings.lease_s,
+                reservation_id=reservation_id,
             )
             if won:
                 return won
@@ -66,22 +82,38 @@ def take_trials(settings: Settings, *, trial_ids: list[int], worker: str) -> lis
         time.sleep(min(max(min(left), 0.0) + 0.2, 2.0))
 
 
-def resend_trials(settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str) -> None:
-    try:
-        send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
-        with session_for(settings.database_url) as s:
-            mark_enqueued(s, job_ids=s.scalars(select(Trial.job_id).where(Trial.id.in_(trial_ids))).all())
-    except Exception as e:  # noqa: BLE001 - the reconciler sends them when the broker is back
-        log.warning("could not re-send trials %s: %s", trial_ids, e)
+def _give_back(settings: Settings, reservation_id: int, worker: str) -> None:
+    with session_for(settings.database_url) as s:
+        free_group(s, reservation_id=reservation_id, worker=worker, owner=owner_id())
+        s.commit()
 
 
-def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Settings, worker: str) -> str:
+def execute_selection(
+    selection_id: int,
+    trial_ids: list[int],
+    *,
+    settings: Settings,
+    worker: str,
+    reservation_id: int | None = None,
+) -> str:
+    """Run one group to its end. 'skipped' when the scheduler did not place it here (no
+    `reservation_id`: a message from before groups were placed), another process holds it, or
+    none of its trials could be claimed; 'waiting' when its owner is at their quota."""
+    if reservation_id is None:
+        log.warning("selection %s: a group message without a reservation is skipped", selection_id)
+        return "skipped"
     try:
-        won = retry_db(settings, "claim", lambda: take_trials(settings, trial_ids=trial_ids, worker=worker))
+        won = retry_db(
+            settings,
+            "claim",
+            lambda: take_trials(settings, worker=worker, reservation_id=reservation_id),
+        )
     except QuotaWait:
         return "waiting"
     if not won:
+        retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
+    selection_id = won[0][0].selection_id  # the reservation's group (`trial_ids` is the message's)
     with session_for(settings.database_url) as s:
         sel = get_selection(s, selection_id)
         req = dict(sel.request)
@@ -90,8 +122,6 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
         specs = {i: j.spec for i, j in jobs.items()}
         applied_steps = {i: j.applied_step for i, j in jobs.items()}
         used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
-        queue = jobs[won[0][0].index].queue
-        user_id = sel.owner_id
 
     root = settings.data_dir / "selections" / str(selection_id)
     root.mkdir(parents=True, exist_ok=True)
@@ -148,12 +178,10 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
     # while it was in them, over all its attempts; the group runs until the first of its trials
     # still running reaches its limit, then stops, and the unfinished trials fail with the reason
     limits = {i: runtime_limit_s(specs[i], service_max_s=settings.max_job_runtime_s) for i in mine}
-    started = time.monotonic()
 
     def over_time() -> str | None:
-        ran = time.monotonic() - started
         for i in sorted(mine - relay.finished - relay.fenced):
-            if used_s[i] + ran > limits[i]:
+            if relay.targets[i].run_seconds() > limits[i]:
                 return f"trial {i}: " + runtime_error(limits[i], used_s[i])
         return None
 
@@ -213,11 +241,11 @@ def execute_selection(selection_id: int, trial_ids: list[int], *, settings: Sett
     status = retry_db(
         settings,
         "trial ends",
-        lambda: _end_group(settings, selection_id, won, relay=relay, rc=rc, out=out, queue=queue),
+        lambda: _end_group(
+            settings, selection_id, won, relay=relay, rc=rc, out=out, group=(reservation_id, worker)
+        ),
     )
     relay.drain_live()
-    if user_id is not None and status not in ("lost",):
-        send_waiting_groups(settings, user_id)
     return status
 
 
@@ -229,11 +257,12 @@ def _end_group(
     relay: Relay,
     rc: int,
     out: Outcome,
-    queue: str,
+    group: tuple[int, str],
 ) -> str:
     """Trials the executor never fully reported (final event and result): cancelled or stopped
     when that was asked, given back when the worker shuts down or the executor lost a result,
-    failed when the executor failed."""
+    failed when the executor failed. The group's reservation is freed with them: the scheduler
+    places the trials given back (and a sampler's next generation) again."""
     rerun = []
     with session_for(settings.database_url) as s:
         sel = get_selection(s, selection_id)
@@ -255,14 +284,13 @@ def _end_group(
             publish_status(relay, job_id=t.job_id)
         if rerun:
             sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
+        free_group(s, reservation_id=group[0], worker=group[1], owner=owner_id())
         s.commit()
         # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
         # the batch is settled, so it never shows as ended between two generations
         grow(settings, selection_id=selection_id)
         keep_best_checkpoints(settings, s, selection_id=selection_id)  # before the end shows
         status = settle_selection(s, selection_id=selection_id)
-    if rerun:
-        resend_trials(settings, selection_id=selection_id, trial_ids=rerun, queue=queue)
     relay.publish({"type": "selection", "status": str(status)}, channels=(selection_channel(selection_id),))
     return str(status)
 

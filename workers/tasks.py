@@ -9,7 +9,6 @@ import signal
 import socket
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 from celery.signals import (
@@ -21,11 +20,10 @@ from celery.signals import (
 )
 from sqlalchemy.exc import OperationalError
 
-from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue, send_run_selection
+from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue
 from core.settings import get_settings
 from db.engine import session_for
-from db.jobs import expire_leases, mark_draining, mark_enqueued, record_heartbeat, stale_queued_jobs
-from db.models import Trial
+from db.jobs import expire_leases, mark_draining, record_heartbeat
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
@@ -73,13 +71,16 @@ def run_job(self, job_id: int, node_rank: int = 0, nnodes: int = 1) -> str:  # n
 
 
 @app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
-def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa: ANN001 - Celery's bound task
-    """One group of a selection batch on this worker's devices (shard alternation)."""
+def run_selection(self, selection_id: int, trial_ids: list[int], reservation_id: int | None = None) -> str:  # noqa: ANN001 - Celery's bound task
+    """One group of a selection batch on this worker's devices (shard alternation), placed here by
+    the scheduler (reservation `reservation_id`)."""
     name = self.request.hostname or _WORKER_NAME["name"]
     _guard_sigterm()
     _BUSY.set()
     try:
-        return execute_selection(selection_id, trial_ids, settings=get_settings(), worker=name)
+        return execute_selection(
+            selection_id, trial_ids, settings=get_settings(), worker=name, reservation_id=reservation_id
+        )
     finally:
         _BUSY.clear()
 
@@ -87,39 +88,21 @@ def run_selection(self, selection_id: int, trial_ids: list[int]) -> str:  # noqa
 def reconcile_once() -> int:
     """Take back every running job and trial whose lease ran out (by database time): a cancel
     that was asked ends it `cancelled`, the rest go back to `queued` (their reservations freed,
-    for the scheduler to place again). Then send the message of every queued trial with none on
-    record (or an old one), as trials of their batch. Settle every open batch from its trials.
-    Plain jobs are sent by the scheduler alone (core/scheduler.py). Returns how many messages
-    were sent."""
+    for the scheduler to place again). Settle every open batch from its trials. Jobs and
+    selection groups are sent by the scheduler alone (core/scheduler.py; it also re-sends a lost
+    message). Returns how many leases were taken back."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
         requeued, cancelled = expire_leases(s, gang_restarts=settings.gang_restarts)
         for job in requeued + cancelled:
             log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
         touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])
-        stale = stale_queued_jobs(s, older_than_s=settings.requeue_after_s)
-        groups: dict[tuple[int, str], list[int]] = defaultdict(list)
-        sent = []
-        for job in stale:
-            if job.kind == "trial" and job.selection_id is not None:
-                groups[(job.selection_id, job.queue)].append(job.id)
-        for (selection_id, queue), job_ids in groups.items():
-            trial_ids = list(s.scalars(_trials_of(job_ids)))
-            send_run_selection(settings, selection_id=selection_id, trial_ids=trial_ids, queue=queue)
-            sent += job_ids
-        mark_enqueued(s, job_ids=sent)
         s.commit()  # grow writes in its own session
         for selection_id in touched | set(unsettled_selections(s)):
             # a sampler batch whose worker died before asking its next generation asks it here
             grow(settings, selection_id=selection_id)
             settle_selection(s, selection_id=selection_id)
-    return len(sent)
-
-
-def _trials_of(job_ids: list[int]) -> Any:
-    from sqlalchemy import select
-
-    return select(Trial.id).where(Trial.job_id.in_(job_ids)).order_by(Trial.index)
+    return len(requeued) + len(cancelled)
 
 
 def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -> None:
@@ -142,7 +125,7 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
                 if n := reconcile_once():
-                    log.warning("sent %d message(s): lost message, ended lease or warm shutdown", n)
+                    log.warning("took back %d job(s) and trial(s) whose lease ran out", n)
         except Exception:  # noqa: BLE001 - keep beating
             log.exception("heartbeat failed")
         if stop.wait(settings.heartbeat_s):

@@ -8,8 +8,10 @@ and this process is a child subreaper), so supervision treats it as it treats a 
 session, its RLIMIT_AS is its own, it dies with this process, and `waitpid` gives its exit code.
 A memory limit or a kill ends the run, never the zygote; the zygote dies with this process.
 
-Multi-rank jobs (torchrun) are not warm, nor any run on a machine with an NVIDIA device (not yet
-checked on a GPU). `SHARDYARD_WARM_TRAINER=false` turns this off; any failure
+Multi-rank jobs (torchrun) are not warm. On a machine with NVIDIA devices the forked run initialises
+CUDA itself, which is safe because the zygote's imports leave CUDA untouched (checked on an H100:
+tests/trainer/test_gpu_paths.py; the zygote refuses to fork if CUDA ever was initialised in it).
+`SHARDYARD_WARM_TRAINER=false` turns this off; any failure
 of the zygote (it cannot start, died, answers wrongly or late) runs that one trainer as a fresh
 process and starts a new zygote for the next.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import json
 import logging
 import os
@@ -32,12 +33,14 @@ from pathlib import Path
 from typing import IO
 
 from core.settings import get_settings
+from workers.limits import apply_memory_limit
 
 log = logging.getLogger(__name__)
 
 RUNNABLE = ("trainer", "trainer.selection")
-"""`python -m <one of these>` runs warm (the list trainer/zygote.py accepts)."""
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+"""`python -m <one of these>` runs warm (the list trainer/zygote.py accepts; workers/ never imports
+trainer/, tests/unit/test_boundaries.py)."""
+PR_SET_CHILD_SUBREAPER = 36
 READY_TIMEOUT_S = 300.0
 """The first run waits this long for the zygote's imports (a loaded machine is slow); after it,
 that run goes cold."""
@@ -77,12 +80,6 @@ class WarmProcess:
         return rc
 
 
-def _die_with_parent() -> None:
-    os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class Zygote:
     """This process's warm trainer; one request at a time (the lock)."""
 
@@ -95,6 +92,8 @@ class Zygote:
 
     def start(self) -> None:
         """Start the zygote (imports run in the background; the first request waits for them)."""
+        from workers.supervise import _die_with_parent  # (that module imports this one)
+
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             raise OSError(ctypes.get_errno(), "PR_SET_CHILD_SUBREAPER failed")
@@ -117,6 +116,12 @@ class Zygote:
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.proc is not None and self.proc.poll() is None
 
+    def ensure(self) -> None:
+        """A running zygote of this process's own (a new one if it died or was inherited)."""
+        if not self.alive():
+            self.stop()
+            self.start()
+
     def stop(self) -> None:
         if self.sock is not None:
             self.sock.close()
@@ -137,9 +142,7 @@ class Zygote:
     def spawn(self, cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> WarmProcess:
         """Fork `cmd` (python -m trainer[.selection] ...) from the zygote; raises on any failure."""
         with self._lock:
-            if not self.alive():
-                self.stop()
-                self.start()
+            self.ensure()
             if not self.ready:
                 if self._recv(READY_TIMEOUT_S).get("ready") is not True:
                     raise ConnectionError("the zygote did not say it was ready")
@@ -149,15 +152,7 @@ class Zygote:
             go_r, go_w = os.pipe()
             keep = [out_r, err_r]
             try:
-                req = {
-                    "module": cmd[2],
-                    "argv": cmd[3:],
-                    "cmd": cmd,
-                    "env": env,
-                    "cwd": str(Path.cwd()),
-                    "memory_limit": memory_limit,
-                    "worker_pid": os.getpid(),
-                }
+                req = {"cmd": cmd, "env": env, "cwd": str(Path.cwd())}
                 assert self.sock is not None
                 socket.send_fds(self.sock, [json.dumps(req).encode()], [out_w, err_w, go_r])
                 for fd in (out_w, err_w, go_r):
@@ -166,10 +161,12 @@ class Zygote:
                 reply = self._recv(REPLY_TIMEOUT_S)
                 if "pid" not in reply:
                     raise ConnectionError(f"the zygote refused: {reply.get('error')}")
-                os.write(go_w, b"g")  # the run is our child now: let it start
+                pid = int(reply["pid"])
+                apply_memory_limit(memory_limit, pid=pid)  # the run is our child now: limit it,
+                os.write(go_w, b"g")  # then let it start
                 keep = []
                 return WarmProcess(
-                    int(reply["pid"]),
+                    pid,
                     stdout=open(out_r, encoding="utf-8", errors="replace"),  # noqa: SIM115
                     stderr=open(err_r, encoding="utf-8", errors="replace"),  # noqa: SIM115
                 )
@@ -183,23 +180,14 @@ class Zygote:
 _ZYGOTE = Zygote()
 
 
+def enabled() -> bool:
+    """Warm runs are on (`warm_trainer`)."""
+    return get_settings().warm_trainer
+
+
 def runs_warm(cmd: list[str]) -> bool:
     """Whether `cmd` is a single-process trainer run the zygote can fork, and warm runs are on."""
-    return (
-        len(cmd) >= 3
-        and cmd[0] == sys.executable
-        and cmd[1] == "-m"
-        and cmd[2] in RUNNABLE
-        and get_settings().warm_trainer
-        and not _has_cuda_devices()
-    )
-
-
-def _has_cuda_devices() -> bool:
-    """An NVIDIA device node on this machine: its runs start fresh. The zygote never initialises
-    CUDA itself, but whether torch's imports leave the driver untouched on a CUDA build has not
-    been checked on a GPU yet (a forked child of an initialised driver is broken)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+    return len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in RUNNABLE and enabled()
 
 
 def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> WarmProcess | None:
@@ -218,16 +206,15 @@ def launch(cmd: list[str], *, env: dict[str, str], memory_limit: int | None) -> 
 
 
 def prestart() -> None:
-    """Start this process's zygote now (a pool process's start), so its first run is warm too."""
-    if not get_settings().warm_trainer:
+    """Start this process's zygote now (a pool process's start), so its first run is warm too;
+    none where warm runs are off."""
+    if not enabled():
         return
     with _ZYGOTE._lock:
-        if not _ZYGOTE.alive():
-            try:
-                _ZYGOTE.stop()
-                _ZYGOTE.start()
-            except Exception as e:  # noqa: BLE001 - runs go cold and retry the start
-                log.warning("could not start the warm trainer: %s", e)
+        try:
+            _ZYGOTE.ensure()
+        except Exception as e:  # noqa: BLE001 - runs go cold and retry the start
+            log.warning("could not start the warm trainer: %s", e)
 
 
 def shutdown() -> None:

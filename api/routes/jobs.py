@@ -31,7 +31,6 @@ from api.schemas import (
 )
 from api.sse import job_events
 from api.streams import SseResponse, open_stream
-from core.broker import send_run_selection
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Job, User
@@ -143,20 +142,11 @@ class OperatorAction(BaseModel):
 
 
 def _after_operator(session: SessionDep, settings: SettingsDep, job: Job) -> JobPublic:
-    """A trial's batch follows its trial; a re-queued trial's message goes out (or the
-    reconciler sends it when the broker is down); a re-queued job waits for the scheduler."""
+    """A trial's batch follows its trial; a re-queued job or trial waits for the scheduler (a
+    trial runs again in a group of its batch)."""
     if job.kind == "trial" and job.selection_id is not None:
         db_sel.sync_trials(session, job_ids=[job.id])
         db_sel.settle_selection(session, selection_id=job.selection_id)
-    if job.status == "queued":
-        try:
-            if job.kind == "trial" and job.selection_id is not None:
-                trial = db_sel.trial_of_job(session, job_id=job.id)
-                send_run_selection(
-                    settings, selection_id=job.selection_id, trial_ids=[trial.id], queue=job.queue
-                )
-        except Exception as e:  # noqa: BLE001 - the job is queued in the database either way
-            db_jobs.mark_unsent(session, job_id=job.id, reason=str(e))
     publish_job_status(settings, job_id=job.id, status=job.status)
     session.refresh(job)
     return job_public(job)

@@ -9,11 +9,12 @@ from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, stat
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.admission import admission_problem
+from api.admission import admission_problem, group_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
 from api.limits import clip
+from api.queue import wake_scheduler
 from api.routes.workspaces import pin_workspace
 from api.schemas import (
     DB_BIGINT,
@@ -28,11 +29,10 @@ from api.schemas import (
 from api.selection_stream import selection_events
 from api.streams import SseResponse, open_stream
 from core import search
-from core.broker import send_run_selection
 from core.settings import Settings
 from db import jobs as db_jobs
 from db import selections as db_sel
-from db.models import Selection, Trial, User
+from db.models import Selection, User
 from jobrules.space import SpaceError, apply_params, sample_params
 
 router = APIRouter(prefix="/api/selections", tags=["selections"])
@@ -85,16 +85,26 @@ def _trial_specs(
     return plans
 
 
-def _dispatch(
-    settings: Settings, sel: Selection, trials: list[Trial], *, group_size: int, queue: str
+def _refuse_groups(
+    plans: list[tuple[int, dict, dict]],
+    req: SelectionCreate,
+    *,
+    session: Session,
+    settings: Settings,
+    user: User,
 ) -> None:
-    """Trials go out in groups; each group is one task that one worker runs with shard alternation
-    over its devices, so a batch larger than a node spreads over several workers."""
-    ids = [t.id for t in trials]
-    for start in range(0, len(ids), group_size):
-        send_run_selection(
-            settings, selection_id=sel.id, trial_ids=ids[start : start + group_size], queue=queue
-        )
+    """A batch whose groups could never be placed is refused, naming `devices` (the scheduler runs
+    each group on one worker)."""
+    why = group_problem(
+        session,
+        specs=[spec for _, _, spec in plans],
+        devices=req.devices,
+        group_size=req.group_size,
+        settings=settings,
+        user=user,
+    )
+    if why is not None:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, why)
 
 
 def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
@@ -117,14 +127,18 @@ def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def submit_selection(
-    body: SelectionCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    body: SelectionCreate, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SelectionPublic:
+    """The batch's trials are stored queued; the scheduler (core/scheduler.py) places them in
+    groups of `group_size`, each group on one worker with room for `devices` slots, so a batch
+    spreads over the workers that have room."""
     base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
     try:
         params = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
     plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
+    _refuse_groups(plans, body, session=session, settings=settings, user=user)
     sel = db_sel.create_selection(
         session,
         name=body.name,
@@ -134,10 +148,10 @@ def submit_selection(
         scheduler=body.scheduler,
         owner_id=user.id,
     )
-    trials = db_sel.add_trials(
+    db_sel.add_trials(
         session, selection_id=sel.id, plans=plans, queue=body.base.queue, owner_id=user.id, actor=user.name
     )
-    _dispatch(settings, sel, trials, group_size=body.group_size, queue=body.base.queue)
+    wake_scheduler(request)
     return selection_public(db_sel.get_selection(session, sel.id))
 
 
@@ -170,7 +184,12 @@ def cancel_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -
 
 @router.post("/{selection_id}/trials", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def add_trials(
-    selection_id: Id, body: TrialsAdd, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    selection_id: Id,
+    body: TrialsAdd,
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
 ) -> SelectionPublic:
     sel = _selection_or_404(session, selection_id, user)
     if sel.cancel_requested:
@@ -205,7 +224,8 @@ def add_trials(
             f"params: {unknown} are not dimensions of this batch's space ({sorted(req.space)}) nor train.steps",
         )
     plans = _trial_specs(req.base.model_dump(), params, first, session=session, settings=settings, user=user)
-    trials = db_sel.add_trials(
+    _refuse_groups(plans, req, session=session, settings=settings, user=user)
+    db_sel.add_trials(
         session,
         selection_id=selection_id,
         plans=plans,
@@ -214,7 +234,7 @@ def add_trials(
         owner_id=sel.owner_id,
         actor=user.name,
     )
-    _dispatch(settings, sel, trials, group_size=req.group_size, queue=req.base.queue)
+    wake_scheduler(request)
     return selection_public(db_sel.get_selection(session, selection_id))
 
 

@@ -10,26 +10,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SCREENSHOT = Path("/tmp/dashboard.png")
 
 # small enough to train in seconds on a shared 2-core machine, long enough to see several points
@@ -40,29 +29,6 @@ TINY_SPEC: dict[str, Any] = {
     "train": {"steps": 40, "batch_size": 8, "lr": 0.003, "seed": 0, "eval_every": 10, "eval_batches": 2},
     "resources": {"device": "cpu"},
 }
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), f"{CHROMIUM} missing: apt-get install chromium"
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Browser, stack) -> Iterator[Page]:  # noqa: ANN001 - the StackHandle fixture
-    """A tab signed in as the stack's admin (the session cookie from POST /api/auth/session)."""
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
-    resp = ctx.request.post(f"{stack.base_url}/api/auth/session", data={"token": stack.token})
-    assert resp.ok, resp.text()
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    ctx.close()
-    assert not errors, f"uncaught errors in the page: {errors}"
 
 
 def spec(**train: Any) -> dict[str, Any]:

@@ -5,16 +5,15 @@ written straight into the database, which also keeps them off the broker)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from api.stack import Stack
 from db.engine import session_for
 from db.jobs import JobStatus, claim_job, create_job, finish_job
-from tests.browser.test_dashboard import CHROMIUM, CHROMIUM_ARGS, spec
+from tests.browser.test_dashboard import spec
 
 pytestmark = pytest.mark.browser
 
@@ -29,15 +28,6 @@ def events_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield st
     finally:
         st.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), f"{CHROMIUM} missing: apt-get install chromium"
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def _job(st: Stack, name: str, *, finished: bool) -> int:

@@ -8,12 +8,12 @@ import re
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.browser.test_dashboard import browser, page, spec, wait_selection  # noqa: F401 - fixtures
+from tests.browser.test_dashboard import spec, wait_selection
 
 pytestmark = pytest.mark.browser
 
 
-def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Page) -> None:  # noqa: F811
+def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Page) -> None:
     body = {
         "name": "browser-asha",
         "base": spec(steps=8, eval_every=4),

@@ -11,13 +11,12 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.archives import MALICIOUS, targz
-from tests.browser.test_dashboard import browser, page  # noqa: F401 - the signed-in tab fixtures
 from tests.trainer.user_model_src import USER_MODEL
 
 pytestmark = pytest.mark.browser
 
 
-def test_user_model_from_an_uploaded_workspace(stack, page: Page, tmp_path: Path) -> None:  # noqa: ANN001, F811
+def test_user_model_from_an_uploaded_workspace(stack, page: Page, tmp_path: Path) -> None:  # noqa: ANN001
     archive = tmp_path / "userlm.tar.gz"
     archive.write_bytes(targz({"userlm/__init__.py": b"", "userlm/model.py": USER_MODEL.encode()}))
     evil = tmp_path / "evil.tar.gz"

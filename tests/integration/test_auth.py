@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import secrets
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,6 +15,7 @@ import pytest
 from db.engine import session_for
 from db.jobs import JobStatus, claim_job, create_job, finish_job
 from tests.conftest import TINY_SPEC, StackHandle
+from tests.sse import sse_frames
 
 pytestmark = pytest.mark.integration
 
@@ -187,8 +191,6 @@ class _Events:
     """A live /api/events stream read in a thread: its frames in order, and when it was open."""
 
     def __init__(self, base_url: str, token: str) -> None:
-        import threading
-
         self.frames: list[tuple[str, dict]] = []
         self.open = threading.Event()
         self._stop = threading.Event()
@@ -197,23 +199,19 @@ class _Events:
         assert self.open.wait(30), "the events stream did not open"
 
     def _read(self, base_url: str, token: str) -> None:
-        import json
-
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.stream("GET", f"{base_url}/api/events", headers=headers, timeout=60) as r:
-            event = None
-            for line in r.iter_lines():
-                self.open.set()  # the first line comes after the stream subscribed
-                if self._stop.is_set():
-                    return
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:") and event:
-                    self.frames.append((event, json.loads(line[5:])))
+            for _, event, data in sse_frames(self._lines(r)):
+                self.frames.append((event, data))
+
+    def _lines(self, r: httpx.Response) -> Iterator[str]:
+        for line in r.iter_lines():
+            self.open.set()  # the first line comes after the stream subscribed
+            if self._stop.is_set():
+                return
+            yield line
 
     def wait_for(self, predicate, timeout: float = 60) -> None:  # noqa: ANN001
-        import time
-
         deadline = time.monotonic() + timeout
         while not any(predicate(ev, data) for ev, data in list(self.frames)):
             assert time.monotonic() < deadline, f"not seen in {self.frames}"

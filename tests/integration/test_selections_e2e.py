@@ -3,10 +3,12 @@ alternation over 2 CPU devices; the leaderboard, early stopping, the stream and 
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import TINY_SPEC, StackHandle
@@ -184,10 +186,6 @@ def test_trials_count_against_the_owners_quota_and_stop_at_max_runtime(stack: St
     """A user allowed one running job: while their batch's group trains, their job waits queued
     with the quota as its reason; the group stops at the base spec's max_runtime_s (its trial
     fails with the reason), and then the job runs."""
-    import secrets
-
-    import httpx
-
     name = f"q{secrets.token_hex(4)}"
     made = stack.client.post("/api/users", json={"name": name, "max_running_jobs": 1}).json()
     with httpx.Client(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from core.settings import get_settings
 from tests.conftest import TINY_SPEC, StackHandle
+from tests.integration.test_selections_e2e import wait_selection
 from trainer.zygote import WARM_MARK
 from workers import warm
 from workers.execute import trainer_command
@@ -121,6 +123,8 @@ def test_a_warm_run_trains_as_a_fresh_one_and_its_limit_and_kill_end_only_that_r
     # the same zygote still forks, and its run computes what the fresh process did
     rc, _, warm_msgs, err = _supervise(_job(tmp_path, SPEC, "warm"), tmp_path)
     assert rc == 0 and WARM_MARK in err and f"zygote {zygote.pid} " in err
+    # after its mark line, the warm run's stderr is the fresh one's (no runpy warning, say)
+    assert err.splitlines()[1:] == cold_err.splitlines(), err
     assert len(_losses(cold_msgs)) == SPEC["train"]["steps"]
     torch.testing.assert_close(_losses(warm_msgs), _losses(cold_msgs), rtol=0, atol=0)
     assert [m.name for m in warm_msgs if m.kind == "metric"] == [
@@ -163,16 +167,6 @@ def _stored_losses(stack: StackHandle, job_id: int) -> torch.Tensor:
     return torch.tensor(got["series"]["loss"]["values"], dtype=torch.float64)
 
 
-def _wait_selection(stack: StackHandle, sid: int, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sel = stack.client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            return sel
-        time.sleep(0.3)
-    raise AssertionError(f"selection {sid} did not end: {sel}")
-
-
 def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_process_metrics(
     stack: StackHandle, tmp_path: Path, warm_switch: Any
 ) -> None:
@@ -191,7 +185,7 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
     sid = resp.json()["id"]
     done = stack.wait(job["id"], timeout=300)
     assert done["status"] == "succeeded", done
-    sel = _wait_selection(stack, sid)
+    sel = wait_selection(stack, sid, timeout=300)
     assert sel["status"] == "succeeded", sel
 
     # the worker forked both from its zygote (each run's stderr says so) ...
@@ -214,9 +208,8 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
 
     (group_doc,) = sel_dir.glob("group-*.json")
     cold_cmd = [
-        *trainer_command(world_size=1, spec_path=group_doc, ckpt_dir=tmp_path, stop_file=tmp_path / "stop")[
-            :2
-        ],
+        sys.executable,
+        "-m",
         "trainer.selection",
         "--batch",
         str(group_doc),
@@ -252,7 +245,7 @@ def test_checkpoints_best_keeps_one_trial_across_a_batch_of_two_groups(stack: St
     resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sid = resp.json()["id"]
-    sel = _wait_selection(stack, sid)
+    sel = wait_selection(stack, sid, timeout=300)
     assert sel["status"] == "succeeded", sel
     metrics = {t["index"]: t["best_metric"] for t in sel["trials"]}
     assert None not in metrics.values() and len(metrics) == 2

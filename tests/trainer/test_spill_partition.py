@@ -129,3 +129,32 @@ def test_hand_cuts_are_kept_and_checked_against_the_budget() -> None:
     assert plan.bounds == [(0, 1), (1, 3), (3, 4)]
     with pytest.raises(DoesNotFit, match=r"cuts \[1, 3\] needs .* MiB at shard 1"):
         partition(costs, budget_bytes=plan.peak_bytes - 1, prefetch=True, cuts=[1, 3])
+
+
+def test_counting_saved_activations_keeps_none_of_them_alive() -> None:
+    """A graph made inside SavedActivations and dropped without a backward frees every tensor it
+    saved (measure_layers' trial forward never runs backward; on a GPU the leak was the whole
+    trial's activations, kept for the rest of the process)."""
+    import gc
+    import weakref
+
+    from trainer.models import Block
+    from trainer.spill.ledger import SavedActivations
+
+    block = Block(d_model=32, heads=2, mlp_ratio=4)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    saved_refs: list[weakref.ref] = []
+
+    class Watched(SavedActivations):
+        def _pack(self, t: torch.Tensor) -> torch.Tensor:
+            saved_refs.append(weakref.ref(t))
+            return super()._pack(t)
+
+    with Watched() as saved:
+        out = block(x)
+    assert saved.nbytes > 0 and len(saved_refs) > 10
+    del out
+    gc.collect()
+    leaves = {id(x), *(id(p) for p in block.parameters())}
+    alive = [r() for r in saved_refs if r() is not None and id(r()) not in leaves]
+    assert alive == [], [tuple(t.shape) for t in alive]

@@ -17,6 +17,7 @@ from db import jobs as dbj
 from db.engine import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Reservation
+from tests.conftest import TINY_SPEC
 from workers.execute import drop_checkpoints_past
 from workers.gang import GangEnd, execute_gang_node
 from workers.relay import Relay
@@ -186,3 +187,42 @@ def test_a_preempted_gang_goes_back_uncounted_with_the_schedulers_reason(setting
     job, events, held = _job(settings, head.job_id)
     assert (job.status, job.preempt_requested, held) == (JobStatus.queued, False, 0)
     assert events[-1] == {"reason": "preempted by job 7; the gang resumes from its checkpoint"}
+
+
+SPEC = {**TINY_SPEC, "train": {**TINY_SPEC["train"], "optimizer": "adamw"}, "max_runtime_s": 5}
+
+
+def test_a_gang_nodes_max_runtime_counts_every_attempt(settings: Settings) -> None:
+    # the job's earlier attempts already ran 6 s of its 5 s limit (jobs.run_seconds): the new
+    # attempt gets none of it, as a one-node job's does (workers/execute.py), not a fresh 5 s
+    with session_for(settings.database_url) as s:
+        job = dbj.create_job(s, name="g", spec=SPEC, steps=9, world_size=4)
+        row = s.get(Job, job.id)
+        row.nnodes, row.run_seconds = 2, 6.0
+        for r in range(2):
+            s.add(Reservation(job_id=job.id, worker=f"w{r}", node_rank=r, nnodes=2, slots=2, attempt=0))
+        s.commit()
+    assert execute_gang_node(job.id, node_rank=0, nnodes=2, settings=settings, worker="w0") == "lost"
+    done, _, held = _job(settings, job.id)
+    assert done.status == JobStatus.failed
+    assert "max_runtime_s (5 s over all its attempts, 6.0 s of it in earlier attempts)" in done.error
+    assert held == 0
+
+
+def test_node_0_records_the_gangs_run_time_over_its_attempts(settings: Settings) -> None:
+    head, member = _running_gang(settings)
+    with session_for(settings.database_url) as s:
+        for attempt, node_rank, ran in ((member, 1, 9.0), (head, 0, 7.5)):
+            got = dbj.apply_gang_lines(
+                s,
+                attempt=attempt,
+                node_rank=node_rank,
+                lines=dbj.JobLines(),
+                lease_s=30,
+                now=dbj.db_now(s),
+                run_seconds=ran,
+            )
+            assert got is not None
+        s.commit()
+    # node 0's clock is the job's (it holds the job's lease); a node > 0's is not written
+    assert _job(settings, head.job_id)[0].run_seconds == 7.5

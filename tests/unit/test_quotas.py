@@ -149,12 +149,15 @@ def test_a_running_selection_group_counts_as_one_job_of_its_devices(db_url: str)
     second = _group(db_url, uid, n=2, devices=1)
     reason = _gate_and_claim_group(db_url, second, "w-other")
     assert reason == "2 of cy's jobs are running, the quota is 2"
-    from db.quotas import waiting_groups
+    from db.models import Trial
 
     with session_for(db_url) as s:
         assert [dbj.get_job(s, j).wait_reason for j in (wide,)] == [
             "cy's running jobs use 2 ranks; this one needs 3 more, the quota is 4"
         ]
-        assert list(waiting_groups(s, owner_id=uid).values()) == [second]
+        # the group's trials wait queued with the reason (the scheduler places them again)
+        for t in second:
+            job = dbj.get_job(s, s.get(Trial, t).job_id)
+            assert (job.status, job.wait_reason) == ("queued", reason)
         _finish(s, fits)
     assert _gate_and_claim_group(db_url, second, "w-other") is None

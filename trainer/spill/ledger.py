@@ -123,7 +123,11 @@ class SavedActivations:
         key = storage._cdata
         if key not in self._exclude and key not in self._seen:
             self._seen[key] = storage.nbytes()
-        return t
+        # not `t` itself: a tensor an op saves of its own output (softmax, flash attention) would
+        # then hold its grad_fn, which holds it, a cycle nothing collects. A graph never run
+        # backward (measure_layers' trial) kept every activation on the device (192 MiB of a
+        # 129 MiB budget, seen on the lent H100)
+        return t.detach()
 
     @property
     def nbytes(self) -> int:

@@ -148,15 +148,19 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     renderHeader();
   };
 
+  /** The job is gone: keep what the page shows, marked deleted, and stop its stream. */
+  const markDeleted = () => {
+    deleted = true;
+    stream?.close();
+    renderHeader();
+  };
+
   /** Refetch after a change; a job deleted meanwhile (404) shows as deleted. */
   const refetch = async () => {
     try {
       await refreshJob();
     } catch (err) {
-      if (err instanceof ApiError && err.status === 404 && job) {
-        deleted = true;
-        renderHeader();
-      }
+      if (err instanceof ApiError && err.status === 404 && job) markDeleted();
     }
   };
 
@@ -245,10 +249,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   // the server lost changes (`resync`: its broker restarted)
   const changes = subscribe("/api/events", {
     deleted: (d: { job_id: number }) => {
-      if (d.job_id !== id) return;
-      deleted = true;
-      stream?.close();
-      renderHeader();
+      if (d.job_id === id) markDeleted();
     },
     resync: () => {
       if (!deleted && job) void refetch();

@@ -86,6 +86,11 @@ export function jobsPage(root: HTMLElement): () => void {
     reloadTimer = window.setTimeout(() => void load(), 250);
   };
 
+  /** Reload the page from the server soon, once for a burst of live events. */
+  const reloadSoon = () => {
+    if (reloadTimer === null) reloadTimer = window.setTimeout(() => void load(), 300);
+  };
+
   /** The reserved worker(s) of a placed job, else the worker that ran it. */
   const placement = (job: Job): string => {
     const held = job.reservation ?? [];
@@ -148,8 +153,7 @@ export function jobsPage(root: HTMLElement): () => void {
       jobs.set(job.id, job);
       old.replaceWith(row(job));
     } else if (old || (offset === 0 && matches(job))) {
-      // it joins or leaves this page: let the server page it (debounced for bursts of events)
-      if (reloadTimer === null) reloadTimer = window.setTimeout(() => void load(), 300);
+      reloadSoon(); // it joins or leaves this page: let the server page it
     }
   };
 
@@ -178,8 +182,7 @@ export function jobsPage(root: HTMLElement): () => void {
   /** A job deleted (by an admin): off the table at once, then the page refilled by the server. */
   const drop = (d: { job_id: number }) => {
     tbody.querySelector(`tr[data-job-id="${d.job_id}"]`)?.remove();
-    if (jobs.delete(d.job_id) && reloadTimer === null)
-      reloadTimer = window.setTimeout(() => void load(), 300);
+    if (jobs.delete(d.job_id)) reloadSoon();
   };
 
   // live updates; if the stream drops, poll until it is back (EventSource reconnects by itself).
