@@ -587,10 +587,14 @@ def metric_series(
     )
     if names:
         q = q.where(MetricPoint.name.in_(list(names)))
-    # Core rows, not the ORM's, grouped by name in bulk: a long job has tens of thousands of
-    # points, and building them one at a time held the API's interpreter lock for a large share
-    # of every read (bench/api_load.py)
-    rows = session.connection().execute(q.order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id)).all()
+    # the driver's own tuples (name, step and value need no conversion on SQLite or Postgres),
+    # grouped by name in bulk: a long job has tens of thousands of points, and making an ORM row
+    # of each held the API's interpreter lock for a large share of every read (bench/api_load.py)
+    result = session.connection().execute(q.order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id))
+    try:
+        rows = result.cursor.fetchall()
+    finally:
+        result.close()
     out: dict[str, tuple[list[int], list[float]]] = {}
     for name, group in itertools.groupby(rows, key=operator.itemgetter(0)):
         points = list(group)
