@@ -5,17 +5,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from core.settings import Settings, get_settings
 from db.engine import session_for
 
 
-def get_session(settings: Annotated[Settings, Depends(get_settings)]) -> Iterator[Session]:
+def app_settings(request: Request) -> Settings:
+    """The settings the app was made with (api/main.py create_app keeps them in app.state).
+    Not a dependency override: with any override set, FastAPI re-reads every dependency's
+    signature on every request, which cost each request measurable time (bench/api_load.py)."""
+    return getattr(request.app.state, "settings", None) or get_settings()
+
+
+def get_session(settings: Annotated[Settings, Depends(app_settings)]) -> Iterator[Session]:
     with session_for(settings.database_url) as session:
         yield session
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+SettingsDep = Annotated[Settings, Depends(app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]

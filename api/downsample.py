@@ -9,6 +9,8 @@ import numpy as np
 
 def dedupe_steps(steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
     """One value per step (the last written wins: a resumed run may re-report steps)."""
+    if all(a < b for a, b in zip(steps, steps[1:], strict=False)):
+        return steps, values  # already one per step, in order (what the database gives)
     last: dict[int, float] = {}
     for s, v in zip(steps, values, strict=True):
         last[s] = v

@@ -5,6 +5,7 @@ broker answers. Live messages are only a fast path; the database has everything 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -17,6 +18,13 @@ log = logging.getLogger(__name__)
 
 _RETRY_S = 2.0
 """How long a stream waits between attempts to subscribe again while the broker is down."""
+
+
+@functools.lru_cache(maxsize=64)
+def _decode(payload: bytes) -> Any:
+    """Every stream on a channel receives the same payload: decoded once per process, and the
+    streams share the result (read-only: no caller changes a message)."""
+    return json.loads(payload)
 
 
 class LiveChannel:
@@ -72,7 +80,7 @@ class LiveChannel:
             self._client = self._pubsub = None
             self._was_down = True
             return None
-        return json.loads(msg["data"]) if msg is not None else None
+        return _decode(msg["data"]) if msg is not None else None
 
     async def close(self) -> None:
         await self._discard(self._client, self._pubsub)

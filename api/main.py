@@ -23,7 +23,7 @@ from api.limits import RequestLimits, clip
 from api.retention import retention_loop
 from api.routes import events, health, jobs, queue, selections, users, workspaces
 from api.streams import StreamSlots
-from core.scheduler import Scheduler
+from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
 from db.engine import POOL_TIMEOUT_S
 
@@ -90,8 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:  # noqa: BLE001 - an unmigrated database must not stop the API serving 503s
             log.exception("could not set up the admin from SHARDYARD_ADMIN_TOKEN")
         cleanup = asyncio.create_task(retention_loop(settings)) if settings.job_retention_days > 0 else None
-        # the scheduler ticks in a thread of every API process; one at a time holds its lock
-        sched = Scheduler(settings).start() if settings.embedded_scheduler else None
+        # the scheduler ticks in a child process of every API process (core/scheduler_proc.py:
+        # not a thread, which held the interpreter lock the requests need); one holds its lock
+        sched = SchedulerProcess(settings).start() if settings.embedded_scheduler else None
         app.state.scheduler = sched
         try:
             yield
@@ -110,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.stream_slots = StreamSlots(settings.sse_max_per_client)
-    app.dependency_overrides[get_settings] = lambda: settings
+    app.state.settings = settings  # api/deps.py app_settings
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     # infrastructure faults answer 503 with the reason instead of 500

@@ -92,16 +92,33 @@ def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bo
     return out, more, terminal
 
 
+_BODIES: dict[int, tuple[dict[str, Any], list[tuple[int, str]]]] = {}
+"""id(message) -> (the message, its points' ids and `data:` JSON). Every stream of a job gets the
+same decoded message object (api/live.py decodes each payload once), so its points are encoded
+once per process, not once per open stream; the entry holds the message, so its id stays its own."""
+
+
+def _metric_bodies(msg: dict[str, Any]) -> list[tuple[int, str]]:
+    hit = _BODIES.get(id(msg))
+    if hit is not None and hit[0] is msg:
+        return hit[1]
+    keys = ("step", "name", "value", "time")
+    bodies = [(p["id"], json.dumps({k: p[k] for k in keys}, separators=(",", ":"))) for p in msg["points"]]
+    if len(_BODIES) >= 64:
+        del _BODIES[next(iter(_BODIES))]
+    _BODIES[id(msg)] = (msg, bodies)
+    return bodies
+
+
 def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     """Frames for one channel message not already replayed; True when it ends the job."""
     out: list[str] = []
     ended = False
     if msg.get("type") == "metrics":
-        for p in msg["points"]:
-            if p["id"] > cur.metric:
-                cur.metric = p["id"]
-                data = {k: p[k] for k in ("step", "name", "value", "time")}
-                out.append(frame(event="metric", data=data, cursor=cur))
+        for point_id, body in _metric_bodies(msg):
+            if point_id > cur.metric:
+                cur.metric = point_id
+                out.append(f"id: {cur}\nevent: metric\ndata: {body}\n\n")  # as frame() writes it
     elif msg.get("type") == "event" and msg["id"] > cur.event:
         cur.event = msg["id"]
         out.append(event_frame(msg, cur))
@@ -134,8 +151,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         more = True
         while more:
             frames, more, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
-            for f in frames:
-                yield f
+            if frames:
+                yield "".join(frames)
         if terminal:
             return
         last_sent = last_check = time.monotonic()
@@ -144,9 +161,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             now = time.monotonic()
             if msg is not None:
                 frames, ended = _live_frames(msg, cur)
-                for f in frames:
-                    yield f
                 if frames:
+                    yield "".join(frames)  # one write for a message's frames, not one each
                     last_sent = now
                 if ended:
                     return
@@ -158,9 +174,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 live.resubscribed = False
                 last_check = now
                 frames, terminal = await _catch_up(settings, job_id, cur)
-                for f in frames:
-                    yield f
                 if frames:
+                    yield "".join(frames)
                     last_sent = now
                 if terminal:
                     return

@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     gang_restarts: int = 3
     """How often a multi-node job restarts its gang from the last checkpoint after losing a node."""
     embedded_scheduler: bool = True
-    """Run the scheduler as a background thread of each API process (one is active at a time,
+    """Run the scheduler in a child process of each API process (one is active at a time,
     by a database lock); off when `shardyard scheduler` runs it standalone."""
     shutdown_grace_s: float = 20.0
     """Warm shutdown (SIGTERM): running trainers are asked to stop and checkpoint, and killed

@@ -6,6 +6,8 @@ map the domain errors to status codes or task outcomes.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -585,11 +587,20 @@ def metric_series(
     )
     if names:
         q = q.where(MetricPoint.name.in_(list(names)))
+    # the driver's own tuples (name, step and value need no conversion on SQLite or Postgres),
+    # grouped by name in bulk: a long job has tens of thousands of points, and making an ORM row
+    # of each held the API's interpreter lock for a large share of every read (bench/api_load.py)
+    result = session.connection().execute(q.order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id))
+    try:
+        rows = result.cursor.fetchall()
+    finally:
+        result.close()
     out: dict[str, tuple[list[int], list[float]]] = {}
-    for name, step, value in session.execute(q.order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id)):
-        steps, values = out.setdefault(name, ([], []))
-        steps.append(step)
-        values.append(value)
+    for name, group in itertools.groupby(rows, key=operator.itemgetter(0)):
+        points = list(group)
+        steps, values = out.setdefault(name, ([], []))  # (a name comes in one run: ordered by it)
+        steps += [p[1] for p in points]
+        values += [p[2] for p in points]
     return out
 
 

@@ -1,0 +1,52 @@
+"""The live path of a job's stream: the frames written from one shared, once-decoded channel
+message are exactly what frame() writes for each point, per stream cursor."""
+
+from __future__ import annotations
+
+import json
+
+from api.live import _decode
+from api.sse import Cursor, _live_frames, frame
+
+
+def _payload(points: list[tuple[int, int, float]]) -> bytes:
+    pts = [{"id": i, "step": s, "name": "train_loss", "value": v, "time": 1.5 + s} for i, s, v in points]
+    return json.dumps({"type": "metrics", "points": pts}).encode()
+
+
+def test_streams_share_one_decoded_message_and_write_frame_text() -> None:
+    raw = _payload([(7, 1, 2.5), (8, 2, float("nan")), (9, 3, -0.0)])
+    # two streams get equal bytes (separate objects, as from two subscriptions)
+    a, b = _decode(raw), _decode(bytes(bytearray(raw)))
+    assert a is b
+
+    behind, ahead = Cursor(metric=0, event=4), Cursor(metric=8, event=4)
+    frames_behind, ended = _live_frames(a, behind)
+    frames_ahead, _ = _live_frames(b, ahead)
+    assert not ended
+    expected = []
+    cur = Cursor(metric=0, event=4)
+    for p in json.loads(raw)["points"]:
+        cur.metric = p["id"]
+        data = {k: p[k] for k in ("step", "name", "value", "time")}
+        expected.append(frame(event="metric", data=data, cursor=cur))
+    assert frames_behind == expected
+    assert 'data: {"step":3,"name":"train_loss","value":-0.0' in frames_behind[2]
+    assert "NaN" in frames_behind[1]
+    # a stream already past point 8 gets only point 9, with its own cursor in the id
+    assert frames_ahead == [expected[2]]
+    assert (behind.metric, ahead.metric) == (9, 9)
+
+
+def test_a_changed_message_is_encoded_afresh() -> None:
+    first = _live_frames(_decode(_payload([(20, 5, 1.0)])), Cursor())[0]
+    second = _live_frames(_decode(_payload([(20, 5, 2.0)])), Cursor())[0]
+    assert '"value":1.0' in first[0] and '"value":2.0' in second[0]
+
+
+def test_terminal_event_ends_the_stream() -> None:
+    msg = _decode(
+        json.dumps({"type": "event", "id": 3, "kind": "status", "message": "succeeded", "time": 1.0}).encode()
+    )
+    frames, ended = _live_frames(msg, Cursor(metric=0, event=2))
+    assert ended and frames[0].startswith("id: m0e3\nevent: status\n")
