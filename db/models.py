@@ -80,7 +80,11 @@ class ApiToken(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_owner_id_id", "owner_id", "id"),)
+    __table_args__ = (
+        Index("ix_jobs_owner_id_id", "owner_id", "id"),
+        # room on each page: the scheduler's wait-reason rewrites stay HOT updates (migration 0010)
+        {"postgresql_with": {"fillfactor": 70}},
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
