@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
@@ -288,6 +289,9 @@ def plan(
     blocker: Want | None = None
     biggest = max(b.slots for b in boxes)
     shapes: dict[tuple[int, int, int, str], int | None] = {}  # the fleet's shape for each kind of ask
+    # asks (share, queue, nodes) that found no room: boxes only fill up during a plan, so they
+    # find none later in it either (saves a scan of every box for each of ~1,000 waiting jobs)
+    full: set[tuple[int, int, int, str, int]] = set()
     for w in d.order:
         if why := _quota_problem(w, quotas):
             d.reasons[w.id] = why
@@ -313,8 +317,10 @@ def plan(
         if blocker is not None and w.eff < blocker.eff:
             d.reasons[w.id] = f"behind higher-priority job {blocker.id}"
             continue
-        nodes = _place(w, n, boxes)
+        ask = (w.ranks // n, w.gpus // n, -(-w.ram // n), w.queue, n)
+        nodes = None if ask in full else _place(w, n, boxes)
         if nodes is None:
+            full.add(ask)
             # the reason stays the same while the job waits (it is written only when it changes)
             d.reasons[w.id] = f"no worker big enough now: needs {w.ranks // n} free slot(s)" + (
                 f" on each of {n} workers" if n > 1 else ""
@@ -390,31 +396,40 @@ class State:
 
 
 def read_state(
-    session: Any, settings: Settings, needs: _Needs, *, beats: Sequence[dbs.BeatRow] | None = None
+    session: Any,
+    settings: Settings,
+    needs: _Needs,
+    *,
+    beats: Sequence[dbs.BeatRow] | None = None,
+    now: datetime | None = None,
 ) -> State:
-    now_dt = db_now(session)
+    """`beats` and `now` (database time): when the caller has just read them."""
+    now_dt = now if now is not None else db_now(session)
     if beats is None:
         beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
     boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
     held = dbs.reservations(session)
     queued = dbs.queued_jobs(session)
-    need = needs.get(session, [q.id for q in queued])
-    wants = [
-        Want(
-            id=q.id,
-            user=q.owner_id,
-            priority=q.priority,
-            created=need[q.id][2],
-            ranks=q.world_size,
-            gpus=need[q.id][0],
-            ram=need[q.id][1],
-            queue=q.queue,
-        )
-        for q in queued
-        if q.id in need  # deleted meanwhile
-    ]
-    reasons: dict[int, str | None] = {q.id: q.wait_reason for q in queued}
-    groups = dbs.queued_groups(session)
+    need = needs.get(session, [q[0] for q in queued])
+    wants: list[Want] = []
+    reasons: dict[int, str | None] = {}
+    for job_id, owner_id, priority, world_size, queue, why in queued:
+        reasons[job_id] = why
+        if (n := need.get(job_id)) is not None:  # else deleted meanwhile
+            gpus, ram, created = n
+            wants.append(
+                Want(
+                    id=job_id,
+                    user=owner_id,
+                    priority=priority,
+                    created=created,
+                    ranks=world_size,
+                    gpus=gpus,
+                    ram=ram,
+                    queue=queue,
+                )
+            )
+    groups = dbs.queued_groups(session, held=held)
     need_t = needs.get(session, [j for g in groups for j in g.job_ids])
     for g in groups:
         if any(j not in need_t for j in g.job_ids):
@@ -442,7 +457,8 @@ def read_state(
     quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
     counted: set[int] = set()
     running: dict[tuple[int, str], Running] = {}
-    preempting = dbs.preempt_pending(session)
+    # only preemption looks at which running jobs were already asked
+    preempting = dbs.preempt_pending(session) if settings.preemption else set()
     for h in held:
         if (b := boxes.get(h.worker)) is not None:
             b.free_slots -= h.slots
@@ -536,7 +552,8 @@ class Scheduler:
         """One pass; None when another scheduler holds the lock."""
         s = self.settings
         with session_for(s.database_url) as session:
-            if not dbs.acquire_lock(session, holder=self.holder, lease_s=self.lock_s):
+            now = db_now(session)  # one clock read for the lock and the tick's reads
+            if not dbs.acquire_lock(session, holder=self.holder, lease_s=self.lock_s, now=now):
                 self.leading = False
                 return None
             fresh = not self.leading
@@ -546,7 +563,7 @@ class Scheduler:
             freed = dbs.free_reservations(session, live={w.name for w in beats if box_of(w) is not None})
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
-            st = read_state(session, s, self.needs, beats=beats)
+            st = read_state(session, s, self.needs, beats=beats, now=now)
             self._resend(session, st.held, everything=fresh)
             d = plan(
                 st.wants,
@@ -574,7 +591,7 @@ class Scheduler:
                     d.reasons.pop(w.id, None)
                     continue
                 st.reasons[w.id] = None
-                self._send(session, w.id, rows, selection_id=w.selection)
+                self._send(session, w.id, rows, selection_id=w.selection, fresh=True)
             changed = {i: r for i, r in d.reasons.items() if st.reasons.get(i) != r}
             for w in d.order:  # a group's reason is its every trial's
                 if w.members and w.id in changed:
@@ -588,8 +605,16 @@ class Scheduler:
         return d
 
     def _send(
-        self, session: Any, job_id: int, rows: Sequence[Any], *, selection_id: int | None = None
+        self,
+        session: Any,
+        job_id: int,
+        rows: Sequence[Any],
+        *,
+        selection_id: int | None = None,
+        fresh: bool = False,
     ) -> None:
+        """`fresh`: rows `reserve` has just written, whose sent_at is already this moment (no
+        second write for them; a failed send still clears it)."""
         sent = []
         for r in rows:
             try:
@@ -617,7 +642,8 @@ class Scheduler:
                     add_event(
                         session, job_id=job_id, kind="log", message=f"broker unavailable, will retry: {e}"
                     )
-        dbs.mark_sent(session, reservation_ids=sent)
+        if not fresh:
+            dbs.mark_sent(session, reservation_ids=sent)
 
     def _resend(self, session: Any, held: Sequence[dbs.HeldRow], *, everything: bool) -> None:
         """Tasks nobody claimed: never sent (broker down), sent long ago (a lost message), or all of

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, true, update
+from sqlalchemy import Integer, Row, Text, bindparam, cast, delete, func, insert, select, true, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -24,17 +25,32 @@ from db.quotas import quota_reason
 LOCK = "scheduler"
 
 
+def _rows(session: Session, stmt: Any) -> Sequence[Row[Any]]:
+    """Run a read through the session's connection: plain rows, without the ORM's per-row work
+    (a tick reads every queued job; through Session.execute that cost 5 ms of 1,000 rows).
+
+    The tick's writes go through the connection too (`conn = session.connection()`): the
+    scheduler's session holds no ORM objects, and an ORM UPDATE that cannot evaluate its WHERE
+    in Python fetches every matched id back to keep the identity map in step (986 ids for a
+    wait-reason rewrite)."""
+    return session.connection().execute(stmt).all()
+
+
 # ---- the lock: one active scheduler ---------------------------------------------------------
 
 
-def acquire_lock(session: Session, *, holder: str, lease_s: float, name: str = LOCK) -> bool:
+def acquire_lock(
+    session: Session, *, holder: str, lease_s: float, name: str = LOCK, now: datetime | None = None
+) -> bool:
     """Take or renew the lock row for `holder`: one conditional UPDATE (free, expired by database
-    time, or already ours), so of several schedulers exactly one holds it at a time."""
-    now = db_now(session)
+    time, or already ours), so of several schedulers exactly one holds it at a time. `now`: the
+    database time when the caller has just read it."""
+    if now is None:
+        now = db_now(session)
     free = (
         SchedulerLock.holder.is_(None) | (SchedulerLock.lease_until < now) | (SchedulerLock.holder == holder)
     )
-    res = session.execute(
+    res = session.connection().execute(
         update(SchedulerLock)
         .where(SchedulerLock.name == name, free)
         .values(holder=holder, lease_until=now + timedelta(seconds=lease_s))
@@ -67,26 +83,20 @@ def release_lock(session: Session, *, holder: str, name: str = LOCK) -> None:
 # ---- what a tick reads --------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class QueuedRow:
-    id: int
-    owner_id: int | None
-    priority: int
-    world_size: int
-    queue: str
-    wait_reason: str | None
+# the statements a tick runs every time are built once (building one costs about as much as
+# running it on this scale)
+_QUEUED = select(Job.id, Job.owner_id, Job.priority, Job.world_size, Job.queue, Job.wait_reason).where(
+    Job.status == JobStatus.queued,
+    Job.kind == "job",
+    Job.cancel_requested.is_(False),
+    Job.id.not_in(select(Reservation.job_id)),
+)
 
 
-def queued_jobs(session: Session) -> list[QueuedRow]:
-    """Queued jobs with no reservation yet (trials run inside their batch's task, not here)."""
-    reserved = select(Reservation.job_id)
-    q = select(Job.id, Job.owner_id, Job.priority, Job.world_size, Job.queue, Job.wait_reason).where(
-        Job.status == JobStatus.queued,
-        Job.kind == "job",
-        Job.cancel_requested.is_(False),
-        Job.id.not_in(reserved),
-    )
-    return [QueuedRow(*r) for r in session.execute(q)]
+def queued_jobs(session: Session) -> Sequence[Row[Any]]:
+    """Queued jobs with no reservation yet (trials run inside their batch's task, not here):
+    rows of (id, owner_id, priority, world_size, queue, wait_reason), by name or position."""
+    return _rows(session, _QUEUED)
 
 
 @dataclass(slots=True)
@@ -109,36 +119,43 @@ MIXED = "\0"
 """A group whose trials carry different wait reasons (never a reason itself)."""
 
 
-def queued_groups(session: Session) -> list[QueuedGroup]:
-    """The queued trials of every batch not cancelled, less those a group reservation already
-    holds, cut into groups of the batch's `group_size` in index order."""
-    held: set[int] = set()
-    for ids in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
-        held.update(ids or [])
-    q = (
-        select(
-            Trial.selection_id,
-            Trial.id,
-            Job.id,
-            Job.owner_id,
-            Job.priority,
-            Job.queue,
-            Job.wait_reason,
-            Selection.request,
-        )
-        .join(Job, Job.id == Trial.job_id)
-        .join(Selection, Selection.id == Trial.selection_id)
-        .where(
-            Job.status == JobStatus.queued,
-            Job.kind == "trial",
-            Job.cancel_requested.is_(False),
-            Selection.cancel_requested.is_(False),
-        )
-        .order_by(Trial.selection_id, Trial.index)
+_QUEUED_TRIALS = (
+    select(
+        Trial.selection_id,
+        Trial.id,
+        Job.id,
+        Job.owner_id,
+        Job.priority,
+        Job.queue,
+        Job.wait_reason,
+        Selection.request,
     )
+    .join(Job, Job.id == Trial.job_id)
+    .join(Selection, Selection.id == Trial.selection_id)
+    .where(
+        Job.status == JobStatus.queued,
+        Job.kind == "trial",
+        Job.cancel_requested.is_(False),
+        Selection.cancel_requested.is_(False),
+    )
+    .order_by(Trial.selection_id, Trial.index)
+)
+
+
+def queued_groups(session: Session, *, held: Iterable[HeldRow] | None = None) -> list[QueuedGroup]:
+    """The queued trials of every batch not cancelled, less those a group reservation already
+    holds, cut into groups of the batch's `group_size` in index order. `held`: the reservations
+    the caller has just read (`reservations`), so they are not read again."""
+    taken: set[int] = set()
+    if held is None:
+        for ids in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
+            taken.update(ids or [])
+    else:
+        for h in held:
+            taken.update(h.trial_ids or [])
     out: list[QueuedGroup] = []
-    for sel_id, trial_id, job_id, owner_id, priority, queue, why, request in session.execute(q):
-        if trial_id in held:
+    for sel_id, trial_id, job_id, owner_id, priority, queue, why, request in _rows(session, _QUEUED_TRIALS):
+        if trial_id in taken:
             continue
         size = max(int((request or {}).get("group_size") or 16), 1)
         last = out[-1] if out else None
@@ -171,11 +188,13 @@ class BeatRow:
     last_seen: datetime
 
 
+_BEATS = select(WorkerBeat.name, WorkerBeat.queues, WorkerBeat.devices, WorkerBeat.last_seen)
+
+
 def workers_seen(session: Session, *, within_s: float) -> list[BeatRow]:
     """Workers whose heartbeat is recent (plain rows: the scheduler reads them every tick)."""
     cutoff = utcnow() - timedelta(seconds=within_s)
-    q = select(WorkerBeat.name, WorkerBeat.queues, WorkerBeat.devices, WorkerBeat.last_seen)
-    return [BeatRow(*r) for r in session.execute(q) if aware(r.last_seen) >= cutoff]
+    return [BeatRow(*r) for r in _rows(session, _BEATS) if aware(r.last_seen) >= cutoff]
 
 
 @dataclass(slots=True)
@@ -201,26 +220,28 @@ class HeldRow:
     selection_id: int | None = None
 
 
+_HELD = select(
+    Reservation.id,
+    Reservation.job_id,
+    Reservation.worker,
+    Reservation.node_rank,
+    Reservation.nnodes,
+    Reservation.slots,
+    Reservation.gpus,
+    Reservation.ram_bytes,
+    Reservation.claimed_at.is_not(None),
+    Reservation.sent_at,
+    Job.owner_id,
+    Job.priority,
+    Job.status,
+    Job.queue,
+    Reservation.trial_ids,
+    Job.selection_id,
+).join(Job, Job.id == Reservation.job_id)
+
+
 def reservations(session: Session) -> list[HeldRow]:
-    q = select(
-        Reservation.id,
-        Reservation.job_id,
-        Reservation.worker,
-        Reservation.node_rank,
-        Reservation.nnodes,
-        Reservation.slots,
-        Reservation.gpus,
-        Reservation.ram_bytes,
-        Reservation.claimed_at.is_not(None),
-        Reservation.sent_at,
-        Job.owner_id,
-        Job.priority,
-        Job.status,
-        Job.queue,
-        Reservation.trial_ids,
-        Job.selection_id,
-    ).join(Job, Job.id == Reservation.job_id)
-    return [HeldRow(*r) for r in session.execute(q)]
+    return [HeldRow(*r) for r in _rows(session, _HELD)]
 
 
 def reservations_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[Reservation]]:
@@ -233,19 +254,24 @@ def reservations_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[
     return out
 
 
+_RECENT = select(Job.owner_id, Job.world_size, Job.started_at, Job.finished_at, Job.status).where(
+    Job.kind == "job",
+    Job.started_at.is_not(None),
+    (Job.status == JobStatus.running)
+    | (Job.finished_at > bindparam("start", type_=Job.finished_at.type))
+    | (Job.started_at > bindparam("start", type_=Job.started_at.type)),
+)
+
+
 def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[int | None, tuple[int, float]]:
     """Per user: (slot-minutes their jobs ran within the last `window_s`, rounded; unix time of
     their latest start). A running job counts up to now (its latest attempt only). Whole minutes,
     so short jobs of two users weigh the same and the user served longest ago goes first."""
     start = now - timedelta(seconds=window_s)
-    q = select(Job.owner_id, Job.world_size, Job.started_at, Job.finished_at, Job.status).where(
-        Job.kind == "job",
-        Job.started_at.is_not(None),
-        (Job.status == JobStatus.running) | (Job.finished_at > start) | (Job.started_at > start),
-    )
     seconds: dict[int | None, float] = {}
     last: dict[int | None, float] = {}
-    for owner_id, ws, started, finished, status in session.execute(q):
+    rows = session.connection().execute(_RECENT, {"start": start})
+    for owner_id, ws, started, finished, status in rows:
         began = aware(started)
         last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())  # type: ignore[union-attr]
         end = now if status == JobStatus.running or finished is None else min(aware(finished), now)
@@ -255,26 +281,35 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
     return {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
 
 
+_UNRESERVED = select(Job.id, Job.owner_id, Job.world_size, Job.worker, Job.spec).where(
+    Job.status == JobStatus.running, Job.kind == "job", Job.id.not_in(select(Reservation.job_id))
+)
+
+
 def running_unreserved(session: Session) -> list[tuple[int, int | None, int, str | None, dict[str, Any]]]:
     """Running jobs that hold no reservation (started before the scheduler, or their rows were
     freed): (id, owner_id, world_size, worker, spec); they still use their worker's slots."""
-    q = select(Job.id, Job.owner_id, Job.world_size, Job.worker, Job.spec).where(
-        Job.status == JobStatus.running, Job.kind == "job", Job.id.not_in(select(Reservation.job_id))
-    )
-    return [tuple(r) for r in session.execute(q)]  # type: ignore[misc]
+    return [tuple(r) for r in _rows(session, _UNRESERVED)]  # type: ignore[misc]
+
+
+_LIMITS = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)
 
 
 def user_limits(session: Session, *, defaults: dict[str, int]) -> dict[int, tuple[str, dict[str, int]]]:
     """Per user id: (name, their limits or the defaults)."""
     out = {}
-    q = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)
-    for uid, name, jobs, ranks, gpus in session.execute(q):
+    for uid, name, jobs, ranks, gpus in _rows(session, _LIMITS):
         own = {"running_jobs": jobs, "ranks": ranks, "gpus": gpus}
         out[uid] = (name, {k: v if own[k] is None else own[k] for k, v in defaults.items()})
     return out
 
 
 # ---- freeing ------------------------------------------------------------------------------------
+
+
+_GROUP_HELD = select(
+    Reservation.id, Reservation.job_id, Reservation.worker, Reservation.owner, Reservation.trial_ids
+).where(Reservation.trial_ids.is_not(None))
 
 
 def free_reservations(session: Session, *, live: set[str]) -> list[int]:
@@ -284,29 +319,23 @@ def free_reservations(session: Session, *, live: set[str]) -> list[int]:
     group's reservation goes when none of its trials is queued any more (before its claim) or none
     runs under its task (after: the group ended, or its worker died and the trials' leases ran
     out), and an unclaimed one on a dead worker. Returns the job ids whose reservations went."""
-    job_rows = Reservation.trial_ids.is_(None)
-    ended = (
-        select(Reservation.job_id)
-        .join(Job, Job.id == Reservation.job_id)
-        .where(job_rows, Job.status.not_in([JobStatus.queued, JobStatus.running]))
+    conn = session.connection()
+    ended = Job.status.not_in([JobStatus.queued, JobStatus.running])
+    dead = (Job.status == JobStatus.queued) & (Reservation.worker.not_in(live) if live else true())
+    ids = set(
+        conn.scalars(
+            select(Reservation.job_id)
+            .join(Job, Job.id == Reservation.job_id)
+            .where(Reservation.trial_ids.is_(None), ended | dead)
+        )
     )
-    dead = (
-        select(Reservation.job_id)
-        .join(Job, Job.id == Reservation.job_id)
-        .where(job_rows, Job.status == JobStatus.queued, Reservation.worker.not_in(live) if live else true())
-    )
-    ids = set(session.scalars(ended)) | set(session.scalars(dead))
     if ids:
-        session.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
-    groups = session.execute(
-        select(
-            Reservation.id, Reservation.job_id, Reservation.worker, Reservation.owner, Reservation.trial_ids
-        ).where(Reservation.trial_ids.is_not(None))
-    ).all()
+        conn.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
+    groups = _rows(session, _GROUP_HELD)
     if groups:
         trial_state = {
             tid: (status, owner)
-            for tid, status, owner in session.execute(
+            for tid, status, owner in conn.execute(
                 select(Trial.id, Job.status, Job.owner)
                 .join(Job, Job.id == Trial.job_id)
                 .where(Trial.id.in_(sorted({t for g in groups for t in g.trial_ids or []})))
@@ -322,16 +351,18 @@ def free_reservations(session: Session, *, live: set[str]) -> list[int]:
             if not keep:
                 gone.append(g)
         if gone:
-            session.execute(delete(Reservation).where(Reservation.id.in_([g.id for g in gone])))
+            conn.execute(delete(Reservation).where(Reservation.id.in_([g.id for g in gone])))
             ids |= {g.job_id for g in gone}
-    session.commit()
+    if ids:  # nothing deleted: no COMMIT round trip (the tick's reads go on in this transaction)
+        session.commit()
     return sorted(ids)
 
 
 def mark_unsent(session: Session, *, reservation_ids: Sequence[int]) -> None:
     """The task could not be sent: the next tick sends it again."""
+    conn = session.connection()
     if reservation_ids:
-        session.execute(
+        conn.execute(
             update(Reservation).where(Reservation.id.in_(list(reservation_ids))).values(sent_at=None)
         )
         session.commit()
@@ -340,26 +371,46 @@ def mark_unsent(session: Session, *, reservation_ids: Sequence[int]) -> None:
 def preempt_pending(session: Session) -> set[int]:
     """Running jobs asked to checkpoint and requeue that have not yet given their slots back."""
     q = select(Job.id).where(Job.status == JobStatus.running, Job.preempt_requested.is_(True))
-    return set(session.scalars(q))
+    return {r[0] for r in _rows(session, q)}
 
 
 def mark_sent(session: Session, *, reservation_ids: Sequence[int]) -> None:
+    conn = session.connection()
     if reservation_ids:
-        session.execute(
+        conn.execute(
             update(Reservation).where(Reservation.id.in_(list(reservation_ids))).values(sent_at=utcnow())
         )
         session.commit()
 
 
 def set_wait_reasons(session: Session, reasons: dict[int, str | None]) -> None:
-    """Write the reasons that changed (the caller passes only those), queued jobs only."""
-    by_reason: dict[str | None, list[int]] = {}
-    for job_id, why in reasons.items():
-        by_reason.setdefault(why, []).append(job_id)
-    for why, ids in by_reason.items():
-        session.execute(
-            update(Job).where(Job.id.in_(ids), Job.status == JobStatus.queued).values(wait_reason=why)
+    """Write the reasons that changed (the caller passes only those), queued jobs only. On
+    PostgreSQL one UPDATE joined to the (id, reason) pairs sent as two arrays; on SQLite (no
+    round trips: it runs in-process) one UPDATE per distinct reason."""
+    conn = session.connection()
+    if not reasons:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        pairs = (
+            select(
+                func.unnest(cast(bindparam("ids"), ARRAY(Integer))).label("id"),
+                func.unnest(cast(bindparam("whys"), ARRAY(Text))).label("why"),
+            )
+        ).subquery()
+        conn.execute(
+            update(Job)
+            .where(Job.id == pairs.c.id, Job.status == JobStatus.queued)
+            .values(wait_reason=pairs.c.why),
+            {"ids": list(reasons), "whys": list(reasons.values())},
         )
+    else:
+        by_reason: dict[str | None, list[int]] = {}
+        for job_id, why in reasons.items():
+            by_reason.setdefault(why, []).append(job_id)
+        for why, ids in by_reason.items():
+            conn.execute(
+                update(Job).where(Job.id.in_(ids), Job.status == JobStatus.queued).values(wait_reason=why)
+            )
     session.commit()
 
 
@@ -433,11 +484,12 @@ def reserve(
 
     `trial_ids`: a selection group (one node; `job_id` is its first trial's job): every trial
     must still be queued and held by no other group's reservation."""
+    conn = session.connection()
     workers = sorted({n.worker for n in nodes})
     try:
         # the lock first: on SQLite this write makes the transaction a writer before any read
-        session.execute(update(WorkerBeat).where(WorkerBeat.name.in_(workers)).values(name=WorkerBeat.name))
-        job = session.execute(
+        conn.execute(update(WorkerBeat).where(WorkerBeat.name.in_(workers)).values(name=WorkerBeat.name))
+        job = conn.execute(
             update(Job)
             .where(Job.id == job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
             .values(nnodes=len(nodes), wait_reason=None, enqueued_at=utcnow())
@@ -451,7 +503,7 @@ def reserve(
             return None
         held = {
             r.worker: r
-            for r in session.execute(
+            for r in conn.execute(
                 select(
                     Reservation.worker,
                     func.sum(Reservation.slots).label("slots"),
@@ -482,9 +534,12 @@ def reserve(
                 session.rollback()
                 return None
         if quota is not None and job.owner_id is not None:
-            session.execute(update(User).where(User.id == job.owner_id).values(id=User.id))
+            name = conn.scalar(
+                update(User).where(User.id == job.owner_id).values(id=User.id).returning(User.name)
+            )
             why = owner_quota_problem(
                 session,
+                name=name,
                 owner_id=job.owner_id,
                 job_id=job_id,
                 limits=quota,
@@ -511,7 +566,7 @@ def reserve(
             }
             for rank, n in enumerate(nodes)
         ]
-        ids = session.scalars(
+        ids = conn.scalars(
             insert(Reservation).returning(Reservation.id, sort_by_parameter_order=True), rows
         ).all()
         session.commit()
@@ -524,26 +579,35 @@ def reserve(
 def _group_free(session: Session, trial_ids: Sequence[int]) -> bool:
     """Every trial of the group is queued and no other group's reservation holds any of them;
     their jobs' wait reasons are cleared (in the caller's transaction)."""
+    conn = session.connection()
     ids = set(trial_ids)
-    for held in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
+    for held in conn.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
         if ids & set(held or []):
             return False
-    rows = session.execute(
+    rows = conn.execute(
         select(Job.id, Job.status).join(Trial, Trial.job_id == Job.id).where(Trial.id.in_(sorted(ids)))
     ).all()
     if len(rows) != len(ids) or any(st != JobStatus.queued for _, st in rows):
         return False
-    session.execute(update(Job).where(Job.id.in_([j for j, _ in rows])).values(wait_reason=None))
+    conn.execute(update(Job).where(Job.id.in_([j for j, _ in rows])).values(wait_reason=None))
     return True
 
 
 def owner_quota_problem(
-    session: Session, *, owner_id: int, job_id: int, limits: dict[str, int], job_ranks: int, job_gpus: int
+    session: Session,
+    *,
+    owner_id: int,
+    job_id: int,
+    limits: dict[str, int],
+    job_ranks: int,
+    job_gpus: int,
+    name: str | None = None,
 ) -> str | None:
     """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
     jobs and selection groups and running jobs without a reservation (counted in the caller's
-    transaction)."""
-    held = session.execute(
+    transaction). `name`: the owner's, when the caller has it."""
+    conn = session.connection()
+    held = conn.execute(
         select(
             func.count(func.distinct(Reservation.job_id)),
             func.coalesce(func.sum(Reservation.slots), 0),
@@ -552,7 +616,7 @@ def owner_quota_problem(
         .join(Job, Job.id == Reservation.job_id)
         .where(Job.owner_id == owner_id, Job.id != job_id)
     ).one()
-    loose = session.execute(
+    loose = conn.execute(
         select(Job.world_size, Job.spec).where(
             Job.owner_id == owner_id,
             Job.kind == "job",
@@ -561,7 +625,9 @@ def owner_quota_problem(
             Job.id.not_in(select(Reservation.job_id)),
         )
     ).all()
-    name = session.scalar(select(User.name).where(User.id == owner_id)) or str(owner_id)
+    if name is None:
+        name = conn.scalar(select(User.name).where(User.id == owner_id))
+    name = name or str(owner_id)
     return quota_reason(
         name,
         limits,

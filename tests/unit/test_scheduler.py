@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Any
 
+from sqlalchemy import event, update
+
 from core.scheduler import (
     WAKE_GAP_S,
     Box,
@@ -23,8 +25,8 @@ from core.scheduler import (
 from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
-from db.engine import session_for
-from db.models import Reservation
+from db.engine import get_engine, session_for
+from db.models import Job, JobStatus, Reservation
 from db.users import create_user
 
 GiB = 2**30
@@ -315,6 +317,57 @@ def test_quota_reason_is_written_and_lifted(db_url: str) -> None:
     assert [c[0] for c in sent.calls] == [first]
     with session_for(db_url) as s:
         assert dbj.get_job(s, second).wait_reason == "quota: 1 of cy's jobs are running, the quota is 1"
+
+
+def test_only_the_wait_reasons_that_changed_are_rewritten(db_url: str) -> None:
+    """A reason is written when it changes, not on every tick (with 1,000 queued jobs a rewrite of
+    each one every tick would be most of the tick's database time). Counted as the rows the
+    reason UPDATEs changed in the database."""
+    _beat(db_url, "w1@h", slots=1, tasks=1)
+    with session_for(db_url) as s:
+        dee = create_user(s, name="dee", max_running_jobs=0).id
+    first = _job(db_url, priority=3)
+    blocked, middle, last = _job(db_url, priority=2), _job(db_url, priority=1), _job(db_url)
+    capped = _job(db_url, owner_id=dee)
+    rewritten: list[int] = []
+
+    def count(_conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if statement.startswith("UPDATE jobs SET wait_reason"):
+            rewritten.append(cursor.rowcount)
+
+    engine = get_engine(db_url)
+    event.listen(engine, "after_cursor_execute", count)
+    try:
+        sched = _sched(db_url, Sent())
+        sched.tick()  # `first` runs; every other job gets its first reason
+        assert sum(rewritten) == 4
+        rewritten.clear()
+        sched.tick()  # nothing changed: nothing written
+        assert rewritten == []
+        with session_for(db_url) as s:
+            dbj.request_cancel(s, job_id=blocked)
+        sched.tick()  # `middle` is the blocker now: its reason and `last`'s change, `capped`'s not
+        assert sum(rewritten) == 2
+    finally:
+        event.remove(engine, "after_cursor_execute", count)
+    with session_for(db_url) as s:
+        reasons = {j: dbj.get_job(s, j).wait_reason for j in (first, middle, last, capped)}
+    assert reasons == {
+        first: None,
+        middle: "no worker big enough now: needs 1 free slot(s)",
+        last: f"behind higher-priority job {middle}",
+        capped: "quota: 0 of dee's jobs are running, the quota is 0",
+    }
+
+
+def test_wait_reasons_are_set_and_cleared_on_queued_jobs_only(db_url: str) -> None:
+    a, b, ran = _job(db_url), _job(db_url), _job(db_url)
+    with session_for(db_url) as s:
+        dbs.set_wait_reasons(s, {a: "first", b: "first"})
+        s.execute(update(Job).where(Job.id == ran).values(status=JobStatus.running))
+        s.commit()
+        dbs.set_wait_reasons(s, {a: None, b: "second", ran: "third"})
+        assert [dbj.get_job(s, j).wait_reason for j in (a, b, ran)] == [None, "second", None]
 
 
 def test_one_scheduler_holds_the_lock(db_url: str) -> None:
