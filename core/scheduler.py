@@ -401,14 +401,17 @@ def read_state(
     needs: _Needs,
     *,
     beats: Sequence[dbs.BeatRow] | None = None,
+    held: list[dbs.HeldRow] | None = None,
     now: datetime | None = None,
 ) -> State:
-    """`beats` and `now` (database time): when the caller has just read them."""
+    """`beats`, `held` (the reservations) and `now` (database time): when the caller has just
+    read them."""
     now_dt = now if now is not None else db_now(session)
     if beats is None:
         beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
     boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
-    held = dbs.reservations(session)
+    if held is None:
+        held = dbs.reservations(session)
     queued = dbs.queued_jobs(session)
     need = needs.get(session, [q[0] for q in queued])
     wants: list[Want] = []
@@ -560,10 +563,14 @@ class Scheduler:
             self.leading = True
             beats = dbs.workers_seen(session, within_s=s.worker_alive_s)
             # a worker that stopped beating or is draining gets its unclaimed reservations back
-            freed = dbs.free_reservations(session, live={w.name for w in beats if box_of(w) is not None})
+            held = dbs.reservations(session)
+            freed = dbs.free_reservations(
+                session, live={w.name for w in beats if box_of(w) is not None}, held=held
+            )
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
-            st = read_state(session, s, self.needs, beats=beats, now=now)
+                held = dbs.reservations(session)
+            st = read_state(session, s, self.needs, beats=beats, held=held, now=now)
             self._resend(session, st.held, everything=fresh)
             d = plan(
                 st.wants,

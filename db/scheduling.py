@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, Row, Text, bindparam, cast, delete, func, insert, select, true, update
+from sqlalchemy import Integer, Row, Text, bindparam, cast, delete, func, insert, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -218,6 +218,8 @@ class HeldRow:
     trial_ids: list[int] | None = None
     """A selection group's reservation: its trials (job_id is the first one's job)."""
     selection_id: int | None = None
+    owner: str | None = None
+    """The worker process that claimed it (None until claimed)."""
 
 
 _HELD = select(
@@ -237,6 +239,7 @@ _HELD = select(
     Job.queue,
     Reservation.trial_ids,
     Job.selection_id,
+    Reservation.owner,
 ).join(Job, Job.id == Reservation.job_id)
 
 
@@ -307,31 +310,31 @@ def user_limits(session: Session, *, defaults: dict[str, int]) -> dict[int, tupl
 # ---- freeing ------------------------------------------------------------------------------------
 
 
-_GROUP_HELD = select(
-    Reservation.id, Reservation.job_id, Reservation.worker, Reservation.owner, Reservation.trial_ids
-).where(Reservation.trial_ids.is_not(None))
-
-
-def free_reservations(session: Session, *, live: set[str]) -> list[int]:
+def free_reservations(
+    session: Session, *, live: set[str], held: Sequence[HeldRow] | None = None
+) -> list[int]:
     """Delete reservations that hold slots for nothing: of jobs no longer queued or running, and
     unclaimed ones on workers whose heartbeat stopped (the job is placed again). A claimed node on
     a dead worker is freed by its lease running out (db/jobs.py expire_leases). A selection
     group's reservation goes when none of its trials is queued any more (before its claim) or none
     runs under its task (after: the group ended, or its worker died and the trials' leases ran
-    out), and an unclaimed one on a dead worker. Returns the job ids whose reservations went."""
+    out), and an unclaimed one on a dead worker. Returns the job ids whose reservations went.
+
+    `held`: every reservation as `reservations` has just read it (the tick reads them once and
+    again only when some went)."""
     conn = session.connection()
-    ended = Job.status.not_in([JobStatus.queued, JobStatus.running])
-    dead = (Job.status == JobStatus.queued) & (Reservation.worker.not_in(live) if live else true())
-    ids = set(
-        conn.scalars(
-            select(Reservation.job_id)
-            .join(Job, Job.id == Reservation.job_id)
-            .where(Reservation.trial_ids.is_(None), ended | dead)
-        )
-    )
+    if held is None:
+        held = reservations(session)
+    alive = (JobStatus.queued, JobStatus.running)
+    ids = {
+        h.job_id
+        for h in held
+        if h.trial_ids is None
+        and (h.status not in alive or (h.status == JobStatus.queued and h.worker not in live))
+    }
     if ids:
         conn.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
-    groups = _rows(session, _GROUP_HELD)
+    groups = [h for h in held if h.trial_ids is not None]
     if groups:
         trial_state = {
             tid: (status, owner)
