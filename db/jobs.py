@@ -185,13 +185,16 @@ def claim_job(
     lease_s: float,
     kind: str = "job",
     reserved: bool = False,
+    now: datetime | None = None,
 ) -> Attempt | None:
     """Take the lease of job `job_id` for `owner` (one worker process start), atomically: one
     conditional UPDATE, so of many racing deliveries exactly one wins. None when the job is taken
     (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch).
     `reserved`: only when the scheduler reserved node 0 of the job on `worker` (a task for a job
-    placed elsewhere is skipped); the reservation records the claim."""
-    now = db_now(session)
+    placed elsewhere is skipped); the reservation records the claim. `now`: the database time
+    to start it at (the trials of one group share their claim's)."""
+    if now is None:
+        now = db_now(session)
     where = [Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner)]
     if reserved:
         where.append(_reserved_here(job_id, worker))

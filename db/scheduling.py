@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Integer, Row, Text, bindparam, cast, delete, func, insert, select, update
@@ -160,7 +160,7 @@ def queued_groups(session: Session, *, held: Iterable[HeldRow] | None = None) ->
         size = max(int((request or {}).get("group_size") or 16), 1)
         last = out[-1] if out else None
         if last is None or last.selection_id != sel_id or len(last.trial_ids) >= size:
-            devices = max(int((request or {}).get("devices") or 1), 1)
+            devices = batch_devices(request)
             last = QueuedGroup(sel_id, [], [], owner_id, priority, queue, devices, why)
             out.append(last)
         elif last.wait_reason != why:
@@ -257,8 +257,17 @@ def reservations_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[
     return out
 
 
-_RECENT = select(Job.owner_id, Job.world_size, Job.started_at, Job.finished_at, Job.status).where(
-    Job.kind == "job",
+_RECENT = select(
+    Job.owner_id,
+    Job.world_size,
+    Job.started_at,
+    Job.finished_at,
+    Job.status,
+    Job.kind,
+    Job.selection_id,
+    Job.worker,
+).where(
+    Job.kind.in_(["job", "trial"]),
     Job.started_at.is_not(None),
     (Job.status == JobStatus.running)
     | (Job.finished_at > bindparam("start", type_=Job.finished_at.type))
@@ -267,21 +276,55 @@ _RECENT = select(Job.owner_id, Job.world_size, Job.started_at, Job.finished_at, 
 
 
 def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[int | None, tuple[int, float]]:
-    """Per user: (slot-minutes their jobs ran within the last `window_s`, rounded; unix time of
-    their latest start). A running job counts up to now (its latest attempt only). Whole minutes,
-    so short jobs of two users weigh the same and the user served longest ago goes first."""
+    """Per user: (slot-minutes their jobs and selection groups ran within the last `window_s`,
+    rounded; unix time of their latest start). A running job counts up to now (its latest attempt
+    only). A selection group counts its batch's `devices` slots from its claim (the started_at its
+    trials share: db/selections.py claim_trials) to the end of its last trial, or up to now while
+    one runs; a trial given back to the queue ends nothing. Whole minutes, so short jobs of two
+    users weigh the same and the user served longest ago goes first."""
     start = now - timedelta(seconds=window_s)
     seconds: dict[int | None, float] = {}
     last: dict[int | None, float] = {}
+    # a group's run, by (batch, worker, claim time): [owner, end of its last trial so far]
+    runs: dict[tuple[int, str | None, datetime], list[Any]] = {}
     rows = session.connection().execute(_RECENT, {"start": start})
-    for owner_id, ws, started, finished, status in rows:
-        began = aware(started)
-        last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())  # type: ignore[union-attr]
-        end = now if status == JobStatus.running or finished is None else min(aware(finished), now)
-        begin = max(began, start)  # type: ignore[type-var]
+    for owner_id, ws, started, finished, status, kind, selection_id, worker in rows:
+        began = _utc(started)
+        last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())
+        ran_to = None if finished is None else min(_utc(finished), now)
+        if kind == "trial":
+            run = runs.setdefault((selection_id, worker, began), [owner_id, None])
+            if status == JobStatus.running:
+                run[1] = now
+            elif status != JobStatus.queued and ran_to is not None:
+                run[1] = ran_to if run[1] is None else max(run[1], ran_to)
+            continue
+        end = now if status == JobStatus.running or ran_to is None else ran_to
+        begin = max(began, start)
         if end > begin:
             seconds[owner_id] = seconds.get(owner_id, 0.0) + ws * (end - begin).total_seconds()
+    if runs:
+        devices = {
+            sid: batch_devices(request)
+            for sid, request in session.connection().execute(
+                select(Selection.id, Selection.request).where(Selection.id.in_({k[0] for k in runs}))
+            )
+        }
+        for (sid, _worker, began), (owner_id, end) in runs.items():
+            begin = max(began, start)
+            if end is not None and end > begin:
+                slots = devices.get(sid, 1)
+                seconds[owner_id] = seconds.get(owner_id, 0.0) + slots * (end - begin).total_seconds()
     return {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
+
+
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)  # SQLite hands back naive UTC
+
+
+def batch_devices(request: dict[str, Any] | None) -> int:
+    """The devices (rank slots) each group of a batch runs on."""
+    return max(int((request or {}).get("devices") or 1), 1)
 
 
 _UNRESERVED = select(Job.id, Job.owner_id, Job.world_size, Job.worker, Job.spec).where(

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job
+from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job, db_now
 from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, Selection, Trial, utcnow
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
@@ -201,11 +201,14 @@ def claim_trials(
             session.rollback()
             return []
     won = []
+    # one start for the group: fair share counts a group's run by the started_at its trials
+    # share (db/scheduling.py recent_usage)
+    now = db_now(session)
     for trial in session.scalars(
         select(Trial).where(Trial.id.in_(list(trial_ids))).order_by(Trial.index)
     ).all():
         attempt = claim_job(
-            session, job_id=trial.job_id, owner=owner, worker=worker, lease_s=lease_s, kind="trial"
+            session, job_id=trial.job_id, owner=owner, worker=worker, lease_s=lease_s, kind="trial", now=now
         )
         if attempt is not None:
             trial.status = "running"

@@ -8,6 +8,7 @@ The broker is replaced by a recorder of what would be sent; the integration test
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import update
@@ -15,9 +16,10 @@ from sqlalchemy import update
 from core.scheduler import Scheduler, queue_positions
 from core.settings import Settings
 from db import jobs as dbj
+from db import scheduling as dbs
 from db import selections as dbsel
 from db.engine import session_for
-from db.models import Job, Reservation, Trial
+from db.models import Job, JobStatus, Reservation, Trial
 from db.users import create_user
 
 GiB = 2**30
@@ -215,6 +217,44 @@ def test_cancelling_the_batch_frees_its_unclaimed_groups(db_url: str) -> None:
         dbsel.cancel_selection(s, selection_id=sel)
     sched.tick()
     assert _held(db_url) == []
+
+
+def test_a_group_that_ran_counts_in_its_owners_recent_slot_minutes(db_url: str) -> None:
+    """Fair share's usage over the window counts a selection group as it counts a job: the
+    batch's devices (slots) from the group's claim, which its trials share as started_at, to
+    the end of its last trial. Before, only jobs counted: a user whose batches had just used
+    the fleet for an hour stood as if idle."""
+    _beat(db_url, "w1@h", slots=2)
+    with session_for(db_url) as s:
+        ann = create_user(s, name="ann").id
+    _, trials = _batch(db_url, 2, group_size=2, devices=2, owner_id=ann)
+    sent = Sent()
+    _sched(db_url, sent).tick()
+    ((_, ids, _, rid),) = sent.groups
+    assert ids == trials
+    with session_for(db_url) as s:
+        won = dbsel.claim_trials(s, trial_ids=ids, owner="p", worker="w1@h", lease_s=30, reservation_id=rid)
+        jobs = [s.get(Job, t.job_id) for t, _ in won]
+        assert len({j.started_at for j in jobs}) == 1  # one start: the group's claim
+        now = dbj.db_now(s)
+        # as if the group ran from 30 minutes ago and its trials ended 20 and 10 minutes ago
+        s.execute(
+            update(Job).where(Job.id.in_([j.id for j in jobs])).values(started_at=now - timedelta(minutes=30))
+        )
+        for job, ago in zip(jobs, (20, 10), strict=True):
+            s.execute(
+                update(Job)
+                .where(Job.id == job.id)
+                .values(status=JobStatus.succeeded, finished_at=now - timedelta(minutes=ago), owner=None)
+            )
+        s.commit()
+        used = dbs.recent_usage(s, window_s=3600, now=now)
+        assert used[ann][0] == 2 * 20  # 2 slots for 20 minutes, not 2 x 2 trials
+        assert dbs.recent_usage(s, window_s=15 * 60, now=now)[ann][0] == 2 * 5  # the window's part
+        # while a trial still runs, the group counts up to now
+        s.execute(update(Job).where(Job.id == jobs[1].id).values(status=JobStatus.running, finished_at=None))
+        s.commit()
+        assert dbs.recent_usage(s, window_s=3600, now=now)[ann][0] == 2 * 30
 
 
 def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
