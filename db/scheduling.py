@@ -512,6 +512,43 @@ class Capacity:
     ram_bytes: int
 
 
+# reserve's statements, built once (a placement runs seven of them)
+_LOCK_WORKERS = (
+    update(WorkerBeat)
+    .where(WorkerBeat.name.in_(bindparam("workers", expanding=True)))
+    .values(name=WorkerBeat.name)
+)
+_TAKE_JOB = (
+    update(Job)
+    .where(Job.id == bindparam("job"), Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
+    .values(
+        nnodes=bindparam("n_nodes", type_=Integer),
+        wait_reason=None,
+        enqueued_at=bindparam("at", type_=Job.enqueued_at.type),
+    )
+    .returning(Job.attempts, Job.owner_id, Job.world_size, Job.spec)
+)
+_LOCK_OWNER = update(User).where(User.id == bindparam("owner")).values(id=User.id).returning(User.name)
+# every reservation on the chosen workers and, with a quota, of the owner's other jobs: one read
+# for both counts
+_HELD_ON = (
+    select(
+        Reservation.worker,
+        Reservation.job_id,
+        Reservation.slots,
+        Reservation.gpus,
+        Reservation.ram_bytes,
+        Job.owner_id,
+    )
+    .join(Job, Job.id == Reservation.job_id)
+    .where(
+        Reservation.worker.in_(bindparam("workers", expanding=True))
+        | ((Job.owner_id == bindparam("owner")) & (Job.id != bindparam("job")))
+    )
+)
+_INSERT = insert(Reservation).returning(Reservation.id, sort_by_parameter_order=True)
+
+
 def reserve(
     session: Session,
     *,
@@ -522,9 +559,9 @@ def reserve(
     trial_ids: Sequence[int] | None = None,
 ) -> list[Reserved] | None:
     """Reserve all nodes of job `job_id` in one transaction, or nothing. Conditional: the workers'
-    rows are written first (a row lock on Postgres, the write lock on SQLite), then what they
-    already hold is counted again inside the transaction; the job must still be queued and
-    unreserved; and with `quota` (the owner's limits) the owner's row is locked and counted too.
+    rows are written first (a row lock on Postgres, the write lock on SQLite); the job must still
+    be queued and unreserved; with `quota` (the owner's limits) the owner's row is locked too;
+    then what the workers hold (and the owner uses) is counted again inside the transaction.
     Two schedulers (or a scheduler and a stale one) can never book the same slots twice. Returns
     the rows, or None when anything changed since the caller looked.
 
@@ -534,33 +571,26 @@ def reserve(
     workers = sorted({n.worker for n in nodes})
     try:
         # the lock first: on SQLite this write makes the transaction a writer before any read
-        conn.execute(update(WorkerBeat).where(WorkerBeat.name.in_(workers)).values(name=WorkerBeat.name))
-        job = conn.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.queued, Job.cancel_requested.is_(False))
-            .values(nnodes=len(nodes), wait_reason=None, enqueued_at=utcnow())
-            .returning(Job.attempts, Job.owner_id, Job.world_size, Job.spec)
-        ).first()
+        conn.execute(_LOCK_WORKERS, {"workers": workers})
+        job = conn.execute(_TAKE_JOB, {"job": job_id, "n_nodes": len(nodes), "at": utcnow()}).first()
         if job is None:
             session.rollback()
             return None
         if trial_ids is not None and not _group_free(session, trial_ids):
             session.rollback()
             return None
-        held = {
-            r.worker: r
-            for r in conn.execute(
-                select(
-                    Reservation.worker,
-                    func.sum(Reservation.slots).label("slots"),
-                    func.sum(Reservation.gpus).label("gpus"),
-                    func.sum(Reservation.ram_bytes).label("ram"),
-                    func.count(Reservation.id).label("tasks"),
-                )
-                .where(Reservation.worker.in_(workers))
-                .group_by(Reservation.worker)
-            )
-        }
+        owner = job.owner_id if quota is not None else None
+        name = conn.scalar(_LOCK_OWNER, {"owner": owner}) if owner is not None else None
+        used: dict[str, list[int]] = {}
+        mine: tuple[set[int], int, int] = (set(), 0, 0)  # the owner's other reserved jobs, slots, GPUs
+        for worker, held_job, slots, gpus, ram, owner_id in conn.execute(
+            _HELD_ON, {"workers": workers, "owner": owner, "job": job_id}
+        ):
+            if worker in workers:
+                u = used.setdefault(worker, [0, 0, 0, 0])
+                u[0], u[1], u[2], u[3] = u[0] + slots, u[1] + gpus, u[2] + ram, u[3] + 1
+            if owner is not None and owner_id == owner and held_job != job_id:
+                mine = (mine[0] | {held_job}, mine[1] + slots, mine[2] + gpus)
         want: dict[str, list[int]] = {}
         for n in nodes:
             w = want.setdefault(n.worker, [0, 0, 0, 0])
@@ -568,29 +598,26 @@ def reserve(
             w[1] += n.gpus
             w[2] += n.ram_bytes
             w[3] += 1
-        for name, (slots, gpus, ram, tasks) in want.items():
-            cap, h = capacity[name], held.get(name)
-            used = (h.slots, h.gpus, h.ram, h.tasks) if h is not None else (0, 0, 0, 0)
+        for worker, (slots, gpus, ram, tasks) in want.items():
+            cap, u = capacity[worker], used.get(worker, [0, 0, 0, 0])
             if (
-                used[0] + slots > cap.slots
-                or used[1] + gpus > cap.gpus
-                or used[2] + ram > cap.ram_bytes
-                or used[3] + tasks > cap.tasks
+                u[0] + slots > cap.slots
+                or u[1] + gpus > cap.gpus
+                or u[2] + ram > cap.ram_bytes
+                or u[3] + tasks > cap.tasks
             ):
                 session.rollback()
                 return None
-        if quota is not None and job.owner_id is not None:
-            name = conn.scalar(
-                update(User).where(User.id == job.owner_id).values(id=User.id).returning(User.name)
-            )
+        if owner is not None and quota is not None:
             why = owner_quota_problem(
                 session,
                 name=name,
-                owner_id=job.owner_id,
+                owner_id=owner,
                 job_id=job_id,
                 limits=quota,
                 job_ranks=sum(n.slots for n in nodes),
                 job_gpus=sum(n.gpus for n in nodes),
+                held=(len(mine[0]), mine[1], mine[2]),
             )
             if why is not None:
                 session.rollback()
@@ -612,9 +639,7 @@ def reserve(
             }
             for rank, n in enumerate(nodes)
         ]
-        ids = conn.scalars(
-            insert(Reservation).returning(Reservation.id, sort_by_parameter_order=True), rows
-        ).all()
+        ids = conn.scalars(_INSERT, rows).all()
         session.commit()
     except IntegrityError:  # the job was reserved by someone else meanwhile
         session.rollback()
@@ -639,6 +664,15 @@ def _group_free(session: Session, trial_ids: Sequence[int]) -> bool:
     return True
 
 
+_LOOSE = select(Job.world_size, Job.spec).where(
+    Job.owner_id == bindparam("owner"),
+    Job.kind == "job",
+    Job.status == JobStatus.running,
+    Job.id != bindparam("job"),
+    Job.id.not_in(select(Reservation.job_id)),
+)
+
+
 def owner_quota_problem(
     session: Session,
     *,
@@ -648,29 +682,24 @@ def owner_quota_problem(
     job_ranks: int,
     job_gpus: int,
     name: str | None = None,
+    held: tuple[int, int, int] | None = None,
 ) -> str | None:
     """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
     jobs and selection groups and running jobs without a reservation (counted in the caller's
-    transaction). `name`: the owner's, when the caller has it."""
+    transaction). `name`: the owner's, and `held`: (jobs, slots, GPUs) of the owner's other
+    reservations, when the caller has them."""
     conn = session.connection()
-    held = conn.execute(
-        select(
-            func.count(func.distinct(Reservation.job_id)),
-            func.coalesce(func.sum(Reservation.slots), 0),
-            func.coalesce(func.sum(Reservation.gpus), 0),
-        )
-        .join(Job, Job.id == Reservation.job_id)
-        .where(Job.owner_id == owner_id, Job.id != job_id)
-    ).one()
-    loose = conn.execute(
-        select(Job.world_size, Job.spec).where(
-            Job.owner_id == owner_id,
-            Job.kind == "job",
-            Job.status == JobStatus.running,
-            Job.id != job_id,
-            Job.id.not_in(select(Reservation.job_id)),
-        )
-    ).all()
+    if held is None:
+        held = conn.execute(
+            select(
+                func.count(func.distinct(Reservation.job_id)),
+                func.coalesce(func.sum(Reservation.slots), 0),
+                func.coalesce(func.sum(Reservation.gpus), 0),
+            )
+            .join(Job, Job.id == Reservation.job_id)
+            .where(Job.owner_id == owner_id, Job.id != job_id)
+        ).one()
+    loose = conn.execute(_LOOSE, {"owner": owner_id, "job": job_id}).all()
     if name is None:
         name = conn.scalar(select(User.name).where(User.id == owner_id))
     name = name or str(owner_id)
