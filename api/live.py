@@ -1,6 +1,13 @@
-"""A Redis pub/sub subscription for one stream that outlives the broker: when redis-server goes
-away (restart, network) the stream keeps going on database polls and subscribes again once the
-broker answers. Live messages are only a fast path; the database has everything they carried."""
+"""Redis pub/sub for the streams of one API process, surviving the broker going away.
+
+All the streams of an event loop share one broker connection (`_Hub`), and each channel is
+subscribed once however many streams follow it: a message is read and decoded once, then handed to
+every stream on its channel. With one connection per stream, 50 streams on a job meant 50 reads,
+parses and wake-ups of the event loop per published message (bench/api_load.py).
+
+When redis-server goes away (restart, network) the streams keep going on database polls and the
+hub subscribes again once the broker answers. Live messages are only a fast path; the database has
+everything they carried."""
 
 from __future__ import annotations
 
@@ -9,82 +16,286 @@ import functools
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 2.0
-"""How long a stream waits between attempts to subscribe again while the broker is down."""
+"""How long the hub waits between attempts to connect again while the broker is down."""
+_SUBSCRIBE_S = 5.0
+"""Longest wait for the broker to confirm a subscription (one that accepts connections but never
+answers must not hang a stream)."""
+_BACKLOG = 2000
+"""Messages a stream may have waiting; a stream further behind (its client reads slowly) drops
+them and catches up from the database instead of holding up the others or growing without end."""
 
 
 @functools.lru_cache(maxsize=64)
 def _decode(payload: bytes) -> Any:
-    """Every stream on a channel receives the same payload: decoded once per process, and the
-    streams share the result (read-only: no caller changes a message)."""
+    """Decoded once per process; the streams share the result (read-only: no caller changes a
+    message)."""
     return json.loads(payload)
 
 
 class LiveChannel:
-    """`await next(timeout)` gives the next decoded message or None (nothing within `timeout`, or
-    the broker is down). `resubscribed` turns True after a lost subscription came back: the
-    caller must catch up from the database, since whatever was published meanwhile is gone."""
+    """One stream's subscription to `channel`. `await next(timeout)` gives the next decoded message
+    or None (nothing within `timeout`, or the broker is down). `resubscribed` turns True after a
+    lost subscription came back, or when messages were dropped: the caller must catch up from the
+    database, since whatever was published meanwhile is gone."""
 
     def __init__(self, broker_url: str, channel: str) -> None:
-        self._url = broker_url
-        self._channel = channel
-        self._client: aioredis.Redis | None = None
-        self._pubsub: aioredis.client.PubSub | None = None
-        self._next_try = 0.0
-        self._was_down = False
+        self.url = broker_url
+        self.channel = channel
         self.resubscribed = False
-
-    @property
-    def up(self) -> bool:
-        return self._pubsub is not None
+        self.up = False
+        """The channel is subscribed on a live connection."""
+        self.was_down = False
+        self._hub: _Hub | None = None
+        self._queue: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
     async def connect(self) -> bool:
-        """Subscribe (once); False when the broker does not answer (tried again later)."""
-        if self._pubsub is not None:
-            return True
-        self._next_try = time.monotonic() + _RETRY_S
-        client = aioredis.Redis.from_url(self._url, socket_connect_timeout=2)
-        pubsub = client.pubsub()
-        try:
-            # bounded: a broker that accepts connections but never answers must not hang a stream
-            await asyncio.wait_for(pubsub.subscribe(self._channel), timeout=5)
-        except (RedisError, OSError, TimeoutError) as e:
-            await self._discard(client, pubsub)
-            if not self._was_down:
-                log.warning("stream on %s: broker unavailable (%s); following the database", self._channel, e)
-            self._was_down = True
-            return False
-        self._client, self._pubsub = client, pubsub
-        if self._was_down:
-            self.resubscribed = True
-            self._was_down = False
-        return True
+        """Subscribe (once); False when the broker does not answer (the hub tries again)."""
+        if self._hub is None:
+            self._hub = _Hub.of(self.url)
+            await self._hub.add(self)
+        return self.up
 
     async def next(self, timeout: float) -> dict[str, Any] | None:
-        if self._pubsub is None and (time.monotonic() < self._next_try or not await self.connect()):
-            await asyncio.sleep(timeout)
-            return None
-        assert self._pubsub is not None
-        try:
-            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout)
-        except (RedisError, OSError) as e:
-            log.warning("stream on %s: lost the broker (%s); following the database", self._channel, e)
-            await self._discard(self._client, self._pubsub)
-            self._client = self._pubsub = None
-            self._was_down = True
-            return None
-        return _decode(msg["data"]) if msg is not None else None
+        if self._hub is None:
+            await self.connect()
+        if not self._queue:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._queue.popleft() if self._queue else None
 
     async def close(self) -> None:
-        await self._discard(self._client, self._pubsub)
-        self._client = self._pubsub = None
+        hub, self._hub = self._hub, None
+        self.up = False
+        if hub is not None:
+            await hub.remove(self)
+
+    # called by the hub
+
+    def _deliver(self, msg: Any) -> None:
+        if len(self._queue) >= _BACKLOG:
+            self._queue.clear()
+            self.resubscribed = True  # the caller reads what it missed from the database
+        self._queue.append(msg)
+        _wake(self._waiter)
+
+    def _subscribed(self) -> None:
+        self.up = True
+        if self.was_down:
+            self.was_down = False
+            self.resubscribed = True
+            _wake(self._waiter)
+
+    def _lost(self) -> None:
+        self.up = False
+        self.was_down = True
+        _wake(self._waiter)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+class _Hub:
+    """The broker connection of one event loop for one broker URL: one SUBSCRIBE per channel,
+    one task reading every message and handing it to the channel's streams. It goes away with its
+    last stream."""
+
+    _hubs: dict[tuple[int, str], _Hub] = {}
+
+    @classmethod
+    def of(cls, url: str) -> _Hub:
+        loop = asyncio.get_running_loop()
+        key = (id(loop), url)
+        hub = cls._hubs.get(key)
+        if hub is None or hub.loop is not loop:  # (a loop that ended with streams open)
+            hub = cls._hubs[key] = _Hub(url, key, loop)
+        return hub
+
+    def __init__(self, url: str, key: tuple[int, str], loop: asyncio.AbstractEventLoop) -> None:
+        self.url = url
+        self.key = key
+        self.loop = loop
+        self.subs: dict[str, set[LiveChannel]] = {}
+        self.client: aioredis.Redis | None = None
+        self.pubsub: aioredis.client.PubSub | None = None
+        self.confirmed: set[str] = set()
+        self.pending: dict[str, asyncio.Future[bool]] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.kick = asyncio.Event()
+        self.next_try = 0.0
+        self.warned = False
+
+    # the streams' side
+
+    async def add(self, sub: LiveChannel) -> None:
+        channel = sub.channel
+        streams = self.subs.setdefault(channel, set())
+        streams.add(sub)
+        if channel in self.confirmed:
+            sub.up = True
+            return
+        waiting = self.pending.get(channel)
+        if waiting is None:
+            waiting = self.pending[channel] = asyncio.get_running_loop().create_future()
+            if self.pubsub is not None:
+                try:
+                    await self.pubsub.subscribe(channel)
+                except (RedisError, OSError) as e:
+                    self._drop(e)
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        self.next_try = min(self.next_try, time.monotonic())  # a new stream: try the broker now
+        self.kick.set()
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(waiting), timeout=_SUBSCRIBE_S)
+        except TimeoutError:
+            ok = False
+        if ok and sub in streams:
+            sub.up = True
+        else:
+            sub.was_down = True
+
+    async def remove(self, sub: LiveChannel) -> None:
+        streams = self.subs.get(sub.channel)
+        if streams is None:
+            return
+        streams.discard(sub)
+        if streams:
+            return
+        del self.subs[sub.channel]
+        self.confirmed.discard(sub.channel)
+        self.pending.pop(sub.channel, None)
+        if not self.subs:
+            # the last stream: the connection goes with the reader; a new stream makes a new hub
+            if self._hubs.get(self.key) is self:
+                self._hubs.pop(self.key)
+            if self.task is not None:
+                self.task.cancel()
+        elif self.pubsub is not None:
+            try:
+                await asyncio.wait_for(self.pubsub.unsubscribe(sub.channel), timeout=2)
+            except (RedisError, OSError, TimeoutError) as e:
+                self._drop(e)
+
+    # the reader task
+
+    async def _run(self) -> None:
+        try:
+            while self.subs and self._hubs.get(self.key) is self:
+                if self.pubsub is None:
+                    await self._connect()
+                    continue
+                try:
+                    msg = await self.pubsub.get_message(timeout=1.0)
+                except (RedisError, OSError, RuntimeError) as e:  # RuntimeError: dropped meanwhile
+                    self._drop(e)
+                    continue
+                if msg is not None:
+                    self._dispatch(msg)
+        finally:
+            self._settle_pending(False)
+            await self._discard(self.client, self.pubsub)
+            self.client = self.pubsub = None
+            if self._hubs.get(self.key) is self:
+                self._hubs.pop(self.key, None)
+
+    async def _connect(self) -> None:
+        wait = self.next_try - time.monotonic()
+        if wait > 0:
+            self.kick.clear()
+            try:
+                await asyncio.wait_for(self.kick.wait(), timeout=wait)
+            except TimeoutError:
+                pass
+            return
+        self.next_try = time.monotonic() + _RETRY_S
+        # no retries inside redis-py: a connection it re-made by itself would resubscribe without
+        # telling us, and the streams would never catch up on what was published meanwhile
+        client = aioredis.Redis.from_url(self.url, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
+        pubsub = client.pubsub()
+        channels = list(self.subs)
+        try:
+            await asyncio.wait_for(pubsub.subscribe(*channels), timeout=_SUBSCRIBE_S)
+        except (RedisError, OSError, TimeoutError) as e:
+            await self._discard(client, pubsub)
+            self._warn(e)
+            self._settle_pending(False)
+            return
+        self.client, self.pubsub = client, pubsub
+        try:
+            for ch in [c for c in self.subs if c not in channels]:  # added while we connected
+                self.pending.setdefault(ch, asyncio.get_running_loop().create_future())
+                await pubsub.subscribe(ch)
+        except (RedisError, OSError) as e:
+            self._drop(e)
+            return
+        if self.warned:
+            log.warning("streams: the broker is back; subscribed again to %d channel(s)", len(self.subs))
+            self.warned = False
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        channel = msg["channel"]
+        channel = channel.decode() if isinstance(channel, bytes) else channel
+        if kind == "message":
+            try:
+                body = _decode(msg["data"])
+            except ValueError:  # not ours (someone published by hand): the streams go on
+                log.warning("streams: a message on %s is not JSON; skipped", channel)
+                return
+            for sub in self.subs.get(channel, ()):
+                sub._deliver(body)
+        elif kind == "subscribe" and channel in self.subs:
+            self.confirmed.add(channel)
+            waiting = self.pending.pop(channel, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(True)
+            for sub in self.subs[channel]:
+                sub._subscribed()
+
+    def _drop(self, e: BaseException) -> None:
+        """The connection failed: every stream follows the database until the hub is back."""
+        self._warn(e)
+        client, pubsub = self.client, self.pubsub
+        self.client = self.pubsub = None
+        self.confirmed.clear()
+        self.next_try = time.monotonic()  # the first attempt at once, then every _RETRY_S
+        for streams in self.subs.values():
+            for sub in streams:
+                sub._lost()
+        self._settle_pending(False)
+        if pubsub is not None:
+            asyncio.get_running_loop().create_task(self._discard(client, pubsub))
+
+    def _settle_pending(self, ok: bool) -> None:
+        for waiting in self.pending.values():
+            if not waiting.done():
+                waiting.set_result(ok)
+        self.pending.clear()
+
+    def _warn(self, e: BaseException) -> None:
+        if not self.warned:
+            log.warning("streams: broker unavailable (%s); following the database", e)
+            self.warned = True
 
     @staticmethod
     async def _discard(client: aioredis.Redis | None, pubsub: aioredis.client.PubSub | None) -> None:

@@ -92,22 +92,26 @@ def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bo
     return out, more, terminal
 
 
-_BODIES: dict[int, tuple[dict[str, Any], list[tuple[int, str]]]] = {}
-"""id(message) -> (the message, its points' ids and `data:` JSON). Every stream of a job gets the
-same decoded message object (api/live.py decodes each payload once), so its points are encoded
-once per process, not once per open stream; the entry holds the message, so its id stays its own."""
+_Bodies = list[tuple[int, str]]
+_Written = dict[tuple[int, int], tuple[list[str], int]]
+_BODIES: dict[int, tuple[dict[str, Any], _Bodies, _Written]] = {}
+"""id(message) -> (the message, its points' ids and `data:` JSON, the frames written for each
+cursor seen). Every stream of a job gets the same decoded message object (api/live.py decodes
+each payload once), so its points are encoded once per process, not once per open stream, and
+the streams that stood at the same cursor (all those following live) share one list of frames;
+the entry holds the message, so its id stays its own."""
 
 
-def _metric_bodies(msg: dict[str, Any]) -> list[tuple[int, str]]:
+def _metric_entry(msg: dict[str, Any]) -> tuple[_Bodies, _Written]:
     hit = _BODIES.get(id(msg))
     if hit is not None and hit[0] is msg:
-        return hit[1]
+        return hit[1], hit[2]
     keys = ("step", "name", "value", "time")
     bodies = [(p["id"], json.dumps({k: p[k] for k in keys}, separators=(",", ":"))) for p in msg["points"]]
     if len(_BODIES) >= 64:
         del _BODIES[next(iter(_BODIES))]
-    _BODIES[id(msg)] = (msg, bodies)
-    return bodies
+    _BODIES[id(msg)] = (msg, bodies, {})
+    return bodies, _BODIES[id(msg)][2]
 
 
 def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
@@ -115,10 +119,19 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     out: list[str] = []
     ended = False
     if msg.get("type") == "metrics":
-        for point_id, body in _metric_bodies(msg):
+        bodies, written = _metric_entry(msg)
+        hit = written.get((cur.metric, cur.event))
+        if hit is not None:
+            out, cur.metric = hit
+            return out, False  # (read-only, like the message)
+        start = (cur.metric, cur.event)
+        for point_id, body in bodies:
             if point_id > cur.metric:
                 cur.metric = point_id
                 out.append(f"id: {cur}\nevent: metric\ndata: {body}\n\n")  # as frame() writes it
+        if len(written) < 8:
+            written[start] = (out, cur.metric)
+        return out, False
     elif msg.get("type") == "event" and msg["id"] > cur.event:
         cur.event = msg["id"]
         out.append(event_frame(msg, cur))

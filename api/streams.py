@@ -1,8 +1,9 @@
 """Open Server-Sent Event streams: a cap per client, and the response that gives its slot back.
 
 A stream holds no database connection while it waits (each read is a short session in the thread
-pool), so what an open stream costs is one socket and one Redis subscription; the cap keeps one
-client (a runaway script, a page reloaded in a loop) from holding hundreds of them.
+pool), so what an open stream costs is one socket and a place on its channel's Redis subscription
+(one per channel per process, api/live.py); the cap keeps one client (a runaway script, a page
+reloaded in a loop) from holding hundreds of them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class StreamSlots:
 
 class SseResponse(StreamingResponse):
     """A text/event-stream that releases its client's slot however it ends (finished, client gone,
-    server stopping) and closes its generator at once, so its Redis subscription goes with it."""
+    server stopping) and closes its generator at once, so it leaves its channel's Redis
+    subscription (the last stream to leave unsubscribes)."""
 
     def __init__(self, body: AsyncIterator[str], *, slots: StreamSlots, key: str) -> None:
         super().__init__(

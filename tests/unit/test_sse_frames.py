@@ -50,3 +50,19 @@ def test_terminal_event_ends_the_stream() -> None:
     )
     frames, ended = _live_frames(msg, Cursor(metric=0, event=2))
     assert ended and frames[0].startswith("id: m0e3\nevent: status\n")
+
+
+def test_streams_at_one_cursor_share_the_frames_and_advance_alike() -> None:
+    msg = _decode(_payload([(30, 7, 1.0), (31, 8, 2.0)]))
+    first, second, behind = Cursor(metric=29, event=2), Cursor(metric=29, event=2), Cursor(metric=0, event=2)
+    a, _ = _live_frames(msg, first)
+    b, _ = _live_frames(msg, second)
+    assert a is b and (first.metric, second.metric) == (31, 31)
+    assert a[0].startswith("id: m30e2\n") and a[1].startswith("id: m31e2\n")
+    # another cursor (another event id in it) writes its own ids
+    c, _ = _live_frames(msg, Cursor(metric=29, event=5))
+    assert c[0].startswith("id: m30e5\n")
+    assert _live_frames(msg, behind)[0] == a and behind.metric == 31
+    # a stream already past the message gets nothing, and its cursor stays
+    done = Cursor(metric=31, event=2)
+    assert _live_frames(msg, done) == ([], False) and done.metric == 31
