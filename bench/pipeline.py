@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench.common import machine, table, write_results
-from trainer.pipeline.schedules import SCHEDULES, build_schedule
+from trainer.pipeline.schedules import LATENCY_PROBE, SCHEDULES, build_schedule
 from trainer.pipeline.simulate import Costs, bubble_1f1b, bubble_chimera, jitter, simulate
 
 
@@ -357,6 +357,14 @@ def split_rows(*, real: bool, steps: int = 10, base_s: float = 0.01) -> list[dic
             for k in med:
                 sched = build_schedule(k, stages=D, microbatches=N, backward_ratio=2.0)
                 row[f"{k} sim ms"] = round(simulate(sched, Costs(backward=2.0)).makespan * base_s * 1e3, 1)
+            for k in ("chimera", "chimera-zb"):
+                # with each message taking a quarter forward (2.5 ms; the executed Chimera D=2
+                # steps wait 1-3 ms per hand-off): at D=2 the only place chimera-zb can gain
+                sched = build_schedule(k, stages=D, microbatches=N, backward_ratio=2.0)
+                lat = Costs(backward=2.0, transfer=LATENCY_PROBE)
+                row[f"{k} sim ms lat {LATENCY_PROBE}"] = round(
+                    simulate(sched, lat).makespan * base_s * 1e3, 1
+                )
         row["chimera-zb/chimera"] = round(med["chimera-zb"] / med["chimera"], 3)
         row["chimera/1f1b"] = round(med["chimera"] / med["1f1b"], 3)
         rows.append(row)

@@ -207,10 +207,41 @@ def test_chimera_orders_follow_the_cost_ratio(D: int, mult: int) -> None:
 
 def test_chimera_zb_bounds_its_deferred_weight_gradients() -> None:
     costs = Costs(forward=1.0, backward=2.0)
-    tight = simulate(chimera_zb(4, 16, max_pending=1), costs)
-    loose = simulate(chimera_zb(4, 16, max_pending=100), costs)
+    # timed without latency, W waits for idle time that comes only at the end
+    tight = simulate(chimera_zb(4, 16, max_pending=1, transfer=0.0), costs)
+    loose = simulate(chimera_zb(4, 16, max_pending=100, transfer=0.0), costs)
     assert max(loose.peak_stash) == 16  # every W deferred to the end: GPipe-like memory
     assert max(tight.peak_stash) < max(loose.peak_stash)
+
+
+@pytest.mark.parametrize(("D", "N"), [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_chimera_zb_beats_chimera_at_d2_once_messages_take_time(D: int, N: int) -> None:
+    """At D = 2 and no latency Chimera has no bubble (its makespan, 3N at F = 1, B = 2, is one
+    rank's work, a lower bound for any order), so chimera-zb can only tie. With any latency every
+    Chimera hand-off is on the critical path (3N + N x latency); chimera-zb's order puts a W
+    between each B or F and the next action that waits on the other rank, which covers the wait:
+    3N + one latency (the first forward's). At D = 4 it is ahead with or without latency."""
+    for transfer in (0.0, 0.05, 0.25, 0.5):
+        costs = Costs(forward=1.0, backward=2.0, transfer=transfer)
+        chim = simulate(build_schedule("chimera", stages=D, microbatches=N), costs).makespan
+        zb = simulate(build_schedule("chimera-zb", stages=D, microbatches=N), costs).makespan
+        old = simulate(chimera_zb(D, N, transfer=0.0), costs).makespan
+        assert zb <= old + 1e-9
+        if D == 2:
+            assert chim == pytest.approx(3 * N + N * transfer)
+            assert zb == pytest.approx(3 * N + transfer)
+        if D > 2 or transfer > 0:
+            assert zb < chim
+
+
+def test_chimera_zb_posts_a_receive_before_the_weight_gradients_that_cover_it() -> None:
+    """A W placed to cover a message's latency covers it only if the receive is already posted:
+    no receive of a chimera-zb program waits behind a W."""
+    for D, N in [(2, 4), (2, 8), (4, 8)]:
+        for prog in lower(build_schedule("chimera-zb", stages=D, microbatches=N)):
+            for prev, ins in zip(prog, prog[1:], strict=False):
+                if isinstance(ins, Post) and isinstance(prev, Run) and prev.action is not None:
+                    assert prev.action.op not in ("W", "AR") or any(op.op == "send" for op in ins.ops)
 
 
 def test_transfer_latency_lengthens_the_makespan() -> None:

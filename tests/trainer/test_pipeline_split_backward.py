@@ -166,3 +166,17 @@ def test_a_split_b_leaves_w_only_the_records() -> None:
     assert received() is None
     run.compute(Action("W", 0, 1), None)
     assert all(p.grad is not None for p in modules[(1, 0)].parameters())
+
+
+def test_plain_linear_stages_skip_the_torch_function_mode() -> None:
+    """A stage whose trainable parameters all sit in nn.Linear, norm or embedding modules swaps its
+    linears' forwards (no per-op mode dispatch); one with any other parameter uses the mode.
+    Both paths are checked against autograd above (_Offloaded: swap, _Tied: mode)."""
+    from trainer.config import ModelConfig
+    from trainer.models import build_model
+    from trainer.pipeline.split import plain_linears
+
+    gpt = build_model(ModelConfig(layers=2, d_model=32, heads=2, seq_len=16), seed=0)
+    assert len(plain_linears(gpt)) == 2 * 4 + 1
+    assert len(plain_linears(_Offloaded())) == 2
+    assert plain_linears(_Tied()) is None

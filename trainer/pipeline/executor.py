@@ -51,7 +51,7 @@ from torch import nn
 
 from trainer.models import lm_loss
 from trainer.pipeline.schedules import Action, Msg, Post, Run, Schedule, async_cap, async_next, lower
-from trainer.pipeline.split import DeferLinearWeightGrads, Record, param_ids, weight_grads
+from trainer.pipeline.split import Record, defer_weight_grads, param_ids, plain_linears, weight_grads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,6 +190,7 @@ class PipelineExecutor:
             self.channel_groups = []
         # split backward: the parameters whose linear-layer weight gradients W computes
         self.deferrable = {k: param_ids(m) for k, m in modules.items()} if sched.split_backward else {}
+        self.linears = {k: plain_linears(m) for k, m in modules.items()} if sched.split_backward else {}
 
     def close(self) -> None:
         """Nothing outlives a step; kept so callers can release an executor explicitly."""
@@ -330,7 +331,8 @@ class _StepRun:
             defer: Any = nullcontext()
             if inp is not None and ex.sched.split_backward:  # the linear weight gradients wait for W
                 records = []
-                defer = DeferLinearWeightGrads(ex.deferrable[(a.stage, a.replica)], records)
+                k = (a.stage, a.replica)
+                defer = defer_weight_grads(mod, ex.deferrable[k], records, ex.linears[k])
             with defer:
                 out = mod(self.xs[a.mb] if inp is None else inp)
             if a.stage == D - 1:

@@ -209,6 +209,10 @@ def chimera(stages: int, microbatches: int, *, backward_ratio: float = 1.0) -> S
     return sched
 
 
+LATENCY_PROBE = 0.25
+"""Message latency (in forwards) at which chimera-zb compares its two candidate orders."""
+
+
 def chimera_zb(
     stages: int,
     microbatches: int,
@@ -217,33 +221,80 @@ def chimera_zb(
     b_cost: float = 1.0,
     w_cost: float = 1.0,
     max_pending: int | None = None,
+    transfer: float | None = None,
 ) -> Schedule:
     """Chimera with each backward split into B (input gradient, on the critical path) and W (weight
     gradient, needed only before the optimizer step).
 
     F and B keep Chimera's order. W actions are placed by timing that order with the given costs
-    (default F = B = W, i.e. a whole backward costs twice a forward): whenever a rank would sit
-    idle waiting for its next F or B, it runs its oldest pending W instead; the W actions left at
-    the end close the list. The price is activation memory: a micro-batch's stash is freed after
-    W, not after B, so at most `max_pending` (default D/2) W actions may wait on a rank; past
-    that the oldest runs at once (in simulation D/2 gives the same bubble as unbounded deferral).
+    (default F = B = W, i.e. a whole backward costs twice a forward) and a message latency
+    `transfer`: whenever a rank would sit idle waiting for its next F or B, it runs its oldest
+    pending W instead; the W actions left at the end close the list. The price is activation
+    memory: a micro-batch's stash is freed after W, not after B, so at most `max_pending`
+    (default D/2) W actions may wait on a rank; past that the oldest runs at once (in simulation
+    D/2 gives the same bubble as unbounded deferral).
+
+    Timed at zero latency, a pipeline with no bubble (D = 2: Chimera's makespan is one rank's
+    work) leaves W nothing to fill and every hand-off between the ranks on the critical path, so
+    each message's latency adds to the step. Timed at a latency, a W goes between every B or F
+    and the next action that waits on the other rank, and covers that wait. `transfer` None
+    builds both orders and keeps the latency-timed one when it is no slower without latency and
+    faster at LATENCY_PROBE (D = 2 and some D = 4 shapes; deeper pipelines lose more to a W
+    delaying a forward than they gain).
     """
     D, N = stages, microbatches
     if D % 2:
         raise ScheduleError(f"chimera-zb needs an even number of stages, got {D}")
     base = chimera(D, N, backward_ratio=b_cost / f_cost)
     fb = [[a for a in actions if a.op in ("F", "B")] for actions in base.ranks]
-    sched = Schedule(
-        name="chimera-zb",
-        stages=D,
-        microbatches=N,
-        replicas=2,
-        split_backward=True,
-        ranks=[[] for _ in range(D)],
-    )
     cost = {"F": f_cost, "B": b_cost, "W": w_cost}
     max_pending = max(1, D // 2) if max_pending is None else max_pending
+
+    def build(latency: float) -> tuple[Schedule, float]:
+        sched = Schedule(
+            name="chimera-zb",
+            stages=D,
+            microbatches=N,
+            replicas=2,
+            split_backward=True,
+            ranks=[[] for _ in range(D)],
+        )
+        span = _place_weights(sched, fb, cost=cost, max_pending=max_pending, transfer=latency)
+        _allreduce_actions(sched)
+        return sched, span
+
+    if transfer is not None:
+        return build(transfer)[0]
+    from trainer.pipeline.simulate import Costs, simulate  # simulate imports this module
+
+    costs = {"forward": f_cost, "backward": b_cost + w_cost, "weight": w_cost}
+    plain, plain_span = build(0.0)
+    timed, timed_span = build(LATENCY_PROBE * f_cost)
+    # the builder's own timing is the in-order run at the latency it was built for
+    if simulate(timed, Costs(**costs)).makespan > plain_span + 1e-9:
+        return plain
+    slow = simulate(plain, Costs(**costs, transfer=LATENCY_PROBE * f_cost)).makespan
+    return timed if timed_span < slow - 1e-9 else plain
+
+
+def _place_weights(
+    sched: Schedule,
+    fb: list[list[Action]],
+    *,
+    cost: dict[str, float],
+    max_pending: int,
+    transfer: float,
+) -> float:
+    """Fill sched.ranks from the per-rank F/B orders `fb`, a rank's oldest pending W going into
+    every wait for an F/B input (a cross-rank input arrives `transfer` after it was produced);
+    returns the makespan of that timing."""
+    D = sched.stages
     deps = {a: _fb_deps(a, D) for acts in fb for a in acts}
+    remote = {
+        a: [sched.rank_of(stage=d.stage, replica=d.replica) != r for d in deps[a]]
+        for r, acts in enumerate(fb)
+        for a in acts
+    }
     consumers: dict[Action, list[int]] = {}  # the ranks whose actions wait for an action
     for r, acts in enumerate(fb):
         for a in acts:
@@ -262,9 +313,12 @@ def chimera_zb(
         head[r] = None
         if pos[r] == len(fb[r]):
             return
-        ds = deps[fb[r][pos[r]]]
+        a = fb[r][pos[r]]
+        ds = deps[a]
         if all(d in finish for d in ds):
-            ready_of[r] = max([0.0] + [finish[d] for d in ds])
+            ready_of[r] = max(
+                [0.0] + [finish[d] + (transfer if far else 0.0) for d, far in zip(ds, remote[a], strict=True)]
+            )
             head[r] = (max(ready_of[r], free[r]), r)
 
     for r in range(D):
@@ -298,8 +352,8 @@ def chimera_zb(
             refresh(q)
     for r in range(D):
         sched.ranks[r] += pending[r]
-    _allreduce_actions(sched)
-    return sched
+        free[r] += cost["W"] * len(pending[r])
+    return max(free)
 
 
 def _fb_deps(a: Action, stages: int) -> list[Action]:
@@ -559,7 +613,35 @@ class _RankLowering:
             self.prog.append(Post(tuple(exchange + rest)))
         ars = tuple(m for msgs in self.incoming.values() for m in msgs if m.kind == "ar")
         self.prog.append(Run(None, needs=ars))
-        return self.prog
+        return _hoist_receives(self.prog)
+
+
+def _hoist_receives(prog: list[Instr]) -> list[Instr]:
+    """Post a receive before the W (and AR) actions that precede the action needing it, so they
+    run while the message travels: a W placed to cover a wait covers it only if the receive is
+    already posted (gloo's sender, like NCCL's, moves the data once the receive is posted). W and
+    AR neither need nor send pipeline messages, so the rank's communication keeps its issue order;
+    a group merely no longer waits for those computations. A group of receives only moves up to
+    the previous group (and joins it) or to the previous action that talks."""
+    out: list[Instr] = []
+    for ins in prog:
+        if isinstance(ins, Post) and all(op.op == "recv" for op in ins.ops):
+            at = len(out)
+            while (
+                at
+                and isinstance(out[at - 1], Run)
+                and out[at - 1].action is not None
+                and out[at - 1].action.op in ("W", "AR")
+            ):
+                at -= 1
+            if at < len(out):
+                if at and isinstance(out[at - 1], Post):
+                    out[at - 1] = Post(out[at - 1].ops + ins.ops)
+                else:
+                    out.insert(at, ins)
+                continue
+        out.append(ins)
+    return out
 
 
 def async_next(
