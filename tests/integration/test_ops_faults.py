@@ -70,7 +70,10 @@ def _loss_steps(frames: list) -> list[int]:
 
 def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None:
     h = ops_stack
-    job = h.submit(FAST)
+    # long enough that the restart lands mid-job on an idle machine too (about a millisecond a step;
+    # 100 steps had ended before the restart in one run)
+    spec = {**FAST, "train": {**FAST["train"], "steps": 3000, "eval_every": 1000}}
+    job = h.submit(spec)
     frames: list = []
     reader = threading.Thread(
         target=lambda: frames.extend(read_sse(h.base_url, f"/api/jobs/{job['id']}/stream", token=h.token))
@@ -85,14 +88,14 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
     reader.join(timeout=60)
     assert not reader.is_alive(), "the stream did not close after the job ended"
     # one connection, opened before the restart: every step exactly once, in order
-    assert _loss_steps(frames) == list(range(1, FAST["train"]["steps"] + 1))
+    assert _loss_steps(frames) == list(range(1, spec["train"]["steps"] + 1))
     assert [d["status"] for _, ev, d in frames if ev == "status"][-1] == "succeeded"
     ids = [fid for fid, ev, _ in frames if ev == "metric"]
     assert len(ids) == len(set(ids))
     out, err = follow.communicate(timeout=120)
     assert follow.returncode == 0, err
     assert "Traceback" not in err
-    assert done["result"]["steps"] == FAST["train"]["steps"]
+    assert done["result"]["steps"] == spec["train"]["steps"]
 
 
 def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None:
