@@ -15,7 +15,7 @@ One tick:
    (db/scheduling.py reserve: one conditional transaction) and sent; the first job that could fit
    but does not now blocks every job of lower effective priority ("behind higher-priority job N"),
    while jobs of equal effective priority may still fill the gaps;
-4. with preemption on, that first blocked job asks lower-priority running jobs on one worker to
+4. with preemption on, that first blocked job asks lower-priority running jobs on the worker(s) it needs to
    checkpoint and go back to the queue (workers/execute.py treats it like a warm-shutdown drain).
 
 A job needing more ranks than any one worker has gets a gang: the fewest nodes n (n divides its
@@ -240,13 +240,16 @@ def _quota_problem(w: Want, quotas: dict[int, Quota]) -> str | None:
     return f"quota: {why}" if why else None
 
 
-def _preemption(w: Want, boxes: Sequence[Box], running: Sequence[Running]) -> list[int]:
-    """The fewest lower-priority running jobs on one worker whose slots would let `w` fit there."""
+def _preemption(w: Want, n: int, boxes: Sequence[Box], running: Sequence[Running]) -> list[int]:
+    """The fewest lower-priority running jobs whose slots would let `w` fit: its share on each of
+    the `n` workers it needs (n > 1 for a gang). A worker that already holds a share costs nothing;
+    a gang that must displace jobs on several workers asks all of them at once."""
     if any(r.preempt_requested for r in running):
         return []  # one preemption at a time: wait for the asked jobs to give their slots back
-    best: list[int] | None = None
+    share = (w.ranks // n, w.gpus // n, -(-w.ram // n))
+    costs: list[tuple[int, str, list[int]]] = []  # (victims, worker, victims' job ids) per worker
     for b in boxes:
-        if w.queue not in b.queues or not b.fits(w.ranks, w.gpus, w.ram, now=False):
+        if w.queue not in b.queues or not b.fits(*share, now=False):
             continue
         victims = sorted(
             (r for r in running if r.box == b.name and r.priority < w.priority), key=lambda r: r.priority
@@ -254,14 +257,19 @@ def _preemption(w: Want, boxes: Sequence[Box], running: Sequence[Running]) -> li
         free = [b.free_slots, b.free_gpus, b.free_ram, b.free_tasks]
         chosen: list[int] = []
         for r in victims:
-            if free[0] >= w.ranks and free[1] >= w.gpus and free[2] >= w.ram and free[3] >= 1:
+            if free[0] >= share[0] and free[1] >= share[1] and free[2] >= share[2] and free[3] >= 1:
                 break
             chosen.append(r.job_id)
             free = [free[0] + r.slots, free[1] + r.gpus, free[2] + r.ram, free[3] + 1]
-        if free[0] >= w.ranks and free[1] >= w.gpus and free[2] >= w.ram and free[3] >= 1 and chosen:
-            if best is None or len(chosen) < len(best):
-                best = chosen
-    return best or []
+        if free[0] >= share[0] and free[1] >= share[1] and free[2] >= share[2] and free[3] >= 1:
+            costs.append((len(chosen), b.name, chosen))
+    if len(costs) < n:
+        return []
+    costs.sort(key=lambda c: (c[0], c[1]))
+    asked: list[int] = []
+    for _, _, chosen in costs[:n]:
+        asked.extend(j for j in chosen if j not in asked)
+    return asked
 
 
 def plan(
@@ -327,8 +335,8 @@ def plan(
             )
             if blocker is None:
                 blocker = w
-                if preemption and n == 1:
-                    d.preempt = _preemption(w, boxes, running)
+                if preemption:
+                    d.preempt = _preemption(w, n, boxes, running)
                     d.preempt_for = w.id if d.preempt else None
                     if d.preempt:
                         d.reasons[w.id] += f"; preempting job(s) {', '.join(map(str, d.preempt))}"

@@ -75,6 +75,7 @@ class Gang:
                 "SHARDYARD_GANG_JOIN_S": "120",
                 "SHARDYARD_CHECKPOINT_KEEP": "0",
                 "SHARDYARD_WORKER_ALIVE_S": "5",
+                "SHARDYARD_PREEMPTION": "1",
             },
         )
         self.url = self.stack.database_url
@@ -108,11 +109,11 @@ class Gang:
             time.sleep(0.3)
         raise AssertionError(f"worker{index} did not register")
 
-    def submit(self) -> int:
+    def submit(self, spec: dict[str, Any] = SPEC) -> int:
         """Through the API; the scheduler reserves both workers and sends each its node's task."""
         resp = httpx.post(
             f"{self.stack.base_url}/api/jobs",
-            json=SPEC,
+            json=spec,
             headers={"Authorization": f"Bearer {self.stack.admin_token}"},
             timeout=30,
         )
@@ -303,3 +304,42 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     assert got["loss"][0] == list(range(1, STEPS + 1)), "every step exactly once"
     # resumed exactly: the same losses as the uninterrupted one-worker run
     assert_same_losses(got, g.reference())
+
+
+LOW_STEPS = 3000
+LOW: dict[str, Any] = {
+    "name": "low",
+    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
+    "data": {"max_chars": 20_000},
+    "train": {"steps": LOW_STEPS, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
+    "checkpoint_every": 100,
+}
+
+
+def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang) -> None:
+    g = gang
+    # one 1-rank job on each worker (each runs one task): neither worker has a free task left
+    low = [g.submit(LOW), g.submit(LOW)]
+    for j in low:
+        g.wait(j, lambda job: job.status == "running" and job.applied_step >= 10, "running")
+    with session_for(g.url) as s:
+        held = {r.worker for r in s.query(Reservation).filter(Reservation.job_id.in_(low)).all()}
+    assert len(held) == 2, "the two low jobs must hold both workers"
+    urgent = g.submit({**SPEC, "name": "urgent-gang", "priority": 10})
+    # the gang asks both workers' jobs to checkpoint and go back to the queue, then runs
+    g.placement(urgent)
+    job = g.wait(urgent, lambda j: j.status == "succeeded", "succeeded")
+    assert job.attempts == 1
+    assert_same_losses(g.series(urgent), g.reference())
+    for j in low:
+        done = g.wait(j, lambda job: job.status == "succeeded", "succeeded", timeout=300)
+        assert done.attempts == 2, "preempted once, resumed once"
+        with session_for(g.url) as s:
+            requeued = [
+                e.data
+                for e in dbj.events_after(s, job_id=j, kinds=["status"])
+                if e.message == "queued" and e.data
+            ]
+            steps = dbj.metric_series(s, job_id=j, names=["loss"])["loss"][0]
+        assert any(f"preempted by job {urgent}" in (d.get("reason") or "") for d in requeued), requeued
+        assert steps == list(range(1, LOW_STEPS + 1)), "every step exactly once"

@@ -191,6 +191,36 @@ def test_preemption_picks_the_fewest_lower_priority_jobs_on_one_worker() -> None
     assert decide([want(1, priority=5)], boxes, running=pending, preemption=True).preempt == []
 
 
+def test_a_waiting_gang_preempts_on_as_many_workers_as_it_needs() -> None:
+    # three 2-slot workers, all full; a 4-rank job needs a gang of two, so two workers must be
+    # cleared: the two whose lower-priority jobs are fewest, never the one running a higher one
+    boxes = [box("w1", slots=2, tasks=2), box("w2", slots=2, tasks=2), box("w3", slots=2, tasks=2)]
+    running = [
+        Running(10, 0, "w1", 2, 0, 0),
+        Running(11, 0, "w2", 1, 0, 0),
+        Running(12, 0, "w2", 1, 0, 0),
+        Running(13, 9, "w3", 2, 0, 0),
+    ]
+    for r in running:
+        next(b for b in boxes if b.name == r.box).take(r.slots, 0, 0)
+    d = decide([want(1, priority=5, ranks=4)], boxes, running=running, preemption=True)
+    assert d.preempt_for == 1 and sorted(d.preempt) == [10, 11, 12]
+    assert d.reasons[1].endswith("preempting job(s) 10, 11, 12"), d.reasons[1]
+    # a worker with room already costs nothing: only one other worker is cleared
+    boxes = [box("w1", slots=2, tasks=2), box("w2", slots=2, tasks=2), box("w3", slots=2, tasks=2)]
+    boxes[0].take(2, 0, 0)
+    boxes[2].take(2, 0, 0)
+    d = decide([want(1, priority=5, ranks=4)], boxes, running=[running[0], running[3]], preemption=True)
+    assert d.preempt == [10]
+    # a gang that no set of lower-priority jobs can make room for asks nobody
+    boxes = [box("w1", slots=2, tasks=2), box("w2", slots=2, tasks=2), box("w3", slots=2, tasks=2)]
+    for b in boxes:
+        b.take(2, 0, 0)
+    high = [Running(10, 9, "w1", 2, 0, 0), Running(11, 0, "w2", 2, 0, 0), Running(13, 9, "w3", 2, 0, 0)]
+    d = decide([want(1, priority=5, ranks=4)], boxes, running=high, preemption=True)
+    assert d.preempt == [] and d.preempt_for is None
+
+
 # ---- ticks on a real database -------------------------------------------------------------------
 
 
