@@ -240,6 +240,11 @@ def _quota_problem(w: Want, quotas: dict[int, Quota]) -> str | None:
     return f"quota: {why}" if why else None
 
 
+def _holds(free: Sequence[int], share: tuple[int, int, int]) -> bool:
+    """Whether free (slots, GPUs, host memory, tasks) hold one node's share and one more task."""
+    return free[0] >= share[0] and free[1] >= share[1] and free[2] >= share[2] and free[3] >= 1
+
+
 def _preemption(w: Want, n: int, boxes: Sequence[Box], running: Sequence[Running]) -> list[int]:
     """The fewest lower-priority running jobs whose slots would let `w` fit: its share on each of
     the `n` workers it needs (n > 1 for a gang). A worker that already holds a share costs nothing;
@@ -257,11 +262,11 @@ def _preemption(w: Want, n: int, boxes: Sequence[Box], running: Sequence[Running
         free = [b.free_slots, b.free_gpus, b.free_ram, b.free_tasks]
         chosen: list[int] = []
         for r in victims:
-            if free[0] >= share[0] and free[1] >= share[1] and free[2] >= share[2] and free[3] >= 1:
+            if _holds(free, share):
                 break
             chosen.append(r.job_id)
             free = [free[0] + r.slots, free[1] + r.gpus, free[2] + r.ram, free[3] + 1]
-        if free[0] >= share[0] and free[1] >= share[1] and free[2] >= share[2] and free[3] >= 1:
+        if _holds(free, share):
             costs.append((len(chosen), b.name, chosen))
     if len(costs) < n:
         return []
