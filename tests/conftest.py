@@ -18,6 +18,21 @@ from tests.sse import TOKENS
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
+
+def long_job(name: str, steps: int, *, checkpoint_every: int = 25) -> dict[str, Any]:
+    """A job that a fault must land in the middle of. Its steps cost compute (about 50 ms each on
+    an idle 2-core machine, 2-4x that under the test suite's own load), not service overhead: a
+    tiny model over thousands of steps outlasts a fault just as well, but spends minutes relaying
+    metrics, and the suite ran past its time budget. 300 steps leave ~14 s after step 10 idle."""
+    return {
+        "name": name,
+        "model": {"kind": "mlp", "layers": 2, "d_model": 256, "seq_len": 32},
+        "data": {"max_chars": 20_000},
+        "train": {"steps": steps, "batch_size": 16, "eval_every": steps, "eval_batches": 1},
+        "checkpoint_every": checkpoint_every,
+    }
+
+
 TINY_SPEC: dict[str, Any] = {
     "name": "tiny",
     "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},

@@ -41,6 +41,7 @@ from core.messages import parse_line
 from db import jobs as dbj
 from db.engine import session_for
 from db.models import Job, Reservation
+from tests.conftest import long_job
 from workers.execute import trainer_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -306,14 +307,8 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     assert_same_losses(got, g.reference())
 
 
-LOW_STEPS = 3000
-LOW: dict[str, Any] = {
-    "name": "low",
-    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
-    "data": {"max_chars": 20_000},
-    "train": {"steps": LOW_STEPS, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
-    "checkpoint_every": 100,
-}
+LOW_STEPS = 300
+LOW = long_job("low", LOW_STEPS)
 
 
 def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang) -> None:

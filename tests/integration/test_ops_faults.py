@@ -21,7 +21,7 @@ from db.engine import session_for
 from db.jobs import create_job
 from db.models import User
 from db.users import create_user
-from tests.conftest import StackHandle
+from tests.conftest import StackHandle, long_job
 from tests.fullfs import full_disk
 from tests.sse import read_sse
 
@@ -70,9 +70,9 @@ def _loss_steps(frames: list) -> list[int]:
 
 def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None:
     h = ops_stack
-    # long enough that the restart lands mid-job on an idle machine too (about a millisecond a step;
-    # 100 steps had ended before the restart in one run)
-    spec = {**FAST, "train": {**FAST["train"], "steps": 3000, "eval_every": 1000}}
+    # long enough that the restart lands mid-job on an idle machine too (100 steps of FAST had
+    # ended before the restart in one run)
+    spec = long_job("redis-restart", 300)
     job = h.submit(spec)
     frames: list = []
     reader = threading.Thread(
@@ -100,8 +100,8 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
 
 def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None:
     h = ops_stack
-    # long enough to outlast the restart on an idle machine (about a millisecond a step there)
-    job = h.submit({**FAST, "train": {**FAST["train"], "steps": 4000, "eval_every": 1000}})
+    # long enough to outlast the restart on an idle machine
+    job = h.submit(long_job("api-restart", 300))
     follow = _follow(h, job["id"])
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
     h.stack.restart_api()

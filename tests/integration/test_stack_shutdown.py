@@ -17,19 +17,13 @@ import pytest
 from api.stack import free_port
 from db.engine import session_for
 from db.models import Job
+from tests.conftest import long_job
 
 pytestmark = pytest.mark.integration
 
-# long enough that the job is still running when the SIGTERM lands, on an idle machine too (a
-# step of this model takes about a millisecond there)
-STEPS = 4000
-SPEC = {
-    "name": "warm",
-    "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
-    "data": {"max_chars": 20_000},
-    "train": {"steps": STEPS, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
-    "checkpoint_every": 100,
-}
+# long enough that the job is still running when the SIGTERM lands, on an idle machine too
+STEPS = 300
+SPEC = long_job("warm", STEPS)
 
 
 def _start(root: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
