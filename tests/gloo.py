@@ -18,7 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import multiprocessing
+
 import torch.multiprocessing as mp
+
+# Ranks start from a fork server that imported torch and the trainer once, not from a fresh
+# interpreter each (spawn): on the test machine's two cores every spawned rank spent seconds of
+# CPU importing torch before its first collective. The server forks before any op has run, so no
+# OpenMP or gloo thread exists in it to be lost across the fork (what makes plain fork unsafe).
+_PRELOAD = ["torch", "torch.distributed", "trainer.runner", "trainer.loop"]
+multiprocessing.set_forkserver_preload(_PRELOAD)
 
 
 def free_port() -> int:
@@ -66,7 +75,7 @@ def run_ranks(
             args=(fn, world_size, free_port(), tmp, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         try:
             import time
