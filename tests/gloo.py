@@ -9,6 +9,7 @@ traceback. Keep models tiny: every rank shares the machine's two cores.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -17,8 +18,6 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import multiprocessing
 
 import torch.multiprocessing as mp
 
