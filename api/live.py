@@ -141,6 +141,8 @@ class _Hub:
         self.pending: dict[str, asyncio.Future[bool]] = {}
         self.task: asyncio.Task[None] | None = None
         self.kick = asyncio.Event()
+        self.resubscribe: set[str] = set()
+        """Channels the broker unsubscribed while streams still follow them (see _dispatch)."""
         self.next_try = 0.0
         self.warned = False
 
@@ -211,6 +213,12 @@ class _Hub:
                     continue
                 if msg is not None:
                     self._dispatch(msg)
+                if self.resubscribe and self.pubsub is not None:
+                    channels, self.resubscribe = list(self.resubscribe), set()
+                    try:
+                        await self.pubsub.subscribe(*channels)
+                    except (RedisError, OSError) as e:
+                        self._drop(e)
         finally:
             self._settle_pending(False)
             await self._discard(self.client, self.pubsub)
@@ -271,6 +279,15 @@ class _Hub:
                 waiting.set_result(True)
             for sub in self.subs[channel]:
                 sub._subscribed()
+        elif kind == "unsubscribe" and channel in self.subs:
+            # remove()'s UNSUBSCRIBE of a channel's last stream can reach the broker after the
+            # SUBSCRIBE of a stream that came meanwhile (wait_for runs it as a task on 3.11): the
+            # broker's last word is then "unsubscribed". Subscribe again; what was published in
+            # between is gone, so the streams catch up from the database.
+            self.confirmed.discard(channel)
+            self.resubscribe.add(channel)
+            for sub in self.subs[channel]:
+                sub._lost()
 
     def _drop(self, e: BaseException) -> None:
         """The connection failed: every stream follows the database until the hub is back."""
