@@ -212,7 +212,11 @@ class _Hub:
                     self._drop(e)
                     continue
                 if msg is not None:
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - the reader must outlive one bad message
+                        # (a dead reader leaves every stream of the process `up` and deaf)
+                        log.exception("streams: a message could not be handed out; skipped")
                 if self.resubscribe and self.pubsub is not None:
                     channels, self.resubscribe = list(self.resubscribe), set()
                     try:
@@ -267,7 +271,7 @@ class _Hub:
         if kind == "message":
             try:
                 body = _decode(msg["data"])
-            except ValueError:  # not ours (someone published by hand): the streams go on
+            except (ValueError, RecursionError):  # not ours (published by hand): the streams go on
                 log.warning("streams: a message on %s is not JSON; skipped", channel)
                 return
             for sub in self.subs.get(channel, ()):

@@ -169,3 +169,19 @@ def test_a_stream_that_opens_while_the_last_one_on_its_channel_closes_still_hear
         await keep.close()
 
     asyncio.run(main())
+
+
+def test_a_message_that_breaks_the_decoder_does_not_silence_the_channel(broker: Stack) -> None:
+    url = broker.broker_url
+
+    async def main() -> None:
+        s = LiveChannel(url, "job:6")
+        assert await s.connect()
+        # valid JSON too deep for json.loads: RecursionError, not ValueError
+        deep = b"[" * 200_000 + b"]" * 200_000
+        await asyncio.to_thread(lambda: redis.Redis.from_url(url).publish("job:6", deep))
+        await asyncio.to_thread(_publish, url, "job:6", {"type": "event", "id": 2})
+        assert await s.next(timeout=5) == {"type": "event", "id": 2}
+        await s.close()
+
+    asyncio.run(main())
