@@ -47,7 +47,8 @@ class LiveChannel:
     """One stream's subscription to `channel`. `await next(timeout)` gives the next decoded message
     or None (nothing within `timeout`, or the broker is down). `resubscribed` turns True after a
     lost subscription came back, or when messages were dropped: the caller must catch up from the
-    database, since whatever was published meanwhile is gone."""
+    database, since whatever was published meanwhile is gone, and do so before it relays a newer
+    message (whose ids would otherwise move its cursor past the gap: api/sse.py)."""
 
     def __init__(self, broker_url: str, channel: str) -> None:
         self.url = broker_url
