@@ -47,7 +47,8 @@ class LiveChannel:
     """One stream's subscription to `channel`. `await next(timeout)` gives the next decoded message
     or None (nothing within `timeout`, or the broker is down). `resubscribed` turns True after a
     lost subscription came back, or when messages were dropped: the caller must catch up from the
-    database, since whatever was published meanwhile is gone."""
+    database, since whatever was published meanwhile is gone, and do so before it relays a newer
+    message (whose ids would otherwise move its cursor past the gap: api/sse.py)."""
 
     def __init__(self, broker_url: str, channel: str) -> None:
         self.url = broker_url
@@ -141,6 +142,8 @@ class _Hub:
         self.pending: dict[str, asyncio.Future[bool]] = {}
         self.task: asyncio.Task[None] | None = None
         self.kick = asyncio.Event()
+        self.resubscribe: set[str] = set()
+        """Channels the broker unsubscribed while streams still follow them (see _dispatch)."""
         self.next_try = 0.0
         self.warned = False
 
@@ -210,7 +213,17 @@ class _Hub:
                     self._drop(e)
                     continue
                 if msg is not None:
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - the reader must outlive one bad message
+                        # (a dead reader leaves every stream of the process `up` and deaf)
+                        log.exception("streams: a message could not be handed out; skipped")
+                if self.resubscribe and self.pubsub is not None:
+                    channels, self.resubscribe = list(self.resubscribe), set()
+                    try:
+                        await self.pubsub.subscribe(*channels)
+                    except (RedisError, OSError) as e:
+                        self._drop(e)
         finally:
             self._settle_pending(False)
             await self._discard(self.client, self.pubsub)
@@ -259,7 +272,7 @@ class _Hub:
         if kind == "message":
             try:
                 body = _decode(msg["data"])
-            except ValueError:  # not ours (someone published by hand): the streams go on
+            except (ValueError, RecursionError):  # not ours (published by hand): the streams go on
                 log.warning("streams: a message on %s is not JSON; skipped", channel)
                 return
             for sub in self.subs.get(channel, ()):
@@ -271,6 +284,15 @@ class _Hub:
                 waiting.set_result(True)
             for sub in self.subs[channel]:
                 sub._subscribed()
+        elif kind == "unsubscribe" and channel in self.subs:
+            # remove()'s UNSUBSCRIBE of a channel's last stream can reach the broker after the
+            # SUBSCRIBE of a stream that came meanwhile (wait_for runs it as a task on 3.11): the
+            # broker's last word is then "unsubscribed". Subscribe again; what was published in
+            # between is gone, so the streams catch up from the database.
+            self.confirmed.discard(channel)
+            self.resubscribe.add(channel)
+            for sub in self.subs[channel]:
+                sub._lost()
 
     def _drop(self, e: BaseException) -> None:
         """The connection failed: every stream follows the database until the hub is back."""

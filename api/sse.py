@@ -139,9 +139,9 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     return out, ended
 
 
-async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool]:
-    """Everything after `cur` from the database; ([], False) when the database cannot be read
-    right now (locked, restarting): the next poll tries again."""
+async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
+    """Everything after `cur` from the database: (frames, whether the job is over, whether the
+    read went through). A read that failed (locked, restarting) leaves the rest to the next poll."""
     out: list[str] = []
     more = True
     try:
@@ -150,8 +150,8 @@ async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[
             out.extend(frames)
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
-        return out, False
-    return out, terminal
+        return out, False, False
+    return out, terminal, True
 
 
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
@@ -169,28 +169,36 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         if terminal:
             return
         last_sent = last_check = time.monotonic()
+        behind = False
         while True:
             msg = await live.next(timeout=1.0)
             now = time.monotonic()
+            # a lost publish (the broker restarted, or is down: then poll every second) must not
+            # stall the client: catch up from the database, at least once per keep-alive interval
+            # (rarely: with many open streams these reads cost every other request latency).
+            # After a gap (`resubscribed`: messages dropped or lost) that read comes before `msg`:
+            # a newer message would move the cursor past the rows the gap held, and no replay
+            # would send them; until a read goes through, live messages wait for the database
+            if live.resubscribed:
+                live.resubscribed, behind, last_check = False, True, float("-inf")
+            recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up and not behind else 1.0
+            if now - last_check > recheck:
+                last_check = now
+                frames, terminal, ok = await _catch_up(settings, job_id, cur)
+                if frames:
+                    yield "".join(frames)
+                    last_sent = now
+                if terminal:
+                    return
+                behind = behind and not ok
+            if behind:
+                msg = None  # its rows come with the next read of the database
             if msg is not None:
                 frames, ended = _live_frames(msg, cur)
                 if frames:
                     yield "".join(frames)  # one write for a message's frames, not one each
                     last_sent = now
                 if ended:
-                    return
-            # a lost publish (the broker restarted, or is down: then poll every second) must not
-            # stall the client: catch up from the database, at least once per keep-alive interval
-            # (rarely: with many open streams these reads cost every other request latency)
-            recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up else 1.0
-            if live.resubscribed or now - last_check > recheck:
-                live.resubscribed = False
-                last_check = now
-                frames, terminal = await _catch_up(settings, job_id, cur)
-                if frames:
-                    yield "".join(frames)
-                    last_sent = now
-                if terminal:
                     return
             if now - last_sent > settings.sse_keepalive_s:
                 last_sent = now

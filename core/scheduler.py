@@ -119,7 +119,7 @@ class Box:
 
 @dataclass(slots=True)
 class Running:
-    """A running (or reserved) job's share of one worker, for preemption."""
+    """A running job's share of one worker, for preemption."""
 
     job_id: int
     priority: int
@@ -481,7 +481,9 @@ def read_state(
             b.free_gpus -= h.gpus
             b.free_ram -= h.ram_bytes
             b.free_tasks -= 1
-            if h.trial_ids is None:  # a selection group is not preempted
+            # a selection group is not preempted; nor is a job reserved but not started yet
+            # (request_preemption asks running jobs only: choosing it would ask nobody)
+            if h.trial_ids is None and h.status == JobStatus.running:
                 running[(h.job_id, h.worker)] = Running(
                     h.job_id, h.priority, h.worker, h.slots, h.gpus, h.ram_bytes, h.job_id in preempting
                 )

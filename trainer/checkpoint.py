@@ -72,7 +72,15 @@ def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: 
 
 
 def _by_step(directory: Path) -> list[Path]:
-    return sorted(directory.glob(f"{_PREFIX}*{_SUFFIX}"))
+    """Oldest first, by the step number: the names are zero-padded to 8 digits only, so past
+    99,999,999 their order is not the steps' (and pruning would remove the newest)."""
+    steps = []
+    for path in directory.glob(f"{_PREFIX}*{_SUFFIX}"):
+        try:
+            steps.append((int(path.name[len(_PREFIX) : -len(_SUFFIX)]), path))
+        except ValueError:
+            continue
+    return [path for _, path in sorted(steps)]
 
 
 def prune_checkpoints(directory: Path, *, keep: int) -> list[Path]:
@@ -111,13 +119,7 @@ def checkpoint_steps(directory: Path | None) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint in `directory` by its name, newest first (not checked)."""
     if directory is None or not directory.is_dir():
         return []
-    out = []
-    for path in _by_step(directory):
-        try:
-            out.append((int(path.stem.removeprefix(_PREFIX)), path))
-        except ValueError:
-            continue
-    return out[::-1]
+    return [(int(path.name[len(_PREFIX) : -len(_SUFFIX)]), path) for path in reversed(_by_step(directory))]
 
 
 def set_aside(path: Path, why: str) -> None:

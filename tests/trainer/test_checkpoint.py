@@ -18,6 +18,7 @@ from tests.fullfs import full_disk
 from trainer.checkpoint import (
     CheckpointError,
     checkpoint_path,
+    checkpoint_steps,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -138,3 +139,12 @@ def test_a_full_disk_fails_the_trainer_with_the_reason_and_leaves_no_partial_fil
     assert len(errors) == 1 and reason in errors[0], (errors, stderr[-2000:])
     assert [ln["step"] for ln in lines if ln["kind"] == "metric" and ln["name"] == "loss"] == [1, 2]
     assert left == []  # neither a partial step-*.pt nor the temporary file
+
+
+def test_steps_past_eight_digits_still_sort_by_number(tmp_path: Path) -> None:
+    # names are zero-padded to 8 digits: step 100,000,000 sorts before 99,999,999 by name
+    for step in (99_999_999, 100_000_000):
+        save_checkpoint(tmp_path, step=step, state={}, keep=1)
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-100000000.pt"]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 100_000_000)
+    assert [s for s, _ in checkpoint_steps(tmp_path)] == [100_000_000]

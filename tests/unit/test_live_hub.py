@@ -150,3 +150,38 @@ def test_a_message_that_is_not_json_is_skipped_and_the_stream_goes_on(broker: St
         await s.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_that_opens_while_the_last_one_on_its_channel_closes_still_hears_it(broker: Stack) -> None:
+    url = broker.broker_url
+
+    async def main() -> None:
+        keep = LiveChannel(url, "job:2")  # keeps the hub (and its connection) alive
+        first = LiveChannel(url, "job:1")
+        assert await keep.connect() and await first.connect()
+        second = LiveChannel(url, "job:1")
+        # the last stream on job:1 leaves as a new one comes: the channel must end up subscribed
+        await asyncio.gather(first.close(), second.connect())
+        await _until(lambda: second.up and _numsub(url, "job:1") == 1, timeout=5)
+        await asyncio.to_thread(_publish, url, "job:1", {"type": "event", "id": 5})
+        assert await second.next(timeout=5) == {"type": "event", "id": 5}
+        await second.close()
+        await keep.close()
+
+    asyncio.run(main())
+
+
+def test_a_message_that_breaks_the_decoder_does_not_silence_the_channel(broker: Stack) -> None:
+    url = broker.broker_url
+
+    async def main() -> None:
+        s = LiveChannel(url, "job:6")
+        assert await s.connect()
+        # valid JSON too deep for json.loads: RecursionError, not ValueError
+        deep = b"[" * 200_000 + b"]" * 200_000
+        await asyncio.to_thread(lambda: redis.Redis.from_url(url).publish("job:6", deep))
+        await asyncio.to_thread(_publish, url, "job:6", {"type": "event", "id": 2})
+        assert await s.next(timeout=5) == {"type": "event", "id": 2}
+        await s.close()
+
+    asyncio.run(main())

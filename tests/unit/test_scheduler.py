@@ -502,3 +502,24 @@ def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
     woken = ticks[1:]
     assert 2 <= len(woken) <= 1.0 / WAKE_GAP_S + 1, ticks
     assert min(b - a for a, b in zip(ticks, ticks[1:], strict=False)) >= WAKE_GAP_S - 0.02
+
+
+def test_preemption_asks_a_running_job_not_one_only_reserved(db_url: str) -> None:
+    """A lower-priority job that is reserved but not started cannot be asked to checkpoint
+    (request_preemption asks running jobs): choosing it asked nobody and said it had."""
+    _beat(db_url, "w1@h", slots=1, tasks=1)
+    _beat(db_url, "w2@h", slots=1, tasks=1)
+    waiting, started = _job(db_url), _job(db_url)
+    sent = Sent()
+    sched = _sched(db_url, sent, preemption=True)
+    sched.tick()
+    where = {job_id: queue.removeprefix("node.") for job_id, queue, _, _ in sent.calls}
+    assert where == {waiting: "w1@h", started: "w2@h"}
+    with session_for(db_url) as s:  # only the job on w2 has started
+        assert dbj.claim_job(s, job_id=started, owner="p", worker="w2@h", lease_s=30, reserved=True)
+    high = _job(db_url, priority=5)
+    sched.tick()
+    with session_for(db_url) as s:
+        assert dbj.get_job(s, started).preempt_requested
+        assert not dbj.get_job(s, waiting).preempt_requested
+        assert f"preempting job(s) {started}" in dbj.get_job(s, high).wait_reason

@@ -1,0 +1,73 @@
+"""A job stream that falls behind its channel (a slow client: api/live.py drops its backlog) or
+loses it (a broker restart) catches up from the database before it relays anything newer, so the
+points it missed are sent and not skipped by the cursor moving past them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+import api.live
+from api.sse import job_events
+from api.stack import Stack
+from core.broker import job_channel
+from core.settings import Settings
+from db.engine import session_for
+from db.jobs import create_job
+from db.migrate import upgrade
+from db.models import MetricPoint
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(root=tmp_path)
+    stack.start_redis()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_stream_that_dropped_its_backlog_still_sends_every_point(
+    broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api.live, "_BACKLOG", 3)  # a client this far behind drops what waits
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
+    with session_for(url) as s:
+        job_id = create_job(s, name="j", spec={}).id
+
+    def write_and_publish(steps: range) -> None:
+        with redis.Redis.from_url(broker.broker_url) as r, session_for(url) as s:
+            for step in steps:
+                p = MetricPoint(job_id=job_id, step=step, name="loss", value=1.0 / step, time=time.time())
+                s.add(p)
+                s.commit()
+                point = {"id": p.id, "step": step, "name": "loss", "value": p.value, "time": p.time}
+                r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": [point]}))
+
+    async def main() -> set[int]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)  # the replay
+        # the client reads nothing while ten points are published: the stream's backlog overflows
+        await asyncio.to_thread(write_and_publish, range(1, 11))
+        await asyncio.sleep(0.5)
+        steps: set[int] = set()
+        deadline = time.monotonic() + 20
+        while len(steps) < 10 and time.monotonic() < deadline:
+            chunk = await anext(stream)
+            steps |= {
+                json.loads(line[6:])["step"] for line in chunk.splitlines() if line.startswith("data: ")
+            }
+        await stream.aclose()
+        return steps
+
+    assert asyncio.run(main()) == set(range(1, 11))
