@@ -16,6 +16,13 @@ from api.stack import Stack
 from db.migrate import upgrade
 from tests.sse import TOKENS
 
+# Every process the tests start (stacks, workers, trainers) computes on one thread. The suite runs
+# two pytest processes on two cores, often each with a trainer: with torch's default of a thread
+# per core, OpenMP threads spin-wait on cores the other trainer holds, and one CI run under load
+# saw a 50 ms step of long_job take 1.4 s. Set before any child starts; tests/gloo.py and the
+# in-process trainer tests set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
