@@ -19,7 +19,7 @@ from sqlalchemy import select
 from api.stack import Stack
 from db.engine import session_for
 from db.models import JobEvent
-from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
+from tests.conftest import TERMINAL, TINY_SPEC, StackHandle, long_job
 
 pytestmark = pytest.mark.integration
 
@@ -37,13 +37,11 @@ BLOCKER = {
     "priority": 50,
     "train": {**TINY_SPEC["train"], "steps": 100_000, "eval_every": 50_000},
 }
-STEPS = 20
-PREEMPTIBLE = {
-    **TINY_SPEC,
-    "name": "preemptible",
-    "checkpoint_every": 4,
-    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
-}
+# long enough that the preemption lands mid-job (20 steps of TINY_SPEC had ended before it in one
+# CI run)
+STEPS = 300
+_LONG = long_job("preemptible", STEPS)
+PREEMPTIBLE = {**_LONG, "train": {**_LONG["train"], "eval_every": 100}}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +161,7 @@ def test_preemption_requeues_and_the_job_still_finishes_exactly_once(two: StackH
     assert done["attempts"] == 2
     got = two.client.get(f"/api/jobs/{victim}/metrics", params={"names": "loss,val_loss"}).json()
     assert got["series"]["loss"]["steps"] == list(range(1, STEPS + 1))
-    assert got["series"]["val_loss"]["steps"] == [10, 20]
+    assert got["series"]["val_loss"]["steps"] == [100, 200, 300]
     events = two.client.get(f"/api/jobs/{victim}/logs").json()["items"]
     requeued = [e for e in events if e["kind"] == "status" and e["message"] == "queued" and e["data"]]
     assert any(f"preempted by job {urgent}" in (e["data"].get("reason") or "") for e in requeued), requeued
