@@ -35,13 +35,15 @@ it holds, and materialises just those layers (`materialize`).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 class RecipeError(RuntimeError):
@@ -83,9 +85,38 @@ def layer_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * (index + 1))
 
 
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Skips the in-place initialisers a module's constructor runs on meta tensors. They compute
+    nothing there (init_layer initialises every tensor once it is real), yet in torch 2.13 the
+    first meta `normal_` (nn.Embedding's) goes through a Python reference that imports torch._dynamo:
+    about 2 s of CPU in every process that builds a model, each rank of a parallel job included."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INITIALISERS:
+            # torch.nn.init passes its tensor by keyword, Tensor methods as self
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+_INITIALISERS = frozenset(
+    {"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "constant_", "ones_", "zeros_"}
+    | {"kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_"}
+)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device (shapes only, no memory, no initialisation)."""
+    with torch.device("meta"), _SkipInitOnMeta():
+        yield
+
+
 def meta_layers(recipe: ModelRecipe) -> list[nn.Module]:
     """Every layer on the meta device: shapes and parameter counts, no memory."""
-    with torch.device("meta"):
+    with on_meta():
         return [recipe.build_layer(i) for i in range(recipe.n_layers)]
 
 
@@ -94,7 +125,7 @@ def materialize_layer(
 ) -> nn.Module:
     """Layer `index` alone, initialised as in the single-process reference. Built on meta, made
     real on CPU (so the CPU generator gives the same numbers on any device), then moved."""
-    with torch.device("meta"):
+    with on_meta():
         layer = recipe.build_layer(index)
     layer = layer.to_empty(device="cpu")
     # poison floats first: a tensor init_layer forgets shows up here, not as a quietly wrong run
