@@ -7,13 +7,15 @@ name. A file that is damaged anyway (truncated by a copy, corrupted on disk) fai
 and is never loaded: the loader takes the newest intact one and renames the bad one aside.
 
 After each save only the newest `keep` checkpoints stay (SHARDYARD_CHECKPOINT_KEEP, default 3; 0
-keeps all).
+keeps all), and the temporary files of writers that died mid-write (kill -9, OOM) are removed once
+they are stale: their process is gone and the file has not changed for STALE_TMP_S.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,10 @@ _PREFIX = "step-"
 _SUFFIX = ".pt"
 KEEP_ENV = "SHARDYARD_CHECKPOINT_KEEP"
 DEFAULT_KEEP = 3
+STALE_TMP_S = 600.0
+"""A temporary file untouched this long whose writer is not a live process here was left by a
+writer that died. The age matters as much as the process: a folder shared between nodes holds
+temporaries of writers this node cannot see, and a live writer touches its file as it writes."""
 
 
 class CheckpointError(RuntimeError):
@@ -68,7 +74,35 @@ def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: 
         raise
     _fsync_dir(directory)
     prune_checkpoints(directory, keep=keep_from_env() if keep is None else keep)
+    remove_stale_temporaries(directory)
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path, *, older_than_s: float = STALE_TMP_S) -> list[Path]:
+    """Remove `.step-*.pt.<pid>.tmp` files left by writers that died mid-write: their pid is not a
+    live process and they have not changed for `older_than_s`. Returns what was removed."""
+    removed = []
+    now = time.time()
+    for tmp in directory.glob(f".{_PREFIX}*{_SUFFIX}.*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 2)[-2])
+            stale = now - tmp.stat().st_mtime > older_than_s
+        except (ValueError, OSError):
+            continue
+        if pid != os.getpid() and stale and not _alive(pid):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def _by_step(directory: Path) -> list[Path]:

@@ -148,3 +148,49 @@ def test_steps_past_eight_digits_still_sort_by_number(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-100000000.pt"]
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 100_000_000)
     assert [s for s, _ in checkpoint_steps(tmp_path)] == [100_000_000]
+
+
+_KILLED_WRITER = """
+import sys, time, torch
+from pathlib import Path
+import trainer.checkpoint as ck
+
+real_save = torch.save
+def slow_save(obj, f):  # writes part of the file, then hangs: the kill lands mid-write
+    f.write(b"PK" * 4096); f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+torch.save = slow_save
+ck.save_checkpoint(Path(sys.argv[1]), step=7, state={"model": {"w": torch.zeros(4)}})
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_temporary_that_a_later_save_removes_once_stale(
+    tmp_path: Path,
+) -> None:
+    """kill -9 during a save leaves `.step-*.pt.<pid>.tmp` (the rename never ran). A later save
+    removes it once its writer is gone and it is stale; a fresh one, or one whose writer is alive,
+    stays (a folder shared between nodes holds live writers' temporaries this node cannot see)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    (left,) = tmp_path.glob(".step-*.tmp")
+    assert left.name == f".step-00000007.pt.{proc.pid}.tmp"
+
+    live = tmp_path / f".step-00000009.pt.{os.getppid()}.tmp"  # a live process's (the test runner's parent)
+    live.write_bytes(b"x")
+    old = 1_000_000_000  # 2001: far past any staleness
+    os.utime(live, (old, old))
+
+    save_checkpoint(tmp_path, step=8, state=_state(8))
+    assert left.exists(), "a temporary that changed a moment ago may belong to a writer still at work"
+
+    os.utime(left, (old, old))
+    save_checkpoint(tmp_path, step=9, state=_state(9))
+    assert not left.exists()
+    assert live.exists()
+    assert [s for s, _ in checkpoint_steps(tmp_path)] == [9, 8]
