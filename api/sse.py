@@ -6,6 +6,15 @@ reconnects with Last-Event-ID gets exactly the points and events it has not seen
 writes rows first and publishes their ids after, so everything on the channel is also in the
 database: we subscribe *before* replaying and drop channel messages the replay already covered.
 
+A job's events have several writers (the worker's relay, the API's cancel, the scheduler's logs),
+each publishing after its own commit, so their ids can reach the channel out of order: the
+cancel's 101 before the relay's 100. The cursor keeps the highest id sent, and beside it the ids
+this stream has sent (`Cursor.sent`), so an event below the cursor that it has not sent still goes
+out (under the cursor's id, which does not move back). What remains: a client that reconnects
+after the higher id reached it and before the lower one was published resumes past the lower one
+and never gets it (each event is published once); the window is one writer's commit-to-publish
+time.
+
 A stream holds no database connection while it waits: each read is its own short session. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
 redis-server restart costs the client latency, never a point.
@@ -18,7 +27,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -37,10 +46,29 @@ _REPLAY_CHUNK = 5000
 _DB_RECHECK_S = 15.0
 
 
+_SENT_KEPT = 4096
+
+
 @dataclass(slots=True)
 class Cursor:
     metric: int = 0
     event: int = 0
+    sent: set[int] = field(default_factory=set, compare=False, repr=False)
+    """Event ids this stream has sent (the newest _SENT_KEPT); below `floor` counts as sent."""
+    floor: int = 0
+
+    def takes_event(self, event_id: int) -> bool:
+        """Whether an event is new to this stream: above the cursor, or below it but not sent yet
+        (another writer's, published late); then it is recorded as sent and the cursor moves up
+        to it, never back."""
+        if event_id <= self.floor or event_id in self.sent:
+            return False
+        self.sent.add(event_id)
+        self.event = max(self.event, event_id)
+        if len(self.sent) > _SENT_KEPT:
+            kept = sorted(self.sent)[_SENT_KEPT // 2 :]
+            self.floor, self.sent = kept[0] - 1, set(kept)
+        return True
 
     @classmethod
     def parse(cls, raw: str | None) -> Cursor:
@@ -85,7 +113,8 @@ def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bo
                 )
             )
         for ev in events:
-            cur.event = ev.id
+            if not cur.takes_event(ev.id):
+                continue
             row = {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
             out.append(event_frame(row, cur))
     more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
@@ -132,8 +161,7 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
         if len(written) < 8:
             written[start] = (out, cur.metric)
         return out, False
-    elif msg.get("type") == "event" and msg["id"] > cur.event:
-        cur.event = msg["id"]
+    elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
         ended = msg["kind"] == "status" and msg["message"] in TERMINAL
     return out, ended

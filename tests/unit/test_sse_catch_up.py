@@ -71,3 +71,58 @@ def test_a_stream_that_dropped_its_backlog_still_sends_every_point(
         return steps
 
     assert asyncio.run(main()) == set(range(1, 11))
+
+
+def test_events_of_two_writers_published_out_of_order_are_both_sent_once(
+    broker: Stack, tmp_path: Path
+) -> None:
+    """A job's events have several writers, each publishing after its own commit: the relay's
+    event 100 can reach the channel after the API's 101. The stream sends both (the cursor used
+    to move to 101 and drop 100 for good, from the live stream and from every replay), and a
+    message it already sent, published again, is not sent twice."""
+    from db.models import JobEvent
+
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
+    with session_for(url) as s:
+        job_id = create_job(s, name="j", spec={}).id
+
+    def commit(message: str) -> dict:
+        with session_for(url) as s:
+            ev = JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=None)
+            s.add(ev)
+            s.commit()
+            return {
+                "type": "event",
+                "id": ev.id,
+                "kind": "log",
+                "message": message,
+                "data": None,
+                "time": ev.time,
+            }
+
+    def publish(*msgs: dict) -> None:
+        with redis.Redis.from_url(broker.broker_url) as r:
+            for m in msgs:
+                r.publish(job_channel(job_id), json.dumps(m))
+
+    async def main() -> list[str]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)  # the replay
+        relay_ev = await asyncio.to_thread(commit, "from the relay")  # committed first ...
+        api_ev = await asyncio.to_thread(commit, "from the api")
+        await asyncio.to_thread(publish, api_ev, relay_ev, api_ev)  # ... published last; one twice
+        await asyncio.to_thread(publish, await asyncio.to_thread(commit, "end"))
+        got: list[str] = []
+        deadline = time.monotonic() + 20
+        while "end" not in got and time.monotonic() < deadline:
+            chunk = await asyncio.wait_for(anext(stream), timeout=deadline - time.monotonic())
+            got += [
+                json.loads(line[6:])["message"] for line in chunk.splitlines() if line.startswith("data: ")
+            ]
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(main()) == ["from the api", "from the relay", "end"]
