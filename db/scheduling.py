@@ -572,6 +572,8 @@ def reserve(
     try:
         # the lock first: on SQLite this write makes the transaction a writer before any read
         conn.execute(_LOCK_WORKERS, {"workers": workers})
+        if trial_ids is not None:
+            _lock_selections(session, trial_ids)
         job = conn.execute(_TAKE_JOB, {"job": job_id, "n_nodes": len(nodes), "at": utcnow()}).first()
         if job is None:
             session.rollback()
@@ -647,9 +649,25 @@ def reserve(
     return [Reserved(id=i, **r) for i, r in zip(ids, rows, strict=True)]
 
 
+def _lock_selections(session: Session, trial_ids: Sequence[int]) -> None:
+    """Lock the selection rows of a group's trials (Postgres: FOR UPDATE, held to the commit), so
+    two schedulers (one with a lapsed lease, still mid-tick) reserving overlapping groups of one
+    batch on different workers take turns: the worker-row lock orders only groups on the same
+    worker, and without this both read the trials as free and both booked them. The second's
+    reads come after the first's commit (READ COMMITTED reads each statement afresh) and see its
+    reservation. Taken after the workers' rows and before any job row, the order every
+    reservation locks in, so two reservations never wait on each other in a cycle. SQLite has one
+    writer at a time already."""
+    selections = select(Trial.selection_id).where(Trial.id.in_(sorted(set(trial_ids)))).distinct()
+    session.connection().execute(
+        select(Selection.id).where(Selection.id.in_(selections)).order_by(Selection.id).with_for_update()
+    ).all()
+
+
 def _group_free(session: Session, trial_ids: Sequence[int]) -> bool:
     """Every trial of the group is queued and no other group's reservation holds any of them;
-    their jobs' wait reasons are cleared (in the caller's transaction)."""
+    their jobs' wait reasons are cleared (in the caller's transaction). The caller has locked the
+    group's selection (`_lock_selections`)."""
     conn = session.connection()
     ids = set(trial_ids)
     for held in conn.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):

@@ -320,3 +320,57 @@ def test_the_worker_runs_only_a_group_reserved_for_it_and_gives_back_one_over_qu
     assert _held(db_url) == []
     waiting = _trial_job(db_url, trials[0])
     assert waiting.status == "queued" and waiting.wait_reason == "1 of bo's jobs are running, the quota is 1"
+
+
+def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(db_url: str) -> None:
+    """Two schedulers (one with a lapsed lease, still mid-tick) reserve overlapping groups of one
+    batch on two different workers. The first is held inside its transaction after it read its
+    trials as free and before it wrote anything for them; the second must wait for it and then
+    find a trial taken. Before the selection row was locked, on Postgres the second booked trials
+    2 and 3 meanwhile and the first then booked 1 and 2 on what it had read (each worker's row
+    lock orders only its own reservations); SQLite has one writer at a time."""
+    import threading
+
+    from db import scheduling
+
+    _beat(db_url, "w1@h", slots=4, tasks=4)
+    _beat(db_url, "w2@h", slots=4, tasks=4)
+    _, trials = _batch(db_url, 3)
+    cap = {w: dbs.Capacity(slots=4, tasks=4, gpus=0, ram_bytes=64 * GiB) for w in ("w1@h", "w2@h")}
+    first_checked, go_on = threading.Event(), threading.Event()
+    real = scheduling.update
+
+    def held_after_the_reads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        # _group_free's first write (the trials' wait reasons) comes right after its reads
+        if threading.current_thread().name == "first" and not first_checked.is_set():
+            first_checked.set()
+            go_on.wait(timeout=30)
+        return real(*args, **kwargs)
+
+    scheduling.update = held_after_the_reads
+    got: dict[str, Any] = {}
+
+    def book(name: str, worker: str, group: list[int]) -> None:
+        job_id = _trial_job(db_url, group[0]).id
+        with session_for(db_url) as s:
+            got[name] = dbs.reserve(
+                s, job_id=job_id, nodes=[dbs.Node(worker, 1, 0, GiB)], capacity=cap, trial_ids=group
+            )
+
+    try:
+        a = threading.Thread(target=book, args=("first", "w1@h", trials[:2]), name="first")
+        a.start()
+        assert first_checked.wait(timeout=30)
+        b = threading.Thread(target=book, args=("second", "w2@h", trials[1:]), name="second")
+        b.start()
+        b.join(timeout=1.0)  # the second either waits for the first (locked) or books at once
+        go_on.set()
+        a.join(timeout=30)
+        b.join(timeout=30)
+    finally:
+        scheduling.update = real
+        go_on.set()
+    assert got["first"] is not None
+    assert got["second"] is None, "the second group was booked with a trial the first holds"
+    held = [t for _, ids, _ in _held(db_url) for t in ids or []]
+    assert sorted(held) == sorted(set(held)) == sorted(trials[:2])

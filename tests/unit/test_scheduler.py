@@ -295,10 +295,22 @@ def test_unclaimed_reservations_of_a_dead_worker_are_freed(db_url: str) -> None:
     _beat(db_url, "w1@h")
     job = _job(db_url)
     sent = Sent()
-    sched = _sched(db_url, sent, worker_alive_s=0.5)
+    sched = _sched(db_url, sent, worker_alive_s=5)
     sched.tick()
     assert sent.calls == [(job, "node.w1@h", 0, 1)]
-    time.sleep(0.7)  # w1 stops beating; w2 appears
+    # w1 stopped beating 10 s ago (its beat moved back: a sleep past a short window failed under
+    # load, when w2's own beat aged past it before the tick); w2 appears
+    from datetime import timedelta
+
+    from db.models import WorkerBeat
+
+    with session_for(db_url) as s:
+        s.execute(
+            update(WorkerBeat)
+            .where(WorkerBeat.name == "w1@h")
+            .values(last_seen=dbj.db_now(s) - timedelta(seconds=10))
+        )
+        s.commit()
     _beat(db_url, "w2@h")
     sched.tick()
     assert sent.calls[-1] == (job, "node.w2@h", 0, 1)
