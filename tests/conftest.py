@@ -112,6 +112,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
         st.stop()
 
 
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Stack]:
+    """A real redis-server of its own (no API, no worker), stopped after the test."""
+    stack = Stack(root=tmp_path)
+    stack.start_redis()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[str]:
     from tests.postgres import postgres_server

@@ -79,12 +79,13 @@ def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: 
 
 
 def _alive(pid: int) -> bool:
+    """A process with this pid exists here (another user's too: that raises PermissionError)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:
+        pass
     return True
 
 
@@ -105,23 +106,24 @@ def remove_stale_temporaries(directory: Path, *, older_than_s: float = STALE_TMP
     return removed
 
 
-def _by_step(directory: Path) -> list[Path]:
-    """Oldest first, by the step number: the names are zero-padded to 8 digits only, so past
-    99,999,999 their order is not the steps' (and pruning would remove the newest)."""
+def _by_step(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints oldest first, by the step number: the names are zero-padded
+    to 8 digits only, so past 99,999,999 their order is not the steps' (and pruning would remove
+    the newest). Names that do not parse are left out."""
     steps = []
     for path in directory.glob(f"{_PREFIX}*{_SUFFIX}"):
         try:
             steps.append((int(path.name[len(_PREFIX) : -len(_SUFFIX)]), path))
         except ValueError:
             continue
-    return [path for _, path in sorted(steps)]
+    return sorted(steps)
 
 
 def prune_checkpoints(directory: Path, *, keep: int) -> list[Path]:
     """Remove all but the newest `keep` checkpoints (0 keeps all); returns what was removed."""
     if keep <= 0 or not directory.is_dir():
         return []
-    old = _by_step(directory)[:-keep]
+    old = [path for _, path in _by_step(directory)[:-keep]]
     for p in old:
         p.unlink(missing_ok=True)
     return old
@@ -142,7 +144,7 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
     to `*.corrupt` (kept for inspection, never tried again) and reported on stderr."""
     if directory is None or not directory.is_dir():
         return None
-    for path in reversed(_by_step(directory)):
+    for _, path in reversed(_by_step(directory)):
         if is_intact(path):
             return path
         set_aside(path, "is damaged (incomplete or failed its CRC check)")
@@ -153,7 +155,7 @@ def checkpoint_steps(directory: Path | None) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint in `directory` by its name, newest first (not checked)."""
     if directory is None or not directory.is_dir():
         return []
-    return [(int(path.name[len(_PREFIX) : -len(_SUFFIX)]), path) for path in reversed(_by_step(directory))]
+    return _by_step(directory)[::-1]
 
 
 def set_aside(path: Path, why: str) -> None:

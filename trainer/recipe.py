@@ -85,6 +85,12 @@ def layer_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * (index + 1))
 
 
+_INITIALISERS = frozenset(  # Tensor methods and torch.nn.init functions
+    {"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "constant_", "ones_", "zeros_"}
+    | {"kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_"}
+)
+
+
 class _SkipInitOnMeta(TorchFunctionMode):
     """Skips the in-place initialisers a module's constructor runs on meta tensors. They compute
     nothing there (init_layer initialises every tensor once it is real), yet in torch 2.13 the
@@ -99,12 +105,6 @@ class _SkipInitOnMeta(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and t.is_meta:
                 return t
         return func(*args, **kwargs)
-
-
-_INITIALISERS = frozenset(
-    {"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "constant_", "ones_", "zeros_"}
-    | {"kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_"}
-)
 
 
 @contextlib.contextmanager

@@ -7,10 +7,12 @@ The broker is replaced by a recorder of what would be sent; the integration test
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import update
 
 from core.scheduler import Scheduler, queue_positions
@@ -322,23 +324,21 @@ def test_the_worker_runs_only_a_group_reserved_for_it_and_gives_back_one_over_qu
     assert waiting.status == "queued" and waiting.wait_reason == "1 of bo's jobs are running, the quota is 1"
 
 
-def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(db_url: str) -> None:
+def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two schedulers (one with a lapsed lease, still mid-tick) reserve overlapping groups of one
     batch on two different workers. The first is held inside its transaction after it read its
     trials as free and before it wrote anything for them; the second must wait for it and then
     find a trial taken. Before the selection row was locked, on Postgres the second booked trials
     2 and 3 meanwhile and the first then booked 1 and 2 on what it had read (each worker's row
     lock orders only its own reservations); SQLite has one writer at a time."""
-    import threading
-
-    from db import scheduling
-
     _beat(db_url, "w1@h", slots=4, tasks=4)
     _beat(db_url, "w2@h", slots=4, tasks=4)
     _, trials = _batch(db_url, 3)
     cap = {w: dbs.Capacity(slots=4, tasks=4, gpus=0, ram_bytes=64 * GiB) for w in ("w1@h", "w2@h")}
     first_checked, go_on = threading.Event(), threading.Event()
-    real = scheduling.update
+    real = dbs.update
 
     def held_after_the_reads(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         # _group_free's first write (the trials' wait reasons) comes right after its reads
@@ -347,7 +347,7 @@ def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(
             go_on.wait(timeout=30)
         return real(*args, **kwargs)
 
-    scheduling.update = held_after_the_reads
+    monkeypatch.setattr(dbs, "update", held_after_the_reads)
     got: dict[str, Any] = {}
 
     def book(name: str, worker: str, group: list[int]) -> None:
@@ -368,7 +368,6 @@ def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(
         a.join(timeout=30)
         b.join(timeout=30)
     finally:
-        scheduling.update = real
         go_on.set()
     assert got["first"] is not None
     assert got["second"] is None, "the second group was booked with a trial the first holds"

@@ -7,24 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import redis
 
 from api.live import _BACKLOG, LiveChannel, _Hub
 from api.stack import Stack
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(root=tmp_path)
-    stack.start_redis()
-    try:
-        yield stack
-    finally:
-        stack.stop()
 
 
 def _numsub(url: str, channel: str) -> int:

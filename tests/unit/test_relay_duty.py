@@ -8,7 +8,6 @@ that its trainer needs both cores of). Every line still lands, once."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import psutil
@@ -31,14 +30,9 @@ def _thread_cpu(native_id: int) -> float:
     raise AssertionError(f"no thread {native_id}")
 
 
-def test_the_flusher_keeps_to_its_share_of_a_core_and_loses_no_line(db_url: str, monkeypatch) -> None:
+def test_the_flusher_keeps_to_its_share_of_a_core_and_loses_no_line(db_url: str) -> None:
     sid, won = _batch(db_url, TRIALS)
-    relay = _relay(db_url, won)
-    relay._stop.set()  # replace the test helper's idle flusher by one at a busy floor
-    relay._thread.join()
-    relay._stop = threading.Event()
-    relay._thread = threading.Thread(target=relay._run, args=(0.05,), daemon=True)
-    relay._thread.start()
+    relay = _relay(db_url, won, flush_s=0.05)  # a busy floor
     flusher = relay._thread.native_id
     assert flusher is not None
 

@@ -30,10 +30,11 @@ def _batch(db_url: str, n: int) -> tuple[int, list[tuple[Trial, dbj.Attempt]]]:
         return sel.id, dbs.claim_trials(s, trial_ids=ids, owner="me", worker="w", lease_s=30)
 
 
-def _relay(db_url: str, won: list[tuple[Trial, dbj.Attempt]]) -> Relay:
+def _relay(db_url: str, won: list[tuple[Trial, dbj.Attempt]], *, flush_s: float = 3600) -> Relay:
+    """A relay over the claimed trials; by default its flusher never ticks (the test flushes)."""
     settings = Settings(database_url=db_url, broker_url="redis://127.0.0.1:9/0", lease_s=30, db_retry_s=5)
     targets = {t.index: Target(attempt=a, channels=(), trial_id=t.id) for t, a in won}
-    return Relay(settings, targets=targets, on_fenced=lambda _k: None, flush_s=3600)
+    return Relay(settings, targets=targets, on_fenced=lambda _k: None, flush_s=flush_s)
 
 
 def _feed(relay: Relay, *lines: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import event, update
@@ -26,7 +27,7 @@ from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
 from db.engine import get_engine, session_for
-from db.models import Job, JobStatus, Reservation
+from db.models import Job, JobStatus, Reservation, WorkerBeat
 from db.users import create_user
 
 GiB = 2**30
@@ -300,10 +301,6 @@ def test_unclaimed_reservations_of_a_dead_worker_are_freed(db_url: str) -> None:
     assert sent.calls == [(job, "node.w1@h", 0, 1)]
     # w1 stopped beating 10 s ago (its beat moved back: a sleep past a short window failed under
     # load, when w2's own beat aged past it before the tick); w2 appears
-    from datetime import timedelta
-
-    from db.models import WorkerBeat
-
     with session_for(db_url) as s:
         s.execute(
             update(WorkerBeat)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,28 +20,23 @@ from core.settings import Settings
 from db.engine import session_for
 from db.jobs import create_job
 from db.migrate import upgrade
-from db.models import MetricPoint
+from db.models import JobEvent, MetricPoint
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(root=tmp_path)
-    stack.start_redis()
-    try:
-        yield stack
-    finally:
-        stack.stop()
+def _one_job(broker: Stack, tmp_path: Path) -> tuple[str, Settings, int]:
+    """A migrated SQLite database holding one queued job, and settings pointing at `broker`."""
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
+    with session_for(url) as s:
+        return url, settings, create_job(s, name="j", spec={}).id
 
 
 def test_a_stream_that_dropped_its_backlog_still_sends_every_point(
     broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(api.live, "_BACKLOG", 3)  # a client this far behind drops what waits
-    url = f"sqlite:///{tmp_path / 'test.db'}"
-    upgrade(url)
-    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
-    with session_for(url) as s:
-        job_id = create_job(s, name="j", spec={}).id
+    url, settings, job_id = _one_job(broker, tmp_path)
 
     def write_and_publish(steps: range) -> None:
         with redis.Redis.from_url(broker.broker_url) as r, session_for(url) as s:
@@ -80,13 +74,7 @@ def test_events_of_two_writers_published_out_of_order_are_both_sent_once(
     event 100 can reach the channel after the API's 101. The stream sends both (the cursor used
     to move to 101 and drop 100 for good, from the live stream and from every replay), and a
     message it already sent, published again, is not sent twice."""
-    from db.models import JobEvent
-
-    url = f"sqlite:///{tmp_path / 'test.db'}"
-    upgrade(url)
-    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
-    with session_for(url) as s:
-        job_id = create_job(s, name="j", spec={}).id
+    url, settings, job_id = _one_job(broker, tmp_path)
 
     def commit(message: str) -> dict:
         with session_for(url) as s:
