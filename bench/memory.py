@@ -39,7 +39,14 @@ from trainer.recipe import meta_layers
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import bucket_bytes
-from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, plan_peak
+from trainer.spill.partition import (
+    DoesNotFit,
+    SpillPlan,
+    library_workspace_bytes,
+    measure_layers,
+    partition,
+    plan_peak,
+)
 
 SEARCH_LAYERS = 8
 SEARCH_HEADS = 4
@@ -58,10 +65,17 @@ def gpt(d_model: int, *, layers: int = SEARCH_LAYERS, seq: int = SEARCH_SEQ) -> 
 
 
 def plan_for(
-    mcfg: ModelConfig, *, mode: str, budget: int | None, batch: int, device: torch.device | str = "meta"
+    mcfg: ModelConfig,
+    *,
+    mode: str,
+    budget: int | None,
+    batch: int,
+    device: torch.device | str = "meta",
+    reserved: int = 0,
 ) -> tuple[SpillPlan, int]:
     """Plan of `mode` (resident | spilled | offload) from costs measured on `device`; the model is
-    built on the meta device when only estimating, so wide models cost nothing to plan."""
+    built on the meta device when only estimating, so wide models cost nothing to plan. `reserved`:
+    the library workspaces a CUDA run holds beside the shards (a job reserves them the same way)."""
     offload = mode == "offload"
     if str(device) == "meta":
         model = torch.nn.Sequential(*meta_layers(recipe_for(mcfg)))
@@ -77,18 +91,20 @@ def plan_for(
     )
     extra = bucket_bytes(default_bucket_numel(model)) if offload else 0
     if mode == "resident":
-        peak = plan_peak(costs, cuts=[], prefetch=False)[0]
+        peak = plan_peak(costs, cuts=[], prefetch=False, extra_bytes=reserved)[0]
         if budget is not None and peak > budget:
             raise DoesNotFit(f"resident peak {peak / MiB:.1f} MiB > budget")
-        return partition(costs, budget_bytes=None, prefetch=False, cuts=[]), count_params(model)
-    return partition(costs, budget_bytes=budget, prefetch=True, extra_bytes=extra), count_params(model)
+        plan = partition(costs, budget_bytes=None, prefetch=False, cuts=[], reserved_bytes=reserved)
+        return plan, count_params(model)
+    plan = partition(costs, budget_bytes=budget, prefetch=True, extra_bytes=extra, reserved_bytes=reserved)
+    return plan, count_params(model)
 
 
-def largest_width(*, mode: str, budget: int, step: int = 16) -> int | None:
+def largest_width(*, mode: str, budget: int, step: int = 16, reserved: int = 0) -> int | None:
     best = None
     for d in range(step * 2, 8192, step):
         try:
-            plan_for(gpt(d), mode=mode, budget=budget, batch=SEARCH_BATCH)
+            plan_for(gpt(d), mode=mode, budget=budget, batch=SEARCH_BATCH, reserved=reserved)
         except DoesNotFit:
             break
         best = d
@@ -96,17 +112,19 @@ def largest_width(*, mode: str, budget: int, step: int = 16) -> int | None:
 
 
 def train_under_ledger(
-    mcfg: ModelConfig, *, mode: str, budget: int, device: torch.device, steps: int = 2
+    mcfg: ModelConfig, *, mode: str, budget: int, device: torch.device, steps: int = 2, reserved: int = 0
 ) -> dict[str, Any]:
     """Really train the model `steps` steps with a strict ledger (raises if the budget is passed)."""
     model = build_model(mcfg, seed=0)
     offload = BF16 if mode == "offload" else None
-    plan, _ = plan_for(mcfg, mode=mode, budget=budget, batch=SEARCH_BATCH, device="meta")
-    ledger = DeviceLedger(budget_bytes=budget, strict=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        reserved = library_workspace_bytes(device)  # cleared and re-made: the allocator's peak counts them
+    plan, _ = plan_for(mcfg, mode=mode, budget=budget, batch=SEARCH_BATCH, device="meta", reserved=reserved)
+    ledger = DeviceLedger(budget_bytes=budget, strict=True)
     engine = SpillEngine(
         model,
         plan=plan,
@@ -127,10 +145,11 @@ def train_under_ledger(
 
 def largest_rows(*, budget_mb: float, device: torch.device) -> list[dict[str, Any]]:
     budget = int(budget_mb * MiB)
+    reserved = library_workspace_bytes(device)  # 0 off CUDA
     rows = []
     resident_params = None
     for mode in ("resident", "spilled", "offload"):
-        d = largest_width(mode=mode, budget=budget)
+        d = largest_width(mode=mode, budget=budget, reserved=reserved)
         if d is None:
             rows.append({"mode": mode, "budget_mb": budget_mb, "d_model": "none fits"})
             continue
@@ -148,6 +167,7 @@ def largest_rows(*, budget_mb: float, device: torch.device) -> list[dict[str, An
                 "x_resident": n / resident_params,
                 "fp32_param_mb": 4 * n / MiB,
                 "shards": run["shards"],
+                "workspace_mb": reserved / MiB,
                 "ledger_peak_mb": run["ledger_peak_mb"],
                 "cuda_peak_mb": run.get("cuda_peak_mb", "n/a (cpu)"),
                 "trained": f"2 steps, loss {run['loss']:.3f}, {time.perf_counter() - t0:.1f}s",

@@ -14,6 +14,9 @@ Activations are counted as the meta-device trial counts them (math attention, fp
 what the trainer uses on CPU, so for fp32 jobs the numbers are identical; for bf16/fp16 and for
 CUDA (measured, fused attention) the trainer's own count is usually smaller. Spill without prefetch
 needs budget >= max W(layer); prefetch also needs room for the neighbour (else the trainer turns it off).
+On CUDA the trainer also reserves the math libraries' workspaces in the budget (measured on the
+worker's GPU, 64 MiB on an H100); this rule cannot know the GPU, so it checks the layers alone and
+the trainer refuses, with the numbers, a budget the workspaces do not fit beside them.
 """
 
 from __future__ import annotations

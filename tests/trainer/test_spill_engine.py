@@ -18,7 +18,7 @@ from trainer.models import build_model, count_params, lm_loss
 from trainer.spill.engine import SpillEngine
 from trainer.spill.ledger import BudgetExceeded, DeviceLedger
 from trainer.spill.offload import DTYPES, bucket_bytes
-from trainer.spill.partition import SpillPlan, measure_layers, partition, state_bytes_per_param
+from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, state_bytes_per_param
 
 CPU = torch.device("cpu")
 STEPS = 20
@@ -83,6 +83,7 @@ def make_engine(
     offload: OffloadConfig | None = None,
     strict: bool = True,
     bucket_numel: int = 1000,
+    reserved: int = 0,
 ) -> tuple[SpillEngine, SpillPlan, DeviceLedger]:
     model = build_model(mcfg, seed=tcfg.seed)
     offloaded = offload is not None and offload.optimizer
@@ -94,7 +95,9 @@ def make_engine(
         state_bpp=state_bytes_per_param(optimizer=tcfg.optimizer, momentum=tcfg.momentum, offload=offloaded),
     )
     extra = bucket_bytes(bucket_numel) if offloaded else 0
-    plan = partition(costs, budget_bytes=budget, prefetch=prefetch, cuts=cuts, extra_bytes=extra)
+    plan = partition(
+        costs, budget_bytes=budget, prefetch=prefetch, cuts=cuts, extra_bytes=extra, reserved_bytes=reserved
+    )
     ledger = DeviceLedger(budget_bytes=budget, strict=strict)
     engine = SpillEngine(
         model,
@@ -170,6 +173,27 @@ def test_ledger_peak_stays_under_the_budget(stream: BatchStream) -> None:
     assert ledger.peak <= budget
     assert max(h for _, _, h in ledger.timeline()) == ledger.peak
     assert ledger.resident_peak == 2  # the running shard and the prefetched one
+
+
+def test_reserved_workspaces_are_held_in_the_ledger_beside_the_shards(stream: BatchStream) -> None:
+    """On CUDA the plan reserves the math libraries' workspaces (measured; none on CPU, so a size is
+    given here): the engine holds them in its ledger for the whole run, so the strict ledger checks
+    shards + workspaces against the budget, and the plan's peak is the ledger's."""
+    model = build_model(MODEL, seed=0)
+    costs = measure_layers(model, batch_size=4, seq_len=16, state_bpp=8)
+    finest = partition(costs, budget_bytes=None, prefetch=True, cuts=list(range(1, N_LAYERS))).peak_bytes
+    budget, reserved = int(finest * 1.1), int(finest * 0.5)
+    engine, plan, ledger = make_engine(MODEL, ADAMW, budget=budget + reserved, reserved=reserved, strict=True)
+    alone, _, ledger_alone = make_engine(MODEL, ADAMW, budget=budget, strict=True)
+    assert plan.cuts == alone.plan.cuts and plan.peak_bytes == alone.plan.peak_bytes + reserved
+    spilled_run(engine, stream, steps=2)
+    spilled_run(alone, stream, steps=2)
+    assert ledger.entries["library.workspace"] == reserved
+    assert ledger.peak == ledger_alone.peak + reserved <= plan.peak_bytes
+    # the same budget without room for the workspaces: the strict ledger would trip, so the plan
+    # refuses first
+    with pytest.raises(DoesNotFit, match="library workspace"):
+        make_engine(MODEL, ADAMW, budget=budget, reserved=reserved, strict=True)
 
 
 def test_strict_ledger_catches_a_plan_over_budget(stream: BatchStream) -> None:

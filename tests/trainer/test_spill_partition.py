@@ -116,6 +116,20 @@ def test_prefetch_needs_room_for_the_neighbour() -> None:
         partition(costs, budget_bytes=budget, prefetch=True)
 
 
+def test_reserved_workspaces_count_beside_every_shard_and_are_named_in_refusals() -> None:
+    costs = costs_for(SHAPES[0])
+    one_each = list(range(1, len(costs)))
+    budget = plan_peak(costs, cuts=one_each, prefetch=False)[0]  # the finest plan, exactly
+    reserved = 32 * MiB
+    assert partition(costs, budget_bytes=budget, prefetch=False).cuts == one_each
+    with pytest.raises(DoesNotFit, match=r"\+ library workspaces 32\.000 \(cuBLAS, measured\) MiB"):
+        partition(costs, budget_bytes=budget, prefetch=False, reserved_bytes=reserved)
+    plan = partition(costs, budget_bytes=budget + reserved, prefetch=False, reserved_bytes=reserved)
+    assert plan.cuts == one_each and plan.peak_bytes == budget + reserved and plan.reserved_bytes == reserved
+    with pytest.raises(DoesNotFit, match=r"of which 32\.000 MiB are library workspaces"):
+        partition(costs, budget_bytes=budget + reserved, prefetch=False, cuts=[2], reserved_bytes=reserved)
+
+
 @pytest.mark.parametrize("cuts", [[0], [3, 2], [1, 1], [4]])
 def test_bad_hand_cuts_are_refused(cuts: list[int]) -> None:
     costs = costs_for(SHAPES[0])  # 4 layers

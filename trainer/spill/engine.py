@@ -98,6 +98,10 @@ class SpillEngine:
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.copy_stream = side if prefetch else None
         self.side_stream = side
+        if plan.reserved_bytes:
+            # the math libraries' workspaces (partition.library_workspace_bytes): held by the device
+            # for the whole run, though no tensor of ours holds them
+            ledger.hold("library.workspace", plan.reserved_bytes)
         self.shards = [
             Shard(
                 index=k,

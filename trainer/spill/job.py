@@ -27,7 +27,14 @@ from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.offload import DTYPES, bucket_bytes
-from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, partition, state_bytes_per_param
+from trainer.spill.partition import (
+    DoesNotFit,
+    SpillPlan,
+    library_workspace_bytes,
+    measure_layers,
+    partition,
+    state_bytes_per_param,
+)
 
 
 def trial_example(job: JobConfig, recipe: ModelRecipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +50,11 @@ def plan_job(
     """The shard plan for `job` and a line saying how it was made. Costs are measured by a trial
     pass of the recipe's own batch and loss, on CUDA, and estimated on the meta device elsewhere.
     When the budget fits one shard at a time but not with the prefetched neighbour, prefetch is
-    turned off rather than the job refused (the REST layer's rule is the single-layer one)."""
+    turned off rather than the job refused (the REST layer's rule is the single-layer one). On CUDA
+    the budget also holds the math libraries' workspaces, measured here (the REST layer cannot
+    know the GPU, so a budget it accepts can still be refused here, with the numbers)."""
     spill, off = job.parallel.spill, job.parallel.offload
+    reserved = library_workspace_bytes(device) if spill is not None else 0
     offloaded = off is not None and off.optimizer
     costs = measure_layers(
         model,
@@ -64,11 +74,21 @@ def plan_job(
     cuts = spill.cuts if spill is not None else None
     how = "measured on " + str(device) if device.type == "cuda" else "estimated on meta"
     try:
-        return partition(costs, budget_bytes=budget, prefetch=prefetch, cuts=cuts, extra_bytes=extra), how
+        plan = partition(
+            costs,
+            budget_bytes=budget,
+            prefetch=prefetch,
+            cuts=cuts,
+            extra_bytes=extra,
+            reserved_bytes=reserved,
+        )
+        return plan, how
     except DoesNotFit as e:
         if not prefetch or cuts is not None:
             raise
-        plan = partition(costs, budget_bytes=budget, prefetch=False, cuts=None, extra_bytes=extra)
+        plan = partition(
+            costs, budget_bytes=budget, prefetch=False, cuts=None, extra_bytes=extra, reserved_bytes=reserved
+        )
         return plan, f"{how}; prefetch turned off ({e})"
 
 
@@ -115,15 +135,16 @@ class SpilledEngine:
         self.job, self.device = job, device
         self.model = build_dense(recipe, seed=cfg.seed)
         self.n_params = count_params(self.model)
+        # the allocator's baseline comes before the plan: the workspaces the plan measures (and
+        # reserves in the ledger) are the run's, so the allocator's peak counts them too
+        self.base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.plan, self.how = plan_job(job, self.model, device=device, recipe=recipe)
         spill = job.parallel.spill
         self.ledger = DeviceLedger(
             budget_bytes=int(spill.device_budget_mb * MiB) if spill is not None else None
         )
-        self.base = 0
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)  # the cost trial's own peak is not the run's
         self.engine = SpillEngine(
             self.model,
             plan=self.plan,
@@ -140,6 +161,7 @@ class SpilledEngine:
             "cuts": self.plan.cuts,
             "planned_peak_mb": self.plan.peak_bytes / MiB,
             "budget_mb": spill.device_budget_mb if spill is not None else None,
+            "workspace_mb": self.plan.reserved_bytes / MiB,
             "prefetch": self.plan.prefetch,
             "offload": off.dtype if self.engine.offloaded and off else None,
         }
@@ -180,7 +202,8 @@ class SpilledEngine:
 
     def describe(self) -> str:
         p = self.plan
-        return f"{p.n_shards} shards (cuts {p.cuts}), planned peak {p.peak_bytes / MiB:.3f} MiB ({self.how})"
+        reserved = f", {p.reserved_bytes / MiB:.3f} MiB of it library workspaces" if p.reserved_bytes else ""
+        return f"{p.n_shards} shards (cuts {p.cuts}), planned peak {p.peak_bytes / MiB:.3f} MiB{reserved} ({self.how})"
 
     def start_info(self) -> dict[str, Any]:
         return dict(self.shard_info)

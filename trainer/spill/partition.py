@@ -7,6 +7,7 @@ The rule (the same one the engine's ledger is checked against). For a shard s = 
           + 2 x its boundary input (the device copy and its gradient)
           + its boundary output gradient (the upstream gradient)
           + fixed extras (the offloaded optimizer's bucket buffers)
+          + reserved (on CUDA: the math libraries' workspaces, measured; see `library_workspace_bytes`)
     Pf(s) = params + optimizer state + boundary input of s             (what a prefetch copies in)
 
     peak  = max over shards s of  W(s) + max(Pf(s-1), Pf(s+1))         with prefetch (double buffering)
@@ -63,6 +64,9 @@ class SpillPlan:
     budget_bytes: int | None
     prefetch: bool
     costs: list[LayerCost]
+    reserved_bytes: int = 0
+    """Device bytes held outside the shards for the whole run (`library_workspace_bytes`); inside
+    `peak_bytes`, and entered in the engine's ledger as `library.workspace`."""
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -81,6 +85,34 @@ def state_bytes_per_param(*, optimizer: str, momentum: float, offload: bool) -> 
     if optimizer == "adamw":
         return 8
     return 4 if momentum > 0 else 0
+
+
+def library_workspace_bytes(device: torch.device | str) -> int:
+    """On CUDA: the device bytes the math libraries keep for the rest of the process once training
+    has run a matmul forward and backward. In the torch builds run on a GPU so far (2.11), cuBLAS
+    and cuBLASLt take a workspace per (thread, stream) from torch's caching allocator and keep it:
+    one for the thread that runs the forward, one for autograd's device thread that runs the
+    backward, 32 MiB each on an H100 with torch's defaults. The ledger cannot see them (no tensor
+    of ours holds them), so the planner reserves them in the budget. Measured, not assumed: the
+    size depends on the GPU, the torch build (newer ones keep them only when asked) and the
+    environment (CUBLAS_WORKSPACE_CONFIG, CUBLASLT_WORKSPACE_SIZE). The workspaces already held are
+    cleared first, so the number is the whole of what the run holds, not what it adds. 0 off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; absent: measure the rest
+    torch.cuda.synchronize(device)
+    if clear is not None:
+        clear()
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.device(device):
+        w = torch.ones(64, 64, device=device, requires_grad=True)
+        b = torch.ones(64, device=device, requires_grad=True)
+        # a linear with a bias (cuBLASLt's path) and a plain matmul (cuBLAS's), through autograd
+        (torch.nn.functional.linear(w, w, b) @ w).sum().backward()
+        del w, b
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - before)
 
 
 def measure_layers(
@@ -197,13 +229,14 @@ def check_cuts(cuts: list[int], *, n_layers: int) -> None:
         )
 
 
-def _describe_layer(c: LayerCost, *, extra_bytes: int) -> str:
+def _describe_layer(c: LayerCost, *, extra_bytes: int, reserved_bytes: int) -> str:
     return (
         f"layer {c.index} ({c.name}, {c.numel:,} params) needs "
         f"params {c.param_bytes / MiB:.3f} + grads {c.grad_bytes / MiB:.3f} + optimizer "
         f"{c.state_bytes / MiB:.3f} + activations {c.act_bytes / MiB:.3f} + boundaries "
         f"{(2 * c.in_bytes + c.out_bytes) / MiB:.3f}"
         + (f" + offload buckets {extra_bytes / MiB:.3f}" if extra_bytes else "")
+        + (f" + library workspaces {reserved_bytes / MiB:.3f} (cuBLAS, measured)" if reserved_bytes else "")
         + " MiB"
     )
 
@@ -215,27 +248,30 @@ def partition(
     prefetch: bool,
     cuts: list[int] | None = None,
     extra_bytes: int = 0,
+    reserved_bytes: int = 0,
 ) -> SpillPlan:
     """Fewest shards (greedy, left to right) whose planned peak fits `budget_bytes`; or the
-    hand-given `cuts`, checked. budget None: one shard (everything resident)."""
+    hand-given `cuts`, checked. budget None: one shard (everything resident). `reserved_bytes`
+    (the library workspaces) is held beside every shard for the whole run."""
     n = len(costs)
+    fixed = extra_bytes + reserved_bytes
     if cuts is not None:
         check_cuts(cuts, n_layers=n)
         chosen = list(cuts)
     elif budget_bytes is None:
         chosen = []
     else:
-        chosen = _greedy(costs, budget=budget_bytes, prefetch=prefetch, extra_bytes=extra_bytes)
-    peak, where = plan_peak(costs, cuts=chosen, prefetch=prefetch, extra_bytes=extra_bytes)
+        chosen = _greedy(costs, budget=budget_bytes, prefetch=prefetch, extra_bytes=fixed)
+    peak, where = plan_peak(costs, cuts=chosen, prefetch=prefetch, extra_bytes=fixed)
     if budget_bytes is not None and peak > budget_bytes:
-        single = [working_set(costs, start=i, stop=i + 1, extra_bytes=extra_bytes) for i in range(n)]
+        single = [working_set(costs, start=i, stop=i + 1, extra_bytes=fixed) for i in range(n)]
         worst = max(range(n), key=single.__getitem__)
         budget_mb = budget_bytes / MiB
         if single[worst] > budget_bytes:
             raise DoesNotFit(
                 f"parallel.spill.device_budget_mb ({budget_mb:.3f}) is smaller than one layer's working "
-                f"set: {_describe_layer(costs[worst], extra_bytes=extra_bytes)} = "
-                f"{single[worst] / MiB:.3f} MiB"
+                f"set: {_describe_layer(costs[worst], extra_bytes=extra_bytes, reserved_bytes=reserved_bytes)}"
+                f" = {single[worst] / MiB:.3f} MiB"
             )
         edges = [0, *chosen, n]
         raise DoesNotFit(
@@ -243,10 +279,17 @@ def partition(
             f"{edges[where]}..{edges[where + 1] - 1}"
             + (", plus the prefetched neighbour" if prefetch else "")
             + f") but parallel.spill.device_budget_mb is {budget_mb:.3f}"
+            + (f", of which {reserved_bytes / MiB:.3f} MiB are library workspaces" if reserved_bytes else "")
             + ("; turn prefetch off or raise the budget" if prefetch else "")
         )
     return SpillPlan(
-        cuts=chosen, n_layers=n, peak_bytes=peak, budget_bytes=budget_bytes, prefetch=prefetch, costs=costs
+        cuts=chosen,
+        n_layers=n,
+        peak_bytes=peak,
+        budget_bytes=budget_bytes,
+        prefetch=prefetch,
+        costs=costs,
+        reserved_bytes=reserved_bytes,
     )
 
 
