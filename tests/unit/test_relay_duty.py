@@ -13,7 +13,6 @@ import time
 import psutil
 
 from core.messages import parse_line
-from db import selections as dbs
 from db.engine import session_for
 from db.models import MetricPoint
 from tests.unit.test_relay_order import _batch, _relay
@@ -31,7 +30,7 @@ def _thread_cpu(native_id: int) -> float:
 
 
 def test_the_flusher_keeps_to_its_share_of_a_core_and_loses_no_line(db_url: str) -> None:
-    sid, won = _batch(db_url, TRIALS)
+    _, won = _batch(db_url, TRIALS)
     relay = _relay(db_url, won, flush_s=0.05)  # a busy floor
     flusher = relay._thread.native_id
     assert flusher is not None
@@ -65,7 +64,15 @@ def test_the_flusher_keeps_to_its_share_of_a_core_and_loses_no_line(db_url: str)
         f"flusher used {used:.2f} s of CPU in {elapsed:.1f} s ({flushes} flushes), bound {bound:.2f}"
     )
     assert flushes >= 2, "the flusher must still flush while the trainer runs, not only at the end"
+    # each trial's loss series is its own steps, each once (not only the right total)
+    job_of = {t.index: t.job_id for t, _ in won}
     with session_for(db_url) as s:
-        points = s.query(MetricPoint).count()
-        assert points == steps * 4
-        assert dbs.get_selection(s, sid) is not None
+        assert s.query(MetricPoint).count() == steps * 4
+        for trial in range(TRIALS):
+            loss = (
+                s.query(MetricPoint.step)
+                .filter(MetricPoint.job_id == job_of[trial], MetricPoint.name == "loss")
+                .order_by(MetricPoint.step)
+                .all()
+            )
+            assert [r.step for r in loss] == list(range(1, done[trial] + 1)), trial
