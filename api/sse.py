@@ -7,13 +7,18 @@ writes rows first and publishes their ids after, so everything on the channel is
 database: we subscribe *before* replaying and drop channel messages the replay already covered.
 
 A job's events have several writers (the worker's relay, the API's cancel, the scheduler's logs),
-each publishing after its own commit, so their ids can reach the channel out of order: the
-cancel's 101 before the relay's 100. The cursor keeps the highest id sent, and beside it the ids
-this stream has sent (`Cursor.sent`), so an event below the cursor that it has not sent still goes
-out (under the cursor's id, which does not move back). What remains: a client that reconnects
-after the higher id reached it and before the lower one was published resumes past the lower one
-and never gets it (each event is published once); the window is one writer's commit-to-publish
-time.
+each publishing after its own commit, so their ids can reach the channel out of order (the cancel's
+101 before the relay's 100), and on PostgreSQL they can also commit out of order (an id is drawn
+before its commit), so a read of the database can see 101 while 100 is not there yet. So the cursor
+keeps, beside the highest id sent, the ids this stream has sent (`Cursor.sent`: an event below the
+cursor that was not sent still goes out, a duplicate does not), and a horizon: the highest id sent
+more than `_SETTLE_S` ago, below which every event has arrived. Reads of the database start at the
+horizon, not at the highest id, and the SSE id carries the horizon plus the few ids sent above it
+(`m<metric>e<horizon>s<id>.<id>`), so a client that reconnects inside the window gets the lower id
+it had not seen, and not again the ones it had. What remains: an event published more than
+`_SETTLE_S` after a higher one that this stream has sent, and not yet sent when the client
+reconnects, is not replayed; and the stream of a finished job always ends with the job's final
+status, even when the client had it already, so a client never waits for a status that passed it.
 
 A stream holds no database connection while it waits: each read is its own short session. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
@@ -26,6 +31,7 @@ import json
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,27 +43,40 @@ from api.live import LiveChannel
 from core.broker import job_channel
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import events_after, get_job, metrics_after
+from db.jobs import events_after, get_job, last_status_event, metrics_after
 from db.models import TERMINAL
 
 log = logging.getLogger(__name__)
-_CURSOR = re.compile(r"^m(\d+)e(\d+)$")
+_CURSOR = re.compile(r"^m(\d+)e(\d+)(?:s(\d+(?:\.\d+)*))?$")
 _REPLAY_CHUNK = 5000
 _DB_RECHECK_S = 15.0
 
 
 _SENT_KEPT = 4096
+_SETTLE_S = 5.0
+"""How long after a higher event id a lower one may still arrive (a writer's commit-to-publish time,
+or on PostgreSQL its draw-to-commit time): until then the cursor's horizon stays below it."""
+_RECENT_KEPT = 8
+"""Ids sent above the horizon that the SSE id carries, at most (older ones move the horizon up)."""
+MAX_CURSOR = 256
+"""The longest SSE id (Last-Event-ID) a stream writes or reads: 10 ids of 19 digits and their marks."""
 
 
 @dataclass(slots=True)
 class Cursor:
     metric: int = 0
     event: int = 0
+    """The highest event id sent."""
     sent: set[int] = field(default_factory=set, compare=False, repr=False)
     """Event ids this stream has sent (the newest _SENT_KEPT); below `floor` counts as sent."""
     floor: int = 0
+    horizon: int = 0
+    """Every event of the job up to here has been sent (or counts as sent): reads start above it."""
+    recent: deque[tuple[float, int]] = field(default_factory=deque, compare=False, repr=False)
+    """(when, id) of the ids sent above the horizon, oldest first."""
+    _token: str | None = field(default=None, compare=False, repr=False)
 
-    def takes_event(self, event_id: int) -> bool:
+    def takes_event(self, event_id: int, *, now: float | None = None) -> bool:
         """Whether an event is new to this stream: above the cursor, or below it but not sent yet
         (another writer's, published late); then it is recorded as sent and the cursor moves up
         to it, never back."""
@@ -68,15 +87,49 @@ class Cursor:
         if len(self.sent) > _SENT_KEPT:
             kept = sorted(self.sent)[_SENT_KEPT // 2 :]
             self.floor, self.sent = kept[0] - 1, set(kept)
+        if event_id > self.horizon:
+            self.recent.append((time.monotonic() if now is None else now, event_id))
+            self._token = None
+            self.settle(now)
         return True
+
+    def settle(self, now: float | None = None) -> None:
+        """Move the horizon up past the ids sent more than _SETTLE_S ago (or beyond _RECENT_KEPT)."""
+        now = time.monotonic() if now is None else now
+        while self.recent and (now - self.recent[0][0] > _SETTLE_S or len(self.recent) > _RECENT_KEPT):
+            self.horizon = max(self.horizon, self.recent.popleft()[1])
+            self._token = None
 
     @classmethod
     def parse(cls, raw: str | None) -> Cursor:
-        m = _CURSOR.match(raw or "")
-        return cls(int(m[1]), int(m[2])) if m else cls()
+        m = _CURSOR.match(raw or "") if len(raw or "") <= MAX_CURSOR else None
+        if not m:
+            return cls()
+        horizon = int(m[2])
+        above = sorted({int(i) for i in m[3].split(".") if int(i) > horizon} if m[3] else set())
+        above = above[-_RECENT_KEPT:]
+        now = time.monotonic()
+        return cls(
+            metric=int(m[1]),
+            event=max([horizon, *above]),
+            sent=set(above),
+            floor=horizon,
+            horizon=horizon,
+            recent=deque((now, i) for i in above),
+        )
 
     def __str__(self) -> str:
-        return f"m{self.metric}e{self.event}"
+        if self._token is None:
+            above = sorted(i for _, i in self.recent if i > self.horizon)
+            self._token = f"e{self.horizon}" + ("s" + ".".join(map(str, above)) if above else "")
+        return f"m{self.metric}{self._token}"
+
+    @property
+    def token(self) -> str:
+        """The event part of the SSE id (what frames written at this cursor share)."""
+        str(self)
+        assert self._token is not None
+        return self._token
 
 
 def frame(*, event: str, data: dict[str, Any], cursor: Cursor | str | None = None) -> str:
@@ -96,12 +149,29 @@ def event_frame(ev: dict[str, Any], cursor: Cursor) -> str:
     return frame(event=kind if kind in ("status", "log") else "event", data=data, cursor=cursor)
 
 
-def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
-    """Frames for rows after `cur` (advancing it), whether more remain, whether the job is over."""
+@dataclass(slots=True)
+class _Read:
+    frames: list[str]
+    more: bool
+    """A chunk came back full: read again from `after`."""
+    terminal: bool
+    """The job is over (read before its events, so its final status is among them)."""
+    after: int
+    """The last event id read."""
+    final_sent: bool
+    """A terminal status went out in `frames`."""
+
+
+def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None = None) -> _Read:
+    """Frames for the rows after `cur` (advancing it): metric points after its metric id, events
+    after its horizon (or `after`, the last id a previous chunk read) that it has not sent."""
     out: list[str] = []
+    final_sent = False
+    cur.settle()
+    after = cur.horizon if after is None else after
     with session_for(settings.database_url) as s:
         terminal = get_job(s, job_id).status in TERMINAL
-        events = events_after(s, job_id=job_id, after_id=cur.event, limit=_REPLAY_CHUNK)
+        events = events_after(s, job_id=job_id, after_id=after, limit=_REPLAY_CHUNK)
         points = metrics_after(s, job_id=job_id, after_id=cur.metric, limit=_REPLAY_CHUNK)
         for p in points:
             cur.metric = p.id
@@ -113,16 +183,28 @@ def _replay(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bo
                 )
             )
         for ev in events:
+            after = ev.id
             if not cur.takes_event(ev.id):
                 continue
             row = {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
             out.append(event_frame(row, cur))
+            final_sent = final_sent or (ev.kind == "status" and ev.message in TERMINAL)
     more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
-    return out, more, terminal
+    return _Read(frames=out, more=more, terminal=terminal, after=after, final_sent=final_sent)
+
+
+def _final_status(settings: Settings, job_id: int, cur: Cursor) -> list[str]:
+    """The finished job's last status event, sent again: its stream ends with it whether or not
+    the client saw it before (a client waiting for it must not wait for ever)."""
+    with session_for(settings.database_url) as s:
+        ev = last_status_event(s, job_id=job_id)
+        if ev is None or ev.message not in TERMINAL:
+            return []
+        return [event_frame({"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}, cur)]
 
 
 _Bodies = list[tuple[int, str]]
-_Written = dict[tuple[int, int], tuple[list[str], int]]
+_Written = dict[tuple[int, str], tuple[list[str], int]]
 _BODIES: dict[int, tuple[dict[str, Any], _Bodies, _Written]] = {}
 """id(message) -> (the message, its points' ids and `data:` JSON, the frames written for each
 cursor seen). Every stream of a job gets the same decoded message object (api/live.py decodes
@@ -149,11 +231,12 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     ended = False
     if msg.get("type") == "metrics":
         bodies, written = _metric_entry(msg)
-        hit = written.get((cur.metric, cur.event))
+        cur.settle()
+        hit = written.get((cur.metric, cur.token))
         if hit is not None:
             out, cur.metric = hit
             return out, False  # (read-only, like the message)
-        start = (cur.metric, cur.event)
+        start = (cur.metric, cur.token)
         for point_id, body in bodies:
             if point_id > cur.metric:
                 cur.metric = point_id
@@ -169,17 +252,25 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
 
 async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
     """Everything after `cur` from the database: (frames, whether the job is over, whether the
-    read went through). A read that failed (locked, restarting) leaves the rest to the next poll."""
+    read went through). A finished job's frames end with its final status. A read that failed
+    (locked, restarting) leaves the rest to the next poll."""
     out: list[str] = []
-    more = True
+    after: int | None = None
+    final_sent = False
     try:
-        while more:
-            frames, more, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
-            out.extend(frames)
+        while True:
+            read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
+            out.extend(read.frames)
+            final_sent = final_sent or read.final_sent
+            if not read.more:
+                break
+            after = read.after
+        if read.terminal and not final_sent:
+            out.extend(await run_in_threadpool(_final_status, settings, job_id, cur))
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
         return out, False, False
-    return out, terminal, True
+    return out, read.terminal, True
 
 
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
@@ -189,12 +280,20 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         # subscribe before the replay, so nothing published in between is missed
         await live.connect()
         yield "retry: 2000\n\n"
-        more = True
-        while more:
-            frames, more, terminal = await run_in_threadpool(_replay, settings, job_id, cur)
-            if frames:
-                yield "".join(frames)
-        if terminal:
+        after: int | None = None
+        while True:
+            read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
+            if read.frames:
+                yield "".join(read.frames)
+            final_sent = read.final_sent
+            if not read.more:
+                break
+            after = read.after
+        if read.terminal:
+            if not final_sent:
+                frames = await run_in_threadpool(_final_status, settings, job_id, cur)
+                if frames:
+                    yield "".join(frames)
             return
         last_sent = last_check = time.monotonic()
         behind = False

@@ -29,7 +29,7 @@ from api.schemas import (
     MetricsPublic,
     Series,
 )
-from api.sse import job_events
+from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
 from db import jobs as db_jobs
 from db import selections as db_sel
@@ -243,11 +243,15 @@ def stream_job(
     session: SessionDep,
     settings: SettingsDep,
     user: CurrentUser,
-    last_event_id: Annotated[str | None, Header(max_length=40)] = None,
+    last_event_id: Annotated[str | None, Header(max_length=MAX_CURSOR)] = None,
 ) -> SseResponse:
     _job_or_404(session, job_id, user)
     cursor = last_event_id or request.query_params.get("last_event_id")
-    if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor[:80])):
+    if cursor and len(cursor) > MAX_CURSOR:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: at most {MAX_CURSOR} characters"
+        )
+    if cursor and any(int(n) > DB_BIGINT for n in re.findall(r"\d+", cursor)):
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, f"Last-Event-ID: ids must be <= {DB_BIGINT}"
         )

@@ -80,6 +80,12 @@ def test_stream_cursor_beyond_the_database_range_is_422(stack: StackHandle) -> N
     job = stack.submit(with_(name="cursor", train={**TINY_SPEC["train"], "steps": 2}))
     resp = stack.client.get(f"/api/jobs/{job['id']}/stream", headers={"Last-Event-ID": f"m{HUGE}e0"})
     assert resp.status_code == 422 and "Last-Event-ID" in resp.json()["detail"]
+    # the ids a stream lists above its horizon: huge ones, or too many digits in all (an id too
+    # long for int() would be a 500), are refused as well, by header and by query alike
+    long_id = "m0e0s" + ".".join(["9" * 18] * 20)
+    for headers, params in (({"Last-Event-ID": f"m0e0s1.{HUGE}"}, {}), ({}, {"last_event_id": long_id})):
+        resp = stack.client.get(f"/api/jobs/{job['id']}/stream", headers=headers, params=params)
+        assert resp.status_code == 422 and "Last-Event-ID" in resp.text, resp.text
 
 
 def test_non_finite_floats_and_control_characters_are_refused(stack: StackHandle) -> None:

@@ -18,7 +18,7 @@ from api.stack import Stack
 from core.broker import job_channel
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import create_job
+from db.jobs import create_job, fail_job
 from db.migrate import upgrade
 from db.models import JobEvent, MetricPoint
 
@@ -114,3 +114,90 @@ def test_events_of_two_writers_published_out_of_order_are_both_sent_once(
         return got
 
     assert asyncio.run(main()) == ["from the api", "from the relay", "end"]
+
+
+def _log(url: str, job_id: int, message: str) -> dict:
+    with session_for(url) as s:
+        ev = JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=None)
+        s.add(ev)
+        s.commit()
+        return {
+            "type": "event",
+            "id": ev.id,
+            "kind": "log",
+            "message": message,
+            "data": None,
+            "time": ev.time,
+        }
+
+
+async def _frames(stream, *, until: str, timeout: float = 20) -> list[tuple[str, str]]:  # noqa: ANN001
+    """(SSE id, message or status) of each data frame, up to the one whose text has `until`."""
+    out: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    while not any(until in text for _, text in out):
+        chunk = await asyncio.wait_for(anext(stream), timeout=deadline - time.monotonic())
+        fid = ""
+        for line in chunk.splitlines():
+            if line.startswith("id: "):
+                fid = line[4:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                out.append((fid, data.get("message") or data.get("status") or ""))
+    return out
+
+
+def test_a_client_reconnecting_between_two_writers_publishes_gets_the_lower_id_once(
+    broker: Stack, tmp_path: Path
+) -> None:
+    """Event 101 (the API's) reaches the client before 100 (the relay's, committed first and
+    published late), and the client reconnects in between with the id it last got. Its new stream
+    sends 100, and not 101 again (the id used to say 'after 101', and 100 was never sent)."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+
+    async def main() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)
+        relay_ev = await asyncio.to_thread(_log, url, job_id, "from the relay")
+        api_ev = await asyncio.to_thread(_log, url, job_id, "from the api")
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps(api_ev))
+        first = await _frames(stream, until="from the api")
+        await stream.aclose()  # the client drops here, before the relay publishes
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps(relay_ev))
+        again = job_events(settings, job_id=job_id, last_event_id=first[-1][0])
+        assert (await anext(again)).startswith("retry:")
+        end = await asyncio.to_thread(_log, url, job_id, "end")
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps(end))
+        second = await _frames(again, until="end")
+        await again.aclose()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert [m for _, m in first] == ["from the api"]
+    assert [m for _, m in second] == ["from the relay", "end"]
+
+
+def test_the_stream_of_a_finished_job_ends_with_its_final_status(broker: Stack, tmp_path: Path) -> None:
+    """A client that reconnects past the job's final status (a later event, or one it already
+    had) still ends with it: the stream closes with the final status, so no client waits for it."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+    with session_for(url) as s:
+        fail_job(s, job_id=job_id, reason="the test ends it")
+        s.commit()
+    late = _log(url, job_id, "a log line after the end")
+
+    async def main(last_id: str) -> list[tuple[str, str]]:
+        stream = job_events(settings, job_id=job_id, last_event_id=last_id)
+        assert (await anext(stream)).startswith("retry:")
+        got = await _frames(stream, until="failed", timeout=10)
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return got
+
+    assert [m for _, m in asyncio.run(main(f"m0e{late['id']}"))] == ["failed"]
+    # from the start: every event once, the final status among them, and nothing added
+    assert [m for _, m in asyncio.run(main("m0e0"))] == ["queued", "failed", "a log line after the end"]

@@ -20,12 +20,12 @@ def test_streams_share_one_decoded_message_and_write_frame_text() -> None:
     a, b = _decode(raw), _decode(bytes(bytearray(raw)))
     assert a is b
 
-    behind, ahead = Cursor(metric=0, event=4), Cursor(metric=8, event=4)
+    behind, ahead = Cursor.parse("m0e4"), Cursor.parse("m8e4")
     frames_behind, ended = _live_frames(a, behind)
     frames_ahead, _ = _live_frames(b, ahead)
     assert not ended
     expected = []
-    cur = Cursor(metric=0, event=4)
+    cur = Cursor.parse("m0e4")
     for p in json.loads(raw)["points"]:
         cur.metric = p["id"]
         data = {k: p[k] for k in ("step", "name", "value", "time")}
@@ -48,21 +48,45 @@ def test_terminal_event_ends_the_stream() -> None:
     msg = _decode(
         json.dumps({"type": "event", "id": 3, "kind": "status", "message": "succeeded", "time": 1.0}).encode()
     )
-    frames, ended = _live_frames(msg, Cursor(metric=0, event=2))
-    assert ended and frames[0].startswith("id: m0e3\nevent: status\n")
+    frames, ended = _live_frames(msg, Cursor.parse("m0e2"))
+    # the id keeps the horizon (2) and lists 3 above it, until 3 has settled
+    assert ended and frames[0].startswith("id: m0e2s3\nevent: status\n")
+
+
+def test_the_horizon_settles_and_a_reconnect_gets_the_late_lower_id_once() -> None:
+    cur = Cursor.parse("m5e90")
+    assert cur.takes_event(101, now=0.0) and str(cur) == "m5e90s101"
+    assert cur.takes_event(100, now=1.0) and str(cur) == "m5e90s100.101"  # late, below the cursor
+    assert not cur.takes_event(101, now=1.5)  # published twice
+    again = Cursor.parse(str(cur))  # a client reconnecting with that id
+    assert (again.horizon, again.event, again.sent) == (90, 101, {100, 101})
+    assert not again.takes_event(100) and not again.takes_event(101) and again.takes_event(99 + 4)
+    # sent long enough ago, they are below the horizon: the id is short again
+    cur.settle(now=1.0 + 5.01)
+    assert str(cur) == "m5e101" and cur.horizon == 101
+    # an id that is not a cursor, or ids at or below the horizon, are taken for what they say
+    assert Cursor.parse("garbage") == Cursor() and Cursor.parse("m1e9s3.9").sent == set()
+
+
+def test_the_id_lists_at_most_a_few_ids_above_the_horizon() -> None:
+    cur = Cursor()
+    for i in range(1, 21):
+        assert cur.takes_event(i, now=0.0)
+    assert str(cur) == "m0e12s" + ".".join(str(i) for i in range(13, 21))
+    assert Cursor.parse("m0e0s" + ".".join(str(i) for i in range(1, 40))).sent == set(range(32, 40))
 
 
 def test_streams_at_one_cursor_share_the_frames_and_advance_alike() -> None:
     msg = _decode(_payload([(30, 7, 1.0), (31, 8, 2.0)]))
-    first, second, behind = Cursor(metric=29, event=2), Cursor(metric=29, event=2), Cursor(metric=0, event=2)
+    first, second, behind = Cursor.parse("m29e2"), Cursor.parse("m29e2"), Cursor.parse("m0e2")
     a, _ = _live_frames(msg, first)
     b, _ = _live_frames(msg, second)
     assert a is b and (first.metric, second.metric) == (31, 31)
     assert a[0].startswith("id: m30e2\n") and a[1].startswith("id: m31e2\n")
     # another cursor (another event id in it) writes its own ids
-    c, _ = _live_frames(msg, Cursor(metric=29, event=5))
+    c, _ = _live_frames(msg, Cursor.parse("m29e5"))
     assert c[0].startswith("id: m30e5\n")
     assert _live_frames(msg, behind)[0] == a and behind.metric == 31
     # a stream already past the message gets nothing, and its cursor stays
-    done = Cursor(metric=31, event=2)
+    done = Cursor.parse("m31e2")
     assert _live_frames(msg, done) == ([], False) and done.metric == 31
