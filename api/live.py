@@ -172,7 +172,10 @@ class _Hub:
             ok = await asyncio.wait_for(asyncio.shield(waiting), timeout=_SUBSCRIBE_S)
         except TimeoutError:
             ok = False
-        if ok and sub in streams:
+        # the channel as it stands now, not as it stood when the broker confirmed it: a connection
+        # lost between the two has taken the subscription with it (up, the stream would poll the
+        # database every 15 s instead of every second until the hub was back)
+        if ok and sub in streams and channel in self.confirmed:
             sub.up = True
         else:
             sub.was_down = True

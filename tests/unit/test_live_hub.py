@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
+import pytest
 import redis
 
 from api.live import _BACKLOG, LiveChannel, _Hub
@@ -169,6 +171,36 @@ def test_a_message_that_breaks_the_decoder_does_not_silence_the_channel(broker: 
         await asyncio.to_thread(lambda: redis.Redis.from_url(url).publish("job:6", deep))
         await asyncio.to_thread(_publish, url, "job:6", {"type": "event", "id": 2})
         assert await s.next(timeout=5) == {"type": "event", "id": 2}
+        await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_lost_just_after_the_subscription_leaves_the_stream_down(
+    broker: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker confirms the channel, then the connection fails before the stream that waited
+    for it resumes. The stream must come back down (following the database every second), not up
+    on a connection that is gone (it then polled every 15 s until the hub was back)."""
+    url = broker.broker_url
+    dispatch = _Hub._dispatch
+    injected: list[str] = []
+
+    def confirm_then_fail(self: _Hub, msg: dict) -> None:
+        dispatch(self, msg)
+        if msg["type"] == "subscribe" and not injected:
+            injected.append(msg["channel"])
+            self._drop(ConnectionError("injected: lost right after SUBSCRIBE"))
+            self.next_try = time.monotonic() + 1.0  # the hub is back a second later
+
+    monkeypatch.setattr(_Hub, "_dispatch", confirm_then_fail)
+
+    async def main() -> None:
+        s = LiveChannel(url, "job:11")
+        assert not await s.connect() and not s.up and injected
+        while not s.resubscribed:  # the hub subscribes again and the stream catches up
+            await asyncio.wait_for(s.next(timeout=0.5), timeout=20)
+        assert s.up and _numsub(url, "job:11") == 1
         await s.close()
 
     asyncio.run(main())
