@@ -281,11 +281,12 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         await live.connect()
         yield "retry: 2000\n\n"
         after: int | None = None
+        final_sent = False
         while True:
             read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
             if read.frames:
                 yield "".join(read.frames)
-            final_sent = read.final_sent
+            final_sent = final_sent or read.final_sent
             if not read.more:
                 break
             after = read.after
