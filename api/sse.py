@@ -75,6 +75,9 @@ class Cursor:
     recent: deque[tuple[float, int]] = field(default_factory=deque, compare=False, repr=False)
     """(when, id) of the ids sent above the horizon, oldest first."""
     _token: str | None = field(default=None, compare=False, repr=False)
+    final: bool = field(default=False, compare=False, repr=False)
+    """The last status this stream sent is a terminal one (a new stream, one that reconnects,
+    starts without: it ends with the final status whether or not its client had it)."""
 
     def takes_event(self, event_id: int, *, now: float | None = None) -> bool:
         """Whether an event is new to this stream: above the cursor, or below it but not sent yet
@@ -158,15 +161,12 @@ class _Read:
     """The job is over (read before its events, so its final status is among them)."""
     after: int
     """The last event id read."""
-    final_sent: bool
-    """A terminal status went out in `frames`."""
 
 
 def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None = None) -> _Read:
     """Frames for the rows after `cur` (advancing it): metric points after its metric id, events
     after its horizon (or `after`, the last id a previous chunk read) that it has not sent."""
     out: list[str] = []
-    final_sent = False
     cur.settle()
     after = cur.horizon if after is None else after
     with session_for(settings.database_url) as s:
@@ -188,9 +188,10 @@ def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None =
                 continue
             row = {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
             out.append(event_frame(row, cur))
-            final_sent = final_sent or (ev.kind == "status" and ev.message in TERMINAL)
+            if ev.kind == "status":
+                cur.final = ev.message in TERMINAL
     more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
-    return _Read(frames=out, more=more, terminal=terminal, after=after, final_sent=final_sent)
+    return _Read(frames=out, more=more, terminal=terminal, after=after)
 
 
 def _final_status(settings: Settings, job_id: int, cur: Cursor) -> list[str]:
@@ -247,6 +248,8 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
         ended = msg["kind"] == "status" and msg["message"] in TERMINAL
+        if msg["kind"] == "status":
+            cur.final = ended
     return out, ended
 
 
@@ -256,16 +259,14 @@ async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[
     (locked, restarting) leaves the rest to the next poll."""
     out: list[str] = []
     after: int | None = None
-    final_sent = False
     try:
         while True:
             read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
             out.extend(read.frames)
-            final_sent = final_sent or read.final_sent
             if not read.more:
                 break
             after = read.after
-        if read.terminal and not final_sent:
+        if read.terminal and not cur.final:
             out.extend(await run_in_threadpool(_final_status, settings, job_id, cur))
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
@@ -281,17 +282,15 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         await live.connect()
         yield "retry: 2000\n\n"
         after: int | None = None
-        final_sent = False
         while True:
             read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
             if read.frames:
                 yield "".join(read.frames)
-            final_sent = final_sent or read.final_sent
             if not read.more:
                 break
             after = read.after
         if read.terminal:
-            if not final_sent:
+            if not cur.final:
                 frames = await run_in_threadpool(_final_status, settings, job_id, cur)
                 if frames:
                     yield "".join(frames)

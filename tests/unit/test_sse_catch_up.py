@@ -8,11 +8,13 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
 
 import api.live
+import api.sse
 from api.sse import job_events
 from api.stack import Stack
 from core.broker import job_channel
@@ -201,3 +203,40 @@ def test_the_stream_of_a_finished_job_ends_with_its_final_status(broker: Stack, 
     assert [m for _, m in asyncio.run(main(f"m0e{late['id']}"))] == ["failed"]
     # from the start: every event once, the final status among them, and nothing added
     assert [m for _, m in asyncio.run(main("m0e0"))] == ["queued", "failed", "a log line after the end"]
+
+
+def test_a_final_status_read_before_the_job_row_shows_it_is_not_sent_twice(
+    broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay reads the job's row, then its events, each in its own snapshot (SQLite without a
+    read transaction, PostgreSQL's read committed): the job can end in between, so the first read
+    sends the final status while the row still said 'running'. The stream then ends at its next
+    read of the database, without the final status again (it used to resend it: the 'final status
+    sent' was kept for one read, not for the stream)."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+    settings = settings.model_copy(update={"sse_keepalive_s": 1.0})  # the next read comes soon
+    with session_for(url) as s:
+        fail_job(s, job_id=job_id, reason="the test ends it")
+    real_get_job = api.sse.get_job
+    calls: list[int] = []
+
+    def row_read_before_the_end(s, job_id: int):  # noqa: ANN001, ANN202
+        calls.append(job_id)
+        job = real_get_job(s, job_id)
+        return SimpleNamespace(status="running") if len(calls) == 1 else job
+
+    monkeypatch.setattr(api.sse, "get_job", row_read_before_the_end)
+
+    async def main() -> list[str]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        got: list[str] = []
+        async with asyncio.timeout(20):
+            async for chunk in stream:
+                for line in chunk.splitlines():
+                    if line.startswith("data: "):
+                        data = json.loads(line[6:])
+                        got.append(data.get("message") or data.get("status") or "")
+        return got
+
+    assert asyncio.run(main()) == ["queued", "failed"]
+    assert len(calls) >= 2  # the stream did read the row again (and then ended)
