@@ -120,9 +120,9 @@ def train_under_ledger(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        reserved = library_workspace_bytes(device)  # cleared and re-made: the allocator's peak counts them
+        reserved = library_workspace_bytes(device)  # cleared (an earlier row's) and made again
+    # the baseline leaves the workspaces out (the ledger holds them): the allocator's peak counts them
+    base = torch.cuda.memory_allocated(device) - reserved if device.type == "cuda" else 0
     plan, _ = plan_for(mcfg, mode=mode, budget=budget, batch=SEARCH_BATCH, device="meta", reserved=reserved)
     ledger = DeviceLedger(budget_bytes=budget, strict=True)
     engine = SpillEngine(

@@ -130,3 +130,42 @@ def test_grad_clip_job_equals_loop_train() -> None:
     result = train_spilled(job, sink=sink, stop=NeverStop())
     assert result["shards"] >= 2
     torch.testing.assert_close(torch.tensor(sink.series("loss")), torch.tensor(ref.series("loss")))
+
+
+def test_the_allocator_baseline_leaves_out_the_workspaces_the_plan_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA (faked: no GPU here) the plan clears the cuBLAS workspaces the process holds (an
+    earlier run's: another job in the same process, test or bench row) and makes this run's; the
+    ledger holds them, so the allocator's baseline, which cuda_peak_mb and untracked_mb subtract,
+    must not. It used to be read before the plan, with the earlier run's workspaces in it: the
+    run's allocator peak then left its own workspaces out."""
+    from types import SimpleNamespace
+
+    import trainer.spill.job as sj
+    from trainer.models import recipe_for
+
+    mib = 2**20
+    held = {"other": 3 * mib, "workspaces": 64 * mib}  # what the process held before this job
+
+    def clear() -> None:
+        held["workspaces"] = 0
+
+    def measure(device: torch.device) -> int:  # partition.library_workspace_bytes on a GPU
+        clear()
+        held["workspaces"] = 64 * mib
+        return 64 * mib
+
+    measure_layers = sj.measure_layers
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: sum(held.values()))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", clear, raising=False)
+    monkeypatch.setattr(sj, "library_workspace_bytes", measure)
+    monkeypatch.setattr(
+        sj, "measure_layers", lambda model, **kw: measure_layers(model, **{**kw, "device": "meta"})
+    )
+    monkeypatch.setattr(sj, "SpillEngine", lambda *a, **kw: SimpleNamespace(offloaded=False))
+    job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 64 + BUDGET_MB}}))
+    engine = sj.SpilledEngine(job, recipe=recipe_for(job.model), sink=ListSink(), device=torch.device("cuda"))
+    assert engine.plan.reserved_bytes == 64 * mib and engine.plan.n_shards >= 2
+    assert engine.base == 3 * mib

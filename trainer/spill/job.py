@@ -135,10 +135,13 @@ class SpilledEngine:
         self.job, self.device = job, device
         self.model = build_dense(recipe, seed=cfg.seed)
         self.n_params = count_params(self.model)
-        # the allocator's baseline comes before the plan: the workspaces the plan measures (and
-        # reserves in the ledger) are the run's, so the allocator's peak counts them too
-        self.base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.plan, self.how = plan_job(job, self.model, device=device, recipe=recipe)
+        # the allocator's baseline leaves out the workspaces the plan measured (and reserves in the
+        # ledger): they are the run's, so its allocator peak counts them too. Read after the plan,
+        # which cleared those the process held before (an earlier run's), and made this run's.
+        self.base = (
+            torch.cuda.memory_allocated(device) - self.plan.reserved_bytes if device.type == "cuda" else 0
+        )
         spill = job.parallel.spill
         self.ledger = DeviceLedger(
             budget_bytes=int(spill.device_budget_mb * MiB) if spill is not None else None
