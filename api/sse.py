@@ -17,8 +17,8 @@ horizon, not at the highest id, and the SSE id carries the horizon plus the few 
 (`m<metric>e<horizon>s<id>.<id>`), so a client that reconnects inside the window gets the lower id
 it had not seen, and not again the ones it had. What remains: an event published more than
 `_SETTLE_S` after a higher one that this stream has sent, and not yet sent when the client
-reconnects, is not replayed; and the stream of a finished job always ends with the job's final
-status, even when the client had it already, so a client never waits for a status that passed it.
+reconnects, is not replayed. And the stream of a finished job always sends the job's final status,
+even when the client had it already, so a client never waits for a status that passed it.
 
 A stream holds no database connection while it waits: each read is its own short session. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
@@ -77,7 +77,7 @@ class Cursor:
     _token: str | None = field(default=None, compare=False, repr=False)
     final: bool = field(default=False, compare=False, repr=False)
     """The last status this stream sent is a terminal one (a new stream, one that reconnects,
-    starts without: it ends with the final status whether or not its client had it)."""
+    starts without: it sends the final status whether or not its client had it)."""
 
     def takes_event(self, event_id: int, *, now: float | None = None) -> bool:
         """Whether an event is new to this stream: above the cursor, or below it but not sent yet
@@ -195,7 +195,7 @@ def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None =
 
 
 def _final_status(settings: Settings, job_id: int, cur: Cursor) -> list[str]:
-    """The finished job's last status event, sent again: its stream ends with it whether or not
+    """The finished job's last status event, sent again: its stream sends it whether or not
     the client saw it before (a client waiting for it must not wait for ever)."""
     with session_for(settings.database_url) as s:
         ev = last_status_event(s, job_id=job_id)
