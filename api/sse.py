@@ -44,7 +44,7 @@ from core.broker import job_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import events_after, get_job, last_status_event, metrics_after
-from db.models import TERMINAL
+from db.models import TERMINAL, JobEvent
 
 log = logging.getLogger(__name__)
 _CURSOR = re.compile(r"^m(\d+)e(\d+)(?:s(\d+(?:\.\d+)*))?$")
@@ -65,8 +65,6 @@ MAX_CURSOR = 256
 @dataclass(slots=True)
 class Cursor:
     metric: int = 0
-    event: int = 0
-    """The highest event id sent."""
     sent: set[int] = field(default_factory=set, compare=False, repr=False)
     """Event ids this stream has sent (the newest _SENT_KEPT); below `floor` counts as sent."""
     floor: int = 0
@@ -86,7 +84,6 @@ class Cursor:
         if event_id <= self.floor or event_id in self.sent:
             return False
         self.sent.add(event_id)
-        self.event = max(self.event, event_id)
         if len(self.sent) > _SENT_KEPT:
             kept = sorted(self.sent)[_SENT_KEPT // 2 :]
             self.floor, self.sent = kept[0] - 1, set(kept)
@@ -114,25 +111,27 @@ class Cursor:
         now = time.monotonic()
         return cls(
             metric=int(m[1]),
-            event=max([horizon, *above]),
             sent=set(above),
             floor=horizon,
             horizon=horizon,
             recent=deque((now, i) for i in above),
         )
 
-    def __str__(self) -> str:
-        if self._token is None:
-            above = sorted(i for _, i in self.recent if i > self.horizon)
-            self._token = f"e{self.horizon}" + ("s" + ".".join(map(str, above)) if above else "")
-        return f"m{self.metric}{self._token}"
+    @property
+    def event(self) -> int:
+        """The highest event id sent (the newest are always among those kept)."""
+        return max(self.horizon, max(self.sent, default=0))
 
     @property
     def token(self) -> str:
         """The event part of the SSE id (what frames written at this cursor share)."""
-        str(self)
-        assert self._token is not None
+        if self._token is None:
+            above = sorted(i for _, i in self.recent if i > self.horizon)
+            self._token = f"e{self.horizon}" + ("s" + ".".join(map(str, above)) if above else "")
         return self._token
+
+    def __str__(self) -> str:
+        return f"m{self.metric}{self.token}"
 
 
 def frame(*, event: str, data: dict[str, Any], cursor: Cursor | str | None = None) -> str:
@@ -141,9 +140,11 @@ def frame(*, event: str, data: dict[str, Any], cursor: Cursor | str | None = Non
 
 
 def event_frame(ev: dict[str, Any], cursor: Cursor) -> str:
-    """A job_events row (as a dict) to an SSE frame: `status`, `log` or `event`."""
+    """A job_events row (as a dict) to an SSE frame: `status`, `log` or `event`. A status frame
+    also records on the cursor whether it is final (the stream's last status)."""
     kind = ev["kind"]
     if kind == "status":
+        cursor.final = ev["message"] in TERMINAL
         data = {"status": ev["message"], "error": (ev.get("data") or {}).get("error"), "time": ev["time"]}
     elif kind == "log":
         data = {"message": ev["message"], "time": ev["time"]}
@@ -186,10 +187,7 @@ def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None =
             after = ev.id
             if not cur.takes_event(ev.id):
                 continue
-            row = {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
-            out.append(event_frame(row, cur))
-            if ev.kind == "status":
-                cur.final = ev.message in TERMINAL
+            out.append(event_frame(_row(ev), cur))
     more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
     return _Read(frames=out, more=more, terminal=terminal, after=after)
 
@@ -201,7 +199,11 @@ def _final_status(settings: Settings, job_id: int, cur: Cursor) -> list[str]:
         ev = last_status_event(s, job_id=job_id)
         if ev is None or ev.message not in TERMINAL:
             return []
-        return [event_frame({"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}, cur)]
+        return [event_frame(_row(ev), cur)]
+
+
+def _row(ev: JobEvent) -> dict[str, Any]:
+    return {"kind": ev.kind, "message": ev.message, "data": ev.data, "time": ev.time}
 
 
 _Bodies = list[tuple[int, str]]
@@ -247,31 +249,38 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
         return out, False
     elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
-        ended = msg["kind"] == "status" and msg["message"] in TERMINAL
-        if msg["kind"] == "status":
-            cur.final = ended
+        ended = msg["kind"] == "status" and cur.final
     return out, ended
+
+
+async def _reads(settings: Settings, job_id: int, cur: Cursor) -> AsyncIterator[tuple[list[str], bool]]:
+    """Everything after `cur` from the database, a chunk at a time: (frames, whether the job is
+    over). A finished job's last chunk ends with its final status if this stream has not sent it."""
+    after: int | None = None
+    while True:
+        read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
+        frames = read.frames
+        if not read.more and read.terminal and not cur.final:
+            frames = frames + await run_in_threadpool(_final_status, settings, job_id, cur)
+        yield frames, read.terminal
+        if not read.more:
+            return
+        after = read.after
 
 
 async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
     """Everything after `cur` from the database: (frames, whether the job is over, whether the
-    read went through). A finished job's frames end with its final status. A read that failed
-    (locked, restarting) leaves the rest to the next poll."""
+    read went through). A read that failed (locked, restarting) leaves the rest to the next poll."""
     out: list[str] = []
-    after: int | None = None
+    terminal = False
     try:
-        while True:
-            read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
-            out.extend(read.frames)
-            if not read.more:
-                break
-            after = read.after
-        if read.terminal and not cur.final:
-            out.extend(await run_in_threadpool(_final_status, settings, job_id, cur))
+        async for frames, over in _reads(settings, job_id, cur):
+            out.extend(frames)
+            terminal = over
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
         return out, False, False
-    return out, read.terminal, True
+    return out, terminal, True
 
 
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
@@ -281,19 +290,12 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         # subscribe before the replay, so nothing published in between is missed
         await live.connect()
         yield "retry: 2000\n\n"
-        after: int | None = None
-        while True:
-            read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
-            if read.frames:
-                yield "".join(read.frames)
-            if not read.more:
-                break
-            after = read.after
-        if read.terminal:
-            if not cur.final:
-                frames = await run_in_threadpool(_final_status, settings, job_id, cur)
-                if frames:
-                    yield "".join(frames)
+        terminal = False
+        async for frames, over in _reads(settings, job_id, cur):
+            if frames:
+                yield "".join(frames)
+            terminal = over
+        if terminal:
             return
         last_sent = last_check = time.monotonic()
         behind = False
