@@ -69,55 +69,6 @@ def test_a_stream_that_dropped_its_backlog_still_sends_every_point(
     assert asyncio.run(main()) == set(range(1, 11))
 
 
-def test_events_of_two_writers_published_out_of_order_are_both_sent_once(
-    broker: Stack, tmp_path: Path
-) -> None:
-    """A job's events have several writers, each publishing after its own commit: the relay's
-    event 100 can reach the channel after the API's 101. The stream sends both (the cursor used
-    to move to 101 and drop 100 for good, from the live stream and from every replay), and a
-    message it already sent, published again, is not sent twice."""
-    url, settings, job_id = _one_job(broker, tmp_path)
-
-    def commit(message: str) -> dict:
-        with session_for(url) as s:
-            ev = JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=None)
-            s.add(ev)
-            s.commit()
-            return {
-                "type": "event",
-                "id": ev.id,
-                "kind": "log",
-                "message": message,
-                "data": None,
-                "time": ev.time,
-            }
-
-    def publish(*msgs: dict) -> None:
-        with redis.Redis.from_url(broker.broker_url) as r:
-            for m in msgs:
-                r.publish(job_channel(job_id), json.dumps(m))
-
-    async def main() -> list[str]:
-        stream = job_events(settings, job_id=job_id, last_event_id=None)
-        assert (await anext(stream)).startswith("retry:")
-        assert "queued" in await anext(stream)  # the replay
-        relay_ev = await asyncio.to_thread(commit, "from the relay")  # committed first ...
-        api_ev = await asyncio.to_thread(commit, "from the api")
-        await asyncio.to_thread(publish, api_ev, relay_ev, api_ev)  # ... published last; one twice
-        await asyncio.to_thread(publish, await asyncio.to_thread(commit, "end"))
-        got: list[str] = []
-        deadline = time.monotonic() + 20
-        while "end" not in got and time.monotonic() < deadline:
-            chunk = await asyncio.wait_for(anext(stream), timeout=deadline - time.monotonic())
-            got += [
-                json.loads(line[6:])["message"] for line in chunk.splitlines() if line.startswith("data: ")
-            ]
-        await stream.aclose()
-        return got
-
-    assert asyncio.run(main()) == ["from the api", "from the relay", "end"]
-
-
 def _log(url: str, job_id: int, message: str) -> dict:
     with session_for(url) as s:
         ev = JobEvent(job_id=job_id, time=time.time(), kind="log", message=message, data=None)
@@ -131,6 +82,45 @@ def _log(url: str, job_id: int, message: str) -> dict:
             "data": None,
             "time": ev.time,
         }
+
+
+def _publish(broker: Stack, job_id: int, *msgs: dict) -> None:
+    with redis.Redis.from_url(broker.broker_url) as r:
+        for m in msgs:
+            r.publish(job_channel(job_id), json.dumps(m))
+
+
+def test_events_of_two_writers_published_out_of_order_are_both_sent_once(
+    broker: Stack, tmp_path: Path
+) -> None:
+    """A job's events have several writers, each publishing after its own commit: the relay's
+    event 100 can reach the channel after the API's 101. The stream sends both (the cursor used
+    to move to 101 and drop 100 for good, from the live stream and from every replay), and a
+    message it already sent, published again, is not sent twice."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+
+    async def main() -> list[str]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)  # the replay
+        relay_ev = await asyncio.to_thread(_log, url, job_id, "from the relay")  # committed first ...
+        api_ev = await asyncio.to_thread(_log, url, job_id, "from the api")
+        await asyncio.to_thread(
+            _publish, broker, job_id, api_ev, relay_ev, api_ev
+        )  # ... published last; one twice
+        end = await asyncio.to_thread(_log, url, job_id, "end")
+        await asyncio.to_thread(_publish, broker, job_id, end)
+        got: list[str] = []
+        deadline = time.monotonic() + 20
+        while "end" not in got and time.monotonic() < deadline:
+            chunk = await asyncio.wait_for(anext(stream), timeout=deadline - time.monotonic())
+            got += [
+                json.loads(line[6:])["message"] for line in chunk.splitlines() if line.startswith("data: ")
+            ]
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(main()) == ["from the api", "from the relay", "end"]
 
 
 async def _frames(stream, *, until: str, timeout: float = 20) -> list[tuple[str, str]]:  # noqa: ANN001
@@ -163,17 +153,14 @@ def test_a_client_reconnecting_between_two_writers_publishes_gets_the_lower_id_o
         assert "queued" in await anext(stream)
         relay_ev = await asyncio.to_thread(_log, url, job_id, "from the relay")
         api_ev = await asyncio.to_thread(_log, url, job_id, "from the api")
-        with redis.Redis.from_url(broker.broker_url) as r:
-            r.publish(job_channel(job_id), json.dumps(api_ev))
+        _publish(broker, job_id, api_ev)
         first = await _frames(stream, until="from the api")
         await stream.aclose()  # the client drops here, before the relay publishes
-        with redis.Redis.from_url(broker.broker_url) as r:
-            r.publish(job_channel(job_id), json.dumps(relay_ev))
+        _publish(broker, job_id, relay_ev)
         again = job_events(settings, job_id=job_id, last_event_id=first[-1][0])
         assert (await anext(again)).startswith("retry:")
         end = await asyncio.to_thread(_log, url, job_id, "end")
-        with redis.Redis.from_url(broker.broker_url) as r:
-            r.publish(job_channel(job_id), json.dumps(end))
+        _publish(broker, job_id, end)
         second = await _frames(again, until="end")
         await again.aclose()
         return first, second
@@ -183,9 +170,9 @@ def test_a_client_reconnecting_between_two_writers_publishes_gets_the_lower_id_o
     assert [m for _, m in second] == ["from the relay", "end"]
 
 
-def test_the_stream_of_a_finished_job_ends_with_its_final_status(broker: Stack, tmp_path: Path) -> None:
+def test_the_stream_of_a_finished_job_always_sends_its_final_status(broker: Stack, tmp_path: Path) -> None:
     """A client that reconnects past the job's final status (a later event, or one it already
-    had) still ends with it: the stream closes with the final status, so no client waits for it."""
+    had) still gets it before the stream closes, so no client waits for it."""
     url, settings, job_id = _one_job(broker, tmp_path)
     with session_for(url) as s:
         fail_job(s, job_id=job_id, reason="the test ends it")
