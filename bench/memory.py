@@ -112,15 +112,16 @@ def largest_width(*, mode: str, budget: int, step: int = 16, reserved: int = 0) 
 
 
 def train_under_ledger(
-    mcfg: ModelConfig, *, mode: str, budget: int, device: torch.device, steps: int = 2, reserved: int = 0
+    mcfg: ModelConfig, *, mode: str, budget: int, device: torch.device, reserved: int, steps: int = 2
 ) -> dict[str, Any]:
-    """Really train the model `steps` steps with a strict ledger (raises if the budget is passed)."""
+    """Really train the model `steps` steps with a strict ledger (raises if the budget is passed).
+    `reserved`: the library workspaces `largest_rows` measured, which this process holds from then
+    on (every row trains on the same threads and streams, so they are the same ones)."""
     model = build_model(mcfg, seed=0)
     offload = BF16 if mode == "offload" else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        reserved = library_workspace_bytes(device)  # cleared (an earlier row's) and made again
     # the baseline leaves the workspaces out (the ledger holds them): the allocator's peak counts them
     base = torch.cuda.memory_allocated(device) - reserved if device.type == "cuda" else 0
     plan, _ = plan_for(mcfg, mode=mode, budget=budget, batch=SEARCH_BATCH, device="meta", reserved=reserved)
@@ -157,7 +158,7 @@ def largest_rows(*, budget_mb: float, device: torch.device) -> list[dict[str, An
         n = sum(_param_counts(mcfg))
         resident_params = resident_params or n
         t0 = time.perf_counter()
-        run = train_under_ledger(mcfg, mode=mode, budget=budget, device=device)
+        run = train_under_ledger(mcfg, mode=mode, budget=budget, device=device, reserved=reserved)
         rows.append(
             {
                 "mode": mode if mode != "offload" else "spilled+offload(bf16)",
