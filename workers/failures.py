@@ -78,23 +78,33 @@ class RankDeath:
 
 
 def signal_deaths(*, rc: int, stderr: str) -> list[RankDeath]:
-    """The trainer processes that died by a signal: from torchrun's failure summary (every rank it
-    lists), else its agent's log lines, else the trainer's own exit code (one process). Ranks that
-    exited with an error code are left out: they are the survivors, or the job's own failure."""
-    deaths: dict[int, RankDeath] = {}
-    for m in _ENTRY.finditer(stderr):
+    """The trainer processes that died by a signal, the first observed first: from torchrun's
+    failure summary, else its agent's log lines, else the trainer's own exit code (one process).
+    Ranks that exited with an error code are left out (the survivors, or the job's own failure).
+    SIGTERM counts only when no rank failed otherwise: torchrun itself sends it to stop the other
+    ranks once one failed, and a rank that raised is the job's own failure."""
+    summary = stderr[stderr.rfind("Failures:") :] if "Failures:" in stderr else stderr
+    root_at = summary.find("Root Cause")
+    found: dict[int, RankDeath] = {}
+    errors = 0
+    for m in sorted(_ENTRY.finditer(summary), key=lambda m: m.start() < root_at):
         code, pid = int(m["code"]), int(m["pid"])
         if code < 0:
-            deaths[pid] = RankDeath(rank=int(m["rank"]), pid=pid, signum=-code, host=m["host"])
-    if not deaths:
+            found[pid] = RankDeath(rank=int(m["rank"]), pid=pid, signum=-code, host=m["host"])
+        else:
+            errors += 1
+    if not found and not errors:
         for m in _AGENT_LINE.finditer(stderr):
             code, pid = int(m["code"]), int(m["pid"])
             if code < 0:
                 # only the local rank is on this line; with one node it is the global rank too
-                deaths[pid] = RankDeath(rank=int(m["local"]), pid=pid, signum=-code)
-    if not deaths and rc < 0:
+                found[pid] = RankDeath(rank=int(m["local"]), pid=pid, signum=-code)
+            else:
+                errors += 1
+    if not found and not errors and rc < 0:
         return [RankDeath(rank=None, pid=0, signum=-rc)]
-    return sorted(deaths.values(), key=lambda d: (d.rank is None, d.rank))
+    killed = [d for d in found.values() if d.signum != signal.SIGTERM]
+    return killed or ([] if errors else list(found.values()))
 
 
 def _memory_cgroup_files() -> list[Path]:
