@@ -29,10 +29,17 @@ from pathlib import Path
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-JOB_OWN_FAILURES = ("bad spec", "ran past its max_runtime_s", "user code failed", "TrainingError")
-"""How the trainer's error line (trainer/__main__.py) starts when the job itself failed: a spec it
-refused, a limit, the user's code, a NaN or infinite loss (trainer/loop.py check_finite). A gang
-retries other errors, since one node often sees only that a peer's sockets closed."""
+JOB_OWN_FAILURES = (
+    "bad spec",
+    "ran past its max_runtime_s",
+    "user code failed",
+    "TrainingError",
+    "CheckpointWriteError",
+)
+"""How the trainer's error line (trainer/__main__.py) starts when a new attempt would fail the same
+way: a spec it refused, a limit, the user's code, a NaN or infinite loss (trainer/loop.py
+check_finite), a checkpoint the storage refused (full). A gang retries other errors, since one node
+often sees only that a peer's sockets closed."""
 
 # one entry of torchrun's summary (errors/__init__.py _FAILURE_FORMAT_TEMPLATE)
 _ENTRY = re.compile(
