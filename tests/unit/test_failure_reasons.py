@@ -5,10 +5,15 @@ is the job's own failure (no reason, no retry)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from workers.failures import infrastructure_failure, signal_deaths
 
@@ -23,9 +28,9 @@ time.sleep(60)  # rank 0 lives on: torchrun stops it once rank 1 failed
 """
 
 
-def _torchrun(tmp_path: Path, how: str) -> tuple[int, str, int]:
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
+def _torchrun(tmp_path: Path, how: str, *, script: str = RANKS) -> tuple[int, str, int]:
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
     done = subprocess.run(
         [
             sys.executable,
@@ -34,7 +39,7 @@ def _torchrun(tmp_path: Path, how: str) -> tuple[int, str, int]:
             "--standalone",
             "--nproc-per-node",
             "2",
-            str(script),
+            str(path),
             how,
         ],
         capture_output=True,
@@ -74,3 +79,57 @@ def test_a_one_process_trainer_killed_by_a_signal() -> None:
     assert (
         infrastructure_failure(rc=1, stderr="TrainingError: loss is nan at step 3", oom_before=None) is None
     )
+
+
+OOM_RANK = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("pid", os.getpid(), flush=True)
+    with open(sys.argv[1] + "/cgroup.procs", "w") as f:  # into the small cgroup, then past its limit
+        f.write(str(os.getpid()))
+    hog = bytearray(1 << 30)
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+@contextlib.contextmanager
+def _small_memory_cgroup(limit: int) -> Iterator[Path]:
+    """A child of this process's memory cgroup (v1 or v2) limited to `limit` bytes with no swap:
+    a process in it that allocates more is killed by the kernel's OOM killer, for real."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")]
+    if v1:
+        base = Path("/sys/fs/cgroup/memory")
+        own = base / v1[0].lstrip("/")
+        limits = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
+    else:
+        base = Path("/sys/fs/cgroup")
+        own = base / next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")).lstrip("/")
+        limits = {"memory.max": limit, "memory.swap.max": 0}
+    child = (own if own.is_dir() else base) / f"shardyard-test-{uuid.uuid4().hex[:8]}"
+    try:
+        child.mkdir()
+        for name, value in limits.items():
+            if (child / name).exists():
+                (child / name).write_text(str(value))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            child.rmdir()
+        pytest.skip(f"no memory cgroup of its own can be made here (needs root and a writable cgroup): {e}")
+    try:
+        yield child
+    finally:
+        child.rmdir()
+
+
+def test_a_rank_killed_by_the_kernels_oom_killer_is_named_so(tmp_path: Path) -> None:
+    """Rank 1 moves itself into a 64 MiB memory cgroup and allocates 1 GiB: the kernel's OOM killer
+    sends it SIGKILL and says so in its log, which the reason must name."""
+    with _small_memory_cgroup(64 << 20) as cg:
+        rc, stderr, pid = _torchrun(tmp_path, str(cg), script=OOM_RANK)
+    reason = infrastructure_failure(rc=rc, stderr=stderr, oom_before=None)
+    assert reason == (
+        f"rank 1 (pid {pid}) was killed by SIGKILL (exit code -9), by the kernel's OOM killer (the kernel "
+        "log says so): the node ran out of memory"
+    ), (reason, stderr[-3000:])
