@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from core.multiproc import MULTIPROC_ENV, fresh_multiproc_dir
 from db.migrate import upgrade
 
 
@@ -188,7 +189,13 @@ class Stack:
                 "--log-level",
                 "warning",
             ],
-            env={**self.env, "SHARDYARD_ADMIN_TOKEN": self.admin_token},
+            env={
+                **self.env,
+                "SHARDYARD_ADMIN_TOKEN": self.admin_token,
+                # the API's and its scheduler child's instruments meet here (core/telemetry.py)
+                MULTIPROC_ENV: os.environ.get(MULTIPROC_ENV)
+                or str(fresh_multiproc_dir(self.root / "prometheus")),
+            },
         )
         _wait(
             lambda: httpx.get(f"{self.base_url}/api/health", timeout=2).status_code == 200,

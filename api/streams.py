@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from core.telemetry import OPEN_STREAMS
+
 
 def client_key(request: Request, user: object | None = None) -> str:
     """Whom a stream counts against: the signed-in user, else the peer address."""
@@ -38,11 +40,14 @@ class StreamSlots:
             if n >= self.limit:
                 return False
             self._open[key] = n + 1
+            OPEN_STREAMS.inc()
             return True
 
     def release(self, key: str) -> None:
         with self._lock:
             n = self._open.get(key, 0) - 1
+            if key in self._open:
+                OPEN_STREAMS.dec()
             if n > 0:
                 self._open[key] = n
             else:
