@@ -75,7 +75,7 @@ def _non_public(host: str) -> str | None:
     """The first address of `host` that is not a public one, if any (unresolvable: None)."""
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
+    except (OSError, UnicodeError, ValueError):
         return None
     for info in infos:
         addr = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
@@ -89,19 +89,25 @@ def check_url(url: str, *, allow_private: bool) -> None:
     address. Checked at creation and again before every POST (a name may change what it resolves
     to); a name that resolves to a private address only between the check and the connect is not
     caught here, which is why production should also send through an egress proxy or firewall."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError as e:  # an unclosed [ of an IPv6 literal, and the like
+        raise UnsafeUrl(f"the URL cannot be parsed: {e}") from e
+    if any(ord(ch) < 0x21 for ch in url):
+        raise UnsafeUrl("the URL must not contain spaces or control characters")
     if parts.scheme not in ("http", "https"):
         raise UnsafeUrl(f"the URL's scheme must be http or https, not {parts.scheme!r}")
-    if not parts.hostname:
+    if not host:
         raise UnsafeUrl("the URL has no host")
     if parts.username or parts.password:
         raise UnsafeUrl("the URL must not carry a user name or password")
     if allow_private:
         return
-    bad = _non_public(parts.hostname)
+    bad = _non_public(host)
     if bad is not None:
         raise UnsafeUrl(
-            f"the host {parts.hostname} is a non-public address ({bad}); an admin may allow such "
+            f"the host {host} is a non-public address ({bad}); an admin may allow such "
             "hosts with SHARDYARD_WEBHOOK_ALLOW_PRIVATE=1"
         )
 
@@ -179,7 +185,7 @@ class Deliverer:
                 error = f"answered {status_code}"
         except UnsafeUrl as e:
             error = str(e)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
         delivered = error is None
         done = c.attempts + 1

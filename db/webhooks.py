@@ -165,6 +165,8 @@ def record_attempt(
     retry_in_s: float | None,
 ) -> None:
     """Log one POST and settle the row: delivered; due again in `retry_in_s`; or given up (None)."""
+    if session.get(WebhookDelivery, delivery_id) is None:
+        return  # its webhook was deleted while the POST was out
     now = db_now(session)
     session.add(
         WebhookAttempt(delivery_id=delivery_id, at=now, status_code=status_code, error=error, seconds=seconds)

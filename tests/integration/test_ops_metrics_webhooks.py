@@ -195,8 +195,12 @@ def test_a_user_gets_one_signed_delivery_per_ended_job_and_batch(ops: StackHandl
             wait_for("the hanging receiver to be called", stuck.arrived.is_set)
             assert all(r.answered == 0 for r in stuck.requests)
 
-            log = c.get(f"/api/webhooks/{hook['id']}/deliveries").json()["items"]
-            assert sorted(d["state"] for d in log) == ["delivered", "delivered"]
+            # the receiver has answered; the deliverer records that just after
+            def settled() -> list[dict] | None:
+                items = c.get(f"/api/webhooks/{hook['id']}/deliveries").json()["items"]
+                return items if [d["state"] for d in items] == ["delivered", "delivered"] else None
+
+            log = wait_for("the delivery log to show both delivered", settled)
             codes = sorted(a["status_code"] for d in log for a in d["attempts"])
             assert codes == [200, 200, 500, 500]
             assert {(d["event"], d["object_id"], d["status"]) for d in log} == {

@@ -34,7 +34,7 @@ def _insert(event: str, now: str) -> str:
         WHERE w.user_id = NEW.owner_id AND (w.events = 'all' OR NEW.status = 'failed');"""
 
 
-def _when(table: str, extra: str) -> str:
+def _when(extra: str) -> str:
     return f"NEW.status IN {ENDED} AND OLD.status NOT IN {ENDED} AND {extra}"
 
 
@@ -91,7 +91,7 @@ def upgrade() -> None:
         for table, event, extra in SOURCES:
             op.execute(
                 f"CREATE TRIGGER notify_{table}_ended AFTER UPDATE OF status ON {table} "
-                f"FOR EACH ROW WHEN {_when(table, extra)} BEGIN {_insert(event, now)} END"
+                f"FOR EACH ROW WHEN {_when(extra)} BEGIN {_insert(event, now)} END"
             )
     else:
         now = "(clock_timestamp() AT TIME ZONE 'UTC')"
@@ -102,7 +102,7 @@ def upgrade() -> None:
             )
             op.execute(
                 f"CREATE TRIGGER notify_{table}_ended AFTER UPDATE OF status ON {table} "
-                f"FOR EACH ROW WHEN ({_when(table, extra)}) EXECUTE FUNCTION notify_{table}_ended()"
+                f"FOR EACH ROW WHEN ({_when(extra)}) EXECUTE FUNCTION notify_{table}_ended()"
             )
 
 
