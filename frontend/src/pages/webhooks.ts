@@ -4,7 +4,12 @@ import { api, post, type Webhook, type WebhookDelivery } from "../api";
 import { badge, errorText, fmtTime, h } from "../dom";
 
 export function webhooksPage(root: HTMLElement): () => void {
-  const url = h("input", { id: "webhook-url", type: "url", placeholder: "https://example.com/hooks", size: 48 });
+  const url = h("input", {
+    id: "webhook-url",
+    type: "url",
+    placeholder: "https://example.com/hooks",
+    size: 48,
+  });
   const events = h(
     "select",
     { id: "webhook-events" },
@@ -23,7 +28,11 @@ export function webhooksPage(root: HTMLElement): () => void {
         h(
           "table",
           { class: "grid" },
-          h("thead", {}, h("tr", {}, ...["id", "event", "of", "state", "attempts", "last"].map((c) => h("th", {}, c)))),
+          h(
+            "thead",
+            {},
+            h("tr", {}, ...["id", "event", "of", "state", "attempts", "last"].map((c) => h("th", {}, c))),
+          ),
           h(
             "tbody",
             {},
@@ -35,7 +44,11 @@ export function webhooksPage(root: HTMLElement): () => void {
                 h("td", {}, d.id),
                 h("td", {}, d.event),
                 h("td", {}, `${d.object_id} (${d.status})`),
-                h("td", {}, badge(d.state === "delivered" ? "succeeded" : d.state === "failed" ? "failed" : "queued")),
+                h(
+                  "td",
+                  {},
+                  badge(d.state === "delivered" ? "succeeded" : d.state === "failed" ? "failed" : "queued"),
+                ),
                 h("td", { class: "num" }, d.attempts.length),
                 h("td", {}, last ? `${fmtTime(last.at)}: ${last.status_code ?? last.error ?? ""}` : "—"),
               );
@@ -86,7 +99,8 @@ export function webhooksPage(root: HTMLElement): () => void {
           ),
         ),
       );
-      if (!page.items.length) tbody.append(h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No webhooks yet.")));
+      if (!page.items.length)
+        tbody.append(h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No webhooks yet.")));
     } catch (err) {
       tbody.replaceChildren(h("tr", {}, h("td", { colspan: 5, class: "error" }, errorText(err))));
     }
