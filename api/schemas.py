@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
@@ -21,8 +21,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
-"""A display name: 1-200 characters, no control characters (they break logs and tables)."""
+NO_CONTROLS = r"^[^\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]+$"
+"""No control characters (C0, DEL, C1), line separators or bidirectional overrides: they break logs
+and tables, or make a name print as another."""
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must hold a character other than spaces")
+    return value
+
+
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=NO_CONTROLS), AfterValidator(_not_blank)
+]
+"""A display name: 1-200 characters, not only spaces, no control characters (`NO_CONTROLS`).
+Markup characters (`[/]`, `<b>`) are allowed: every place that prints a name prints it as text."""
 DB_INT = 2**31 - 1
 """The largest value an INTEGER column holds on Postgres; ids and counters stay below it."""
 DB_BIGINT = 2**63 - 1

@@ -102,7 +102,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_048_576
     """Largest request body (413 above)."""
     session_ttl_s: float = 12 * 3600
-    """A dashboard sign-in lasts this long."""
+    """A dashboard sign-in lasts at most this long (its absolute expiry)."""
+    session_idle_s: float = 2 * 3600
+    """A dashboard session ends after this long without a request or an open stream."""
+    stream_auth_check_s: float = 3.0
+    """Every open event stream asks again this often whether its token or session is still live,
+    and ends with an `error` frame once it is not (revoked, expired, idle)."""
     cookie_secure: bool = False
     """Mark the session cookies Secure (set it when the dashboard is served over HTTPS)."""
     quota_running_jobs: int = 4
