@@ -90,3 +90,23 @@ def test_idle_stream_sends_keepalives_and_catches_up_from_the_database(stack: St
             assert time.monotonic() - t0 < 30
     assert comments >= 2
     assert statuses == ["queued", "cancelled"]
+
+
+def test_cli_prints_names_with_markup_as_they_are(stack: StackHandle, tmp_path: Path) -> None:
+    """A job named `[/]` made `shardyard jobs` exit 1 (rich read the name as markup)."""
+    names = ["[/]", "[bold red]loud[/]", "a[/b]c"]
+    ids = []
+    for name in names:
+        spec = tmp_path / "job.json"
+        spec.write_text(json.dumps({**TINY_SPEC, "name": name, "train": {**TINY_SPEC["train"], "steps": 1}}))
+        out = cli(stack, "submit", str(spec))
+        assert out.returncode == 0, out.stderr
+        assert f"({name})" in out.stdout, out.stdout
+        ids.append(int(out.stdout.split("submitted job", 1)[1].split()[0]))
+    listing = cli(stack, "jobs", "--limit", "500")
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split("│")[1].strip(): line for line in listing.stdout.splitlines() if line.count("│") > 2}
+    for job_id, name in zip(ids, names, strict=True):
+        assert name in rows[str(job_id)], listing.stdout
+    for job_id in ids:
+        stack.client.post(f"/api/jobs/{job_id}/cancel")
