@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from db.jobs import Conflict, NotFound, aware
@@ -133,8 +133,13 @@ def touch(session: Session, tok: ApiToken, *, every_s: float) -> None:
     """Record a session's use, at most once per `every_s` (not a write per request)."""
     now = utcnow()
     if tok.last_used_at is None or aware(tok.last_used_at) + timedelta(seconds=every_s) <= now:
-        session.execute(update(ApiToken).where(ApiToken.id == tok.id).values(last_used_at=now))
-        session.commit()
+        try:
+            session.execute(update(ApiToken).where(ApiToken.id == tok.id).values(last_used_at=now))
+            session.commit()
+        except OperationalError:
+            # another writer holds the database (SQLite's lock): a read must not fail for this
+            # bookkeeping, and the next request writes it
+            session.rollback()
 
 
 def list_tokens(session: Session, *, user_id: int | None = None, sessions: bool = True) -> Sequence[ApiToken]:
