@@ -33,7 +33,7 @@ from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from api.deps import SessionDep, SettingsDep
@@ -153,7 +153,11 @@ def authenticate(
         return tok
     if cookie:
         tok = db_users.token_by_hash(session, token_hash=hash_secret(cookie), kind="session")
-        why = "unknown" if tok is None else db_users.why_dead(session, tok, idle_s=settings.session_idle_s)
+        why = (
+            "no such session"
+            if tok is None
+            else db_users.why_dead(session, tok, idle_s=settings.session_idle_s)
+        )
         if tok is None or why is not None:
             raise _unauthorized(f"the session has ended ({why}); sign in again")
         db_users.touch(session, tok, every_s=_touch_every(settings))
@@ -181,6 +185,10 @@ def credential_problem(settings: Settings, headers: dict[bytes, bytes]) -> str |
             )
     except HTTPException as e:
         return str(e.detail)
+    except SQLAlchemyError:
+        # the database is locked or away: the route's own check answers 503 with the reason (the
+        # app's handlers do not reach a middleware); until then the body stays within its caps
+        return None
     return None
 
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 _SHARED_S = 1.0
 """How long one credential check answers for every stream of that credential."""
 _checked: dict[Credential, tuple[float, str | None]] = {}
+_inflight: dict[Credential, asyncio.Future[str | None]] = {}
 
 
 def client_key(request: Request, user: object | None = None) -> str:
@@ -100,11 +101,7 @@ class SseResponse(StreamingResponse):
                 await aclose()
 
 
-async def _problem(settings: Settings, cred: Credential) -> str | None:
-    now = time.monotonic()
-    hit = _checked.get(cred)
-    if hit is not None and now - hit[0] < _SHARED_S:
-        return hit[1]
+async def _ask(settings: Settings, cred: Credential) -> str | None:
     try:
         why = await run_in_threadpool(credential_problem_by_id, settings, cred)
     except SQLAlchemyError as e:
@@ -114,8 +111,23 @@ async def _problem(settings: Settings, cred: Credential) -> str | None:
         return None
     if len(_checked) > 10_000:
         _checked.clear()
-    _checked[cred] = (now, why)
+    _checked[cred] = (time.monotonic(), why)
     return why
+
+
+async def _problem(settings: Settings, cred: Credential) -> str | None:
+    """The credential's answer, read at most once a second for all its streams together: those
+    that ask while a read is under way wait for that one (40 streams of one token checking at
+    once took 11 of the pool's connections)."""
+    hit = _checked.get(cred)
+    if hit is not None and time.monotonic() - hit[0] < _SHARED_S:
+        return hit[1]
+    task = _inflight.get(cred)
+    if task is None or task.get_loop() is not asyncio.get_running_loop():
+        task = _inflight[cred] = asyncio.ensure_future(_ask(settings, cred))
+        task.add_done_callback(lambda t: _inflight.pop(cred, None) if _inflight.get(cred) is t else None)
+    # shielded: a stream that closes meanwhile must not cancel the others' answer
+    return await asyncio.shield(task)
 
 
 async def guarded(
