@@ -8,13 +8,16 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from db.engine import session_for
-from db.jobs import JobStatus, claim_job, create_job, finish_job
+from db.jobs import JobStatus, aware, claim_job, create_job, finish_job
+from db.models import ApiToken, utcnow
 from tests.conftest import TINY_SPEC, StackHandle
 from tests.sse import sse_frames
 
@@ -298,7 +301,9 @@ def test_revoking_a_token_ends_its_sessions_and_open_streams(stack: StackHandle)
         assert len(sessions) == 1 and sessions[0]["parent_id"] == first_id, sessions
         assert sessions[0]["expires_at"] is not None
         assert any(t["id"] == sessions[0]["id"] for t in stack.client.get("/api/tokens").json()["items"])
-        job = browser.post("/api/jobs", json={**SHORT, "name": "watched"}, headers=same).json()
+        # a job that outlasts the test: its stream must end for the revocation, not the job's end
+        endless = {**SHORT, "name": "watched", "train": {**SHORT["train"], "steps": 100000}}
+        job = browser.post("/api/jobs", json=endless, headers=same).json()
         # streams opened with the session and with the token itself, both quiet and open
         by_cookie = _Stream(browser, "/api/events")
         by_token = _Stream(ca, f"/api/jobs/{job['id']}/stream")
@@ -317,6 +322,7 @@ def test_revoking_a_token_ends_its_sessions_and_open_streams(stack: StackHandle)
         # and the session cannot be used to mint its way back in
         resp = browser.post(f"/api/users/{a['user']['id']}/tokens", json={"label": "back"}, headers=same)
         assert resp.status_code == 401
+        assert stack.client.post(f"/api/jobs/{job['id']}/cancel").status_code == 200
 
 
 def test_sessions_are_ended_one_by_one_or_all_at_once(stack: StackHandle) -> None:
@@ -376,3 +382,28 @@ def test_a_session_cannot_mint_a_token_without_presenting_one(stack: StackHandle
         # an admin's token for another user is that user's own: B's stays when the admin's goes
         resp = stack.client.post(f"/api/users/{b['user']['id']}/tokens", json={"label": "given"})
         assert resp.status_code == 201 and resp.json()["info"]["parent_id"] is None
+
+
+def test_an_idle_session_ends(stack: StackHandle) -> None:
+    """SHARDYARD_SESSION_IDLE_S (2 h): a session last used longer ago answers 401 saying so; its
+    use is recorded, so a session in use does not end."""
+    a, ca = new_user(stack)
+    browser, _ = sign_in(stack, a["token"])
+    with ca, closing(browser):
+        assert browser.get("/api/jobs").status_code == 200
+        sid = next(t["id"] for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "session")
+        with session_for(stack.stack.database_url) as s:
+            s.execute(
+                update(ApiToken).where(ApiToken.id == sid).values(last_used_at=utcnow() - timedelta(hours=1))
+            )
+            s.commit()
+        assert browser.get("/api/jobs").status_code == 200  # an hour idle: still on, and used now
+        with session_for(stack.stack.database_url) as s:
+            assert aware(s.get(ApiToken, sid).last_used_at) > utcnow() - timedelta(minutes=5)
+            s.execute(
+                update(ApiToken).where(ApiToken.id == sid).values(last_used_at=utcnow() - timedelta(hours=3))
+            )
+            s.commit()
+        resp = browser.get("/api/jobs")
+        assert resp.status_code == 401 and "idle" in resp.json()["detail"], resp.text
+        assert ca.get("/api/jobs").status_code == 200  # the token itself has no idle limit
