@@ -12,6 +12,7 @@ from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
 from jobrules.models import model_problems
 from jobrules.parallel import tensor_world_size, world_size
+from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 
 WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
@@ -161,6 +162,13 @@ class JobSpec(Strict):
     max_runtime_s: int | None = Field(
         None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
     )
+    max_restarts: int = Field(
+        DEFAULT_MAX_RESTARTS,
+        ge=0,
+        le=MAX_RESTARTS_LIMIT,
+        description="attempts that fail for the infrastructure (a rank killed by a signal, a lost "
+        "worker) are retried from the checkpoint this many times; the job's own failures never are",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
@@ -227,6 +235,9 @@ class JobPublic(BaseModel):
     """The slots the scheduler reserved for the job, one entry per node (worker)."""
     run_seconds: float = 0.0
     """Wall time its attempts have run so far (max_runtime_s counts all of it)."""
+    restarts: int = 0
+    """Attempts that failed for the infrastructure and were retried (the spec's max_restarts
+    bounds it); each one's reason is in the job's events."""
 
 
 class QueueEntry(BaseModel):

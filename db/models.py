@@ -129,6 +129,9 @@ class Job(Base):
     run_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     """Wall time the job's attempts have run, written with each relay batch of the attempt (a
     killed attempt loses at most the time since its last batch): max_runtime_s counts it all."""
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    """Attempts that failed for the infrastructure (a rank killed by a signal, a lost worker) and
+    went back to the queue; the spec's max_restarts bounds it (db/jobs.py restart_job)."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -280,7 +280,7 @@ _NESTED: dict[tuple[type, str], type] = {
 }
 
 # Keys the service keeps in the spec that the trainer does not act on.
-_IGNORED = {(JobConfig, "priority"), (JobConfig, "max_runtime_s")}
+_IGNORED = {(JobConfig, "priority"), (JobConfig, "max_runtime_s"), (JobConfig, "max_restarts")}
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
