@@ -4,16 +4,16 @@ session's idle expiry)
 Revoking a token revokes what was made from it, so a session or a minted token cannot outlive
 the token that made it (issue 29).
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0011"
-down_revision = "0010"
+revision = "0012"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 
