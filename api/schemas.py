@@ -12,6 +12,7 @@ from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
 from jobrules.models import model_problems
 from jobrules.parallel import tensor_world_size, world_size
+from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
 
 WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
@@ -128,6 +129,24 @@ class ResourceSpec(Strict):
     gpus: int = Field(0, ge=0, le=1024)
 
 
+class EnvSpec(Strict):
+    pip: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_LINE_CHARS)]] = Field(
+        default_factory=list,
+        max_length=MAX_LINES,
+        description="the job's own Python requirements, as requirements.txt lines ('einops==0.8.2')",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> EnvSpec:
+        from core.settings import get_settings
+
+        lines = [(f"env.pip[{i}]", x) for i, x in enumerate(self.pip)]
+        allow = get_settings().pyenv_allow_options
+        if problems := requirement_problems(lines, installed=installed_versions(), allow_options=allow):
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class JobSpec(Strict):
     """A training job. See README.md for every field."""
 
@@ -146,6 +165,10 @@ class JobSpec(Strict):
     )
     max_runtime_s: int | None = Field(
         None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
+    )
+    env: EnvSpec | None = Field(
+        None,
+        description="Python packages the job needs beyond the trainer's (with a workspace's requirements.txt)",
     )
 
     @model_validator(mode="after")

@@ -39,6 +39,7 @@ from db.jobs import (
 )
 from db.models import JobStatus
 from db.quotas import quota_gate
+from workers import pyenv
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -227,17 +228,25 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
-    rc = run_attempt(
-        settings,
-        cmd,
-        relay=relay,
-        poll=poll,
-        stop_file=stop_file,
-        workdir=workdir,
-        out=out,
-        memory_limit=mem_limit,
-        what=f"job {job_id} attempt {attempt.attempt}",
+    # the job's own requirements (workers/pyenv.py): built here, under the job's lease, or refused
+    env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
+    out.error = env.error
+    rc = (
+        pyenv.without_trainer(relay)
+        if env.error
+        else run_attempt(
+            settings,
+            cmd + env.args,
+            relay=relay,
+            poll=poll,
+            stop_file=stop_file,
+            workdir=workdir,
+            out=out,
+            memory_limit=mem_limit,
+            what=f"job {job_id} attempt {attempt.attempt}",
+        )
     )
+    env.release()
     if rc is None:
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
