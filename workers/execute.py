@@ -230,21 +230,17 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     mem_limit = memory_limit_bytes(spec)
     # the job's own requirements (workers/pyenv.py): built here, under the job's lease, or refused
     env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
-    out.error = env.error
-    rc = (
-        pyenv.without_trainer(relay)
-        if env.error
-        else run_attempt(
-            settings,
-            cmd + env.args,
-            relay=relay,
-            poll=poll,
-            stop_file=stop_file,
-            workdir=workdir,
-            out=out,
-            memory_limit=mem_limit,
-            what=f"job {job_id} attempt {attempt.attempt}",
-        )
+    rc = run_attempt(
+        settings,
+        cmd,
+        relay=relay,
+        poll=poll,
+        stop_file=stop_file,
+        workdir=workdir,
+        out=out,
+        memory_limit=mem_limit,
+        what=f"job {job_id} attempt {attempt.attempt}",
+        env=env,
     )
     env.release()
     if rc is None:
@@ -266,12 +262,17 @@ def run_attempt(
     out: Outcome,
     memory_limit: int | None,
     what: str,
+    env: pyenv.PreparedEnv | None = None,
 ) -> int | None:
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
-    unreachable: the lease then runs out)."""
+    unreachable: the lease then runs out). `env`: the job's own packages (workers/pyenv.py); when
+    they failed, no trainer runs and the attempt ends with their error (exit code 1)."""
+    if env is not None and env.error:
+        out.error = env.error
+        return pyenv.without_trainer(relay)
     rc = supervise(
-        cmd,
+        cmd + (env.args if env is not None else []),
         on_message=lambda msg: relay.add(None, msg),
         poll=poll,
         stop_file=stop_file,

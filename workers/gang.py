@@ -51,6 +51,7 @@ from db.jobs import (
     unclaim_node,
 )
 from db.models import JobStatus
+from workers import pyenv
 from workers.execute import (
     QuotaWait,
     drop_checkpoints_past,
@@ -271,6 +272,8 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
 
     mem_limit = memory_limit_bytes(spec)
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
+    # each node builds (or finds) the job's own requirements before its torchrun (workers/pyenv.py)
+    env = pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id)
     rc = run_attempt(
         settings,
         cmd,
@@ -281,7 +284,9 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
+        env=env,
     )
+    env.release()
     if rc is None:
         return "lost"
     ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
@@ -339,8 +344,10 @@ class GangEnd:
             return self.wait_for_end() if self.node_rank else self.end_with_result(view)
         oom = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit)
         failure = oom or out.failure(rc)
-        # a spec the trainer refused, or a limit, fails on every attempt alike: no restart
-        terminal = oom is not None or failure.startswith(("bad spec", "ran past its max_runtime_s"))
+        # a spec the trainer refused, a limit, or the job's own requirements (workers/pyenv.py)
+        # fail on every attempt alike: no restart
+        done = ("bad spec", "ran past its max_runtime_s", "environment")
+        terminal = oom is not None or failure.startswith(done)
         return self.give_back(f"{where}: {failure}", restart=True, fail=terminal)
 
     def finish(self, status: JobStatus, error: str | None = None) -> str:

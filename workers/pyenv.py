@@ -282,8 +282,10 @@ def build(reqs: list[Requirement], *, settings: Settings, tmp: Path, report: Rep
     uv, common = uv_bin(), _index_args(settings)
     lines: list[str] = []
     # resolved against this very interpreter: what it has installed satisfies the requirements it
-    # can, and the constraints forbid changing any of it
-    plan_cmd = [uv, "pip", "install", "--dry-run", "--python", sys.executable, "-r", "requirements.in"]
+    # can, and the constraints forbid changing any of it. A dry run changes nothing, so a system
+    # interpreter marked externally managed (Debian's) may be asked too
+    plan_cmd = [uv, "pip", "install", "--dry-run", "--break-system-packages", "--python", sys.executable]
+    plan_cmd += ["-r", "requirements.in"]
     plan_cmd += ["-c", "constraints.txt", *common]
     rc = _run(plan_cmd, cwd=tmp, deadline=deadline, limit_s=limit, report=report, out=lines)
     if rc != 0:
@@ -355,7 +357,7 @@ def prepare(
     try:
         lines = requirement_sources(spec, workspace=workspace)
     except OSError as e:
-        return PreparedEnv(error=f"reading the workspace's requirements.txt failed: {e}")
+        return PreparedEnv(error=f"environment: reading the workspace's requirements.txt failed: {e}")
     if not lines:
         return PreparedEnv()
     allow = settings.pyenv_allow_options
@@ -372,10 +374,10 @@ def prepare(
         held = _use(dest, reqs=reqs, settings=settings, report=report, deadline=deadline)
     except EnvError as e:
         report.say(f"environment {key[:12]} failed: {e}")
-        return PreparedEnv(error=str(e))
+        return PreparedEnv(error=f"environment: {e}")
     except Exception as e:  # noqa: BLE001 - a disk or installer fault fails this job, not the worker
         log.exception("environment %s", key)
-        return PreparedEnv(error=f"preparing the environment failed: {type(e).__name__}: {e}")
+        return PreparedEnv(error=f"environment: preparing it failed: {type(e).__name__}: {e}")
     finally:
         report.note(None)
     (root / f"{key}.used").touch()
@@ -474,7 +476,7 @@ def for_run(
 def for_job(
     spec: dict[str, Any], *, settings: Settings, workdir: Path, relay: Any, job_id: int
 ) -> PreparedEnv:
-    """for_run() for one job's attempt in `workdir` (workers/execute.py, workers/gang.py)."""
+    """for_run() for one job's attempt (or one node's, workers/gang.py) in `workdir`."""
     from db.engine import session_for
     from db.jobs import cancel_requested
 
