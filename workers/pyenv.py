@@ -329,6 +329,7 @@ def _lock(path: Path, *, mode: int, deadline: float, report: Report, waiting: st
         fcntl.flock(f, mode | fcntl.LOCK_NB)
         return f
     except BlockingIOError:
+        report.note("preparing environment")  # another job's build: this one waits on it
         report.say(waiting)
     try:
         while True:

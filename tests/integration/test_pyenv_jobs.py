@@ -7,15 +7,18 @@ a selection batch's trials share the base's environment."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 
+from jobrules.pyenv import accepted, requirements_digest
 from tests.archives import targz
 from tests.conftest import StackHandle
 from tests.trainer.user_model_src import USER_MODEL
+from workers.pyenv import platform_tag
 
 pytestmark = pytest.mark.integration
 
@@ -168,3 +171,24 @@ def test_a_selection_batch_shares_the_base_environment(stack: StackHandle) -> No
     assert sel["status"] == "succeeded", sel
     for t in sel["trials"]:
         assert "environment" in logs(stack, t["job_id"])
+
+
+def test_a_job_waiting_on_a_build_shows_preparing_environment(stack: StackHandle) -> None:
+    # this test holds the build lock of the job's environment, as another job's build would
+    lines = "einops==0.8.1\n"
+    key = requirements_digest(accepted([("1", "einops==0.8.1")]), platform=platform_tag())
+    envs = Path(stack.stack.root) / "envs"
+    envs.mkdir(exist_ok=True)
+    ref = workspace(stack, lines, "einops-held")
+    with open(envs / f"{key}.lock", "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        job = stack.submit(spec("byod-held", ref))
+        seen = stack.wait_until(job["id"], lambda j: j["wait_reason"] == "preparing environment", timeout=120)
+        assert seen["status"] == "running"
+        deadline = time.monotonic() + 60  # the log line comes through the relay's next flush
+        while "another job is building it; waiting" not in logs(stack, job["id"]):
+            assert time.monotonic() < deadline, logs(stack, job["id"])
+            time.sleep(0.2)
+        assert stack.job(job["id"])["wait_reason"] == "preparing environment"  # still, while held
+    done = stack.wait(job["id"], timeout=300)
+    assert done["wait_reason"] is None and "installed einops==0.8.1" in logs(stack, job["id"])
