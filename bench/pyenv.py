@@ -31,25 +31,30 @@ from workers.pyenv import Report, prepare
 from workers.supervise import Ask, Outcome, supervise
 
 MODEL_PY = """
-import einops
 import torch
 from torch import nn
 
 class Mix(nn.Module):
-    def __init__(self, width):
-        super().__init__(); self.fc = nn.Linear(width, width)
+    def __init__(self, width, rearrange):
+        super().__init__(); self.fc = nn.Linear(width, width); self.rearrange = rearrange
     def forward(self, x):
-        return x + self.fc(einops.rearrange(einops.rearrange(x, "b t d -> t b d"), "t b d -> b t d"))
+        if self.rearrange is not None:
+            x = self.rearrange(self.rearrange(x, "b t d -> t b d"), "t b d -> b t d")
+        return x + self.fc(x)
 
-def make(*, vocab_size, width=32):
+def make(*, vocab_size, width=32, use_einops=True):
     from trainer.recipe import ModelRecipe, gpt2_init
+    rearrange = None
+    if use_einops:  # the job's own package (the baseline without requirements runs without it)
+        import einops
+        rearrange = einops.rearrange
     class LM(ModelRecipe):
         kind = "einlm"
         n_layers = 4
         def build_layer(self, i):
             if i == 0: return nn.Embedding(vocab_size, width)
             if i == 3: return nn.Linear(width, vocab_size)
-            return Mix(width)
+            return Mix(width, rearrange)
         def init_layer(self, i, layer, *, generator):
             gpt2_init(layer, generator=generator, n_layers=2)
     return LM()
@@ -71,7 +76,8 @@ def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]
     ws.mkdir(exist_ok=True)
     (ws / "einlm.py").write_text(MODEL_PY)
     spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps(SPEC))
+    spec = {**SPEC, "model": {**SPEC["model"], "args": {"use_einops": bool(pip)}}}
+    spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
     env = prepare(
         {"env": {"pip": pip}},
@@ -104,7 +110,8 @@ def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]
     env.release()
     if rc != 0 or not first:
         raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
-    return {"prepare_s": prepared, "first_step_s": first[0]}
+    warm_run = "warm trainer: this run was forked" in (tmp / "stderr.log").read_text()
+    return {"prepare_s": prepared, "first_step_s": first[0], "warm": warm_run}
 
 
 def build_only(pip: list[str], *, data_dir: Path) -> float:
@@ -159,6 +166,7 @@ def main() -> None:
                 "environment": label,
                 "prepare s": statistics.median(r["prepare_s"] for r in runs),
                 "first step s": statistics.median(r["first_step_s"] for r in runs),
+                "warm runs": f"{sum(bool(r['warm']) for r in runs)}/{len(runs)}",
             }
         )
     for case in ("cold", "cached"):
@@ -167,6 +175,7 @@ def main() -> None:
                 "environment": f"timm+torchvision+pillow, {case} (prepare only)",
                 "prepare s": statistics.median(heavy[case]),
                 "first step s": "",
+                "warm runs": "",
             }
         )
     load = (

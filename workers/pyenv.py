@@ -299,6 +299,10 @@ def build(reqs: list[Requirement], *, settings: Settings, tmp: Path, report: Rep
     if pins:
         lines.clear()
         install_cmd = [uv, "pip", "install", "--no-deps", "--python", sys.executable, "--target", str(site)]
+        if options := [r.text for r in reqs if r.option and r.text.startswith("-")]:
+            # what an admin allowed (an index, find-links) serves the install as it served the plan
+            (tmp / "options.in").write_text("".join(f"{o}\n" for o in options))
+            install_cmd += ["-r", "options.in"]
         install_cmd += [*common, *pins]
         rc = _run(install_cmd, cwd=tmp, deadline=deadline, limit_s=limit, report=report, out=lines)
         if rc != 0:
@@ -309,8 +313,8 @@ def build(reqs: list[Requirement], *, settings: Settings, tmp: Path, report: Rep
             f"the environment is {nbytes / 2**20:.1f} MiB, more than the {settings.pyenv_max_mb:.0f} MiB "
             "allowed (SHARDYARD_PYENV_MAX_MB)"
         )
-    for name in ("requirements.in", "constraints.txt"):
-        (tmp / name).unlink()
+    for name in ("requirements.in", "constraints.txt", "options.in"):
+        (tmp / name).unlink(missing_ok=True)
     _read_only(site)
     marker = {
         "requirements": [r.text for r in reqs],
