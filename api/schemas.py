@@ -229,7 +229,8 @@ class JobPublic(BaseModel):
     owner: str | None
     wait_reason: str | None
     """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
-    behind a higher-priority job, no live worker)."""
+    behind a higher-priority job, no live worker); for a running job, `preparing environment`
+    while its worker builds (or waits for) the environment of its requirements."""
     queue_position: int | None = None
     """1-based place of a queued job in the scheduler's order (None when not queued)."""
     reservation: list[ReservationPublic] = []
