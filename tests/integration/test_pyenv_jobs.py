@@ -192,3 +192,25 @@ def test_a_job_waiting_on_a_build_shows_preparing_environment(stack: StackHandle
         assert stack.job(job["id"])["wait_reason"] == "preparing environment"  # still, while held
     done = stack.wait(job["id"], timeout=300)
     assert done["wait_reason"] is None and "installed einops==0.8.1" in logs(stack, job["id"])
+
+
+def test_a_selection_whose_environment_fails_fails_its_trials_naming_the_package(stack: StackHandle) -> None:
+    base = {
+        "name": "byod-sel-missing",
+        "model": {"kind": "mlp", "layers": 1},
+        "train": {"steps": 4, "batch_size": 4, "eval_every": 4, "eval_batches": 1},
+        "env": {"pip": ["shardyard-no-such-package-zzq==1.0"]},
+    }
+    resp = stack.client.post(
+        "/api/selections",
+        json={"name": "byod-missing", "base": base, "space": {"train.lr": [1e-3, 3e-3]}, "method": "grid"},
+    )
+    assert resp.status_code == 201, resp.text
+    sid = resp.json()["id"]
+    deadline = time.monotonic() + 180
+    while (sel := stack.client.get(f"/api/selections/{sid}").json())["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, sel
+        time.sleep(0.5)
+    for t in sel["trials"]:
+        job = stack.job(t["job_id"])
+        assert job["status"] == "failed" and "shardyard-no-such-package-zzq" in job["error"], job
