@@ -12,6 +12,7 @@ from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
 from jobrules.models import model_problems
 from jobrules.parallel import tensor_world_size, world_size
+from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 
 WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
@@ -143,6 +144,24 @@ class ResourceSpec(Strict):
     gpus: int = Field(0, ge=0, le=1024)
 
 
+class EnvSpec(Strict):
+    pip: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_LINE_CHARS)]] = Field(
+        default_factory=list,
+        max_length=MAX_LINES,
+        description="the job's own Python requirements, as requirements.txt lines ('einops==0.8.2')",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> EnvSpec:
+        from core.settings import get_settings
+
+        lines = [(f"env.pip[{i}]", x) for i, x in enumerate(self.pip)]
+        allow = get_settings().pyenv_allow_options
+        if problems := requirement_problems(lines, installed=installed_versions(), allow_options=allow):
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class JobSpec(Strict):
     """A training job. See README.md for every field."""
 
@@ -168,6 +187,10 @@ class JobSpec(Strict):
         le=MAX_RESTARTS_LIMIT,
         description="attempts that fail for the infrastructure (a rank killed by a signal, a lost "
         "worker) are retried from the checkpoint this many times; the job's own failures never are",
+    )
+    env: EnvSpec | None = Field(
+        None,
+        description="Python packages the job needs beyond the trainer's (with a workspace's requirements.txt)",
     )
 
     @model_validator(mode="after")
@@ -228,7 +251,8 @@ class JobPublic(BaseModel):
     owner: str | None
     wait_reason: str | None
     """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
-    behind a higher-priority job, no live worker)."""
+    behind a higher-priority job, no live worker); for a running job, `preparing environment`
+    while its worker builds (or waits for) the environment of its requirements."""
     queue_position: int | None = None
     """1-based place of a queued job in the scheduler's order (None when not queued)."""
     reservation: list[ReservationPublic] = []
