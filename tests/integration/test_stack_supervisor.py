@@ -43,6 +43,20 @@ def _children(pid: int, marker: str) -> list[int]:
     return found
 
 
+def _answers(h: StackHandle) -> bool:
+    try:
+        return h.client.get("/api/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return proc_info(pid)[2] != "Z"
+    except OSError:
+        return False
+
+
 def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path) -> None:
     root = tmp_path / "root"
     port = free_port()
@@ -128,6 +142,38 @@ def test_redis_server_is_restarted_and_unclaimed_tasks_are_sent_again(tmp_path: 
         "worker1 exited with -9 (SIGKILL); restarting in 0.2s (restart 1)",
     ], lines
     assert "redis-server restarted empty: 1 unclaimed task(s) will be sent again" in lines, lines
+
+
+def test_a_killed_api_comes_back_on_its_port(tmp_path: Path) -> None:
+    """kill -9 of uvicorn: the supervisor kills what is left of its group (the scheduler process)
+    and starts the API again on the same port; its scheduler places work again."""
+    st = Stack(root=tmp_path, restarts=RestartPolicy(backoff_s=0.2))
+    st.start()
+    h = StackHandle(st)
+    lines: list[str] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=st.supervise, kwargs={"stop": stop, "say": lines.append, "poll_s": 0.2})
+    thread.start()
+    old = st.procs["api"]
+    try:
+        scheduler = _children(old.pid, "core.scheduler_proc")
+        assert len(scheduler) == 1
+        os.kill(old.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while st.procs["api"] is old or not _answers(h):
+            assert time.monotonic() < deadline, f"the API was not restarted: {lines}"
+            time.sleep(0.2)
+        done = h.wait(h.submit({**TINY_SPEC, "train": {**TINY_SPEC["train"], "steps": 5}})["id"], timeout=180)
+        gone = not _alive(scheduler[0])
+    finally:
+        stop.set()
+        thread.join(60)
+        h.client.close()
+        st.stop()
+    assert done["status"] == "succeeded"
+    assert gone, "the dead API's scheduler process outlived it"
+    assert lines == ["api exited with -9 (SIGKILL); restarting in 0.2s (restart 1)"], lines
+    assert left_behind(tmp_path) == []
 
 
 def test_a_process_that_dies_at_once_every_time_ends_the_stack(tmp_path: Path) -> None:
