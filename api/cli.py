@@ -363,10 +363,22 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_demo(stack: Any, job_id: int) -> None:
+    """The demo job's progress, in a thread of its own: the main thread supervises the stack."""
+    try:
+        with _client(stack.base_url, stack.admin_token) as c:
+            follow(c, job_id)
+        console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job_id}")
+        console.print("the stack keeps running; press Ctrl-C to stop everything")
+    except (CliError, httpx.HTTPError) as e:
+        err.print(f"[yellow]stopped following job {job_id}: {e}[/]")
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
-    from api.stack import Stack
+    from api.stack import CrashLoop, Stack
     from core.settings import get_settings
 
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
@@ -387,20 +399,21 @@ def cmd_stack(args: argparse.Namespace) -> int:
             f"{stack.admin_token}",
             highlight=False,
         )
-        with _client(stack.base_url, stack.admin_token) as c:
-            if args.demo:
+        if args.demo:
+            with _client(stack.base_url, stack.admin_token) as c:
                 spec = json.loads(DEMO_SPEC.read_text())
                 job = _check(c.post("/api/jobs", json=spec))
-                console.print(
-                    f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
-                )
-                follow(c, job["id"])
-                console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job['id']}")
-        console.print("the stack keeps running; press Ctrl-C to stop everything")
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(1)
-        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-        err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
+            console.print(
+                f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
+            )
+            threading.Thread(target=_follow_demo, args=(stack, job["id"]), daemon=True, name="demo").start()
+        else:
+            console.print("the stack keeps running; press Ctrl-C to stop everything")
+        # a process that dies is restarted (with a back-off); only Ctrl-C, SIGTERM or a crash
+        # loop end this
+        stack.supervise(say=lambda line: err.print(f"[yellow]{line}[/]", highlight=False))
+    except CrashLoop as e:
+        err.print(f"[red]stopping the stack: {e}[/]", highlight=False)
         return 1
     except KeyboardInterrupt:
         pass
