@@ -153,6 +153,13 @@ def _fence(attempt: Attempt) -> Any:
     return (Job.id == attempt.job_id) & (Job.attempts == attempt.attempt) & (Job.owner == attempt.owner)
 
 
+def set_run_note(session: Session, *, attempts: list[Attempt], note: str | None) -> None:
+    """What a running attempt waits on before it trains (`preparing environment`), shown as the
+    job's wait_reason; None clears it. Fenced: a stale attempt changes nothing."""
+    for attempt in attempts:
+        session.execute(update(Job).where(_fence(attempt)).values(wait_reason=note))
+
+
 def _claimable(now: datetime, owner: str) -> Any:
     """Queued, or running under a lease that ran out (or that this very process holds: a retry
     of its own task re-claims instead of skipping)."""

@@ -60,7 +60,8 @@ class User(Base):
 
 class ApiToken(Base):
     """A bearer token (`api`, until revoked) or a dashboard cookie session (`session`, until it
-    expires). Only the SHA-256 of the secret is stored; the secret is shown once."""
+    expires, is ended or its token is revoked). Only the SHA-256 of the secret is stored; the
+    secret is shown once."""
 
     __tablename__ = "api_tokens"
     __table_args__ = (UniqueConstraint("token_hash", name="uq_api_tokens_token_hash"),)
@@ -75,6 +76,13 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    parent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True, default=None
+    )
+    """The token this one was made with (a session's sign-in token, a token minted by another):
+    revoking a token revokes everything made from it, so one revocation cuts a leak off."""
+    last_used_at: Mapped[datetime | None] = mapped_column(default=None)
+    """A session's last request (written at most every few minutes): its idle expiry."""
     user: Mapped[User] = relationship(lazy="joined")
 
 
@@ -321,7 +329,7 @@ class Webhook(Base):
 
 class WebhookDelivery(Base):
     """The outbox: one row per (webhook, ended job or batch), written by a database trigger in
-    the same transaction that ends the job (migration 0012), so no end is lost whichever code
+    the same transaction that ends the job (the webhooks migration, 0013), so no end is lost whichever code
     path ended it. The deliverer (core/webhooks.py) claims due rows with a lease."""
 
     __tablename__ = "webhook_deliveries"

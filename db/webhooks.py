@@ -1,5 +1,5 @@
 """Webhooks and their outbox: a user's endpoints, the deliveries the end-of-job triggers queue
-(migration 0012), claims with a lease, and the log of every attempt."""
+(the webhooks migration, 0013), claims with a lease, and the log of every attempt."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ from db.jobs import (
 from db.models import JobStatus
 from db.quotas import quota_gate
 from jobrules.restarts import max_restarts
+from workers import pyenv
 from workers.failures import infrastructure_failure, oom_kill_count
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
@@ -231,6 +232,8 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
     oom_before = oom_kill_count()
+    # the job's own requirements (workers/pyenv.py): built here, under the job's lease, or refused
+    env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
     rc = run_attempt(
         settings,
         cmd,
@@ -241,7 +244,9 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} attempt {attempt.attempt}",
+        env=env,
     )
+    env.release()
     if rc is None:
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
@@ -263,12 +268,17 @@ def run_attempt(
     out: Outcome,
     memory_limit: int | None,
     what: str,
+    env: pyenv.PreparedEnv | None = None,
 ) -> int | None:
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
-    unreachable: the lease then runs out)."""
+    unreachable: the lease then runs out). `env`: the job's own packages (workers/pyenv.py); when
+    they failed, no trainer runs and the attempt ends with their error (exit code 1)."""
+    if env is not None and env.error:
+        out.error = env.error
+        return pyenv.without_trainer(relay)
     rc = supervise(
-        cmd,
+        cmd + (env.args if env is not None else []),
         on_message=lambda msg: relay.add(None, msg),
         poll=poll,
         stop_file=stop_file,

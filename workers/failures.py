@@ -35,10 +35,12 @@ JOB_OWN_FAILURES = (
     "user code failed",
     "TrainingError",
     "CheckpointWriteError",
+    "environment",
 )
 """How the trainer's error line (trainer/__main__.py) starts when a new attempt would fail the same
 way: a spec it refused, a limit, the user's code, a NaN or infinite loss (trainer/loop.py
-check_finite), a checkpoint the storage refused (full). A gang retries other errors, since one node
+check_finite), a checkpoint the storage refused (full), the job's own requirements that
+workers/pyenv.py could not install. A gang retries other errors, since one node
 often sees only that a peer's sockets closed."""
 
 # one entry of torchrun's summary (errors/__init__.py _FAILURE_FORMAT_TEMPLATE)

@@ -51,6 +51,7 @@ from db.jobs import (
     unclaim_node,
 )
 from db.models import JobStatus
+from workers import pyenv
 from workers.execute import (
     QuotaWait,
     drop_checkpoints_past,
@@ -273,6 +274,8 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     mem_limit = memory_limit_bytes(spec)
     oom_before = oom_kill_count()
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
+    # each node builds (or finds) the job's own requirements before its torchrun (workers/pyenv.py)
+    env = pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id)
     rc = run_attempt(
         settings,
         cmd,
@@ -283,7 +286,9 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
+        env=env,
     )
+    env.release()
     if rc is None:
         return "lost"
     ender = GangEnd(

@@ -152,6 +152,16 @@ def test_a_rank_killed_by_a_signal_is_named_and_the_gang_restarts(settings: Sett
     )
 
 
+def test_a_nodes_failed_environment_fails_the_gang_at_once(settings: Settings) -> None:
+    # the job's requirements (workers/pyenv.py) fail the same way on every attempt: no restart
+    head, member = _running_gang(settings)
+    why = "environment: resolving the requirements failed: error: no-such-pkg was not found"
+    assert _end(settings, member, 1, rc=1, out=Outcome(error=why)) == "failed"
+    job, events, _ = _job(settings, head.job_id)
+    assert job.error == f"node 1 on w1: {why}"
+    assert not any(e.get("gang_restart") for e in events)
+
+
 def test_a_stop_from_another_nodes_warm_shutdown_gives_the_gang_back_uncounted(settings: Settings) -> None:
     head, member = _running_gang(settings)
     # node 1's worker drained: every rank stopped at one step, so node 0's trainer exited 0 with a

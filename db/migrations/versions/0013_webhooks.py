@@ -7,16 +7,16 @@ settle), and a trigger writes the row in the same transaction as every one of th
 future, so an end is never lost and never notified twice (the trigger fires only on the change
 from a live status to an ended one).
 
-Revision ID: 0012
-Revises: 0011
+Revision ID: 0013
+Revises: 0012
 Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0012"
-down_revision = "0011"
+revision = "0013"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 
