@@ -360,7 +360,7 @@ class WebhookAttempt(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     delivery_id: Mapped[int] = mapped_column(
-        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True
+        BigId, ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True
     )
     at: Mapped[datetime] = mapped_column(default=utcnow)
     status_code: Mapped[int | None] = mapped_column(Integer, default=None)

@@ -46,7 +46,7 @@ def upgrade() -> None:
         sa.Column("url", sa.String(2000), nullable=False),
         sa.Column("events", sa.String(16), nullable=False, server_default="all"),
         sa.Column("secret", sa.String(100), nullable=False),
-        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_webhooks_user_id", "webhooks", ["user_id"])
     big = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
@@ -62,10 +62,10 @@ def upgrade() -> None:
         sa.Column("state", sa.String(12), nullable=False, server_default="pending"),
         sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("body", sa.Text(), nullable=True),
-        sa.Column("created_at", sa.DateTime(), nullable=False),
-        sa.Column("next_at", sa.DateTime(), nullable=False),
-        sa.Column("lease_until", sa.DateTime(), nullable=True),
-        sa.Column("delivered_at", sa.DateTime(), nullable=True),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("next_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("lease_until", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("delivered_at", sa.DateTime(timezone=True), nullable=True),
     )
     op.create_index("ix_webhook_deliveries_webhook_id", "webhook_deliveries", ["webhook_id"])
     op.create_index("ix_webhook_deliveries_due", "webhook_deliveries", ["state", "next_at"])
@@ -78,7 +78,7 @@ def upgrade() -> None:
             sa.ForeignKey("webhook_deliveries.id", ondelete="CASCADE"),
             nullable=False,
         ),
-        sa.Column("at", sa.DateTime(), nullable=False),
+        sa.Column("at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("status_code", sa.Integer(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("seconds", sa.Float(), nullable=False, server_default="0"),
@@ -94,7 +94,7 @@ def upgrade() -> None:
                 f"FOR EACH ROW WHEN {_when(extra)} BEGIN {_insert(event, now)} END"
             )
     else:
-        now = "(clock_timestamp() AT TIME ZONE 'UTC')"
+        now = "clock_timestamp()"
         for table, event, extra in SOURCES:
             op.execute(
                 f"CREATE FUNCTION notify_{table}_ended() RETURNS trigger LANGUAGE plpgsql AS $$ "
