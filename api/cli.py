@@ -3,7 +3,7 @@
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
-    shardyard scheduler
+    shardyard scheduler [--metrics-port 9101]
     shardyard admin create-user NAME [--admin]
 
 The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000), the API
