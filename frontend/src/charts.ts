@@ -31,6 +31,7 @@ export const PALETTE = [
 ];
 
 const REDRAW_MS = 150;
+const STEP_INCRS = Array.from({ length: 10 }, (_, k) => [1, 2, 5].map((m) => m * 10 ** k)).flat();
 
 /** A tick label short enough for any range: a diverged loss of 3e9 reads "3e9", not "3,000,000,000". */
 export function fmtTick(v: number | null): string {
@@ -175,7 +176,8 @@ export class StepChart {
         height: this.opts.height ?? 260,
         scales: { x: { time: false }, y: this.log ? { distr: 3, log: 10 } : {} },
         axes: [
-          { label: "step", values: (_u, ticks) => ticks.map(fmtTick) },
+          // steps are whole numbers: no tick at step 2.5
+          { label: "step", incrs: STEP_INCRS, values: (_u, ticks) => ticks.map(fmtTick) },
           {
             label: this.opts.yLabel,
             values: (_u, ticks) => ticks.map(fmtTick),

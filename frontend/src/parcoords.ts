@@ -112,7 +112,10 @@ export function parallelCoordinates(opts: {
     for (const tk of a.ticks) {
       root.append(
         svg("line", { x1: x - 3, x2: x + 3, y1: ay(tk.at), y2: ay(tk.at), class: "pc-axis" }),
-        svg("text", { x: x + 5, y: ay(tk.at) + 4, class: "pc-tick" }, tk.label),
+        // the first axis' labels go left of it, into the margin, clear of the lines
+        i === 0
+          ? svg("text", { x: x - 6, y: ay(tk.at) + 4, "text-anchor": "end", class: "pc-tick" }, tk.label)
+          : svg("text", { x: x + 6, y: ay(tk.at) + 4, class: "pc-tick" }, tk.label),
       );
     }
   });

@@ -32,7 +32,7 @@ export function comparePage(root: HTMLElement): () => void {
     ),
   ];
   const selectionId = Number(q.get("selection")) || null;
-  const note = h("p", { class: "muted", id: "compare-note" });
+  const note = h("p", { class: "muted", id: "compare-note", hidden: true });
   const list = h("ul", { class: "compare-list", id: "compare-jobs" });
   const chartEl = h("div", { class: "chart", id: "compare-chart" });
   root.append(h("section", {}, h("div", { class: "title-row" }, h("h1", {}, "Compare runs"))), note);
@@ -40,10 +40,12 @@ export function comparePage(root: HTMLElement): () => void {
     note.textContent =
       "Nothing picked yet: tick up to 8 jobs in the jobs table, or trials in a selection's leaderboard, then press Compare.";
     note.id = "compare-empty";
+    note.hidden = false;
     return () => undefined;
   }
   if (ids.length > MAX_COMPARE) {
     note.className = "error";
+    note.hidden = false;
     note.textContent = `At most ${MAX_COMPARE} runs on one chart; showing the first ${MAX_COMPARE} of ${ids.length}.`;
     ids.length = MAX_COMPARE;
   }

@@ -44,6 +44,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     title: "throughput",
     yLabel: "tokens/s",
     lines: [{ key: "tokens_per_s", label: "tokens/s", color: "#2ca02c" }],
+    controls: true,
   });
 
   let job: Job | null = null;

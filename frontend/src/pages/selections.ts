@@ -260,7 +260,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
             { "data-trial-id": t.id, "data-status": t.status, class: t.stopped_early ? "stopped" : "" },
             h(
               "td",
-              {},
+              { class: "pick" },
               h("span", { class: "swatch", style: `background:${trialColour(t)}` }),
               h("input", {
                 type: "checkbox",
