@@ -241,6 +241,15 @@ def test_cancel_asks_before_it_cancels(stack, page: Page) -> None:
 
             return handle
 
+        # a running job on the compare view draws on as it reports
+        page.goto(f"{stack.base_url}/#/compare?jobs={job['id']}")
+        chart = page.locator("#compare-chart")
+        expect(chart).to_have_attribute("data-points", re.compile(r"^[1-9]"), timeout=30_000)
+        first = int(chart.get_attribute("data-points") or 0)
+        page.wait_for_function(
+            "(n) => +document.querySelector('#compare-chart').dataset.points > n", arg=first, timeout=60_000
+        )
+
         page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
         page.once("dialog", answer(False))
         page.locator("#job-header button.danger").click()

@@ -1,7 +1,7 @@
 // Up to 8 jobs (or a selection's trials, which are jobs) on one chart: one line per job for the
 // metric picked. The route carries the choice (#/compare?jobs=3,7&metric=loss) so a view can be
 // shared by its address.
-import { api, type Job, type Metrics, type Selection } from "../api";
+import { api, type Job, type Metrics, type Selection, subscribe, TERMINAL } from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { badge, errorText, h } from "../dom";
 
@@ -61,6 +61,7 @@ export function comparePage(root: HTMLElement): () => void {
 
   let chart: StepChart | null = null;
   let closed = false;
+  const streams: EventSource[] = [];
 
   /** Change the view through the address, so the back button undoes it. */
   const go = (change: { metric?: string; drop?: number }) => {
@@ -130,6 +131,19 @@ export function comparePage(root: HTMLElement): () => void {
     );
     if (closed) return;
     found.forEach((j, i) => chart?.addSeries(`j${j.id}`, series[i]?.series[metric]));
+    // runs still going draw on as they report (the chart keys points by step, so the stream's
+    // replay of what the backfill already has adds nothing)
+    for (const j of found.filter((f) => !TERMINAL.has(f.status))) {
+      const es = subscribe(`/api/jobs/${j.id}/stream`, {
+        metric: (m: { step: number; name: string; value: number }) => {
+          if (m.name === metric) chart?.add(`j${j.id}`, m.step, m.value);
+        },
+        status: (st: { status: string }) => {
+          if (TERMINAL.has(st.status)) es.close();
+        },
+      });
+      streams.push(es);
+    }
     chart.setEmpty(
       found.length
         ? `None of these runs recorded ${metric} yet.`
@@ -140,6 +154,7 @@ export function comparePage(root: HTMLElement): () => void {
 
   return () => {
     closed = true;
+    for (const es of streams) es.close();
     chart?.destroy();
   };
 }

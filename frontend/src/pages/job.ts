@@ -73,7 +73,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     if (!job) return;
     const j = job;
     const active = !TERMINAL.has(j.status) && !deleted;
-    // a trial's job ends "succeeded" even when the rungs stopped it: its result says so
+    // a trial's job: its result is the trial's report (status, stop_reason)
     const trial = (j.selection_id ?? null) !== null ? ((j.result ?? null) as TrialResult | null) : null;
     const stop = trial?.stop_reason ?? null;
     replace(
@@ -89,7 +89,12 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         "div",
         { class: "title-row" },
         h("h1", {}, `Job #${j.id} · ${j.name}`),
-        deleted ? badge("deleted") : stop ? badge("stopped_early") : badge(j.status),
+        // a trial's job ends "succeeded" even when the rungs stopped it early
+        deleted
+          ? badge("deleted")
+          : trial?.status === "stopped_early"
+            ? badge("stopped_early")
+            : badge(j.status),
         active && !j.cancel_requested
           ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
           : null,
