@@ -134,6 +134,7 @@ def test_diverged_job_fails_with_its_error_in_the_row_and_readable_axes(stack, p
     page.goto(f"{stack.base_url}/#/")
     row = page.locator(f'#jobs-table tr[data-job-id="{job["id"]}"]')
     expect(row.locator(".row-error")).to_have_text(failed["error"].split("\n")[0])
+    page.screenshot(path=str(SHOTS / "dashboard-jobs-failed.png"))
 
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
     expect(page.locator("#loss-chart")).to_have_attribute("data-points", re.compile(r"^[1-9]"))
@@ -190,6 +191,7 @@ def test_trial_page_links_its_batch_and_says_stopped_early(stack, page: Page) ->
     page.goto(f"{stack.base_url}/#/jobs/{t['job_id']}")
     expect(page.locator("#job-stopped-early")).to_contain_text(f"stopped early at rung {rung} ")
     expect(page.locator("#job-header .badge")).to_have_text("stopped early")
+    page.screenshot(path=str(SHOTS / "dashboard-trial.png"))
     link = page.locator("#job-selection")
     expect(link).to_have_attribute("href", f"#/selections/{sid}")
     link.click()
@@ -200,7 +202,9 @@ def test_trial_page_links_its_batch_and_says_stopped_early(stack, page: Page) ->
     colours = page.evaluate(
         """() => {
             const u = document.querySelector('#curves-chart').uplot;
-            const curve = Object.fromEntries(u.series.slice(1).map((s) => [s.label, s._stroke ?? s.stroke]));
+            // uPlot keeps a series' stroke as a function of (plot, series index) once built
+            const stroke = (s, i) => (typeof s.stroke === 'function' ? s.stroke(u, i) : s.stroke);
+            const curve = Object.fromEntries(u.series.map((s, i) => [s.label, stroke(s, i)]));
             return [...document.querySelectorAll('#parcoords polyline.trial-line')].map((l) => [
                 curve['trial ' + l.dataset.index], l.getAttribute('stroke')]);
         }"""

@@ -113,16 +113,6 @@ export function jobPage(root: HTMLElement, id: number): () => void {
               ),
             )
           : null,
-        stop
-          ? fact(
-              "stopped",
-              h(
-                "span",
-                { id: "job-stopped-early" },
-                `stopped early at rung ${stop.rung} (its ${fmtNum(stop.value)} against the rung's cut-off ${fmtNum(stop.cutoff)}; ${stop.kept} of ${stop.of} went on)`,
-              ),
-            )
-          : null,
         fact("owner", j.owner ?? "—"),
         fact("worker", j.worker ?? "—"),
         j.status === "queued"
@@ -161,6 +151,14 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
       ),
+      stop
+        ? h(
+            "p",
+            { id: "job-stopped-early" },
+            `Trial stopped early at rung ${stop.rung} of batch #${j.selection_id}: its ${fmtNum(stop.value)} ` +
+              `against the rung's cut-off ${fmtNum(stop.cutoff)} (${stop.kept} of ${stop.of} went on).`,
+          )
+        : null,
       j.error ? h("pre", { class: "error", id: "job-error" }, j.error) : null,
       j.result
         ? h(
