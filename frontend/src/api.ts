@@ -23,6 +23,8 @@ export interface Job {
   queue_position?: number | null;
   /** The slots the scheduler reserved, one entry per node. */
   reservation?: Reservation[];
+  /** Set on a selection trial's job: the batch it belongs to. */
+  selection_id?: number | null;
 }
 
 export interface Reservation {

@@ -3,6 +3,7 @@
 import "./style.css";
 import { api, type Health, type Me, post, SIGNED_OUT } from "./api";
 import { errorText, fmtTime, h } from "./dom";
+import { comparePage } from "./pages/compare";
 import { jobPage } from "./pages/job";
 import { jobsPage } from "./pages/jobs";
 import { selectionPage, selectionsPage } from "./pages/selections";
@@ -17,6 +18,7 @@ const ROUTES: Route[] = [
   [/^#\/selections\/?$/, (root) => selectionsPage(root)],
   [/^#\/selections\/(\d+)$/, selectionPage],
   [/^#\/webhooks\/?$/, (root) => webhooksPage(root)],
+  [/^#\/compare(\?.*)?$/, (root) => comparePage(root)],
 ];
 
 const app = document.getElementById("app")!;

@@ -1,13 +1,16 @@
 // Parallel coordinates of a selection's trials, built as SVG from data: one vertical axis per
-// hyperparameter plus one for the metric, one polyline per trial, coloured from best to worst.
+// hyperparameter plus one for the metric, one polyline per trial in the trial's own colour (the
+// one its curve has on the page), the best trial's drawn thickest and on top.
 // The npm parallel-coordinates packages pull in all of d3 for what is a few dozen lines here.
 import { lookup, type SpaceEntry, type Trial } from "./api";
 import { svg } from "./dom";
 
-const H = 300;
+const H = 320;
 const TOP = 34;
 const BOTTOM = 26;
-const SIDE = 60;
+const SIDE = 70;
+/** Room right of the last axis for its tick labels. */
+const RIGHT = 90;
 
 type Value = number | string | boolean;
 
@@ -26,6 +29,10 @@ export function parallelCoordinates(opts: {
   mode: "min" | "max";
   /** The batch's base JobSpec: a trial without a parameter (added later with extra keys) has its value. */
   base?: Record<string, unknown>;
+  /** A trial's colour; by default a ramp from the best trial (dark blue) to the worst (orange). */
+  colour?: (t: Trial) => string;
+  /** The width to fill (its card's); narrower cards scroll rather than squeeze the axes. */
+  width?: number;
 }): SVGElement {
   const { trials, space, metric, mode, base } = opts;
   const keys = [...new Set([...Object.keys(space), ...trials.flatMap((t) => Object.keys(t.params))])];
@@ -48,17 +55,18 @@ export function parallelCoordinates(opts: {
     ),
   );
 
-  // about 240 px between axes, drawn at natural size (shrinks on narrow screens, never grows)
-  const W = Math.max(640, 2 * SIDE + 240 * (axes.length - 1));
+  // fill the card; at least 160 px between axes so tick labels never collide
+  const W = Math.max(opts.width ?? 0, SIDE + RIGHT + 160 * (axes.length - 1), 480);
   const root = svg("svg", {
     viewBox: `0 0 ${W} ${H}`,
     width: W,
     height: H,
+    "data-width": W,
     class: "parcoords",
     role: "img",
     "aria-label": "parallel coordinates",
   });
-  const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - 2 * SIDE)) / (axes.length - 1) : 0);
+  const ax = (i: number) => SIDE + (axes.length > 1 ? (i * (W - SIDE - RIGHT)) / (axes.length - 1) : 0);
   const ay = (p: number) => TOP + (1 - p) * (H - TOP - BOTTOM);
 
   // colour by rank of the best metric so the winners stand out whatever the spread of values
@@ -79,9 +87,10 @@ export function parallelCoordinates(opts: {
     const r = rank.get(t.id);
     const line = svg("polyline", {
       points: pts.join(" "),
-      class: `trial-line${t.stopped_early ? " stopped" : ""}`,
-      stroke: r === undefined ? "#aaa" : rampColour(r),
+      class: `trial-line${t.stopped_early ? " stopped" : ""}${r === 0 ? " best" : ""}`,
+      stroke: r === undefined ? "#aaa" : (opts.colour?.(t) ?? rampColour(r)),
       "data-trial": t.id,
+      "data-index": t.index,
     });
     const params = Object.entries(t.params)
       .map(([k, v]) => `${k}=${v}`)
@@ -103,7 +112,10 @@ export function parallelCoordinates(opts: {
     for (const tk of a.ticks) {
       root.append(
         svg("line", { x1: x - 3, x2: x + 3, y1: ay(tk.at), y2: ay(tk.at), class: "pc-axis" }),
-        svg("text", { x: x + 5, y: ay(tk.at) + 4, class: "pc-tick" }, tk.label),
+        // the first axis' labels go left of it, into the margin, clear of the lines
+        i === 0
+          ? svg("text", { x: x - 6, y: ay(tk.at) + 4, "text-anchor": "end", class: "pc-tick" }, tk.label)
+          : svg("text", { x: x + 6, y: ay(tk.at) + 4, class: "pc-tick" }, tk.label),
       );
     }
   });
@@ -147,9 +159,10 @@ function makeAxis(
     if (typeof v !== "number") return null;
     return fhi > flo ? (f(v) - flo) / (fhi - flo) : 0.5;
   };
+  // five ticks over a range (evenly spaced in the axis' own scale), every choice of a list
   const tickValues = choices
     ? [...new Set(choices as number[])]
-    : [lo, log ? 10 ** ((flo + fhi) / 2) : (lo + hi) / 2, hi];
+    : [0, 0.25, 0.5, 0.75, 1].map((k) => (log ? 10 ** (flo + k * (fhi - flo)) : lo + k * (hi - lo)));
   return {
     key,
     label: log ? `${label} (log)` : label,

@@ -165,6 +165,7 @@ def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) ->
     expect(result).to_have_class("ok")
     job_id = int(result.locator("a").inner_text().removeprefix("job #"))
     row = page.locator(f'#jobs-table tr[data-job-id="{job_id}"]')
+    page.once("dialog", lambda d: d.accept())  # Cancel asks first
     row.locator("button[data-cancel]").click()
     expect(row).to_have_attribute("data-status", "cancelled", timeout=60_000)
     assert stack.wait(job_id, statuses=("cancelled",), timeout=60)["status"] == "cancelled"
@@ -241,6 +242,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
     assert len(added) == 1
     new_id = added[0]["id"]
     new = page.locator(f'#leaderboard tbody tr[data-trial-id="{new_id}"]')
+    page.once("dialog", lambda d: d.accept())  # Stop asks first
     new.locator("button[data-stop]").click()
     expect(new).to_have_attribute("data-status", re.compile("stopped|cancelled"), timeout=120_000)
     final = wait_selection(stack, sid)

@@ -9,6 +9,7 @@ import {
   subscribe,
   TERMINAL,
   type Timeline,
+  type TrialResult,
 } from "../api";
 import { StepChart } from "../charts";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
@@ -37,11 +38,13 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       { key: "loss", label: "loss", color: "#1f77b4" },
       { key: "val_loss", label: "val_loss", color: "#d62728", width: 2, points: true },
     ],
+    controls: true,
   });
   const tputChart = new StepChart(tputEl, {
     title: "throughput",
     yLabel: "tokens/s",
     lines: [{ key: "tokens_per_s", label: "tokens/s", color: "#2ca02c" }],
+    controls: true,
   });
 
   let job: Job | null = null;
@@ -70,6 +73,9 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     if (!job) return;
     const j = job;
     const active = !TERMINAL.has(j.status) && !deleted;
+    // a trial's job: its result is the trial's report (status, stop_reason)
+    const trial = (j.selection_id ?? null) !== null ? ((j.result ?? null) as TrialResult | null) : null;
+    const stop = trial?.stop_reason ?? null;
     replace(
       header,
       deleted
@@ -83,7 +89,12 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         "div",
         { class: "title-row" },
         h("h1", {}, `Job #${j.id} · ${j.name}`),
-        deleted ? badge("deleted") : badge(j.status),
+        // a trial's job ends "succeeded" even when the rungs stopped it early
+        deleted
+          ? badge("deleted")
+          : trial?.status === "stopped_early"
+            ? badge("stopped_early")
+            : badge(j.status),
         active && !j.cancel_requested
           ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
           : null,
@@ -92,6 +103,16 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       h(
         "dl",
         { class: "facts" },
+        j.selection_id
+          ? fact(
+              "selection",
+              h(
+                "a",
+                { id: "job-selection", href: `#/selections/${j.selection_id}` },
+                `batch #${j.selection_id}`,
+              ),
+            )
+          : null,
         fact("owner", j.owner ?? "—"),
         fact("worker", j.worker ?? "—"),
         j.status === "queued"
@@ -131,6 +152,14 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
       ),
+      stop
+        ? h(
+            "p",
+            { id: "job-stopped-early" },
+            `Trial stopped early at rung ${stop.rung} of batch #${j.selection_id}: its ${fmtNum(stop.value)} ` +
+              `against the rung's cut-off ${fmtNum(stop.cutoff)} (${stop.kept} of ${stop.of} went on).`,
+          )
+        : null,
       j.error ? h("pre", { class: "error", id: "job-error" }, j.error) : null,
       j.result
         ? h(
@@ -142,6 +171,20 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         : null,
       h("details", {}, h("summary", {}, "spec"), h("pre", {}, JSON.stringify(j.spec, null, 2))),
     );
+  };
+
+  /** Why a chart has no points yet, from the job's state. */
+  const explainEmpty = () => {
+    const why = (what: string) => {
+      const st = job?.status;
+      if (st === "queued") return `No ${what} yet: the job is queued.`;
+      if (st === "running") return `No ${what} yet: waiting for the first step.`;
+      if (st === "failed") return `No ${what} recorded: the job failed before its first step.`;
+      if (st === "cancelled") return `No ${what} recorded: the job was cancelled before its first step.`;
+      return `This job recorded no ${what}.`;
+    };
+    lossChart.setEmpty(why("loss"));
+    tputChart.setEmpty(why("throughput"));
   };
 
   const refreshJob = async () => {
@@ -166,6 +209,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
 
   const cancel = async () => {
+    if (!window.confirm(`Cancel job #${id}? Its training stops and cannot be resumed.`)) return;
     try {
       job = await post<Job>(`/api/jobs/${id}/cancel`);
       renderHeader();
@@ -211,6 +255,11 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     if (closed) return;
     for (const name of ["loss", "val_loss"]) lossChart.addSeries(name, metrics?.series[name]);
     tputChart.addSeries("tokens_per_s", metrics?.series.tokens_per_s);
+    if (metrics) explainEmpty();
+    else {
+      lossChart.setEmpty("Could not load the metrics.");
+      tputChart.setEmpty("Could not load the metrics.");
+    }
     for (const line of logPage?.items ?? []) addLog(line);
 
     stream = subscribe(`/api/jobs/${id}/stream`, {
@@ -231,6 +280,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         job.status = s.status;
         job.error = s.error ?? job.error;
         renderHeader();
+        explainEmpty();
         // finished: fetch the result and timestamps, and the timeline the worker stored at the end
         if (TERMINAL.has(s.status)) {
           void refetch().then(loadTimeline);

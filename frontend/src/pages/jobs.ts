@@ -3,6 +3,7 @@
 import { api, type Job, type Page, post, subscribe, TERMINAL } from "../api";
 import { badge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
 import { specTools } from "../workspace";
+import { compareHref, MAX_COMPARE } from "./compare";
 
 const POLL_MS = 5000;
 const PAGE = 50;
@@ -32,6 +33,21 @@ export function jobsPage(root: HTMLElement): () => void {
   let offset = 0;
   let total = 0;
   let reloadTimer: number | null = null;
+  // jobs ticked for the compare view; kept across pages and filters
+  const picked = new Set<number>();
+  const compareBtn = h("a", { class: "button small", id: "compare-picked", href: "#/compare" }, "Compare");
+  const showPicked = () => {
+    compareBtn.textContent = `Compare ${picked.size}/${MAX_COMPARE}`;
+    compareBtn.setAttribute("href", compareHref([...picked]));
+    compareBtn.classList.toggle("disabled", picked.size === 0);
+    for (const box of tbody.querySelectorAll<HTMLInputElement>("input[data-pick]"))
+      box.disabled = !box.checked && picked.size >= MAX_COMPARE;
+  };
+  const pick = (id: number, on: boolean) => {
+    if (on && picked.size < MAX_COMPARE) picked.add(id);
+    else picked.delete(id);
+    showPicked();
+  };
 
   const statusSel = h(
     "select",
@@ -105,7 +121,20 @@ export function jobsPage(root: HTMLElement): () => void {
     return h(
       "tr",
       { "data-job-id": job.id, "data-status": job.status },
-      h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.id)),
+      h(
+        "td",
+        {},
+        h("input", {
+          type: "checkbox",
+          "data-pick": job.id,
+          "aria-label": `compare job ${job.id}`,
+          checked: picked.has(job.id),
+          disabled: !picked.has(job.id) && picked.size >= MAX_COMPARE,
+          onchange: (ev: Event) => pick(job.id, (ev.target as HTMLInputElement).checked),
+        }),
+        " ",
+        h("a", { href: `#/jobs/${job.id}` }, job.id),
+      ),
       h("td", {}, h("a", { href: `#/jobs/${job.id}` }, job.name)),
       h("td", { class: "owner" }, job.owner ?? "—"),
       h(
@@ -119,6 +148,10 @@ export function jobsPage(root: HTMLElement): () => void {
         job.wait_reason && (job.status === "queued" || job.status === "running")
           ? h("div", { class: "muted wait-reason" }, `waiting: ${job.wait_reason}`)
           : null,
+        // the first line of why it failed; the whole message is the tooltip and the job page's
+        job.status === "failed" && job.error
+          ? h("div", { class: "row-error", title: job.error }, job.error.split("\n")[0])
+          : null,
       ),
       h("td", {}, progressBar(step, steps)),
       h("td", { class: "num" }, fmtNum(jobLoss(job))),
@@ -130,7 +163,7 @@ export function jobsPage(root: HTMLElement): () => void {
         active && !job.cancel_requested
           ? h(
               "button",
-              { class: "small danger", "data-cancel": job.id, onclick: () => cancel(job.id) },
+              { class: "small danger", "data-cancel": job.id, onclick: () => cancel(job) },
               "Cancel",
             )
           : null,
@@ -171,9 +204,11 @@ export function jobsPage(root: HTMLElement): () => void {
     }
   };
 
-  const cancel = async (id: number) => {
+  const cancel = async (job: Job) => {
+    if (!window.confirm(`Cancel job #${job.id} (${job.name})? Its training stops and cannot be resumed.`))
+      return;
     try {
-      upsert(await post<Job>(`/api/jobs/${id}/cancel`));
+      upsert(await post<Job>(`/api/jobs/${job.id}/cancel`));
     } catch (err) {
       alert(`Cancel failed: ${errorText(err)}`);
     }
@@ -205,7 +240,17 @@ export function jobsPage(root: HTMLElement): () => void {
 
   root.append(
     h("section", {}, h("div", { class: "title-row" }, h("h1", {}, "Jobs"), note)),
-    h("div", { class: "filters", id: "jobs-filters" }, statusSel, ownerIn, nameIn, prev, pageInfo, next),
+    h(
+      "div",
+      { class: "filters", id: "jobs-filters" },
+      statusSel,
+      ownerIn,
+      nameIn,
+      prev,
+      pageInfo,
+      next,
+      compareBtn,
+    ),
     h(
       "table",
       { class: "grid", id: "jobs-table" },
@@ -225,6 +270,7 @@ export function jobsPage(root: HTMLElement): () => void {
     submitForm(upsert),
   );
   void load();
+  showPicked();
 
   return () => {
     events.close();

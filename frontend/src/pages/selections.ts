@@ -15,6 +15,10 @@ import {
 import { PALETTE, StepChart } from "../charts";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
 import { parallelCoordinates } from "../parcoords";
+import { compareHref, MAX_COMPARE } from "./compare";
+
+/** A trial's colour, the same on the curves chart and the parallel coordinates. */
+export const trialColour = (t: Trial): string => PALETTE[t.index % PALETTE.length];
 
 export function selectionsPage(root: HTMLElement): () => void {
   const tbody = h("tbody");
@@ -73,11 +77,21 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const board = h("table", { class: "grid sortable", id: "leaderboard" });
   const curvesEl = h("div", { class: "chart", id: "curves-chart" });
   const pcEl = h("div", { id: "parcoords" });
+  const compareBtn = h(
+    "a",
+    { class: "button small disabled", id: "compare-trials", href: "#/compare" },
+    "Compare",
+  );
   const actionsOut = h("div", { id: "selection-result", role: "status" });
   const addText = h("textarea", { id: "add-trials-input", rows: 5, spellcheck: "false" });
   root.append(
     header,
-    h("section", { class: "card" }, h("h2", {}, "Leaderboard"), board),
+    h(
+      "section",
+      { class: "card" },
+      h("div", { class: "title-row" }, h("h2", {}, "Leaderboard"), compareBtn),
+      board,
+    ),
     h("section", { class: "card" }, curvesEl),
     h(
       "section",
@@ -86,7 +100,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       h(
         "p",
         { class: "muted legend-note" },
-        "One line per trial, coloured from best (dark blue) to worst (orange) by its best metric; dashed: stopped early; grey: no metric yet.",
+        "One line per trial, in its colour on the curves chart; thickest: the best trial; dashed: stopped early; grey: no metric yet.",
       ),
       pcEl,
     ),
@@ -114,6 +128,16 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   let stream: EventSource | null = null;
   let closed = false;
   let redrawTimer: number | null = null;
+  // trials ticked for the compare view (by trial id; the view shows their jobs)
+  const picked = new Set<number>();
+  const showPicked = () => {
+    const jobs = [...picked].map((tid) => trials.get(tid)?.job_id).filter((j): j is number => j != null);
+    compareBtn.textContent = `Compare ${picked.size}/${MAX_COMPARE}`;
+    compareBtn.setAttribute("href", compareHref(jobs, { selection: id }));
+    compareBtn.classList.toggle("disabled", picked.size === 0);
+    for (const box of board.querySelectorAll<HTMLInputElement>("input[data-pick]"))
+      box.disabled = !box.checked && picked.size >= MAX_COMPARE;
+  };
 
   const metric = () => sel?.metric ?? "val_loss";
   const lineKey = (t: Trial) => `t${t.id}`;
@@ -124,7 +148,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     chart.addLine({
       key: lineKey(t),
       label: `trial ${t.index}`,
-      color: PALETTE[t.index % PALETTE.length],
+      color: trialColour(t),
       points: true,
     });
     return true;
@@ -226,7 +250,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         c.label,
       );
     board.replaceChildren(
-      h("thead", {}, h("tr", {}, ...cols.map(th), h("th", {}, "job"), h("th", {}))),
+      h("thead", {}, h("tr", {}, h("th", {}), ...cols.map(th), h("th", {}, "job"), h("th", {}))),
       h(
         "tbody",
         {},
@@ -234,6 +258,23 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
           h(
             "tr",
             { "data-trial-id": t.id, "data-status": t.status, class: t.stopped_early ? "stopped" : "" },
+            h(
+              "td",
+              { class: "pick" },
+              h("span", { class: "swatch", style: `background:${trialColour(t)}` }),
+              h("input", {
+                type: "checkbox",
+                "data-pick": t.id,
+                "aria-label": `compare trial ${t.index}`,
+                checked: picked.has(t.id),
+                disabled: t.job_id === null || (!picked.has(t.id) && picked.size >= MAX_COMPARE),
+                onchange: (ev: Event) => {
+                  if ((ev.target as HTMLInputElement).checked && picked.size < MAX_COMPARE) picked.add(t.id);
+                  else picked.delete(t.id);
+                  showPicked();
+                },
+              }),
+            ),
             ...cols.map((c) => {
               const v = c.value(t);
               if (c.key === "status") return h("td", {}, badge(t.status));
@@ -306,9 +347,19 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         metric: sel.metric,
         mode: sel.mode,
         base: sel.request?.base,
+        colour: trialColour,
+        width: pcEl.clientWidth,
       }),
     );
   };
+  // the plot is drawn to its card's width: redraw when that changes
+  let pcWidth = 0;
+  const pcResize = new ResizeObserver(() => {
+    if (Math.abs(pcEl.clientWidth - pcWidth) < 8) return;
+    pcWidth = pcEl.clientWidth;
+    renderParcoords();
+  });
+  pcResize.observe(pcEl);
 
   // trial events come in bursts (every trial at each rung); redraw the tables once per burst
   const scheduleRedraw = () => {
@@ -317,6 +368,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       redrawTimer = null;
       renderHeader();
       renderBoard();
+      showPicked();
       renderParcoords();
     }, 200);
   };
@@ -342,9 +394,15 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     }
   };
 
-  const stopTrial = (tid: number) =>
-    act(`stop trial ${tid}`, () => post(`/api/selections/${id}/trials/${tid}/stop`));
-  const cancelBatch = () => act("cancel batch", () => post(`/api/selections/${id}/cancel`));
+  const stopTrial = async (tid: number) => {
+    const t = trials.get(tid);
+    if (!window.confirm(`Stop trial ${t?.index ?? tid}? It ends where it is and cannot be resumed.`)) return;
+    await act(`stop trial ${tid}`, () => post(`/api/selections/${id}/trials/${tid}/stop`));
+  };
+  const cancelBatch = async () => {
+    if (!window.confirm(`Cancel selection #${id}? Every trial still running or queued stops.`)) return;
+    await act("cancel batch", () => post(`/api/selections/${id}/cancel`));
+  };
   const addTrials = async (ev: Event) => {
     ev.preventDefault();
     let params: unknown;
@@ -373,10 +431,14 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       yLabel: sel.metric,
       lines: [],
       height: 300,
+      controls: true,
     });
     const first = sel.trials?.[0];
     addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
     for (const t of sel.trials ?? []) upsertTrial(t);
+    chart.setEmpty(
+      sel.trials?.length ? `No ${sel.metric} yet: the first evaluation has not happened.` : "No trials yet.",
+    );
     openStream();
   };
 
@@ -414,6 +476,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   return () => {
     closed = true;
     stream?.close();
+    pcResize.disconnect();
     chart?.destroy();
     if (redrawTimer !== null) window.clearTimeout(redrawTimer);
   };
