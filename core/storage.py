@@ -173,6 +173,22 @@ class Storage:
 
         return self._call("list", prefix + "/", find)
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under the folder `prefix` with its size in bytes."""
+        prefix = _check_key(prefix.rstrip("/"))
+        base = self.path(prefix)
+
+        def find() -> dict[str, int]:
+            self.fs.invalidate_cache()
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+            start = len(self.root.rstrip("/")) + 1
+            return {self._strip(p)[start:]: int(info.get("size") or 0) for p, info in found.items()}
+
+        return self._call("list", prefix + "/", find)
+
     def _strip(self, p: str) -> str:
         # s3fs lists without its protocol; a local fs with absolute paths: both under self.root
         return p.removeprefix("s3://")
