@@ -39,6 +39,11 @@ CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 10.0
 """A working store answers a request (a multipart upload's part included) well within this; one
 that accepts connections but never answers is given this long per request."""
+OP_TIMEOUT_S = 30.0
+MIN_RATE = 4 * 2**20
+"""Every S3 operation also has a deadline: OP_TIMEOUT_S plus its bytes at MIN_RATE bytes/s. The
+per-request timeouts alone do not bound an upload to a store that accepts the connection and
+then hangs (the request waits for its `100 Continue`)."""
 TRIES = 2
 """Tries per request, by s3fs's loop (with its short back-off) around botocore, which tries once:
 a refused connection answers at once, a dead host within ~2 x CONNECT_TIMEOUT_S per request, a
@@ -91,6 +96,11 @@ class Storage:
             raise ValueError(f"{self.url} is not a folder on this host")
         return Path(self.path(key))
 
+    def _deadline(self, nbytes: int = 0) -> dict[str, float]:
+        """fsspec's `timeout` keyword (its sync wrapper cancels the operation past it); none for a
+        folder, whose operations are local system calls."""
+        return {} if self.local else {"timeout": OP_TIMEOUT_S + nbytes / MIN_RATE}
+
     def _call(self, op: str, key: str, fn: Callable[[], T], *, whole_store: bool = False) -> T:
         if not whole_store:  # a bad key is the caller's bug (ValueError), not the store's failure
             _check_key(key.rstrip("/"))
@@ -99,7 +109,11 @@ class Storage:
         except StorageError:
             raise
         except FileNotFoundError as e:
-            raise KeyMissing(url=self.url, key=key, op=op, cause="no such key") from e
+            if op in ("download", "look up"):
+                raise KeyMissing(url=self.url, key=key, op=op, cause="no such key") from e
+            raise StorageError(url=self.url, key=key, op=op, cause=e) from e  # e.g. no such bucket
+        except TimeoutError as e:  # fsspec's FSTimeoutError: the operation's deadline (_deadline)
+            raise StorageError(url=self.url, key=key, op=op, cause="the store did not answer in time") from e
         except Exception as e:  # noqa: BLE001 - botocore, aiohttp and OS errors alike: one error, with the cause
             raise StorageError(url=self.url, key=key, op=op, cause=e) from e
 
@@ -112,7 +126,7 @@ class Storage:
         def put() -> None:
             dest = self.path(key)
             if not self.local:
-                self.fs.put_file(str(src), dest)
+                self.fs.put_file(str(src), dest, **self._deadline(src.stat().st_size))
                 return
             Path(dest).parent.mkdir(parents=True, exist_ok=True)
             tmp = f"{dest}.{uuid.uuid4().hex[:8]}.part"
@@ -124,15 +138,16 @@ class Storage:
 
         self._call("upload", key, put)
 
-    def get_file(self, key: str, dest: Path) -> None:
+    def get_file(self, key: str, dest: Path, *, size: int = 2**30) -> None:
         """Download `key` to `dest`, atomically (a temporary name beside it, then a rename): a
-        trainer that reads `dest` sees the whole file or none. KeyMissing when there is none."""
+        trainer that reads `dest` sees the whole file or none. KeyMissing when there is none.
+        `size`: the object's size when known (its deadline; a GiB when not)."""
 
         def get() -> None:
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
             try:
-                self.fs.get_file(self.path(key), str(tmp))
+                self.fs.get_file(self.path(key), str(tmp), **self._deadline(size))
                 if not tmp.exists():  # some fsspec versions say nothing for a missing object
                     raise FileNotFoundError(key)
                 os.replace(tmp, dest)
@@ -145,15 +160,15 @@ class Storage:
         def put() -> None:
             if self.local:
                 Path(self.path(key)).parent.mkdir(parents=True, exist_ok=True)
-            self.fs.pipe_file(self.path(key), data)
+            self.fs.pipe_file(self.path(key), data, **self._deadline(len(data)))
 
         self._call("upload", key, put)
 
     def get_bytes(self, key: str) -> bytes:
-        return self._call("download", key, lambda: self.fs.cat_file(self.path(key)))
+        return self._call("download", key, lambda: self.fs.cat_file(self.path(key), **self._deadline(2**30)))
 
     def exists(self, key: str) -> bool:
-        return self._call("look up", key, lambda: self.fs.exists(self.path(key)))
+        return self._call("look up", key, lambda: self.fs.exists(self.path(key), **self._deadline()))
 
     # ---- listing and removal ------------------------------------------------------------------
 
@@ -165,7 +180,7 @@ class Storage:
         def find() -> list[str]:
             self.fs.invalidate_cache()
             try:
-                found = self.fs.find(base)
+                found = self.fs.find(base, **self._deadline())
             except FileNotFoundError:
                 return []
             start = len(self.root.rstrip("/")) + 1
@@ -181,7 +196,7 @@ class Storage:
         def find() -> dict[str, int]:
             self.fs.invalidate_cache()
             try:
-                found = self.fs.find(base, detail=True)
+                found = self.fs.find(base, detail=True, **self._deadline())
             except FileNotFoundError:
                 return {}
             start = len(self.root.rstrip("/")) + 1
@@ -198,7 +213,7 @@ class Storage:
 
         def rm() -> None:
             try:
-                self.fs.rm_file(self.path(key))
+                self.fs.rm_file(self.path(key), **self._deadline())
             except FileNotFoundError:
                 pass
 
@@ -209,7 +224,7 @@ class Storage:
         keys = self.list(prefix)
         if keys:
             paths = [self.path(k) for k in keys]
-            self._call("delete", prefix.rstrip("/") + "/", lambda: self.fs.rm(paths))
+            self._call("delete", prefix.rstrip("/") + "/", lambda: self.fs.rm(paths, **self._deadline()))
         if self.local:  # the emptied folders too (an object store has none)
             folder = Path(self.path(prefix.rstrip("/")))
             for d in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
@@ -226,7 +241,7 @@ class Storage:
             if self.local:
                 Path(self.root).mkdir(parents=True, exist_ok=True)
             else:  # s3fs's exists() takes any error for "no"; a listing says why
-                self.fs.ls(self.root.split("/", 1)[0], detail=False)
+                self.fs.ls(self.root.split("/", 1)[0], detail=False, **self._deadline())
 
         try:
             self._call("reach the store", "", probe, whole_store=True)

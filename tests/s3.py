@@ -70,6 +70,7 @@ class S3Server:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server cannot hear SIGTERM
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
@@ -77,6 +78,15 @@ class S3Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts connections, nothing answers (a hung store)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def create_bucket(self, name: str) -> None:
         import s3fs

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.storage import KeyMissing, Storage, StorageError
+from core.storage import Storage, StorageError
 from db.engine import session_for
 from db.jobs import add_event
 
@@ -145,7 +145,7 @@ class Mirror:
             rel = _rel(folder, max(steps))
             dest = self.local / rel
             if not dest.is_file() or dest.stat().st_size != usable[rel]:
-                self.storage.get_file(self.key(rel), dest)
+                self.storage.get_file(self.key(rel), dest, size=usable[rel])
                 out.downloaded += 1
             out.step = max(steps) if out.step is None else min(out.step, max(steps))
         for rel, path in local_checkpoints(self.local).items():
@@ -171,7 +171,7 @@ class Mirror:
                 continue
             try:
                 self.storage.put_file(self.key(rel), here[rel])
-            except KeyMissing:
+            except StorageError:
                 if here[rel].exists():
                     raise
                 continue  # the trainer pruned it while it was read

@@ -251,8 +251,6 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         what=f"job {job_id} attempt {attempt.attempt}",
         uploader=uploader,
     )
-    if uploader is not None:
-        uploader.stop(final=rc is not None)
     if rc is None:
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
@@ -315,10 +313,13 @@ def run_attempt(
     memory_limit: int | None,
     what: str,
     uploader: Uploader | None = None,
+    still_ours: Callable[[], bool] = lambda: True,
 ) -> int | None:
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
-    unreachable: the lease then runs out). `uploader` hears of each checkpoint the trainer reports."""
+    unreachable: the lease then runs out). `uploader` hears of each checkpoint the trainer reports
+    and syncs once more when it has exited, if the attempt is `still_ours()` and not fenced off:
+    before the relay closes, whose thread keeps the lease alive meanwhile."""
 
     def on_message(msg) -> None:  # noqa: ANN001 - core.messages.Message
         relay.add(None, msg)
@@ -336,6 +337,8 @@ def run_attempt(
         out=out,
         memory_limit=memory_limit,
     )
+    if uploader is not None:
+        uploader.stop(final=not relay.fenced and not relay.broken and still_ours())
     if not relay.close() or relay.fenced:
         log.warning("%s: %s", what, relay.broken or "fenced off")
         return None

@@ -301,10 +301,9 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
         uploader=uploader,
-    )
-    if uploader is not None:
         # once the gang was given back, a newer attempt may already be restoring from the store
-        uploader.stop(final=rc is not None and _view(settings, attempt, node_rank).intact)
+        still_ours=lambda: _view(settings, attempt, node_rank).intact,
+    )
     if rc is None:
         return "lost"
     ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)

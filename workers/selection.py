@@ -263,11 +263,11 @@ def execute_selection(
     )
     if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
         out.error = oom
-    closed = relay.close()
     if uploader is not None:
-        # before the trials end: keep_best and a later warm start read the store's copies
-        uploader.stop(final=closed and relay.fenced < mine)
-    if not closed:
+        # before the relay closes (its thread keeps the leases alive) and the trials end:
+        # keep_best and a later warm start read the store's copies
+        uploader.stop(final=not relay.broken and relay.fenced < mine)
+    if not relay.close():
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
     status = retry_db(
