@@ -46,9 +46,8 @@ def keep_best_checkpoints(settings: Settings, session: Session, *, selection_id:
         if d.is_dir() and index != keep:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
-    storage = get_storage(settings)
-    if not storage.is_data_dir:
-        removed += _remove_from_store(settings, selection_id=selection_id, keep=keep)
+    if not get_storage(settings).is_data_dir:
+        _remove_from_store(settings, selection_id=selection_id, keep=keep)
     if removed:
         log.info(
             "selection %s: kept trial %s's checkpoints, removed %d others", selection_id, keep, len(removed)
@@ -56,9 +55,9 @@ def keep_best_checkpoints(settings: Settings, session: Session, *, selection_id:
     return removed
 
 
-def _remove_from_store(settings: Settings, *, selection_id: int, keep: int | None) -> list[Path]:
-    """The store's copies of every trial but `keep`; a store that fails now is logged (the batch
-    still ends: what is left behind is only unreferenced bytes)."""
+def _remove_from_store(settings: Settings, *, selection_id: int, keep: int | None) -> list[str]:
+    """The store's copies of every trial but `keep`; returns the prefixes removed. A store that
+    fails now is logged (the batch still ends: what is left behind is only unreferenced bytes)."""
     storage = get_storage(settings)
     prefix = selection_prefix(selection_id)
     removed = []
@@ -68,7 +67,9 @@ def _remove_from_store(settings: Settings, *, selection_id: int, keep: int | Non
             index = name.removeprefix("trial-")
             if name.startswith("trial-") and index.isdigit() and int(index) != keep:
                 storage.delete_prefix(f"{prefix}/{name}")
-                removed.append(Path(storage.url) / prefix / name)
+                removed.append(f"{prefix}/{name}")
     except StorageError as e:
         log.warning("selection %s: the other trials' checkpoints stay in the store: %s", selection_id, e)
+    if removed:
+        log.info("selection %s: removed %s from %s", selection_id, ", ".join(removed), storage.url)
     return removed
