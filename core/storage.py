@@ -243,12 +243,7 @@ class Storage:
             else:  # s3fs's exists() takes any error for "no"; a listing says why
                 self.fs.ls(self.root.split("/", 1)[0], detail=False, **self._deadline())
 
-        try:
-            self._call("reach the store", "", probe, whole_store=True)
-        except KeyMissing as e:
-            bucket = self.root.split("/", 1)[0]
-            why = f"bucket {bucket} does not exist" if not self.local else e.cause
-            raise StorageError(url=self.url, key="", op="reach the store", cause=why) from e
+        self._call("reach the store", "", probe, whole_store=True)
 
 
 def open_storage(*, url: str, data_dir: Path, endpoint_url: str = "") -> Storage:
