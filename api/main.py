@@ -28,6 +28,7 @@ from api.routes import events, health, jobs, queue, selections, users, webhooks,
 from api.streams import StreamSlots
 from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
+from core.storage import StorageError
 from core.telemetry import process_exited
 from db.engine import POOL_TIMEOUT_S
 
@@ -78,6 +79,11 @@ async def _broker_error(_request: Request, exc: Exception) -> JSONResponse:
     return _unavailable(f"broker unavailable: {first}")
 
 
+async def _storage_error(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("storage unavailable: %s", exc)
+    return _unavailable(f"storage unavailable: {str(exc)[:500]}")
+
+
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Route errors, with any quoted input cut short."""
     detail = clip(exc.detail, 2000) if isinstance(exc.detail, str) else exc.detail
@@ -124,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(PoolTimeout, _pool_exhausted)
     app.add_exception_handler(RedisError, _broker_error)
     app.add_exception_handler(BrokerError, _broker_error)
+    app.add_exception_handler(StorageError, _storage_error)
     # the last added runs first: a foreign Host is refused before a body is read; workspace
     # uploads are archives, bounded by their own limit (api/routes/workspaces.py); no body is
     # read before its caller is known, but a sign-in's (it carries the token)

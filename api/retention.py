@@ -1,6 +1,7 @@
 """Retention of finished jobs: delete one on request, and a periodic cleanup of those older than
-SHARDYARD_JOB_RETENTION_DAYS. Rows go first (one transaction), the job's folder after: a folder
-left behind by a failed removal is only disk, never a job that half exists."""
+SHARDYARD_JOB_RETENTION_DAYS. Rows go first (one transaction), the job's folder and its objects in
+the store (core/storage.py) after: a folder or an object left behind by a failed removal is only
+bytes, never a job that half exists."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from core.settings import Settings
+from core.storage import StorageError, get_storage, job_prefix
 from db.engine import session_for
 from db.models import utcnow
 from db.retention import delete_job, delete_jobs, finished_before
@@ -21,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def job_folder(settings: Settings, job_id: int) -> Path:
-    """Spec, checkpoints and trainer stderr of one job (the worker writes them there)."""
+    """Spec, checkpoints and trainer stderr of one job on this host (the worker writes them there;
+    with the default store, every host's)."""
     return settings.data_dir / "jobs" / str(job_id)
 
 
@@ -33,6 +36,12 @@ def _remove_folder(settings: Settings, job_id: int) -> None:
         pass
     except OSError as e:
         log.warning("job %s deleted, but its folder %s could not be removed: %s", job_id, folder, e)
+    storage = get_storage(settings)
+    if not storage.is_data_dir:  # else the folder was the store's copy
+        try:
+            storage.delete_prefix(job_prefix(job_id))
+        except StorageError as e:
+            log.warning("job %s deleted, but not its objects in the store: %s", job_id, e)
 
 
 def delete_finished_job(settings: Settings, *, job_id: int) -> int | None:

@@ -153,6 +153,9 @@ class Stack:
     SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
     """How `supervise` restarts a process that died, and when it gives up."""
+    worker_env: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Settings of one worker (by its index) over extra_env: tests give each worker its own
+    SHARDYARD_DATA_DIR to stand in for hosts without a shared disk."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -263,7 +266,8 @@ class Stack:
         name = f"worker{index}"
         cmd = worker_command(queues="cpu,gpu", concurrency=self.concurrency, name=f"{name}@%h")
         # one machine: no other workers to gossip or mingle with, and a faster start
-        proc = self._spawn(name, [*cmd, "--without-gossip", "--without-mingle"])
+        env = {**self.env, **self.worker_env.get(index, {})}
+        proc = self._spawn(name, [*cmd, "--without-gossip", "--without-mingle"], env)
 
         def registered() -> bool:
             workers = httpx.get(f"{self.base_url}/api/health", timeout=2).json()["workers"]

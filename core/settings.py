@@ -19,7 +19,19 @@ class Settings(BaseSettings):
     broker_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL used as the Celery broker and for the live metric channels."""
     data_dir: Path = ROOT / ".shardyard"
-    """Checkpoints, job specs and trainer logs live under here (one folder per job)."""
+    """This host's folder: job specs, trainer logs and the checkpoints a trainer writes (one
+    folder per job), and the local copies of what comes from the store (storage_url)."""
+    storage_url: str = ""
+    """Where uploaded workspaces and checkpoints live for every host (core/storage.py): empty,
+    the data dir itself (one machine, or a data dir every host mounts; nothing is copied);
+    `file:///abs/path` another folder; `s3://bucket/prefix` an S3-compatible store (AWS S3, MinIO,
+    Ceph) with credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION."""
+    storage_endpoint_url: str = ""
+    """The S3 endpoint of a store that is not AWS (MinIO, Ceph's RGW: http://host:9000); empty:
+    AWS."""
+    storage_sync_s: float = 1.0
+    """While a trainer runs, its worker uploads new checkpoints to the store at least this often
+    (and at once when the trainer reports one)."""
     max_job_runtime_s: int = 7 * 24 * 3600
     """Longest a job may run; the broker's visibility timeout is set above it so a long job is
     never delivered twice."""
@@ -72,7 +84,8 @@ class Settings(BaseSettings):
 
     @property
     def workspaces_dir(self) -> Path:
-        """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip>."""
+        """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip> (the
+        store itself by default; this host's cache of it when storage_url names another)."""
         return self.data_dir / "workspaces"
 
     # ---- users' own Python requirements (workers/pyenv.py) ----

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from core.broker import JOBS_CHANNEL, job_channel
 from core.settings import Settings
+from core.storage import StorageError, checkpoints_prefix, get_storage
 from db.engine import session_for
 from db.jobs import (
     Attempt,
@@ -42,6 +43,15 @@ from db.models import JobStatus
 from db.quotas import quota_gate
 from jobrules.restarts import max_restarts
 from workers import pyenv
+from workers.ckpt_sync import (
+    Mirror,
+    Uploader,
+    job_reporter,
+    local_checkpoints,
+    parse_step,
+    past_or_partial,
+    storage_failure,
+)
 from workers.failures import infrastructure_failure, oom_kill_count
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
@@ -88,22 +98,20 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     one would lose the metric lines of the steps before it, so the new attempt re-runs them.
     Sub-folders too: the ranks of a pipeline or tensor layout each write their piece in one, and a
     step whose pieces are not all there (a rank died between the writes, on its node or another)
-    is dropped as well, or the ranks would resume from different steps."""
-    found: dict[Path, dict[int, Path]] = {}
-    for p in ckpt_dir.rglob("step-*.pt"):
-        try:
-            found.setdefault(p.parent, {})[int(p.stem.removeprefix("step-"))] = p
-        except ValueError:
-            continue
-    # pieces: one folder per rank that writes (trainer/engine.py checkpoint_subdir), none on top
-    pieces = [steps for d, steps in found.items() if d.parent == ckpt_dir]
-    whole = None if ckpt_dir in found or len(pieces) < 2 else set.intersection(*(set(s) for s in pieces))
+    is dropped as well, or the ranks would resume from different steps (workers/ckpt_sync.py
+    past_or_partial, which a store's copies follow too)."""
+    here = local_checkpoints(ckpt_dir)
+    found: dict[str, set[int]] = {}
+    for rel in here:
+        folder, _, name = rel.rpartition("/")
+        found.setdefault(folder, set()).add(parse_step(name))
+    drop = past_or_partial(found, step)
     dropped = []
-    for steps in found.values():
-        for at, p in sorted(steps.items()):
-            if at > step or (whole is not None and at not in whole):
-                p.unlink(missing_ok=True)
-                dropped.append(p)
+    for rel, p in sorted(here.items()):
+        folder, _, name = rel.rpartition("/")
+        if (folder, parse_step(name)) in drop:
+            p.unlink(missing_ok=True)
+            dropped.append(p)
     return dropped
 
 
@@ -196,13 +204,10 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     workdir = settings.data_dir / "jobs" / str(job_id)
     ckpt_dir = workdir / "checkpoints"
     workdir.mkdir(parents=True, exist_ok=True)
-    if ckpt_dir.is_dir():
-        drop_checkpoints_past(ckpt_dir, applied_step)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = workdir / "stop"
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
-    cmd += workspace_args(spec, settings=settings, workdir=workdir)
 
     target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)
     relay = Relay(
@@ -210,6 +215,13 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
+    try:
+        uploader = restore_checkpoints(
+            settings, ckpt_dir=ckpt_dir, job_id=job_id, applied_step=applied_step, relay=relay
+        )
+        cmd += workspace_args(spec, settings=settings, workdir=workdir)
+    except StorageError as e:
+        return fail_unstarted(settings, attempt=attempt, relay=relay, error=storage_failure(e))
     publish_status(relay, job_id=job_id)
 
     # the limit counts every attempt: the time earlier attempts ran is already used up
@@ -245,6 +257,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         memory_limit=mem_limit,
         what=f"job {job_id} attempt {attempt.attempt}",
         env=env,
+        uploader=uploader,
     )
     env.release()
     if rc is None:
@@ -253,6 +266,48 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     status = end_attempt(
         settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit, oom_before=oom_before
     )
+    relay.drain_live()
+    return status
+
+
+def restore_checkpoints(
+    settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay
+) -> Uploader | None:
+    """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
+    from the store when it is not the data dir (workers/ckpt_sync.py), and the thread that uploads
+    the new ones (None with the default store: the trainer's folder is the store). StorageError
+    when the store cannot be read."""
+    storage = get_storage(settings)
+    if storage.is_data_dir:
+        if ckpt_dir.is_dir():
+            drop_checkpoints_past(ckpt_dir, applied_step)
+        return None
+    mirror = Mirror(storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id))
+    restored = mirror.restore(applied_step=applied_step)
+    report = job_reporter(settings.database_url, [job_id])
+    if restored.step is not None:
+        report(
+            f"restored checkpoint step {restored.step} from {storage.url} ({restored.downloaded} file(s) fetched)"
+        )
+    return Uploader(
+        [mirror], interval_s=settings.storage_sync_s, report=report, allowed=lambda: not relay.fenced
+    ).start()
+
+
+def fail_unstarted(settings: Settings, *, attempt: Attempt, relay: Relay, error: str) -> str:
+    """End an attempt whose trainer never started `failed` with `error` (an operator's requeue runs
+    it again, from its checkpoint in the store)."""
+
+    def end() -> str:
+        with session_for(settings.database_url) as s:
+            if finish_job(s, attempt=attempt, status=JobStatus.failed, error=error) is None:
+                return "lost"
+        publish_status(relay, job_id=attempt.job_id)
+        return str(JobStatus.failed)
+
+    log.error("job %s attempt %s: %s", attempt.job_id, attempt.attempt, error)
+    status = retry_db(settings, "final status", end)
+    relay.close()
     relay.drain_live()
     return status
 
@@ -269,17 +324,30 @@ def run_attempt(
     memory_limit: int | None,
     what: str,
     env: pyenv.PreparedEnv | None = None,
+    uploader: Uploader | None = None,
+    still_ours: Callable[[], bool] = lambda: True,
 ) -> int | None:
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
     unreachable: the lease then runs out). `env`: the job's own packages (workers/pyenv.py); when
-    they failed, no trainer runs and the attempt ends with their error (exit code 1)."""
+    they failed, no trainer runs and the attempt ends with their error (exit code 1). `uploader`
+    hears of each checkpoint the trainer reports and syncs once more when it has exited, if the
+    attempt is `still_ours()` and not fenced off: before the relay closes, whose thread keeps the
+    lease alive meanwhile."""
     if env is not None and env.error:
         out.error = env.error
+        if uploader is not None:
+            uploader.stop(final=False)  # no trainer ran: nothing new to upload
         return pyenv.without_trainer(relay)
+
+    def on_message(msg) -> None:  # noqa: ANN001 - core.messages.Message
+        relay.add(None, msg)
+        if uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
+            uploader.wake()
+
     rc = supervise(
         cmd + (env.args if env is not None else []),
-        on_message=lambda msg: relay.add(None, msg),
+        on_message=on_message,
         poll=poll,
         stop_file=stop_file,
         stderr_log=workdir / "stderr.log",
@@ -288,6 +356,8 @@ def run_attempt(
         out=out,
         memory_limit=memory_limit,
     )
+    if uploader is not None:
+        uploader.stop(final=not relay.fenced and not relay.broken and still_ours())
     if not relay.close() or relay.fenced:
         log.warning("%s: %s", what, relay.broken or "fenced off")
         return None

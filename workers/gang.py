@@ -5,8 +5,11 @@ and sent each a `shardyard.run_job` task with its node_rank and nnodes.
   address and writes "host:port" on its reservation; the other nodes claim their own reservation
   for the same attempt and wait (at most `gang_join_s`) for that endpoint.
 - Every node runs `torchrun --nnodes N --nproc-per-node <its slots> --rdzv-backend c10d
-  --rdzv-id <job>-<attempt> --rdzv-endpoint <host:port>` on the same spec and one checkpoint
-  folder, so the job's data_dir must be storage every node shares (like Determined's shared_fs).
+  --rdzv-id <job>-<attempt> --rdzv-endpoint <host:port>` on the same spec and the same
+  checkpoint folder path. With the default store (SHARDYARD_STORAGE_URL empty) that folder is the
+  data dir, which every node must then share (like Determined's shared_fs); with a folder or S3
+  store each node restores every rank's piece from the store into its own data dir before its
+  torchrun starts and uploads its own ranks' pieces as they are written (workers/ckpt_sync.py).
 - Which node prints the job's lines: torchrun's c10d rendezvous numbers the agents by sorting their
   node descriptors (--local-addr, the agent's pid, a counter; torch/distributed/elastic/rendezvous/
   dynamic_rendezvous.py `_mark_rendezvous_complete`), and global rank 0 is local rank 0 of the agent
@@ -37,6 +40,7 @@ from collections.abc import Callable
 
 from core.broker import job_channel
 from core.settings import Settings
+from core.storage import StorageError, get_storage
 from db.engine import session_for
 from db.jobs import (
     Attempt,
@@ -52,11 +56,12 @@ from db.jobs import (
 )
 from db.models import JobStatus
 from workers import pyenv
+from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
-    drop_checkpoints_past,
     owner_id,
     publish_status,
+    restore_checkpoints,
     run_attempt,
     take_lease,
     trainer_args,
@@ -216,14 +221,34 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     node_dir = workdir / f"node-{node_rank}"
     ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
     node_dir.mkdir(parents=True, exist_ok=True)
-    if node_rank == 0 and ckpt_dir.is_dir():
-        # before any rank reads it: the other nodes' ranks cannot start before node 0's torchrun
-        drop_checkpoints_past(ckpt_dir, applied_step)
     spec_path = node_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = node_dir / "stop"
     args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
-    args += workspace_args(spec, settings=settings, workdir=node_dir)
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s)
+    relay = Relay(
+        settings,
+        targets={None: target},
+        on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
+    )
+    try:
+        uploader = None
+        # with the default store every node shares one folder: node 0 applies the rule there,
+        # before any rank reads it (the other nodes' ranks cannot start before node 0's torchrun).
+        # With another store each node restores every piece into its own folder (which ranks it
+        # gets is known only after the rendezvous) and uploads its own ranks' pieces.
+        if node_rank == 0 or not get_storage(settings).is_data_dir:
+            uploader = restore_checkpoints(
+                settings, ckpt_dir=ckpt_dir, job_id=job_id, applied_step=applied_step, relay=relay
+            )
+        args += workspace_args(spec, settings=settings, workdir=node_dir)
+    except StorageError as e:
+        ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
+        why = f"node {node_rank} on {worker}: {storage_failure(e)}"
+        log.error("job %s: %s", job_id, why)
+        status = retry_db(settings, "gang end", lambda: ender.give_back(why, restart=False, fail=True))
+        relay.close()
+        return status
     cmd = gang_command(
         job_id=job_id,
         attempt=attempt.attempt,
@@ -234,12 +259,6 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         addr=addr,
         join_s=settings.gang_join_s,
         trainer_args=args,
-    )
-    target = Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s)
-    relay = Relay(
-        settings,
-        targets={None: target},
-        on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
     if node_rank == 0:
         publish_status(relay, job_id=job_id)
@@ -287,6 +306,9 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
         env=env,
+        uploader=uploader,
+        # once the gang was given back, a newer attempt may already be restoring from the store
+        still_ours=lambda: _view(settings, attempt, node_rank).intact,
     )
     env.release()
     if rc is None:

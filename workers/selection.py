@@ -16,11 +16,13 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
 from core.settings import Settings
+from core.storage import StorageError, get_storage, selection_prefix
 from db.engine import session_for
 from db.jobs import Attempt, lease_left_s, release_job
 from db.models import Job, Trial
@@ -36,6 +38,7 @@ from db.selections import (
     sync_trials,
 )
 from workers import pyenv
+from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
@@ -126,9 +129,6 @@ def execute_selection(
 
     root = settings.data_dir / "selections" / str(selection_id)
     root.mkdir(parents=True, exist_ok=True)
-    for index, step in applied_steps.items():
-        if (root / f"trial-{index}").is_dir():
-            drop_checkpoints_past(root / f"trial-{index}", step)
     group = f"group-{won[0][0].index}"
     batch = {
         "trials": [
@@ -170,10 +170,36 @@ def execute_selection(
         selection_channel=channel,
         selection_id=selection_id,
     )
+    mine = {t.index for t, _ in won}
+    sources = {by_id[t.warm_start_from].index for t, _ in won if t.warm_start_from in by_id} - mine
+    try:
+        uploader = restore_trials(
+            settings,
+            selection_id=selection_id,
+            root=root,
+            applied_steps=applied_steps,
+            sources=sources,
+            job_ids=[t.job_id for t, _ in won],
+            relay=relay,
+        )
+        ws_args = workspace_args(
+            specs[won[0][0].index], settings=settings, workdir=root
+        )  # one base, one workspace
+    except StorageError as e:
+        # every trial of the group fails with the reason (an operator's requeue runs it again)
+        log.error("selection %s %s: %s", selection_id, group, e)
+        relay.close()
+        out = Outcome(error=storage_failure(e))
+        return retry_db(
+            settings,
+            "trial ends",
+            lambda: _end_group(
+                settings, selection_id, won, relay=relay, rc=1, out=out, group=(reservation_id, worker)
+            ),
+        )
     for t, _ in won:
         publish_status(relay, job_id=t.job_id)
     relay.publish({"type": "selection", "status": "running"}, channels=(channel,))
-    mine = {t.index for t, _ in won}
     out = Outcome()
     # a trial's max_runtime_s (its spec's, within the service's) counts the time its groups ran
     # while it was in them, over all its attempts; the group runs until the first of its trials
@@ -213,7 +239,7 @@ def execute_selection(
         str(stop_file),
         "--stop-trials-file",
         str(stop_trials),
-        *workspace_args(specs[won[0][0].index], settings=settings, workdir=root),  # one base, one workspace
+        *ws_args,
     ]
 
     # every trial of the group lives in this one process (idle ones in host memory)
@@ -222,6 +248,8 @@ def execute_selection(
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is not None:
             relay.add(msg.trial, msg)
+            if uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
+                uploader.wake()
 
     # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
     env = pyenv.for_group(
@@ -246,6 +274,10 @@ def execute_selection(
     env.release()
     if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
         out.error = oom
+    if uploader is not None:
+        # before the relay closes (its thread keeps the leases alive) and the trials end:
+        # keep_best and a later warm start read the store's copies
+        uploader.stop(final=not relay.broken and relay.fenced < mine)
     if not relay.close():
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
@@ -258,6 +290,50 @@ def execute_selection(
     )
     relay.drain_live()
     return status
+
+
+def restore_trials(
+    settings: Settings,
+    *,
+    selection_id: int,
+    root: Path,
+    applied_steps: dict[int, int],
+    sources: set[int],
+    job_ids: list[int],
+    relay: Relay,
+) -> Uploader | None:
+    """Before the executor starts: each trial of the group's checkpoints as the rule allows
+    (workers/execute.py drop_checkpoints_past), from the store when it is not the data dir, and
+    the newest checkpoint of each ended trial a warm start reads (`sources`, left as they are in
+    the store). Returns the thread that uploads the group's trials' checkpoints (None with the
+    default store). StorageError when the store cannot be read."""
+    storage = get_storage(settings)
+    if storage.is_data_dir:
+        for index, step in applied_steps.items():
+            if (root / f"trial-{index}").is_dir():
+                drop_checkpoints_past(root / f"trial-{index}", step)
+        return None
+
+    def mirror(index: int) -> Mirror:
+        return Mirror(
+            storage=storage,
+            local=root / f"trial-{index}",
+            prefix=f"{selection_prefix(selection_id)}/trial-{index}",
+        )
+
+    mirrors = []
+    for index, step in sorted(applied_steps.items()):
+        mirrors.append(mirror(index))
+        mirrors[-1].restore(applied_step=step)
+    for index in sorted(sources):
+        mirror(index).restore(applied_step=None, prune=False)
+    fenced_all = set(applied_steps)
+    return Uploader(
+        mirrors,
+        interval_s=settings.storage_sync_s,
+        report=job_reporter(settings.database_url, job_ids),
+        allowed=lambda: relay.fenced < fenced_all,
+    ).start()
 
 
 def _end_group(

@@ -1,10 +1,12 @@
 """/api/workspaces: upload, list, inspect and delete users' workspaces (.tar.gz or .zip of code and
 small data). The archive is checked at upload (core/archive.py: no traversal, links or device
-files, bounded unpacked size) and stored content-addressed by its sha256 under the data dir."""
+files, bounded unpacked size) and stored content-addressed by its sha256 in the store
+(core/storage.py: the data dir by default, or a folder or S3 store every worker reads)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -21,11 +23,13 @@ from api.deps import SessionDep, SettingsDep
 from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
 from core.archive import ArchiveError, inspect_archive
 from core.settings import Settings
+from core.storage import StorageError, get_storage, workspace_key
 from db import workspaces as db_ws
 from db.engine import session_for
 from db.jobs import NotFound, aware
 from db.models import TERMINAL, Job, User, Workspace
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/workspaces", tags=["workspaces"])
 MiB = 2**20
 
@@ -41,10 +45,6 @@ def workspace_public(row: Workspace) -> WorkspacePublic:
         created_at=aware(row.created_at),
         owner_id=row.owner_id,
     )
-
-
-def blob_path(settings: Settings, row: Workspace) -> Path:
-    return settings.workspaces_dir / f"{row.digest}.{row.format}"
 
 
 def pin_workspace(
@@ -75,7 +75,9 @@ def _visible(session: Session, ref: str, *, user: User) -> Workspace:
 
 
 async def _receive(request: Request, *, settings: Settings) -> tuple[Path, str, int]:
-    """Stream the body to a temporary file beside the store, hashing as it comes; 413 past the cap."""
+    """Stream the body to a temporary file in this host's workspaces folder (the store's own with
+    the default store, so the rename below is the whole store write), hashing as it comes; 413
+    past the cap."""
     cap = int(settings.workspace_max_mb * MiB)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
@@ -126,13 +128,22 @@ async def upload_workspace(
             )
         except ArchiveError as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"body: {e}") from e
-        final = settings.workspaces_dir / f"{digest}.{info.format}"
-        os.replace(tmp, final)  # same bytes, same name: a repeated upload is harmless
+        await run_in_threadpool(_store, settings, tmp, key=workspace_key(digest, info.format))
     finally:
         tmp.unlink(missing_ok=True)
     return await run_in_threadpool(
         _record, settings, digest=digest, size=size, name=name, format=info.format, owner_id=user.id
     )
+
+
+def _store(settings: Settings, tmp: Path, *, key: str) -> None:
+    """Same bytes, same name: a repeated upload is harmless. A store that cannot be reached answers
+    503 with the reason (api/main.py)."""
+    storage = get_storage(settings)
+    if storage.is_data_dir:
+        os.replace(tmp, storage.local_path(key))
+    else:
+        storage.put_file(key, tmp)
 
 
 def _record(
@@ -179,9 +190,13 @@ def delete_workspace(
             status.HTTP_409_CONFLICT,
             f"workspace {workspace_id} is used by queued or running job(s) {', '.join(map(str, users))}",
         )
-    path = blob_path(settings, row)
+    key = workspace_key(row.digest, row.format)
     if db_ws.delete_workspace(session, workspace_id=workspace_id):
-        path.unlink(missing_ok=True)  # the last row of these bytes
+        # the last row of these bytes; a store that fails now leaves only unreferenced bytes
+        try:
+            get_storage(settings).delete(key)
+        except StorageError as e:
+            log.warning("workspace %s deleted, but not its archive: %s", workspace_id, e)
 
 
 def _workspace_or_404(session: Session, ref: str, *, user: User) -> Workspace:

@@ -69,3 +69,21 @@ def test_checkpoints_all_keeps_every_trial(db_url: str, tmp_path: Path) -> None:
         assert dbs.kept_trial(s, selection_id=sid) == 0  # mode min
         assert keep_best_checkpoints(settings, s, selection_id=sid) == []
     assert _dirs(root) == ["trial-0", "trial-1", "trial-2"]
+
+
+def test_the_store_keeps_only_the_best_trial_too(db_url: str, tmp_path: Path) -> None:
+    """With a store that is not the data dir (a folder here; S3 goes through the same calls), the
+    trials' copies that other workers uploaded are removed there, whatever this worker's disk holds."""
+    store_dir = tmp_path / "store"
+    settings = Settings(database_url=db_url, data_dir=tmp_path / "data", storage_url=f"file://{store_dir}")
+    sid = _batch(db_url, mode="min", checkpoints="best")
+    for i in range(3):  # uploaded by three workers; none of it on this one's disk
+        (store_dir / "selections" / str(sid) / f"trial-{i}").mkdir(parents=True)
+        (store_dir / "selections" / str(sid) / f"trial-{i}" / "step-00000004.pt").write_bytes(b"x")
+    (store_dir / "selections" / str(sid + 1) / "trial-0").mkdir(parents=True)  # another batch's
+    _set(db_url, sid, {0: ("succeeded", 2.0), 1: ("succeeded", 1.0), 2: ("failed", None)})
+    with session_for(db_url) as s:
+        keep_best_checkpoints(settings, s, selection_id=sid)
+    assert _dirs(store_dir / "selections" / str(sid)) == ["trial-1"]
+    assert (store_dir / "selections" / str(sid) / "trial-1" / "step-00000004.pt").exists()
+    assert _dirs(store_dir / "selections" / str(sid + 1)) == ["trial-0"]

@@ -1,0 +1,200 @@
+"""Storage that does not assume one disk, on the real stack: a redis-server, the API and Celery
+workers, each with its OWN data dir (hosts without a shared disk), and SHARDYARD_STORAGE_URL in a
+real S3-API server process that the test starts (moto's standalone server, tests/s3.py).
+Production points the same setting at AWS S3, MinIO or Ceph; the code path (s3fs, botocore) is
+the same.
+
+- a workspace uploaded to the API runs on a worker whose data dir never saw the upload;
+- a worker killed with SIGKILL mid-run: the job resumes on a second worker (another data dir) from
+  the store's checkpoint, not step 0, with every loss step exactly once; DELETE removes its objects;
+- the store stopped mid-run: the failed uploads are in the job's log and retried, the worker goes
+  on; a job that starts while it is down fails naming the store, never from step 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from api.stack import Stack
+from core.storage import open_storage
+from db import jobs as dbj
+from db.engine import session_for
+from tests.archives import targz
+from tests.conftest import TINY_SPEC, StackHandle
+from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
+from tests.s3 import S3Server
+
+pytestmark = pytest.mark.integration
+
+URL = "s3://shardyard/it"
+FAST = {
+    "SHARDYARD_HEARTBEAT_S": "0.5",
+    "SHARDYARD_WORKER_ALIVE_S": "2",
+    "SHARDYARD_LEASE_S": "3",
+    "SHARDYARD_RECONCILE_S": "1",
+    "SHARDYARD_SHUTDOWN_GRACE_S": "20",
+    "SHARDYARD_STORAGE_SYNC_S": "0.5",
+}
+STEPS = 100
+SPEC = {
+    **TINY_SPEC,
+    "name": "stored",
+    "checkpoint_every": 4,
+    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
+}
+
+
+class Hosts:
+    def __init__(self, root: Path, s3: S3Server) -> None:
+        self.s3 = s3
+        self.dirs = {i: root / f"host{i}" for i in (1, 2)}
+        self.stack = Stack(
+            root=root / "api",
+            workers=0,
+            concurrency=1,
+            extra_env={**FAST, **s3.env, "SHARDYARD_STORAGE_URL": URL},
+            worker_env={i: {"SHARDYARD_DATA_DIR": str(d)} for i, d in self.dirs.items()},
+        )
+        self.h: StackHandle | None = None
+
+    @property
+    def store(self):  # noqa: ANN201
+        return open_storage(url=URL, data_dir=self.stack.root, endpoint_url=self.s3.endpoint)
+
+    def only(self, index: int) -> None:
+        """Worker `index` alone is running (the other one, if up, is stopped warm)."""
+        for i in (1, 2):
+            proc = self.stack.procs.get(f"worker{i}")
+            if i != index and proc is not None:
+                self.stack.stop_process(f"worker{i}", timeout_s=60)
+        proc = self.stack.procs.get(f"worker{index}")
+        if proc is None or proc.poll() is not None:
+            self.stack.start_worker(index)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    root = tmp_path_factory.mktemp("hosts")
+    s3 = S3Server(log=root / "moto.log").start()
+    s3.create_bucket("shardyard")
+    h = Hosts(root, s3)
+    try:
+        h.stack.start()
+        h.h = StackHandle(h.stack)
+        yield h
+    finally:
+        if h.h is not None:
+            h.h.client.close()
+        h.stack.stop()
+        s3.stop()
+
+
+def _logs(h: StackHandle, job_id: int) -> list[str]:
+    return [
+        e["message"] for e in h.client.get(f"/api/jobs/{job_id}/logs", params={"limit": 1000}).json()["items"]
+    ]
+
+
+def _starts(h: StackHandle, job_id: int) -> list[int]:
+    """start_step of each attempt's trainer start."""
+    with session_for(h.stack.database_url) as s:
+        events = dbj.events_after(s, job_id=job_id, kinds=["event"])
+        return [e.data["start_step"] for e in events if e.message == "start"]
+
+
+def test_a_workspace_job_runs_on_a_worker_that_never_saw_the_upload(hosts: Hosts) -> None:
+    h = hosts.h
+    hosts.only(1)
+    resp = upload(h, targz({"mydata/__init__.py": b"", "mydata/source.py": DATA_PY}))
+    assert resp.status_code == 201, resp.text
+    ws = resp.json()
+    key = f"workspaces/{ws['digest']}.tar.gz"
+    assert hosts.store.exists(key), "the archive is in the store"
+    assert not (hosts.stack.root / key).exists() and not (hosts.dirs[1] / key).exists(), "in no data dir"
+    data = {"kind": "python", "entry": "mydata.source:batches", "args": {"period": 13}, "vocab_size": 13}
+    job = h.submit(tiny(name="pydata-s3", data=data, workspace=ws["ref"]))
+    h.wait(job["id"], timeout=240)
+    assert falls(h, job["id"])
+    assert (hosts.dirs[1] / key).is_file(), "the worker fetched it into its own data dir"
+    assert (hosts.dirs[1] / "jobs" / str(job["id"]) / "workspace" / "mydata" / "source.py").is_file()
+
+    assert h.client.delete(f"/api/workspaces/{ws['id']}").status_code == 204
+    assert not hosts.store.exists(key), "DELETE removed the archive from the store"
+
+
+def _kill(st: Stack, name: str) -> None:
+    proc = st.procs.pop(name)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_sigkill_mid_run_resumes_on_another_host_from_the_store(hosts: Hosts) -> None:
+    h = hosts.h
+    hosts.only(1)
+    job_id = h.submit(SPEC)["id"]
+    prefix = f"jobs/{job_id}/checkpoints"
+    # mid-run, with a checkpoint in the store and its lines applied (applied_step >= 8)
+    h.wait_until(job_id, lambda j: j["progress"]["step"] >= 12, timeout=180)
+    deadline_step = h.wait_until(job_id, lambda _j: len(hosts.store.list(prefix)) > 0, timeout=60)
+    assert deadline_step["status"] == "running" and deadline_step["progress"]["step"] < STEPS
+    _kill(hosts.stack, "worker1")
+    hosts.only(2)  # another host: its data dir has never held this job
+    assert not (hosts.dirs[2] / "jobs" / str(job_id)).exists()
+
+    done = h.wait(job_id, timeout=300)
+    assert done["attempts"] == 2 and done["result"] is not None
+    got = h.client.get(f"/api/jobs/{job_id}/metrics", params={"names": "loss,val_loss"}).json()["series"]
+    assert got["loss"]["steps"] == list(range(1, STEPS + 1)), "every loss step exactly once"
+    assert got["val_loss"]["steps"] == list(range(10, STEPS + 1, 10))
+    starts = _starts(h, job_id)
+    assert starts[0] == 0 and starts[-1] >= 4, f"the second attempt resumed from the store: {starts}"
+    logs = _logs(h, job_id)
+    assert any(m.startswith(f"restored checkpoint step {starts[-1]} from {URL}") for m in logs), logs
+    assert any(m.startswith("resumed from step-") for m in logs)
+    # the attempt's end reached the store: the final checkpoint (with the result) is there
+    assert f"{prefix}/step-{STEPS:08d}.pt" in hosts.store.list(prefix)
+
+    assert h.client.delete(f"/api/jobs/{job_id}").status_code == 204
+    assert hosts.store.list(f"jobs/{job_id}") == [], "DELETE removed the job's objects from the store"
+
+
+def test_the_store_going_down(hosts: Hosts) -> None:
+    """Mid-run: the failed uploads are reported in the job's log and retried; the trainer goes on
+    and the job ends. At an attempt's start: the job fails naming the store (it is not started
+    from step 0). An operator's requeue, once the store is back, runs it."""
+    h = hosts.h
+    hosts.only(1)
+    job_id = h.submit({**SPEC, "name": "store-down", "train": {**SPEC["train"], "steps": 300}})["id"]
+    h.wait_until(job_id, lambda _j: len(hosts.store.list(f"jobs/{job_id}/checkpoints")) > 0, timeout=180)
+    hosts.s3.stop()
+    reported = h.wait_until(
+        job_id,
+        lambda j: (
+            j["status"] != "running"
+            or any(
+                "checkpoint upload failed, retrying: storage s3://shardyard/it/" in m
+                for m in _logs(h, job_id)
+            )
+        ),
+        timeout=120,
+    )
+    assert reported["status"] == "running", "the upload failure was reported while the trainer ran"
+    done = h.wait(job_id, timeout=300)
+    assert done["status"] == "succeeded", "a failed upload never stops the trainer"
+
+    second = h.submit({**SPEC, "name": "no-store"})["id"]
+    failed = h.wait(second, ("failed",), timeout=120)
+    assert failed["error"].startswith("the checkpoint and workspace store could not be read"), failed["error"]
+    assert f"storage {URL}/jobs/{second}/checkpoints/" in failed["error"], failed["error"]
+    assert _starts(h, second) == [], "the trainer never started"
+
+    hosts.s3.start()  # moto keeps nothing: an empty store with its bucket made again
+    hosts.s3.create_bucket("shardyard")
+    resp = h.client.post(f"/api/jobs/{second}/requeue", json={"reason": "the store is back"})
+    assert resp.status_code == 200, resp.text
+    h.wait(second, timeout=300)

@@ -1,0 +1,147 @@
+"""workers/ckpt_sync.py: the restore rule applied to a store's copies, the uploads that mirror a
+trainer's folder, and an upload failure reported and retried. The store is a folder (fast) or a
+real S3-API server process (moto's standalone server; production uses S3, MinIO or Ceph)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.storage import Storage, open_storage
+from tests.s3 import S3Server
+from workers.ckpt_sync import Mirror, Uploader
+
+PREFIX = "jobs/9/checkpoints"
+
+
+def _name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def _write(folder: Path, steps: dict[str, tuple[int, ...]], tag: bytes = b"x") -> None:
+    for piece, at in steps.items():
+        for step in at:
+            p = folder / piece / _name(step) if piece else folder / _name(step)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(tag * (100 + step))
+
+
+def _local(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("step-*.pt"))
+
+
+def _stored(store: Storage) -> list[str]:
+    return [k.removeprefix(PREFIX + "/") for k in store.list(PREFIX)]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Storage:
+    return open_storage(url=f"file://{tmp_path / 'store'}", data_dir=tmp_path / "data")
+
+
+def test_restore_applies_the_rule_to_the_stores_copies_and_fetches_every_piece(
+    store: Storage, tmp_path: Path
+) -> None:
+    # the last attempt's two ranks (on two hosts) uploaded their pieces; rank 1 died before its
+    # step 12, and the database has the lines up to step 12 only (step 16 is past them)
+    writer = tmp_path / "writer"
+    _write(writer, {"pp0-tp0": (4, 8, 12, 16), "pp1-tp0": (4, 8, 16)})
+    Mirror(storage=store, local=writer, prefix=PREFIX).sync()
+    # this host's own folder holds a stale piece of an older attempt that the store never got
+    host = tmp_path / "host" / "checkpoints"
+    _write(host, {"pp1-tp0": (12,)}, tag=b"s")
+
+    restored = Mirror(storage=store, local=host, prefix=PREFIX).restore(applied_step=12)
+    assert restored.step == 8 and restored.downloaded == 2
+    # the newest whole step at or below 12 is 8; both pieces are fetched (which ranks run here is
+    # known only after the rendezvous), and nothing newer is left anywhere to resume from
+    assert _local(host) == ["pp0-tp0/step-00000008.pt", "pp1-tp0/step-00000008.pt"]
+    assert _stored(store) == [
+        "pp0-tp0/step-00000004.pt",
+        "pp0-tp0/step-00000008.pt",
+        "pp1-tp0/step-00000004.pt",
+        "pp1-tp0/step-00000008.pt",
+    ]
+    assert (host / "pp1-tp0" / _name(8)).read_bytes() == (writer / "pp1-tp0" / _name(8)).read_bytes()
+
+    # a second host restoring now gets the same step: the rule is settled in the store
+    other = tmp_path / "host2"
+    assert Mirror(storage=store, local=other, prefix=PREFIX).restore(applied_step=12).step == 8
+    assert _local(other) == _local(host)
+
+
+def test_restore_from_an_empty_store_starts_from_nothing(store: Storage, tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    _write(host, {"": (4,)})  # never uploaded: the store is the truth, so it goes
+    assert Mirror(storage=store, local=host, prefix=PREFIX).restore(applied_step=4).step is None
+    assert _local(host) == []
+
+
+def test_sync_uploads_new_and_mirrors_pruned_checkpoints(store: Storage, tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    mirror = Mirror(storage=store, local=host, prefix=PREFIX)
+    _write(host, {"": (4, 8)})
+    assert mirror.sync() == 2 and _stored(store) == [_name(4), _name(8)]
+    assert mirror.sync() == 0, "what the store holds is not sent again"
+    (host / _name(4)).unlink()  # the trainer pruned it (SHARDYARD_CHECKPOINT_KEEP)
+    _write(host, {"": (12,)})
+    (host / f".{_name(16)}.123.tmp").write_bytes(b"half")  # a write in progress is not uploaded
+    assert mirror.sync() == 2 and _stored(store) == [_name(8), _name(12)]
+
+    # a warm-start source: fetched, never pruned, whatever its steps
+    reader = Mirror(storage=store, local=tmp_path / "reader", prefix=PREFIX)
+    assert reader.restore(applied_step=None, prune=False).step == 12
+    assert _stored(store) == [_name(8), _name(12)]
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(log=tmp_path / "moto.log").start()
+    server.create_bucket("shardyard")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _until(pred, timeout: float = 60) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.1)
+
+
+def test_a_failed_upload_is_reported_retried_and_never_raised(s3: S3Server, tmp_path: Path) -> None:
+    store = open_storage(url="s3://shardyard/u", data_dir=tmp_path, endpoint_url=s3.endpoint)
+    host = tmp_path / "host"
+    told: list[str] = []
+    up = Uploader(
+        [Mirror(storage=store, local=host, prefix=PREFIX)], interval_s=0.2, report=told.append
+    ).start()
+    try:
+        _write(host, {"": (4,)})
+        _until(lambda: _stored(store) == [_name(4)])
+        s3.pause()  # a hung store: connections accepted, nothing answers
+        _write(host, {"": (8,)})
+        _until(lambda: len(told) == 1, timeout=120)
+        assert told[0].startswith("checkpoint upload failed, retrying: storage s3://shardyard/u/jobs/9/")
+        assert told[0].endswith("upload failed: the store did not answer in time"), told[0]
+        s3.resume()
+        _until(lambda: len(told) == 2, timeout=90)
+        assert told[1] == "checkpoint uploads to s3://shardyard/u work again"
+        assert _stored(store) == [_name(4), _name(8)]
+    finally:
+        assert up.stop(final=True)
+    # fenced off: nothing more is written
+    fenced = Uploader(
+        [Mirror(storage=store, local=host, prefix=PREFIX)],
+        interval_s=0.2,
+        report=told.append,
+        allowed=lambda: False,
+    ).start()
+    _write(host, {"": (12,)})
+    fenced.stop(final=True)
+    assert _name(12) not in _stored(store)

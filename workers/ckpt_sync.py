@@ -1,0 +1,282 @@
+"""Checkpoints between a worker's local job folder and the store (core/storage.py).
+
+The trainer only ever reads and writes local files (it stays pure PyTorch). Around it, the worker:
+- restores before an attempt starts (`Mirror.restore`): from the store's copies, the newest step
+  at or below the job's applied_step that is whole across every rank's piece (`past_or_partial`,
+  the rule of workers/execute.py drop_checkpoints_past: resuming past applied_step would lose
+  metric lines, and ranks resuming from different steps would corrupt the run) is downloaded for
+  every piece, because which ranks land on this node is only known after the rendezvous. The
+  store is the truth: copies past the rule are deleted there, and local files the store does not
+  hold as usable are removed, so every node of a gang resumes from the same step whatever its disk
+  held before.
+- uploads what the trainer writes while it runs (`Uploader`, a thread): every `storage_sync_s`,
+  and at once when the trainer reports a checkpoint, newest first; a file the trainer prunes
+  (SHARDYARD_CHECKPOINT_KEEP) or a selection executor removes is deleted in the store too. A
+  failed upload is reported in the job's log and tried again; it never stops the trainer.
+- syncs once more when the trainer has exited, unless the attempt was fenced off (a newer attempt
+  owns the store's copies then).
+
+With the default store (the data dir itself) none of this runs: the trainer's folder is the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.storage import Storage, StorageError
+from db.engine import session_for
+from db.jobs import add_event
+
+log = logging.getLogger(__name__)
+
+PREFIX, SUFFIX = "step-", ".pt"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint's file name (`step-00000040.pt`), None for anything else."""
+    if not (name.startswith(PREFIX) and name.endswith(SUFFIX)):
+        return None
+    digits = name[len(PREFIX) : -len(SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+def past_or_partial(found: dict[str, set[int]], step: int) -> set[tuple[str, int]]:
+    """(folder, step) of the checkpoints a resume at or below `step` must not use. `found` maps a
+    folder relative to the checkpoint folder ("" itself, "pp0-tp1" a rank's piece) to the steps
+    it holds. A step past `step` is unusable (its metric lines are not all in the database), and
+    so is a step whose pieces are not all there (a rank died between the writes). Pieces are the
+    direct sub-folders; with a checkpoint on top, or fewer than two pieces, there is nothing to
+    match up."""
+    pieces = [steps for folder, steps in found.items() if folder and "/" not in folder]
+    whole = None if "" in found or len(pieces) < 2 else set.intersection(*(set(s) for s in pieces))
+    return {
+        (folder, at)
+        for folder, steps in found.items()
+        for at in steps
+        if at > step or (whole is not None and at not in whole)
+    }
+
+
+def local_checkpoints(root: Path) -> dict[str, Path]:
+    """Checkpoint files under `root` by their path relative to it."""
+    if not root.is_dir():
+        return {}
+    return {
+        p.relative_to(root).as_posix(): p
+        for p in root.rglob(f"{PREFIX}*{SUFFIX}")
+        if parse_step(p.name) is not None
+    }
+
+
+def _by_folder(rels: Iterable[str]) -> dict[str, set[int]]:
+    found: dict[str, set[int]] = {}
+    for rel in rels:
+        folder, _, name = rel.rpartition("/")
+        step = parse_step(name)
+        if step is not None:
+            found.setdefault(folder, set()).add(step)
+    return found
+
+
+def _rel(folder: str, step: int) -> str:
+    name = f"{PREFIX}{step:08d}{SUFFIX}"
+    return f"{folder}/{name}" if folder else name
+
+
+@dataclass
+class Restored:
+    step: int | None
+    """The newest step restored (None: the store holds no usable checkpoint)."""
+    downloaded: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class Mirror:
+    """One local checkpoint folder and its prefix in the store."""
+
+    storage: Storage
+    local: Path
+    prefix: str
+    known: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Files the store holds as they are here: relative path -> (size, mtime_ns)."""
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+    def _remote(self) -> dict[str, int]:
+        start = len(self.prefix) + 1
+        return {
+            k[start:]: size
+            for k, size in self.storage.sizes(self.prefix).items()
+            if parse_step(k.rpartition("/")[2]) is not None
+        }
+
+    def restore(self, *, applied_step: int | None, prune: bool = True) -> Restored:
+        """Make the local folder hold the store's usable checkpoints (see the module docstring):
+        the newest usable step of every folder is downloaded; `applied_step` None takes every step
+        (a finished trial a warm start reads). `prune` False leaves the store and the local files
+        alone but for downloads (someone else's folder). StorageError when the store cannot be
+        read: the caller fails the attempt rather than start from step 0."""
+        remote = self._remote()
+        found = _by_folder(remote)
+        drop = past_or_partial(found, applied_step) if applied_step is not None else set()
+        out = Restored(step=None)
+        if prune:
+            for folder, at in sorted(drop):
+                self.storage.delete(self.key(_rel(folder, at)))
+                out.dropped += 1
+        usable = {
+            rel: size
+            for rel, size in remote.items()
+            if (rel.rpartition("/")[0], parse_step(rel.rpartition("/")[2])) not in drop
+        }
+        here = local_checkpoints(self.local)
+        if prune:
+            for rel, path in here.items():
+                if rel not in usable:
+                    path.unlink(missing_ok=True)
+        for folder, steps in _by_folder(usable).items():
+            rel = _rel(folder, max(steps))
+            dest = self.local / rel
+            if not dest.is_file() or dest.stat().st_size != usable[rel]:
+                self.storage.get_file(self.key(rel), dest, size=usable[rel])
+                out.downloaded += 1
+            out.step = max(steps) if out.step is None else min(out.step, max(steps))
+        for rel, path in local_checkpoints(self.local).items():
+            if rel in usable and path.stat().st_size == usable[rel]:
+                st = path.stat()
+                self.known[rel] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def sync(self) -> int:
+        """Upload the local checkpoints the store lacks (newest first) and delete in the store
+        those that were removed here. Returns how many objects changed; StorageError on failure
+        (what was done stays done)."""
+        here = local_checkpoints(self.local)
+        changed = 0
+        newest_first = sorted(here, key=lambda r: (-(parse_step(r.rpartition("/")[2]) or 0), r))
+        for rel in newest_first:
+            try:
+                st = here[rel].stat()
+            except FileNotFoundError:
+                continue  # pruned meanwhile: the deletions below
+            sig = (st.st_size, st.st_mtime_ns)
+            if self.known.get(rel) == sig:
+                continue
+            try:
+                self.storage.put_file(self.key(rel), here[rel])
+            except StorageError:
+                if here[rel].exists():
+                    raise
+                continue  # the trainer pruned it while it was read
+            self.known[rel] = sig
+            changed += 1
+        gone = [rel for rel in self.known if not (self.local / rel).is_file()]
+        for rel in gone:
+            self.storage.delete(self.key(rel))
+            del self.known[rel]
+            changed += 1
+        return changed
+
+
+class Uploader:
+    """A thread that keeps `mirrors` synced while a trainer runs. `allowed()` False (the attempt
+    was fenced off) stops every write to the store; `report(message)` tells the job's log about a
+    failure and about the recovery after one."""
+
+    def __init__(
+        self,
+        mirrors: list[Mirror],
+        *,
+        interval_s: float,
+        report: Callable[[str], None],
+        allowed: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.mirrors, self.interval_s, self.report, self.allowed = mirrors, interval_s, report, allowed
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._failing: str | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
+
+    def start(self) -> Uploader:
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        """The trainer reported a checkpoint: sync now."""
+        self._wake.set()
+
+    def sync_all(self) -> bool:
+        if not self.allowed():
+            return True
+        try:
+            for m in self.mirrors:
+                m.sync()
+        except StorageError as e:
+            if self._failing != str(e):
+                self._failing = str(e)
+                self._tell(f"checkpoint upload failed, retrying: {e}")
+            return False
+        except OSError as e:  # the local folder itself (a full or vanished disk): same treatment
+            return self._local_error(e)
+        if self._failing is not None:
+            self._failing = None
+            self._tell(f"checkpoint uploads to {self.mirrors[0].storage.url} work again")
+        return True
+
+    def _local_error(self, e: OSError) -> bool:
+        if self._failing != str(e):
+            self._failing = str(e)
+            self._tell(f"checkpoint upload failed, retrying: {e}")
+        return False
+
+    def _tell(self, message: str) -> None:
+        log.warning("%s", message)
+        try:
+            self.report(message)
+        except Exception:  # noqa: BLE001 - a report that cannot be written must not stop uploads
+            log.exception("could not record: %s", message)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            ok = self.sync_all()
+            # after a failure, a little longer: an outage is not hammered twice a second
+            self._wake.wait(self.interval_s if ok else max(self.interval_s, 5.0))
+            self._wake.clear()
+
+    def stop(self, *, final: bool, tries: int = 3) -> bool:
+        """Stop the thread; with `final`, sync once more (a few tries). True when the store holds
+        every local checkpoint."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=120)
+        if not final:
+            return False
+        for i in range(tries):
+            if self.sync_all():
+                return True
+            time.sleep(min(2.0 * (i + 1), 5.0))
+        self._tell(f"the attempt's last checkpoints did not reach the store after {tries} tries")
+        return False
+
+
+def job_reporter(database_url: str, job_ids: list[int]) -> Callable[[str], None]:
+    """Writes a message into the log of each of `job_ids` (what `GET /api/jobs/{id}/logs` shows)."""
+
+    def report(message: str) -> None:
+        with session_for(database_url) as s:
+            for job_id in job_ids:
+                add_event(s, job_id=job_id, kind="log", message=message)
+
+    return report
+
+
+def storage_failure(e: StorageError) -> str:
+    """The error an attempt fails with when the store cannot be read at its start."""
+    return f"the checkpoint and workspace store could not be read, so the attempt did not start: {e}"
