@@ -369,3 +369,28 @@ def test_cpu_shards_compute_in_host_memory_without_copies() -> None:
     while t.step < 2:  # whole mini-batches through the aliased path, every task
         t.run_task(place)
     assert all(sh.dev is None and sh.alias for sh in t.shards)
+
+
+def test_a_trial_reports_on_the_steps_a_job_does(tmp_path: Path) -> None:
+    """trainer/after_step.py is the one rule set: a trial and the same job run alone report the
+    same per-step metric names, evaluate on the same steps and checkpoint on the same steps; the
+    last step's checkpoint is the end-of-run one, written once (the executor used to write it
+    twice when the last step was a multiple of checkpoint_every)."""
+    spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 4}, "checkpoint_every": 2}
+    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    alone = ListSink()
+    run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
+    trial = ListSink()
+    entry = TrialEntry(index=0, job=make(), sink=trial, checkpoint_dir=tmp_path / "trial")
+    results = Executor([entry], devices=CPU2, cfg=ExecutorConfig(checkpoints="all")).run()
+    assert results[0]["status"] == "succeeded"
+
+    def steps_of(sink: ListSink, name: str) -> list[int]:
+        return [s for s, n, _ in sink.metrics if n == name]
+
+    for name in ("loss", "step_time_ms", "tokens_per_s", "peak_mem_mb", "val_loss"):
+        assert steps_of(trial, name) == steps_of(alone, name), name
+    assert steps_of(trial, "val_loss") == [2, 4]
+    saved = [d["step"] for e, d in trial.events if e == "checkpoint"]
+    assert saved == [2, 4]  # step 2 by the cadence, step 4 once, at the trial's end
+    assert [d["step"] for e, d in alone.events if e == "checkpoint"] == [2]  # the loop's end save is silent
