@@ -1,6 +1,8 @@
-"""The one step loop. `run_steps` owns every loop rule: resume, the batch of each step, evaluation
-cadence and its fixed validation batches, checkpoint cadence, metric reporting, the stop signal and
-the run summary. Engines (trainer/engine.py's composed engine for plain, pipeline, tensor,
+"""The one step loop. `run_steps` owns every loop rule: resume, the batch of each step, the fixed
+validation batches, the stop signal and the run summary; what follows a step (metric names,
+evaluation and checkpoint cadence) is trainer/after_step.py's, which the selection executor
+follows too. The loop is reached through trainer/runner.py's `run`, the trainer's one entry
+point. Engines (trainer/engine.py's composed engine for plain, pipeline, tensor,
 data-parallel and offloaded runs and their compositions; trainer/spill/job.py's spilling engine)
 plug in through `Engine`.
 
