@@ -33,8 +33,8 @@ from bench.common import RESULTS, machine, table, write_results
 from tests.device_census import DeviceCensus, Seen
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, load_data
-from trainer.loop import build_optimizer
 from trainer.models import build_model, count_params, lm_loss, recipe_for
+from trainer.optim import build_optimizer
 from trainer.recipe import meta_layers
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check

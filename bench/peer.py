@@ -96,12 +96,12 @@ def _bare_trial(t: dict[str, Any]) -> tuple[int, float, int, float]:
     import torch
 
     from trainer.config import JobConfig
-    from trainer.loop import train
     from trainer.protocol import NeverStop, NullSink
+    from trainer.runner import run
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    res = train(JobConfig.from_dict(t["spec"]), sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+    res = run(JobConfig.from_dict(t["spec"]), sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
     return t["index"], float(res["val_loss"]), int(res["steps"]), time.perf_counter() - t0
 
 
@@ -212,8 +212,8 @@ def _ray_trial(config: dict[str, Any], specs: list[dict[str, Any]]) -> None:
     from ray import tune
 
     from trainer.config import JobConfig
-    from trainer.loop import train
     from trainer.protocol import NeverStop, NullSink
+    from trainer.runner import run
 
     class Report(NullSink):
         def metric(self, step: int, name: str, value: float) -> None:
@@ -222,7 +222,7 @@ def _ray_trial(config: dict[str, Any], specs: list[dict[str, Any]]) -> None:
 
     torch.set_num_threads(1)
     spec = specs[config["index"]]
-    train(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
+    run(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
 
 
 def run_ray(ts: list[dict[str, Any]], mode: str, *, reuse: bool, steps: int, tmp: Path) -> dict[str, Any]:

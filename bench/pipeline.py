@@ -7,7 +7,7 @@ Sections:
 1. simulated bubble ratio and peak stashed activations for every schedule at D in {4,8,16,32},
    N in {D,2D,4D}, backward = 1x and 2x forward (unit forward cost, zero transfer);
 2. message-driven (`async`) vs static 1F1B makespan under +/-30% per-action compute jitter;
-3. a real D=4 gloo run of train_pipeline per schedule: bubble measured from the executed
+3. a real D=4 gloo run of the pipeline job (trainer.runner.run) per schedule: bubble measured from the executed
    timelines, beside the simulation fed with the costs measured in that run, and step time;
 4. a GPT-2 1.3B-shaped projection at 8-2048 devices from per-layer costs measured on this CPU;
 5. our gpipe / 1f1b executor against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
@@ -86,8 +86,8 @@ def _real_rank(rank: int, world: int, schedules: tuple[str, ...], Ns: tuple[int,
 
 def _real_one(rank: int, world: int, *, schedules: tuple[str, ...], microbatches: int, steps: int) -> dict:
     from trainer.config import JobConfig
-    from trainer.pipeline.job import train_pipeline
     from trainer.protocol import ListSink, NeverStop
+    from trainer.runner import run
 
     out = {}
     for name in schedules:
@@ -100,7 +100,7 @@ def _real_one(rank: int, world: int, *, schedules: tuple[str, ...], microbatches
             "resources": {"device": "cpu"},
         }
         sink = ListSink()
-        train_pipeline(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
+        run(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
         if rank == 0:
             events = [d for e, d in sink.events if e == "timeline"][1:]  # the step-2 one is still warming up
             out[name] = {
@@ -636,7 +636,7 @@ def main() -> None:
             payload,
             "real_gloo_d4",
             real_rows,
-            title="3. real runs of train_pipeline, gloo ranks on this machine "
+            title="3. real runs of the pipeline job, gloo ranks on this machine "
             "(GPT 6 blocks x 128, batch 16, seq 64)",
         )
 

@@ -145,14 +145,14 @@ def thread_ceiling(reps: int = 300) -> tuple[float, float]:
 _LOOP = """
 import json, os, sys, time, torch
 from trainer.config import JobConfig
-from trainer.loop import train
+from trainer.runner import run
 from trainer.protocol import NeverStop, NullSink
 torch.set_num_threads(int(sys.argv[1]))
 jobs = [JobConfig.from_dict(s) for s in json.load(sys.stdin)]
-train(jobs[0], sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))  # warm-up
+run(jobs[0], sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))  # warm-up
 t0, c0 = time.perf_counter(), sum(os.times()[:2])
 for j in jobs:
-    train(j, sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+    run(j, sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
 wall = time.perf_counter() - t0
 print(json.dumps([wall, (sum(os.times()[:2]) - c0) / wall]))
 """

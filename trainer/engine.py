@@ -194,7 +194,7 @@ class ComposedEngine:
         """At each evaluation: the pipeline's executed and simulated timelines (one pipeline's)."""
         if self.executor is None or self.last_record is None:
             return
-        from trainer.pipeline.job import timeline_event
+        from trainer.pipeline.timeline import timeline_event
 
         rec = self.last_record
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -263,7 +263,7 @@ class ComposedEngine:
                 "bubble_executed": getattr(self, "_bubble", float("nan")),
             }
         if self.tp_mesh is not None:
-            from trainer.tensor.job import tensor_summary
+            from trainer.tensor.traffic import tensor_summary
 
             tensor = tensor_summary(mesh=self.tp_mesh, tensor=s.tensor, steps=steps_ran)
             sink.event("comm", tensor.pop("comm"))

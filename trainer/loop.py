@@ -1,6 +1,8 @@
-"""The one step loop. `run_steps` owns every loop rule: resume, the batch of each step, evaluation
-cadence and its fixed validation batches, checkpoint cadence, metric reporting, the stop signal and
-the run summary. Engines (trainer/engine.py's composed engine for plain, pipeline, tensor,
+"""The one step loop. `run_steps` owns every loop rule: resume, the batch of each step, the fixed
+validation batches, the stop signal and the run summary; what follows a step (metric names,
+evaluation and checkpoint cadence) is trainer/after_step.py's, which the selection executor
+follows too. The loop is reached through trainer/runner.py's `run`, the trainer's one entry
+point. Engines (trainer/engine.py's composed engine for plain, pipeline, tensor,
 data-parallel and offloaded runs and their compositions; trainer/spill/job.py's spilling engine)
 plug in through `Engine`.
 
@@ -22,15 +24,15 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint, set_aside
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
-from trainer.optim import build_optimizer
 from trainer.protocol import MetricsSink, StopSignal, should_stop
 from trainer.recipe import ModelRecipe
 
-__all__ = ["Engine", "TrainingError", "build_optimizer", "run_steps", "train"]
+__all__ = ["Engine", "TrainingError", "run_steps"]
 
 
 class TrainingError(RuntimeError):
@@ -86,16 +88,6 @@ def evaluate(engine: Engine, data: Dataset, *, recipe: ModelRecipe, cfg: TrainCo
     """Mean loss over the fixed validation batches."""
     losses = [engine.eval_loss(x, y) for x, y in val_batches(data, recipe=recipe, cfg=cfg)]
     return sum(losses) / len(losses)
-
-
-def report_step(
-    sink: MetricsSink, *, step: int, loss: float, seconds: float, tokens: int, device: torch.device
-) -> None:
-    """The per-step metrics every engine reports, so the dashboard reads one vocabulary."""
-    sink.metric(step, "loss", loss)
-    sink.metric(step, "step_time_ms", seconds * 1e3)
-    sink.metric(step, "tokens_per_s", tokens / seconds)
-    sink.metric(step, "peak_mem_mb", peak_memory_mb(device))
 
 
 class StepRange:
@@ -261,6 +253,7 @@ def run_steps(
         return save_checkpoint(my_dir, step=step, state={**engine.state_dict(), "loop": loop_state})
 
     tokens_per_step = cfg.batch_size * job.model.seq_len
+    after = AfterStep.of(job)
     steps = StepRange(start=start, end=cfg.steps, stop=stop)
     for step in steps:
         t0 = time.perf_counter()
@@ -269,16 +262,21 @@ def run_steps(
         check_finite(loss_value, step)
         dt = time.perf_counter() - t0
         report_step(
-            sink, step=step, loss=loss_value, seconds=dt, tokens=tokens_per_step, device=engine.device
+            sink,
+            step=step,
+            loss=loss_value,
+            seconds=dt,
+            tokens=tokens_per_step,
+            peak_mem_mb=peak_memory_mb(engine.device),
         )
         for name, value in engine.step_metrics().items():
             sink.metric(step, name, value)
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if after.evaluates(step):
             val_loss = evaluate(engine, data, recipe=recipe, cfg=cfg)
-            sink.metric(step, "val_loss", val_loss)
+            report_eval(sink, step=step, val_loss=val_loss)
             engine.eval_report(step, sink)
         # the last step's checkpoint is written below, with the result in it
-        if job.checkpoint_every and step % job.checkpoint_every == 0 and step != cfg.steps:
+        if after.checkpoints(step):
             p = save(step)
             if p is not None:
                 sink.event("checkpoint", {"step": step, "path": str(p)})
@@ -296,17 +294,3 @@ def run_steps(
     engine.close()
     sink.result(result)
     return result
-
-
-def train(
-    job: JobConfig,
-    *,
-    sink: MetricsSink,
-    stop: StopSignal,
-    checkpoint_dir: Path | None = None,
-    device: torch.device | None = None,
-) -> dict[str, Any]:
-    """Train a single-process job (the reference every parallel run is checked against)."""
-    from trainer.runner import run
-
-    return run(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir, device=device)

@@ -37,7 +37,7 @@ def run(
 ) -> dict[str, Any]:
     job = with_data_vocab(job)  # built-in models take the data's vocabulary
     if job.model.kind == "python":
-        check_user_model(job)
+        check_user_model(job, recipe=recipe_for(job.model))
     engine, recipe, sink = build_engine(job, sink=sink, device=device)
     data = data_for(job)
     return run_steps(

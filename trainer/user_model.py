@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from trainer.config import JobConfig, ModelConfig
+from trainer.data import data_for
 from trainer.recipe import ModelRecipe, meta_layers
 from trainer.workspace import UserCodeError, call_entry, load_entry
 
@@ -86,13 +87,11 @@ def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> None:
         )
 
 
-def check_user_model(job: JobConfig) -> None:
-    """Before any training: the user's recipe builds, and one validation batch goes through every
-    layer and the loss on the meta device (trainer/data.py's data_for shares the dataset)."""
-    from trainer.data import data_for
-    from trainer.models import recipe_for
-
+def check_user_model(job: JobConfig, *, recipe: ModelRecipe) -> None:
+    """Before any training: one validation batch of the job's data goes through every layer of the
+    user's recipe (built by the caller: trainer/models.py's recipe_for imports this module) and the
+    loss on the meta device (trainer/data.py's data_for shares the dataset)."""
     batch = data_for(job).batch(
         split="val", batch_size=job.train.batch_size, generator=torch.Generator().manual_seed(0)
     )
-    check_recipe(recipe_for(job.model), batch, entry=job.model.entry or "")
+    check_recipe(recipe, batch, entry=job.model.entry or "")

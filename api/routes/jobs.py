@@ -18,7 +18,6 @@ from api.downsample import downsample
 from api.publish import publish_job_status
 from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
-from api.routes.workspaces import pin_workspace
 from api.schemas import (
     DB_BIGINT,
     DB_INT,
@@ -31,6 +30,7 @@ from api.schemas import (
 )
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
+from api.workspaces import WorkspaceRefError, pin_workspace
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Job, User
@@ -77,10 +77,14 @@ def submit_job(
 ) -> JobPublic:
     if (reason := admission_problem(session, spec, settings=settings, user=user)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
+    try:
+        pinned = pin_workspace(session, spec.model_dump(), user=user)
+    except WorkspaceRefError as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
     job = db_jobs.create_job(
         session,
         name=spec.name,
-        spec=pin_workspace(session, spec.model_dump(), user=user),
+        spec=pinned,
         priority=spec.priority,
         queue=spec.queue,
         world_size=spec.parallel.world_size,

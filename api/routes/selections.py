@@ -15,7 +15,6 @@ from api.convert import selection_public, trial_public
 from api.deps import SessionDep, SettingsDep
 from api.limits import clip
 from api.queue import wake_scheduler
-from api.routes.workspaces import pin_workspace
 from api.schemas import (
     DB_BIGINT,
     DB_INT,
@@ -28,6 +27,7 @@ from api.schemas import (
 )
 from api.selection_stream import selection_events
 from api.streams import SseResponse, open_stream
+from api.workspaces import WorkspaceRefError, pin_workspace
 from core import search
 from core.settings import Settings
 from db import jobs as db_jobs
@@ -132,7 +132,10 @@ def submit_selection(
     """The batch's trials are stored queued; the scheduler (core/scheduler.py) places them in
     groups of `group_size`, each group on one worker with room for `devices` slots, so a batch
     spreads over the workers that have room."""
-    base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
+    try:
+        base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
+    except WorkspaceRefError as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
     try:
         params = _first_params(body)
     except SpaceError as e:

@@ -10,7 +10,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi import Path as PathParam
@@ -18,9 +18,10 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.auth import CurrentUser, may_see
+from api.auth import CurrentUser
 from api.deps import SessionDep, SettingsDep
 from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
+from api.workspaces import visible_workspace
 from core.archive import ArchiveError, inspect_archive
 from core.settings import Settings
 from core.storage import StorageError, get_storage, workspace_key
@@ -47,31 +48,6 @@ def workspace_public(row: Workspace) -> WorkspacePublic:
     )
 
 
-def pin_workspace(
-    session: Session, spec: dict[str, Any], *, user: User, field: str = "workspace"
-) -> dict[str, Any]:
-    """The spec with its workspace reference (an id or a digest) pinned to `sha256:<digest>`, so
-    the job runs on exactly the bytes it was submitted with; 422 when `user` has no such workspace."""
-    ref = spec.get("workspace")
-    if ref is None:
-        return spec
-    try:
-        row = _visible(session, ref, user=user)
-    except NotFound as e:
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_CONTENT, f"{field}: {e} (upload it with POST /api/workspaces)"
-        ) from e
-    return {**spec, "workspace": f"sha256:{row.digest}"}
-
-
-def _visible(session: Session, ref: str, *, user: User) -> Workspace:
-    """The workspace `ref` names among those `user` may see (admins: all); NotFound otherwise."""
-    if str(ref).isdigit() and int(ref) > DB_INT:  # beyond any id the database holds
-        raise NotFound(f"workspace {str(ref)[:20]}... not found")
-    row = db_ws.get_workspace(session, ref, owner_id=None if user.is_admin else user.id)
-    if not may_see(user, row.owner_id):
-        raise NotFound(f"workspace {ref} not found")
-    return row
 
 
 async def _receive(request: Request, *, settings: Settings) -> tuple[Path, str, int]:
@@ -203,6 +179,6 @@ def _workspace_or_404(session: Session, ref: str, *, user: User) -> Workspace:
     if not (ref.isdigit() or ref.startswith("sha256:")) or len(ref) > 80:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "ref: give an id or sha256:<digest>")
     try:
-        return _visible(session, ref, user=user)
+        return visible_workspace(session, ref, user=user)
     except NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e

@@ -1,4 +1,4 @@
-// The REST surface the dashboard reads (DESIGN.md); the dashboard talks to nothing else.
+// The REST surface the dashboard reads (docs/architecture.md); the dashboard talks to nothing else.
 
 export type JobStatus = "queued" | "running" | "succeeded" | "failed" | "cancelled";
 

@@ -24,8 +24,8 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import JobConfig
-from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
 
 SPEC = {
     "model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8},
@@ -84,13 +84,13 @@ def test_truncated_and_corrupt_files_beside_good_ones_are_never_loaded(tmp_path:
 
 def test_the_loop_resumes_from_the_newest_intact_checkpoint(tmp_path: Path) -> None:
     job = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 4}})
-    train(job, sink=ListSink(), stop=NeverStop(), checkpoint_dir=tmp_path)
+    run(job, sink=ListSink(), stop=NeverStop(), checkpoint_dir=tmp_path)
     newest = latest_checkpoint(tmp_path)
     assert newest == checkpoint_path(tmp_path, 4)
     newest.write_bytes(newest.read_bytes()[:-100])  # the end of the archive is gone
     sink = ListSink()
     job6 = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 6}})
-    result = train(job6, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path)
+    result = run(job6, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert any("resumed from step-00000002.pt at step 2" in m for m in sink.logs), sink.logs
     assert [s for s, n, _ in sink.metrics if n == "loss"] == [3, 4, 5, 6]
     assert result["steps"] == 6

@@ -174,7 +174,7 @@ def test_a_selection_batch_on_the_device_matches_each_trial_alone(tmp_path: Path
     their shards fit, with the copy stream's double buffering on and off: each trial ends with the
     parameters and losses it gets training alone on that device."""
     from trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from trainer.loop import train
+    from trainer.runner import run
     from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
     from trainer.selection.shards import ShardedTrial
 
@@ -188,7 +188,7 @@ def test_a_selection_batch_on_the_device_matches_each_trial_alone(tmp_path: Path
     refs = {}
     for i, job in enumerate(jobs):
         sink = ListSink()
-        train(job, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path / f"ref{i}", device=dev)
+        run(job, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path / f"ref{i}", device=dev)
         refs[i] = (load_checkpoint(latest_checkpoint(tmp_path / f"ref{i}"))["model"], sink)
     biggest = max(
         max(ShardedTrial.build(job, index=i, budget_bytes=None, prefetch=False).work_bytes)

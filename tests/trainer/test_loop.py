@@ -8,8 +8,8 @@ import torch
 
 from trainer.config import DataConfig, JobConfig
 from trainer.data import TextData, decode
-from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
 
 
 def tiny(**train) -> JobConfig:
@@ -39,7 +39,7 @@ def test_the_corpus_is_real_python_source() -> None:
 
 def test_loss_falls_on_real_text() -> None:
     sink = ListSink()
-    result = train(tiny(), sink=sink, stop=NeverStop())
+    result = run(tiny(), sink=sink, stop=NeverStop())
     loss = sink.series("loss")
     assert len(loss) == 40 and result["steps"] == 40
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.7
@@ -50,17 +50,17 @@ def test_loss_falls_on_real_text() -> None:
 
 def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
     straight = ListSink()
-    train(tiny(), sink=straight, stop=NeverStop())
+    run(tiny(), sink=straight, stop=NeverStop())
 
     first = ListSink()
     job = tiny()
     job.checkpoint_every = 10
-    result = train(job, sink=first, stop=StopAfter(first, 17), checkpoint_dir=tmp_path)
+    result = run(job, sink=first, stop=StopAfter(first, 17), checkpoint_dir=tmp_path)
     assert result["stopped"] and result["steps"] == 17
     # the stop saved step 17; drop it to resume from the periodic checkpoint at step 10
     (tmp_path / "step-00000017.pt").unlink()
     second = ListSink()
-    train(job, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
+    run(job, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert second.logs[0] == "resumed from step-00000010.pt at step 10"
     resumed = [v for s, n, v in second.metrics if n == "loss"]
     torch.testing.assert_close(resumed, straight.series("loss")[10:], rtol=1e-5, atol=1e-6)
@@ -69,7 +69,7 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) ->
 def test_sgd_and_adamw_both_train() -> None:
     for opt in ("sgd", "adamw"):
         sink = ListSink()
-        train(
+        run(
             tiny(optimizer=opt, lr=0.05 if opt == "sgd" else 3e-3, momentum=0.9, steps=20),
             sink=sink,
             stop=NeverStop(),
@@ -83,19 +83,19 @@ def test_a_finished_run_resumed_again_re_emits_its_result_and_no_metrics(tmp_pat
     from the last checkpoint: the same `result` comes out, and no metric step is written twice."""
     job = tiny(steps=4, eval_every=2)
     first = ListSink()
-    result = train(job, sink=first, stop=NeverStop(), checkpoint_dir=tmp_path)
+    result = run(job, sink=first, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert result["steps"] == 4 and first.series("val_loss")
     again = ListSink()
-    assert train(job, sink=again, stop=NeverStop(), checkpoint_dir=tmp_path) == result
+    assert run(job, sink=again, stop=NeverStop(), checkpoint_dir=tmp_path) == result
     assert again.results == [result] and again.metrics == []
 
 
 def test_a_stopped_run_resumed_with_an_immediate_stop_keeps_its_last_losses(tmp_path: Path) -> None:
     job = tiny(steps=6, eval_every=2)
     first = ListSink()
-    r1 = train(job, sink=first, stop=StopAfter(first, 3), checkpoint_dir=tmp_path)
+    r1 = run(job, sink=first, stop=StopAfter(first, 3), checkpoint_dir=tmp_path)
     assert r1["steps"] == 3 and r1["stopped"]
     again = ListSink()
-    r2 = train(job, sink=again, stop=StopAfter(again, 0), checkpoint_dir=tmp_path)
+    r2 = run(job, sink=again, stop=StopAfter(again, 0), checkpoint_dir=tmp_path)
     assert r2["steps"] == 3 and r2["stopped"] and again.metrics == []
     assert (r2["final_loss"], r2["val_loss"]) == (r1["final_loss"], r1["val_loss"])

@@ -1,4 +1,5 @@
-"""train_pipeline on real gloo ranks gives trainer.loop.train's losses on the same job."""
+"""A pipeline job run through trainer.runner.run on real gloo ranks gives the single-process run's
+losses on the same job."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import torch
 
 from tests.gloo import run_ranks
 from trainer.config import ConfigError, JobConfig
-from trainer.loop import train
-from trainer.pipeline.job import train_pipeline
 from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
 
 
 def _spec(schedule: str, *, stages: int = 2, microbatches: int = 4) -> dict:
@@ -52,7 +52,7 @@ def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[s
     out = {}
     for name in schedules:
         sink = ListSink()
-        result = train_pipeline(JobConfig.from_dict(_spec(name)), sink=sink, stop=NeverStop())
+        result = run(JobConfig.from_dict(_spec(name)), sink=sink, stop=NeverStop())
         out[name] = {
             "metrics": sink.metrics,
             "events": sink.events,
@@ -63,13 +63,13 @@ def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[s
     spec = _spec("chimera")
     spec["train"]["steps"], spec["checkpoint_every"] = 2, 1
     first = ListSink()
-    train_pipeline(JobConfig.from_dict(spec), sink=first, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    run(JobConfig.from_dict(spec), sink=first, stop=NeverStop(), checkpoint_dir=Path(ckpt))
     spec["train"]["steps"] = 3
     second = ListSink()
-    train_pipeline(JobConfig.from_dict(spec), sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    run(JobConfig.from_dict(spec), sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
     out["resume"] = {"first": first.metrics, "second": second.metrics, "logs": second.logs}
     stopped = ListSink()
-    result = train_pipeline(JobConfig.from_dict(_spec("async")), sink=stopped, stop=StopAfter(2))
+    result = run(JobConfig.from_dict(_spec("async")), sink=stopped, stop=StopAfter(2))
     out["stop"] = {"metrics": stopped.metrics, "result": result}
     return out
 
@@ -85,7 +85,7 @@ def _reference() -> ListSink:
     sink = ListSink()
     spec = _spec("1f1b")
     del spec["parallel"]
-    train(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
+    run(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
     return sink
 
 
@@ -157,4 +157,4 @@ def test_cuda_pipeline_jobs_are_no_longer_refused() -> None:
     spec["resources"]["device"] = "cuda"
     job = JobConfig.from_dict(spec)
     with pytest.raises(ConfigError, match=r"needs pp\*dp\*tp = 2\*1\*1 = 2 processes but WORLD_SIZE is 1"):
-        train_pipeline(job, sink=ListSink(), stop=NeverStop())
+        run(job, sink=ListSink(), stop=NeverStop())

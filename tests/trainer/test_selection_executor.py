@@ -15,8 +15,8 @@ import torch
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import JobConfig
-from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
 from trainer.selection.halving import HalvingConfig
 from trainer.selection.scheduler import TrialView
@@ -96,7 +96,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict,
     for i in range(len(SPECS)):
         d = tmp_path_factory.mktemp(f"ref{i}")
         sink = ListSink()
-        train(job(i), sink=sink, stop=NeverStop(), checkpoint_dir=d, device=torch.device("cpu"))
+        run(job(i), sink=sink, stop=NeverStop(), checkpoint_dir=d, device=torch.device("cpu"))
         out[i] = (load_checkpoint(latest_checkpoint(d))["model"], sink)
     return out
 
@@ -165,7 +165,7 @@ def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
     assert all(r["status"] == "succeeded" for r in results.values()), results
     # planned reservations and the real bytes the shards held (the strict spill ledger raises past
     # the budget, which would have failed a trial above)
-    assert all(0 < lg.peak_bytes <= budget for lg in ex.ledgers)
+    assert all(0 < lg.peak_bytes <= budget for lg in ex.reservations)
     assert all(0 < p.ledger.peak <= budget and p.ledger.strict for p in ex.places)
     assert all(p.ledger.held == 0 for p in ex.places)  # everything spilled at the end
     # double buffering across trials happened (a shard copied in ahead of its task), or not at all
@@ -227,7 +227,7 @@ def test_warm_start_and_checkpoint_round_trip(tmp_path: Path, reference) -> None
     # warm start from trainer/loop.py's checkpoint: the trial's weights are the loop's, by name
     t = ShardedTrial.build(job(0), index=0, budget_bytes=None, prefetch=True)
     ref_dir = tmp_path / "ref"
-    train(job(0), sink=ListSink(), stop=NeverStop(), checkpoint_dir=ref_dir, device=torch.device("cpu"))
+    run(job(0), sink=ListSink(), stop=NeverStop(), checkpoint_dir=ref_dir, device=torch.device("cpu"))
     t.warm_start(ref_dir)
     want = load_checkpoint(latest_checkpoint(ref_dir))["model"]
     got = t.state()["model"]
@@ -329,15 +329,15 @@ def test_rung_decisions_do_not_depend_on_timing(kind: str) -> None:
     picks at random: the same trials stop at the same rungs with the same values and cut-offs."""
     cfg = HalvingConfig(kind=kind, reduction_factor=2, min_steps=1, mode="min", seed=11)
     outcomes, orders = [], []
-    for run in range(3):
+    for attempt in range(3):
         sinks = {i: ListSink() for i in range(len(SPECS))}
         entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
         ex = Jittery(
             entries,
             devices=CPU2,
             cfg=ExecutorConfig(metric="val_loss", early_stopping=cfg, checkpoints="none"),
-            scheduler=RandomChoice(100 + run),
-            jitter_seed=run,
+            scheduler=RandomChoice(100 + attempt),
+            jitter_seed=attempt,
         )
         results = ex.run()
         outcomes.append({i: (r["status"], r["steps"], r["stop_reason"]) for i, r in results.items()})
@@ -369,3 +369,28 @@ def test_cpu_shards_compute_in_host_memory_without_copies() -> None:
     while t.step < 2:  # whole mini-batches through the aliased path, every task
         t.run_task(place)
     assert all(sh.dev is None and sh.alias for sh in t.shards)
+
+
+def test_a_trial_reports_on_the_steps_a_job_does(tmp_path: Path) -> None:
+    """trainer/after_step.py is the one rule set: a trial and the same job run alone report the
+    same per-step metric names, evaluate on the same steps and checkpoint on the same steps; the
+    last step's checkpoint is the end-of-run one, written once (the executor used to write it
+    twice when the last step was a multiple of checkpoint_every)."""
+    spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 4}, "checkpoint_every": 2}
+    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    alone = ListSink()
+    run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
+    trial = ListSink()
+    entry = TrialEntry(index=0, job=make(), sink=trial, checkpoint_dir=tmp_path / "trial")
+    results = Executor([entry], devices=CPU2, cfg=ExecutorConfig(checkpoints="all")).run()
+    assert results[0]["status"] == "succeeded"
+
+    def steps_of(sink: ListSink, name: str) -> list[int]:
+        return [s for s, n, _ in sink.metrics if n == name]
+
+    for name in ("loss", "step_time_ms", "tokens_per_s", "peak_mem_mb", "val_loss"):
+        assert steps_of(trial, name) == steps_of(alone, name), name
+    assert steps_of(trial, "val_loss") == [2, 4]
+    saved = [d["step"] for e, d in trial.events if e == "checkpoint"]
+    assert saved == [2, 4]  # step 2 by the cadence, step 4 once, at the trial's end
+    assert [d["step"] for e, d in alone.events if e == "checkpoint"] == [2]  # the loop's end save is silent

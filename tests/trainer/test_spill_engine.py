@@ -13,8 +13,8 @@ from torch import nn
 from tests.device_census import DeviceCensus, Seen
 from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, TextData
-from trainer.loop import build_optimizer
 from trainer.models import build_model, count_params, lm_loss
+from trainer.optim import build_optimizer
 from trainer.spill.engine import SpillEngine
 from trainer.spill.ledger import BudgetExceeded, DeviceLedger
 from trainer.spill.offload import DTYPES, bucket_bytes

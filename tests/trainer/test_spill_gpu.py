@@ -21,8 +21,8 @@ import torch
 
 from trainer.config import DataConfig, ModelConfig, TrainConfig
 from trainer.data import BatchStream, TextData
-from trainer.loop import build_optimizer
 from trainer.models import build_model, lm_loss
+from trainer.optim import build_optimizer
 from trainer.spill.engine import SpillEngine
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
 from trainer.spill.partition import library_workspace_bytes, measure_layers, partition

@@ -1,5 +1,5 @@
-"""The job entry point: train_spilled (through trainer.runner.run) gives loop.train's numbers and
-emits the memory metrics; stop and checkpoint/resume behave like loop.train."""
+"""A spilled job through the one entry point (trainer.runner.run) gives the plain run's numbers and
+emits the memory metrics; stop and checkpoint/resume behave like the plain run."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import torch
 
 from jobrules.sizing import layer_working_sets
 from trainer.config import JobConfig
-from trainer.loop import train
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
-from trainer.spill.job import train_spilled
 
 BASE: dict[str, Any] = {
     "model": {"kind": "gpt", "layers": 3, "d_model": 32, "heads": 4, "seq_len": 16},
@@ -47,7 +45,7 @@ class StopAfter:
 
 def test_runner_dispatches_and_losses_equal_loop_train() -> None:
     ref = ListSink()
-    train(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    run(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
     sink = ListSink()
     job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": BUDGET_MB, "prefetch": True}}))
     result = run(job, sink=sink, stop=NeverStop())
@@ -80,7 +78,7 @@ def test_prefetch_is_turned_off_when_only_one_shard_at_a_time_fits() -> None:
     job = JobConfig.from_dict(
         spec(train={"steps": 3}, parallel={"spill": {"device_budget_mb": budget, "prefetch": True}})
     )
-    result = train_spilled(job, sink=sink, stop=NeverStop())
+    result = run(job, sink=sink, stop=NeverStop())
     assert result["prefetch"] is False and result["shards"] == 5
     assert any("prefetch turned off" in line for line in sink.logs)
     assert result["ledger_peak_mb"] <= budget
@@ -91,30 +89,28 @@ def test_budget_below_one_layer_is_a_config_error() -> None:
 
     job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 0.1}}))
     with pytest.raises(ConfigError, match=r"device_budget_mb \(0.100\) is smaller than one layer"):
-        train_spilled(job, sink=ListSink(), stop=NeverStop())
+        run(job, sink=ListSink(), stop=NeverStop())
 
 
 def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
     ref = ListSink()
-    train(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    run(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
     par = {"spill": {"device_budget_mb": BUDGET_MB}}
     first = ListSink()
     job = JobConfig.from_dict(spec(parallel=par, checkpoint_every=5))
-    r1 = train_spilled(job, sink=first, stop=StopAfter(first, 7), checkpoint_dir=tmp_path)
+    r1 = run(job, sink=first, stop=StopAfter(first, 7), checkpoint_dir=tmp_path)
     assert r1["stopped"] is True and r1["steps"] == 7
     assert [e for e, _ in first.events].count("checkpoint") == 1
-    # resume from the step-7 checkpoint with other cuts; then loop.train can continue it too
+    # resume from the step-7 checkpoint with other cuts; then the plain engine can continue it too
     second = ListSink()
     job2 = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 2.0, "cuts": [2]}}))
-    train_spilled(job2, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
+    run(job2, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert "resumed from step-00000007.pt at step 7" in second.logs
     torch.testing.assert_close(
         torch.tensor(first.series("loss") + second.series("loss")), torch.tensor(ref.series("loss"))
     )
     third = ListSink()
-    train(
-        JobConfig.from_dict(spec(train={"steps": 22})), sink=third, stop=NeverStop(), checkpoint_dir=tmp_path
-    )
+    run(JobConfig.from_dict(spec(train={"steps": 22})), sink=third, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert "resumed from step-00000020.pt at step 20" in third.logs
     assert len(third.series("loss")) == 2
 
@@ -122,12 +118,12 @@ def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
 def test_grad_clip_job_equals_loop_train() -> None:
     """With several shards grad_clip takes the engine's deferred-step path; same losses."""
     ref = ListSink()
-    train(JobConfig.from_dict(spec(train={"steps": 8, "grad_clip": 0.5})), sink=ref, stop=NeverStop())
+    run(JobConfig.from_dict(spec(train={"steps": 8, "grad_clip": 0.5})), sink=ref, stop=NeverStop())
     sink = ListSink()
     job = JobConfig.from_dict(
         spec(train={"steps": 8, "grad_clip": 0.5}, parallel={"spill": {"device_budget_mb": BUDGET_MB}})
     )
-    result = train_spilled(job, sink=sink, stop=NeverStop())
+    result = run(job, sink=sink, stop=NeverStop())
     assert result["shards"] >= 2
     torch.testing.assert_close(torch.tensor(sink.series("loss")), torch.tensor(ref.series("loss")))
 

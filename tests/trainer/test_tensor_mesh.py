@@ -62,10 +62,10 @@ def test_bad_layouts_are_refused_with_the_numbers(
     assert not dist.is_initialized()
 
 
-def test_train_tensor_refuses_before_joining_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tensor_job_is_refused_before_joining_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer.config import JobConfig, ParallelConfig, TrainConfig
     from trainer.protocol import ListSink, NeverStop
-    from trainer.tensor.job import train_tensor
+    from trainer.runner import run
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     # a layout the grid cannot split is refused by the spec's own rules (jobrules), before any run
@@ -82,5 +82,5 @@ def test_train_tensor_refuses_before_joining_a_group(monkeypatch: pytest.MonkeyP
         parallel=ParallelConfig(tensor=TensorConfig(mode="2.5d", q=2, d=2), data_parallel=2),
     )
     with pytest.raises(ConfigError, match=r"WORLD_SIZE is 8"):
-        train_tensor(job, sink=ListSink(), stop=NeverStop())
+        run(job, sink=ListSink(), stop=NeverStop())
     assert not dist.is_initialized()

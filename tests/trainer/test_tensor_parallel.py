@@ -54,9 +54,9 @@ from torch.testing import assert_close
 
 from tests.gloo import run_ranks
 from trainer.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TensorConfig, TrainConfig
-from trainer.loop import train
 from trainer.models import Block, build_model, lm_loss
 from trainer.protocol import ListSink, NeverStop
+from trainer.runner import run
 from trainer.tensor import comm, layers_1d, layers_25d
 from trainer.tensor.block import (
     clip_grad_norm,
@@ -411,10 +411,10 @@ class StopAfter:
 
 
 def _train_task(tensor: TensorConfig) -> dict[str, Any]:
-    from trainer.tensor.job import train_tensor
+    from trainer.runner import run
 
     sink = ListSink()
-    result = train_tensor(_job(tensor), sink=sink, stop=NeverStop(), checkpoint_dir=None)
+    result = run(_job(tensor), sink=sink, stop=NeverStop(), checkpoint_dir=None)
     return {
         "loss": sink.series("loss"),
         "val_loss": sink.series("val_loss"),
@@ -427,12 +427,12 @@ def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dic
     """Stopped after 2 of 4 steps, then resumed from the per-rank checkpoints."""
     from pathlib import Path
 
-    from trainer.tensor.job import train_tensor
+    from trainer.runner import run
 
     assert checkpoint_dir is not None
     first, second = ListSink(), ListSink()
-    r1 = train_tensor(_job(tensor), sink=first, stop=StopAfter(2), checkpoint_dir=Path(checkpoint_dir))
-    r2 = train_tensor(_job(tensor), sink=second, stop=NeverStop(), checkpoint_dir=Path(checkpoint_dir))
+    r1 = run(_job(tensor), sink=first, stop=StopAfter(2), checkpoint_dir=Path(checkpoint_dir))
+    r2 = run(_job(tensor), sink=second, stop=NeverStop(), checkpoint_dir=Path(checkpoint_dir))
     return {
         "first": {"loss": first.series("loss"), "stopped": r1["stopped"], "steps": r1["steps"]},
         "second": {"loss": second.series("loss"), "steps": r2["steps"], "logs": second.logs},
@@ -448,7 +448,7 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.loop import build_optimizer
+    from trainer.optim import build_optimizer
     from trainer.pipeline.executor import PipelineExecutor
     from trainer.pipeline.schedules import build_schedule
     from trainer.pipeline.stage import build_stages, stage_bounds
@@ -564,7 +564,7 @@ def ranks8() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def dense_losses() -> ListSink:
     ref = ListSink()
-    train(_job(None), sink=ref, stop=NeverStop(), checkpoint_dir=None)
+    run(_job(None), sink=ref, stop=NeverStop(), checkpoint_dir=None)
     return ref
 
 

@@ -1,5 +1,6 @@
-"""The import rules of DESIGN.md, checked on the source: trainer/ is pure PyTorch, db/ is SQLAlchemy
-only, api/ never imports torch or the trainer, workers/ never imports api/ (they share core/)."""
+"""The import rules of docs/architecture.md ("Who may import whom"), checked on the source:
+trainer/ is pure PyTorch, db/ is SQLAlchemy only, api/ never imports torch or the trainer, workers/
+never imports api/ (they share core/), and a route module never imports another route module."""
 
 from __future__ import annotations
 
@@ -63,3 +64,31 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text("import os\nfrom sqlalchemy.orm import Session\nimport torch.nn as nn\n")
     assert imported_roots(bad) == {"os", "sqlalchemy", "torch"}
+
+
+def route_imports(path: Path) -> set[str]:
+    """The api.routes modules `path` imports (`from api.routes import x` names x)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("api.routes."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "api.routes":
+                found.update(f"api.routes.{a.name}" for a in node.names)
+            elif node.module.startswith("api.routes."):
+                found.add(node.module)
+    return found
+
+
+def test_routes_import_services_never_other_routes() -> None:
+    # what two routes share is a service of api/ (e.g. api/workspaces.py's pin_workspace)
+    routes = sorted(p for p in (ROOT / "api" / "routes").glob("*.py") if p.name != "__init__.py")
+    assert len(routes) > 3, "no route modules found under api/routes/"
+    offenders = {p.name: sorted(route_imports(p)) for p in routes if route_imports(p)}
+    assert not offenders, f"route modules import other route modules: {offenders}"
+
+
+def test_the_route_checker_sees_a_route_import(tmp_path: Path) -> None:
+    bad = tmp_path / "jobs.py"
+    bad.write_text("from api.routes.workspaces import pin_workspace\nfrom api.routes import users\n")
+    assert route_imports(bad) == {"api.routes.workspaces", "api.routes.users"}

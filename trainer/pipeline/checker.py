@@ -6,19 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 
-from trainer.pipeline.schedules import (
-    COMPUTE_OPS,
-    Action,
-    Instr,
-    Msg,
-    Post,
-    Run,
-    Schedule,
-    ScheduleError,
-    async_cap,
-    async_next,
-    lower,
-)
+from trainer.pipeline.actions import COMPUTE_OPS, Action, Schedule, ScheduleError, async_cap
+from trainer.pipeline.schedules import Instr, Msg, Post, Run, async_next, lower
 from trainer.pipeline.simulate import Costs, deps_of, simulate
 
 

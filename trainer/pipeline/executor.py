@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.models import lm_loss
-from trainer.pipeline.schedules import Action, Msg, Post, Run, Schedule, async_cap, async_next, lower
+from trainer.pipeline.actions import Action, Schedule, async_cap
+from trainer.pipeline.schedules import Msg, Post, Run, async_next, lower
 from trainer.pipeline.split import Record, defer_weight_grads, param_ids, plain_linears, weight_grads
 
 

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.pipeline.schedules import COMPUTE_OPS, Action, Schedule, ScheduleError, async_cap
+from trainer.pipeline.actions import COMPUTE_OPS, Action, Schedule, ScheduleError, async_cap
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,7 +7,7 @@ import copy
 from torch import nn
 
 from trainer.models import count_params
-from trainer.pipeline.schedules import Schedule
+from trainer.pipeline.actions import Schedule
 
 
 def partition(sizes: list[int], parts: int) -> list[tuple[int, int]]:

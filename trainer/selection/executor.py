@@ -27,10 +27,11 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.config import JobConfig
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
 from trainer.selection.halving import Decisions, Halving, HalvingConfig, StopReason
-from trainer.selection.ledger import Ledger
+from trainer.selection.reservations import Reservations
 from trainer.selection.scheduler import Scheduler, TrialView, make_scheduler
 from trainer.selection.shards import Place, ShardedTrial
 from trainer.spill.ledger import DeviceLedger
@@ -65,7 +66,7 @@ class ExecutorConfig:
     prefetch: bool = True
     """Copy the next chosen trial's shard in while the current one computes."""
     device_budget_bytes: int | None = None
-    """Each device's ledger budget; None: unlimited (CPU devices)."""
+    """Each device's budget; None: unlimited (CPU devices)."""
     poll_s: float = 0.05
     """How often an idle device re-reads the stop signals."""
 
@@ -118,7 +119,7 @@ class TrialRun:
     a prefetch of another trial made in the same slot is not counted)."""
     dispatch_s: float = 0.0
     """Device-thread time from the device being free to this trial's task starting, minus waits
-    for work: the scheduler's choice, the lock, the ledger."""
+    for work: the scheduler's choice, the lock, the reservations."""
     prefetch_s: float = 0.0
     """Of copy_s, the part copied by a prefetch (in another trial's slot)."""
     started: bool = False
@@ -155,8 +156,9 @@ class Executor:
         self.stop = stop or NeverStop()
         self.stop_trials = stop_trials or (lambda: set())
         self.runs = {e.index: TrialRun(entry=e) for e in entries}
-        self.ledgers = [
-            Ledger(device=f"{d}#{i}", budget_bytes=cfg.device_budget_bytes) for i, d in enumerate(devices)
+        self.reservations = [
+            Reservations(device=f"{d}#{i}", budget_bytes=cfg.device_budget_bytes)
+            for i, d in enumerate(devices)
         ]
         self.rungs: Halving | None = None
         self._kept: int | None = None
@@ -173,7 +175,7 @@ class Executor:
         """Per device: time spent waiting for an idle trial."""
         budget = cfg.device_budget_bytes
         # the real bytes on each device (the spilling engine's ledger; strict: passing the budget
-        # raises), beside `self.ledgers`, the scheduler's planned reservations
+        # raises), beside `self.reservations`, the scheduler's plan
         self.places = [
             Place(
                 device=d,
@@ -248,7 +250,7 @@ class Executor:
         if not idle:
             return None
         active = [r.index for r in self.runs.values() if r.status in ("pending", "running")]
-        free = self.ledgers[d].free_bytes()
+        free = self.reservations[d].free_bytes()
         free = None if free is None else free - extra_bytes
         choice = None
         if self.rungs is not None:
@@ -404,7 +406,7 @@ class Executor:
             raise
 
     def _work(self, d: int) -> None:
-        ledger = self.ledgers[d]
+        booked = self.reservations[d]
         reserved: TrialRun | None = None
         with self._on(d):
             while True:
@@ -418,7 +420,7 @@ class Executor:
                         self._poll_stops()
                         if reserved is not None:
                             run, reserved = reserved, None
-                            ledger.release((run.index, "prefetch"))
+                            booked.release((run.index, "prefetch"))
                             if run.stop_requested and run.trial.pos == 0:
                                 run.trial.shards[run.trial.next_task.shard].spill()
                                 run.holder = None
@@ -438,7 +440,7 @@ class Executor:
                             self._waiting -= 1
                     t = run.trial
                     k = t.next_task.shard
-                    ledger.reserve((run.index, "run"), t.work_bytes[k])
+                    booked.reserve((run.index, "run"), t.work_bytes[k])
                     if not run.started:
                         run.started = True
                         run.status = "running"
@@ -450,7 +452,7 @@ class Executor:
                         nxt = self._pick(d, exclude=run)
                         if nxt is not None:
                             nt = nxt.trial
-                            ledger.reserve((nxt.index, "prefetch"), nt.copy_bytes[nt.next_task.shard])
+                            booked.reserve((nxt.index, "prefetch"), nt.copy_bytes[nt.next_task.shard])
                 t_slot = time.perf_counter()
                 run.dispatch_s += t_slot - t_free - waited
                 self.idle_s[d] += waited
@@ -460,7 +462,7 @@ class Executor:
                     t_pf = time.perf_counter() - t_slot
                 self._run_task(d, run)
                 with self._cond:
-                    ledger.release((run.index, "run"))
+                    booked.release((run.index, "run"))
                     self._after_task(run)
                     run.busy_s += time.perf_counter() - t_slot - t_pf
                     self._cond.notify_all()
@@ -507,25 +509,30 @@ class Executor:
         cfg = t.job.train
         run.step_times.append(run.done_in_step_s)
         sink = run.sink
-        sink.metric(step, "loss", t.loss)
-        sink.metric(step, "step_time_ms", run.done_in_step_s * 1e3)
-        sink.metric(
-            step, "tokens_per_s", cfg.batch_size * t.job.model.seq_len / max(run.done_in_step_s, 1e-9)
+        report_step(
+            sink,
+            step=step,
+            loss=t.loss,
+            seconds=run.done_in_step_s,
+            tokens=cfg.batch_size * t.job.model.seq_len,
+            peak_mem_mb=place.ledger.peak / 2**20,
         )
-        sink.metric(step, "peak_mem_mb", place.ledger.peak / 2**20)
         run.done_in_step_s = 0.0
+        after = AfterStep.of(t.job)
+        # an ASHA rung ranked by val_loss needs one at that step too
         rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
-        if step % cfg.eval_every == 0 or step == t.steps_total or (rung and self.cfg.metric == "val_loss"):
+        if after.evaluates(step) or (rung and self.cfg.metric == "val_loss"):
             t0 = time.perf_counter()
             run.val_loss = t.evaluate(place)
             run.compute_s += time.perf_counter() - t0
-            sink.metric(step, "val_loss", run.val_loss)
+            report_eval(sink, step=step, val_loss=run.val_loss)
             if self.cfg.metric == "val_loss":
                 self._record(run, run.val_loss)
         if self.cfg.metric == "loss":
             self._record(run, t.loss)
         ckpt = run.entry.checkpoint_dir
-        if ckpt is not None and t.job.checkpoint_every and step % t.job.checkpoint_every == 0:
+        # the last step's checkpoint is _finish's
+        if ckpt is not None and after.checkpoints(step):
             sink.event("checkpoint", {"step": step, "path": str(t.save(ckpt))})
 
     def _record(self, run: TrialRun, value: float) -> None:

@@ -30,8 +30,9 @@ from torch import nn
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import JobConfig
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
-from trainer.loop import build_optimizer, check_finite, val_batches
+from trainer.loop import check_finite, val_batches
 from trainer.models import count_params, recipe_for
+from trainer.optim import build_optimizer
 from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.job import trial_example
 from trainer.spill.ledger import DeviceLedger

@@ -13,7 +13,7 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
-from trainer.selection.ledger import Ledger
+from trainer.selection.reservations import Reservations
 from trainer.selection.scheduler import Scheduler, TrialView
 
 
@@ -95,7 +95,7 @@ def check_fits(trials: list[SimTrial], budgets: list[int | None]) -> None:
 def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Scheduler) -> SimResult:
     """Run the batch to the end; `budgets` has one entry per device (None: unlimited)."""
     check_fits(trials, budgets)
-    ledgers = [Ledger(device=f"sim{d}", budget_bytes=b) for d, b in enumerate(budgets)]
+    ledgers = [Reservations(device=f"sim{d}", budget_bytes=b) for d, b in enumerate(budgets)]
     by_index = {t.index: t for t in trials}
     tasks = {t.index: t.tasks() for t in trials}
     pos = dict.fromkeys(by_index, 0)  # task position within the mini-batch

@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from trainer.config import ConfigError, OffloadConfig, TrainConfig
-from trainer.loop import build_optimizer
 from trainer.models import lm_loss
+from trainer.optim import build_optimizer
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.offload import DTYPES, NonFiniteGradient, OffloadedAdamW
 from trainer.spill.partition import SpillPlan

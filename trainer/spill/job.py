@@ -3,14 +3,13 @@ and for `parallel.offload.optimizer` on one process). The one loop gives it the 
 stop handling and checkpoint files as every engine; it adds the memory metrics `ledger_peak_mb` and
 `resident_shards`.
 
-Checkpoints use loop.train's format ({"model": state_dict, "optimizer": torch optimizer state_dict})
+Checkpoints use the composed engine's format ({"model": state_dict, "optimizer": torch optimizer state_dict})
 with fp32 weights and AdamW/SGD state under torch's own keys, so a job can resume on either engine
 and with different cuts; the spill-only extras (loss scale, cuts) ride under "spill".
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,11 +17,9 @@ from torch import nn
 
 from trainer.config import JobConfig, TrainConfig
 from trainer.data import data_for
-from trainer.device import pick_device
-from trainer.loop import run_steps
-from trainer.models import count_params, recipe_for
+from trainer.models import count_params
 from trainer.optim import build_optimizer
-from trainer.protocol import MetricsSink, StopSignal
+from trainer.protocol import MetricsSink
 from trainer.recipe import ModelRecipe, build_dense
 from trainer.spill.engine import SpillEngine, default_bucket_numel
 from trainer.spill.ledger import DeviceLedger, MiB, cuda_check
@@ -182,7 +179,7 @@ class SpilledEngine:
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        """loop.train's format: fp32 weights and torch optimizer state under torch's own keys, so
+        """The composed engine's format: fp32 weights and torch optimizer state under torch's own keys, so
         a job resumes on either engine; loss scale and cuts ride under "spill"."""
         sd = self.engine.state_dict()
         optim = to_torch_optimizer_state(sd["optimizer"]["per_param"], model=self.model, cfg=self.job.train)
@@ -224,20 +221,3 @@ class SpilledEngine:
 
     def close(self) -> None:
         self.engine.release()
-
-
-def train_spilled(
-    job: JobConfig,
-    *,
-    sink: MetricsSink,
-    stop: StopSignal,
-    checkpoint_dir: Path | None = None,
-    device: torch.device | None = None,
-) -> dict[str, Any]:
-    """A spilled (or offloaded single-process) job through the one loop."""
-    recipe = recipe_for(job.model)
-    engine = SpilledEngine(job, recipe=recipe, sink=sink, device=device or pick_device(job.resources.device))
-    data = data_for(job)
-    return run_steps(
-        engine, job=job, recipe=recipe, data=data, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir
-    )

@@ -2,5 +2,6 @@
 
 Files: mesh.py (shape checks, then process groups from a DeviceMesh), comm.py (the one module that
 issues collectives, and the ledger that counts them), layers_1d.py, layers_25d.py (2-D is its d=1
-case), block.py (dense GPT layers -> sharded ones), job.py (the training entry point).
+case), block.py (dense GPT layers -> sharded ones), traffic.py (the run's traffic, gathered for the
+result).
 """

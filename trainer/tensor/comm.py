@@ -50,7 +50,7 @@ class Count:
 
 
 @dataclass(slots=True)
-class Ledger:
+class CommLedger:
     """This process's record, keyed by (layer, phase, op). One ledger per process = per rank."""
 
     enabled: bool = True
@@ -95,7 +95,7 @@ class Ledger:
         return {k: c.as_dict() for k, c in sorted(out.items())}
 
 
-LEDGER = Ledger()
+LEDGER = CommLedger()
 
 
 @contextlib.contextmanager

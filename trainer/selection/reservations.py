@@ -1,4 +1,5 @@
-"""Per-device memory ledger: what the selection executor has placed on each device, in bytes.
+"""Per-device reservations: the bytes the selection executor's scheduler has planned on each device
+(the spilling engine's DeviceLedger, trainer/spill/ledger.py, counts the bytes actually held).
 
 The executor reserves a shard's bytes before it is copied in (or prefetched) and releases them when
 the shard leaves; a reservation that would pass the budget is a bug in the scheduler, so it raises.
@@ -9,11 +10,11 @@ from __future__ import annotations
 import threading
 
 
-class LedgerError(RuntimeError):
+class ReservationError(RuntimeError):
     """A reservation would pass the device's budget."""
 
 
-class Ledger:
+class Reservations:
     def __init__(self, *, device: str, budget_bytes: int | None) -> None:
         self.device = device
         self.budget_bytes = budget_bytes
@@ -34,9 +35,9 @@ class Ledger:
     def reserve(self, key: object, nbytes: int) -> None:
         with self._lock:
             if key in self._held:
-                raise LedgerError(f"{self.device}: {key!r} is already placed ({self._held[key]} bytes)")
+                raise ReservationError(f"{self.device}: {key!r} is already placed ({self._held[key]} bytes)")
             if self.budget_bytes is not None and self.used_bytes + nbytes > self.budget_bytes:
-                raise LedgerError(
+                raise ReservationError(
                     f"{self.device}: placing {key!r} ({nbytes} bytes) on top of {self.used_bytes} bytes "
                     f"passes the budget of {self.budget_bytes} bytes"
                 )

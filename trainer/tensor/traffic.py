@@ -4,13 +4,11 @@ of the run, gathered from every rank. The layers themselves are applied by train
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from trainer.config import JobConfig, TensorConfig
-from trainer.protocol import MetricsSink, StopSignal
+from trainer.config import TensorConfig
 from trainer.tensor import comm
 from trainer.tensor.mesh import Mesh1D, TensorMesh
 
@@ -48,13 +46,3 @@ def tensor_summary(*, mesh: TensorMesh, tensor: TensorConfig, steps: int) -> dic
         "comm_sent_bytes_per_step_rank0": summary["sent_bytes_per_step_rank0"],
         "comm": summary,
     }
-
-
-def train_tensor(
-    job: JobConfig, *, sink: MetricsSink, stop: StopSignal, checkpoint_dir: Path | None = None
-) -> dict[str, Any]:
-    """A tensor-parallel job (possibly composed with pipeline and data parallelism): the composed
-    engine through the one loop (trainer/runner.py)."""
-    from trainer.runner import run
-
-    return run(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir)

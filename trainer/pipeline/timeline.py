@@ -6,13 +6,10 @@ by trainer/parallelize.py and stepped by trainer/pipeline/executor.py.
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-from trainer.config import JobConfig
-from trainer.pipeline.schedules import COMPUTE_OPS, Schedule
+from trainer.pipeline.actions import COMPUTE_OPS, Schedule
 from trainer.pipeline.simulate import Costs, simulate, summarize
-from trainer.protocol import MetricsSink, StopSignal
 
 
 def measured_costs(timeline: list[dict[str, Any]], *, sched: Schedule) -> Costs:
@@ -59,17 +56,3 @@ def timeline_event(timelines: list[list[dict[str, Any]]], *, sched: Schedule) ->
         "bubble_simulated": sim.bubble,
         "peak_stash_simulated": sim.peak_stash,
     }
-
-
-def train_pipeline(
-    job: JobConfig,
-    *,
-    sink: MetricsSink,
-    stop: StopSignal,
-    checkpoint_dir: Path | None = None,
-) -> dict[str, Any]:
-    """A pipeline job (possibly composed with tensor and data parallelism and the offloaded
-    optimizer): the composed engine through the one loop (trainer/runner.py)."""
-    from trainer.runner import run
-
-    return run(job, sink=sink, stop=stop, checkpoint_dir=checkpoint_dir)
