@@ -32,11 +32,14 @@ def pid1_argv(proc: Path = Path("/proc/1/cmdline")) -> list[str]:
 
 def role_of(argv: list[str]) -> str:
     """api, worker or scheduler, from a command line."""
-    if "serve" in argv or any(a.endswith("uvicorn") for a in argv):
+    # by words: Celery's main process retitles itself ("[celery] -active- (-A ... worker ...)"),
+    # which leaves one argument with spaces in it
+    words = " ".join(argv).split()
+    if "serve" in words:
         return "api"
-    if "worker" in argv:
+    if "worker" in words:
         return "worker"
-    if "scheduler" in argv:
+    if "scheduler" in words:
         return "scheduler"
     raise Unhealthy(f"cannot tell which Shardyard process this is: {' '.join(argv)[:200]}")
 

@@ -103,6 +103,8 @@ class Topology:
         self.database_url = ""
         self.containers: list[str] = []
         self.volumes: list[str] = []
+        self.reference: subprocess.Popen[str] | None = None
+        """the gang test's one-node run (tests/containers/test_topology.py starts it)"""
         self._stack = ExitStack()
         self.client = httpx.Client(
             base_url=f"http://127.0.0.1:{self.api_port}",
@@ -172,7 +174,10 @@ class Topology:
         name = self.name(role)
         volume = f"{name}-data"
         env = {**self.env(), **(extra or {})}
-        args = ["run", "-d", "--name", name, "--hostname", name, "--network", "host", *_rlimits()]
+        # the hostname resolves to loopback, as a machine's own name does (torchrun's standalone
+        # rendezvous and gloo look it up)
+        args = ["run", "-d", "--name", name, "--hostname", name, "--add-host", f"{name}:127.0.0.1"]
+        args += ["--network", "host", *_rlimits()]
         args += ["-v", f"{volume}:/data"]
         for key, value in env.items():
             args += ["-e", f"{key}={value}"]
@@ -234,6 +239,19 @@ class Topology:
     def healthcheck(self, container: str) -> subprocess.CompletedProcess:
         """The image's own HEALTHCHECK, run now."""
         return podman("healthcheck", "run", container, check=False, timeout=60)
+
+    def run_once(self, *cmd: str, stdin: str) -> subprocess.Popen[str]:
+        """A throwaway container of the image running `cmd` (started now, read by the caller)."""
+        name = self.name("once-" + secrets.token_hex(2))
+        args = ["run", "--rm", "-i", "--name", name, "--hostname", name, "--add-host", f"{name}:127.0.0.1"]
+        args += ["--network", "host", *_rlimits(), "-e", "OMP_NUM_THREADS=1", IMAGE, *cmd]
+        proc = subprocess.Popen(
+            [*PODMAN, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+        return proc
 
     def exec(self, container: str, *cmd: str, stdin: str | None = None, timeout: float = 300) -> str:
         out = podman("exec", "-i", container, *cmd, input=stdin, timeout=timeout)
