@@ -66,7 +66,7 @@ sys.exit(subprocess.run(cmd, stderr=subprocess.DEVNULL).returncode)
 def topo() -> Iterator[Topology]:
     t = Topology(make_root())
     # the gang test's one-node reference runs in a container of its own while the topology starts
-    t.reference = t.run_once("python", "-", json.dumps(GANG), stdin=REFERENCE)
+    t.reference = t.run_once("python", "-c", REFERENCE, json.dumps(GANG))
     try:
         yield t.start()
     finally:

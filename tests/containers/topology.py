@@ -240,22 +240,18 @@ class Topology:
         """The image's own HEALTHCHECK, run now."""
         return podman("healthcheck", "run", container, check=False, timeout=60)
 
-    def run_once(self, *cmd: str, stdin: str) -> subprocess.Popen[str]:
+    def run_once(self, *cmd: str) -> subprocess.Popen[str]:
         """A throwaway container of the image running `cmd` (started now, read by the caller)."""
         name = self.name("once-" + secrets.token_hex(2))
-        args = ["run", "--rm", "-i", "--name", name, "--hostname", name, "--add-host", f"{name}:127.0.0.1"]
+        args = ["run", "--rm", "--name", name, "--hostname", name, "--add-host", f"{name}:127.0.0.1"]
         args += ["--network", "host", *_rlimits(), "-e", "OMP_NUM_THREADS=1", IMAGE, *cmd]
-        proc = subprocess.Popen(
-            [*PODMAN, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        return subprocess.Popen(
+            [*PODMAN, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert proc.stdin is not None
-        proc.stdin.write(stdin)
-        proc.stdin.close()
-        return proc
-
-    def exec(self, container: str, *cmd: str, stdin: str | None = None, timeout: float = 300) -> str:
-        out = podman("exec", "-i", container, *cmd, input=stdin, timeout=timeout)
-        return out.stdout
 
     def kill(self, container: str) -> None:
         podman("kill", "--signal", "KILL", container)
