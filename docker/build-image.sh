@@ -29,7 +29,6 @@ pip_config() {
 }
 
 if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
-  engine=(docker)
   build=(docker build)
 elif command -v podman >/dev/null; then
   # runc: crun cannot set up the cgroups of some hosts; explicit rlimits below the hard limits
