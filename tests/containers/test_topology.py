@@ -210,7 +210,11 @@ def test_workspace_job_on_the_other_worker_then_a_killed_worker_s_job_resumes(to
 
     # the long job has a checkpoint in the store: kill its container
     wait(topo, long_id, lambda j: j["progress"]["step"] >= 2 * every + 2, f"past step {2 * every}")
-    assert store_keys(topo, f"shardyard/jobs/{long_id}/checkpoints/"), "checkpoints are in the store"
+    deadline = time.monotonic() + 60
+    # the worker uploads a checkpoint once the trainer has written it: give it a moment
+    while not store_keys(topo, f"shardyard/jobs/{long_id}/checkpoints/"):
+        assert time.monotonic() < deadline, "no checkpoint of the long job reached the store"
+        time.sleep(0.5)
     topo.kill(first)
     done = succeeded(topo, long_id, timeout=300)
     assert done["worker"] == topo.celery_name(other) and done["attempts"] == 2
