@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend lint format bench bench-service clean image test-containers
+.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean image test-containers
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -66,6 +66,13 @@ bench: setup
 
 bench-service: setup frontend
 	$(BIN)/python -m bench.service
+
+# every test and benchmark row that needs CUDA, under 8 minutes (bench/gpu_check.py; docs/gpu.md).
+# It needs a CUDA build of torch, which `make setup` never installs (it pins the CPU wheel): on a
+# lent GPU machine whose .venv has the CPU wheel, `make gpu-check GPU_PY=python3`.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check
 
 clean:
 	rm -rf .shardyard frontend/dist frontend/node_modules .pytest_cache .ruff_cache

@@ -7,24 +7,36 @@
   made with the cookie must also carry the session's CSRF token in `X-CSRF-Token`, and an
   `Origin` naming another site is refused outright.
 
+A session belongs to the token it was signed in with: revoking that token (or any token it was
+made from) ends the session at once, as it does every token minted with it. A session ends after
+`session_ttl_s` whatever happens, and after `session_idle_s` without a request or an open stream.
+A session cannot mint a token unless the request re-presents one of the user's API tokens: a
+stolen cookie must not become a credential that outlives it.
+
+Bodies wait for the caller: the request-limit middleware (api/limits.py) asks `credential_problem`
+before it reads a byte of a body, so an anonymous upload costs the server nothing.
+
 Secrets are 256 random bits; only their SHA-256 is stored. A slow password hash buys nothing for a
 secret nobody can guess, and a fast one keeps the per-request lookup cheap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from datetime import timedelta
+from http.cookies import CookieError, SimpleCookie
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import Depends, HTTPException, Request, status
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from api.deps import SessionDep
+from api.deps import SessionDep, SettingsDep
 from core.settings import Settings
 from db import users as db_users
 from db.engine import session_for
@@ -52,9 +64,16 @@ def csrf_for(session_secret: str) -> str:
 
 
 def issue_token(
-    session: Session, *, user_id: int, label: str = "", kind: str = "api", ttl_s: float | None = None
+    session: Session,
+    *,
+    user_id: int,
+    label: str = "",
+    kind: str = "api",
+    ttl_s: float | None = None,
+    parent_id: int | None = None,
 ) -> tuple[str, ApiToken]:
-    """A new secret and its row; the secret is returned once and never stored."""
+    """A new secret and its row; the secret is returned once and never stored. `parent_id`: the
+    token it is made from (revoking that one revokes this one)."""
     secret = new_secret()
     expires = utcnow() + timedelta(seconds=ttl_s) if ttl_s else None
     row = db_users.add_token(
@@ -65,8 +84,18 @@ def issue_token(
         kind=kind,
         label=label,
         expires_at=expires,
+        parent_id=parent_id,
     )
     return secret, row
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What a request signed in with: an API token's or a session's row id. Streams keep it and
+    ask again (`credential_problem_by_id`) while they are open."""
+
+    token_id: int
+    kind: str
 
 
 def _unauthorized(message: str) -> HTTPException:
@@ -99,25 +128,90 @@ def _check_csrf(request: Request, session_secret: str) -> None:
         )
 
 
-def current_user(request: Request, session: SessionDep) -> User:
-    header = request.headers.get("authorization")
-    if header is not None:
-        scheme, _, secret = header.partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
-            raise _unauthorized("Authorization must be 'Bearer <token>'")
-        user = db_users.user_for_token(session, token_hash=hash_secret(secret.strip()), kind="api")
-        if user is None:
+def _bearer_secret(header: str) -> str:
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise _unauthorized("Authorization must be 'Bearer <token>'")
+    return secret.strip()
+
+
+def _touch_every(settings: Settings) -> float:
+    # a session's last use is written at most this often: not a write per request, and still
+    # a small fraction of the idle limit
+    return min(60.0, settings.session_idle_s / 10)
+
+
+def authenticate(
+    session: Session, settings: Settings, *, authorization: str | None, cookie: str | None
+) -> ApiToken:
+    """The live token or session the request carries (a Bearer header wins over the cookie);
+    401 naming why when there is none. A session's use is recorded (its idle expiry)."""
+    if authorization is not None:
+        tok = db_users.live_token(session, token_hash=hash_secret(_bearer_secret(authorization)), kind="api")
+        if tok is None:
             raise _unauthorized("the token is unknown or revoked")
-        return user
-    cookie = request.cookies.get(SESSION_COOKIE)
+        return tok
     if cookie:
-        user = db_users.user_for_token(session, token_hash=hash_secret(cookie), kind="session")
-        if user is None:
-            raise _unauthorized("the session has expired or was ended; sign in again")
-        if request.method not in SAFE_METHODS:
-            _check_csrf(request, cookie)
-        return user
+        tok = db_users.token_by_hash(session, token_hash=hash_secret(cookie), kind="session")
+        why = (
+            "no such session"
+            if tok is None
+            else db_users.why_dead(session, tok, idle_s=settings.session_idle_s)
+        )
+        if tok is None or why is not None:
+            raise _unauthorized(f"the session has ended ({why}); sign in again")
+        db_users.touch(session, tok, every_s=_touch_every(settings))
+        return tok
     raise _unauthorized("sign in: send 'Authorization: Bearer <token>' (see `shardyard admin create-user`)")
+
+
+def credential_problem(settings: Settings, headers: dict[bytes, bytes]) -> str | None:
+    """Why a request's raw headers carry no live credential, or None: the check the request-limit
+    middleware runs before it reads any body (its own short session; the route checks again)."""
+    authorization = headers.get(b"authorization")
+    cookie = None
+    if authorization is None:
+        jar = SimpleCookie()
+        with contextlib.suppress(CookieError):
+            jar.load(headers.get(b"cookie", b"").decode("latin-1"))
+        cookie = jar[SESSION_COOKIE].value if SESSION_COOKIE in jar else None
+    try:
+        with session_for(settings.database_url) as s:
+            authenticate(
+                s,
+                settings,
+                authorization=authorization.decode("latin-1") if authorization is not None else None,
+                cookie=cookie,
+            )
+    except HTTPException as e:
+        return str(e.detail)
+    except SQLAlchemyError:
+        # the database is locked or away: the route's own check answers 503 with the reason (the
+        # app's handlers do not reach a middleware); until then the body stays within its caps
+        return None
+    return None
+
+
+def credential_problem_by_id(settings: Settings, cred: Credential) -> str | None:
+    """Why the credential a stream was opened with may no longer be used, or None. An open stream
+    counts as a session's use (a dashboard left watching a run stays signed in, up to its ttl)."""
+    with session_for(settings.database_url) as s:
+        tok = s.get(ApiToken, cred.token_id)
+        if tok is None:
+            return "the token was deleted"
+        why = db_users.why_dead(s, tok, idle_s=settings.session_idle_s)
+        if why is None and tok.kind == "session":
+            db_users.touch(s, tok, every_s=_touch_every(settings))
+        return why
+
+
+def current_user(request: Request, session: SessionDep, settings: SettingsDep) -> User:
+    cookie = request.cookies.get(SESSION_COOKIE)
+    tok = authenticate(session, settings, authorization=request.headers.get("authorization"), cookie=cookie)
+    if tok.kind == "session" and request.method not in SAFE_METHODS:
+        _check_csrf(request, cookie or "")
+    request.state.credential = Credential(token_id=tok.id, kind=tok.kind)
+    return tok.user
 
 
 def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
@@ -155,7 +249,7 @@ def bootstrap_admin(settings: Settings) -> None:
         elif not user.is_admin:
             user.is_admin = True
             s.commit()
-        for tok in db_users.list_tokens(s, user_id=user.id):
+        for tok in db_users.list_tokens(s, user_id=user.id, sessions=False):
             if tok.label == BOOTSTRAP_LABEL and tok.revoked_at is None:
                 db_users.revoke_token(s, token_id=tok.id)
         try:

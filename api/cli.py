@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,6 +34,17 @@ console = Console()
 err = Console(stderr=True)
 TERMINAL = {"succeeded", "failed", "cancelled"}
 DEMO_SPEC = Path(__file__).resolve().parent / "demo_spec.json"
+
+
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+
+
+def shown(value: object) -> str:
+    """Text from the server (names, errors, log lines) as rich prints it literally: markup
+    (`[/]`, `[bold]`) escaped, control characters and direction overrides written as escapes
+    (a terminal must not obey them)."""
+    text = _CONTROLS.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), str(value))
+    return escape(text)
 
 
 class CliError(Exception):
@@ -80,6 +92,9 @@ def sse_events(
                 fid, event, data = None, "message", []
                 for line in resp.iter_lines():
                     if line == "":
+                        if data and event == "error":
+                            # the server ended the stream for good (the token was revoked)
+                            raise CliError(f"stream {path}: {json.loads(chr(10).join(data)).get('detail')}")
                         if data:
                             last_id = fid or last_id
                             if down_since is not None:
@@ -98,7 +113,7 @@ def sse_events(
             now = time.monotonic()
             if down_since is None:
                 down_since = now
-                err.print(f"[yellow]stream interrupted ({e or type(e).__name__}); reconnecting...[/]")
+                err.print(f"[yellow]stream interrupted ({shown(e or type(e).__name__)}); reconnecting...[/]")
             elif now - down_since > patience_s:
                 raise CliError(
                     f"lost the stream {path} for {patience_s:.0f}s: {e or type(e).__name__}"
@@ -148,10 +163,10 @@ def follow(client: httpx.Client, job_id: int) -> str:
                 bar.update(task, status=status)
                 if status in TERMINAL:
                     if data.get("error"):
-                        err.print(f"[red]error:[/] {data['error']}")
+                        err.print(f"[red]error:[/] {shown(data['error'])}")
                     break
             elif event == "log":
-                bar.console.print(f"[dim]{data['message']}[/]")
+                bar.console.print(f"[dim]{shown(data['message'])}[/]")
     final = _get_patiently(client, f"/api/jobs/{job_id}")
     if final.get("result"):
         console.print_json(data=final["result"])
@@ -207,7 +222,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             )
             spec = {**spec, "workspace": ws["ref"]}
         job = _check(c.post("/api/jobs", json=spec))
-        console.print(f"submitted job [bold]{job['id']}[/] ({job['name']}), status {job['status']}")
+        console.print(f"submitted job [bold]{job['id']}[/] ({shown(job['name'])}), status {job['status']}")
         if args.follow:
             return 0 if follow(c, job["id"]) == "succeeded" else 1
     return 0
@@ -224,12 +239,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         p = j["progress"]
         table.add_row(
             str(j["id"]),
-            j["name"],
+            shown(j["name"]),
             j["status"],
             f"{p['step']}/{p['steps']}",
-            j["worker"] or "",
+            shown(j["worker"] or ""),
             j["created_at"][:19],
-            (j["error"] or "")[:60],
+            shown((j["error"] or "")[:60]),
         )
     console.print(table)
     console.print(f"{len(page['items'])} of {page['total']} job(s)")
@@ -253,7 +268,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_fail(args: argparse.Namespace) -> int:
     with _client(args.api, args.token) as c:
         job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
-    console.print(f"job {job['id']}: {job['status']} ({job['error']})")
+    console.print(f"job {job['id']}: {job['status']} ({shown(job['error'])})")
     return 0
 
 
@@ -269,7 +284,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         for ev in _check(c.get(f"/api/jobs/{args.id}/logs"))["items"]:
             stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"]))
             prefix = "status " if ev["kind"] == "status" else ""
-            console.print(f"[dim]{stamp}[/] {prefix}{ev['message']}", highlight=False)
+            console.print(f"[dim]{stamp}[/] {prefix}{shown(ev['message'])}", highlight=False)
     return 0
 
 
@@ -358,10 +373,22 @@ def cmd_healthcheck(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_demo(stack: Any, job_id: int) -> None:
+    """The demo job's progress, in a thread of its own: the main thread supervises the stack."""
+    try:
+        with _client(stack.base_url, stack.admin_token) as c:
+            follow(c, job_id)
+        console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job_id}")
+        console.print("the stack keeps running; press Ctrl-C to stop everything")
+    except (CliError, httpx.HTTPError) as e:
+        err.print(f"[yellow]stopped following job {job_id}: {e}[/]")
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
-    from api.stack import Stack
+    from api.stack import CrashLoop, Stack
     from core.settings import get_settings
 
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
@@ -382,20 +409,21 @@ def cmd_stack(args: argparse.Namespace) -> int:
             f"{stack.admin_token}",
             highlight=False,
         )
-        with _client(stack.base_url, stack.admin_token) as c:
-            if args.demo:
+        if args.demo:
+            with _client(stack.base_url, stack.admin_token) as c:
                 spec = json.loads(DEMO_SPEC.read_text())
                 job = _check(c.post("/api/jobs", json=spec))
-                console.print(
-                    f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
-                )
-                follow(c, job["id"])
-                console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job['id']}")
-        console.print("the stack keeps running; press Ctrl-C to stop everything")
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(1)
-        dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-        err.print(f"[red]{', '.join(dead)} stopped unexpectedly; see {root}/*.log[/]")
+            console.print(
+                f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
+            )
+            threading.Thread(target=_follow_demo, args=(stack, job["id"]), daemon=True, name="demo").start()
+        else:
+            console.print("the stack keeps running; press Ctrl-C to stop everything")
+        # a process that dies is restarted (with a back-off); only Ctrl-C, SIGTERM or a crash
+        # loop end this
+        stack.supervise(say=lambda line: err.print(f"[yellow]{line}[/]", highlight=False))
+    except CrashLoop as e:
+        err.print(f"[red]stopping the stack: {e}[/]", highlight=False)
         return 1
     except KeyboardInterrupt:
         pass
@@ -480,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except CliError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {shown(e)}")
         return 2
     except httpx.ConnectError:
         err.print(

@@ -31,6 +31,7 @@ def job_public(job: Job) -> JobPublic:
         owner=job.user.name if job.user else None,
         wait_reason=job.wait_reason,
         run_seconds=round(job.run_seconds or 0.0, 3),
+        restarts=job.restarts or 0,
     )
 
 

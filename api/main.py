@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -18,7 +19,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from api.auth import bootstrap_admin
+from api.auth import bootstrap_admin, credential_problem
 from api.limits import RequestLimits, clip
 from api.retention import retention_loop
 from api.routes import events, health, jobs, queue, selections, users, workspaces
@@ -120,12 +121,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RedisError, _broker_error)
     app.add_exception_handler(BrokerError, _broker_error)
     # the last added runs first: a foreign Host is refused before a body is read; workspace
-    # uploads are archives, bounded by their own limit (api/routes/workspaces.py)
+    # uploads are archives, bounded by their own limit (api/routes/workspaces.py); no body is
+    # read before its caller is known, but a sign-in's (it carries the token)
     app.add_middleware(
         RequestLimits,
         max_body_bytes=settings.max_body_bytes,
         raw_paths=(r"^/api/workspaces/?$",),
         max_raw_bytes=int(settings.workspace_max_mb * 2**20),
+        authenticate=functools.partial(credential_problem, settings),
+        public_paths=(r"^/api/auth/session/?$",),
     )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     app.include_router(users.router)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from api import sizing
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
 from jobrules.models import model_problems
 from jobrules.parallel import tensor_world_size, world_size
+from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
+from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 
 WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 
@@ -21,8 +23,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")]
-"""A display name: 1-200 characters, no control characters (they break logs and tables)."""
+NO_CONTROLS = r"^[^\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]+$"
+"""No control characters (C0, DEL, C1), line separators or bidirectional overrides: they break logs
+and tables, or make a name print as another."""
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must hold a character other than spaces")
+    return value
+
+
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=NO_CONTROLS), AfterValidator(_not_blank)
+]
+"""A display name: 1-200 characters, not only spaces, no control characters (`NO_CONTROLS`).
+Markup characters (`[/]`, `<b>`) are allowed: every place that prints a name prints it as text."""
 DB_INT = 2**31 - 1
 """The largest value an INTEGER column holds on Postgres; ids and counters stay below it."""
 DB_BIGINT = 2**63 - 1
@@ -128,6 +144,24 @@ class ResourceSpec(Strict):
     gpus: int = Field(0, ge=0, le=1024)
 
 
+class EnvSpec(Strict):
+    pip: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_LINE_CHARS)]] = Field(
+        default_factory=list,
+        max_length=MAX_LINES,
+        description="the job's own Python requirements, as requirements.txt lines ('einops==0.8.2')",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> EnvSpec:
+        from core.settings import get_settings
+
+        lines = [(f"env.pip[{i}]", x) for i, x in enumerate(self.pip)]
+        allow = get_settings().pyenv_allow_options
+        if problems := requirement_problems(lines, installed=installed_versions(), allow_options=allow):
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class JobSpec(Strict):
     """A training job. See README.md for every field."""
 
@@ -146,6 +180,17 @@ class JobSpec(Strict):
     )
     max_runtime_s: int | None = Field(
         None, ge=1, le=30 * 24 * 3600, description="the worker fails the job when it runs longer"
+    )
+    max_restarts: int = Field(
+        DEFAULT_MAX_RESTARTS,
+        ge=0,
+        le=MAX_RESTARTS_LIMIT,
+        description="attempts that fail for the infrastructure (a rank killed by a signal, a lost "
+        "worker) are retried from the checkpoint this many times; the job's own failures never are",
+    )
+    env: EnvSpec | None = Field(
+        None,
+        description="Python packages the job needs beyond the trainer's (with a workspace's requirements.txt)",
     )
 
     @model_validator(mode="after")
@@ -206,13 +251,17 @@ class JobPublic(BaseModel):
     owner: str | None
     wait_reason: str | None
     """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
-    behind a higher-priority job, no live worker)."""
+    behind a higher-priority job, no live worker); for a running job, `preparing environment`
+    while its worker builds (or waits for) the environment of its requirements."""
     queue_position: int | None = None
     """1-based place of a queued job in the scheduler's order (None when not queued)."""
     reservation: list[ReservationPublic] = []
     """The slots the scheduler reserved for the job, one entry per node (worker)."""
     run_seconds: float = 0.0
     """Wall time its attempts have run so far (max_runtime_s counts all of it)."""
+    restarts: int = 0
+    """Attempts that failed for the infrastructure and were retried (the spec's max_restarts
+    bounds it); each one's reason is in the job's events."""
 
 
 class QueueEntry(BaseModel):

@@ -9,6 +9,7 @@ installed by `make` into .venv).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -16,13 +17,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from db.engine import session_for
 from db.migrate import upgrade
+from db.models import JobStatus
+from db.scheduling import mark_unsent, reservations
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -82,6 +91,48 @@ def _wait(check, *, timeout_s: float, what: str, proc: subprocess.Popen | None =
     raise TimeoutError(f"{what} did not come up within {timeout_s:.0f}s")
 
 
+@dataclass(kw_only=True, slots=True)
+class RestartPolicy:
+    """How `Stack.supervise` restarts a process of the stack that died."""
+
+    backoff_s: float = 1.0
+    """Wait before the first restart; it doubles with each further death within `window_s`."""
+    max_backoff_s: float = 30.0
+    """The longest wait before a restart."""
+    max_restarts: int = 5
+    """A process that dies once more after this many restarts within `window_s` is a crash
+    loop: the stack stops, since restarting it again would only hide the fault."""
+    window_s: float = 60.0
+    """Deaths older than this are forgotten: a process that ran this long is restarted after
+    `backoff_s` again."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"need 0 < backoff_s ({self.backoff_s}) <= max_backoff_s ({self.max_backoff_s})")
+        if self.max_restarts < 1 or self.window_s <= 0:
+            raise ValueError(
+                f"need max_restarts ({self.max_restarts}) >= 1 and window_s ({self.window_s}) > 0"
+            )
+
+    def delay_s(self, deaths: int) -> float:
+        """The wait before restarting a process that died `deaths` times within the window."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (deaths - 1))
+
+
+class CrashLoop(RuntimeError):
+    """A process of the stack kept dying (RestartPolicy.max_restarts within window_s)."""
+
+
+def describe_exit(code: int) -> str:
+    """`-9 (SIGKILL)` for a process killed by a signal, else the exit code."""
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
 @dataclass
 class Stack:
     root: Path
@@ -99,6 +150,8 @@ class Stack:
     admin_token: str = ""
     """The local admin's API token (made up when empty), given to the API process alone as
     SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    """How `supervise` restarts a process that died, and when it gives up."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -197,7 +250,9 @@ class Stack:
             proc=proc,
         )
 
-    def start_worker(self, index: int) -> None:
+    def start_worker(self, index: int, *, wait: bool = True) -> None:
+        """`wait`: until the worker shows in the API's health (the supervisor does not wait: it
+        sees a worker that dies while starting by itself)."""
         name = f"worker{index}"
         cmd = worker_command(queues="cpu,gpu", concurrency=self.concurrency, name=f"{name}@%h")
         # one machine: no other workers to gossip or mingle with, and a faster start
@@ -207,6 +262,8 @@ class Stack:
             workers = httpx.get(f"{self.base_url}/api/health", timeout=2).json()["workers"]
             return any(w["name"].startswith(f"{name}@") for w in workers)
 
+        if not wait:
+            return
         _wait(registered, timeout_s=120, what=f"Celery {name}", proc=proc)
 
     def start(self) -> Stack:
@@ -248,6 +305,81 @@ class Stack:
         """The API stopped and started again on the same port (its open streams drop)."""
         self.stop_process("api")
         self.start_api()
+
+    def resend_lost_messages(self) -> int:
+        """After redis-server restarted empty, the tasks the scheduler had sent and no worker had
+        claimed are gone: mark them unsent, so the scheduler's next tick sends them again (as it
+        does for everything when it starts with the stack). A task that did survive is then sent
+        twice, which is harmless: claims are idempotent. Returns how many were marked."""
+        with session_for(self.database_url) as s:
+            lost = [
+                h.id
+                for h in reservations(s)
+                if not h.claimed and h.status == JobStatus.queued and h.sent_at is not None
+            ]
+            mark_unsent(s, reservation_ids=lost)
+        return len(lost)
+
+    def _restart(self, name: str, say: Callable[[str], None]) -> None:
+        if name == "redis":
+            self.start_redis()
+            if n := self.resend_lost_messages():
+                say(f"redis-server restarted empty: {n} unclaimed task(s) will be sent again")
+        elif name == "api":
+            self.start_api()
+        else:
+            self.start_worker(int(name.removeprefix("worker")), wait=False)
+
+    def supervise(
+        self,
+        *,
+        stop: threading.Event | None = None,
+        say: Callable[[str], None] = log.warning,
+        poll_s: float = 0.5,
+    ) -> None:
+        """Keep the stack's processes running until `stop` is set (or Ctrl-C/SIGTERM interrupts
+        the caller): a process that died is restarted after an exponential back-off, with one
+        line to `say` per restart. Raises CrashLoop, with the reason, when one keeps dying; the
+        caller then stops the stack. Whatever is left of a dead process's group (a worker's pool
+        processes and trainers, the API's scheduler process) is killed before its restart, so
+        no orphan of the old one writes beside the new one."""
+        stop = stop or threading.Event()
+        deaths: dict[str, deque[float]] = {}
+        due: dict[str, float] = {}
+        policy = self.restarts
+        while not stop.is_set():
+            now = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                if name in due or proc.poll() is None:
+                    continue
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                recent = deaths.setdefault(name, deque())
+                recent.append(now)
+                while recent and recent[0] < now - policy.window_s:
+                    recent.popleft()
+                how = describe_exit(proc.returncode)
+                if len(recent) > policy.max_restarts:
+                    raise CrashLoop(
+                        f"{name} exited {len(recent)} times within {policy.window_s:.0f}s (last with "
+                        f"{how}): a crash loop; see {self.root / name}.log"
+                    )
+                delay = policy.delay_s(len(recent))
+                say(f"{name} exited with {how}; restarting in {delay:g}s (restart {len(recent)})")
+                due[name] = now + delay
+            for name, at in sorted(due.items(), key=lambda kv: kv[1]):
+                if at > now:
+                    continue
+                del due[name]
+                try:
+                    self._restart(name, say)
+                except RuntimeError:
+                    pass  # it died while starting: the next pass counts that death
+                except TimeoutError as e:
+                    say(f"{name} restarted but is not ready yet: {e}")
+            stop.wait(poll_s)
 
     def _warm_stop_workers(self) -> None:
         """SIGTERM to each Celery worker's main process is its warm shutdown: it tells its running

@@ -1,20 +1,43 @@
-"""Open Server-Sent Event streams: a cap per client, and the response that gives its slot back.
+"""Open Server-Sent Event streams: a cap per client, the response that gives its slot back, and the
+guard that ends a stream whose credentials are gone.
 
 A stream holds no database connection while it waits (each read is a short session in the thread
 pool), so what an open stream costs is one socket and a place on its channel's Redis subscription
 (one per channel per process, api/live.py); the cap keeps one client (a runaway script, a page
 reloaded in a loop) from holding hundreds of them.
+
+A stream outlives the request that checked its token, so it asks again every
+`stream_auth_check_s`: once the token or session is revoked, expired or idle, the client gets a
+final `error` frame (status 401 and the reason) and the stream closes. The answer is shared by the
+streams of one credential for a second, so a hundred open tabs cost one read, not a hundred.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import HTTPException, Request, status
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from api.auth import Credential, credential_problem_by_id
+from api.deps import app_settings
+from api.sse import frame
+from core.settings import Settings
+
+log = logging.getLogger(__name__)
+_SHARED_S = 1.0
+"""How long one credential check answers for every stream of that credential."""
+_checked: dict[Credential, tuple[float, str | None]] = {}
+_inflight: dict[Credential, asyncio.Future[str | None]] = {}
 
 
 def client_key(request: Request, user: object | None = None) -> str:
@@ -78,6 +101,72 @@ class SseResponse(StreamingResponse):
                 await aclose()
 
 
+async def _ask(settings: Settings, cred: Credential) -> str | None:
+    try:
+        why = await run_in_threadpool(credential_problem_by_id, settings, cred)
+    except SQLAlchemyError as e:
+        # the database is busy or away: the stream goes on and the next round asks again (a
+        # revocation needs the database too, so it cannot have happened unseen)
+        log.warning("stream: credential check failed (%s); retrying", e)
+        return None
+    if len(_checked) > 10_000:
+        _checked.clear()
+    _checked[cred] = (time.monotonic(), why)
+    return why
+
+
+async def _problem(settings: Settings, cred: Credential) -> str | None:
+    """The credential's answer, read at most once a second for all its streams together: those
+    that ask while a read is under way wait for that one (40 streams of one token checking at
+    once took 11 of the pool's connections)."""
+    hit = _checked.get(cred)
+    if hit is not None and time.monotonic() - hit[0] < _SHARED_S:
+        return hit[1]
+    task = _inflight.get(cred)
+    if task is None or task.get_loop() is not asyncio.get_running_loop():
+        task = _inflight[cred] = asyncio.ensure_future(_ask(settings, cred))
+        task.add_done_callback(lambda t: _inflight.pop(cred, None) if _inflight.get(cred) is t else None)
+    # shielded: a stream that closes meanwhile must not cancel the others' answer
+    return await asyncio.shield(task)
+
+
+async def guarded(
+    body: AsyncIterator[str], *, check: Callable[[], Awaitable[str | None]], every_s: float
+) -> AsyncIterator[str]:
+    """`body`'s frames, while `await check()` answers None at least every `every_s`; once it
+    answers a reason, a final `error` frame and the end. The body runs in its own task, so a
+    stream that is quiet (waiting on its channel) is checked on time too."""
+    it = aiter(body)
+    pending: asyncio.Task[str] | None = None
+    due = time.monotonic() + every_s
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=max(0.0, due - time.monotonic()))
+            if done:
+                task, pending = pending, None
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
+            if time.monotonic() >= due:
+                why = await check()
+                if why is not None:
+                    yield frame(event="error", data={"status": 401, "detail": f"{why}; the stream is closed"})
+                    return
+                due = time.monotonic() + every_s
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 def open_stream(
     request: Request,
     body_factory,  # noqa: ANN001 - () -> AsyncIterator[str]
@@ -100,8 +189,13 @@ def open_stream(
             "(SHARDYARD_SSE_MAX_PER_CLIENT); close one before opening another",
             headers={"Retry-After": "5"},
         )
+    cred: Credential | None = getattr(request.state, "credential", None)
     try:
-        return SseResponse(body_factory(), slots=slots, key=key)
+        body = body_factory()
+        if cred is not None:
+            settings = app_settings(request)
+            body = guarded(body, check=lambda: _problem(settings, cred), every_s=settings.stream_auth_check_s)
+        return SseResponse(body, slots=slots, key=key)
     except BaseException:
         slots.release(key)
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -40,16 +41,34 @@ class UsersPublic(BaseModel):
 
 class TokenCreate(Strict):
     label: Name = "api"
+    confirm_token: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="one of your live API tokens: required when signed in with a dashboard session "
+        "(a session alone cannot mint a token)",
+    )
 
 
 class TokenPublic(BaseModel):
     id: int
+    kind: Literal["api", "session"]
+    """`session`: a dashboard sign-in (listed while it lasts; DELETE ends it)."""
     user_id: int
     user: str
     label: str
     prefix: str
+    parent_id: int | None
+    """The token this one was made from: revoking that one revokes this one."""
     created_at: datetime
+    expires_at: datetime | None
+    last_used_at: datetime | None
     revoked_at: datetime | None
+
+
+class TokensRevoked(BaseModel):
+    revoked: int
+    """How many live tokens and sessions were revoked."""
 
 
 class TokensPublic(BaseModel):

@@ -7,7 +7,8 @@ and 3 steps, for a plain job (`python -m trainer`) and a selection group of two 
 (`python -m trainer.selection`). Reps are interleaved (cold/warm, then warm/cold) so that the load
 of a shared machine falls on both; medians are reported with the load average before and after.
 The zygote is started and made ready before the first measured run, as a pool process's start
-does (worker_process_init); its own start is reported apart. Results: bench/results/warm_trainer.json.
+does (worker_process_init); its own start is reported apart. Results: bench/results/warm_trainer.json;
+with `--gpu` the runs train on CUDA and write warm_trainer_gpu.json (bench/gpu_check.py runs it).
 """
 
 from __future__ import annotations
@@ -90,7 +91,16 @@ def _rss_mib(pid: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--gpu", action="store_true", help="train on CUDA (needs it); writes warm_trainer_gpu.json"
+    )
     args = ap.parse_args()
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu needs a CUDA device; this machine has none")
+        SPEC["resources"] = {"device": "cuda"}
     load_before = os.getloadavg()
     samples: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -136,7 +146,7 @@ def main() -> None:
         f"zygote: ready {zygote_ready_s:.2f} s after the pool process's start, {zygote_rss:.0f} MiB resident"
     )
     path = write_results(
-        "warm_trainer",
+        "warm_trainer_gpu" if args.gpu else "warm_trainer",
         {
             "reps": args.reps,
             "spec": SPEC,

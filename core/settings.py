@@ -75,6 +75,32 @@ class Settings(BaseSettings):
         """Workspace archives, content-addressed: <data_dir>/workspaces/<sha256>.<tar.gz|zip>."""
         return self.data_dir / "workspaces"
 
+    # ---- users' own Python requirements (workers/pyenv.py) ----
+    pyenv_dir: Path | None = None
+    """Where the workers keep the environments built from jobs' requirements (one folder per hash
+    of the requirements and platform); empty: <data_dir>/envs. Each host keeps its own."""
+    pyenv_cache_mb: float = 10240.0
+    """Total size of the environment cache; past it the least recently used environments (that no
+    job is building) are deleted."""
+    pyenv_max_mb: float = 2048.0
+    """Largest one environment may be; a bigger one fails its job with the sizes."""
+    pyenv_build_timeout_s: float = 600.0
+    """Longest an environment build may take (resolve and install); past it the job fails."""
+    pyenv_index_url: str = ""
+    """The package index the workers install from (uv's --default-index); empty: PyPI. For workers
+    without internet, an internal mirror."""
+    pyenv_find_links: str = ""
+    """A local wheelhouse (folder or URL of wheel files) searched besides the index."""
+    pyenv_no_index: bool = False
+    """Install only from `pyenv_find_links` (no index at all): offline workers."""
+    pyenv_allow_options: bool = False
+    """Admin switch: accept pip options (--index-url, -e, ...) and URLs or local paths in
+    requirements. Off: such a line is refused, naming it."""
+
+    @property
+    def pyenv_root(self) -> Path:
+        return self.pyenv_dir or self.data_dir / "envs"
+
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
     sse_max_per_client: int = 20
@@ -102,7 +128,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = 1_048_576
     """Largest request body (413 above)."""
     session_ttl_s: float = 12 * 3600
-    """A dashboard sign-in lasts this long."""
+    """A dashboard sign-in lasts at most this long (its absolute expiry)."""
+    session_idle_s: float = 2 * 3600
+    """A dashboard session ends after this long without a request or an open stream."""
+    stream_auth_check_s: float = 3.0
+    """Every open event stream asks again this often whether its token or session is still live,
+    and ends with an `error` frame once it is not (revoked, expired, idle)."""
     cookie_secure: bool = False
     """Mark the session cookies Secure (set it when the dashboard is served over HTTPS)."""
     quota_running_jobs: int = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -151,6 +151,13 @@ def db_now(session: Session) -> datetime:
 
 def _fence(attempt: Attempt) -> Any:
     return (Job.id == attempt.job_id) & (Job.attempts == attempt.attempt) & (Job.owner == attempt.owner)
+
+
+def set_run_note(session: Session, *, attempts: list[Attempt], note: str | None) -> None:
+    """What a running attempt waits on before it trains (`preparing environment`), shown as the
+    job's wait_reason; None clears it. Fenced: a stale attempt changes nothing."""
+    for attempt in attempts:
+        session.execute(update(Job).where(_fence(attempt)).values(wait_reason=note))
 
 
 def _claimable(now: datetime, owner: str) -> Any:
@@ -406,11 +413,91 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
     return True
 
 
-def expire_leases(session: Session, *, gang_restarts: int = 3) -> tuple[list[Job], list[Job]]:
+def restart_reasons(session: Session, *, job_id: int) -> list[tuple[int | None, str]]:
+    """(attempt, reason) of every attempt of the job that failed for the infrastructure and was
+    retried, oldest first: the `queued` status events that carry a `restart` number."""
+    rows = session.scalars(
+        select(JobEvent.data)
+        .where(JobEvent.job_id == job_id, JobEvent.kind == "status", JobEvent.message == "queued")
+        .order_by(JobEvent.id)
+    ).all()
+    return [
+        (d.get("attempt"), str(d.get("reason")))
+        for d in rows
+        if isinstance(d, dict) and (d.get("restart") or d.get("gang_restart"))
+    ]
+
+
+def restarts_spent_error(
+    session: Session, *, job_id: int, attempt: int, reason: str, max_restarts: int
+) -> str:
+    """The error of a job whose infrastructure failures used up its max_restarts: every
+    attempt's reason, the last one too."""
+    if max_restarts == 0:
+        return f"{reason} (not retried: max_restarts is 0)"
+    reasons = [*restart_reasons(session, job_id=job_id), (attempt, reason)]
+    listed = "; ".join(f"attempt {a}: {r}" if a is not None else r for a, r in reasons)
+    return f"{len(reasons)} attempts failed for the infrastructure (max_restarts={max_restarts}): {listed}"
+
+
+def _restart_values(
+    job: Job, *, reason: str, max_restarts: int
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """(column values, status, event data) of a job whose attempt failed for the infrastructure:
+    back to the queue with its restart counted, or failed once max_restarts is used up."""
+    used = job.restarts or 0
+    values: dict[str, Any] = {
+        "owner": None,
+        "lease_until": None,
+        "enqueued_at": None,
+        "preempt_requested": False,
+    }
+    if used < max_restarts:
+        values.update(status=JobStatus.queued, restarts=used + 1)
+        data = {"reason": reason, "restart": used + 1, "max_restarts": max_restarts, "attempt": job.attempts}
+        return values, JobStatus.queued, data
+    return values, JobStatus.failed, {}
+
+
+def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts: int) -> str | None:
+    """This attempt failed for the infrastructure (a rank killed by a signal): running -> queued,
+    to resume from its checkpoint, counted in `restarts`; once `max_restarts` are used, running ->
+    failed with every attempt's reason. Returns the new status, or None when it was fenced off."""
+    job = session.scalars(select(Job).where(_fence(attempt), Job.status == JobStatus.running)).first()
+    if job is None:
+        session.rollback()
+        return None
+    values, status, data = _restart_values(job, reason=reason, max_restarts=max_restarts)
+    if status == JobStatus.failed:
+        error = restarts_spent_error(
+            session, job_id=job.id, attempt=attempt.attempt, reason=reason, max_restarts=max_restarts
+        )
+        values.update(status=status, error=error, finished_at=utcnow())
+        data = {"error": error}
+    res = session.execute(
+        update(Job).where(_fence(attempt), Job.status == JobStatus.running).values(**values)
+    )
+    if res.rowcount != 1:
+        session.rollback()
+        return None
+    free_job_reservations(session, job_id=attempt.job_id)
+    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message=str(status), data=data))
+    session.commit()
+    return str(status)
+
+
+def expire_leases(
+    session: Session,
+    *,
+    gang_restarts: int = 3,
+    max_restarts: Callable[[dict[str, Any]], int] | None = None,
+) -> tuple[list[Job], list[Job]]:
     """Running jobs (and trials) whose lease ran out by database time: the owner is gone or cut
     off. A cancel that was asked ends them `cancelled`; the rest go back to `queued` with no
     message on record, for the reconciler to send. A multi-node job goes back whole when its lease
-    or any node's ran out (expire_gangs). Returns (re-queued, cancelled)."""
+    or any node's ran out (expire_gangs). `max_restarts(spec)`: a job (not a trial: its selection
+    group is retried as one) counts the lost attempt against it, and past it ends `failed` with
+    every attempt's reason; None counts nothing. Returns (re-queued, cancelled)."""
     now = db_now(session)
     requeued, cancelled = expire_gangs(session, now=now, gang_restarts=gang_restarts)
     gone = session.scalars(
@@ -420,27 +507,39 @@ def expire_leases(session: Session, *, gang_restarts: int = 3) -> tuple[list[Job
     ).all()
     for job in gone:
         cancel = job.cancel_requested
+        why = f"the lease of {job.worker} (attempt {job.attempts}) ran out: the worker was lost"
+        values: dict[str, Any] = {
+            "status": JobStatus.cancelled if cancel else JobStatus.queued,
+            "owner": None,
+            "lease_until": None,
+            "enqueued_at": None,
+            "finished_at": utcnow() if cancel else None,
+            "preempt_requested": False,
+        }
+        data: dict[str, Any] = {"reason": why}
+        if not cancel and max_restarts is not None and job.kind == "job":
+            limit = max_restarts(job.spec or {})
+            values, status, data = _restart_values(job, reason=why, max_restarts=limit)
+            if status == JobStatus.failed:
+                error = restarts_spent_error(
+                    session, job_id=job.id, attempt=job.attempts, reason=why, max_restarts=limit
+                )
+                values.update(status=status, error=error, finished_at=utcnow())
+                data = {"error": error}
         res = session.execute(
             update(Job)
             .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)
-            .values(
-                status=JobStatus.cancelled if cancel else JobStatus.queued,
-                owner=None,
-                lease_until=None,
-                enqueued_at=None,
-                finished_at=utcnow() if cancel else None,
-                preempt_requested=False,
-            )
+            .values(**values)
         )
         if res.rowcount != 1:
             continue
         free_job_reservations(session, job_id=job.id)
-        why = f"the lease of {job.worker} (attempt {job.attempts}) ran out"
-        msg = "cancelled" if cancel else "queued"
-        session.add(
-            JobEvent(job_id=job.id, time=time.time(), kind="status", message=msg, data={"reason": why})
-        )
-        (cancelled if cancel else requeued).append(job)
+        msg = str(values["status"])
+        session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message=msg, data=data))
+        if msg == JobStatus.queued:
+            requeued.append(job)
+        elif msg == JobStatus.cancelled:
+            cancelled.append(job)
     session.commit()
     return requeued, cancelled
 
@@ -937,21 +1036,23 @@ def give_back_gang(
         session.rollback()
         return None
     used = gang_restarts_used(session, job_id=job_id)
+    # the spec's max_restarts bounds a gang's restarts as a one-node job's; the service's
+    # gang_restarts only for a spec stored before the field existed
+    own = (job.spec or {}).get("max_restarts")
+    limit, named = (gang_restarts, "gang_restarts") if own is None else (int(own), "max_restarts")
     data: dict[str, Any] = {"reason": reason}
+    extra: dict[str, Any] = {}
     if job.cancel_requested:
         status, error = JobStatus.cancelled, None
-    elif fail or (restart and used >= gang_restarts):
+    elif fail or (restart and used >= limit):
         status = JobStatus.failed
-        error = (
-            reason
-            if fail
-            else f"the gang failed {used + 1} times (gang_restarts={gang_restarts}); last: {reason}"
-        )
+        error = reason if fail else f"the gang failed {used + 1} times ({named}={limit}); last: {reason}"
         data = {"error": error}
     else:
         status, error = JobStatus.queued, None
         if restart:
-            data["gang_restart"] = used + 1
+            data.update(gang_restart=used + 1, attempt=attempt)
+            extra["restarts"] = used + 1
     terminal = status != JobStatus.queued
     res = session.execute(
         update(Job)
@@ -964,6 +1065,7 @@ def give_back_gang(
             enqueued_at=None,
             finished_at=utcnow() if terminal else None,
             preempt_requested=False,
+            **extra,
         )
     )
     if res.rowcount != 1:

@@ -60,7 +60,8 @@ class User(Base):
 
 class ApiToken(Base):
     """A bearer token (`api`, until revoked) or a dashboard cookie session (`session`, until it
-    expires). Only the SHA-256 of the secret is stored; the secret is shown once."""
+    expires, is ended or its token is revoked). Only the SHA-256 of the secret is stored; the
+    secret is shown once."""
 
     __tablename__ = "api_tokens"
     __table_args__ = (UniqueConstraint("token_hash", name="uq_api_tokens_token_hash"),)
@@ -75,6 +76,13 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None] = mapped_column(default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    parent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True, default=None
+    )
+    """The token this one was made with (a session's sign-in token, a token minted by another):
+    revoking a token revokes everything made from it, so one revocation cuts a leak off."""
+    last_used_at: Mapped[datetime | None] = mapped_column(default=None)
+    """A session's last request (written at most every few minutes): its idle expiry."""
     user: Mapped[User] = relationship(lazy="joined")
 
 
@@ -121,6 +129,9 @@ class Job(Base):
     run_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     """Wall time the job's attempts have run, written with each relay batch of the attempt (a
     killed attempt loses at most the time since its last batch): max_runtime_s counts it all."""
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    """Attempts that failed for the infrastructure (a rank killed by a signal, a lost worker) and
+    went back to the queue; the spec's max_restarts bounds it (db/jobs.py restart_job)."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 from trainer.config import ConfigError, JobConfig
 from trainer.distributed import env_rank, env_world_size, teardown
 from trainer.protocol import FileStopSignal, JsonlSink
-from trainer.workspace import UserCodeError, set_workspace
+from trainer.workspace import UserCodeError, add_environment, set_workspace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", type=Path, default=None)
     ap.add_argument("--stop-file", default=None, help="stop cleanly once this file exists")
     ap.add_argument("--workspace", type=Path, default=None, help="the job's unpacked workspace folder")
+    ap.add_argument("--pyenv", type=Path, default=None, help="the job's own packages (appended to sys.path)")
     args = ap.parse_args(argv)
 
     rank = env_rank()
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
         job = JobConfig.from_dict(raw)
         set_workspace(args.workspace)
+        add_environment(args.pyenv)
     except (OSError, ValueError) as e:
         sink.error(f"bad spec: {e}")
         return 2

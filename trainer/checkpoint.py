@@ -13,6 +13,7 @@ they are stale: their process is gone and the file has not changed for STALE_TMP
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -34,6 +35,15 @@ temporaries of writers this node cannot see, and a live writer touches its file 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written for a reason of the filesystem (errno): a full disk
+    (ENOSPC), a quota (EDQUOT), a file-size limit (EFBIG), an I/O error."""
+
+    def __init__(self, message: str, *, errno_: int) -> None:
+        super().__init__(message)
+        self.errno = errno_
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -58,8 +68,9 @@ def _fsync_dir(directory: Path) -> None:
 
 def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: int | None = None) -> Path:
     """Write `state` (plus the step) as the checkpoint of `step`, atomically, then prune to the
-    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP). An OSError (a full disk: ENOSPC) propagates
-    after the temporary file is removed; no checkpoint of that step exists then."""
+    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP). A write the filesystem refuses (a full disk:
+    ENOSPC) raises CheckpointWriteError naming the cause, the path and the free bytes, after the
+    temporary file is removed; no checkpoint of that step exists then."""
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, step)
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
@@ -69,13 +80,52 @@ def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = _size(tmp)
         tmp.unlink(missing_ok=True)
+        if (cause := _filesystem_errno(e)) is not None:
+            raise _write_error(path, errno_=cause, written=written, error=e) from e
         raise
     _fsync_dir(directory)
     prune_checkpoints(directory, keep=keep_from_env() if keep is None else keep)
     remove_stale_temporaries(directory)
     return path
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _filesystem_errno(e: BaseException) -> int | None:
+    """The errno of the OSError behind `e`. torch's zip writer turns a failed write of the file
+    object into its own RuntimeError ("[enforce fail at inline_container.cc] unexpected pos"),
+    with the OSError (ENOSPC) only as its context, so the chain is searched."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur.errno
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _write_error(path: Path, *, errno_: int, written: int, error: BaseException) -> CheckpointWriteError:
+    try:
+        st = os.statvfs(path.parent)
+        free = f"{st.f_bavail * st.f_frsize:,} bytes are free there"
+    except OSError:
+        free = "its free space could not be read"
+    what = os.strerror(errno_)
+    if errno_ in (errno.ENOSPC, errno.EDQUOT):
+        # the partial file is already gone: what is free now is what the next write would get
+        detail = f"the write stopped after {written:,} bytes; {free} (the partial file removed)"
+    else:
+        detail = f"{type(error).__name__}: {error}"
+    return CheckpointWriteError(f"{what}: checkpoint {path} could not be written: {detail}", errno_=errno_)
 
 
 def _alive(pid: int) -> bool:

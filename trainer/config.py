@@ -237,6 +237,20 @@ class ResourceConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    pip: list[str] = field(default_factory=list)
+    """The job's own requirements, as lines of a requirements.txt (jobrules/pyenv.py). The worker
+    builds them (with the workspace's requirements.txt) into an environment layered over the
+    trainer's packages and passes its folder with --pyenv; the trainer only checks their shape."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.pip, list) and all(isinstance(x, str) for x in self.pip),
+            "env.pip must be a list of requirement strings",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     name: str = "job"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -249,6 +263,8 @@ class JobConfig:
     workspace: str | None = None
     """The uploaded workspace (`sha256:<digest>` or an id); the worker unpacks it and passes its
     folder to the trainer with --workspace."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The job's own Python requirements (the worker installs them; see EnvConfig)."""
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 0, "checkpoint_every must be >= 0")
@@ -273,6 +289,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (JobConfig, "train"): TrainConfig,
     (JobConfig, "parallel"): ParallelConfig,
     (JobConfig, "resources"): ResourceConfig,
+    (JobConfig, "env"): EnvConfig,
     (ParallelConfig, "spill"): SpillConfig,
     (ParallelConfig, "offload"): OffloadConfig,
     (ParallelConfig, "pipeline"): PipelineConfig,
@@ -280,7 +297,7 @@ _NESTED: dict[tuple[type, str], type] = {
 }
 
 # Keys the service keeps in the spec that the trainer does not act on.
-_IGNORED = {(JobConfig, "priority"), (JobConfig, "max_runtime_s")}
+_IGNORED = {(JobConfig, "priority"), (JobConfig, "max_runtime_s"), (JobConfig, "max_restarts")}
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

@@ -8,6 +8,7 @@ named in the spec are imported from it.
 from __future__ import annotations
 
 import importlib
+import site
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,18 @@ def set_workspace(path: Path | None) -> None:
     _ROOT.append(path)
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+    importlib.invalidate_caches()
+
+
+def add_environment(path: Path | None) -> None:
+    """Append the job's own packages (`--pyenv DIR`, the environment the worker built from its
+    requirements) to sys.path, after the trainer's own: torch, numpy and the project's packages
+    stay the ones that run. Called after the fork in a warm run, so it needs no fresh process."""
+    if path is None:
+        return
+    if not path.is_dir():
+        raise ConfigError(f"environment folder {path} does not exist (the worker's build left none)")
+    site.addsitedir(str(path))  # its .pth files too, as in any site-packages
     importlib.invalidate_caches()
 
 

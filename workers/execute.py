@@ -35,10 +35,14 @@ from db.jobs import (
     lease_left_s,
     release_job,
     reserved_here,
+    restart_job,
     stop_flags,
 )
 from db.models import JobStatus
 from db.quotas import quota_gate
+from jobrules.restarts import max_restarts
+from workers import pyenv
+from workers.failures import infrastructure_failure, oom_kill_count
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
@@ -227,6 +231,9 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
+    oom_before = oom_kill_count()
+    # the job's own requirements (workers/pyenv.py): built here, under the job's lease, or refused
+    env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
     rc = run_attempt(
         settings,
         cmd,
@@ -237,11 +244,15 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} attempt {attempt.attempt}",
+        env=env,
     )
+    env.release()
     if rc is None:
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
-    status = end_attempt(settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit)
+    status = end_attempt(
+        settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit, oom_before=oom_before
+    )
     relay.drain_live()
     return status
 
@@ -257,12 +268,17 @@ def run_attempt(
     out: Outcome,
     memory_limit: int | None,
     what: str,
+    env: pyenv.PreparedEnv | None = None,
 ) -> int | None:
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
-    unreachable: the lease then runs out)."""
+    unreachable: the lease then runs out). `env`: the job's own packages (workers/pyenv.py); when
+    they failed, no trainer runs and the attempt ends with their error (exit code 1)."""
+    if env is not None and env.error:
+        out.error = env.error
+        return pyenv.without_trainer(relay)
     rc = supervise(
-        cmd,
+        cmd + (env.args if env is not None else []),
         on_message=lambda msg: relay.add(None, msg),
         poll=poll,
         stop_file=stop_file,
@@ -286,9 +302,17 @@ def end_attempt(
     out: Outcome,
     relay: Relay,
     memory_limit: int | None = None,
+    oom_before: int | None = None,
 ) -> str:
-    """Every line is applied: write the attempt's end (fenced), or give the job back."""
+    """Every line is applied: write the attempt's end (fenced), or give the job back. A trainer
+    process killed by a signal its worker did not send (the OOM killer, a kill -9) is the
+    infrastructure's failure: the job goes back to the queue up to its max_restarts
+    (workers/failures.py). `oom_before`: the memory cgroup's OOM-kill count at the start."""
     job_id = attempt.job_id
+    oom = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit)
+    infra = None
+    if rc != 0 and out.stopped is None and oom is None:
+        infra = infrastructure_failure(rc=rc, stderr="\n".join(out.stderr_tail), oom_before=oom_before)
 
     def decide() -> str:
         with session_for(settings.database_url) as s:
@@ -305,10 +329,13 @@ def end_attempt(
                 return "queued" if release_job(s, attempt=attempt, reason=why) else "lost"
             elif rc == 0 and job.result is not None:
                 status, error = JobStatus.succeeded, None
+            elif infra is not None:
+                got = restart_job(s, attempt=attempt, reason=infra, max_restarts=max_restarts(job.spec))
+                if got is None:
+                    return "lost"
+                publish_status(relay, job_id=job_id)
+                return got
             else:
-                oom = out_of_memory_error(
-                    error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit
-                )
                 status, error = JobStatus.failed, oom or out.failure(rc)
             eid = finish_job(s, attempt=attempt, status=status, error=error)
             if eid is None:

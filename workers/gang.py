@@ -51,6 +51,7 @@ from db.jobs import (
     unclaim_node,
 )
 from db.models import JobStatus
+from workers import pyenv
 from workers.execute import (
     QuotaWait,
     drop_checkpoints_past,
@@ -60,6 +61,7 @@ from workers.execute import (
     take_lease,
     trainer_args,
 )
+from workers.failures import JOB_OWN_FAILURES, infrastructure_failure, oom_kill_count
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome
@@ -270,7 +272,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         return Ask.stop if view.cancel or view.preempt else Ask.none
 
     mem_limit = memory_limit_bytes(spec)
+    oom_before = oom_kill_count()
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
+    # each node builds (or finds) the job's own requirements before its torchrun (workers/pyenv.py)
+    env = pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id)
     rc = run_attempt(
         settings,
         cmd,
@@ -281,10 +286,19 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
+        env=env,
     )
+    env.release()
     if rc is None:
         return "lost"
-    ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
+    ender = GangEnd(
+        settings=settings,
+        attempt=attempt,
+        node_rank=node_rank,
+        worker=worker,
+        relay=relay,
+        oom_before=oom_before,
+    )
     return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
 
 
@@ -292,7 +306,14 @@ class GangEnd:
     """What a node does once its trainer exited and every line it wrote is applied."""
 
     def __init__(
-        self, *, settings: Settings, attempt: Attempt, node_rank: int, worker: str, relay: Relay
+        self,
+        *,
+        settings: Settings,
+        attempt: Attempt,
+        node_rank: int,
+        worker: str,
+        relay: Relay,
+        oom_before: int | None = None,
     ) -> None:
         self.settings, self.attempt, self.node_rank, self.worker, self.relay = (
             settings,
@@ -301,6 +322,7 @@ class GangEnd:
             worker,
             relay,
         )
+        self.oom_before = oom_before
 
     def give_back(self, reason: str, *, restart: bool, fail: bool = False) -> str:
         with session_for(self.settings.database_url) as s:
@@ -338,9 +360,14 @@ class GangEnd:
         if view.has_result:  # the job's result is in: node 0 ends it
             return self.wait_for_end() if self.node_rank else self.end_with_result(view)
         oom = out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=memory_limit)
-        failure = oom or out.failure(rc)
-        # a spec the trainer refused, or a limit, fails on every attempt alike: no restart
-        terminal = oom is not None or failure.startswith(("bad spec", "ran past its max_runtime_s"))
+        infra = None
+        if oom is None and out.stopped is None:
+            stderr = "\n".join(out.stderr_tail)
+            infra = infrastructure_failure(rc=rc, stderr=stderr, oom_before=self.oom_before)
+        failure = oom or infra or out.failure(rc)
+        # a spec the trainer refused, a limit, the user's code or a NaN loss fails on every
+        # attempt alike: no restart (a rank killed by a signal is the infrastructure's)
+        terminal = oom is not None or (infra is None and failure.startswith(JOB_OWN_FAILURES))
         return self.give_back(f"{where}: {failure}", restart=True, fail=terminal)
 
     def finish(self, status: JobStatus, error: str | None = None) -> str:

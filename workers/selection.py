@@ -35,6 +35,7 @@ from db.selections import (
     stop_requests,
     sync_trials,
 )
+from workers import pyenv
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
@@ -222,17 +223,27 @@ def execute_selection(
         if msg.trial is not None:
             relay.add(msg.trial, msg)
 
-    rc = supervise(
-        cmd,
-        on_message=route,
-        poll=poll,
-        stop_file=stop_file,
-        stderr_log=root / f"{group}.stderr.log",
-        grace_s=settings.cancel_grace_s,
-        shutdown_grace_s=settings.shutdown_grace_s,
-        out=out,
-        memory_limit=mem_limit,
+    # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
+    env = pyenv.for_group(
+        specs[won[0][0].index], settings=settings, root=root, relay=relay, keys=sorted(mine)
     )
+    out.error = env.error
+    rc = (
+        1
+        if env.error
+        else supervise(
+            cmd + env.args,
+            on_message=route,
+            poll=poll,
+            stop_file=stop_file,
+            stderr_log=root / f"{group}.stderr.log",
+            grace_s=settings.cancel_grace_s,
+            shutdown_grace_s=settings.shutdown_grace_s,
+            out=out,
+            memory_limit=mem_limit,
+        )
+    )
+    env.release()
     if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
         out.error = oom
     if not relay.close():

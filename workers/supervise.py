@@ -45,7 +45,7 @@ class Outcome:
     why the process was stopped or killed (None when it ended on its own)."""
 
     error: str | None = None
-    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
     stopped: str | None = None
     """"stop" (asked to stop, e.g. a cancel), "drain" (warm shutdown), "kill" (fenced off or gave
     up on the database)"""

@@ -25,6 +25,7 @@ from core.settings import get_settings
 from db.engine import session_for
 from db.jobs import expire_leases, mark_draining, record_heartbeat
 from db.selections import settle_selection, sync_trials, unsettled_selections
+from jobrules.restarts import max_restarts
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
@@ -93,7 +94,9 @@ def reconcile_once() -> int:
     message). Returns how many leases were taken back."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        requeued, cancelled = expire_leases(s, gang_restarts=settings.gang_restarts)
+        requeued, cancelled = expire_leases(
+            s, gang_restarts=settings.gang_restarts, max_restarts=max_restarts
+        )
         for job in requeued + cancelled:
             log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
         touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])

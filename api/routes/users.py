@@ -1,7 +1,9 @@
 """/api/users, /api/tokens and /api/auth: accounts, API tokens and the dashboard's sign-in.
 
 Tokens are shown once, in the answer that creates them. Admins create users; everyone manages
-their own tokens; a user's token list and another user's token read as absent to others.
+their own tokens and sessions; a user's token list and another user's token read as absent to
+others. A token minted for oneself belongs to the token it was minted with (revoking that one
+revokes it); one an admin mints for another user, and a user's first token, belong to no token.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from api.auth import (
     CSRF_COOKIE,
     SESSION_COOKIE,
     AdminUser,
+    Credential,
     CurrentUser,
     check_origin,
     csrf_for,
@@ -31,6 +34,7 @@ from api.user_schemas import (
     TokenIssued,
     TokenPublic,
     TokensPublic,
+    TokensRevoked,
     UserCreate,
     UserIssued,
     UserPublic,
@@ -58,13 +62,37 @@ def user_public(user: User, settings: Settings) -> UserPublic:
 def token_public(tok: ApiToken) -> TokenPublic:
     return TokenPublic(
         id=tok.id,
+        kind=tok.kind,
         user_id=tok.user_id,
         user=tok.user.name,
         label=tok.label,
         prefix=tok.prefix,
+        parent_id=tok.parent_id,
         created_at=aware(tok.created_at),
+        expires_at=aware(tok.expires_at),
+        last_used_at=aware(tok.last_used_at),
         revoked_at=aware(tok.revoked_at),
     )
+
+
+def _minting_token(request: Request, session: SessionDep, user: User, confirm: str | None) -> int:
+    """The API token a new token of `user`'s own is made from: the Bearer token of the request,
+    or, from a dashboard session, the token the request re-presents (403 without one)."""
+    cred: Credential = request.state.credential
+    if cred.kind == "api" and confirm is None:
+        return cred.token_id
+    if confirm is None:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            "confirm_token: a dashboard session cannot mint a token on its own; send one of your "
+            "API tokens as confirm_token",
+        )
+    tok = db_users.live_token(session, token_hash=hash_secret(confirm.strip()), kind="api")
+    if tok is None or tok.user_id != user.id:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, "confirm_token: not a live API token of yours (unknown or revoked)"
+        )
+    return tok.id
 
 
 @router.post("/users", status_code=status.HTTP_201_CREATED, response_model=UserIssued)
@@ -85,26 +113,47 @@ def list_users(session: SessionDep, settings: SettingsDep, _admin: AdminUser) ->
 
 
 @router.post("/users/{user_id}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenIssued)
-def create_token(user_id: Id, body: TokenCreate, session: SessionDep, user: CurrentUser) -> TokenIssued:
+def create_token(
+    user_id: Id, body: TokenCreate, request: Request, session: SessionDep, user: CurrentUser
+) -> TokenIssued:
     if user_id != user.id and not user.is_admin:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
     try:
         db_users.get_user(session, user_id)
     except NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    secret, row = issue_token(session, user_id=user_id, label=body.label)
+    parent = _minting_token(request, session, user, body.confirm_token)
+    # a token of one's own is made from the caller's token; one an admin hands to another user is
+    # that user's own (revoking the admin's token must not lock the other user out)
+    secret, row = issue_token(
+        session, user_id=user_id, label=body.label, parent_id=parent if user_id == user.id else None
+    )
     return TokenIssued(token=secret, info=token_public(row))
+
+
+@router.delete("/users/{user_id}/tokens", response_model=TokensRevoked)
+def revoke_user_tokens(user_id: Id, session: SessionDep, user: CurrentUser) -> TokensRevoked:
+    """Revoke every token and end every session of a user (an admin: anyone's; a user: their
+    own, which signs them out everywhere)."""
+    if user_id != user.id and not user.is_admin:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
+    try:
+        db_users.get_user(session, user_id)
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    return TokensRevoked(revoked=db_users.revoke_user_tokens(session, user_id=user_id))
 
 
 @router.get("/tokens", response_model=TokensPublic)
 def list_tokens(session: SessionDep, user: CurrentUser) -> TokensPublic:
-    """Your tokens (an admin: everyone's), without their secrets."""
+    """Your API tokens and live dashboard sessions (an admin: everyone's), without their secrets."""
     rows = db_users.list_tokens(session, user_id=None if user.is_admin else user.id)
     return TokensPublic(items=[token_public(t) for t in rows])
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic)
 def revoke_token(token_id: Id, session: SessionDep, user: CurrentUser) -> TokenPublic:
+    """Revoke a token, or end a session, and with it every session and token made from it."""
     try:
         tok = db_users.revoke_token(session, token_id=token_id, user_id=None if user.is_admin else user.id)
     except NotFound as e:
@@ -125,11 +174,18 @@ def sign_in(
     """Trade an API token for a dashboard session: an HttpOnly cookie the browser sends with
     every request and EventSource, and the CSRF token to send back with every POST and DELETE."""
     check_origin(request)
-    user = db_users.user_for_token(session, token_hash=hash_secret(body.token.strip()), kind="api")
-    if user is None:
+    tok = db_users.live_token(session, token_hash=hash_secret(body.token.strip()), kind="api")
+    if tok is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "the token is unknown or revoked")
+    user = tok.user
+    # the session belongs to the token: revoking the token ends it
     secret, _ = issue_token(
-        session, user_id=user.id, kind="session", label="dashboard", ttl_s=settings.session_ttl_s
+        session,
+        user_id=user.id,
+        kind="session",
+        label="dashboard",
+        ttl_s=settings.session_ttl_s,
+        parent_id=tok.id,
     )
     csrf = csrf_for(secret)
     common = {

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import CurrentUser, may_see
 from api.deps import SessionDep, SettingsDep
-from api.schemas import DB_INT, WorkspacePublic, WorkspacesPublic
+from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
 from core.archive import ArchiveError, inspect_archive
 from core.settings import Settings
 from db import workspaces as db_ws
@@ -110,7 +110,9 @@ async def upload_workspace(
     request: Request,
     settings: SettingsDep,
     user: CurrentUser,
-    name: str = Query("workspace", min_length=1, max_length=200, description="a label for the upload"),
+    name: str = Query(
+        "workspace", min_length=1, max_length=200, pattern=NO_CONTROLS, description="a label for the upload"
+    ),
 ) -> WorkspacePublic:
     """The body is the archive itself (Content-Type application/gzip, application/zip or
     application/octet-stream); the format is read from its first bytes."""

@@ -216,8 +216,13 @@ export function csrfToken(): string {
   return m ? decodeURIComponent(m[1]) : "";
 }
 
-/** Fired when the API answers 401: the page shows the sign-in form. */
+/** Fired when the API answers 401: the page shows the sign-in form, with the reason
+ * (a CustomEvent's `detail`: the session expired, was ended, or its token was revoked). */
 export const SIGNED_OUT = "shardyard:signed-out";
+
+export function signedOut(reason: string): void {
+  window.dispatchEvent(new CustomEvent(SIGNED_OUT, { detail: reason }));
+}
 
 export async function api<T>(path: string, init?: { method?: string; body?: unknown }): Promise<T> {
   const method = init?.method ?? "GET";
@@ -230,13 +235,15 @@ export async function api<T>(path: string, init?: { method?: string; body?: unkn
     credentials: "same-origin",
     body: init?.body !== undefined ? JSON.stringify(init.body) : undefined,
   });
-  if (res.status === 401 && path !== "/api/auth/session") window.dispatchEvent(new Event(SIGNED_OUT));
   const text = await res.text();
   let payload: unknown = null;
   try {
     payload = text ? JSON.parse(text) : null;
   } catch {
     payload = text;
+  }
+  if (res.status === 401 && path !== "/api/auth/session") {
+    signedOut(String((payload as { detail?: unknown } | null)?.detail ?? "signed out"));
   }
   if (!res.ok) {
     const detail = (payload as { detail?: unknown } | null)?.detail ?? payload ?? res.statusText;
@@ -264,7 +271,22 @@ export function subscribe(
     });
   }
   es.onopen = () => onState?.("open");
-  es.onerror = () => onState?.("error");
+  es.onerror = (ev) => {
+    // the server's last frame when the session or token is gone (revoked, expired): not a
+    // dropped connection to retry, but the end of the sign-in
+    const data = (ev as MessageEvent<string>).data;
+    if (typeof data === "string") {
+      es.close();
+      let detail = "the session has ended";
+      try {
+        detail = String(JSON.parse(data).detail ?? detail);
+      } catch {
+        // keep the generic reason
+      }
+      signedOut(detail);
+    }
+    onState?.("error");
+  };
   return es;
 }
 

@@ -49,7 +49,7 @@ async function signOut(): Promise<void> {
   showSignIn();
 }
 
-function showSignIn(): void {
+function showSignIn(reason?: string): void {
   cleanup?.();
   cleanup = null;
   me = null;
@@ -62,6 +62,10 @@ function showSignIn(): void {
     size: 52,
   });
   const out = h("div", { id: "signin-result", role: "status" });
+  if (reason) {
+    out.className = "error";
+    out.textContent = `Signed out: ${reason}`;
+  }
   const submit = async (ev: Event) => {
     ev.preventDefault();
     out.className = "";
@@ -156,8 +160,8 @@ async function start(): Promise<void> {
 }
 
 window.addEventListener("hashchange", route);
-window.addEventListener(SIGNED_OUT, () => {
-  if (me) showSignIn();
+window.addEventListener(SIGNED_OUT, (ev) => {
+  if (me) showSignIn((ev as CustomEvent<string>).detail);
 });
 void start();
 void health();

@@ -1,6 +1,6 @@
 // Submit-form helpers for users' own models and data: example specs for every model and data kind,
 // and a workspace upload (.tar.gz or .zip) whose reference goes into the spec's `workspace`.
-import { ApiError, csrfToken, describeDetail, SIGNED_OUT } from "./api";
+import { ApiError, csrfToken, describeDetail, signedOut } from "./api";
 import { errorText, h } from "./dom";
 
 export interface Workspace {
@@ -62,8 +62,8 @@ export async function uploadWorkspace(file: File): Promise<Workspace> {
     credentials: "same-origin",
     body: file,
   });
-  if (res.status === 401) window.dispatchEvent(new Event(SIGNED_OUT));
   const payload = (await res.json().catch(() => null)) as { detail?: unknown } | null;
+  if (res.status === 401) signedOut(String(payload?.detail ?? "signed out"));
   if (!res.ok) throw new ApiError(res.status, describeDetail(payload?.detail ?? res.statusText));
   return payload as unknown as Workspace;
 }

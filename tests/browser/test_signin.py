@@ -96,3 +96,20 @@ def test_jobs_table_is_paged_and_filtered_by_the_server(stack, page: Page) -> No
     page.locator("#filter-status").select_option("cancelled")
     page.locator("#filter-name").fill(f"{tag}-5")  # -5 and -50..-59
     expect(info).to_have_text("1–11 of 11")
+
+
+def test_revoking_the_token_signs_the_dashboard_out_with_the_reason(stack, page: Page) -> None:  # noqa: ANN001
+    """The session and its open EventSource die with the token they came from; the page says so."""
+    user = stack.client.post("/api/users", json={"name": f"r{secrets.token_hex(3)}"}).json()
+    page.goto(f"{stack.base_url}/#/")
+    page.locator("#token-input").fill(user["token"])
+    page.locator("#signin-form").get_by_role("button", name="Sign in").click()
+    expect(page.locator("#live-state")).to_have_text("live", timeout=15_000)
+    tokens = stack.client.get("/api/tokens").json()["items"]
+    first = next(t for t in tokens if t["user_id"] == user["user"]["id"] and t["kind"] == "api")
+    assert stack.client.delete(f"/api/tokens/{first['id']}").status_code == 200
+    # nothing is clicked: the stream's last frame signs the page out
+    expect(page.locator("#signin-form")).to_be_visible(timeout=30_000)
+    expect(page.locator("#signin-result")).to_contain_text("revoked")
+    page.reload()
+    expect(page.locator("#signin-form")).to_be_visible()

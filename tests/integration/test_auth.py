@@ -7,13 +7,17 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from db.engine import session_for
-from db.jobs import JobStatus, claim_job, create_job, finish_job
+from db.jobs import JobStatus, aware, claim_job, create_job, finish_job
+from db.models import ApiToken, utcnow
 from tests.conftest import TINY_SPEC, StackHandle
 from tests.sse import sse_frames
 
@@ -249,3 +253,157 @@ def test_deleted_frames_reach_only_the_owner_and_admins(stack: StackHandle) -> N
         finally:
             for st in streams.values():
                 st.close()
+
+
+def sign_in(stack: StackHandle, token: str) -> tuple[httpx.Client, dict[str, str]]:
+    """A browser-like client holding a dashboard session made from `token`, and the headers its
+    POSTs and DELETEs send (same origin, CSRF token)."""
+    browser = httpx.Client(base_url=stack.base_url, timeout=30)
+    resp = browser.post("/api/auth/session", json={"token": token})
+    assert resp.status_code == 200, resp.text
+    return browser, {"Origin": stack.base_url, "X-CSRF-Token": resp.json()["csrf_token"]}
+
+
+class _Stream:
+    """Any SSE stream read in a thread, with a session cookie or a Bearer token: its frames, and
+    whether the server has closed it."""
+
+    def __init__(self, client: httpx.Client, path: str) -> None:
+        self.frames: list[tuple[str, dict]] = []
+        self.closed = threading.Event()
+        self.opened = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(client, path), daemon=True)
+        self._thread.start()
+        assert self.opened.wait(30), f"{path} did not open"
+
+    def _read(self, client: httpx.Client, path: str) -> None:
+        try:
+            with client.stream("GET", path, timeout=httpx.Timeout(30, read=120)) as r:
+                assert r.status_code == 200, r.read()
+                for _, event, data in sse_frames(self._lines(r)):
+                    self.frames.append((event, data))
+        finally:
+            self.closed.set()
+
+    def _lines(self, r: httpx.Response) -> Iterator[str]:
+        for line in r.iter_lines():
+            self.opened.set()  # the first line (retry:) comes once the stream is subscribed
+            yield line
+
+
+def test_revoking_a_token_ends_its_sessions_and_open_streams(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    browser, same = sign_in(stack, a["token"])
+    with ca, closing(browser):
+        first_id = next(t["id"] for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "api")
+        # the session is listed beside its token, made from it, and the admin sees it too
+        sessions = [t for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "session"]
+        assert len(sessions) == 1 and sessions[0]["parent_id"] == first_id, sessions
+        assert sessions[0]["expires_at"] is not None
+        assert any(t["id"] == sessions[0]["id"] for t in stack.client.get("/api/tokens").json()["items"])
+        # a job that outlasts the test: its stream must end for the revocation, not the job's end
+        endless = {**SHORT, "name": "watched", "train": {**SHORT["train"], "steps": 100000}}
+        job = browser.post("/api/jobs", json=endless, headers=same).json()
+        # streams opened with the session and with the token itself, both quiet and open
+        by_cookie = _Stream(browser, "/api/events")
+        by_token = _Stream(ca, f"/api/jobs/{job['id']}/stream")
+        by_cookie_job = _Stream(browser, f"/api/jobs/{job['id']}/stream")
+        assert browser.get("/api/jobs").status_code == 200
+
+        assert stack.client.delete(f"/api/tokens/{first_id}").status_code == 200
+        # one DELETE: the token, its session, and every stream opened with either
+        assert ca.get("/api/jobs").status_code == 401
+        resp = browser.get("/api/jobs")
+        assert resp.status_code == 401 and "revoked" in resp.json()["detail"], resp.text
+        for st in (by_cookie, by_token, by_cookie_job):
+            assert st.closed.wait(60), "a stream outlived its revoked credential"
+            event, data = st.frames[-1]
+            assert event == "error" and data["status"] == 401 and "revoked" in data["detail"], st.frames
+        # and the session cannot be used to mint its way back in
+        resp = browser.post(f"/api/users/{a['user']['id']}/tokens", json={"label": "back"}, headers=same)
+        assert resp.status_code == 401
+        assert stack.client.post(f"/api/jobs/{job['id']}/cancel").status_code == 200
+
+
+def test_sessions_are_ended_one_by_one_or_all_at_once(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    one, same1 = sign_in(stack, a["token"])
+    two, _ = sign_in(stack, a["token"])
+    with ca, closing(one), closing(two):
+        ids = [t["id"] for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "session"]
+        assert len(ids) == 2
+        # an admin ends the first session; the second and the token go on
+        ended = stack.client.delete(f"/api/tokens/{ids[0]}")
+        assert ended.status_code == 200 and ended.json()["revoked_at"] is not None
+        assert one.get("/api/jobs").status_code == 401
+        assert two.get("/api/jobs").status_code == 200 and ca.get("/api/jobs").status_code == 200
+        # an ended session is no longer listed
+        assert [t["id"] for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "session"] == ids[1:]
+        # another user can neither see nor end them
+        b, cb = new_user(stack)
+        with cb:
+            assert cb.delete(f"/api/tokens/{ids[1]}").status_code == 404
+            assert cb.delete(f"/api/users/{a['user']['id']}/tokens").status_code == 404
+        # revoking the user: every token and session at once
+        resp = stack.client.delete(f"/api/users/{a['user']['id']}/tokens")
+        assert resp.status_code == 200 and resp.json()["revoked"] == 2  # the token, the session
+        assert two.get("/api/jobs").status_code == 401 and ca.get("/api/jobs").status_code == 401
+
+
+def test_a_session_cannot_mint_a_token_without_presenting_one(stack: StackHandle) -> None:
+    a, ca = new_user(stack)
+    b, cb = new_user(stack)
+    browser, same = sign_in(stack, a["token"])
+    uid = a["user"]["id"]
+    with ca, cb, closing(browser):
+        resp = browser.post(f"/api/users/{uid}/tokens", json={"label": "stolen"}, headers=same)
+        assert resp.status_code == 403 and "confirm_token" in resp.json()["detail"], resp.text
+        # another user's token does not confirm
+        resp = browser.post(
+            f"/api/users/{uid}/tokens", json={"label": "x", "confirm_token": b["token"]}, headers=same
+        )
+        assert resp.status_code == 403
+        assert {t["label"] for t in ca.get("/api/tokens").json()["items"]} == {"first", "dashboard"}
+        # with one of the user's own tokens it may; the new token is made from that one
+        resp = browser.post(
+            f"/api/users/{uid}/tokens", json={"label": "laptop", "confirm_token": a["token"]}, headers=same
+        )
+        assert resp.status_code == 201, resp.text
+        minted = resp.json()
+        # a token minted with a Bearer token is made from it as well
+        by_bearer = ca.post(f"/api/users/{uid}/tokens", json={"label": "ci"}).json()
+        first_id = by_bearer["info"]["parent_id"]
+        assert minted["info"]["parent_id"] == first_id is not None
+        # so revoking the first token cuts off everything that came from it
+        assert stack.client.delete(f"/api/tokens/{first_id}").status_code == 200
+        for secret in (minted["token"], by_bearer["token"]):
+            resp = httpx.get(f"{stack.base_url}/api/jobs", headers={"Authorization": f"Bearer {secret}"})
+            assert resp.status_code == 401
+        # an admin's token for another user is that user's own: B's stays when the admin's goes
+        resp = stack.client.post(f"/api/users/{b['user']['id']}/tokens", json={"label": "given"})
+        assert resp.status_code == 201 and resp.json()["info"]["parent_id"] is None
+
+
+def test_an_idle_session_ends(stack: StackHandle) -> None:
+    """SHARDYARD_SESSION_IDLE_S (2 h): a session last used longer ago answers 401 saying so; its
+    use is recorded, so a session in use does not end."""
+    a, ca = new_user(stack)
+    browser, _ = sign_in(stack, a["token"])
+    with ca, closing(browser):
+        assert browser.get("/api/jobs").status_code == 200
+        sid = next(t["id"] for t in ca.get("/api/tokens").json()["items"] if t["kind"] == "session")
+        with session_for(stack.stack.database_url) as s:
+            s.execute(
+                update(ApiToken).where(ApiToken.id == sid).values(last_used_at=utcnow() - timedelta(hours=1))
+            )
+            s.commit()
+        assert browser.get("/api/jobs").status_code == 200  # an hour idle: still on, and used now
+        with session_for(stack.stack.database_url) as s:
+            assert aware(s.get(ApiToken, sid).last_used_at) > utcnow() - timedelta(minutes=5)
+            s.execute(
+                update(ApiToken).where(ApiToken.id == sid).values(last_used_at=utcnow() - timedelta(hours=3))
+            )
+            s.commit()
+        resp = browser.get("/api/jobs")
+        assert resp.status_code == 401 and "idle" in resp.json()["detail"], resp.text
+        assert ca.get("/api/jobs").status_code == 200  # the token itself has no idle limit

@@ -90,3 +90,56 @@ def test_idle_stream_sends_keepalives_and_catches_up_from_the_database(stack: St
             assert time.monotonic() - t0 < 30
     assert comments >= 2
     assert statuses == ["queued", "cancelled"]
+
+
+def test_cli_prints_names_with_markup_as_they_are(stack: StackHandle, tmp_path: Path) -> None:
+    """A job named `[/]` made `shardyard jobs` exit 1 (rich read the name as markup)."""
+    names = ["[/]", "[bold red]loud[/]", "a[/b]c"]
+    ids = []
+    for name in names:
+        spec = tmp_path / "job.json"
+        spec.write_text(json.dumps({**TINY_SPEC, "name": name, "train": {**TINY_SPEC["train"], "steps": 1}}))
+        out = cli(stack, "submit", str(spec))
+        assert out.returncode == 0, out.stderr
+        assert f"({name})" in out.stdout, out.stdout
+        ids.append(int(out.stdout.split("submitted job", 1)[1].split()[0]))
+    listing = cli(stack, "jobs", "--limit", "500")
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split("│")[1].strip(): line for line in listing.stdout.splitlines() if line.count("│") > 2}
+    for job_id, name in zip(ids, names, strict=True):
+        assert name in rows[str(job_id)], listing.stdout
+    for job_id in ids:
+        stack.client.post(f"/api/jobs/{job_id}/cancel")
+
+
+def test_cli_follow_stops_when_its_token_is_revoked(stack: StackHandle) -> None:
+    """The stream's last frame says the token is gone: the CLI stops with the reason (exit 2)
+    instead of reconnecting for ever."""
+    made = stack.client.post("/api/users", json={"name": f"f{time.time_ns()}"}).json()
+    token = made["token"]
+    endless = {**TINY_SPEC, "name": "followed", "train": {**TINY_SPEC["train"], "steps": 100000}}
+    job = httpx.post(
+        f"{stack.base_url}/api/jobs", json=endless, headers={"Authorization": f"Bearer {token}"}
+    ).json()
+    env = {**os.environ, "SHARDYARD_API_URL": stack.base_url, "SHARDYARD_TOKEN": token, "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "follow", str(job["id"])],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stack.wait_until(job["id"], lambda j: j["status"] == "running", timeout=120)
+        time.sleep(1)  # the CLI has opened its stream
+        first = next(
+            t for t in stack.client.get("/api/tokens").json()["items"] if t["user_id"] == made["user"]["id"]
+        )
+        assert stack.client.delete(f"/api/tokens/{first['id']}").status_code == 200
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "the token was revoked; the stream is closed" in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stack.client.post(f"/api/jobs/{job['id']}/cancel")

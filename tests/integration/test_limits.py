@@ -3,9 +3,14 @@ the rule (never 500), and a job no worker could ever run is refused with the num
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import select
+import socket
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -210,3 +215,114 @@ def test_workspace_refs_beyond_the_database_range_read_as_absent(stack: StackHan
     # the spec allows 18 digits: past the INTEGER column, before any 500
     resp = stack.client.post("/api/jobs", json=with_(workspace=str(10**17)))
     assert resp.status_code == 422 and "not found" in resp.json()["detail"]
+
+
+def _memory_kb(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak resident memory) of a process, in kB, from /proc."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def _anonymous_upload(port: int, size: int, out: list[str]) -> None:
+    """POST `size` bytes to the workspace upload without a token, over a raw socket: send until
+    the server answers (or stops reading), then keep its status line."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        sock.sendall(
+            f"POST /api/workspaces HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/gzip\r\n"
+            f"Content-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+        )
+        chunk = b"\0" * 2**20
+        sent = 0
+        sock.setblocking(False)
+        while sent < size:
+            readable, writable, _ = select.select([sock], [sock], [], 10)
+            if readable:
+                break  # an answer before the body: stop sending
+            if writable:
+                try:
+                    sent += sock.send(chunk[: size - sent])
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        sock.setblocking(True)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while b"\r\n" not in answer and (part := sock.recv(4096)):
+                answer += part
+        out.append(answer.split(b"\r\n", 1)[0].decode())
+    finally:
+        sock.close()
+
+
+def test_anonymous_uploads_cost_the_api_no_memory(stack: StackHandle) -> None:
+    """Four 95 MB uploads at once, without a token, under the 100 MiB cap: each is refused on its
+    headers (401), and the API's peak memory stays within a few MB of idle. Reading them before
+    the token check held all four in memory: the peak grew by ~400 MB."""
+    pid = stack.stack.procs["api"].pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM starts again from the current VmRSS
+    idle = _memory_kb(pid)
+    answers: list[str] = []
+    threads = [
+        threading.Thread(target=_anonymous_upload, args=(stack.stack.api_port, 95_000_000, answers))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    after = _memory_kb(pid)
+    assert answers == ["HTTP/1.1 401 Unauthorized"] * 4, answers
+    grew_mb = (after["VmHWM"] - idle["VmRSS"]) / 1024
+    assert grew_mb < 16, f"the API's peak memory grew {grew_mb:.0f} MB (idle {idle}, after {after})"
+    assert stack.client.get("/api/health").status_code == 200
+
+
+def test_no_body_is_read_before_the_caller_is_known(stack: StackHandle) -> None:
+    def chunks():  # no Content-Length: the size is unknown until it is read
+        for _ in range(4):
+            yield b'{"name": "x"}'
+
+    anon = httpx.Client(base_url=stack.base_url, timeout=30)
+    with anon:
+        resp = anon.post("/api/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
+        bad = {"Authorization": "Bearer sy_made_up", "Content-Type": "application/json"}
+        resp = anon.post("/api/jobs", content=b"{}", headers=bad)
+        assert resp.status_code == 401 and "unknown or revoked" in resp.json()["detail"]
+        # the sign-in reads a body without a caller, but only a small one
+        resp = anon.post(
+            "/api/auth/session", content=b"x" * 20_000, headers={"Content-Type": "application/json"}
+        )
+        assert resp.status_code == 413 and "16384" in resp.json()["detail"]
+
+
+def test_names_are_not_blank_and_long_numbers_name_their_field(stack: StackHandle) -> None:
+    for blank in ("   ", "\u3000"):
+        resp = stack.client.post("/api/jobs", json=with_(name=blank))
+        assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "name", resp.text
+        assert "other than spaces" in resp.json()["detail"]
+    for bad in ("a\u202egnp.exe", "c1\x85control"):  # a direction override, a C1 control
+        resp = stack.client.post("/api/jobs", json=with_(name=bad))
+        assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "name", resp.text
+    digits = "9" * 5000
+    body = json.dumps(TINY_SPEC).replace('"steps": 40', f'"steps": {digits}')
+    resp = stack.client.post("/api/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["errors"][0]["field"] == "train.steps" and "5000 digits" in resp.json()["detail"]
+    assert len(resp.text) < 1000  # the number is not echoed
+    sel = json.dumps({"base": TINY_SPEC, "space": {"train.lr": [1, 2]}, "trials": 2})
+    sel = sel.replace("[1, 2]", f"[1, -{digits}]")
+    resp = stack.client.post("/api/selections", content=sel, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "space.train.lr.1", resp.text
+    # the same digits in a string are only a long name
+    resp = stack.client.post(
+        "/api/jobs", json=with_(name="9" * 150, train={**TINY_SPEC["train"], "steps": 1})
+    )
+    assert resp.status_code == 201, resp.text
+    stack.client.post(f"/api/jobs/{resp.json()['id']}/cancel")

@@ -132,12 +132,16 @@ def test_checkpoints_are_pruned_and_a_finished_job_is_deleted(ops_stack: StackHa
 def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
     ops_stack: StackHandle, tmp_path: Path
 ) -> None:
-    """Injects a real full disk: the job's checkpoint folder is a 64 KiB tmpfs (about 85 KB per
-    checkpoint of this model), so the trainer's first checkpoint write gets ENOSPC from the
-    kernel. Needs permission to mount (root here); without it the trainer-level test in
-    tests/trainer/test_checkpoint.py covers the same path with a file-size limit."""
+    """Injects a real full disk: the job's checkpoint folder is a 1 MiB tmpfs and a checkpoint of
+    this model (weights and AdamW state) is several MiB, so the write runs into ENOSPC inside
+    torch's zip writer, which reports it as its own "unexpected pos" RuntimeError; the job's error
+    must still say No space left on device, with the path and the free bytes, and the job is not
+    retried (a full disk is not cured by a new attempt on the same storage). Needs permission to
+    mount (root here); without it the trainer-level tests in tests/trainer/test_checkpoint.py
+    cover the same path with a file-size limit."""
     h = ops_stack
-    spec = JobSpec.model_validate({**FAST, "train": {**FAST["train"], "steps": 6}, "checkpoint_every": 2})
+    big = long_job("full-disk", 6, checkpoint_every=2)
+    spec = JobSpec.model_validate(big)
     with session_for(h.stack.database_url) as s:
         # owned by a user with a quota of 0 running jobs: the scheduler holds it until the folder
         # below is in place
@@ -145,7 +149,7 @@ def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
         job_id = create_job(s, name="full-disk", spec=spec.model_dump(), steps=6, owner_id=held.id).id
     mount = tmp_path / "full"
     try:
-        cm = full_disk(mount, size_kib=64)
+        cm = full_disk(mount, size_kib=1024)
         cm.__enter__()
     except RuntimeError as e:
         pytest.skip(f"no full disk to inject here: {e}")
@@ -160,5 +164,9 @@ def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
         left = sorted(p.name for p in mount.iterdir())
     finally:
         cm.__exit__(None, None, None)
-    assert "No space left on device" in done["error"], done["error"]
+    error = done["error"]
+    path = h.stack.root / "jobs" / str(job_id) / "checkpoints" / "step-00000002.pt"
+    assert f"No space left on device: checkpoint {path} could not be written" in error, error
+    assert " bytes are free there" in error and "unexpected pos" not in error, error
+    assert done["attempts"] == 1 and done["restarts"] == 0
     assert left == []  # no partial checkpoint, no temporary file

@@ -194,3 +194,60 @@ def test_a_writer_killed_mid_write_leaves_a_temporary_that_a_later_save_removes_
     assert not left.exists()
     assert live.exists()
     assert [s for s, _ in checkpoint_steps(tmp_path)] == [9, 8]
+
+
+_BIG_WRITER = """
+import sys, torch
+from pathlib import Path
+from trainer.checkpoint import CheckpointWriteError, save_checkpoint
+
+try:
+    save_checkpoint(Path(sys.argv[1]), step=3, state={"model": {"w": torch.ones(1 << 20)}})  # 4 MiB
+except CheckpointWriteError as e:
+    print(e.errno, e, sep="\\n")
+"""
+
+
+def test_a_checkpoint_bigger_than_the_free_space_names_the_cause_path_and_free_bytes(tmp_path: Path) -> None:
+    """A 4 MiB checkpoint onto a 256 KiB tmpfs: torch's zip writer fails past the free space with
+    its own "unexpected pos" RuntimeError; the error must say No space left on device, name the
+    checkpoint's path and the bytes free, and leave no file behind. (The 85 KB checkpoints above
+    fail on a 64 KiB disk before torch's writer gets that far, which hid this.) Where no tmpfs can
+    be mounted, a file-size limit stands in (EFBIG)."""
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def run(fsize_limit: int | None = None) -> subprocess.CompletedProcess[str]:
+        def limit() -> None:
+            if fsize_limit is not None:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
+
+        return subprocess.run(
+            [sys.executable, "-c", _BIG_WRITER, str(ckpt)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            preexec_fn=limit,  # noqa: PLW1509 - only a signal disposition and an rlimit
+        )
+
+    try:
+        with full_disk(ckpt, size_kib=256):
+            done = run()
+            left = sorted(p.name for p in ckpt.iterdir())
+        code, reason = "28", "No space left on device"
+    except RuntimeError:
+        done = run(fsize_limit=256 * 1024)
+        left = sorted(p.name for p in ckpt.iterdir())
+        code, reason = "27", "File too large"
+    assert done.returncode == 0, done.stderr[-2000:]
+    errno_, message = done.stdout.split("\n", 1)
+    assert errno_ == code, done.stdout
+    assert message.startswith(f"{reason}: checkpoint {ckpt / 'step-00000003.pt'} could not be written"), (
+        message
+    )
+    if code == "28":
+        free = int(message.split(" bytes are free there")[0].rsplit(" ", 1)[1].replace(",", ""))
+        assert 0 < free <= 256 * 1024, message
+    assert left == []

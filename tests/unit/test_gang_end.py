@@ -117,6 +117,51 @@ def test_a_refused_spec_fails_at_once(settings: Settings) -> None:
     assert not any(e.get("gang_restart") for e in events)
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        "TrainingError: loss is nan at step 3; lower train.lr (rank 0 of 4)",
+        "user code failed: data.entry: NameError",
+    ],
+)
+def test_a_nan_loss_or_the_users_code_fails_at_once(settings: Settings, error: str) -> None:
+    head, _ = _running_gang(settings)
+    assert _end(settings, head, 0, rc=1, out=Outcome(error=error)) == "failed"
+    job, events, _ = _job(settings, head.job_id)
+    assert job.error == f"node 0 on w0: {error}"
+    assert not any(e.get("gang_restart") for e in events)
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_the_gang_restarts(settings: Settings) -> None:
+    """torchrun's failure summary (what it prints on stderr when a rank dies) names the rank."""
+    head, _ = _running_gang(settings)
+    out = Outcome(error="RuntimeError: Connection closed by peer (rank 0 of 4)")
+    summary = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_19:35:18
+  host      : w0
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242"""
+    out.stderr_tail.extend(summary.splitlines())
+    assert _end(settings, head, 0, rc=1, out=out) == "queued"
+    _, events, _ = _job(settings, head.job_id)
+    assert events[-1]["reason"].startswith(
+        "node 0 on w0: rank 1 (pid 4242) on w0 was killed by SIGKILL (exit code -9)"
+    )
+
+
+def test_a_nodes_failed_environment_fails_the_gang_at_once(settings: Settings) -> None:
+    # the job's requirements (workers/pyenv.py) fail the same way on every attempt: no restart
+    head, member = _running_gang(settings)
+    why = "environment: resolving the requirements failed: error: no-such-pkg was not found"
+    assert _end(settings, member, 1, rc=1, out=Outcome(error=why)) == "failed"
+    job, events, _ = _job(settings, head.job_id)
+    assert job.error == f"node 1 on w1: {why}"
+    assert not any(e.get("gang_restart") for e in events)
+
+
 def test_a_stop_from_another_nodes_warm_shutdown_gives_the_gang_back_uncounted(settings: Settings) -> None:
     head, member = _running_gang(settings)
     # node 1's worker drained: every rank stopped at one step, so node 0's trainer exited 0 with a

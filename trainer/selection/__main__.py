@@ -24,7 +24,7 @@ import torch
 
 from trainer.config import ConfigError
 from trainer.protocol import FileStopSignal
-from trainer.workspace import set_workspace
+from trainer.workspace import add_environment, set_workspace
 
 
 class Numbering:
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--stop-trials-file", default=None)
     ap.add_argument("--workspace", type=Path, default=None, help="the batch's unpacked workspace folder")
+    ap.add_argument("--pyenv", type=Path, default=None, help="the job's own packages (appended to sys.path)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
     args = ap.parse_args(argv)
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
         devices = pick_devices(args.device, args.devices)
         set_workspace(args.workspace)
+        add_environment(args.pyenv)
     except (OSError, ValueError) as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
         return 2

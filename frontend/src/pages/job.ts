@@ -100,7 +100,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
               h("span", { id: "job-queue-position" }, j.queue_position ? `#${j.queue_position}` : "—"),
             )
           : null,
-        j.status === "queued" && j.wait_reason
+        // a running job waits too while the worker prepares its environment (its requirements)
+        (j.status === "queued" || j.status === "running") && j.wait_reason
           ? fact("waiting", h("span", { id: "job-wait-reason" }, j.wait_reason))
           : null,
         (j.reservation ?? []).length

@@ -116,7 +116,7 @@ export function jobsPage(root: HTMLElement): () => void {
         job.status === "queued" && job.queue_position
           ? h("span", { class: "muted queue-position" }, ` #${job.queue_position} in queue`)
           : null,
-        job.wait_reason && job.status === "queued"
+        job.wait_reason && (job.status === "queued" || job.status === "running")
           ? h("div", { class: "muted wait-reason" }, `waiting: ${job.wait_reason}`)
           : null,
       ),
