@@ -15,7 +15,10 @@ from api.healthcheck import Unhealthy, _port, role_of
         (["/opt/venv/bin/python", "/opt/venv/bin/shardyard", "scheduler"], "scheduler"),
         # what /proc/1/cmdline of a worker container holds once Celery has set its title
         (["[celery] -active- (-A workers.celery_app worker -Q cpu,gpu --concurrency 1)"], "worker"),
-        (["/opt/venv/bin/python", "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "cpu"], "worker"),
+        (
+            ["/opt/venv/bin/python", "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", "cpu"],
+            "worker",
+        ),
     ],
 )
 def test_the_role_comes_from_the_command_line(argv: list[str], role: str) -> None:
