@@ -3,7 +3,7 @@
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
-    shardyard scheduler  shardyard healthcheck
+    shardyard scheduler [--metrics-port 9101]    shardyard healthcheck
     shardyard admin create-user NAME [--admin]
 
 The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000), the API
@@ -329,7 +329,15 @@ def cmd_admin_create_user(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from core.multiproc import fresh_multiproc_dir
+    from core.settings import get_settings
+
     cmd_migrate(args)
+    # the embedded scheduler is a child process: its instruments reach /metrics through this
+    # folder (core/telemetry.py); set before anything imports prometheus_client
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        path = fresh_multiproc_dir(get_settings().data_dir / f"prometheus-{args.port}")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     uvicorn.run("api.asgi:app", host=args.host, port=args.port, timeout_graceful_shutdown=3)
     return 0
 
@@ -351,15 +359,27 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     from core.scheduler import Scheduler
     from core.settings import get_settings
+    from core.webhooks import Deliverer
 
     cmd_migrate(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.metrics_port:
+        # no API process beside it to serve these: its own /metrics on the given port
+        from prometheus_client import REGISTRY, start_http_server
+
+        from core.telemetry import multiprocess, multiprocess_registry
+
+        registry = multiprocess_registry() if multiprocess() else REGISTRY
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
     sched = Scheduler(get_settings())
+    deliverer = Deliverer(get_settings()).start()
     signal.signal(signal.SIGTERM, lambda *_: sched.stop_event.set())
     try:
         sched.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        deliverer.stop()
     return 0
 
 
@@ -485,6 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=1)
     p.set_defaults(fn=cmd_worker)
     p = sub.add_parser("scheduler", help="run the scheduler standalone (migrates first)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve this process's Prometheus metrics on this port"
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1")
     p.set_defaults(fn=cmd_scheduler)
     p = sub.add_parser("healthcheck", help="exit 0 when this container's API, worker or scheduler is healthy")
     p.set_defaults(fn=cmd_healthcheck)

@@ -19,13 +19,16 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from api import metrics
 from api.auth import bootstrap_admin, credential_problem
 from api.limits import RequestLimits, clip
+from api.metrics import LatencyMiddleware
 from api.retention import retention_loop
-from api.routes import events, health, jobs, queue, selections, users, workspaces
+from api.routes import events, health, jobs, queue, selections, users, webhooks, workspaces
 from api.streams import StreamSlots
 from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
+from core.telemetry import process_exited
 from db.engine import POOL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -100,6 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if sched is not None:
                 sched.stop()
+            process_exited()
             if cleanup is not None:
                 cleanup.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -132,6 +136,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         public_paths=(r"^/api/auth/session/?$",),
     )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
+    # outermost: every answer is timed, the refusals of the two above included
+    app.add_middleware(LatencyMiddleware, database_url=settings.database_url)
     app.include_router(users.router)
     app.include_router(health.router)
     app.include_router(events.router)
@@ -139,6 +145,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(queue.router)
     app.include_router(selections.router)
     app.include_router(workspaces.router)
+    app.include_router(webhooks.router)
+    app.include_router(metrics.router)
     if (settings.frontend_dist / "index.html").exists():
         app.mount("/", StaticFiles(directory=settings.frontend_dist, html=True), name="dashboard")
     else:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from core.multiproc import MULTIPROC_ENV, fresh_multiproc_dir
 from db.engine import session_for
 from db.migrate import upgrade
 from db.models import JobStatus
@@ -241,7 +242,13 @@ class Stack:
                 "--log-level",
                 "warning",
             ],
-            env={**self.env, "SHARDYARD_ADMIN_TOKEN": self.admin_token},
+            env={
+                **self.env,
+                "SHARDYARD_ADMIN_TOKEN": self.admin_token,
+                # the API's and its scheduler child's instruments meet here (core/telemetry.py)
+                MULTIPROC_ENV: os.environ.get(MULTIPROC_ENV)
+                or str(fresh_multiproc_dir(self.root / "prometheus")),
+            },
         )
         _wait(
             lambda: httpx.get(f"{self.base_url}/api/health", timeout=2).status_code == 200,

@@ -32,6 +32,7 @@ from api.auth import Credential, credential_problem_by_id
 from api.deps import app_settings
 from api.sse import frame
 from core.settings import Settings
+from core.telemetry import OPEN_STREAMS
 
 log = logging.getLogger(__name__)
 _SHARED_S = 1.0
@@ -61,11 +62,14 @@ class StreamSlots:
             if n >= self.limit:
                 return False
             self._open[key] = n + 1
+            OPEN_STREAMS.inc()
             return True
 
     def release(self, key: str) -> None:
         with self._lock:
             n = self._open.get(key, 0) - 1
+            if key in self._open:
+                OPEN_STREAMS.dec()
             if n > 0:
                 self._open[key] = n
             else:

@@ -43,6 +43,7 @@ from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
 from core.settings import Settings
+from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_TICK
 from db import scheduling as dbs
 from db.engine import session_for
 from db.jobs import add_event, aware, db_now
@@ -568,6 +569,13 @@ class Scheduler:
 
     def tick(self) -> Decision | None:
         """One pass; None when another scheduler holds the lock."""
+        started = time.perf_counter()
+        d = self._tick()
+        if d is not None:  # a follower's pass is one lock read: not a tick worth timing
+            SCHEDULER_TICK.observe(time.perf_counter() - started)
+        return d
+
+    def _tick(self) -> Decision | None:
         s = self.settings
         with session_for(s.database_url) as session:
             now = db_now(session)  # one clock read for the lock and the tick's reads
@@ -587,6 +595,7 @@ class Scheduler:
                 held = dbs.reservations(session)
             st = read_state(session, s, self.needs, beats=beats, held=held, now=now)
             self._resend(session, st.held, everything=fresh)
+            decided = time.perf_counter()
             d = plan(
                 st.wants,
                 st.boxes,
@@ -598,6 +607,7 @@ class Scheduler:
                 running=st.running,
                 preemption=s.preemption,
             )
+            SCHEDULER_DECISION.observe(time.perf_counter() - decided)
             capacity = {b.name: dbs.Capacity(b.slots, b.tasks, b.gpus, b.ram) for b in st.boxes}
             for w, nodes in d.placements:
                 limits = st.quotas[w.user].limits if w.user in st.quotas else None
@@ -613,6 +623,7 @@ class Scheduler:
                     d.reasons.pop(w.id, None)
                     continue
                 st.reasons[w.id] = None
+                SCHEDULER_PLACED.inc()
                 self._send(session, w.id, rows, selection_id=w.selection, fresh=True)
             changed = {i: r for i, r in d.reasons.items() if st.reasons.get(i) != r}
             for w in d.order:  # a group's reason is its every trial's

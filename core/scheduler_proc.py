@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from core.settings import Settings
+from core.telemetry import process_exited
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class SchedulerProcess:
 
 def main() -> None:
     from core.scheduler import Scheduler
+    from core.webhooks import Deliverer
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the API stops us through the pipe
@@ -108,8 +110,12 @@ def main() -> None:
     stdin = sys.stdin.buffer
     settings = Settings.model_validate_json(stdin.readline())
     sched = Scheduler(settings)
+    # webhooks go out from here: one process per API process, not one per request thread, and
+    # never from a worker, whose processes come and go with the jobs
+    deliverer = Deliverer(settings).start()
 
     def stop(*_: object) -> None:
+        deliverer.stop_event.set()
         sched.stop_event.set()
         sched.wake_event.set()
 
@@ -124,7 +130,11 @@ def main() -> None:
         stop()
 
     threading.Thread(target=listen, daemon=True, name="wakes").start()
-    sched.run()
+    try:
+        sched.run()
+    finally:
+        deliverer.stop()
+        process_exited()
 
 
 if __name__ == "__main__":

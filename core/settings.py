@@ -151,6 +151,23 @@ class Settings(BaseSettings):
     """How long a node of a multi-node job waits for node 0's rendezvous endpoint, and torchrun
     waits for every node to join, before the node gives up with the reason."""
 
+    # ---- webhooks (core/webhooks.py) and metrics (api/metrics.py) ----
+    webhook_timeout_s: float = 10.0
+    """A webhook receiver must answer within this long; a slower one counts as a failed attempt."""
+    webhook_attempts: int = 8
+    """Attempts per delivery before it is given up (`failed` in the delivery log)."""
+    webhook_backoff_s: float = 5.0
+    """The wait before the second attempt; it doubles after each failure (capped at an hour)."""
+    webhook_concurrency: int = 8
+    """Deliveries in flight at once per deliverer: a receiver that hangs holds one of them for
+    webhook_timeout_s, never the others."""
+    webhook_poll_s: float = 1.0
+    """How often the deliverer looks for due deliveries."""
+    webhook_allow_private: bool = False
+    """Allow webhook URLs whose host is (or resolves to) a loopback, private, link-local or
+    otherwise non-public address. Off, a user cannot make the service POST into its own network
+    (server-side request forgery); tests and single-machine setups turn it on."""
+
     @property
     def quota_defaults(self) -> dict[str, int]:
         return {"running_jobs": self.quota_running_jobs, "ranks": self.quota_ranks, "gpus": self.quota_gpus}

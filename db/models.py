@@ -309,3 +309,60 @@ class Workspace(Base):
         index=True,
     )
     """The uploading user."""
+
+
+class Webhook(Base):
+    """A user's endpoint told when their jobs and batches end. The secret signs each body; it is
+    kept in the clear because signing needs it (unlike a token, whose hash suffices)."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[str] = mapped_column(String(16), default="all")
+    """`all` (every end: succeeded, failed, cancelled) or `failures` (failed only)."""
+    secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    user: Mapped[User] = relationship(lazy="joined")
+
+
+class WebhookDelivery(Base):
+    """The outbox: one row per (webhook, ended job or batch), written by a database trigger in
+    the same transaction that ends the job (the webhooks migration, 0013), so no end is lost whichever code
+    path ended it. The deliverer (core/webhooks.py) claims due rows with a lease."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_due", "state", "next_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"), index=True)
+    event: Mapped[str] = mapped_column(String(32))
+    """`job.ended` or `selection.ended`."""
+    object_id: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20))
+    """The job's or batch's terminal status when it ended."""
+    state: Mapped[str] = mapped_column(String(12), default="pending")
+    """`pending` (due at next_at), `delivered`, or `failed` (gave up after the last retry)."""
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    body: Mapped[str | None] = mapped_column(Text, default=None)
+    """The JSON sent, fixed at the first attempt so every retry carries the same bytes."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    next_at: Mapped[datetime] = mapped_column(default=utcnow)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    delivered_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class WebhookAttempt(Base):
+    """One POST of a delivery: the delivery log."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True
+    )
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    status_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)

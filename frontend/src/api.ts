@@ -298,3 +298,30 @@ export const TERMINAL: ReadonlySet<string> = new Set([
   "stopped_early",
   "stopped",
 ]);
+
+export interface Webhook {
+  id: number;
+  user_id: number;
+  url: string;
+  events: "all" | "failures";
+  created_at: string;
+}
+
+export interface WebhookAttempt {
+  at: string;
+  status_code: number | null;
+  error: string | null;
+  seconds: number;
+}
+
+export interface WebhookDelivery {
+  id: number;
+  event: string;
+  object_id: number;
+  status: string;
+  state: "pending" | "delivered" | "failed";
+  attempts: WebhookAttempt[];
+  created_at: string;
+  next_at: string | null;
+  delivered_at: string | null;
+}

@@ -6,6 +6,7 @@ import { errorText, fmtTime, h } from "./dom";
 import { jobPage } from "./pages/job";
 import { jobsPage } from "./pages/jobs";
 import { selectionPage, selectionsPage } from "./pages/selections";
+import { webhooksPage } from "./pages/webhooks";
 
 type Cleanup = () => void;
 type Route = [RegExp, (root: HTMLElement, id: number) => Cleanup];
@@ -15,6 +16,7 @@ const ROUTES: Route[] = [
   [/^#\/jobs\/(\d+)$/, jobPage],
   [/^#\/selections\/?$/, (root) => selectionsPage(root)],
   [/^#\/selections\/(\d+)$/, selectionPage],
+  [/^#\/webhooks\/?$/, (root) => webhooksPage(root)],
 ];
 
 const app = document.getElementById("app")!;
@@ -115,7 +117,7 @@ function route(): void {
 }
 
 function highlightNav(hash: string): void {
-  const section = hash.startsWith("#/selections") ? "#/selections" : "#/";
+  const section = ["#/selections", "#/webhooks"].find((s) => hash.startsWith(s)) ?? "#/";
   for (const a of document.querySelectorAll<HTMLAnchorElement>("#topbar nav a")) {
     a.classList.toggle("active", a.getAttribute("href") === section);
   }

@@ -1,0 +1,201 @@
+"""GET /metrics for Prometheus (admins only), and the request-latency middleware.
+
+Two kinds of series, from two places:
+- the fleet (jobs, trials and batches by status, the queue, live workers, their slots and devices,
+  the webhook outbox) is read from the database at scrape time by `FleetCollector`: a few grouped
+  counts, so every API process answers the same whichever one Prometheus reaches;
+- per-process instruments (request latency, open streams, the connection pool, the scheduler's
+  tick and decision time, webhook attempts) live in core/telemetry.py and are summed over the
+  processes by prometheus-client's multiprocess mode when PROMETHEUS_MULTIPROC_DIR is set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.auth import AdminUser
+from api.deps import SettingsDep
+from core.settings import Settings
+from core.telemetry import DB_POOL_IN_USE, DB_POOL_SIZE, HTTP_LATENCY, multiprocess, multiprocess_registry
+from db import webhooks as dbw
+from db.engine import get_engine, session_for
+from db.jobs import aware, db_now
+from db.models import Job, JobStatus, Reservation, Selection, Trial
+from db.scheduling import workers_seen
+
+router = APIRouter(tags=["metrics"])
+
+
+def _route_of(scope: Scope) -> str:
+    """The matched route's template (`/api/jobs/{job_id}`), never the raw path: one series per
+    route, not per job id. A path no route matched counts as `unmatched`."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if path is None:
+        return "unmatched"
+    return path or "/"
+
+
+class LatencyMiddleware:
+    """Times each HTTP request to its response's start (a stream is timed to its headers: how long
+    it stays open is the open-streams gauge's business)."""
+
+    def __init__(self, app: ASGIApp, *, database_url: str) -> None:
+        self.app = app
+        self.database_url = database_url
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+        observed = False
+
+        def observe(code: int) -> None:
+            nonlocal observed
+            if not observed:
+                observed = True
+                HTTP_LATENCY.labels(scope["method"], _route_of(scope), str(code)).observe(
+                    time.perf_counter() - started
+                )
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                observe(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            observe(status["code"])  # an exception before any response: counted as its 500
+            sample_pool(self.database_url)
+
+
+def sample_pool(database_url: str) -> None:
+    pool = get_engine(database_url).pool
+    if hasattr(pool, "checkedout"):
+        DB_POOL_IN_USE.set(pool.checkedout())
+        DB_POOL_SIZE.set(pool.size())
+
+
+ENDED = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class FleetCollector(Collector):
+    """The fleet's state from the database, read at each scrape."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.settings
+        with session_for(s.database_url) as session:
+            now = db_now(session)
+            jobs = GaugeMetricFamily(
+                "shardyard_jobs", "Jobs by kind (job, trial) and status", labels=["kind", "status"]
+            )
+            for kind, status, n in session.execute(
+                select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
+            ):
+                jobs.add_metric([kind, status], n)
+            yield jobs
+            trials = GaugeMetricFamily("shardyard_trials", "Trials of batches by status", labels=["status"])
+            for status, n in session.execute(select(Trial.status, func.count()).group_by(Trial.status)):
+                trials.add_metric([status], n)
+            yield trials
+            sels = GaugeMetricFamily(
+                "shardyard_selections", "Model-selection batches by status", labels=["status"]
+            )
+            for status, n in session.execute(
+                select(Selection.status, func.count()).group_by(Selection.status)
+            ):
+                sels.add_metric([status], n)
+            yield sels
+
+            depth = GaugeMetricFamily(
+                "shardyard_queue_depth", "Jobs waiting (queued), by queue", labels=["queue"]
+            )
+            oldest = GaugeMetricFamily(
+                "shardyard_queue_oldest_wait_seconds",
+                "How long the longest-waiting queued job has waited, by queue",
+                labels=["queue"],
+            )
+            waited = func.min(func.coalesce(Job.enqueued_at, Job.created_at))
+            for queue, n, first in session.execute(
+                select(Job.queue, func.count(), waited)
+                .where(Job.status == JobStatus.queued)
+                .group_by(Job.queue)
+            ):
+                depth.add_metric([queue], n)
+                if first is not None:
+                    oldest.add_metric([queue], max(0.0, (now - aware(first)).total_seconds()))  # type: ignore[operator]
+            yield depth
+            yield oldest
+
+            beats = workers_seen(session, within_s=s.worker_alive_s)
+            used = {
+                w: (int(sl or 0), int(g or 0))
+                for w, sl, g in session.execute(
+                    select(
+                        Reservation.worker, func.sum(Reservation.slots), func.sum(Reservation.gpus)
+                    ).group_by(Reservation.worker)
+                )
+            }
+            yield GaugeMetricFamily(
+                "shardyard_workers_live", "Workers whose heartbeat is recent", value=len(beats)
+            )
+            slots = GaugeMetricFamily(
+                "shardyard_worker_slots", "Rank slots a live worker offers", labels=["worker"]
+            )
+            reserved = GaugeMetricFamily(
+                "shardyard_worker_slots_reserved",
+                "Rank slots reserved on a live worker now",
+                labels=["worker"],
+            )
+            devices = GaugeMetricFamily(
+                "shardyard_worker_devices",
+                "Devices a live worker reports, by type",
+                labels=["worker", "type"],
+            )
+            draining = GaugeMetricFamily(
+                "shardyard_worker_draining", "1 while a live worker is shutting down", labels=["worker"]
+            )
+            for b in beats:
+                host = (b.devices or {}).get("host") or {}
+                slots.add_metric([b.name], int(host.get("slots") or 0))
+                reserved.add_metric([b.name], used.get(b.name, (0, 0))[0])
+                draining.add_metric([b.name], 1 if host.get("draining") else 0)
+                kinds: dict[str, int] = {}
+                for d in (b.devices or {}).get("devices", []):
+                    kinds[str(d.get("type", "unknown"))] = kinds.get(str(d.get("type", "unknown")), 0) + 1
+                for kind, n in kinds.items():
+                    devices.add_metric([b.name, kind], n)
+            yield from (slots, reserved, devices, draining)
+
+            outbox = GaugeMetricFamily(
+                "shardyard_webhook_deliveries", "Webhook deliveries by state", labels=["state"]
+            )
+            for state, n in dbw.outbox_counts(session).items():
+                outbox.add_metric([state], n)
+            yield outbox
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(settings: SettingsDep, _admin: AdminUser) -> Response:
+    """Prometheus text exposition. Admins only: it names workers and counts every user's jobs."""
+    sample_pool(settings.database_url)
+    # one process: its own instruments are in the default registry
+    own = multiprocess_registry() if multiprocess() else REGISTRY
+    fleet = CollectorRegistry()
+    fleet.register(FleetCollector(settings))
+    return Response(generate_latest(own) + generate_latest(fleet), media_type=CONTENT_TYPE_LATEST)

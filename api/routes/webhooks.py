@@ -1,0 +1,97 @@
+"""/api/webhooks: a user's endpoints told when their jobs and batches end, and each one's
+delivery log. Another user's webhook reads as absent; an admin sees everyone's."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+
+from api.auth import CurrentUser
+from api.deps import SessionDep, SettingsDep
+from api.schemas import DB_INT
+from api.webhook_schemas import (
+    AttemptPublic,
+    DeliveriesPublic,
+    DeliveryPublic,
+    WebhookCreate,
+    WebhookIssued,
+    WebhookPublic,
+    WebhooksPublic,
+)
+from core.webhooks import UnsafeUrl, check_url, new_secret
+from db import webhooks as dbw
+from db.jobs import NotFound, aware
+from db.models import User, Webhook
+
+router = APIRouter(prefix="/api/webhooks", tags=["webhooks"])
+Id = Annotated[int, Path(ge=1, le=DB_INT)]
+
+
+def webhook_public(hook: Webhook) -> WebhookPublic:
+    return WebhookPublic(
+        id=hook.id, user_id=hook.user_id, url=hook.url, events=hook.events, created_at=aware(hook.created_at)
+    )
+
+
+def _scope(user: User) -> int | None:
+    return None if user.is_admin else user.id
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=WebhookIssued)
+def create_webhook(
+    body: WebhookCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> WebhookIssued:
+    try:
+        check_url(body.url, allow_private=settings.webhook_allow_private)
+    except UnsafeUrl as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, f"url: {e}") from e
+    secret = new_secret()
+    hook = dbw.create_webhook(session, user_id=user.id, url=body.url, events=body.events, secret=secret)
+    return WebhookIssued(webhook=webhook_public(hook), secret=secret)
+
+
+@router.get("", response_model=WebhooksPublic)
+def list_webhooks(session: SessionDep, user: CurrentUser) -> WebhooksPublic:
+    return WebhooksPublic(items=[webhook_public(h) for h in dbw.list_webhooks(session, user_id=_scope(user))])
+
+
+@router.delete("/{webhook_id}", response_model=WebhookPublic)
+def delete_webhook(webhook_id: Id, session: SessionDep, user: CurrentUser) -> WebhookPublic:
+    """Deliveries still pending go with it."""
+    try:
+        return webhook_public(dbw.delete_webhook(session, webhook_id=webhook_id, user_id=_scope(user)))
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+
+
+@router.get("/{webhook_id}/deliveries", response_model=DeliveriesPublic)
+def list_deliveries(
+    webhook_id: Id,
+    session: SessionDep,
+    user: CurrentUser,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> DeliveriesPublic:
+    """The newest deliveries first, each with every attempt (status code or error, time)."""
+    try:
+        dbw.get_webhook(session, webhook_id=webhook_id, user_id=_scope(user))
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    items = [
+        DeliveryPublic(
+            id=d.id,
+            event=d.event,
+            object_id=d.object_id,
+            status=d.status,
+            state=d.state,
+            attempts=[
+                AttemptPublic(at=aware(a.at), status_code=a.status_code, error=a.error, seconds=a.seconds)
+                for a in attempts
+            ],
+            created_at=aware(d.created_at),
+            next_at=aware(d.next_at) if d.state == "pending" else None,
+            delivered_at=aware(d.delivered_at),
+        )
+        for d, attempts in dbw.deliveries(session, webhook_id=webhook_id, limit=limit)
+    ]
+    return DeliveriesPublic(items=items)

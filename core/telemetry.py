@@ -1,0 +1,82 @@
+"""Prometheus instruments kept per process: counters and histograms of the API processes and of
+the scheduler process. The fleet's state (jobs by status, queue, workers) is not here: api/metrics.py
+reads it from the database at scrape time, the one place every process agrees on.
+
+Several processes serve one /metrics: every uvicorn worker, and the scheduler's child process.
+prometheus-client's multiprocess mode adds them up: with PROMETHEUS_MULTIPROC_DIR set (before
+this module is first imported) each process writes its values to files there and the scraped
+process sums them. `shardyard serve` and `shardyard stack` set it to a fresh folder under the data
+dir when it is unset; without it, /metrics shows only the answering process's own instruments.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from core.multiproc import MULTIPROC_ENV
+
+# from a quick read to a slow request or tick under load: 1 ms .. 10 s
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+HTTP_LATENCY = Histogram(
+    "shardyard_http_request_duration_seconds",
+    "Time from a request's arrival to its response's first byte (a stream's headers), by route "
+    "template (never the raw path), method and status",
+    ["method", "route", "status"],
+    buckets=LATENCY_BUCKETS,
+)
+OPEN_STREAMS = Gauge(
+    "shardyard_sse_open_streams",
+    "Server-Sent Event streams open now, over all API processes",
+    multiprocess_mode="livesum",
+)
+DB_POOL_IN_USE = Gauge(
+    "shardyard_db_pool_connections_in_use",
+    "Database connections the API processes have checked out of their pools now",
+    multiprocess_mode="livesum",
+)
+DB_POOL_SIZE = Gauge(
+    "shardyard_db_pool_size",
+    "Connections the API processes' pools keep (their sum; each may open max_overflow more)",
+    multiprocess_mode="livesum",
+)
+SCHEDULER_TICK = Histogram(
+    "shardyard_scheduler_tick_seconds",
+    "One scheduler pass by the lock holder: read the state, decide, reserve, send",
+    buckets=LATENCY_BUCKETS,
+)
+SCHEDULER_DECISION = Histogram(
+    "shardyard_scheduler_decision_seconds",
+    "The pure placement decision inside a tick (order the queue, fit jobs to workers)",
+    buckets=LATENCY_BUCKETS,
+)
+SCHEDULER_PLACED = Counter("shardyard_scheduler_placements", "Jobs and batch groups the scheduler placed")
+WEBHOOK_ATTEMPTS = Counter(
+    "shardyard_webhook_attempts",
+    "Webhook POSTs by result: delivered (2xx), retry (will try again), gave_up (last attempt failed)",
+    ["result"],
+)
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def process_exited(pid: int | None = None) -> None:
+    """Drop a stopped process's live gauges (open streams, pool) from the multiprocess sums."""
+    if multiprocess():
+        from prometheus_client import multiprocess as mp
+
+        mp.mark_process_dead(pid or os.getpid())
+
+
+def multiprocess_registry() -> CollectorRegistry:
+    """A registry that sums every process's files in PROMETHEUS_MULTIPROC_DIR (made per scrape, as
+    prometheus-client asks: the files change between scrapes)."""
+    from prometheus_client import multiprocess as mp
+
+    registry = CollectorRegistry()
+    mp.MultiProcessCollector(registry)
+    return registry
