@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean
+.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean image test-containers
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -76,3 +76,20 @@ gpu-check:
 
 clean:
 	rm -rf .shardyard frontend/dist frontend/node_modules .pytest_cache .ruff_cache
+
+# ---- containers (docker/, docs/deploy.md) ----
+IMAGE ?= shardyard:latest
+# the base of the image the container tests build: one made from Debian's packages
+# (docker/debian-base.sh), since no image registry need be reachable; BASE_IMAGE= (empty) makes
+# `make image` use the Dockerfile's default, python:3.11-slim-bookworm
+TEST_BASE_IMAGE ?= localhost/shardyard-base:bookworm
+
+# the image of the API, the scheduler and the workers, with docker or podman (docker/build-image.sh)
+image:
+	SHARDYARD_IMAGE=$(IMAGE) docker/build-image.sh
+
+# the whole topology in containers of the image (tests/containers); .ci/run calls it where podman runs
+test-containers: setup
+	BASE_TAG=$(TEST_BASE_IMAGE) docker/debian-base.sh
+	BASE_IMAGE=$(TEST_BASE_IMAGE) SHARDYARD_IMAGE=$(IMAGE) docker/build-image.sh
+	SHARDYARD_IMAGE=$(IMAGE) $(BIN)/python -m pytest -q -n 0 -m containers --durations=10 tests/containers $(PYTEST_ARGS)

@@ -3,7 +3,7 @@
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
-    shardyard scheduler [--metrics-port 9101]
+    shardyard scheduler [--metrics-port 9101]    shardyard healthcheck
     shardyard admin create-user NAME [--admin]
 
 The API address comes from --api or SHARDYARD_API_URL (default http://127.0.0.1:8000), the API
@@ -383,6 +383,16 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_healthcheck(_args: argparse.Namespace) -> int:
+    from api.healthcheck import Unhealthy, healthcheck
+
+    try:
+        console.print(healthcheck(), highlight=False)
+    except Unhealthy as e:
+        raise CliError(f"unhealthy: {e}") from e
+    return 0
+
+
 def _follow_demo(stack: Any, job_id: int) -> None:
     """The demo job's progress, in a thread of its own: the main thread supervises the stack."""
     try:
@@ -500,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.set_defaults(fn=cmd_scheduler)
+    p = sub.add_parser("healthcheck", help="exit 0 when this container's API, worker or scheduler is healthy")
+    p.set_defaults(fn=cmd_healthcheck)
     p = sub.add_parser("admin", help="administration straight on the database")
     admin = p.add_subparsers(dest="admin_command", required=True)
     p = admin.add_parser("create-user", help="create a user and print its first API token")

@@ -48,8 +48,6 @@ def workspace_public(row: Workspace) -> WorkspacePublic:
     )
 
 
-
-
 async def _receive(request: Request, *, settings: Settings) -> tuple[Path, str, int]:
     """Stream the body to a temporary file in this host's workspaces folder (the store's own with
     the default store, so the rename below is the whole store write), hashing as it comes; 413
