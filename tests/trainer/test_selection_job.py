@@ -163,4 +163,8 @@ def test_cli_stop_file_and_bad_batch(tmp_path: Path) -> None:
     assert rc == 0
     assert {r["status"] for r in lines[-1]["data"]["trials"]} == {"stopped"}
     rc, lines = cli(tmp_path, batch(scheduler="lifo"))
-    assert rc == 2 and lines[-1]["kind"] == "error" and "batch.scheduler" in lines[-1]["message"]
+    assert (
+        rc == 2
+        and lines[-1]["kind"] == "error"
+        and lines[-1]["message"].startswith("bad batch: scheduler: Input should be 'shard-lrtf'")
+    )
