@@ -131,14 +131,17 @@ class DataSpec(Strict):
 class TrainSpec(Strict):
     steps: int = Field(200, ge=1, le=10_000_000)
     batch_size: int = Field(16, ge=1, le=65536)
+    """Sequences per step (the global batch)."""
     lr: float = Field(3e-4, gt=0.0, le=10.0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     eval_every: int = Field(25, ge=1, le=10_000_000)
+    """Validation loss every this many steps (and at the last step)."""
     eval_batches: int = Field(4, ge=1, le=1000)
     grad_clip: float = Field(0.0, ge=0.0, le=1e6)
+    """Clip the global gradient norm to this value; 0 disables."""
 
 
 class SpillSpec(Strict):
@@ -219,6 +222,7 @@ class JobSpec(Strict):
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
     checkpoint_every: int = Field(0, ge=0, le=10_000_000)
+    """Write a checkpoint every this many steps; 0 writes only at the end."""
     priority: int = Field(0, ge=-100, le=100)
     workspace: str | None = Field(
         None,

@@ -17,8 +17,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from jobrules.parallel import SCHEDULES
+
 Op = Literal["F", "B", "W", "AR"]
-SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
 COMPUTE_OPS = ("F", "B", "W")
 
 
