@@ -275,6 +275,7 @@ CHECKPOINT_POLICIES = ("best", "all", "none")
 METRICS = ("val_loss", "loss")
 METHODS = ("grid", "random", "tpe", "cmaes", "qmc")
 SAMPLERS = ("tpe", "cmaes", "qmc")
+"""`method` values an Optuna sampler serves (core/search.py); grid and random expand at submit."""
 
 
 class EarlyStoppingSpec(Strict):
