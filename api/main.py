@@ -31,6 +31,7 @@ from core.settings import Settings, get_settings
 from core.storage import StorageError
 from core.telemetry import process_exited
 from db.engine import POOL_TIMEOUT_S
+from jobrules.spec import explain, problems
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +40,12 @@ _NO_DASHBOARD = """<!doctype html><title>Shardyard</title><h1>Shardyard</h1>
 The API is at <a href="/docs">/docs</a>.</p>"""
 
 
-def _field(loc: tuple) -> str:
-    parts = [clip(str(p), 64) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or "body"
-
-
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with one readable sentence per problem, each naming the field and the rule. The input
-    itself is never echoed (it may be megabytes); at most 20 problems are listed."""
-    errors = []
-    for err in exc.errors()[:20]:
-        msg = clip(err["msg"].removeprefix("Value error, "), 1000)
-        errors.append({"field": _field(tuple(err["loc"])), "message": msg, "type": err["type"]})
-    detail = clip("; ".join(f"{e['field']}: {e['message']}" for e in errors), 4000)
-    return JSONResponse(status_code=422, content={"detail": detail, "errors": errors})
+    """422 with one readable sentence per problem, each naming the field and the rule: the same
+    sentences `python -m trainer` exits 2 with (jobrules/spec.py formats both)."""
+    return JSONResponse(
+        status_code=422, content={"detail": explain(exc.errors()), "errors": problems(exc.errors())}
+    )
 
 
 def _unavailable(reason: str) -> JSONResponse:

@@ -13,6 +13,10 @@ selection group carry `trial`, the trial's index (null on the group's own lines)
     {"seq": 12, "trial": null, "kind": "batch_result", "data": {...}, "time": ...}
 
 A line that is not such an object is kept as a log line (a stray print) with no number.
+
+The other way, a worker hands a selection group to `python -m trainer.selection` as a
+SelectionBatch (its trials and the request's ranking rules): defined once in jobrules/spec.py, where
+the trainer (which imports nothing of ours but jobrules) reads it with the same model.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from jobrules.spec import BatchTrial, SelectionBatch
+
+__all__ = ["KINDS", "BatchTrial", "Message", "SelectionBatch", "parse_line"]
 
 KINDS = frozenset({"metric", "log", "event", "result", "error", "batch_result"})
 

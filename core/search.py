@@ -25,13 +25,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from jobrules.space import Choice, Range, SpaceError, parse_space
+from jobrules.spec import SAMPLERS  # `method` values a sampler serves (grid and random: jobrules/space.py)
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
     from optuna.samplers import BaseSampler
-
-SAMPLERS: tuple[str, ...] = ("tpe", "cmaes", "qmc")
-"""`method` values that a sampler serves; grid and random stay in jobrules/space.py."""
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """The JobSpec's `data` section rules and the model/data vocabulary rule, stated once for the API
-(api/schemas.py) and the trainer (trainer/config.py). Stdlib only: no file is read here, so only
+and the trainer (both through jobrules/spec.py). Stdlib only: no file is read here, so only
 what the spec itself says is checked; paths are checked by the trainer on the worker."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The `parallel` rules of a JobSpec, in one place (standard library only): world size, schedule
-names, tensor layouts, divisibility, and which combinations run. The API (api/sizing.py, a 422) and
-the trainer (trainer/config.py, `python -m trainer` exits 2) both call `parallel_problems`, so a spec
-is refused by both with the same words, or run by both as asked.
+names, tensor layouts, divisibility, and which combinations run. The JobSpec model (jobrules/spec.py)
+calls `parallel_problems`, and the API (a 422) and the trainer (`python -m trainer` exits 2) both
+validate with that model, so a spec is refused by both with the same words, or run by both as asked.
 
-The spec is the JobSpec as a plain dict (pydantic's model_dump() or JobConfig.to_dict()); every
+The spec is the JobSpec as a plain dict (the JobSpec model's model_dump()); every
 message names the field and the numbers.
 
 How a job's processes are laid out: world = pp x dp x tp, tp = size (1d), q*q (2d), q*q*d (2.5d).

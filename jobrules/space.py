@@ -8,8 +8,9 @@
 A dimension is a non-empty list (a choice) or a range {"low", "high", "log": bool, "int": bool,
 "num": n}; `num` is how many grid points a range gives (evenly spaced, or log-spaced with `log`).
 
-This module imports only the standard library, so the REST layer validates a space with the same
-code the trainer expands it with. Keep it that way (a test checks it).
+This module imports only the standard library and the request models (jobrules/spec.py), so the
+REST layer validates a space with the same code the trainer expands it with, without torch (a test
+checks it). The paths a space may name are the JobSpec's own fields.
 """
 
 from __future__ import annotations
@@ -19,58 +20,34 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from jobrules.spec import JobSpec
 
 Method = Literal["grid", "random"]
 
-# Every leaf of a JobSpec a search may set. tests/trainer/test_selection_space.py checks this table
-# against trainer/config.py's dataclasses, so a new config field fails a test until it is added here.
-JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = {
-    "": ("name", "checkpoint_every", "priority", "max_runtime_s", "workspace"),
-    "model": (
-        "kind",
-        "layers",
-        "d_model",
-        "heads",
-        "kv_heads",
-        "seq_len",
-        "vocab_size",
-        "mlp_ratio",
-        "entry",
-        "args",
-        "init_from",
-    ),
-    "data": (
-        "kind",
-        "corpus",
-        "path",
-        "tokenizer",
-        "dtype",
-        "vocab_size",
-        "entry",
-        "args",
-        "max_chars",
-        "val_fraction",
-    ),
-    "train": (
-        "steps",
-        "batch_size",
-        "lr",
-        "optimizer",
-        "weight_decay",
-        "momentum",
-        "seed",
-        "eval_every",
-        "eval_batches",
-        "grad_clip",
-    ),
-    "parallel": ("data_parallel",),
-    "parallel.spill": ("device_budget_mb", "prefetch", "cuts"),
-    "parallel.offload": ("optimizer", "dtype"),
-    "parallel.pipeline": ("stages", "microbatches", "schedule"),
-    "parallel.tensor": ("mode", "size", "q", "d"),
-    "resources": ("device", "gpus"),
-}
+NOT_SEARCHED = ("env",)
+"""Sections a search may not vary: a group's trials run in one environment."""
+
+
+def _sections(model: Any, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """The leaves of a request model by section ("" for the top), read off the model itself."""
+    out: dict[str, tuple[str, ...]] = {prefix: ()}
+    for name, info in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        sub = next(
+            (a for a in (info.annotation, *get_args(info.annotation)) if hasattr(a, "model_fields")),
+            None,
+        )
+        if sub is None:
+            out[prefix] += (name,)
+        elif path not in NOT_SEARCHED:
+            out.update(_sections(sub, path))
+    return {k: v for k, v in out.items() if v}
+
+
+JOBSPEC_FIELDS: dict[str, tuple[str, ...]] = _sections(JobSpec)
+"""Every leaf of a JobSpec a search may set, by section (the JobSpec's own fields)."""
 KNOWN_PATHS: frozenset[str] = frozenset(
     f"{section}.{name}" if section else name for section, names in JOBSPEC_FIELDS.items() for name in names
 )

@@ -1,7 +1,9 @@
 """`python -m trainer --spec job.json`: run one job without the service.
 
 Protocol lines (JSON, one per line) go to stdout from rank 0; see trainer/protocol.py. A failure
-prints an `error` line with the reason and exits 1 (2 for a bad spec)."""
+prints an `error` line with the reason and exits 1 (2 for a bad spec: the spec's problems in the
+words of the API's 422, "field: rule; ...", from the same models, jobrules/spec.py).
+`--check` validates the spec and exits (0: it would start) without training."""
 
 from __future__ import annotations
 
@@ -25,13 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-file", default=None, help="stop cleanly once this file exists")
     ap.add_argument("--workspace", type=Path, default=None, help="the job's unpacked workspace folder")
     ap.add_argument("--pyenv", type=Path, default=None, help="the job's own packages (appended to sys.path)")
+    ap.add_argument("--check", action="store_true", help="validate the spec and exit (2 with the reasons)")
     args = ap.parse_args(argv)
 
     rank = env_rank()
     sink = JsonlSink(sys.stdout, enabled=rank == 0)
     try:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
-        job = JobConfig.from_dict(raw)
+        # relative paths and user code need the workspace folder, when the spec names none
+        job = JobConfig.from_dict(raw, workspace=args.workspace is not None)
+        if args.check:
+            return 0
         set_workspace(args.workspace)
         add_environment(args.pyenv)
     except (OSError, ValueError) as e:

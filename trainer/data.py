@@ -15,7 +15,6 @@ step k's batch a function of (seed, k) for the random-window kinds.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import sysconfig
@@ -424,7 +423,7 @@ def with_data_vocab(job: JobConfig) -> JobConfig:
     if problem:
         raise ConfigError(problem)
     vocab = job.model.vocab_size or data.vocab_size
-    return dataclasses.replace(job, model=dataclasses.replace(job.model, vocab_size=vocab))
+    return job.model_copy(update={"model": job.model.model_copy(update={"vocab_size": vocab})})
 
 
 @dataclass(slots=True)

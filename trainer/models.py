@@ -8,7 +8,6 @@ width, V vocabulary. Every model maps token ids idx_BT to logits_BTV.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -188,7 +187,7 @@ def _recipe(cfg: ModelConfig) -> ModelRecipe:
     # a job's runner has set vocab_size from its data; a config used on its own (tests,
     # benchmarks) has the char tokenizer's 128
     if cfg.vocab_size is None:
-        cfg = dataclasses.replace(cfg, vocab_size=CHAR_VOCAB)
+        cfg = cfg.model_copy(update={"vocab_size": CHAR_VOCAB})
     if cfg.kind == "llama":
         from trainer.llama import LlamaRecipe
 

@@ -24,6 +24,7 @@ from db.engine import session_for
 from db.models import Job, Selection
 from db.selections import TRIAL_DONE, add_trials, get_selection
 from jobrules.space import apply_params
+from jobrules.spec import BatchRules
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def _grow(settings: Settings, *, selection_id: int) -> list[int]:
         if any(t.status not in TRIAL_DONE for t in trials):
             return []  # the generation is still running
         parallel = int(req.get("parallel") or req.get("devices") or 1)
+        rules = BatchRules(**BatchRules.rules_of(req))  # the request's, or its defaults
         if len(trials) % parallel:
             return []  # not a whole generation: the batch was not grown by this sampler
         # a trial's value is its best metric; a failed trial or one without a metric is a failure
@@ -70,8 +72,8 @@ def _grow(settings: Settings, *, selection_id: int) -> list[int]:
         params = suggest(
             space=req["space"],
             method=method,
-            seed=int(req.get("seed", 0)),
-            mode=str(req.get("mode", "min")),
+            seed=rules.seed,
+            mode=rules.mode,
             parallel=parallel,
             values=values,
             total=total,

@@ -21,6 +21,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
+from core.messages import BatchTrial, SelectionBatch
 from core.settings import Settings
 from core.storage import StorageError, get_storage, selection_prefix
 from db.engine import session_for
@@ -37,6 +38,7 @@ from db.selections import (
     stop_requests,
     sync_trials,
 )
+from jobrules.spec import SelectionCreate
 from workers import pyenv
 from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
@@ -130,28 +132,23 @@ def execute_selection(
     root = settings.data_dir / "selections" / str(selection_id)
     root.mkdir(parents=True, exist_ok=True)
     group = f"group-{won[0][0].index}"
-    batch = {
-        "trials": [
-            {
-                "index": t.index,
-                "spec": specs[t.index],
-                **(
-                    {"warm_start": str(root / f"trial-{by_id[t.warm_start_from].index}")}
+    batch = SelectionBatch(
+        trials=[
+            BatchTrial(
+                index=t.index,
+                spec=specs[t.index],
+                warm_start=(
+                    str(root / f"trial-{by_id[t.warm_start_from].index}")
                     if t.warm_start_from in by_id
-                    else {}
+                    else None
                 ),
-            }
+            )
             for t, _ in won
         ],
-        "metric": req.get("metric", "val_loss"),
-        "mode": req.get("mode", "min"),
-        "scheduler": req.get("scheduler", "shard-lrtf"),
-        "early_stopping": req.get("early_stopping"),
-        "seed": req.get("seed", 0),
-        "checkpoints": req.get("checkpoints", "best"),
-    }
+        **SelectionBatch.rules_of(req),
+    )
     batch_path = root / f"{group}.json"
-    batch_path.write_text(json.dumps(batch, indent=2))
+    batch_path.write_text(batch.model_dump_json(indent=2))
     stop_file, stop_trials = root / f"{group}.stop", root / f"{group}.stop-trials"
     stop_trials.unlink(missing_ok=True)
 
@@ -165,8 +162,8 @@ def execute_selection(
             for t, a in won
         },
         on_fenced=lambda _key: None,  # the poll below stops fenced trials
-        metric=batch["metric"],
-        mode=batch["mode"],
+        metric=batch.metric,
+        mode=batch.mode,
         selection_channel=channel,
         selection_id=selection_id,
     )
@@ -232,7 +229,7 @@ def execute_selection(
         "--batch",
         str(batch_path),
         "--devices",
-        str(req.get("devices", 1)),
+        str(req.get("devices", SelectionCreate.model_fields["devices"].default)),
         "--checkpoint-root",
         str(root),
         "--stop-file",

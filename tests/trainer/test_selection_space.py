@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import math
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 import pytest
 
-from trainer import config as cfgmod
-from trainer.config import JobConfig
+from trainer.config import JobConfig, OffloadConfig, PipelineConfig, SpillConfig, TensorConfig
 from trainer.selection.space import KNOWN_PATHS, SpaceError, apply_params, expand, sample_params
 
 BASE = {"name": "b", "model": {"kind": "mlp", "layers": 2, "d_model": 16}, "train": {"steps": 5, "lr": 1e-3}}
 
 
-def test_space_module_imports_only_the_standard_library() -> None:
+def test_space_module_imports_only_the_standard_library_and_the_request_models() -> None:
     # the implementation is jobrules/space.py, shared with the REST layer
     src = Path("jobrules/space.py").read_text()
     roots = set()
@@ -28,28 +25,36 @@ def test_space_module_imports_only_the_standard_library() -> None:
             roots |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             roots.add(node.module.split(".")[0])
-    assert roots <= set(sys.stdlib_module_names), roots - set(sys.stdlib_module_names)
+    assert roots <= set(sys.stdlib_module_names) | {"jobrules"}, roots - set(sys.stdlib_module_names)
     # and importing it through its package pulls in no torch (the REST layer has none)
     code = "import sys, trainer.selection.space; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _leaf_paths(cls: type, prefix: str) -> set[str]:
-    hints = typing.get_type_hints(cls, vars(cfgmod))
-    out: set[str] = set()
-    for f in dataclasses.fields(cls):
-        sub = cfgmod._NESTED.get((cls, f.name))
-        if sub is None:
-            out.add(prefix + f.name)
-        else:
-            out |= _leaf_paths(sub, f"{prefix}{f.name}.")
-        assert f.name in hints
-    return out
+def test_known_paths_are_the_jobspecs_own_fields() -> None:
+    """The table is read off the JobSpec (jobrules/spec.py): every leaf of every section, the
+    environment excepted, and a path that is no field is not in it."""
+    spec = JobConfig.from_dict({}).to_dict()
+    spec["parallel"] |= {  # the sections a default spec leaves out
+        "spill": SpillConfig(device_budget_mb=1.0).model_dump(),
+        "offload": OffloadConfig().model_dump(),
+        "pipeline": PipelineConfig().model_dump(),
+        "tensor": TensorConfig().model_dump(),
+    }
+    leaves = set()
 
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if k == "env":
+                continue
+            if isinstance(v, dict) and k != "args":
+                walk(v, f"{prefix}{k}.")
+            else:
+                leaves.add(prefix + k)
 
-def test_known_paths_match_the_config_dataclasses() -> None:
-    ignored = {name for (cls, name) in cfgmod._IGNORED if cls is JobConfig}
-    assert _leaf_paths(JobConfig, "") | ignored == set(KNOWN_PATHS)
+    walk(spec, "")
+    assert leaves == set(KNOWN_PATHS)
+    assert "env.pip" not in KNOWN_PATHS and "max_restarts" in KNOWN_PATHS
 
 
 def test_grid_is_the_cartesian_product_in_key_order() -> None:

@@ -1,6 +1,7 @@
 """The import rules of docs/architecture.md ("Who may import whom"), checked on the source:
-trainer/ is pure PyTorch, db/ is SQLAlchemy only, api/ never imports torch or the trainer, workers/
-never imports api/ (they share core/), and a route module never imports another route module."""
+trainer/ is pure PyTorch (it meets pydantic only through jobrules/), db/ is SQLAlchemy only, api/
+never imports torch or the trainer, workers/ never imports api/ (they share core/), jobrules/ is the
+standard library and pydantic, and a route module never imports another route module."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ RULES = {
     "workers": {"api", "trainer", "fastapi", "starlette", "uvicorn"},
     # the neutral room both api/ and workers/ import
     "core": {"api", "workers", "trainer", "torch", "fastapi", "starlette"},
-    # shared by api/ and trainer/: the standard library only
-    "jobrules": SERVICE | {"torch", "numpy", "trainer"},
+    # shared by api/ and trainer/: the standard library, and pydantic for the request models
+    # (jobrules/spec.py), which both validate with
+    "jobrules": (SERVICE - {"pydantic"}) | {"torch", "numpy", "trainer", "core", "pydantic_settings"},
 }
 
 

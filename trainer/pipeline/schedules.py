@@ -17,9 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from jobrules.parallel import SCHEDULES
 from trainer.pipeline.actions import Action, Schedule, ScheduleError
-
-SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:

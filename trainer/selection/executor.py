@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from jobrules.spec import CHECKPOINT_POLICIES, METRICS, BatchRules
 from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.config import JobConfig
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
@@ -38,8 +39,8 @@ from trainer.spill.ledger import DeviceLedger
 
 Status = Literal["pending", "running", "paused", "succeeded", "stopped_early", "stopped", "failed"]
 FINAL = ("succeeded", "stopped_early", "stopped", "failed")
-METRICS = ("loss", "val_loss")
-CHECKPOINTS = ("best", "all", "none")
+_REQUEST = BatchRules()
+"""The selection request's defaults (jobrules/spec.py), for an executor built without one."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,13 +55,13 @@ class TrialEntry:
 
 @dataclass(kw_only=True, slots=True)
 class ExecutorConfig:
-    scheduler: str = "shard-lrtf"
-    metric: str = "val_loss"
+    scheduler: str = _REQUEST.scheduler
+    metric: str = _REQUEST.metric
     """What ASHA and the leaderboard rank by: loss or val_loss."""
-    mode: Literal["min", "max"] = "min"
+    mode: Literal["min", "max"] = _REQUEST.mode
     early_stopping: HalvingConfig | None = None
     """ASHA, successive halving or Hyperband rungs (trainer/selection/halving.py); None: none."""
-    checkpoints: str = "best"
+    checkpoints: str = _REQUEST.checkpoints
     """Which end-of-trial checkpoints stay once trials end: the best trial's (`best`), every
     trial's (`all`) or none (`none`); a trial's directory goes with them."""
     prefetch: bool = True
@@ -76,8 +77,10 @@ class ExecutorConfig:
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {self.mode!r}")
         make_scheduler(self.scheduler)  # names the valid ones
-        if self.checkpoints not in CHECKPOINTS:
-            raise ValueError(f"checkpoints must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoints!r}")
+        if self.checkpoints not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"checkpoints must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.checkpoints!r}"
+            )
         if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
             raise ValueError(f"device budget must be > 0 bytes, got {self.device_budget_bytes}")
 

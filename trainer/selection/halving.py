@@ -34,17 +34,21 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from jobrules.spec import STOPPING_KINDS, EarlyStoppingSpec
+
 Mode = Literal["min", "max"]
-Kind = Literal["asha", "sha", "hyperband"]
-KINDS: tuple[str, ...] = ("asha", "sha", "hyperband")
+Kind = Literal[STOPPING_KINDS]
+KINDS = STOPPING_KINDS
+_REQUEST = EarlyStoppingSpec()
+"""The request's defaults (jobrules/spec.py), for rungs built without one."""
 
 
 @dataclass(kw_only=True, slots=True)
 class HalvingConfig:
-    kind: Kind = "asha"
-    reduction_factor: int = 3
+    kind: Kind = _REQUEST.kind
+    reduction_factor: int = _REQUEST.reduction_factor
     """Keep about 1 in this many trials at each rung."""
-    min_steps: int = 1
+    min_steps: int = _REQUEST.min_steps
     """The first rung, in optimizer steps."""
     mode: Mode = "min"
     """Whether a lower (min) or higher (max) metric is better."""

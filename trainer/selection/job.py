@@ -1,15 +1,8 @@
 """Run one model-selection batch: the entry the worker (and `python -m trainer.selection`) calls.
 
-    batch = {
-        "trials": [{"index": 0, "spec": {...JobSpec...}, "warm_start": "/path/ckpt-dir"?}, ...],
-        "metric": "val_loss", "mode": "min",
-        "scheduler": "shard-lrtf" | "fifo" | "round-robin" | "sequential",
-        "early_stopping": {"kind": "asha" | "sha" | "hyperband", "reduction_factor": 3,
-                           "min_steps": 10} | None,
-        "seed": 0,                       # orders the rungs' decisions (trainer/selection/halving.py)
-        "checkpoints": "best" | "all" | "none",
-        "prefetch": true, "device_budget_mb": null,        # optional
-    }
+The batch is a SelectionBatch message (jobrules/spec.py: the group's trials, each an index, a
+JobSpec and an optional warm-start checkpoint, and the request's metric, mode, scheduler,
+early_stopping, seed and checkpoints, with their defaults and allowed values defined there once).
 
 Each trial reports to its own sink: metrics (loss, val_loss, step_time_ms, tokens_per_s,
 peak_mem_mb), events ("trial" with {"status": running | succeeded | stopped_early | stopped |
@@ -28,25 +21,11 @@ from typing import Any
 
 import torch
 
+from jobrules.spec import SelectionBatch, parse
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
-from trainer.selection.halving import KINDS, HalvingConfig
-from trainer.selection.scheduler import SCHEDULERS
-
-BATCH_KEYS = {
-    "trials",
-    "metric",
-    "mode",
-    "scheduler",
-    "early_stopping",
-    "seed",
-    "checkpoints",
-    "prefetch",
-    "device_budget_mb",
-}
-# keys the service may keep in the batch document that the executor does not act on
-IGNORED_KEYS = {"id", "name", "base", "space", "method", "devices"}
+from trainer.selection.halving import HalvingConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,71 +41,35 @@ class BatchSpec:
     executor: ExecutorConfig
 
 
-def parse_batch(batch: dict[str, Any]) -> BatchSpec:
-    """Check the batch document; raises ConfigError naming the field and the rule. Trial specs are
-    checked per trial at run time, so one bad trial does not sink the batch."""
-    if not isinstance(batch, dict):
-        raise ConfigError("the batch must be an object")
-    unknown = set(batch) - BATCH_KEYS - IGNORED_KEYS
-    if unknown:
-        raise ConfigError(f"batch has unknown keys {sorted(unknown)}; known: {sorted(BATCH_KEYS)}")
-    raw_trials = batch.get("trials")
-    if not isinstance(raw_trials, list) or not raw_trials:
-        raise ConfigError("batch.trials must be a non-empty list of {index, spec}")
-    trials = []
-    for n, t in enumerate(raw_trials):
-        if (
-            not isinstance(t, dict)
-            or not isinstance(t.get("index"), int)
-            or not isinstance(t.get("spec"), dict)
-        ):
-            raise ConfigError(f"batch.trials[{n}] must be an object with an integer index and a spec object")
-        ws = t.get("warm_start")
-        trials.append(TrialSpec(index=t["index"], spec=t["spec"], warm_start=Path(ws) if ws else None))
-    indices = [t.index for t in trials]
-    if len(set(indices)) != len(indices):
-        raise ConfigError(f"batch.trials indices must be unique, got {indices}")
-    scheduler = batch.get("scheduler") or "shard-lrtf"
-    if scheduler not in SCHEDULERS:
-        raise ConfigError(f"batch.scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
-    mode = batch.get("mode") or "min"
-    metric = batch.get("metric") or "val_loss"
-    seed = batch.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"batch.seed must be an integer, got {seed!r}")
+def parse_batch(batch: Any) -> BatchSpec:
+    """Check the batch message (SelectionBatch, jobrules/spec.py: the worker builds the same
+    model); raises ConfigError naming each field and its rule. Trial specs are checked per trial
+    at run time, so one bad trial does not sink the batch."""
+    msg = parse(SelectionBatch, batch)
+    trials = [
+        TrialSpec(index=t.index, spec=t.spec, warm_start=Path(t.warm_start) if t.warm_start else None)
+        for t in msg.trials
+    ]
+    es = msg.early_stopping
     rungs = None
-    es = batch.get("early_stopping")
     if es is not None:
-        if not isinstance(es, dict) or es.get("kind") not in KINDS:
-            raise ConfigError(
-                f"batch.early_stopping must be null or {{'kind': {' | '.join(KINDS)}, ...}}, got {es!r}"
-            )
-        extra = set(es) - {"kind", "reduction_factor", "min_steps"}
-        if extra:
-            raise ConfigError(f"batch.early_stopping has unknown keys {sorted(extra)}")
-        try:
-            rungs = HalvingConfig(
-                kind=es["kind"],
-                reduction_factor=int(es.get("reduction_factor", 3)),
-                min_steps=int(es.get("min_steps", 1)),
-                mode=mode,
-                seed=seed,
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-    budget_mb = batch.get("device_budget_mb")
-    try:
-        cfg = ExecutorConfig(
-            scheduler=scheduler,
-            metric=metric,
-            mode=mode,
-            early_stopping=rungs,
-            checkpoints=batch.get("checkpoints") or "best",
-            prefetch=bool(batch.get("prefetch", True)),
-            device_budget_bytes=None if budget_mb is None else int(float(budget_mb) * 2**20),
+        rungs = HalvingConfig(
+            kind=es.kind,
+            reduction_factor=es.reduction_factor,
+            min_steps=es.min_steps,
+            mode=msg.mode,
+            seed=msg.seed,
         )
-    except ValueError as e:
-        raise ConfigError(f"batch: {e}") from e
+    budget_mb = msg.device_budget_mb
+    cfg = ExecutorConfig(
+        scheduler=msg.scheduler,
+        metric=msg.metric,
+        mode=msg.mode,
+        early_stopping=rungs,
+        checkpoints=msg.checkpoints,
+        prefetch=msg.prefetch,
+        device_budget_bytes=None if budget_mb is None else int(budget_mb * 2**20),
+    )
     return BatchSpec(trials=trials, executor=cfg)
 
 

@@ -12,7 +12,6 @@ To keep that straight the groups here are named by who is in them, not by the ax
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,7 +38,7 @@ def check_tensor_layout(
             f"({_ranks_formula(tensor)}) but the tensor axis has {world_size}"
         )
     split = tensor.size if tensor.mode == "1d" else tensor.q
-    if problems := tensor_kind_problems(dataclasses.asdict(model), mode=tensor.mode, split=split):
+    if problems := tensor_kind_problems(model.model_dump(), mode=tensor.mode, split=split):
         raise ConfigError("; ".join(problems))
     what = "parallel.tensor.size" if tensor.mode == "1d" else "parallel.tensor.q"
     ffn = model.mlp_ratio * model.d_model
