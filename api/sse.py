@@ -147,7 +147,14 @@ def event_frame(ev: dict[str, Any], cursor: Cursor) -> str:
         cursor.final = ev["message"] in TERMINAL
         data = {"status": ev["message"], "error": (ev.get("data") or {}).get("error"), "time": ev["time"]}
     elif kind == "log":
-        data = {"message": ev["message"], "time": ev["time"]}
+        extra = ev.get("data") or {}
+        # the trainer's own output names its rank and stream (stdout, stderr); its status lines do not
+        data = {
+            "message": ev["message"],
+            "time": ev["time"],
+            "rank": extra.get("rank"),
+            "stream": extra.get("stream"),
+        }
     else:
         data = {"event": ev["message"], "data": ev.get("data"), "time": ev["time"]}
     return frame(event=kind if kind in ("status", "log") else "event", data=data, cursor=cursor)

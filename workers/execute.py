@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.broker import JOBS_CHANNEL, job_channel
+from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import (
@@ -42,7 +43,9 @@ from db.models import JobStatus
 from db.quotas import quota_gate
 from jobrules.restarts import max_restarts
 from workers.failures import infrastructure_failure, oom_kill_count
+from workers.hardware import HardwareSampler
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
+from workers.logcap import LogCap
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
@@ -78,6 +81,9 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
         "1",
         "--nproc-per-node",
         str(world_size),
+        # each rank's stderr also to the console, prefixed with its rank (workers/logcap.py)
+        "--tee",
+        "2",
         *args,
     ]
 
@@ -267,9 +273,31 @@ def run_attempt(
     """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
     unreachable: the lease then runs out)."""
+
+    def emit_log(rank: int | None, stream: str, text: str) -> None:
+        relay.add(None, Message(kind="log", message=text, data={"rank": rank, "stream": stream}))
+
+    cap = LogCap(emit_log, head=settings.log_head_lines, tail=settings.log_tail_lines)
+    step = [0]
+
+    def on_message(msg: Message) -> None:
+        if msg.kind == "metric":
+            step[0] = max(step[0], msg.step)
+        relay.add(None, msg)
+
+    def emit_hw(name: str, value: float) -> None:
+        # seq None: applied whatever the attempt's sequence; stored once per (name, step)
+        relay.add(None, Message(kind="metric", step=step[0], name=name, value=value))
+
+    sampler: list[HardwareSampler] = []
+    out.rank = 0 if "torch.distributed.run" not in cmd else None
     rc = supervise(
         cmd,
-        on_message=lambda msg: relay.add(None, msg),
+        on_message=on_message,
+        on_output=lambda rank, stream, text: cap.add(rank=rank, stream=stream, text=text),
+        on_start=lambda pid: sampler.append(
+            HardwareSampler(pid, emit=emit_hw, every_s=settings.hw_sample_s).start()
+        ),
         poll=poll,
         stop_file=stop_file,
         stderr_log=workdir / "stderr.log",
@@ -278,6 +306,9 @@ def run_attempt(
         out=out,
         memory_limit=memory_limit,
     )
+    for sm in sampler:
+        sm.stop()
+    cap.close()
     if not relay.close() or relay.fenced:
         log.warning("%s: %s", what, relay.broken or "fenced off")
         return None
