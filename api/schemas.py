@@ -227,7 +227,7 @@ class JobPublic(BaseModel):
     selection_id: int | None
     owner: str | None
     wait_reason: str | None
-    """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
+    """Why a queued job has not started: the scheduler's reason (workers busy, too small, quota,
     behind a higher-priority job, no live worker)."""
     queue_position: int | None = None
     """1-based place of a queued job in the scheduler's order (None when not queued)."""

@@ -23,6 +23,9 @@ export interface Job {
   queue_position?: number | null;
   /** The slots the scheduler reserved, one entry per node. */
   reservation?: Reservation[];
+  world_size?: number;
+  /** Wall time its attempts have run so far. */
+  run_seconds?: number;
 }
 
 export interface Reservation {
