@@ -118,6 +118,23 @@ def test_high_priority_job_goes_next_and_lower_ones_wait_behind_it() -> None:
     assert [(w.id, n) for w, n in d.placements] == [(11, [("w1", 1, 0, 0)])]
 
 
+def test_wait_reasons_tell_busy_from_too_small_quota_and_no_worker() -> None:
+    """The one worker simply busy used to read "no worker big enough now"; each cause now has its
+    own words (this test fails on the old message)."""
+    quotas = {1: Quota(name="ann", limits={"running_jobs": 1, "ranks": 8, "gpus": 0}, running=1, ranks=1)}
+    boxes = [box("w1", slots=2, tasks=2)]
+    boxes[0].take(2, 0, 0)
+    d = decide([want(1, user=2), want(2, user=2, ranks=8), want(3, user=1)], boxes, quotas=quotas)
+    busy, small, quota = d.reasons[1], d.reasons[2], d.reasons[3]
+    assert (
+        busy
+        == "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+    )
+    assert small.startswith("no live worker, nor a gang of equal shares, can hold 8 rank(s)")
+    assert quota.startswith("quota: 1 of ann's jobs are running")
+    assert decide([want(4)], []).reasons[4] == "no live worker: waiting for one to start"
+
+
 def test_equal_priority_jobs_fill_gaps_but_lower_ones_do_not() -> None:
     boxes = [box("w1", slots=2, tasks=4)]
     boxes[0].take(1, 0, 0)  # one slot free
@@ -162,7 +179,10 @@ def test_a_job_wider_than_any_worker_gets_a_gang_of_equal_shares() -> None:
     boxes = [box("w1", slots=2), box("w2", slots=2)]
     boxes[1].take(1, 0, 0)
     d = decide([want(1, ranks=4)], boxes)
-    assert d.reasons[1] == "workers busy: needs 2 free slot(s) on each of 2 workers; most free now: 2 (the fleet can hold it once running jobs end)"
+    assert (
+        d.reasons[1]
+        == "workers busy: needs 2 free slot(s) on each of 2 workers; most free now: 2 (the fleet can hold it once running jobs end)"
+    )
 
 
 def test_host_memory_decides_as_slots_do() -> None:
