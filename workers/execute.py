@@ -81,9 +81,12 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
         "1",
         "--nproc-per-node",
         str(world_size),
-        # each rank's stderr also to the console, prefixed with its rank (workers/logcap.py)
+        # each rank's stderr also to the console, prefixed with its rank (workers/logcap.py); the
+        # raw per-rank files go to the job folder (one sub-folder per run), not to /tmp
         "--tee",
         "2",
+        "--log-dir",
+        str(spec_path.parent / "rank-logs"),
         *args,
     ]
 

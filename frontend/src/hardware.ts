@@ -26,7 +26,14 @@ export class HardwareCharts {
   readonly use: StepChart;
   readonly mem: StepChart;
 
-  constructor(useEl: HTMLElement, memEl: HTMLElement) {
+  /** `section` holds both charts; it stays out of sight until the first sample (a job too short
+   * to be sampled shows none). */
+  constructor(
+    private readonly section: HTMLElement,
+    useEl: HTMLElement,
+    memEl: HTMLElement,
+  ) {
+    section.style.display = "none";
     this.use = new StepChart(useEl, { title: "device use", yLabel: "%", lines: [] });
     this.mem = new StepChart(memEl, { title: "memory", yLabel: "MB", lines: [] });
   }
@@ -35,6 +42,7 @@ export class HardwareCharts {
   add(name: string, step: number, value: number): boolean {
     const m = HW_NAME.exec(name);
     if (!m) return false;
+    this.section.style.display = "";
     const [, what, rank] = m;
     const chart = MEM.includes(what) ? this.mem : USE.includes(what) ? this.use : null;
     if (!chart) return true; // power: kept in the metrics, not charted
@@ -45,6 +53,8 @@ export class HardwareCharts {
         label: `${LABEL[what] ?? what} r${rank}`,
         color: PALETTE[i],
         dash: what.startsWith("gpu") ? [6, 3] : undefined,
+        // a sample every few seconds: few points, each worth seeing
+        points: true,
       });
     }
     chart.add(name, step, value);

@@ -26,6 +26,12 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const tputEl = h("div", { class: "chart", id: "tput-chart" });
   const useEl = h("div", { class: "chart", id: "hw-use-chart" });
   const memEl = h("div", { class: "chart", id: "hw-mem-chart" });
+  const hwSection = h(
+    "div",
+    { class: "charts", id: "hardware" },
+    h("div", { class: "card" }, useEl),
+    h("div", { class: "card" }, memEl),
+  );
   const logPanel = new LogPanel();
   const traceback = h("section", { class: "card", id: "job-traceback-card", hidden: true });
   const pipeline = h("section", { id: "pipeline", hidden: true });
@@ -33,12 +39,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     header,
     traceback,
     h("div", { class: "charts" }, h("div", { class: "card" }, lossEl), h("div", { class: "card" }, tputEl)),
-    h(
-      "div",
-      { class: "charts", id: "hardware" },
-      h("div", { class: "card" }, useEl),
-      h("div", { class: "card" }, memEl),
-    ),
+    hwSection,
     pipeline,
     logPanel.el,
   );
@@ -57,7 +58,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     lines: [{ key: "tokens_per_s", label: "tokens/s", color: "#2ca02c" }],
   });
 
-  const hw = new HardwareCharts(useEl, memEl);
+  const hw = new HardwareCharts(hwSection, useEl, memEl);
   let job: Job | null = null;
   // the pace: the first and latest loss step this page saw, with when (this browser's clock)
   let firstSeen: { step: number; at: number } | null = null;
