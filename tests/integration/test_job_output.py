@@ -8,6 +8,7 @@ import pytest
 
 from tests.archives import targz
 from tests.conftest import StackHandle
+from tests.integration.test_cli_and_stream_idle import cli
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +101,24 @@ def test_a_failed_jobs_traceback_is_in_its_log(stack: StackHandle) -> None:
     text = "\n".join(stderr)
     assert "Traceback (most recent call last):" in text
     assert 'chatty/source.py", line 19, in stream' in text and "RuntimeError: the user's data ran dry" in text
+
+
+def test_cli_logs_follow_by_rank_and_follow_shows_the_pace(stack: StackHandle) -> None:
+    ws = upload_chatty(stack)
+    job = stack.submit(chatty_spec(ws, name="chatty-cli", steps=30, pause=0.1))
+    # started while the job is queued or running: it streams the log and returns when the job ends
+    logs = cli(stack, "logs", str(job["id"]), "-f", "--rank", "0")
+    assert logs.returncode == 0, logs.stderr
+    assert "[rank 0] hello from the user's data" in logs.stdout
+    assert "status" not in logs.stdout  # status lines name no rank: --rank leaves them out
+    assert stack.job(job["id"])["status"] == "succeeded"
+    everything = cli(stack, "logs", str(job["id"]))
+    assert "status succeeded" in everything.stdout and "hello from the user's data" in everything.stdout
+
+    again = stack.submit(chatty_spec(ws, name="chatty-follow", steps=30, pause=0.1))
+    followed = cli(stack, "follow", str(again["id"]))
+    assert followed.returncode == 0, followed.stderr
+    assert "steps/s" in followed.stdout and "ETA" in followed.stdout
+    assert "[rank 0] hello from the user's data" in followed.stdout
+    listing = cli(stack, "jobs")
+    assert "duration" in listing.stdout
