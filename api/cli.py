@@ -156,7 +156,7 @@ def clock(seconds: float | None) -> str:
 
 def _log_text(data: dict[str, Any]) -> str:
     rank = data.get("rank")
-    return (f"[rank {rank}] " if rank is not None else "") + shown(data["message"])
+    return (escape(f"[rank {rank}] ") if rank is not None else "") + shown(data["message"])
 
 
 def follow(client: httpx.Client, job_id: int) -> str:
@@ -197,9 +197,10 @@ def follow(client: httpx.Client, job_id: int) -> str:
             elif event == "status":
                 if status == "queued" and data["status"] == "running":
                     started = time.monotonic()
+                back = data["status"] == "queued" and status != "queued"
                 status = data["status"]
                 bar.update(task, status=status)
-                if status == "queued":
+                if back:  # requeued or preempted: say why it waits now (the first reason is printed above)
                     why = _get_patiently(client, f"/api/jobs/{job_id}").get("wait_reason")
                     if why:
                         bar.console.print(f"[yellow]queued:[/] {shown(why)}")
@@ -328,7 +329,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             return
         stamp = time.strftime("%H:%M:%S", time.localtime(at))
         prefix = "status " if kind == "status" else f"[rank {rank}] " if rank is not None else ""
-        console.print(f"[dim]{stamp}[/] {prefix}{shown(message)}", highlight=False)
+        console.print(f"[dim]{stamp}[/] {escape(prefix)}{shown(message)}", highlight=False)
 
     with _client(args.api, args.token) as c:
         if args.follow:
