@@ -254,6 +254,10 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
         if len(written) < 8:
             written[start] = (out, cur.metric)
         return out, False
+    elif msg.get("type") == "live_log":
+        # output past the job's stored head (workers/logcap.py): live only, so no id to resume by
+        data = {k: msg.get(k) for k in ("message", "time", "rank", "stream")}
+        out.append(frame(event="log", data=data))
     elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
         ended = msg["kind"] == "status" and cur.final

@@ -277,10 +277,17 @@ def run_attempt(
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
     unreachable: the lease then runs out)."""
 
-    def emit_log(rank: int | None, stream: str, text: str) -> None:
-        relay.add(None, Message(kind="log", message=text, data={"rank": rank, "stream": stream}))
+    def emit_log(rank: int | None, stream: str, text: str, at: float) -> None:
+        relay.add(None, Message(kind="log", message=text, time=at, data={"rank": rank, "stream": stream}))
 
-    cap = LogCap(emit_log, head=settings.log_head_lines, tail=settings.log_tail_lines)
+    channels = next(iter(relay.targets.values())).channels
+
+    def live_log(rank: int | None, stream: str, text: str, at: float) -> None:
+        # past the stored head: shown live, stored only if it ends up in the tail
+        body = {"type": "live_log", "message": text, "time": at, "rank": rank, "stream": stream}
+        relay.publish(body, channels=channels)
+
+    cap = LogCap(emit_log, head=settings.log_head_lines, tail=settings.log_tail_lines, live=live_log)
     step = [0]
 
     def on_message(msg: Message) -> None:

@@ -17,22 +17,46 @@ from workers.supervise import Ask, Outcome, supervise
 
 def test_the_log_keeps_head_and_tail_past_its_cap_with_a_note() -> None:
     got: list[tuple[int | None, str, str]] = []
-    cap = LogCap(lambda r, s, t: got.append((r, s, t)), head=3, tail=2)
+    live: list[tuple[str, float]] = []
+    cap = LogCap(
+        lambda r, s, t, at: got.append((r, s, t)),
+        head=3,
+        tail=2,
+        live=lambda r, s, t, at: live.append((t, at)),
+        live_per_s=100,
+    )
     for i in range(10):
         cap.add(rank=i % 2, stream="stderr", text=f"line {i}\n")
-    assert [t for _, _, t in got] == ["line 0", "line 1", "line 2"]  # the head, as it came
+    assert [t for _, _, t in got] == ["line 0", "line 1", "line 2"]  # the head, stored as it came
+    assert [t for t, _ in live] == [f"line {i}" for i in range(3, 10)]  # the rest: live only
     cap.close()
-    assert got[3] == (
-        None,
-        "note",
-        "[5 line(s) of output dropped here: the log keeps the first and last lines]",
-    )
+    note = "[5 line(s) of output dropped here: the log keeps the first and last lines]"
+    assert got[3] == (None, "note", note)
     assert got[4:] == [(0, "stderr", "line 8"), (1, "stderr", "line 9")]
+
+
+def test_live_lines_past_the_head_are_rate_limited_and_keep_their_time_when_stored() -> None:
+    stored: list[tuple[str, float]] = []
+    live: list[tuple[str, float]] = []
+    cap = LogCap(
+        lambda r, s, t, at: stored.append((t, at)),
+        head=0,
+        tail=1000,
+        live=lambda r, s, t, at: live.append((t, at)),
+        live_per_s=5,
+    )
+    for i in range(200):  # a burst within a second or two: 5 a second go out
+        cap.add(rank=0, stream="stdout", text=f"{i}")
+    assert 5 <= len(live) <= 15 and cap.live_dropped == 200 - len(live)
+    cap.close()
+    assert len(stored) == 200
+    # a line shown live is stored with the same time (the page keys lines by time, rank and text)
+    assert set(live) <= set(stored)
 
 
 def test_a_short_log_is_kept_whole_with_no_note() -> None:
     got: list[str] = []
-    cap = LogCap(lambda r, s, t: got.append(t), head=3, tail=2)
+    cap = LogCap(lambda r, s, t, at: got.append(t), head=3, tail=2)
     for i in range(4):
         cap.add(rank=0, stream="stdout", text=f"{i}")
     cap.close()
