@@ -20,6 +20,7 @@ import time
 from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
+from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt, lease_left_s, release_job
@@ -36,6 +37,7 @@ from db.selections import (
     sync_trials,
 )
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
+from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
@@ -218,9 +220,24 @@ def execute_selection(
     # every trial of the group lives in this one process (idle ones in host memory)
     mem_limit = group_memory_limit_bytes([specs[i] for i in sorted(mine)])
 
+    steps: dict[int, int] = {}
+
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is not None:
+            if msg.kind == "metric":
+                steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)
             relay.add(msg.trial, msg)
+
+    def emit_hw(name: str, value: float) -> None:
+        # the group is one process on this worker's devices: each sample belongs to every trial
+        # still in it (at that trial's step, one time for all, so the selection page draws it once)
+        at = time.time()
+        for i in sorted(mine - relay.finished - relay.fenced):
+            relay.add(
+                i, Message(kind="metric", trial=i, step=steps.get(i, 0), name=name, value=value, time=at)
+            )
+
+    samplers: list[HardwareSampler] = []
 
     rc = supervise(
         cmd,
@@ -232,7 +249,12 @@ def execute_selection(
         shutdown_grace_s=settings.shutdown_grace_s,
         out=out,
         memory_limit=mem_limit,
+        on_start=lambda pid: samplers.append(
+            HardwareSampler(pid, emit=emit_hw, every_s=settings.hw_sample_s).start()
+        ),
     )
+    for sm in samplers:
+        sm.stop()
     if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
         out.error = oom
     if not relay.close():

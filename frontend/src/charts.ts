@@ -38,7 +38,15 @@ export class StepChart {
 
   constructor(
     private readonly el: HTMLElement,
-    opts: { title: string; lines: LineSpec[]; yLabel: string; height?: number; legend?: boolean },
+    opts: {
+      title: string;
+      lines: LineSpec[];
+      yLabel: string;
+      height?: number;
+      legend?: boolean;
+      /** The x axis's label: "step" unless the x values are something else (seconds). */
+      xLabel?: string;
+    },
   ) {
     this.keys = opts.lines.map((l) => l.key);
     const width = Math.max(320, el.clientWidth || 600);
@@ -48,7 +56,7 @@ export class StepChart {
         width,
         height: opts.height ?? 260,
         scales: { x: { time: false } },
-        axes: [{ label: "step" }, { label: opts.yLabel, size: 60 }],
+        axes: [{ label: opts.xLabel ?? "step" }, { label: opts.yLabel, size: 60 }],
         legend: { show: opts.legend ?? true },
         cursor: { drag: { x: true, y: false } },
         series: [{ label: "step" }, ...opts.lines.map(seriesOpts)],

@@ -71,3 +71,39 @@ export class HardwareCharts {
     this.mem.destroy();
   }
 }
+
+/** A selection batch's device use over time: its groups' samples (every trial of a group carries
+ * the same sample, at the same time, so it is drawn once), x in seconds since the first sample. */
+export class DeviceUseChart {
+  readonly chart: StepChart;
+  private t0: number | null = null;
+
+  constructor(
+    private readonly section: HTMLElement,
+    el: HTMLElement,
+  ) {
+    section.style.display = "none";
+    this.chart = new StepChart(el, {
+      title: "device use over time (each group's process)",
+      yLabel: "CPU % / GPU util %",
+      xLabel: "seconds",
+      lines: [],
+    });
+  }
+
+  add(name: string, time: number, value: number): void {
+    const m = HW_NAME.exec(name);
+    if (!m || !USE.includes(m[1])) return;
+    this.section.style.display = "";
+    this.t0 = this.t0 ?? time;
+    if (!this.chart.has(name)) {
+      const i = (Number(m[2]) * 2 + (m[1].startsWith("gpu") ? 1 : 0)) % PALETTE.length;
+      this.chart.addLine({ key: name, label: `${LABEL[m[1]]} r${m[2]}`, color: PALETTE[i], points: true });
+    }
+    this.chart.add(name, Math.round(time - this.t0), value);
+  }
+
+  destroy(): void {
+    this.chart.destroy();
+  }
+}

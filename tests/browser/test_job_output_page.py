@@ -67,9 +67,9 @@ def test_a_running_jobs_page_gets_the_trainers_print_its_pace_and_hardware(stack
     stack.wait(job["id"], timeout=240)
 
 
-def test_a_running_trials_steps_move_before_it_ends(stack, page: Page) -> None:
+def test_a_running_trials_steps_move_and_the_selection_shows_device_use(stack, page: Page) -> None:
     ws = upload_chatty(stack)
-    base = chatty_spec(ws, name="sel", steps=30, pause=0.3)
+    base = chatty_spec(ws, name="sel", steps=40, pause=0.3)
     body = {"name": "browser-steps", "base": base, "space": {"train.lr": [1e-3, 3e-3]}, "method": "grid"}
     resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
@@ -78,9 +78,13 @@ def test_a_running_trials_steps_move_before_it_ends(stack, page: Page) -> None:
     running = page.locator("#leaderboard tr[data-status='running'] .progress .label")
     seen: set[str] = set()
     deadline = time.monotonic() + 180
-    # before this change a running trial's bar read 0/30 until the trial ended
-    while time.monotonic() < deadline and not any(0 < int(s.split("/")[0]) < 30 for s in seen):
+    # before this change a running trial's bar read 0/40 until the trial ended
+    while time.monotonic() < deadline and not any(0 < int(s.split("/")[0]) < 40 for s in seen):
         seen.update(t for t in running.all_inner_texts() if "/" in t)
         time.sleep(0.2)
-    assert any(0 < int(s.split("/")[0]) < 30 for s in seen), seen
+    assert any(0 < int(s.split("/")[0]) < 40 for s in seen), seen
+    # the group's process is sampled while it runs: the page draws its CPU use over time
+    expect(page.locator("#selection-hw-chart")).not_to_have_attribute("data-points", "0", timeout=120_000)
+    expect(page.locator("#selection-hardware")).to_be_visible()
     expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)
+    page.screenshot(path=str(DOCS / "selection-hardware.png"), full_page=True)

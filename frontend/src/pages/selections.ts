@@ -13,6 +13,7 @@ import {
   type TrialResult,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
+import { DeviceUseChart } from "../hardware";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
 import { parallelCoordinates } from "../parcoords";
 
@@ -72,6 +73,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const header = h("section", { id: "selection-header" }, "loading…");
   const board = h("table", { class: "grid sortable", id: "leaderboard" });
   const curvesEl = h("div", { class: "chart", id: "curves-chart" });
+  const hwEl = h("div", { class: "chart", id: "selection-hw-chart" });
+  const hwSection = h("section", { class: "card", id: "selection-hardware" }, hwEl);
+  const deviceUse = new DeviceUseChart(hwSection, hwEl);
   const pcEl = h("div", { id: "parcoords" });
   const actionsOut = h("div", { id: "selection-result", role: "status" });
   const addText = h("textarea", { id: "add-trials-input", rows: 5, spellcheck: "false" });
@@ -79,6 +83,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     header,
     h("section", { class: "card" }, h("h2", {}, "Leaderboard"), board),
     h("section", { class: "card" }, curvesEl),
+    hwSection,
     h(
       "section",
       { class: "card" },
@@ -388,8 +393,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     stream = subscribe(
       `/api/selections/${id}/stream`,
       {
-        metric: (m: { trial_id: number; name: string; step: number; value: number }) => {
+        metric: (m: { trial_id: number; name: string; step: number; value: number; time: number }) => {
           if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
+          else deviceUse.add(m.name, m.time, m.value);
         },
         trial: (t: Trial) => upsertTrial(t),
         status: (s: { status: string }) => {
@@ -415,6 +421,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     closed = true;
     stream?.close();
     chart?.destroy();
+    deviceUse.destroy();
     if (redrawTimer !== null) window.clearTimeout(redrawTimer);
   };
 }
