@@ -4,10 +4,21 @@ job's traceback there; and the CPU hardware series (the rank's CPU % and RSS) in
 
 from __future__ import annotations
 
-import pytest
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
 
+import httpx
+import pytest
+from sqlalchemy import update
+
+from db.engine import session_for
+from db.models import User
 from tests.archives import targz
-from tests.conftest import StackHandle
+from tests.conftest import TINY_SPEC, StackHandle
 from tests.integration.test_cli_and_stream_idle import cli
 
 pytestmark = pytest.mark.integration
@@ -15,6 +26,7 @@ pytestmark = pytest.mark.integration
 # the user's data source prints, warns, and (`failing`) raises: the trainer's own output
 CHATTY_PY = b"""
 import sys
+import threading
 import time
 import warnings
 
@@ -122,3 +134,44 @@ def test_cli_logs_follow_by_rank_and_follow_shows_the_pace(stack: StackHandle) -
     assert "[rank 0] hello from the user's data" in followed.stdout
     listing = cli(stack, "jobs")
     assert "duration" in listing.stdout
+
+
+def test_follow_prints_why_a_queued_job_waits(stack: StackHandle) -> None:
+    """A user at their quota of one running job: `follow` of their second job says why it waits
+    (before, it showed "queued" with no reason)."""
+    made = stack.client.post("/api/users", json={"name": f"q{time.time_ns()}"}).json()
+    with session_for(stack.stack.database_url) as s:
+        s.execute(update(User).where(User.id == made["user"]["id"]).values(max_running_jobs=1))
+        s.commit()
+    auth = {"Authorization": f"Bearer {made['token']}"}
+    jobs = []
+    for name in ("first", "second"):
+        endless = {**TINY_SPEC, "name": name, "train": {**TINY_SPEC["train"], "steps": 100_000}}
+        resp = httpx.post(f"{stack.base_url}/api/jobs", json=endless, headers=auth)
+        assert resp.status_code == 201, resp.text
+        jobs.append(resp.json()["id"])
+    first, second = jobs
+    stack.wait_until(second, lambda j: (j["wait_reason"] or "").startswith("quota:"), timeout=120)
+    env = {
+        **os.environ,
+        "SHARDYARD_API_URL": stack.base_url,
+        "SHARDYARD_TOKEN": made["token"],
+        "COLUMNS": "200",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "follow", str(second)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: lines.put(proc.stderr.readline()), daemon=True).start()
+        line = lines.get(timeout=60)  # the first thing it says (without the reason: nothing, for ever)
+        assert line.startswith("queued: quota: 1 of") and "the quota is 1" in line, line
+    finally:
+        for job_id in (second, first):
+            stack.client.post(f"/api/jobs/{job_id}/cancel")
+        proc.communicate(timeout=120)
