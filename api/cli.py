@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 console = Console()
@@ -139,34 +139,77 @@ def _get_patiently(client: httpx.Client, path: str, *, patience_s: float = 600.0
         delay = min(2 * delay, 5.0)
 
 
+def pace(*, step0: int, t0: float, step: int, now: float, steps: int) -> tuple[float | None, float | None]:
+    """(steps/s, seconds left) from the steps seen since (`step0`, `t0`); None until two points."""
+    if step <= step0 or now <= t0:
+        return None, None
+    rate = (step - step0) / (now - t0)
+    return rate, max(0.0, (steps - step) / rate)
+
+
+def clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _log_text(data: dict[str, Any]) -> str:
+    rank = data.get("rank")
+    return (escape(f"[rank {rank}] ") if rank is not None else "") + shown(data["message"])
+
+
 def follow(client: httpx.Client, job_id: int) -> str:
     job = _get_patiently(client, f"/api/jobs/{job_id}")
     steps = job["progress"]["steps"] or 1
     status = job["status"]
+    if status == "queued" and job.get("wait_reason"):
+        err.print(f"[yellow]queued:[/] {shown(job['wait_reason'])}")
+    first: tuple[int, float] | None = None
+    started = time.monotonic() - float(job.get("run_seconds") or 0.0)
     with Progress(
         TextColumn("[bold]job {task.fields[job]}[/] {task.fields[status]}"),
         BarColumn(),
         TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
         TextColumn("loss {task.fields[loss]}  val {task.fields[val]}"),
-        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]} steps/s  elapsed {task.fields[elapsed]}  ETA {task.fields[eta]}"),
         console=console,
     ) as bar:
-        task = bar.add_task("train", total=steps, job=job_id, status=status, loss="-", val="-")
+        task = bar.add_task(
+            "train", total=steps, job=job_id, status=status, loss="-", val="-", rate="-", elapsed="-", eta="-"
+        )
         for event, data in sse_events(client, f"/api/jobs/{job_id}/stream"):
             if event == "metric":
                 if data["name"] == "loss":
-                    bar.update(task, completed=data["step"], loss=f"{data['value']:.4f}")
+                    now = time.monotonic()
+                    first = first or (data["step"], now)
+                    rate, left = pace(step0=first[0], t0=first[1], step=data["step"], now=now, steps=steps)
+                    bar.update(
+                        task,
+                        completed=data["step"],
+                        loss=f"{data['value']:.4f}",
+                        rate=f"{rate:.2f}" if rate else "-",
+                        elapsed=clock(now - started),
+                        eta=clock(left),
+                    )
                 elif data["name"] == "val_loss":
                     bar.update(task, val=f"{data['value']:.4f}")
             elif event == "status":
+                if status == "queued" and data["status"] == "running":
+                    started = time.monotonic()
+                back = data["status"] == "queued" and status != "queued"
                 status = data["status"]
                 bar.update(task, status=status)
+                if back:  # requeued or preempted: say why it waits now (the first reason is printed above)
+                    why = _get_patiently(client, f"/api/jobs/{job_id}").get("wait_reason")
+                    if why:
+                        bar.console.print(f"[yellow]queued:[/] {shown(why)}")
                 if status in TERMINAL:
                     if data.get("error"):
                         err.print(f"[red]error:[/] {shown(data['error'])}")
                     break
             elif event == "log":
-                bar.console.print(f"[dim]{shown(data['message'])}[/]")
+                bar.console.print(f"[dim]{_log_text(data)}[/]", highlight=False)
     final = _get_patiently(client, f"/api/jobs/{job_id}")
     if final.get("result"):
         console.print_json(data=final["result"])
@@ -234,7 +277,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         params["status"] = args.status
     with _client(args.api, args.token) as c:
         page = _check(c.get("/api/jobs", params=params))
-    table = Table("id", "name", "status", "progress", "worker", "created", "error")
+    table = Table("id", "name", "status", "progress", "worker", "created", "duration", "error")
     for j in page["items"]:
         p = j["progress"]
         table.add_row(
@@ -244,6 +287,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             f"{p['step']}/{p['steps']}",
             shown(j["worker"] or ""),
             j["created_at"][:19],
+            clock(j["run_seconds"]) if j.get("started_at") else "-",
             shown((j["error"] or "")[:60]),
         )
     console.print(table)
@@ -280,11 +324,26 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    def show(kind: str, message: str, at: float, rank: int | None) -> None:
+        if args.rank is not None and rank != args.rank:
+            return
+        stamp = time.strftime("%H:%M:%S", time.localtime(at))
+        prefix = "status " if kind == "status" else f"[rank {rank}] " if rank is not None else ""
+        console.print(f"[dim]{stamp}[/] {escape(prefix)}{shown(message)}", highlight=False)
+
     with _client(args.api, args.token) as c:
-        for ev in _check(c.get(f"/api/jobs/{args.id}/logs"))["items"]:
-            stamp = time.strftime("%H:%M:%S", time.localtime(ev["time"]))
-            prefix = "status " if ev["kind"] == "status" else ""
-            console.print(f"[dim]{stamp}[/] {prefix}{shown(ev['message'])}", highlight=False)
+        if args.follow:
+            # the stream replays the job's log from its start, then follows it until the job ends
+            for event, data in sse_events(c, f"/api/jobs/{args.id}/stream"):
+                if event == "log":
+                    show("log", data["message"], data["time"], data.get("rank"))
+                elif event == "status":
+                    show("status", data["status"], data["time"], None)
+                    if data["status"] in TERMINAL:
+                        break
+            return 0
+        for ev in _check(c.get(f"/api/jobs/{args.id}/logs", params={"limit": 10_000}))["items"]:
+            show(ev["kind"], ev["message"], ev["time"], (ev.get("data") or {}).get("rank"))
     return 0
 
 
@@ -480,12 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in [
         ("show", cmd_show, "one job as JSON"),
         ("cancel", cmd_cancel, "cancel a queued or running job"),
-        ("logs", cmd_logs, "a job's log lines"),
         ("follow", cmd_follow, "watch a job until it ends"),
     ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("id", type=int)
         p.set_defaults(fn=fn)
+    p = sub.add_parser("logs", help="a job's log: status lines and the trainer's own output")
+    p.add_argument("id", type=int)
+    p.add_argument("--follow", "-f", action="store_true", help="stream new lines until the job ends")
+    p.add_argument("--rank", type=int, help="only this rank's output (status lines left out)")
+    p.set_defaults(fn=cmd_logs)
     for name, fn, text in [
         ("fail", cmd_fail, "operator: end a queued or running job `failed`"),
         ("requeue", cmd_requeue, "operator: put a running or ended job back in the queue"),

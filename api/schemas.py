@@ -75,7 +75,7 @@ class JobPublic(BaseModel):
     selection_id: int | None
     owner: str | None
     wait_reason: str | None
-    """Why a queued job has not started: the scheduler's reason (no worker big enough now, quota,
+    """Why a queued job has not started: the scheduler's reason (workers busy, too small, quota,
     behind a higher-priority job, no live worker); for a running job, `preparing environment`
     while its worker builds (or waits for) the environment of its requirements."""
     queue_position: int | None = None

@@ -147,7 +147,14 @@ def event_frame(ev: dict[str, Any], cursor: Cursor) -> str:
         cursor.final = ev["message"] in TERMINAL
         data = {"status": ev["message"], "error": (ev.get("data") or {}).get("error"), "time": ev["time"]}
     elif kind == "log":
-        data = {"message": ev["message"], "time": ev["time"]}
+        extra = ev.get("data") or {}
+        # the trainer's own output names its rank and stream (stdout, stderr); its status lines do not
+        data = {
+            "message": ev["message"],
+            "time": ev["time"],
+            "rank": extra.get("rank"),
+            "stream": extra.get("stream"),
+        }
     else:
         data = {"event": ev["message"], "data": ev.get("data"), "time": ev["time"]}
     return frame(event=kind if kind in ("status", "log") else "event", data=data, cursor=cursor)
@@ -247,6 +254,10 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
         if len(written) < 8:
             written[start] = (out, cur.metric)
         return out, False
+    elif msg.get("type") == "live_log":
+        # output past the job's stored head (workers/logcap.py): live only, so no id to resume by
+        data = {k: msg.get(k) for k in ("message", "time", "rank", "stream")}
+        out.append(frame(event="log", data=data))
     elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
         ended = msg["kind"] == "status" and cur.final

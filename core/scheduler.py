@@ -278,6 +278,17 @@ def _preemption(w: Want, n: int, boxes: Sequence[Box], running: Sequence[Running
     return asked
 
 
+def busy_reason(w: Want, n: int, boxes: list[Box]) -> str:
+    """Why a job the fleet can hold waits: the workers that could are busy now (not too small,
+    which `plan` says apart). Names what is short, so a user can tell a full fleet from a big ask."""
+    each = f" on each of {n} workers" if n > 1 else ""
+    most = max((b.free_slots for b in boxes if w.queue in b.queues), default=0)
+    return (
+        f"workers busy: needs {w.ranks // n} free slot(s){each}; most free now: {most} "
+        f"(the fleet can hold it once running jobs end)"
+    )
+
+
 def plan(
     wants: Iterable[Want],
     boxes: list[Box],
@@ -336,9 +347,7 @@ def plan(
         if nodes is None:
             full.add(ask)
             # the reason stays the same while the job waits (it is written only when it changes)
-            d.reasons[w.id] = f"no worker big enough now: needs {w.ranks // n} free slot(s)" + (
-                f" on each of {n} workers" if n > 1 else ""
-            )
+            d.reasons[w.id] = busy_reason(w, n, boxes)
             if blocker is None:
                 blocker = w
                 if preemption:

@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     worker_alive_s: float = 30.0
     """A worker whose last heartbeat is older than this counts as gone (health, placement)."""
     heartbeat_s: float = 5.0
+    log_head_lines: int = 2000
+    """Lines of a job attempt's own output (prints, warnings, tracebacks) stored as they come."""
+    log_tail_lines: int = 2000
+    """Past `log_head_lines`, the last lines of the attempt kept and stored at its end (with a note
+    of how many were dropped between)."""
+    hw_sample_s: float = 5.0
+    """Seconds between hardware samples of a job's ranks (CPU %, RSS; GPU utilisation, memory and
+    power through NVML); 0 turns sampling off."""
     lease_s: float = 30.0
     """A running job's lease: its worker process renews it (with every batch of lines it applies,
     and at least every lease_s / 3); once it runs out by database time, anyone may take the job

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.broker import JOBS_CHANNEL, job_channel
+from core.messages import Message
 from core.settings import Settings
 from core.storage import StorageError, checkpoints_prefix, get_storage
 from db.engine import session_for
@@ -53,7 +54,9 @@ from workers.ckpt_sync import (
     storage_failure,
 )
 from workers.failures import infrastructure_failure, oom_kill_count
+from workers.hardware import HardwareSampler
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
+from workers.logcap import LogCap
 from workers.relay import Relay, Target, retry_db
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
@@ -89,6 +92,12 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
         "1",
         "--nproc-per-node",
         str(world_size),
+        # each rank's stderr also to the console, prefixed with its rank (workers/logcap.py); the
+        # raw per-rank files go to the job folder (one sub-folder per run), not to /tmp
+        "--tee",
+        "2",
+        "--log-dir",
+        str(spec_path.parent / "rank-logs"),
         *args,
     ]
 
@@ -327,7 +336,8 @@ def run_attempt(
     uploader: Uploader | None = None,
     still_ours: Callable[[], bool] = lambda: True,
 ) -> int | None:
-    """Run the trainer under `poll`, relaying its lines, and wait for every line to be applied.
+    """Run the trainer under `poll`, relaying its lines and its own output (workers/logcap.py) and
+    sampling its hardware (workers/hardware.py), and wait for every line to be applied.
     Returns its exit code, or None when the attempt was lost (fenced off, or the database stayed
     unreachable: the lease then runs out). `env`: the job's own packages (workers/pyenv.py); when
     they failed, no trainer runs and the attempt ends with their error (exit code 1). `uploader`
@@ -340,14 +350,39 @@ def run_attempt(
             uploader.stop(final=False)  # no trainer ran: nothing new to upload
         return pyenv.without_trainer(relay)
 
-    def on_message(msg) -> None:  # noqa: ANN001 - core.messages.Message
+    def emit_log(rank: int | None, stream: str, text: str, at: float) -> None:
+        relay.add(None, Message(kind="log", message=text, time=at, data={"rank": rank, "stream": stream}))
+
+    channels = next(iter(relay.targets.values())).channels
+
+    def live_log(rank: int | None, stream: str, text: str, at: float) -> None:
+        # past the stored head: shown live, stored only if it ends up in the tail
+        body = {"type": "live_log", "message": text, "time": at, "rank": rank, "stream": stream}
+        relay.publish(body, channels=channels)
+
+    cap = LogCap(emit_log, head=settings.log_head_lines, tail=settings.log_tail_lines, live=live_log)
+    step = [0]
+
+    def on_message(msg: Message) -> None:
+        if msg.kind == "metric":
+            step[0] = max(step[0], msg.step)
         relay.add(None, msg)
         if uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
             uploader.wake()
 
+    def emit_hw(name: str, value: float) -> None:
+        # seq None: applied whatever the attempt's sequence; stored once per (name, step)
+        relay.add(None, Message(kind="metric", step=step[0], name=name, value=value))
+
+    sampler: list[HardwareSampler] = []
+    out.rank = 0 if "torch.distributed.run" not in cmd else None
     rc = supervise(
         cmd + (env.args if env is not None else []),
         on_message=on_message,
+        on_output=lambda rank, stream, text: cap.add(rank=rank, stream=stream, text=text),
+        on_start=lambda pid: sampler.append(
+            HardwareSampler(pid, emit=emit_hw, every_s=settings.hw_sample_s).start()
+        ),
         poll=poll,
         stop_file=stop_file,
         stderr_log=workdir / "stderr.log",
@@ -356,6 +391,9 @@ def run_attempt(
         out=out,
         memory_limit=memory_limit,
     )
+    for sm in sampler:
+        sm.stop()
+    cap.close()
     if uploader is not None:
         uploader.stop(final=not relay.fenced and not relay.broken and still_ours())
     if not relay.close() or relay.fenced:

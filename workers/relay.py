@@ -141,8 +141,12 @@ class Relay:
                 jl.metrics.append((msg.seq, msg.step, msg.name, msg.value, msg.time))
                 if key is not None and msg.name == self.metric and msg.value == msg.value:  # not NaN
                     progress[key].values.append(msg.value)
+                if key is not None and msg.name == "loss":
+                    # a running trial's steps move with its curve, not only at its end
+                    p = progress[key]
+                    p.steps_done = max(p.steps_done or 0, msg.step)
             elif msg.kind == "log":
-                jl.events.append((msg.seq, "log", msg.message, None, msg.time))
+                jl.events.append((msg.seq, "log", msg.message, msg.data or None, msg.time))
             elif msg.kind == "event" and msg.message == "trial" and key is not None:
                 status, steps = msg.data.get("status"), int(msg.data.get("steps_done", 0))
                 progress[key].steps_done = steps

@@ -21,7 +21,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
-from core.messages import BatchTrial, SelectionBatch
+from core.messages import BatchTrial, Message, SelectionBatch
 from core.settings import Settings
 from core.storage import StorageError, get_storage, selection_prefix
 from db.engine import session_for
@@ -42,6 +42,7 @@ from jobrules.spec import SelectionCreate
 from workers import pyenv
 from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
 from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
+from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
@@ -242,11 +243,26 @@ def execute_selection(
     # every trial of the group lives in this one process (idle ones in host memory)
     mem_limit = group_memory_limit_bytes([specs[i] for i in sorted(mine)])
 
+    steps: dict[int, int] = {}
+
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is not None:
+            if msg.kind == "metric":
+                steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)
             relay.add(msg.trial, msg)
             if uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
                 uploader.wake()
+
+    def emit_hw(name: str, value: float) -> None:
+        # the group is one process on this worker's devices: each sample belongs to every trial
+        # still in it (at that trial's step, one time for all, so the selection page draws it once)
+        at = time.time()
+        for i in sorted(mine - relay.finished - relay.fenced):
+            relay.add(
+                i, Message(kind="metric", trial=i, step=steps.get(i, 0), name=name, value=value, time=at)
+            )
+
+    samplers: list[HardwareSampler] = []
 
     # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
     env = pyenv.for_group(
@@ -266,9 +282,14 @@ def execute_selection(
             shutdown_grace_s=settings.shutdown_grace_s,
             out=out,
             memory_limit=mem_limit,
+            on_start=lambda pid: samplers.append(
+                HardwareSampler(pid, emit=emit_hw, every_s=settings.hw_sample_s).start()
+            ),
         )
     )
     env.release()
+    for sm in samplers:
+        sm.stop()
     if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
         out.error = oom
     if uploader is not None:

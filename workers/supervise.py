@@ -23,6 +23,7 @@ from pathlib import Path
 
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
+from workers.logcap import Emit, split_rank
 from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class Outcome:
 
     error: str | None = None
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    rank: int | None = None
+    """The rank of output that names none: 0 for a single-process trainer, None under torchrun
+    (its stdout is not prefixed)."""
     stopped: str | None = None
     """"stop" (asked to stop, e.g. a cancel), "drain" (warm shutdown), "kill" (fenced off or gave
     up on the database)"""
@@ -75,12 +79,15 @@ def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
         pass
 
 
-def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome) -> None:
+def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome, on_output: Emit | None) -> None:
     assert proc.stderr is not None
     with path.open("a") as f:
         for line in proc.stderr:
             f.write(line)
-            out.stderr_tail.append(line.rstrip())
+            rank, text = split_rank(line.rstrip())
+            out.stderr_tail.append(text)
+            if on_output is not None:
+                on_output(rank if rank is not None else out.rank, "stderr", text)
 
 
 def _watch(
@@ -129,10 +136,15 @@ def supervise(
     shutdown_grace_s: float,
     out: Outcome,
     memory_limit: int | None = None,
+    on_output: Emit | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> int:
     """Run `cmd` to its end; every stdout line goes to `on_message` in order (this thread), the
     first `error` line is kept in `out`. Returns the exit code; the process group never outlives
-    this call. `memory_limit`: the process's address-space limit (workers/limits.py)."""
+    this call. `memory_limit`: the process's address-space limit (workers/limits.py).
+    `on_output(rank, stream, text)`, when given, gets the process's own output: stderr lines and
+    stdout lines that are no protocol line (else those go to `on_message` as log lines);
+    `on_start(pid)` the process (group) id once it runs."""
     stop_file.unlink(missing_ok=True)
 
     def preexec() -> None:
@@ -153,7 +165,7 @@ def supervise(
     )
     done = threading.Event()
     threads = [
-        threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out), daemon=True),
+        threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out, on_output), daemon=True),
         threading.Thread(
             target=_watch,
             kwargs={
@@ -170,11 +182,17 @@ def supervise(
     ]
     for t in threads:
         t.start()
+    if on_start is not None:
+        on_start(proc.pid)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             msg = parse_line(line)
             if msg is None:
+                continue
+            if on_output is not None and msg.kind == "log" and msg.seq is None:
+                rank, text = split_rank(line.rstrip())
+                on_output(rank if rank is not None else out.rank, "stdout", text)
                 continue
             if msg.kind == "error" and out.error is None:
                 out.error = msg.message

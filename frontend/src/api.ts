@@ -25,6 +25,9 @@ export interface Job {
   reservation?: Reservation[];
   /** Set on a selection trial's job: the batch it belongs to. */
   selection_id?: number | null;
+  world_size?: number;
+  /** Wall time its attempts have run so far. */
+  run_seconds?: number;
 }
 
 export interface Reservation {

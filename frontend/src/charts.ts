@@ -83,6 +83,8 @@ export class StepChart {
       legend?: boolean;
       /** Show the log-scale toggle and the smoothing slider. */
       controls?: boolean;
+      /** The x axis's label: "step" unless the x values are something else (seconds). */
+      xLabel?: string;
     },
   ) {
     this.lines = [...opts.lines];
@@ -177,7 +179,7 @@ export class StepChart {
         scales: { x: { time: false }, y: this.log ? { distr: 3, log: 10 } : {} },
         axes: [
           // steps are whole numbers: no tick at step 2.5
-          { label: "step", incrs: STEP_INCRS, values: (_u, ticks) => ticks.map(fmtTick) },
+          { label: this.opts.xLabel ?? "step", incrs: STEP_INCRS, values: (_u, ticks) => ticks.map(fmtTick) },
           {
             label: this.opts.yLabel,
             values: (_u, ticks) => ticks.map(fmtTick),
@@ -186,7 +188,7 @@ export class StepChart {
         ],
         legend: { show: this.opts.legend ?? true },
         cursor: { drag: { x: true, y: false } },
-        series: [{ label: "step" }, ...this.lines.map((l) => this.seriesOpts(l))],
+        series: [{ label: this.opts.xLabel ?? "step" }, ...this.lines.map((l) => this.seriesOpts(l))],
       },
       this.data(),
       this.host,

@@ -75,3 +75,11 @@ export function replace(el: Element, ...children: Child[]): void {
 export function fact(label: string, value: Child): HTMLDivElement {
   return h("div", {}, h("dt", {}, label), h("dd", {}, value));
 }
+
+/** 75 s -> "1:15", 3725 s -> "1:02:05". */
+export function clock(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  const mm = String(Math.floor(s / 60) % 60).padStart(2, "0");
+  const ss = String(s % 60).padStart(2, "0");
+  return s >= 3600 ? `${Math.floor(s / 3600)}:${mm}:${ss}` : `${Math.floor(s / 60)}:${ss}`;
+}

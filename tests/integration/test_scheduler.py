@@ -122,7 +122,7 @@ def test_high_priority_job_behind_ten_low_ones_runs_next(two: StackHandle) -> No
     _until(lambda: two.job(low[-1])["wait_reason"] == f"behind higher-priority job {high}")
     assert two.job(high)["queue_position"] == 1
     assert two.job(low[0])["queue_position"] == 2
-    assert two.job(high)["wait_reason"].startswith("no worker big enough now")
+    assert two.job(high)["wait_reason"].startswith("workers busy: needs")
     two.client.post(f"/api/jobs/{blockers[0]}/cancel")
     done = two.wait(high, timeout=180)
     assert done["attempts"] == 1

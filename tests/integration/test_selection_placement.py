@@ -123,7 +123,10 @@ def test_a_group_waits_with_a_reason_until_a_worker_frees_up(two: StackHandle) -
     (trial,) = waiting["trials"]
     job = two.wait_until(trial["job_id"], lambda j: j["wait_reason"] is not None, timeout=60)
     assert job["status"] == "queued" and job["reservation"] == []
-    assert job["wait_reason"] == "no worker big enough now: needs 1 free slot(s)"
+    assert (
+        job["wait_reason"]
+        == "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+    )
     queue = two.client.get("/api/queue").json()["items"]
     entry = next(e for e in queue if e["job_id"] == trial["job_id"])
     assert (entry["selection_id"], entry["trial_ids"]) == (waiting["id"], [trial["id"]])

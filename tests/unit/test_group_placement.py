@@ -118,7 +118,10 @@ def test_groups_of_a_batch_spread_over_two_workers_and_the_third_waits(db_url: s
     assert sorted(h[1][0] for h in held) == trials[:2]
     # the third group waits with the reason, and is in the queue view
     third = _trial_job(db_url, trials[2])
-    assert third.wait_reason == "no worker big enough now: needs 1 free slot(s)"
+    assert (
+        third.wait_reason
+        == "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+    )
     with session_for(db_url) as s:
         order = queue_positions(s, Settings(database_url=db_url))
     assert [(w.id, w.trials, w.selection) for w in order] == [(third.id, (trials[2],), sel)]
@@ -292,7 +295,10 @@ def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
     _sched(db_url, sent).tick()
     assert [g[1] for g in sent.groups] == [trials] and sent.jobs == []
     with session_for(db_url) as s:
-        assert dbj.get_job(s, job).wait_reason == "no worker big enough now: needs 1 free slot(s)"
+        assert (
+            dbj.get_job(s, job).wait_reason
+            == "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+        )
 
 
 # ---- the worker's side of a placed group (workers/selection.py, before any trainer starts) ------

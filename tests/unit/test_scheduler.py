@@ -110,12 +110,29 @@ def test_high_priority_job_goes_next_and_lower_ones_wait_behind_it() -> None:
         b.take(2, 0, 0)
     d = decide([*(want(i) for i in range(1, 11)), want(11, priority=5)], boxes)
     assert d.placements == []
-    assert d.reasons[11].startswith("no worker big enough now")
+    assert d.reasons[11].startswith("workers busy: needs")
     assert all(d.reasons[i] == "behind higher-priority job 11" for i in range(1, 11))
     # one frees: the high-priority job takes it
     boxes[0].free_slots, boxes[0].free_tasks = 2, 1
     d = decide([*(want(i) for i in range(1, 11)), want(11, priority=5)], boxes)
     assert [(w.id, n) for w, n in d.placements] == [(11, [("w1", 1, 0, 0)])]
+
+
+def test_wait_reasons_tell_busy_from_too_small_quota_and_no_worker() -> None:
+    """The one worker simply busy used to read "no worker big enough now"; each cause now has its
+    own words (this test fails on the old message)."""
+    quotas = {1: Quota(name="ann", limits={"running_jobs": 1, "ranks": 8, "gpus": 0}, running=1, ranks=1)}
+    boxes = [box("w1", slots=2, tasks=2)]
+    boxes[0].take(2, 0, 0)
+    d = decide([want(1, user=2), want(2, user=2, ranks=8), want(3, user=1)], boxes, quotas=quotas)
+    busy, small, quota = d.reasons[1], d.reasons[2], d.reasons[3]
+    assert (
+        busy
+        == "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+    )
+    assert small.startswith("no live worker, nor a gang of equal shares, can hold 8 rank(s)")
+    assert quota.startswith("quota: 1 of ann's jobs are running")
+    assert decide([want(4)], []).reasons[4] == "no live worker: waiting for one to start"
 
 
 def test_equal_priority_jobs_fill_gaps_but_lower_ones_do_not() -> None:
@@ -162,7 +179,10 @@ def test_a_job_wider_than_any_worker_gets_a_gang_of_equal_shares() -> None:
     boxes = [box("w1", slots=2), box("w2", slots=2)]
     boxes[1].take(1, 0, 0)
     d = decide([want(1, ranks=4)], boxes)
-    assert d.reasons[1] == "no worker big enough now: needs 2 free slot(s) on each of 2 workers"
+    assert (
+        d.reasons[1]
+        == "workers busy: needs 2 free slot(s) on each of 2 workers; most free now: 2 (the fleet can hold it once running jobs end)"
+    )
 
 
 def test_host_memory_decides_as_slots_do() -> None:
@@ -274,7 +294,7 @@ def test_tick_reserves_sends_and_frees(db_url: str) -> None:
     assert placed == {high, low[0]}
     assert {c[1] for c in sent.calls} == {"node.w1@h", "node.w2@h"}
     with session_for(db_url) as s:
-        assert dbj.get_job(s, low[1]).wait_reason.startswith("no worker big enough now")
+        assert dbj.get_job(s, low[1]).wait_reason.startswith("workers busy: needs")
         assert s.query(Reservation).count() == 2
     sched.tick()  # nothing changed: nothing more is sent
     assert len(sent.calls) == 2
@@ -393,7 +413,7 @@ def test_only_the_wait_reasons_that_changed_are_rewritten(db_url: str) -> None:
         reasons = {j: dbj.get_job(s, j).wait_reason for j in (first, middle, last, capped)}
     assert reasons == {
         first: None,
-        middle: "no worker big enough now: needs 1 free slot(s)",
+        middle: "workers busy: needs 1 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)",
         last: f"behind higher-priority job {middle}",
         capped: "quota: 0 of dee's jobs are running, the quota is 0",
     }

@@ -90,3 +90,15 @@ def test_streams_at_one_cursor_share_the_frames_and_advance_alike() -> None:
     # a stream already past the message gets nothing, and its cursor stays
     done = Cursor.parse("m31e2")
     assert _live_frames(msg, done) == ([], False) and done.metric == 31
+
+
+def test_a_live_log_line_goes_out_without_an_id() -> None:
+    """Output past a job's stored head is published live only (workers/logcap.py): its frame has
+    no id, so a client resuming by Last-Event-ID keeps its place in the stored rows."""
+    cur = Cursor.parse("m3e4")
+    msg = {"type": "live_log", "message": "epoch 9", "time": 1.5, "rank": 1, "stream": "stdout"}
+    frames, ended = _live_frames(msg, cur)
+    assert not ended and frames == [
+        'event: log\ndata: {"message":"epoch 9","time":1.5,"rank":1,"stream":"stdout"}\n\n'
+    ]
+    assert str(cur) == "m3e4"

@@ -1,4 +1,5 @@
-// One job: header, live loss and throughput charts, logs, and the pipeline Gantt chart.
+// One job: header (with its pace: steps/s, elapsed, ETA), live loss, throughput and hardware
+// charts, the log panel (logs.ts), and the pipeline Gantt chart.
 import {
   api,
   ApiError,
@@ -12,8 +13,10 @@ import {
   type TrialResult,
 } from "../api";
 import { StepChart } from "../charts";
-import { badge, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
+import { badge, clock, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
 import { gantt, ganttLegend } from "../gantt";
+import { HardwareCharts, hwNames } from "../hardware";
+import { LogPanel } from "../logs";
 import { jobLoss } from "./jobs";
 
 const NAMES = ["loss", "val_loss", "tokens_per_s"];
@@ -22,13 +25,24 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const header = h("section", { id: "job-header" }, "loading…");
   const lossEl = h("div", { class: "chart", id: "loss-chart" });
   const tputEl = h("div", { class: "chart", id: "tput-chart" });
-  const logs = h("ol", { class: "logs", id: "log-panel" });
+  const useEl = h("div", { class: "chart", id: "hw-use-chart" });
+  const memEl = h("div", { class: "chart", id: "hw-mem-chart" });
+  const hwSection = h(
+    "div",
+    { class: "charts", id: "hardware" },
+    h("div", { class: "card" }, useEl),
+    h("div", { class: "card" }, memEl),
+  );
+  const logPanel = new LogPanel();
+  const traceback = h("section", { class: "card", id: "job-traceback-card", hidden: true });
   const pipeline = h("section", { id: "pipeline", hidden: true });
   root.append(
     header,
+    traceback,
     h("div", { class: "charts" }, h("div", { class: "card" }, lossEl), h("div", { class: "card" }, tputEl)),
+    hwSection,
     pipeline,
-    h("section", { class: "card" }, h("h2", {}, "Log"), logs),
+    logPanel.el,
   );
 
   const lossChart = new StepChart(lossEl, {
@@ -47,27 +61,53 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     controls: true,
   });
 
+  const hw = new HardwareCharts(hwSection, useEl, memEl);
   let job: Job | null = null;
+  // the pace: the first and latest loss step this page saw, with when (this browser's clock)
+  let firstSeen: { step: number; at: number } | null = null;
+  let lastSeen: { step: number; at: number } | null = null;
+  let fetchedAt = Date.now();
   let stream: EventSource | null = null;
   let deleted = false;
   let closed = false;
-  const seenLogs = new Set<string>();
-
   const addLog = (line: LogLine) => {
-    const key = `${line.time}|${line.message}`;
-    if (seenLogs.has(key)) return;
-    seenLogs.add(key);
-    const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
-    logs.append(
-      h(
-        "li",
-        { class: `log-${line.kind ?? "log"}` },
-        h("time", {}, fmtTime(line.time)),
-        h("span", {}, line.kind === "status" ? `status → ${line.message}` : line.message),
-      ),
-    );
-    if (atBottom) logs.scrollTop = logs.scrollHeight;
+    logPanel.add(line);
+    showTraceback();
   };
+
+  /** A failed job's last traceback, on top of the page. */
+  const showTraceback = () => {
+    if (job?.status !== "failed") return;
+    const tb = logPanel.traceback();
+    if (!tb) return;
+    traceback.hidden = false;
+    traceback.replaceChildren(
+      h("h2", {}, "Traceback"),
+      h("pre", { class: "error", id: "job-traceback" }, tb),
+    );
+  };
+
+  /** steps/s, elapsed and ETA from what the page knows now. */
+  const pace = (): string => {
+    if (!job || job.status === "queued") return "—";
+    const running = job.status === "running";
+    const elapsed = (job.run_seconds ?? 0) + (running ? (Date.now() - fetchedAt) / 1000 : 0);
+    const steps = job.progress?.steps ?? 0;
+    const step = job.progress?.step ?? 0;
+    let rate: number | null = null;
+    if (running && firstSeen && lastSeen && lastSeen.step > firstSeen.step)
+      rate = ((lastSeen.step - firstSeen.step) * 1000) / (lastSeen.at - firstSeen.at);
+    else if (elapsed > 0 && step > 0) rate = step / elapsed;
+    const eta = running && rate ? (steps - step) / rate : null;
+    return (
+      `${rate ? rate.toFixed(2) : "—"} steps/s · elapsed ${clock(elapsed)}` +
+      (running ? ` · ETA ${eta === null ? "—" : clock(eta)}` : "")
+    );
+  };
+  const paceTimer = window.setInterval(() => {
+    const el = header.querySelector("#job-pace");
+    if (el) el.textContent = pace();
+  }, 1000);
 
   const renderHeader = () => {
     if (!job) return;
@@ -147,6 +187,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
           "progress",
           h("span", { id: "job-progress" }, j.progress ? `${j.progress.step}/${j.progress.steps}` : "—"),
         ),
+        fact("pace", h("span", { id: "job-pace" }, pace())),
         fact("loss", h("span", { id: "job-loss" }, fmtNum(jobLoss(j)))),
         fact("created", fmtTime(j.created_at)),
         fact("started", fmtTime(j.started_at)),
@@ -189,7 +230,9 @@ export function jobPage(root: HTMLElement, id: number): () => void {
 
   const refreshJob = async () => {
     job = await api<Job>(`/api/jobs/${id}`);
+    fetchedAt = Date.now();
     renderHeader();
+    showTraceback();
   };
 
   /** The job is gone: keep what the page shows, marked deleted, and stop its stream. */
@@ -249,8 +292,10 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     }
     void loadTimeline();
     const [metrics, logPage] = await Promise.all([
-      api<Metrics>(`/api/jobs/${id}/metrics?names=${NAMES.join(",")}&max_points=1000`).catch(() => null),
-      api<{ items: LogLine[] }>(`/api/jobs/${id}/logs`).catch(() => null),
+      api<Metrics>(
+        `/api/jobs/${id}/metrics?names=${[...NAMES, ...hwNames(job?.world_size ?? 1)].join(",")}&max_points=1000`,
+      ).catch(() => null),
+      api<{ items: LogLine[] }>(`/api/jobs/${id}/logs?limit=10000`).catch(() => null),
     ]);
     if (closed) return;
     for (const name of ["loss", "val_loss"]) lossChart.addSeries(name, metrics?.series[name]);
@@ -260,16 +305,20 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       lossChart.setEmpty("Could not load the metrics.");
       tputChart.setEmpty("Could not load the metrics.");
     }
+    for (const [name, series] of Object.entries(metrics?.series ?? {})) hw.addSeries(name, series);
     for (const line of logPage?.items ?? []) addLog(line);
 
     stream = subscribe(`/api/jobs/${id}/stream`, {
       metric: (m: { step: number; name: string; value: number }) => {
+        if (hw.add(m.name, m.step, m.value)) return;
         if (m.name === "tokens_per_s") tputChart.add(m.name, m.step, m.value);
         else lossChart.add(m.name, m.step, m.value);
         // keep the header's progress and loss current without re-rendering it (that would fold
         // the open <details>)
         if (m.name === "loss" && job && m.step >= (job.progress?.step ?? 0)) {
           job.progress = { step: m.step, steps: job.progress?.steps ?? m.step, loss: m.value };
+          lastSeen = { step: m.step, at: Date.now() };
+          firstSeen = firstSeen ?? lastSeen;
           header.querySelector("#job-progress")!.textContent = `${m.step}/${job.progress.steps}`;
           header.querySelector("#job-loss")!.textContent = fmtNum(m.value);
         }
@@ -313,6 +362,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     stream?.close();
     lossChart.destroy();
     tputChart.destroy();
+    hw.destroy();
+    window.clearInterval(paceTimer);
   };
 }
 

@@ -1,7 +1,7 @@
 // Jobs list: one page of the table at a time, filtered on the server (status, owner, name) so it
 // stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
 import { api, type Job, type Page, post, subscribe, TERMINAL } from "../api";
-import { badge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
+import { badge, clock, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
 import { specTools } from "../workspace";
 import { compareHref, MAX_COMPARE } from "./compare";
 
@@ -156,6 +156,7 @@ export function jobsPage(root: HTMLElement): () => void {
       h("td", {}, progressBar(step, steps)),
       h("td", { class: "num" }, fmtNum(jobLoss(job))),
       h("td", {}, fmtTime(job.created_at)),
+      h("td", { class: "num duration" }, duration(job)),
       h("td", { class: "placement" }, placement(job)),
       h(
         "td",
@@ -174,7 +175,7 @@ export function jobsPage(root: HTMLElement): () => void {
   const render = () => {
     const sorted = [...jobs.values()].sort((a, b) => b.id - a.id);
     tbody.replaceChildren(...sorted.map(row));
-    if (!sorted.length) tbody.append(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "No jobs.")));
+    if (!sorted.length) tbody.append(h("tr", {}, h("td", { colspan: 10, class: "muted" }, "No jobs.")));
     pageInfo.textContent = total ? `${offset + 1}–${offset + sorted.length} of ${total}` : "0 jobs";
     prev.toggleAttribute("disabled", offset === 0);
     next.toggleAttribute("disabled", offset + PAGE >= total);
@@ -260,8 +261,8 @@ export function jobsPage(root: HTMLElement): () => void {
         h(
           "tr",
           {},
-          ...["id", "name", "owner", "status", "progress", "loss", "created", "worker", ""].map((c) =>
-            h("th", {}, c),
+          ...["id", "name", "owner", "status", "progress", "loss", "created", "duration", "worker", ""].map(
+            (c) => h("th", {}, c),
           ),
         ),
       ),
@@ -328,4 +329,11 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
     ),
     out,
   );
+}
+
+/** How long a job ran (all its attempts), or for one not started yet, how long it has waited. */
+function duration(job: Job): string {
+  if (job.started_at) return clock(job.run_seconds ?? 0);
+  if (job.status !== "queued" || !job.created_at) return "—";
+  return `waiting ${clock((Date.now() - Date.parse(job.created_at)) / 1000)}`;
 }

@@ -13,6 +13,7 @@ import {
   type TrialResult,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
+import { DeviceUseChart } from "../hardware";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
 import { parallelCoordinates } from "../parcoords";
 import { compareHref, MAX_COMPARE } from "./compare";
@@ -76,6 +77,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const header = h("section", { id: "selection-header" }, "loading…");
   const board = h("table", { class: "grid sortable", id: "leaderboard" });
   const curvesEl = h("div", { class: "chart", id: "curves-chart" });
+  const hwEl = h("div", { class: "chart", id: "selection-hw-chart" });
+  const hwSection = h("section", { class: "card", id: "selection-hardware" }, hwEl);
+  const deviceUse = new DeviceUseChart(hwSection, hwEl);
   const pcEl = h("div", { id: "parcoords" });
   const compareBtn = h(
     "a",
@@ -93,6 +97,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       board,
     ),
     h("section", { class: "card" }, curvesEl),
+    hwSection,
     h(
       "section",
       { class: "card" },
@@ -450,8 +455,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     stream = subscribe(
       `/api/selections/${id}/stream`,
       {
-        metric: (m: { trial_id: number; name: string; step: number; value: number }) => {
+        metric: (m: { trial_id: number; name: string; step: number; value: number; time: number }) => {
           if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
+          else deviceUse.add(m.name, m.time, m.value);
         },
         trial: (t: Trial) => upsertTrial(t),
         status: (s: { status: string }) => {
@@ -478,6 +484,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     stream?.close();
     pcResize.disconnect();
     chart?.destroy();
+    deviceUse.destroy();
     if (redrawTimer !== null) window.clearTimeout(redrawTimer);
   };
 }
