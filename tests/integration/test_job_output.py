@@ -112,7 +112,17 @@ def test_a_failed_jobs_traceback_is_in_its_log(stack: StackHandle) -> None:
     stderr = [e["message"] for e in logs(stack, job["id"]) if (e["data"] or {}).get("stream") == "stderr"]
     text = "\n".join(stderr)
     assert "Traceback (most recent call last):" in text
-    assert 'chatty/source.py", line 19, in stream' in text and "RuntimeError: the user's data ran dry" in text
+    # the traceback names the user's file and the line that raised
+    line = (
+        CHATTY_PY.decode()
+        .splitlines()
+        .index('                raise RuntimeError("the user\'s data ran dry")')
+        + 1
+    )
+    assert (
+        f'chatty/source.py", line {line}, in stream' in text
+        and "RuntimeError: the user's data ran dry" in text
+    )
 
 
 def test_cli_logs_follow_by_rank_and_follow_shows_the_pace(stack: StackHandle) -> None:
