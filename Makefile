@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean image test-containers
+.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean image test-image test-containers
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -88,8 +88,12 @@ TEST_BASE_IMAGE ?= localhost/shardyard-base:bookworm
 image:
 	SHARDYARD_IMAGE=$(IMAGE) docker/build-image.sh
 
-# the whole topology in containers of the image (tests/containers); .ci/run calls it where podman runs
-test-containers: setup
+# the image the container tests run: the Debian base, then the image on it (.ci/run starts this
+# in the background while `make test` runs; test-containers then finds every layer cached)
+test-image:
 	BASE_TAG=$(TEST_BASE_IMAGE) docker/debian-base.sh
 	BASE_IMAGE=$(TEST_BASE_IMAGE) SHARDYARD_IMAGE=$(IMAGE) docker/build-image.sh
+
+# the whole topology in containers of the image (tests/containers); .ci/run calls it where podman runs
+test-containers: setup test-image
 	SHARDYARD_IMAGE=$(IMAGE) $(BIN)/python -m pytest -q -n 0 -m containers --durations=10 tests/containers $(PYTEST_ARGS)

@@ -17,13 +17,17 @@ if "${PODMAN[@]}" image exists "$TAG"; then
 fi
 mkdir -p "$CACHE"
 tar="$CACHE/bookworm-python3.tar"
+# a directory under the tarball's name: left by an earlier version of this script, which let
+# mmdebstrap guess the format
+[ -f "$tar" ] || rm -rf "$tar"
 if [ ! -s "$tar" ]; then
   command -v mmdebstrap >/dev/null || {
     echo "mmdebstrap not found: apt-get install mmdebstrap" >&2
     exit 1
   }
   # written beside, then renamed: an interrupted run leaves no half tarball to import later
-  mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+  # --format: the name ends in .part, from which mmdebstrap would guess a directory
+  mmdebstrap --variant=minbase --format=tar --include=python3,python3-venv,ca-certificates \
     bookworm "$tar.part"
   mv "$tar.part" "$tar"
 fi

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +25,7 @@ import httpx
 
 from api.stack import find_redis_server, free_port
 from tests.postgres import postgres_server
+from tests.s3 import S3Server
 
 IMAGE = os.environ.get("SHARDYARD_IMAGE", "shardyard:latest")
 PODMAN = ["podman", "--runtime", os.environ.get("PODMAN_RUNTIME", "runc")]
@@ -96,10 +95,10 @@ class Topology:
         self.run = secrets.token_hex(3)
         self.api_port = free_port()
         self.redis_port = free_port()
-        self.s3_port = free_port()
         self.redis_password = secrets.token_urlsafe(16)
         self.admin_token = "sy_" + secrets.token_urlsafe(32)
-        self.s3_key, self.s3_secret = "shardyard-test", secrets.token_urlsafe(16)
+        self.s3 = S3Server(log=root / "s3.log")
+        """moto's S3 server (tests/s3.py, as the storage tests use it), started by `start`"""
         self.database_url = ""
         self.containers: list[str] = []
         self.volumes: list[str] = []
@@ -135,21 +134,13 @@ class Topology:
         self._stack.enter_context(_process(cmd, log=self.root / "redis.log"))
 
     def _start_s3(self) -> None:
-        server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
-        cmd = [server or "moto_server", "-H", "127.0.0.1", "-p", str(self.s3_port)]
-        self._stack.enter_context(_process(cmd, log=self.root / "s3.log"))
-        _until(
-            lambda: httpx.get(f"{self.s3_url}/", timeout=2).status_code < 500,
-            what="the S3 server",
-            timeout=60,
-        )
-        # the bucket, made the way any S3 client makes it (an unsigned request: moto accepts it)
-        resp = httpx.put(f"{self.s3_url}/{BUCKET}", timeout=10)
-        assert resp.status_code == 200, resp.text
+        self.s3.start()
+        self._stack.callback(self.s3.stop)
+        self.s3.create_bucket(BUCKET)
 
     @property
     def s3_url(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return self.s3.endpoint
 
     @property
     def broker_url(self) -> str:
@@ -162,10 +153,7 @@ class Topology:
             "SHARDYARD_BROKER_URL": self.broker_url,
             "SHARDYARD_EMBEDDED_SCHEDULER": "false",
             "SHARDYARD_STORAGE_URL": f"s3://{BUCKET}/shardyard",
-            "SHARDYARD_STORAGE_ENDPOINT_URL": self.s3_url,
-            "AWS_ACCESS_KEY_ID": self.s3_key,
-            "AWS_SECRET_ACCESS_KEY": self.s3_secret,
-            "AWS_DEFAULT_REGION": "us-east-1",
+            **self.s3.env,
             "OMP_NUM_THREADS": "1",
             **TIMINGS,
         }
