@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.integration.test_job_output import chatty_spec, upload_chatty
+from tests.integration.test_job_output import CHATTY_PY, chatty_spec, upload_chatty
 
 pytestmark = pytest.mark.browser
 
@@ -28,7 +28,13 @@ def test_a_failed_jobs_page_shows_its_traceback(stack, page: Page) -> None:
     tb = page.locator("#job-traceback")
     expect(tb).to_contain_text("Traceback (most recent call last):", timeout=15_000)
     expect(tb).to_contain_text("RuntimeError: the user's data ran dry")
-    expect(tb).to_contain_text('chatty/source.py", line 19, in stream')
+    line = (
+        CHATTY_PY.decode()
+        .splitlines()
+        .index('                raise RuntimeError("the user\'s data ran dry")')
+        + 1
+    )
+    expect(tb).to_contain_text(f'chatty/source.py", line {line}, in stream')
     # the log panel's search narrows it to the lines that match, and says how many
     page.fill("#log-search", "ran dry")
     visible = page.locator("#log-panel li:visible")
