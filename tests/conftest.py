@@ -3,6 +3,7 @@ under uvicorn and a Celery worker process, over a fresh SQLite file (migrated by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -89,6 +90,25 @@ class StackHandle:
                 return job
             time.sleep(0.1)
         raise AssertionError(f"job {job_id}: condition not met after {timeout}s: {self.job(job_id)}")
+
+
+@contextlib.contextmanager
+def running(st: Stack) -> Iterator[StackHandle]:
+    """Start `st` (its process logs printed when it fails to come up) and yield a handle to it;
+    the client is closed and the stack stopped on the way out. The module-scoped stacks of the
+    integration tests are made with it."""
+    try:
+        st.start()
+    except Exception:
+        for log in sorted(Path(st.root).glob("*.log")):
+            print(f"---- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+    handle = StackHandle(st)
+    try:
+        yield handle
+    finally:
+        handle.client.close()
+        st.stop()
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import pytest
 
 from api.stack import Stack
 from tests.archives import targz
-from tests.conftest import TINY_SPEC, StackHandle, long_job
+from tests.conftest import TINY_SPEC, StackHandle, long_job, running
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +42,8 @@ def batches(**kwargs):
 @pytest.fixture(scope="module")
 def h(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("retries"), workers=1, concurrency=1, extra_env=FAST)
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def _rank_pid(root: Path, job_id: int, rank: int) -> int | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.stack import Stack
 from core.webhooks import verify
-from tests.conftest import TINY_SPEC, StackHandle, long_job
+from tests.conftest import TINY_SPEC, StackHandle, long_job, running
 from tests.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.integration
@@ -47,18 +46,8 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
             "SHARDYARD_WEBHOOK_TIMEOUT_S": "600",
         },
     )
-    try:
-        st.start()
-    except Exception:
-        for log in sorted(Path(root).glob("*.log")):
-            print(f"---- {log.name}\n{log.read_text()[-3000:]}")
-        raise
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def scrape(ops: StackHandle) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
