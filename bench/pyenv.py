@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_results
+from bench.warm import time_first_step
 from core.settings import Settings, get_settings
 from workers import warm
 from workers.execute import trainer_command
 from workers.pyenv import Report, prepare
-from workers.supervise import Ask, Outcome, supervise
 
 MODEL_PY = """
 import torch
@@ -90,28 +90,12 @@ def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]
         raise RuntimeError(env.error)
     cmd = trainer_command(world_size=1, spec_path=spec_path, ckpt_dir=tmp / "ck", stop_file=tmp / "stop")
     cmd += ["--workspace", str(ws), *env.args]
-    first: list[float] = []
-
-    def on_message(msg: Any) -> None:
-        if not first and msg.kind == "metric" and msg.step >= 1:
-            first.append(time.perf_counter() - t0)
-
-    out = Outcome()
-    rc = supervise(
-        cmd,
-        on_message=on_message,
-        poll=lambda: Ask.none,
-        stop_file=tmp / "stop",
-        stderr_log=tmp / "stderr.log",
-        grace_s=10,
-        shutdown_grace_s=10,
-        out=out,
-    )
-    env.release()
-    if rc != 0 or not first:
-        raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
+    try:
+        run = time_first_step(cmd, tmp)  # bench/warm.py: supervise, timed to the first metric line
+    finally:
+        env.release()
     warm_run = "warm trainer: this run was forked" in (tmp / "stderr.log").read_text()
-    return {"prepare_s": prepared, "first_step_s": first[0], "warm": warm_run}
+    return {"prepare_s": prepared, "first_step_s": prepared + run["first_step_s"], "warm": warm_run}
 
 
 def build_only(pip: list[str], *, data_dir: Path) -> float:

@@ -56,7 +56,7 @@ def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
     return {"job": job, "selection group": group}
 
 
-def _one(cmd: list[str], tmp: Path) -> dict[str, float]:
+def time_first_step(cmd: list[str], tmp: Path) -> dict[str, float]:
     """Seconds from the supervise call to the first step's metric line, and to the process's end."""
     first: list[float] = []
     t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def main() -> None:
         _set_warm(True)
         t0 = time.perf_counter()
         warm.prestart()
-        _one(_commands(tmp, "warmup")["job"], tmp)  # waits for the zygote's imports
+        time_first_step(_commands(tmp, "warmup")["job"], tmp)  # waits for the zygote's imports
         zygote_ready_s = time.perf_counter() - t0
         assert warm._ZYGOTE.proc is not None
         zygote_rss = _rss_mib(warm._ZYGOTE.proc.pid)
@@ -118,7 +118,7 @@ def main() -> None:
                 for on in order:
                     _set_warm(on)
                     cmd = _commands(tmp, f"{rep}-{on}")[kind]
-                    samples.setdefault((kind, "warm" if on else "cold"), []).append(_one(cmd, tmp))
+                    samples.setdefault((kind, "warm" if on else "cold"), []).append(time_first_step(cmd, tmp))
         warm.shutdown()
     load_after = os.getloadavg()
 
