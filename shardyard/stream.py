@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ import httpx
 from shardyard.errors import ApiError, ShardyardError, raise_for
 
 log = logging.getLogger("shardyard")
-_POINT = re.compile(r"^m(\d+)")
 _TRANSIENT = (429, 502, 503, 504)
 
 
@@ -61,14 +59,10 @@ def frames(
     """The stream's frames until the caller stops reading (or the stream ends in an `error`
     frame: ApiError). A drop, a stream that ends, or a 429/5xx is followed by a reconnect with
     Last-Event-ID after a back-off (0.5 s doubling to 5 s); after `patience_s` without getting
-    through, ShardyardError. `deadline` (time.monotonic()): StreamTimeout once it passes.
-
-    A metric frame whose point the stream had already sent is dropped, so a client never counts
-    a step twice even if a replay overlapped what it had."""
+    through, ShardyardError. `deadline` (time.monotonic()): StreamTimeout once it passes."""
     interrupted = on_interrupt or _say_interrupted
     resumed = on_resume or _say_resumed
     last_id: str | None = None
-    last_point = 0
     delay, down_since = 0.5, None
     while True:
         headers = {"Last-Event-ID": last_id} if last_id else {}
@@ -88,11 +82,6 @@ def frames(
                         raise ApiError(
                             f"stream {path}: {data.get('detail')}", status=int(data.get("status") or 401)
                         )
-                    point = _POINT.match(f.id or "")
-                    if f.event == "metric" and point:
-                        if int(point[1]) <= last_point:
-                            continue
-                        last_point = int(point[1])
                     last_id = f.id or last_id
                     if down_since is not None:
                         resumed()
