@@ -41,7 +41,7 @@ from shardyard.results import (
     TrialEvent,
     Workspace,
 )
-from shardyard.stream import StreamTimeout, frames
+from shardyard.stream import END, StreamTimeout, frames
 from shardyard.workspace import archive_body
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -187,8 +187,10 @@ class Client:
         on_interrupt: Callable[[str], None] | None = None,
         on_resume: Callable[[], None] | None = None,
     ) -> Iterator[JobEvent]:
-        """The job's events from its start (its stored history first, then live) until it ends:
-        MetricEvent, LogEvent, StatusEvent (the last one terminal), NoticeEvent. A dropped stream
+        """The job's events from its start (its stored history first, then live) until it ends
+        and the API closes the stream: MetricEvent, LogEvent, StatusEvent, NoticeEvent; one
+        StatusEvent is terminal (a live job's is the last event; a finished job's replay may send
+        it before its last points). A dropped stream
         (the API or the broker restarted) is picked up again with Last-Event-ID, so each point
         comes exactly once; `on_interrupt(reason)` and `on_resume()` are told (default: the
         `shardyard` logger), and after `patience_s` (the client's) without getting through,
@@ -196,9 +198,15 @@ class Client:
         return self._job_events(job_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume)
 
     def _job_events(self, job_id: int, **kwargs: Any) -> Iterator[JobEvent]:
+        final: StatusEvent | None = None
         for f in self._frames(f"/api/jobs/{job_id}/stream", **kwargs):
             d = f.data
-            if f.event == "metric":
+            if f.event == END:
+                # the terminal status can come before the last points (a finished job's replay
+                # sends its rows a chunk at a time), so we read on until the server closes
+                if final is not None:
+                    return
+            elif f.event == "metric":
                 yield MetricEvent(
                     job_id=job_id, step=d["step"], name=d["name"], value=d["value"], time=d["time"], id=f.id
                 )
@@ -215,9 +223,10 @@ class Client:
                 ev = StatusEvent(
                     status=d["status"], job_id=job_id, error=d.get("error"), time=d.get("time"), id=f.id
                 )
+                if final is not None and ev.status == final.status:
+                    continue  # a stream resumed after the end sends the final status again
                 yield ev
-                if ev.done:
-                    return
+                final = ev if ev.done else None
             elif f.event == "event":
                 yield NoticeEvent(
                     job_id=job_id, event=d["event"], data=d.get("data"), time=d["time"], id=f.id
@@ -286,18 +295,24 @@ class Client:
         on_interrupt: Callable[[str], None] | None = None,
         on_resume: Callable[[], None] | None = None,
     ) -> Iterator[SelectionEvent]:
-        """The batch's events until it ends: every trial's state first (TrialEvent), the batch's
-        StatusEvent, then each trial's metric points (MetricEvent, with trial_id) and trial
-        changes live; the last is a terminal StatusEvent. Reconnects like `follow`: after a drop,
+        """The batch's events until it ends and the API closes the stream: every trial's state
+        first (TrialEvent), the batch's StatusEvent, then each trial's metric points (MetricEvent,
+        with trial_id) and trial changes live, up to a terminal StatusEvent (for a batch that had
+        ended already, its points come after it). Reconnects like `follow`: after a drop,
         the trials' states come again and then exactly the points not yet seen."""
         return self._selection_events(
             selection_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume
         )
 
     def _selection_events(self, selection_id: int, **kwargs: Any) -> Iterator[SelectionEvent]:
+        final: StatusEvent | None = None
         for f in self._frames(f"/api/selections/{selection_id}/stream", **kwargs):
             d = f.data
-            if f.event == "metric":
+            if f.event == END:
+                # an ended batch's stream sends its status before its points: read on to the end
+                if final is not None:
+                    return
+            elif f.event == "metric":
                 yield MetricEvent(
                     job_id=d["job_id"],
                     trial_id=d["trial_id"],
@@ -311,9 +326,10 @@ class Client:
                 yield TrialEvent(selection_id=selection_id, trial=Trial.from_json(d))
             elif f.event == "status":
                 ev = StatusEvent(status=d["status"], selection_id=selection_id, id=f.id)
+                if final is not None and ev.status == final.status:
+                    continue  # a stream resumed after the end sends the status again
                 yield ev
-                if ev.done:
-                    return
+                final = ev if ev.done else None
 
     def wait_selection(self, selection_id: int, *, timeout: float | None = None) -> Selection:
         """The batch once it has ended; StreamTimeout after `timeout` seconds."""

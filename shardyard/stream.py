@@ -24,6 +24,10 @@ log = logging.getLogger("shardyard")
 _TRANSIENT = (429, 502, 503, 504)
 
 
+END = "end-of-stream"
+"""The event of the Frame `frames` yields when the server closed the stream cleanly."""
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     id: str | None
@@ -57,7 +61,7 @@ def frames(
     on_resume: Callable[[], None] | None = None,
 ) -> Iterator[Frame]:
     """The stream's frames until the caller stops reading (or the stream ends in an `error`
-    frame: ApiError). A drop, a stream that ends, or a 429/5xx is followed by a reconnect with
+    frame: ApiError); an END frame each time the server closes the stream. A drop, a stream that ends, or a 429/5xx is followed by a reconnect with
     Last-Event-ID after a back-off (0.5 s doubling to 5 s); after `patience_s` without getting
     through, ShardyardError. `deadline` (time.monotonic()): StreamTimeout once it passes."""
     interrupted = on_interrupt or _say_interrupted
@@ -87,6 +91,9 @@ def frames(
                         resumed()
                     delay, down_since = 0.5, None
                     yield f
+                # the server ended the stream: the caller stops here once its job or batch has
+                # ended; otherwise (the API is going down) we reconnect
+                yield Frame(id=None, event=END, data=None)
             raise _Interrupted("the server closed the stream")
         except (httpx.TransportError, _Interrupted) as e:
             now = time.monotonic()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -82,6 +83,10 @@ def test_submit_and_follow_a_tiny_job_to_its_end(client: Client) -> None:
     done = job.wait(timeout=60)
     assert done.status == "succeeded" and done.result is not None and done.result["steps"] == 12
     assert done.finished_at is not None and done.progress.step == 12
+    # following the finished job replays the same history, its final status included
+    again = list(client.follow(job.id))
+    assert loss_steps(again) == list(range(1, 13))
+    assert [e.status for e in again if isinstance(e, StatusEvent)][-1] == "succeeded"
     listed = client.jobs(status="succeeded", name="sdk")
     assert job.id in {j.id for j in listed} and listed.total >= 1
 
@@ -123,6 +128,10 @@ def test_a_selection_followed_to_its_end_and_ranked(sdk_stack: StackHandle, clie
         assert [s for (tid, name, s) in sorted(points) if tid == t.id and name == "loss"] == list(
             range(1, 13)
         )
+    # the stream of a batch that has ended sends its status before its points: all of them come
+    replay = list(client.follow_selection(sel.id))
+    assert Counter((e.trial_id, e.name, e.step) for e in replay if isinstance(e, MetricEvent)) == points
+    assert [e.status for e in replay if isinstance(e, StatusEvent)] == ["succeeded"]
     done = client.get_selection(sel.id)
     assert done.status == "succeeded"
     board = client.leaderboard(sel.id)
@@ -198,3 +207,26 @@ def test_refusals_name_the_field(sdk_stack: StackHandle, client: Client, tmp_pat
     assert out.returncode == 2 and "a selection request is a JSON object" in out.stderr
     out = cli(sdk_stack, "selection", "show", "999999")
     assert out.returncode == 2 and "404" in out.stderr
+
+
+def test_the_readme_example_runs(
+    sdk_stack: StackHandle, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README.md's "Python SDK" example, as written, against this stack (the docs stay the code)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Python SDK\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'Client("http://127.0.0.1:8000", token="sy_...")' in code
+    code = code.replace('Client("http://127.0.0.1:8000", token="sy_...")', "Client()")
+    monkeypatch.setenv("SHARDYARD_API_URL", sdk_stack.base_url)
+    monkeypatch.setenv("SHARDYARD_TOKEN", sdk_stack.token)
+    scope: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the repository's own README
+    lines = capsys.readouterr().out.splitlines()
+    # "step loss" per point of the first job, between its log lines
+    assert [int(x.split()[0]) for x in lines if re.fullmatch(r"\d+ \d+\.\d+", x)] == list(range(1, 21))
+    assert [e.step for e in scope["events"] if isinstance(e, MetricEvent) and e.name == "loss"] == list(
+        range(1, 21)
+    )
+    ranked = [line.split(" ", 1)[0] for line in lines[-2:]]
+    assert ranked == ["1", "2"], lines[-4:]
