@@ -61,9 +61,10 @@ def frames(
     on_resume: Callable[[], None] | None = None,
 ) -> Iterator[Frame]:
     """The stream's frames until the caller stops reading (or the stream ends in an `error`
-    frame: ApiError); an END frame each time the server closes the stream. A drop, a stream that ends, or a 429/5xx is followed by a reconnect with
-    Last-Event-ID after a back-off (0.5 s doubling to 5 s); after `patience_s` without getting
-    through, ShardyardError. `deadline` (time.monotonic()): StreamTimeout once it passes."""
+    frame: ApiError), and an END frame each time the server closes the stream. A drop, a stream
+    that ends, or a 429/5xx is followed by a reconnect with Last-Event-ID after a back-off (0.5 s
+    doubling to 5 s); after `patience_s` without getting through, ShardyardError. `deadline`
+    (time.monotonic()): StreamTimeout once it passes."""
     interrupted = on_interrupt or _say_interrupted
     resumed = on_resume or _say_resumed
     last_id: str | None = None
