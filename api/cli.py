@@ -1,7 +1,10 @@
-"""`shardyard`: submit and watch jobs over the REST API, and run the service's processes.
+"""`shardyard`: submit and watch jobs and selection batches over the REST API (through the Python
+SDK, shardyard/client.py), and run the service's processes.
 
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
+    shardyard selection submit FILE|- [--follow]    shardyard selection show ID [--json]
+    shardyard selection follow ID    shardyard selection cancel ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
     shardyard scheduler [--metrics-port 9101]    shardyard healthcheck
     shardyard admin create-user NAME [--admin]
@@ -13,26 +16,27 @@ token from --token or SHARDYARD_TOKEN.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
 import sys
-import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from shardyard.client import Client
+from shardyard.errors import ShardyardError, Unreachable
+from shardyard.results import LogEvent, MetricEvent, Selection, StatusEvent, Trial, TrialEvent
+
 console = Console()
 err = Console(stderr=True)
-TERMINAL = {"succeeded", "failed", "cancelled"}
+SELECTION_EXIT = {"succeeded": 0, "failed": 1, "cancelled": 3}
+"""`shardyard selection follow`'s exit code by how the batch ended (2 stays the CLI's error)."""
 DEMO_SPEC = Path(__file__).resolve().parent / "demo_spec.json"
 
 
@@ -51,92 +55,16 @@ class CliError(Exception):
     pass
 
 
-def _client(api: str, token: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=api, timeout=30, headers=headers)
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.api, args.token)
 
 
-def _check(resp: httpx.Response) -> Any:
-    if resp.status_code >= 400:
-        try:
-            detail = resp.json().get("detail", resp.text)
-        except ValueError:
-            detail = resp.text
-        raise CliError(f"{resp.status_code}: {detail}")
-    return resp.json()
+def _say_interrupted(reason: str) -> None:
+    err.print(f"[yellow]stream interrupted ({shown(reason)}); reconnecting...[/]")
 
 
-class _Interrupted(Exception):
-    """The stream ended or the server asked us to come back later (503)."""
-
-
-def sse_events(
-    client: httpx.Client, path: str, *, patience_s: float = 600.0
-) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs from a Server-Sent Events endpoint, for as long as the caller reads.
-    A dropped connection (API or broker restarted), a stream that ends, or a 503 is followed by a
-    reconnect with Last-Event-ID, so nothing is seen twice or missed; after `patience_s` without
-    getting through, CliError."""
-    last_id: str | None = None
-    delay, down_since = 0.5, None
-    while True:
-        headers = {"Last-Event-ID": last_id} if last_id else {}
-        try:
-            with client.stream("GET", path, headers=headers, timeout=httpx.Timeout(30, read=None)) as resp:
-                if resp.status_code in (429, 502, 503, 504):
-                    resp.read()
-                    raise _Interrupted(f"{resp.status_code}: {resp.text[:200]}")
-                if resp.status_code >= 400:
-                    resp.read()
-                    _check(resp)
-                fid, event, data = None, "message", []
-                for line in resp.iter_lines():
-                    if line == "":
-                        if data and event == "error":
-                            # the server ended the stream for good (the token was revoked)
-                            raise CliError(f"stream {path}: {json.loads(chr(10).join(data)).get('detail')}")
-                        if data:
-                            last_id = fid or last_id
-                            if down_since is not None:
-                                err.print("[green]stream resumed[/]")
-                            delay, down_since = 0.5, None
-                            yield event, json.loads("\n".join(data))
-                        fid, event, data = None, "message", []
-                    elif line.startswith("id:"):
-                        fid = line[3:].strip()
-                    elif line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data.append(line[5:].strip())
-            raise _Interrupted("the server closed the stream")
-        except (httpx.TransportError, _Interrupted) as e:
-            now = time.monotonic()
-            if down_since is None:
-                down_since = now
-                err.print(f"[yellow]stream interrupted ({shown(e or type(e).__name__)}); reconnecting...[/]")
-            elif now - down_since > patience_s:
-                raise CliError(
-                    f"lost the stream {path} for {patience_s:.0f}s: {e or type(e).__name__}"
-                ) from e
-            time.sleep(delay)
-            delay = min(2 * delay, 5.0)
-
-
-def _get_patiently(client: httpx.Client, path: str, *, patience_s: float = 600.0) -> dict[str, Any]:
-    """GET that rides out an API restart (connection refused, 503) like the stream does."""
-    delay, deadline = 0.5, time.monotonic() + patience_s
-    while True:
-        try:
-            resp = client.get(path)
-            if resp.status_code not in (502, 503, 504):
-                return _check(resp)
-            problem: str = f"{resp.status_code}: {resp.text[:200]}"
-        except httpx.TransportError as e:
-            problem = str(e) or type(e).__name__
-        if time.monotonic() > deadline:
-            raise CliError(f"GET {path} did not get through for {patience_s:.0f}s: {problem}")
-        time.sleep(delay)
-        delay = min(2 * delay, 5.0)
+def _say_resumed() -> None:
+    err.print("[green]stream resumed[/]")
 
 
 def pace(*, step0: int, t0: float, step: int, now: float, steps: int) -> tuple[float | None, float | None]:
@@ -154,19 +82,19 @@ def clock(seconds: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def _log_text(data: dict[str, Any]) -> str:
-    rank = data.get("rank")
-    return (escape(f"[rank {rank}] ") if rank is not None else "") + shown(data["message"])
+def _log_text(ev: LogEvent) -> str:
+    return (escape(f"[rank {ev.rank}] ") if ev.rank is not None else "") + shown(ev.message)
 
 
-def follow(client: httpx.Client, job_id: int) -> str:
-    job = _get_patiently(client, f"/api/jobs/{job_id}")
-    steps = job["progress"]["steps"] or 1
-    status = job["status"]
-    if status == "queued" and job.get("wait_reason"):
-        err.print(f"[yellow]queued:[/] {shown(job['wait_reason'])}")
+def follow(client: Client, job_id: int) -> str:
+    # the reads around the stream ride out an API restart like the stream does
+    job = client.get(job_id, patience_s=client.patience_s)
+    steps = job.progress.steps or 1
+    status = job.status
+    if status == "queued" and job.wait_reason:
+        err.print(f"[yellow]queued:[/] {shown(job.wait_reason)}")
     first: tuple[int, float] | None = None
-    started = time.monotonic() - float(job.get("run_seconds") or 0.0)
+    started = time.monotonic() - job.run_seconds
     with Progress(
         TextColumn("[bold]job {task.fields[job]}[/] {task.fields[status]}"),
         BarColumn(),
@@ -178,148 +106,117 @@ def follow(client: httpx.Client, job_id: int) -> str:
         task = bar.add_task(
             "train", total=steps, job=job_id, status=status, loss="-", val="-", rate="-", elapsed="-", eta="-"
         )
-        for event, data in sse_events(client, f"/api/jobs/{job_id}/stream"):
-            if event == "metric":
-                if data["name"] == "loss":
+        for ev in client.follow(job_id, on_interrupt=_say_interrupted, on_resume=_say_resumed):
+            if isinstance(ev, MetricEvent):
+                if ev.name == "loss":
                     now = time.monotonic()
-                    first = first or (data["step"], now)
-                    rate, left = pace(step0=first[0], t0=first[1], step=data["step"], now=now, steps=steps)
+                    first = first or (ev.step, now)
+                    rate, left = pace(step0=first[0], t0=first[1], step=ev.step, now=now, steps=steps)
                     bar.update(
                         task,
-                        completed=data["step"],
-                        loss=f"{data['value']:.4f}",
+                        completed=ev.step,
+                        loss=f"{ev.value:.4f}",
                         rate=f"{rate:.2f}" if rate else "-",
                         elapsed=clock(now - started),
                         eta=clock(left),
                     )
-                elif data["name"] == "val_loss":
-                    bar.update(task, val=f"{data['value']:.4f}")
-            elif event == "status":
-                if status == "queued" and data["status"] == "running":
+                elif ev.name == "val_loss":
+                    bar.update(task, val=f"{ev.value:.4f}")
+            elif isinstance(ev, StatusEvent):
+                if status == "queued" and ev.status == "running":
                     started = time.monotonic()
-                back = data["status"] == "queued" and status != "queued"
-                status = data["status"]
+                back = ev.status == "queued" and status != "queued"
+                status = ev.status
                 bar.update(task, status=status)
                 if back:  # requeued or preempted: say why it waits now (the first reason is printed above)
-                    why = _get_patiently(client, f"/api/jobs/{job_id}").get("wait_reason")
+                    why = client.get(job_id, patience_s=client.patience_s).wait_reason
                     if why:
                         bar.console.print(f"[yellow]queued:[/] {shown(why)}")
-                if status in TERMINAL:
-                    if data.get("error"):
-                        err.print(f"[red]error:[/] {shown(data['error'])}")
-                    break
-            elif event == "log":
-                bar.console.print(f"[dim]{_log_text(data)}[/]", highlight=False)
-    final = _get_patiently(client, f"/api/jobs/{job_id}")
-    if final.get("result"):
-        console.print_json(data=final["result"])
-    return final["status"]
+                if ev.done and ev.error:
+                    err.print(f"[red]error:[/] {shown(ev.error)}")
+            elif isinstance(ev, LogEvent):
+                bar.console.print(f"[dim]{_log_text(ev)}[/]", highlight=False)
+    final = client.get(job_id, patience_s=client.patience_s)
+    if final.result:
+        console.print_json(data=final.result)
+    return final.status
 
 
-_SKIP_DIRS = {"__pycache__", ".git", ".venv", "node_modules", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
-
-
-def pack_workspace(folder: Path) -> bytes:
-    """`folder` as a .tar.gz whose members are relative to it (caches and VCS folders left out).
-    Symlinks are refused here, as the server would refuse them."""
-    if not folder.is_dir():
-        raise CliError(f"--workspace {folder}: not a folder")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for path in sorted(folder.rglob("*")):
-            rel = path.relative_to(folder)
-            if _SKIP_DIRS.intersection(rel.parts):
-                continue
-            if path.is_symlink():
-                raise CliError(f"--workspace: {rel} is a symlink; workspaces hold plain files only")
-            if path.is_file():
-                tar.add(path, arcname=rel.as_posix(), recursive=False)
-    return buf.getvalue()
-
-
-def upload_workspace(c: httpx.Client, folder: Path) -> dict[str, Any]:
-    body = pack_workspace(folder)
-    return _check(
-        c.post(
-            "/api/workspaces",
-            params={"name": folder.resolve().name or "workspace"},
-            content=body,
-            headers={"content-type": "application/gzip"},
-            timeout=300,
-        )
-    )
+def _read_json(source: str, what: str) -> dict[str, Any]:
+    """A JSON object from a file, or from stdin when `source` is `-`."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    except OSError as e:
+        raise CliError(f"cannot read {source}: {e.strerror}") from e
+    name = "stdin" if source == "-" else source
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise CliError(f"{name}: a {what} is a JSON object, not {type(doc).__name__}")
+    return doc
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    try:
-        spec = json.loads(Path(args.spec).read_text())
-    except OSError as e:
-        raise CliError(f"cannot read {args.spec}: {e.strerror}") from e
-    except ValueError as e:
-        raise CliError(f"{args.spec} is not valid JSON: {e}") from e
-    with _client(args.api, args.token) as c:
+    spec = _read_json(args.spec, "JobSpec")
+    with _client(args) as c:
         if args.workspace is not None:
-            ws = upload_workspace(c, Path(args.workspace))
-            console.print(
-                f"uploaded workspace [bold]{ws['id']}[/] ({ws['ref'][:19]}..., {ws['size']:,} bytes)"
-            )
-            spec = {**spec, "workspace": ws["ref"]}
-        job = _check(c.post("/api/jobs", json=spec))
-        console.print(f"submitted job [bold]{job['id']}[/] ({shown(job['name'])}), status {job['status']}")
+            ws = c.upload_workspace(Path(args.workspace))
+            console.print(f"uploaded workspace [bold]{ws.id}[/] ({ws.ref[:19]}..., {ws.size:,} bytes)")
+            spec = {**spec, "workspace": ws.ref}
+        job = c.submit(spec)
+        console.print(f"submitted job [bold]{job.id}[/] ({shown(job.name)}), status {job.status}")
         if args.follow:
-            return 0 if follow(c, job["id"]) == "succeeded" else 1
+            return 0 if follow(c, job.id) == "succeeded" else 1
     return 0
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    params = {"limit": args.limit}
-    if args.status:
-        params["status"] = args.status
-    with _client(args.api, args.token) as c:
-        page = _check(c.get("/api/jobs", params=params))
+    with _client(args) as c:
+        page = c.jobs(status=args.status, limit=args.limit)
     table = Table("id", "name", "status", "progress", "worker", "created", "duration", "error")
-    for j in page["items"]:
-        p = j["progress"]
+    for j in page:
         table.add_row(
-            str(j["id"]),
-            shown(j["name"]),
-            j["status"],
-            f"{p['step']}/{p['steps']}",
-            shown(j["worker"] or ""),
-            j["created_at"][:19],
-            clock(j["run_seconds"]) if j.get("started_at") else "-",
-            shown((j["error"] or "")[:60]),
+            str(j.id),
+            shown(j.name),
+            j.status,
+            f"{j.progress.step}/{j.progress.steps}",
+            shown(j.worker or ""),
+            j.raw["created_at"][:19],
+            clock(j.run_seconds) if j.started_at else "-",
+            shown((j.error or "")[:60]),
         )
     console.print(table)
-    console.print(f"{len(page['items'])} of {page['total']} job(s)")
+    console.print(f"{len(page)} of {page.total} job(s)")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _client(args.api, args.token) as c:
-        console.print_json(data=_check(c.get(f"/api/jobs/{args.id}")))
+    with _client(args) as c:
+        console.print_json(data=c.get(args.id).raw)
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _client(args.api, args.token) as c:
-        job = _check(c.post(f"/api/jobs/{args.id}/cancel"))
-    note = " (the trainer stops at its next step)" if job["status"] == "running" else ""
-    console.print(f"job {job['id']}: {job['status']}, cancel requested{note}")
+    with _client(args) as c:
+        job = c.cancel(args.id)
+    note = " (the trainer stops at its next step)" if job.status == "running" else ""
+    console.print(f"job {job.id}: {job.status}, cancel requested{note}")
     return 0
 
 
 def cmd_fail(args: argparse.Namespace) -> int:
-    with _client(args.api, args.token) as c:
-        job = _check(c.post(f"/api/jobs/{args.id}/fail", json={"reason": args.reason}))
-    console.print(f"job {job['id']}: {job['status']} ({shown(job['error'])})")
+    with _client(args) as c:
+        job = c.fail(args.id, args.reason)
+    console.print(f"job {job.id}: {job.status} ({shown(job.error)})")
     return 0
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
-    with _client(args.api, args.token) as c:
-        job = _check(c.post(f"/api/jobs/{args.id}/requeue", json={"reason": args.reason}))
-    console.print(f"job {job['id']}: {job['status']}, resumes from its latest checkpoint")
+    with _client(args) as c:
+        job = c.requeue(args.id, args.reason)
+    console.print(f"job {job.id}: {job.status}, resumes from its latest checkpoint")
     return 0
 
 
@@ -331,25 +228,177 @@ def cmd_logs(args: argparse.Namespace) -> int:
         prefix = "status " if kind == "status" else f"[rank {rank}] " if rank is not None else ""
         console.print(f"[dim]{stamp}[/] {escape(prefix)}{shown(message)}", highlight=False)
 
-    with _client(args.api, args.token) as c:
+    with _client(args) as c:
         if args.follow:
             # the stream replays the job's log from its start, then follows it until the job ends
-            for event, data in sse_events(c, f"/api/jobs/{args.id}/stream"):
-                if event == "log":
-                    show("log", data["message"], data["time"], data.get("rank"))
-                elif event == "status":
-                    show("status", data["status"], data["time"], None)
-                    if data["status"] in TERMINAL:
-                        break
+            for ev in c.follow(args.id, on_interrupt=_say_interrupted, on_resume=_say_resumed):
+                if isinstance(ev, LogEvent):
+                    show("log", ev.message, ev.time, ev.rank)
+                elif isinstance(ev, StatusEvent):
+                    show("status", ev.status, ev.time or time.time(), None)
             return 0
-        for ev in _check(c.get(f"/api/jobs/{args.id}/logs", params={"limit": 10_000}))["items"]:
-            show(ev["kind"], ev["message"], ev["time"], (ev.get("data") or {}).get("rank"))
+        for rec in c.logs(args.id, limit=10_000):
+            show(rec.kind, rec.message, rec.time, rec.rank)
     return 0
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    with _client(args.api, args.token) as c:
+    with _client(args) as c:
         return 0 if follow(c, args.id) == "succeeded" else 1
+
+
+# ---- selection batches ----------------------------------------------------------------------------
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def _value(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _print_selection(sel: Selection) -> None:
+    """The batch's head line, its trials and its leaderboard as tables."""
+    done = sum(t.status not in ("queued", "running") for t in sel.trials)
+    console.print(
+        f"selection [bold]{sel.id}[/] ({shown(sel.name)}): {sel.status}, {done}/{len(sel.trials)} "
+        f"trial(s) ended; {shown(sel.metric)} ({sel.mode}), scheduler {shown(sel.scheduler)}",
+        highlight=False,
+    )
+    if sel.error:
+        err.print(f"[yellow]note:[/] {shown(sel.error)}")
+    trials = Table(
+        "trial", "params", "status", "steps", f"last {shown(sel.metric)}", "best", "job", title="trials"
+    )
+    for t in sorted(sel.trials, key=lambda t: t.index):
+        trials.add_row(
+            str(t.index),
+            shown(_params_text(t.params)),
+            t.status + (" (early)" if t.stopped_early and t.status != "stopped_early" else ""),
+            f"{t.steps_done}/{t.steps_total}",
+            _value(t.last_metric),
+            _value(t.best_metric),
+            str(t.job_id),
+        )
+    console.print(trials)
+    board = Table("rank", "trial", "params", f"best {shown(sel.metric)}", "status", title="leaderboard")
+    for row in sel.leaderboard:
+        board.add_row(
+            str(row.rank),
+            str(row.trial.index),
+            shown(_params_text(row.trial.params)),
+            _value(row.best),
+            row.trial.status,
+        )
+    if sel.leaderboard:
+        console.print(board)
+    else:
+        console.print("leaderboard: no trial has a metric yet")
+
+
+def follow_selection(client: Client, selection_id: int) -> str:
+    """The batch live until it ends: a line per trial that changes status, a bar of the steps
+    done over all trials; the trials and leaderboard at the end. Returns the batch's status."""
+    sel = client.get_selection(selection_id, patience_s=client.patience_s)
+    trials: dict[int, Trial] = {t.id: t for t in sel.trials}
+    steps: dict[int, int] = {t.id: t.steps_done for t in sel.trials}
+    status = sel.status
+    best: float | None = None
+    better = min if sel.mode == "min" else max
+    with Progress(
+        TextColumn("[bold]selection {task.fields[sel]}[/] {task.fields[status]}"),
+        BarColumn(),
+        TextColumn("steps {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("trials ended {task.fields[ended]}  best {task.fields[metric]} {task.fields[best]}"),
+        console=console,
+    ) as bar:
+
+        def ended() -> str:
+            return f"{sum(t.status not in ('queued', 'running') for t in trials.values())}/{len(trials)}"
+
+        task = bar.add_task(
+            "batch",
+            total=sum(t.steps_total for t in trials.values()) or 1,
+            completed=sum(steps.values()),
+            sel=selection_id,
+            status=status,
+            ended=ended(),
+            metric=shown(sel.metric),
+            best="-",
+        )
+        for ev in client.follow_selection(
+            selection_id, on_interrupt=_say_interrupted, on_resume=_say_resumed
+        ):
+            if isinstance(ev, TrialEvent):
+                t, was = ev.trial, trials.get(ev.trial.id)
+                trials[t.id] = t
+                steps[t.id] = max(steps.get(t.id, 0), t.steps_done)
+                if was is not None and was.status != t.status:
+                    why = (
+                        f": best {shown(sel.metric)} {_value(t.best_metric)}"
+                        if t.best_metric is not None
+                        else ""
+                    )
+                    bar.console.print(
+                        f"trial {t.index} ({shown(_params_text(t.params))}) {t.status} at step {t.steps_done}{why}",
+                        highlight=False,
+                    )
+            elif isinstance(ev, MetricEvent) and ev.trial_id is not None:
+                steps[ev.trial_id] = max(steps.get(ev.trial_id, 0), ev.step)
+                if ev.name == sel.metric:
+                    best = ev.value if best is None else better(best, ev.value)
+            elif isinstance(ev, StatusEvent):
+                status = ev.status
+            bar.update(
+                task,
+                total=sum(t.steps_total for t in trials.values()) or 1,
+                completed=sum(steps.values()),
+                status=status,
+                ended=ended(),
+                best=_value(best),
+            )
+    final = client.get_selection(selection_id, patience_s=client.patience_s)
+    _print_selection(final)
+    return final.status
+
+
+def cmd_selection_submit(args: argparse.Namespace) -> int:
+    body = _read_json(args.file, "selection request")
+    with _client(args) as c:
+        sel = c.submit_selection(body)
+        console.print(
+            f"submitted selection [bold]{sel.id}[/] ({shown(sel.name)}): {len(sel.trials)} trial(s), "
+            f"status {sel.status}",
+            highlight=False,
+        )
+        if args.follow:
+            return SELECTION_EXIT.get(follow_selection(c, sel.id), 1)
+    return 0
+
+
+def cmd_selection_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        sel = c.get_selection(args.id)
+    if args.json:
+        console.print_json(data=sel.raw)
+    else:
+        _print_selection(sel)
+    return 0
+
+
+def cmd_selection_follow(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        return SELECTION_EXIT.get(follow_selection(c, args.id), 1)
+
+
+def cmd_selection_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        sel = c.cancel_selection(args.id)
+    running = sum(t.status == "running" for t in sel.trials)
+    note = f" ({running} running trial(s) stop at their next step)" if running else ""
+    console.print(f"selection {sel.id}: {sel.status}, cancel requested{note}")
+    return 0
 
 
 def cmd_migrate(_args: argparse.Namespace) -> int:
@@ -455,11 +504,11 @@ def cmd_healthcheck(_args: argparse.Namespace) -> int:
 def _follow_demo(stack: Any, job_id: int) -> None:
     """The demo job's progress, in a thread of its own: the main thread supervises the stack."""
     try:
-        with _client(stack.base_url, stack.admin_token) as c:
+        with Client(stack.base_url, stack.admin_token) as c:
             follow(c, job_id)
         console.print(f"[bold green]dashboard:[/] {stack.base_url}/#/jobs/{job_id}")
         console.print("the stack keeps running; press Ctrl-C to stop everything")
-    except (CliError, httpx.HTTPError) as e:
+    except (CliError, ShardyardError) as e:
         err.print(f"[yellow]stopped following job {job_id}: {e}[/]")
 
 
@@ -489,13 +538,11 @@ def cmd_stack(args: argparse.Namespace) -> int:
             highlight=False,
         )
         if args.demo:
-            with _client(stack.base_url, stack.admin_token) as c:
+            with Client(stack.base_url, stack.admin_token) as c:
                 spec = json.loads(DEMO_SPEC.read_text())
-                job = _check(c.post("/api/jobs", json=spec))
-            console.print(
-                f"submitted demo job {job['id']} ({spec['name']}): {stack.base_url}/#/jobs/{job['id']}"
-            )
-            threading.Thread(target=_follow_demo, args=(stack, job["id"]), daemon=True, name="demo").start()
+                job = c.submit(spec)
+            console.print(f"submitted demo job {job.id} ({spec['name']}): {stack.base_url}/#/jobs/{job.id}")
+            threading.Thread(target=_follow_demo, args=(stack, job.id), daemon=True, name="demo").start()
         else:
             console.print("the stack keeps running; press Ctrl-C to stop everything")
         # a process that dies is restarted (with a back-off); only Ctrl-C, SIGTERM or a crash
@@ -530,7 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a JobSpec JSON file")
     p.add_argument("spec")
     p.add_argument("--follow", "-f", action="store_true", help="show progress and live loss until it ends")
-    p.add_argument("--workspace", "-w", metavar="DIR", help="pack and upload DIR; the job runs with it")
+    p.add_argument(
+        "--workspace",
+        "-w",
+        metavar="DIR",
+        help="pack and upload DIR (or upload a .tar, .tar.gz or .zip); the job runs with it",
+    )
     p.set_defaults(fn=cmd_submit)
     p = sub.add_parser("jobs", help="list jobs")
     p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
@@ -557,6 +609,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("id", type=int)
         p.add_argument("--reason", default="", help="kept in the job's log")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("selection", help="model-selection batches: submit, show, follow, cancel")
+    sel = p.add_subparsers(dest="selection_command", required=True)
+    p = sel.add_parser("submit", help="submit a selection request (JSON file, or - for stdin)")
+    p.add_argument("file", metavar="FILE|-")
+    p.add_argument("--follow", "-f", action="store_true", help="follow the batch until it ends")
+    p.set_defaults(fn=cmd_selection_submit)
+    p = sel.add_parser("show", help="a batch's trials and leaderboard as tables")
+    p.add_argument("id", type=int)
+    p.add_argument("--json", action="store_true", help="the API's JSON instead of tables")
+    p.set_defaults(fn=cmd_selection_show)
+    p = sel.add_parser("follow", help="watch a batch until it ends (exit 0 succeeded, 1 failed, 3 cancelled)")
+    p.add_argument("id", type=int)
+    p.set_defaults(fn=cmd_selection_follow)
+    p = sel.add_parser("cancel", help="cancel a batch: queued trials now, running ones at their next step")
+    p.add_argument("id", type=int)
+    p.set_defaults(fn=cmd_selection_cancel)
     p = sub.add_parser("migrate", help="bring the database to the latest migration")
     p.set_defaults(fn=cmd_migrate)
     p = sub.add_parser("serve", help="run the API (migrates first)")
@@ -594,16 +662,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CliError as e:
+    except Unreachable as e:
+        if e.lost:
+            err.print(f"[red]error:[/] {shown(e)}")
+        else:
+            err.print(f"[red]error:[/] {shown(e)} (is `shardyard serve` or `make demo` running?)")
+        return 2
+    except (CliError, ShardyardError) as e:
         err.print(f"[red]error:[/] {shown(e)}")
-        return 2
-    except httpx.ConnectError:
-        err.print(
-            f"[red]error:[/] cannot reach the API at {args.api} (is `shardyard serve` or `make demo` running?)"
-        )
-        return 2
-    except httpx.TransportError as e:
-        err.print(f"[red]error:[/] lost the connection to the API at {args.api}: {e or type(e).__name__}")
         return 2
 
 

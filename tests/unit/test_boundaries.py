@@ -1,11 +1,14 @@
 """The import rules of docs/architecture.md ("Who may import whom"), checked on the source:
 trainer/ is pure PyTorch (it meets pydantic only through jobrules/), db/ is SQLAlchemy only, api/
 never imports torch or the trainer, workers/ never imports api/ (they share core/), jobrules/ is the
-standard library and pydantic, and a route module never imports another route module."""
+standard library and pydantic, shardyard/ (the Python SDK) is a client of the REST API only, and a
+route module never imports another route module."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,9 @@ RULES = {
     # shared by api/ and trainer/: the standard library, and pydantic for the request models
     # (jobrules/spec.py), which both validate with
     "jobrules": (SERVICE - {"pydantic"}) | {"torch", "numpy", "trainer", "core", "pydantic_settings"},
+    # the Python SDK (api/cli.py's HTTP calls too): a client of the REST API, so httpx and the
+    # standard library; it may read jobrules/ and core/ shapes, never the service's internals
+    "shardyard": (SERVICE - {"httpx", "pydantic"}) | {"torch", "numpy", "trainer", "uvicorn", "sqlalchemy"},
 }
 
 
@@ -60,6 +66,18 @@ def test_package_respects_its_import_boundary(package: str) -> None:
         if bad:
             offenders[str(path.relative_to(ROOT))] = sorted(bad)
     assert not offenders, f"{package}/ crosses its boundary: {offenders}"
+
+
+def test_the_sdk_imports_without_torch_or_the_service() -> None:
+    """`from shardyard.client import Client` in a fresh interpreter pulls in no torch and no
+    service room (the import rules above see the source; this sees what Python really loads)."""
+    code = (
+        "import sys; from shardyard.client import Client; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'numpy', 'api', 'db', 'workers', 'trainer', 'fastapi', 'sqlalchemy', 'celery'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:

@@ -1,0 +1,366 @@
+"""The Python SDK: Shardyard's REST API as typed calls.
+
+    from shardyard.client import Client
+
+    with Client() as sy:                       # SHARDYARD_API_URL, SHARDYARD_TOKEN
+        job = sy.submit({"name": "tiny", "train": {"steps": 40}})
+        for ev in job.follow():                # metrics, logs, status changes until it ends
+            ...
+        print(job.wait().result)
+
+The client is synchronous and built on httpx; it imports neither torch nor the service's code.
+Every refusal is an ApiError (a ShardyardError) carrying the HTTP status and the API's words,
+which name the field and the rule; an API that cannot be reached is Unreachable. Streams ride out
+dropped connections and API restarts: they reconnect with Last-Event-ID and go on where they were,
+so every step is seen once."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shardyard.errors import ApiError, ShardyardError, Unreachable, raise_for
+from shardyard.results import (
+    Job,
+    JobEvent,
+    LeaderboardRow,
+    LogEvent,
+    LogRecord,
+    MetricEvent,
+    NoticeEvent,
+    Page,
+    Selection,
+    SelectionEvent,
+    StatusEvent,
+    Trial,
+    TrialEvent,
+    Workspace,
+)
+from shardyard.stream import END, StreamTimeout, frames
+from shardyard.workspace import archive_body
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "SHARDYARD_API_URL"
+TOKEN_ENV = "SHARDYARD_TOKEN"
+_TRANSIENT = (502, 503, 504)
+
+
+def _document(spec: Any, what: str) -> dict[str, Any]:
+    """A request body from a dict or a pydantic model (jobrules.spec's JobSpec, SelectionCreate):
+    only the fields that were set, so the API fills its own defaults."""
+    if hasattr(spec, "model_dump"):
+        return spec.model_dump(mode="json", exclude_unset=True)
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    raise TypeError(f"{what}: a dict or a pydantic model, not {type(spec).__name__}")
+
+
+class Client:
+    """A connection to one Shardyard API. `url` defaults to $SHARDYARD_API_URL (else
+    http://127.0.0.1:8000), `token` to $SHARDYARD_TOKEN: the CLI's settings. `patience_s`: how
+    long a stream (and the reads around it) keeps trying to get through an outage before it
+    gives up."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        patience_s: float = 600.0,
+    ) -> None:
+        self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.patience_s = patience_s
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r})"
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, *, patience_s: float = 0.0, **kwargs: Any) -> Any:
+        """The answer's JSON (None for an empty one). With `patience_s`, a refused connection or
+        a 502/503/504 (the API restarting, the database locked) is tried again until then."""
+        delay, deadline = 0.5, time.monotonic() + patience_s
+        while True:
+            try:
+                resp = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as e:
+                if time.monotonic() >= deadline:
+                    raise self._unreachable(e) from e
+            else:
+                if resp.status_code not in _TRANSIENT or time.monotonic() >= deadline:
+                    raise_for(resp)
+                    return resp.json() if resp.content else None
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    def _unreachable(self, e: httpx.TransportError) -> Unreachable:
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+            return Unreachable(f"cannot reach the API at {self.url}", url=self.url, lost=False)
+        return Unreachable(
+            f"lost the connection to the API at {self.url}: {e or type(e).__name__}", url=self.url, lost=True
+        )
+
+    def _frames(self, path: str, *, deadline: float | None = None, **kwargs: Any) -> Iterator[Any]:
+        patience = kwargs.pop("patience_s", None)
+        return frames(
+            self._http,
+            path,
+            patience_s=self.patience_s if patience is None else patience,
+            deadline=deadline,
+            **kwargs,
+        )
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def submit(self, spec: Any, *, workspace: str | Path | None = None) -> Job:
+        """Submit a JobSpec (a dict, or jobrules.spec's JobSpec). `workspace`: a folder or
+        archive to upload first; the job runs with it."""
+        body = _document(spec, "spec")
+        if workspace is not None:
+            body = {**body, "workspace": self.upload_workspace(workspace).ref}
+        return Job.from_json(self._send("POST", "/api/jobs", json=body), self)
+
+    def jobs(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        owner: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> Page[Job]:
+        """Jobs the caller may see, newest first; `name`: the name contains it (any case)."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        params.update({k: v for k, v in (("status", status), ("name", name), ("owner", owner)) if v})
+        page = self._send("GET", "/api/jobs", params=params)
+        return Page([Job.from_json(j, self) for j in page["items"]], page["total"])
+
+    list_jobs = jobs
+
+    def get(self, job_id: int, *, patience_s: float = 0.0) -> Job:
+        return Job.from_json(self._send("GET", f"/api/jobs/{job_id}", patience_s=patience_s), self)
+
+    def cancel(self, job_id: int) -> Job:
+        """Ask a queued or running job to stop (a running trainer stops at its next step)."""
+        return Job.from_json(self._send("POST", f"/api/jobs/{job_id}/cancel"), self)
+
+    def fail(self, job_id: int, reason: str = "") -> Job:
+        """(operator) End a queued or running job `failed`."""
+        return Job.from_json(self._send("POST", f"/api/jobs/{job_id}/fail", json={"reason": reason}), self)
+
+    def requeue(self, job_id: int, reason: str = "") -> Job:
+        """(operator) Put a running or ended job back in the queue; it resumes from its checkpoint."""
+        body = {"reason": reason}
+        return Job.from_json(self._send("POST", f"/api/jobs/{job_id}/requeue", json=body), self)
+
+    def logs(self, job_id: int, *, limit: int = 10_000) -> list[LogRecord]:
+        """The job's stored log: status lines, the trainer's output, its events."""
+        page = self._send("GET", f"/api/jobs/{job_id}/logs", params={"limit": limit})
+        return [
+            LogRecord(id=e["id"], time=e["time"], kind=e["kind"], message=e["message"], data=e.get("data"))
+            for e in page["items"]
+        ]
+
+    def follow(
+        self,
+        job_id: int,
+        *,
+        patience_s: float | None = None,
+        on_interrupt: Callable[[str], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> Iterator[JobEvent]:
+        """The job's events from its start (its stored history first, then live) until it ends
+        and the API closes the stream: MetricEvent, LogEvent, StatusEvent, NoticeEvent; one
+        StatusEvent is terminal (a live job's is the last event; a finished job's replay may send
+        it before its last points). A dropped stream
+        (the API or the broker restarted) is picked up again with Last-Event-ID, so each point
+        comes exactly once; `on_interrupt(reason)` and `on_resume()` are told (default: the
+        `shardyard` logger), and after `patience_s` (the client's) without getting through,
+        ShardyardError."""
+        return self._job_events(job_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume)
+
+    def _job_events(self, job_id: int, **kwargs: Any) -> Iterator[JobEvent]:
+        final: StatusEvent | None = None
+        for f in self._frames(f"/api/jobs/{job_id}/stream", **kwargs):
+            d = f.data
+            if f.event == END:
+                # the terminal status can come before the last points (a finished job's replay
+                # sends its rows a chunk at a time), so we read on until the server closes
+                if final is not None:
+                    return
+            elif f.event == "metric":
+                yield MetricEvent(
+                    job_id=job_id, step=d["step"], name=d["name"], value=d["value"], time=d["time"], id=f.id
+                )
+            elif f.event == "log":
+                yield LogEvent(
+                    job_id=job_id,
+                    message=d["message"],
+                    time=d["time"],
+                    rank=d.get("rank"),
+                    stream=d.get("stream"),
+                    id=f.id,
+                )
+            elif f.event == "status":
+                ev = StatusEvent(
+                    status=d["status"], job_id=job_id, error=d.get("error"), time=d.get("time"), id=f.id
+                )
+                if final is not None and ev.status == final.status:
+                    continue  # a stream resumed after the end sends the final status again
+                yield ev
+                final = ev if ev.done else None
+            elif f.event == "event":
+                yield NoticeEvent(
+                    job_id=job_id, event=d["event"], data=d.get("data"), time=d["time"], id=f.id
+                )
+
+    def wait(self, job_id: int, *, timeout: float | None = None) -> Job:
+        """The job once it has ended (succeeded, failed or cancelled), read after its stream said
+        so; StreamTimeout (a TimeoutError) after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self.get(job_id, patience_s=self.patience_s)
+        if job.done:
+            return job
+        try:
+            for _ in self._job_events(job_id, deadline=deadline):
+                pass
+        except StreamTimeout as e:
+            raise StreamTimeout(f"job {job_id} has not ended after {timeout:g}s") from e
+        return self.get(job_id, patience_s=self.patience_s)
+
+    # ---- selections ---------------------------------------------------------------------------
+
+    def submit_selection(self, request: Any) -> Selection:
+        """Submit a selection batch (a dict, or jobrules.spec's SelectionCreate): a base JobSpec,
+        a search space, the method, early stopping (README, "Selection batches")."""
+        body = _document(request, "request")
+        return Selection.from_json(self._send("POST", "/api/selections", json=body), self)
+
+    def selections(self, *, limit: int = 50, offset: int = 0) -> Page[Selection]:
+        page = self._send("GET", "/api/selections", params={"limit": limit, "offset": offset})
+        return Page([Selection.from_json(s, self) for s in page["items"]], page["total"])
+
+    def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection:
+        data = self._send("GET", f"/api/selections/{selection_id}", patience_s=patience_s)
+        return Selection.from_json(data, self)
+
+    def selection_trials(self, selection_id: int) -> list[Trial]:
+        return self.get_selection(selection_id).trials
+
+    def leaderboard(self, selection_id: int) -> list[LeaderboardRow]:
+        """The trials with a metric, best first (by the batch's `metric` and `mode`)."""
+        return self.get_selection(selection_id).leaderboard
+
+    def cancel_selection(self, selection_id: int) -> Selection:
+        """Cancel the batch: its queued trials at once, its running ones at their next step."""
+        return Selection.from_json(self._send("POST", f"/api/selections/{selection_id}/cancel"), self)
+
+    def add_trials(
+        self,
+        selection_id: int,
+        *,
+        params: list[dict[str, Any]] | None = None,
+        trials: int | None = None,
+        warm_start_from: int | None = None,
+    ) -> Selection:
+        """Grow a grid or random batch: these points of its space, or `trials` more samples."""
+        body = {"params": params, "trials": trials, "warm_start_from": warm_start_from}
+        body = {k: v for k, v in body.items() if v is not None}
+        data = self._send("POST", f"/api/selections/{selection_id}/trials", json=body)
+        return Selection.from_json(data, self)
+
+    def follow_selection(
+        self,
+        selection_id: int,
+        *,
+        patience_s: float | None = None,
+        on_interrupt: Callable[[str], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> Iterator[SelectionEvent]:
+        """The batch's events until it ends and the API closes the stream: every trial's state
+        first (TrialEvent), the batch's StatusEvent, then each trial's metric points (MetricEvent,
+        with trial_id) and trial changes live, up to a terminal StatusEvent (for a batch that had
+        ended already, its points come after it). Reconnects like `follow`: after a drop,
+        the trials' states come again and then exactly the points not yet seen."""
+        return self._selection_events(
+            selection_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume
+        )
+
+    def _selection_events(self, selection_id: int, **kwargs: Any) -> Iterator[SelectionEvent]:
+        final: StatusEvent | None = None
+        for f in self._frames(f"/api/selections/{selection_id}/stream", **kwargs):
+            d = f.data
+            if f.event == END:
+                # an ended batch's stream sends its status before its points: read on to the end
+                if final is not None:
+                    return
+            elif f.event == "metric":
+                yield MetricEvent(
+                    job_id=d["job_id"],
+                    trial_id=d["trial_id"],
+                    step=d["step"],
+                    name=d["name"],
+                    value=d["value"],
+                    time=d["time"],
+                    id=f.id,
+                )
+            elif f.event == "trial":
+                yield TrialEvent(selection_id=selection_id, trial=Trial.from_json(d))
+            elif f.event == "status":
+                ev = StatusEvent(status=d["status"], selection_id=selection_id, id=f.id)
+                if final is not None and ev.status == final.status:
+                    continue  # a stream resumed after the end sends the status again
+                yield ev
+                final = ev if ev.done else None
+
+    def wait_selection(self, selection_id: int, *, timeout: float | None = None) -> Selection:
+        """The batch once it has ended; StreamTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for _ in self._selection_events(selection_id, deadline=deadline):
+                pass
+        except StreamTimeout as e:
+            raise StreamTimeout(f"selection {selection_id} has not ended after {timeout:g}s") from e
+        return self.get_selection(selection_id, patience_s=self.patience_s)
+
+    # ---- workspaces ---------------------------------------------------------------------------
+
+    def upload_workspace(self, path: str | Path, *, name: str | None = None) -> Workspace:
+        """Upload a folder (packed into a .tar.gz, caches and VCS folders left out) or an archive
+        (.tar.gz, .zip, or a .tar, gzipped here). A JobSpec names the result by its `ref`."""
+        path = Path(path)
+        body, content_type = archive_body(path)
+        data = self._send(
+            "POST",
+            "/api/workspaces",
+            params={"name": name or path.resolve().name or "workspace"},
+            content=body,
+            headers={"content-type": content_type},
+            timeout=300,
+        )
+        return Workspace.from_json(data)
+
+    def workspaces(self, *, limit: int = 50, offset: int = 0) -> Page[Workspace]:
+        page = self._send("GET", "/api/workspaces", params={"limit": limit, "offset": offset})
+        return Page([Workspace.from_json(w) for w in page["items"]], page["total"])
+
+
+__all__ = ["ApiError", "Client", "ShardyardError", "StreamTimeout", "Unreachable"]
