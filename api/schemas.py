@@ -37,6 +37,17 @@ from jobrules.spec import (  # noqa: F401 - the request models, re-exported for 
 jobrules.spec.pip_options_allowed = lambda: get_settings().pyenv_allow_options
 
 
+class PresentOnly(BaseModel):
+    """A response body whose optional fields are left out when absent, rather than sent as null:
+    the schema documents a dict the service builds, and the JSON stays that dict."""
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: SerializerFunctionWrapHandler):  # no return type: the model's own schema
+        out = handler(self)
+        keep = self.model_fields_set | set(self.model_extra or ())
+        return {k: v for k, v in out.items() if k in keep}
+
+
 class Progress(BaseModel):
     step: int
     steps: int
@@ -182,10 +193,29 @@ class WorkerPublic(BaseModel):
     last_seen: datetime
 
 
+class PoolUse(BaseModel):
+    size: int
+    checked_out: int
+    """Pooled connections in use right now (open streams must not hold any while they wait)."""
+
+
+class DbHealth(PresentOnly):
+    ok: bool
+    url: str | None = None
+    """The database URL without its credentials."""
+    pool: PoolUse | None = None
+    error: str | None = None
+
+
+class BrokerHealth(PresentOnly):
+    ok: bool
+    error: str | None = None
+
+
 class HealthPublic(BaseModel):
     status: Literal["ok", "degraded"]
-    db: dict[str, Any]
-    broker: dict[str, Any]
+    db: DbHealth
+    broker: BrokerHealth
     workers: list[WorkerPublic]
 
 
@@ -208,7 +238,7 @@ class StopReason(BaseModel):
     bracket: int
 
 
-class TrialReport(BaseModel):
+class TrialReport(PresentOnly):
     """The selection executor's report of one trial (a trial's `result`, and its job's). Every
     field may be absent (older reports, a trial that failed before it ran); only the fields present
     are sent, and any others the executor adds pass through."""
@@ -229,12 +259,6 @@ class TrialReport(BaseModel):
     busy_s: float | None = None
     overhead_s: float | None = None
     prefetch_s: float | None = None
-
-    @model_serializer(mode="wrap")
-    def _present_only(self, handler: SerializerFunctionWrapHandler):
-        out = handler(self)
-        keep = self.model_fields_set | set(self.model_extra or ())
-        return {k: v for k, v in out.items() if k in keep}
 
 
 class TrialPublic(BaseModel):
@@ -257,6 +281,19 @@ class TrialPublic(BaseModel):
     """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
 
 
+class SpaceRange(PresentOnly):
+    """A range dimension of a search space, as submitted (jobrules/space.py checked it): `low` and
+    `high`, and optionally `log` (log-spaced), `int` (whole numbers) and `num` (grid points)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    low: int | float
+    high: int | float
+    log: Any = None
+    """Truthy: sample (and chart) on a log scale."""
+    num: int | None = None
+
+
 class SelectionPublic(BaseModel):
     id: int
     name: str
@@ -267,8 +304,10 @@ class SelectionPublic(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    space: dict[str, Any]
+    space: dict[str, SpaceRange | list[Any]]
+    """Dotted JobSpec path -> a range, or a list of the values to choose from."""
     request: dict[str, Any]
+    """The submitted request (a SelectionCreate)."""
     cancel_requested: bool
     error: str | None = None
     """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""

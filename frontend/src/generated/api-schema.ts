@@ -599,6 +599,13 @@ export interface components {
             /** Seconds */
             seconds: number;
         };
+        /** BrokerHealth */
+        BrokerHealth: {
+            /** Ok */
+            ok: boolean;
+            /** Error */
+            error?: string | null;
+        };
         /** DataSpec */
         DataSpec: {
             /**
@@ -640,6 +647,16 @@ export interface components {
              * @default 0.1
              */
             val_fraction: number;
+        };
+        /** DbHealth */
+        DbHealth: {
+            /** Ok */
+            ok: boolean;
+            /** Url */
+            url?: string | null;
+            pool?: components["schemas"]["PoolUse"] | null;
+            /** Error */
+            error?: string | null;
         };
         /** DeliveriesPublic */
         DeliveriesPublic: {
@@ -743,14 +760,8 @@ export interface components {
              * @enum {string}
              */
             status: "ok" | "degraded";
-            /** Db */
-            db: {
-                [key: string]: unknown;
-            };
-            /** Broker */
-            broker: {
-                [key: string]: unknown;
-            };
+            db: components["schemas"]["DbHealth"];
+            broker: components["schemas"]["BrokerHealth"];
             /** Workers */
             workers: components["schemas"]["WorkerPublic"][];
         };
@@ -1048,6 +1059,13 @@ export interface components {
              */
             schedule: "gpipe" | "1f1b" | "chimera" | "chimera-zb" | "async";
         };
+        /** PoolUse */
+        PoolUse: {
+            /** Size */
+            size: number;
+            /** Checked Out */
+            checked_out: number;
+        };
         /** Progress */
         Progress: {
             /** Step */
@@ -1245,7 +1263,7 @@ export interface components {
             finished_at: string | null;
             /** Space */
             space: {
-                [key: string]: unknown;
+                [key: string]: components["schemas"]["SpaceRange"] | unknown[];
             };
             /** Request */
             request: {
@@ -1295,6 +1313,23 @@ export interface components {
         SignIn: {
             /** Token */
             token: string;
+        };
+        /**
+         * SpaceRange
+         * @description A range dimension of a search space, as submitted (jobrules/space.py checked it): `low` and
+         *     `high`, and optionally `log` (log-spaced), `int` (whole numbers) and `num` (grid points).
+         */
+        SpaceRange: {
+            /** Low */
+            low: number;
+            /** High */
+            high: number;
+            /** Log */
+            log?: unknown;
+            /** Num */
+            num?: number | null;
+        } & {
+            [key: string]: unknown;
         };
         /** SpillSpec */
         SpillSpec: {
