@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import TypeAdapter
 
 from api.openapi_dump import dump, openapi_schema
 
@@ -96,3 +97,33 @@ def test_the_dump_is_the_served_schema() -> None:
     assert stream["schema"]["$ref"] == "#/components/schemas/JobStreamEvents"
     for field in ("kind", "queue", "world_size", "selection_id", "run_seconds"):
         assert field in schema["components"]["schemas"]["JobPublic"]["properties"], field
+
+
+def test_response_models_send_the_dicts_they_document() -> None:
+    """The models that document dicts the service builds (a timeline, a trial's report, the health
+    of the database, a search space) send those dicts back: no key added, none dropped, the same
+    values (a float field sends an integer as its float; a space's bounds stay as given)."""
+    from api.schemas import DbHealth, SelectionPublic, TimelinePublic, TrialReport
+
+    act = {"rank": 0, "op": "F", "mb": 0, "stage": 0, "replica": 0, "start": 0, "end": 0.25}
+    timeline = {
+        "schedule": "1f1b",
+        "stages": 2,
+        "microbatches": 4,
+        "executed": [act, {**act, "op": "AR", "mb": -1, "start": 0.5, "end": 0.75}],
+        "simulated": [act],
+        "bubble_executed": 0.2,
+        "bubble_simulated": None,
+    }
+    sent = TimelinePublic.model_validate(timeline).model_dump(mode="json", exclude_unset=True)
+    assert json.dumps(sent["executed"][0]) == json.dumps({**act, "start": 0.0})  # a float field
+    assert sent == timeline
+    report = {"status": "stopped_early", "steps": 8, "final_loss": 2.5, "stop_reason": None, "busy_s": 1.0}
+    assert TrialReport.model_validate(report).model_dump(mode="json") == report
+    for db in ({"ok": True, "url": "sqlite:///x"}, {"ok": False, "error": "gone", "pool": None}):
+        assert DbHealth.model_validate(db).model_dump(mode="json") == db
+    space = {"train.lr": {"low": 1, "high": 3, "int": True}, "model.layers": [4, "8", [1, 2], None]}
+    spaces = TypeAdapter(SelectionPublic.model_fields["space"].annotation)
+    assert spaces.dump_json(spaces.validate_python(space)).decode() == json.dumps(
+        space, separators=(",", ":")
+    )
