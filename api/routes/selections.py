@@ -22,8 +22,10 @@ from api.schemas import (
     SelectionCreate,
     SelectionPublic,
     SelectionsPublic,
+    SelectionStreamEvents,
     TrialPublic,
     TrialsAdd,
+    sse_doc,
 )
 from api.selection_stream import selection_events
 from api.streams import SseResponse, open_stream
@@ -253,7 +255,12 @@ def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: Curren
     return trial_public(trial)
 
 
-@router.get("/{selection_id}/stream")
+@router.get(
+    "/{selection_id}/stream",
+    response_class=SseResponse,
+    status_code=200,
+    responses=sse_doc(SelectionStreamEvents),
+)
 def stream_selection(
     selection_id: Id,
     request: Request,

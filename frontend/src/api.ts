@@ -1,178 +1,59 @@
 // The REST surface the dashboard reads (docs/architecture.md); the dashboard talks to nothing else.
 
-export type JobStatus = "queued" | "running" | "succeeded" | "failed" | "cancelled";
+import type { components } from "./generated/api-schema";
 
-export interface Job {
-  id: number;
-  name: string;
-  status: JobStatus;
-  priority: number;
-  attempts: number;
-  created_at: string | null;
-  started_at: string | null;
-  finished_at: string | null;
-  worker: string | null;
-  error: string | null;
-  result: Record<string, unknown> | null;
-  spec: JobSpec;
-  cancel_requested: boolean;
-  progress: { step: number; steps: number; loss?: number | null } | null;
-  owner?: string | null;
-  wait_reason?: string | null;
-  /** 1-based place among queued jobs in the scheduler's order. */
-  queue_position?: number | null;
-  /** The slots the scheduler reserved, one entry per node. */
-  reservation?: Reservation[];
-  /** Set on a selection trial's job: the batch it belongs to. */
-  selection_id?: number | null;
-  world_size?: number;
-  /** Wall time its attempts have run so far. */
-  run_seconds?: number;
+// Every type of what the API sends is generated from its OpenAPI schema (`make api-types` writes
+// generated/api-schema.ts; tests/unit/test_api_types.py fails while that file is stale): the names
+// below are aliases of its components, never types written here.
+type Schemas = components["schemas"];
+
+export type Job = Schemas["JobPublic"];
+export type JobsPage = Schemas["JobsPublic"];
+export type Reservation = Schemas["ReservationPublic"];
+export type Me = Schemas["Me"];
+export type Health = Schemas["HealthPublic"];
+export type Metrics = Schemas["MetricsPublic"];
+export type Series = Schemas["Series"];
+/** A stored log line or event (GET /api/jobs/{id}/logs) or a live one (the job stream's `log`). */
+export type LogLine = Schemas["EventPublic"] | Schemas["LogFrame"];
+export type LogPage = Schemas["EventsPublic"];
+export type Timeline = Schemas["TimelinePublic"];
+export type TimelineAction = Schemas["TimelineAction"];
+export type TimelineOp = TimelineAction["op"];
+export type Selection = Schemas["SelectionPublic"];
+export type SelectionsPage = Schemas["SelectionsPublic"];
+export type Trial = Schemas["TrialPublic"];
+/** The selection executor's report of a trial: a trial's `result`, and its job's. */
+export type TrialReport = Schemas["TrialReport"];
+export type StopReason = Schemas["StopReason"];
+export type Webhook = Schemas["WebhookPublic"];
+export type WebhookIssued = Schemas["WebhookIssued"];
+export type Webhooks = Schemas["WebhooksPublic"];
+export type WebhookDelivery = Schemas["DeliveryPublic"];
+export type WebhookDeliveries = Schemas["DeliveriesPublic"];
+export type Workspace = Schemas["WorkspacePublic"];
+/** The submitted JobSpec, as stored (a job's `spec`, a batch's `request.base`). */
+export type JobSpec = Schemas["JobSpec"];
+/** A selection batch's request, as submitted. */
+export type SelectionRequest = Schemas["SelectionCreate"];
+/** The events of each Server-Sent Events stream, by name. */
+export type JobStreamEvents = Schemas["JobStreamEvents"];
+export type JobsStreamEvents = Schemas["JobsStreamEvents"];
+export type SelectionStreamEvents = Schemas["SelectionStreamEvents"];
+
+/** A job's spec seen as the JobSpec it was submitted as (the API sends it as a plain object). */
+export function specOf(job: Job): Partial<JobSpec> {
+  return job.spec as Partial<JobSpec>;
 }
 
-export interface Reservation {
-  worker: string;
-  node_rank: number;
-  nnodes: number;
-  slots: number;
-  gpus: number;
-  ram_bytes: number;
-  claimed: boolean;
+/** A batch's request seen as the SelectionCreate it was submitted as. */
+export function requestOf(sel: Selection): Partial<SelectionRequest> {
+  return sel.request as Partial<SelectionRequest>;
 }
 
-export interface User {
-  id: number;
-  name: string;
-  is_admin: boolean;
-  quotas: { running_jobs: number; ranks: number; gpus: number };
-}
-
-export interface Me {
-  user: User;
-  csrf_token: string | null;
-}
-
-export interface JobSpec {
-  name?: string;
-  parallel?: { pipeline?: { stages: number; microbatches: number; schedule: string } | null } | null;
-  [key: string]: unknown;
-}
-
-export interface Series {
-  steps: number[];
-  values: number[];
-}
-
-export interface Metrics {
-  job_id: number;
-  series: Record<string, Series>;
-}
-
-export interface LogLine {
-  id?: number;
-  time: string | number;
-  kind?: string;
-  message: string;
-  data?: unknown;
-}
-
-export interface Health {
-  status: string;
-  db: { ok: boolean };
-  broker: { ok: boolean };
-  workers: { name: string; devices: unknown; last_seen: string | number }[];
-}
-
-export type TimelineOp = "F" | "B" | "W" | "AR";
-
-export interface TimelineAction {
-  rank: number;
-  op: TimelineOp;
-  mb: number | null;
-  stage: number | null;
-  replica: number | null;
-  start: number;
-  end: number;
-}
-
-export interface Timeline {
-  schedule: string;
-  stages: number;
-  microbatches: number;
-  executed: TimelineAction[];
-  simulated: TimelineAction[];
-  bubble_executed: number | null;
-  bubble_simulated: number | null;
-}
-
-export type TrialStatus =
-  "queued" | "running" | "succeeded" | "stopped_early" | "stopped" | "failed" | "cancelled";
-
-export interface Trial {
-  id: number;
-  index: number;
-  params: Record<string, number | string | boolean>;
-  status: TrialStatus;
-  steps_done: number;
-  steps_total: number;
-  last_metric: number | null;
-  best_metric: number | null;
-  stopped_early: boolean;
-  job_id: number | null;
-  warm_start_from?: number | null;
-  /** The executor's report once the trial ended; older servers leave it out (then the page reads
-   * the trial's job result instead). */
-  result?: TrialResult | null;
-  compute_s?: number | null;
-  copy_s?: number | null;
-  stop_reason?: StopReason | null;
-}
-
-/** Why the rungs stopped a trial: its rung, its metric there, the last kept trial's metric. */
-export interface StopReason {
-  rung: number;
-  value: number;
-  cutoff: number;
-  kept: number;
-  of: number;
-  bracket: number;
-}
-
-export interface TrialResult {
-  status?: string;
-  steps?: number;
-  best_metric?: number | null;
-  compute_s?: number;
-  copy_s?: number;
-  stop_reason?: StopReason | null;
-  error?: string | null;
-}
-
-export type SpaceEntry = { low: number; high: number; log?: boolean } | (number | string | boolean)[];
-
-export interface Selection {
-  id: number;
-  name: string;
-  status: string;
-  metric: string;
-  mode: "min" | "max";
-  scheduler: string;
-  created_at: string | null;
-  finished_at: string | null;
-  space: Record<string, SpaceEntry>;
-  /** The submitted request; `base` is the JobSpec every trial starts from. */
-  request?: {
-    base?: Record<string, unknown>;
-    method?: string;
-    seed?: number;
-    trials?: number | null;
-    parallel?: number | null;
-    checkpoints?: string;
-    early_stopping?: { kind: string; reduction_factor: number; min_steps: number } | null;
-  };
-  error?: string | null;
-  trials?: Trial[];
-  leaderboard?: number[];
+/** A trial's job's result is its trial report (null for any other job). */
+export function trialReportOf(job: Job): TrialReport | null {
+  return job.selection_id != null ? ((job.result ?? null) as TrialReport | null) : null;
 }
 
 /** A dotted JobSpec path ("train.lr") looked up in a spec; undefined when absent. */
@@ -183,11 +64,6 @@ export function lookup(spec: Record<string, unknown> | undefined, path: string):
     cur = (cur as Record<string, unknown>)[part];
   }
   return cur;
-}
-
-export interface Page<T> {
-  items: T[];
-  total: number;
 }
 
 /** A non-2xx answer; `message` is already readable (422 field errors joined as "field: rule"). */
@@ -205,7 +81,7 @@ export function describeDetail(detail: unknown): string {
   if (typeof detail === "string") return detail;
   if (Array.isArray(detail)) {
     return detail
-      .map((d: { loc?: (string | number)[]; msg?: string }) => {
+      .map((d: Partial<Schemas["ValidationError"]>) => {
         const loc = (d.loc ?? []).filter((p) => p !== "body").join(".");
         return loc ? `${loc}: ${d.msg ?? ""}` : String(d.msg ?? JSON.stringify(d));
       })
@@ -260,13 +136,14 @@ export async function api<T>(path: string, init?: { method?: string; body?: unkn
 export const post = <T>(path: string, body: unknown = {}) => api<T>(path, { method: "POST", body });
 
 /** Subscribe to named SSE events with JSON payloads; returns the EventSource so callers can close it. */
-export function subscribe(
+export function subscribe<E>(
   url: string,
-  handlers: Record<string, (data: any) => void>,
+  handlers: { [K in keyof E & string]?: (data: E[K]) => void },
   onState?: (state: "open" | "error") => void,
 ): EventSource {
   const es = new EventSource(url);
-  for (const [name, fn] of Object.entries(handlers)) {
+  for (const [name, fn] of Object.entries(handlers) as [string, ((data: unknown) => void) | undefined][]) {
+    if (!fn) continue;
     es.addEventListener(name, (ev) => {
       try {
         fn(JSON.parse((ev as MessageEvent<string>).data));
@@ -303,30 +180,3 @@ export const TERMINAL: ReadonlySet<string> = new Set([
   "stopped_early",
   "stopped",
 ]);
-
-export interface Webhook {
-  id: number;
-  user_id: number;
-  url: string;
-  events: "all" | "failures";
-  created_at: string;
-}
-
-export interface WebhookAttempt {
-  at: string;
-  status_code: number | null;
-  error: string | null;
-  seconds: number;
-}
-
-export interface WebhookDelivery {
-  id: number;
-  event: string;
-  object_id: number;
-  status: string;
-  state: "pending" | "delivered" | "failed";
-  attempts: WebhookAttempt[];
-  created_at: string;
-  next_at: string | null;
-  delivered_at: string | null;
-}

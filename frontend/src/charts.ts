@@ -5,6 +5,7 @@
 // drawing only, never the points kept.
 import uPlot from "uplot";
 import "uplot/dist/uPlot.min.css";
+import type { Series } from "./api";
 import { h } from "./dom";
 
 export interface LineSpec {
@@ -127,7 +128,7 @@ export class StepChart {
     this.schedule();
   }
 
-  addSeries(key: string, s: { steps: number[]; values: number[] } | undefined): void {
+  addSeries(key: string, s: Series | undefined): void {
     if (!s) return;
     for (let i = 0; i < s.steps.length; i++) this.add(key, s.steps[i], s.values[i]);
   }

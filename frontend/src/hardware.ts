@@ -1,6 +1,7 @@
 // The job's hardware series, charted beside the loss: per rank, CPU % and GPU utilisation on one
 // chart, resident memory and GPU memory on the other. The worker samples them every few seconds
 // into metrics named hw.<what>.r<rank> (workers/hardware.py); a line appears when its first point does.
+import type { Series } from "./api";
 import { PALETTE, StepChart } from "./charts";
 
 const USE = ["cpu_pct", "gpu_util"];
@@ -61,7 +62,7 @@ export class HardwareCharts {
     return true;
   }
 
-  addSeries(name: string, s: { steps: number[]; values: number[] } | undefined): void {
+  addSeries(name: string, s: Series | undefined): void {
     if (!s) return;
     s.steps.forEach((st, i) => this.add(name, st, s.values[i]));
   }

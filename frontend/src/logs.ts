@@ -2,7 +2,7 @@
 // tracebacks) per rank, as the REST backfill and the live stream deliver them. A search box and a
 // rank filter hide lines without losing them; the panel follows the tail unless the user scrolled
 // up (or unticked "follow").
-import type { LogLine } from "./api";
+import type { JobStreamEvents, LogLine } from "./api";
 import { fmtTime, h } from "./dom";
 
 interface Shown {
@@ -55,11 +55,34 @@ export class LogPanel {
     );
   }
 
+  /** A stored line (its rank and stream in `data`) or a live one (them beside its message). */
   add(line: LogLine): void {
-    const data = (line.data ?? {}) as { rank?: number | null; stream?: string | null };
-    const rank = (line as { rank?: number | null }).rank ?? data.rank ?? null;
-    const stream = (line as { stream?: string | null }).stream ?? data.stream ?? null;
-    const kind = line.kind ?? "log";
+    if ("kind" in line) {
+      const rank = line.data?.rank;
+      const stream = line.data?.stream;
+      this.push(
+        line.time,
+        line.kind,
+        line.message,
+        typeof rank === "number" ? rank : null,
+        typeof stream === "string" ? stream : null,
+      );
+    } else this.push(line.time, "log", line.message, line.rank, line.stream);
+  }
+
+  /** A status change from the job's stream. */
+  addStatus(s: JobStreamEvents["status"]): void {
+    this.push(s.time, "status", s.status, null, null);
+  }
+
+  private push(
+    time: number,
+    kind: string,
+    message: string,
+    rank: number | null,
+    stream: string | null,
+  ): void {
+    const line = { time, message };
     const key = `${line.time}|${rank}|${line.message}`;
     if (this.seen.has(key)) return;
     this.seen.add(key);

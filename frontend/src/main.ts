@@ -133,8 +133,8 @@ async function health(): Promise<void> {
       h("span", { class: ok ? "ok" : "bad", title: name }, `● ${name}`);
     const workers = hl.workers ?? [];
     el.replaceChildren(
-      dot(hl.db?.ok, "db"),
-      dot(hl.broker?.ok, "broker"),
+      dot(hl.db.ok, "db"),
+      dot(hl.broker.ok, "broker"),
       h(
         "span",
         {

@@ -2,7 +2,7 @@
 // hyperparameter plus one for the metric, one polyline per trial in the trial's own colour (the
 // one its curve has on the page), the best trial's drawn thickest and on top.
 // The npm parallel-coordinates packages pull in all of d3 for what is a few dozen lines here.
-import { lookup, type SpaceEntry, type Trial } from "./api";
+import { lookup, type Selection, type Trial } from "./api";
 import { svg } from "./dom";
 
 const H = 320;
@@ -12,7 +12,13 @@ const SIDE = 70;
 /** Room right of the last axis for its tick labels. */
 const RIGHT = 90;
 
+/** What an axis places: a parameter's value (a list one, shown as its JSON), or the metric. */
 type Value = number | string | boolean;
+
+function asValue(v: unknown): Value | undefined {
+  if (v === null || v === undefined) return undefined;
+  return typeof v === "number" || typeof v === "string" || typeof v === "boolean" ? v : JSON.stringify(v);
+}
 
 interface Axis {
   key: string;
@@ -24,9 +30,9 @@ interface Axis {
 
 export function parallelCoordinates(opts: {
   trials: Trial[];
-  space: Record<string, SpaceEntry>;
+  space: Selection["space"];
   metric: string;
-  mode: "min" | "max";
+  mode: string;
   /** The batch's base JobSpec: a trial without a parameter (added later with extra keys) has its value. */
   base?: Record<string, unknown>;
   /** A trial's colour; by default a ramp from the best trial (dark blue) to the worst (orange). */
@@ -36,8 +42,7 @@ export function parallelCoordinates(opts: {
 }): SVGElement {
   const { trials, space, metric, mode, base } = opts;
   const keys = [...new Set([...Object.keys(space), ...trials.flatMap((t) => Object.keys(t.params))])];
-  const param = (t: Trial, k: string): Value | undefined =>
-    t.params[k] ?? (lookup(base, k) as Value | undefined);
+  const param = (t: Trial, k: string): Value | undefined => asValue(t.params[k] ?? lookup(base, k));
   const axes: Axis[] = keys.map((k) =>
     makeAxis(
       k,
@@ -126,7 +131,7 @@ function makeAxis(
   key: string,
   label: string,
   values: (Value | null | undefined)[],
-  entry: SpaceEntry | undefined,
+  entry: Selection["space"][string] | undefined,
 ): Axis {
   const present = values.filter((v): v is Value => v !== null && v !== undefined);
   const choices = Array.isArray(entry) ? entry : null;

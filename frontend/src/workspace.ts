@@ -1,16 +1,7 @@
 // Submit-form helpers for users' own models and data: example specs for every model and data kind,
 // and a workspace upload (.tar.gz or .zip) whose reference goes into the spec's `workspace`.
-import { ApiError, csrfToken, describeDetail, signedOut } from "./api";
+import { ApiError, csrfToken, describeDetail, signedOut, type Workspace } from "./api";
 import { errorText, h } from "./dom";
-
-export interface Workspace {
-  id: number;
-  ref: string;
-  digest: string;
-  size: number;
-  name: string;
-  format: string;
-}
 
 const TRAIN = { steps: 100, batch_size: 16, lr: 0.001, optimizer: "adamw", seed: 0, eval_every: 20 };
 

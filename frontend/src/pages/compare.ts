@@ -1,7 +1,15 @@
 // Up to 8 jobs (or a selection's trials, which are jobs) on one chart: one line per job for the
 // metric picked. The route carries the choice (#/compare?jobs=3,7&metric=loss) so a view can be
 // shared by its address.
-import { api, type Job, type Metrics, type Selection, subscribe, TERMINAL } from "../api";
+import {
+  api,
+  type Job,
+  type JobStreamEvents,
+  type Metrics,
+  type Selection,
+  subscribe,
+  TERMINAL,
+} from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { badge, errorText, h } from "../dom";
 
@@ -134,11 +142,11 @@ export function comparePage(root: HTMLElement): () => void {
     // runs still going draw on as they report (the chart keys points by step, so the stream's
     // replay of what the backfill already has adds nothing)
     for (const j of found.filter((f) => !TERMINAL.has(f.status))) {
-      const es = subscribe(`/api/jobs/${j.id}/stream`, {
-        metric: (m: { step: number; name: string; value: number }) => {
+      const es = subscribe<JobStreamEvents>(`/api/jobs/${j.id}/stream`, {
+        metric: (m) => {
           if (m.name === metric) chart?.add(`j${j.id}`, m.step, m.value);
         },
-        status: (st: { status: string }) => {
+        status: (st) => {
           if (TERMINAL.has(st.status)) es.close();
         },
       });

@@ -4,13 +4,17 @@ import {
   api,
   ApiError,
   type Job,
+  type JobStreamEvents,
+  type JobsStreamEvents,
   type LogLine,
+  type LogPage,
   type Metrics,
   post,
+  specOf,
   subscribe,
   TERMINAL,
   type Timeline,
-  type TrialResult,
+  trialReportOf,
 } from "../api";
 import { StepChart } from "../charts";
 import { badge, clock, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
@@ -74,6 +78,10 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     logPanel.add(line);
     showTraceback();
   };
+  const addStatus = (s: JobStreamEvents["status"]) => {
+    logPanel.addStatus(s);
+    showTraceback();
+  };
 
   /** A failed job's last traceback, on top of the page. */
   const showTraceback = () => {
@@ -114,7 +122,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     const j = job;
     const active = !TERMINAL.has(j.status) && !deleted;
     // a trial's job: its result is the trial's report (status, stop_reason)
-    const trial = (j.selection_id ?? null) !== null ? ((j.result ?? null) as TrialResult | null) : null;
+    const trial = trialReportOf(j);
     const stop = trial?.stop_reason ?? null;
     replace(
       header,
@@ -262,8 +270,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
 
   const loadTimeline = async () => {
-    if (!job?.spec?.parallel?.pipeline) return;
-    const p = job.spec.parallel.pipeline;
+    const p = job ? specOf(job).parallel?.pipeline : null;
+    if (!p) return;
     pipeline.hidden = false;
     pipeline.className = "card";
     const title = h(
@@ -295,7 +303,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       api<Metrics>(
         `/api/jobs/${id}/metrics?names=${[...NAMES, ...hwNames(job?.world_size ?? 1)].join(",")}&max_points=1000`,
       ).catch(() => null),
-      api<{ items: LogLine[] }>(`/api/jobs/${id}/logs?limit=10000`).catch(() => null),
+      api<LogPage>(`/api/jobs/${id}/logs?limit=10000`).catch(() => null),
     ]);
     if (closed) return;
     for (const name of ["loss", "val_loss"]) lossChart.addSeries(name, metrics?.series[name]);
@@ -308,8 +316,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     for (const [name, series] of Object.entries(metrics?.series ?? {})) hw.addSeries(name, series);
     for (const line of logPage?.items ?? []) addLog(line);
 
-    stream = subscribe(`/api/jobs/${id}/stream`, {
-      metric: (m: { step: number; name: string; value: number }) => {
+    stream = subscribe<JobStreamEvents>(`/api/jobs/${id}/stream`, {
+      metric: (m) => {
         if (hw.add(m.name, m.step, m.value)) return;
         if (m.name === "tokens_per_s") tputChart.add(m.name, m.step, m.value);
         else lossChart.add(m.name, m.step, m.value);
@@ -323,8 +331,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
           header.querySelector("#job-loss")!.textContent = fmtNum(m.value);
         }
       },
-      status: (s: { status: Job["status"]; error: string | null; time?: number }) => {
-        if (s.time !== undefined) addLog({ kind: "status", message: s.status, time: s.time });
+      status: (s) => {
+        addStatus(s);
         if (!job) return;
         job.status = s.status;
         job.error = s.error ?? job.error;
@@ -336,7 +344,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
           stream?.close();
         }
       },
-      log: (l: LogLine) => addLog(l),
+      log: (l) => addLog(l),
     });
     // a finished job's stream may end; stop EventSource reconnecting to it forever
     stream.addEventListener("error", () => {
@@ -347,8 +355,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
 
   // the jobs-wide stream tells this page when the job is deleted, and asks for a refetch when
   // the server lost changes (`resync`: its broker restarted)
-  const changes = subscribe("/api/events", {
-    deleted: (d: { job_id: number }) => {
+  const changes = subscribe<JobsStreamEvents>("/api/events", {
+    deleted: (d) => {
       if (d.job_id === id) markDeleted();
     },
     resync: () => {

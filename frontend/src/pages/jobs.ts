@@ -1,6 +1,6 @@
 // Jobs list: one page of the table at a time, filtered on the server (status, owner, name) so it
 // stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
-import { api, type Job, type Page, post, subscribe, TERMINAL } from "../api";
+import { api, type Job, type JobsPage, type JobsStreamEvents, post, subscribe, TERMINAL } from "../api";
 import { badge, clock, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
 import { specTools } from "../workspace";
 import { compareHref, MAX_COMPARE } from "./compare";
@@ -195,7 +195,7 @@ export function jobsPage(root: HTMLElement): () => void {
     if (reloadTimer !== null) window.clearTimeout(reloadTimer);
     reloadTimer = null;
     try {
-      const page = await api<Page<Job>>(`/api/jobs?${query()}`);
+      const page = await api<JobsPage>(`/api/jobs?${query()}`);
       jobs.clear();
       for (const j of page.items) jobs.set(j.id, j);
       total = page.total;
@@ -216,14 +216,14 @@ export function jobsPage(root: HTMLElement): () => void {
   };
 
   /** A job deleted (by an admin): off the table at once, then the page refilled by the server. */
-  const drop = (d: { job_id: number }) => {
+  const drop = (d: JobsStreamEvents["deleted"]) => {
     tbody.querySelector(`tr[data-job-id="${d.job_id}"]`)?.remove();
     if (jobs.delete(d.job_id)) reloadSoon();
   };
 
   // live updates; if the stream drops, poll until it is back (EventSource reconnects by itself).
   // `resync`: the server lost changes (its broker restarted), so reload the page from the API
-  const events = subscribe(
+  const events = subscribe<JobsStreamEvents>(
     "/api/events",
     { job: upsert, deleted: drop, resync: () => void load() },
     (state) => {

@@ -4,13 +4,16 @@ import {
   type Job,
   lookup,
   type Metrics,
-  type Page,
   post,
+  requestOf,
   type Selection,
+  type SelectionsPage,
+  type SelectionStreamEvents,
   subscribe,
   TERMINAL,
   type Trial,
-  type TrialResult,
+  type TrialReport,
+  trialReportOf,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { DeviceUseChart } from "../hardware";
@@ -42,7 +45,7 @@ export function selectionsPage(root: HTMLElement): () => void {
   );
   const load = async () => {
     try {
-      const page = await api<Page<Selection>>("/api/selections?limit=100");
+      const page = await api<SelectionsPage>("/api/selections?limit=100");
       tbody.replaceChildren(
         ...page.items
           .sort((a, b) => b.id - a.id)
@@ -127,7 +130,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   let sel: Selection | null = null;
   const trials = new Map<number, Trial>();
   // ended trials' results read from their jobs, for servers whose trial rows do not carry them
-  const jobResults = new Map<number, TrialResult | null>();
+  const jobResults = new Map<number, TrialReport | null>();
   let sort: SortKey = { col: "rank", dir: 1 };
   let chart: StepChart | null = null;
   let stream: EventSource | null = null;
@@ -167,14 +170,14 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     chart?.addSeries(lineKey(t), m?.series[metric()]);
   };
 
-  const resultOf = (t: Trial): TrialResult | null => t.result ?? jobResults.get(t.id) ?? null;
+  const resultOf = (t: Trial): TrialReport | null => t.result ?? jobResults.get(t.id) ?? null;
 
   const loadResult = async (t: Trial) => {
     if (t.result !== undefined || jobResults.has(t.id) || t.job_id === null || !TERMINAL.has(t.status))
       return;
     jobResults.set(t.id, null); // once per trial
     const job = await api<Job>(`/api/jobs/${t.job_id}`).catch(() => null);
-    jobResults.set(t.id, (job?.result as TrialResult | null) ?? null);
+    jobResults.set(t.id, job ? trialReportOf(job) : null);
     scheduleRedraw();
   };
 
@@ -192,7 +195,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     const stop = t.stop_reason ?? r?.stop_reason ?? null;
     if (t.status === "stopped_early" && stop) {
       const worse = sel?.mode === "max" ? "≤" : "≥";
-      const bracket = sel?.request?.early_stopping?.kind === "hyperband" ? `, bracket ${stop.bracket}` : "";
+      const bracket =
+        (sel ? requestOf(sel).early_stopping?.kind : null) === "hyperband" ? `, bracket ${stop.bracket}` : "";
       return `rung ${stop.rung}: ${fmtNum(stop.value)} ${worse} cut-off ${fmtNum(stop.cutoff)} (kept ${stop.kept} of ${stop.of}${bracket})`;
     }
     if (t.status === "stopped_early") return "stopped at a rung";
@@ -230,7 +234,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       ...keys.map((k) => ({
         key: `p:${k}`,
         label: k,
-        value: (t: Trial) => (t.params[k] ?? lookup(sel?.request?.base, k) ?? null) as number | string | null,
+        value: (t: Trial) =>
+          (t.params[k] ?? lookup(sel ? requestOf(sel).base : undefined, k) ?? null) as number | string | null,
       })),
       { key: "steps", label: "steps", value: (t) => t.steps_done },
       { key: "last", label: `last ${metric()}`, value: (t) => t.last_metric },
@@ -332,7 +337,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         fact("metric", `${s.metric} (${s.mode})`),
         fact("search", searchText(s)),
         fact("early stopping", stoppingText(s)),
-        fact("checkpoints kept", s.request?.checkpoints ?? "—"),
+        fact("checkpoints kept", requestOf(s).checkpoints ?? "—"),
         fact("scheduler", s.scheduler),
         fact("trials", trials.size),
         fact("created", fmtTime(s.created_at)),
@@ -351,7 +356,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         space: sel.space,
         metric: sel.metric,
         mode: sel.mode,
-        base: sel.request?.base,
+        base: requestOf(sel).base,
         colour: trialColour,
         width: pcEl.clientWidth,
       }),
@@ -452,15 +457,15 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   let reconnected = false;
   const openStream = () => {
     if (closed || (stream && stream.readyState !== EventSource.CLOSED)) return;
-    stream = subscribe(
+    stream = subscribe<SelectionStreamEvents>(
       `/api/selections/${id}/stream`,
       {
-        metric: (m: { trial_id: number; name: string; step: number; value: number; time: number }) => {
+        metric: (m) => {
           if (m.name === metric()) chart?.add(`t${m.trial_id}`, m.step, m.value);
           else deviceUse.add(m.name, m.time, m.value);
         },
-        trial: (t: Trial) => upsertTrial(t),
-        status: (s: { status: string }) => {
+        trial: (t) => upsertTrial(t),
+        status: (s) => {
           if (!sel) return;
           sel.status = s.status;
           if (TERMINAL.has(s.status)) {
@@ -490,8 +495,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 }
 
 function searchText(s: Selection): string {
-  const r = s.request;
-  if (!r?.method) return "—";
+  const r = requestOf(s);
+  if (!r.method) return "—";
   const seed = r.seed !== undefined ? `, seed ${r.seed}` : "";
   if (r.method === "grid") return "grid";
   if (r.method === "random") return `random, ${r.trials} trials${seed}`;
@@ -499,7 +504,7 @@ function searchText(s: Selection): string {
 }
 
 function stoppingText(s: Selection): string {
-  const es = s.request?.early_stopping;
+  const es = requestOf(s).early_stopping;
   if (!es) return "none";
   return `${es.kind}, reduction factor ${es.reduction_factor}, first rung at step ${es.min_steps}`;
 }

@@ -1,6 +1,6 @@
 // The signed-in user's webhooks: add one (its signing secret is shown once), list, delete, and
 // each one's delivery log.
-import { api, post, type Webhook, type WebhookDelivery } from "../api";
+import { api, post, type Webhook, type WebhookDeliveries, type WebhookIssued, type Webhooks } from "../api";
 import { badge, errorText, fmtTime, h } from "../dom";
 
 export function webhooksPage(root: HTMLElement): () => void {
@@ -22,7 +22,7 @@ export function webhooksPage(root: HTMLElement): () => void {
 
   const showDeliveries = async (hook: Webhook) => {
     try {
-      const page = await api<{ items: WebhookDelivery[] }>(`/api/webhooks/${hook.id}/deliveries`);
+      const page = await api<WebhookDeliveries>(`/api/webhooks/${hook.id}/deliveries`);
       log.replaceChildren(
         h("h2", {}, `Deliveries to ${hook.url}`),
         h(
@@ -64,7 +64,7 @@ export function webhooksPage(root: HTMLElement): () => void {
 
   const load = async () => {
     try {
-      const page = await api<{ items: Webhook[] }>("/api/webhooks");
+      const page = await api<Webhooks>("/api/webhooks");
       tbody.replaceChildren(
         ...page.items.map((w) =>
           h(
@@ -110,7 +110,7 @@ export function webhooksPage(root: HTMLElement): () => void {
     ev.preventDefault();
     out.className = "";
     try {
-      const made = await post<{ webhook: Webhook; secret: string }>("/api/webhooks", {
+      const made = await post<WebhookIssued>("/api/webhooks", {
         url: url.value.trim(),
         events: events.value,
       });
