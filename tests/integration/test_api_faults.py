@@ -21,7 +21,8 @@ from sqlalchemy import func, select, update
 
 from api.stack import Stack
 from db.engine import session_for
-from db.jobs import Attempt, add_event, claim_job, create_job, finish_job
+from db.ingest import add_event
+from db.jobs import Attempt, claim_job, create_job, finish_job
 from db.models import Job, JobEvent, JobStatus, MetricPoint, utcnow
 from tests.conftest import TINY_SPEC
 

@@ -22,7 +22,7 @@ import pytest
 
 from api.stack import Stack
 from core.storage import open_storage
-from db import jobs as dbj
+from db import ingest as dbi
 from db.engine import session_for
 from tests.archives import targz
 from tests.conftest import TINY_SPEC, StackHandle
@@ -103,7 +103,7 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
 def _starts(h: StackHandle, job_id: int) -> list[int]:
     """start_step of each attempt's trainer start."""
     with session_for(h.stack.database_url) as s:
-        events = dbj.events_after(s, job_id=job_id, kinds=["event"])
+        events = dbi.events_after(s, job_id=job_id, kinds=["event"])
         return [e.data["start_step"] for e in events if e.message == "start"]
 
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from db import jobs as dbj
+from db import workers as dbw
 from db.engine import get_engine, session_for
 
 
@@ -73,9 +74,9 @@ def test_stale_queued_jobs_are_found_for_the_reconciler(db_url: str) -> None:
 
 def test_heartbeats_and_liveness(db_url: str) -> None:
     with session_for(db_url) as s:
-        dbj.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[{"type": "cpu"}])
-        assert [w.name for w in dbj.live_workers(s, within_s=30)] == ["w1"]
-        assert dbj.live_workers(s, within_s=-1) == []
+        dbw.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[{"type": "cpu"}])
+        assert [w.name for w in dbw.live_workers(s, within_s=30)] == ["w1"]
+        assert dbw.live_workers(s, within_s=-1) == []
 
 
 def test_migrations_match_the_models(db_url: str) -> None:

@@ -20,6 +20,7 @@ from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
 from db import selections as dbsel
+from db import workers as dbw
 from db.engine import session_for
 from db.models import Job, JobStatus, Reservation, Trial
 from db.users import create_user
@@ -49,7 +50,7 @@ class Sent:
 
 def _beat(url: str, name: str, *, slots: int = 1, tasks: int = 1) -> None:
     with session_for(url) as s:
-        dbj.record_heartbeat(
+        dbw.record_heartbeat(
             s,
             name=name,
             hostname="h",

@@ -24,8 +24,10 @@ from core.scheduler import (
     plan,
 )
 from core.settings import Settings
+from db import ingest as dbi
 from db import jobs as dbj
 from db import scheduling as dbs
+from db import workers as dbw
 from db.engine import get_engine, session_for
 from db.models import Job, JobStatus, Reservation, WorkerBeat
 from db.users import create_user
@@ -255,7 +257,7 @@ class Sent:
 
 def _beat(url: str, name: str, *, slots: int = 2, tasks: int = 1) -> None:
     with session_for(url) as s:
-        dbj.record_heartbeat(
+        dbw.record_heartbeat(
             s,
             name=name,
             hostname="h",
@@ -504,7 +506,7 @@ def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> 
     with session_for(db_url) as s:
         (row,) = s.query(Reservation).filter_by(job_id=job).all()
         assert row.sent_at is None
-        logs = [e.message for e in dbj.events_after(s, job_id=job, kinds=["log"])]
+        logs = [e.message for e in dbi.events_after(s, job_id=job, kinds=["log"])]
         assert logs == ["broker unavailable, will retry: redis is down"]
     down["on"] = False
     sched.tick()
