@@ -335,10 +335,11 @@ def restarts_spent_error(
 
 
 def _restart_values(
-    job: Job, *, reason: str, max_restarts: int
+    session: Session, job: Job, *, reason: str, max_restarts: int
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """(column values, status, event data) of a job whose attempt failed for the infrastructure:
-    back to the queue with its restart counted, or failed once max_restarts is used up."""
+    back to the queue with its restart counted, or failed with every attempt's reason once
+    max_restarts is used up."""
     used = job.restarts or 0
     values: dict[str, Any] = {
         "owner": None,
@@ -350,7 +351,11 @@ def _restart_values(
         values.update(status=JobStatus.queued, restarts=used + 1)
         data = {"reason": reason, "restart": used + 1, "max_restarts": max_restarts, "attempt": job.attempts}
         return values, JobStatus.queued, data
-    return values, JobStatus.failed, {}
+    error = restarts_spent_error(
+        session, job_id=job.id, attempt=job.attempts, reason=reason, max_restarts=max_restarts
+    )
+    values.update(status=JobStatus.failed, error=error, finished_at=utcnow())
+    return values, JobStatus.failed, {"error": error}
 
 
 def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts: int) -> str | None:
@@ -361,13 +366,7 @@ def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts
     if job is None:
         session.rollback()
         return None
-    values, status, data = _restart_values(job, reason=reason, max_restarts=max_restarts)
-    if status == JobStatus.failed:
-        error = restarts_spent_error(
-            session, job_id=job.id, attempt=attempt.attempt, reason=reason, max_restarts=max_restarts
-        )
-        values.update(status=status, error=error, finished_at=utcnow())
-        data = {"error": error}
+    values, status, data = _restart_values(session, job, reason=reason, max_restarts=max_restarts)
     res = session.execute(
         update(Job).where(attempt_fence(attempt), Job.status == JobStatus.running).values(**values)
     )
@@ -416,13 +415,7 @@ def expire_leases(
         data: dict[str, Any] = {"reason": why}
         if not cancel and max_restarts is not None and job.kind == "job":
             limit = max_restarts(job.spec or {})
-            values, status, data = _restart_values(job, reason=why, max_restarts=limit)
-            if status == JobStatus.failed:
-                error = restarts_spent_error(
-                    session, job_id=job.id, attempt=job.attempts, reason=why, max_restarts=limit
-                )
-                values.update(status=status, error=error, finished_at=utcnow())
-                data = {"error": error}
+            values, _, data = _restart_values(session, job, reason=why, max_restarts=limit)
         res = session.execute(
             update(Job)
             .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)

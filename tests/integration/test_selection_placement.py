@@ -18,17 +18,14 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
-from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
+from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
 
 pytestmark = pytest.mark.integration
 
 ENV = {
     "SHARDYARD_WORKER_SLOTS": "1",
     "SHARDYARD_SCHEDULER_S": "0.5",
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
+    **LOST_WORKER_WINDOWS,
     "SHARDYARD_SSE_KEEPALIVE_S": "1",
 }
 STEPS = 8
@@ -39,13 +36,8 @@ LONG = {**TINY_SPEC, "name": "long", "train": {**TINY_SPEC["train"], "steps": 1_
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("selplace"), workers=2, concurrency=1, extra_env=ENV)
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def _batch(h: StackHandle, base: dict[str, Any], lrs: list[float]) -> dict[str, Any]:

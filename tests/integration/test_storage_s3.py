@@ -25,7 +25,7 @@ from core.storage import open_storage
 from db import ingest as dbi
 from db.engine import session_for
 from tests.archives import targz
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle
 from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
 from tests.s3 import S3Server
 
@@ -33,10 +33,7 @@ pytestmark = pytest.mark.integration
 
 URL = "s3://shardyard/it"
 FAST = {
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
+    **LOST_WORKER_WINDOWS,
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
     "SHARDYARD_STORAGE_SYNC_S": "0.5",
 }

@@ -9,6 +9,7 @@ import pytest
 from db import jobs as dbj
 from db import workers as dbw
 from db.engine import get_engine, session_for
+from tests.conftest import together
 
 
 def _job(url: str, **kw) -> int:
@@ -35,11 +36,7 @@ def test_claim_is_won_by_exactly_one_of_many_racing_workers(db_url: str) -> None
             if dbj.claim_job(s, job_id=job_id, owner=name, worker=name, lease_s=30):
                 wins.append(name)
 
-    threads = [threading.Thread(target=race, args=(f"w{i}",)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together(race, (f"w{i}" for i in range(8)))
     assert len(wins) == 1
     with session_for(db_url) as s:
         job = dbj.get_job(s, job_id)
