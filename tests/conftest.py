@@ -92,6 +92,16 @@ class StackHandle:
             time.sleep(0.2)
         raise AssertionError(f"job {job_id} not {statuses} after {timeout}s: {self.job(job_id)}")
 
+    def wait_selection(self, sid: int, timeout: float = 240) -> dict[str, Any]:
+        """Poll until the selection batch ends, whatever its status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sel = self.client.get(f"/api/selections/{sid}").json()
+            if sel["status"] in TERMINAL:
+                return sel
+            time.sleep(0.3)
+        raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s: {sel}")
+
     def wait_until(self, job_id: int, predicate, timeout: float = 60) -> dict[str, Any]:  # noqa: ANN001
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
