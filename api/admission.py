@@ -15,9 +15,9 @@ from api.placement import placement_problem
 from api.schemas import JobSpec
 from core.scheduler import Want, box_of, gang_shape
 from core.settings import Settings
-from db.jobs import live_workers
 from db.models import User
 from db.quotas import job_gpus
+from db.workers import live_workers
 from jobrules.hostmem import host_memory_bytes
 
 GiB = 2**30

@@ -70,7 +70,8 @@ def check_api(*, port: int) -> str:
 
 def check_worker(settings: Settings, *, hostname: str) -> str:
     from db.engine import session_for
-    from db.jobs import aware, live_workers
+    from db.jobs import aware
+    from db.workers import live_workers
 
     with session_for(settings.database_url) as s:
         mine = [w for w in live_workers(s, within_s=settings.worker_alive_s) if w.hostname == hostname]

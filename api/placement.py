@@ -6,7 +6,7 @@ from sqlalchemy.orm import Session
 
 from api.schemas import JobSpec
 from core.settings import Settings
-from db.jobs import live_workers
+from db.workers import live_workers
 
 
 def placement_problem(session: Session, spec: JobSpec, settings: Settings) -> str | None:

@@ -43,7 +43,8 @@ from api.live import LiveChannel
 from core.broker import job_channel
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import events_after, get_job, last_status_event, metrics_after
+from db.ingest import events_after, last_status_event, metrics_after
+from db.jobs import get_job
 from db.models import TERMINAL, JobEvent
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from bench.warm import time_first_step
 from core.settings import Settings, get_settings
 from workers import warm
 from workers.execute import trainer_command
-from workers.pyenv import Report, prepare
+from workers.pyenv import PreparedEnv, Report, prepare
 
 MODEL_PY = """
 import torch
@@ -70,6 +70,16 @@ EINOPS = ["einops==0.8.2"]
 TIMM = ["timm==1.0.22"]
 
 
+def _prepare(pip: list[str], *, data_dir: Path) -> PreparedEnv:
+    """The worker's own environment step (workers/pyenv.py prepare) for a spec asking `pip`."""
+    return prepare(
+        {"env": {"pip": pip}},
+        settings=Settings(data_dir=data_dir),
+        workspace=None,
+        report=Report(say=lambda _m: None),
+    )
+
+
 def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]:
     """Seconds from the job's preparation to its first step's metric line (and the prepare alone)."""
     ws = tmp / "workspace"
@@ -79,12 +89,7 @@ def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]
     spec = {**SPEC, "model": {**SPEC["model"], "args": {"use_einops": bool(pip)}}}
     spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
-    env = prepare(
-        {"env": {"pip": pip}},
-        settings=Settings(data_dir=data_dir),
-        workspace=None,
-        report=Report(say=lambda _m: None),
-    )
+    env = _prepare(pip, data_dir=data_dir)
     prepared = time.perf_counter() - t0
     if env.error:
         raise RuntimeError(env.error)
@@ -100,12 +105,7 @@ def first_step(tmp: Path, *, pip: list[str], data_dir: Path) -> dict[str, float]
 
 def build_only(pip: list[str], *, data_dir: Path) -> float:
     t0 = time.perf_counter()
-    env = prepare(
-        {"env": {"pip": pip}},
-        settings=Settings(data_dir=data_dir),
-        workspace=None,
-        report=Report(say=lambda _m: None),
-    )
+    env = _prepare(pip, data_dir=data_dir)
     env.release()
     if env.error:
         raise RuntimeError(env.error)

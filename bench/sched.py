@@ -33,10 +33,11 @@ from bench.common import table, write_results
 from core.scheduler import Box, Scheduler, Want, plan
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import claim_job, finish_job, record_heartbeat
+from db.jobs import claim_job, finish_job
 from db.migrate import upgrade
 from db.models import Job, JobStatus, Reservation
 from db.users import create_user
+from db.workers import record_heartbeat
 
 GiB = 2**30
 SPEC = {

@@ -46,7 +46,8 @@ from core.settings import Settings
 from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_TICK
 from db import scheduling as dbs
 from db.engine import session_for
-from db.jobs import add_event, aware, db_now
+from db.ingest import add_event
+from db.jobs import aware, db_now
 from db.models import JobStatus, WorkerBeat
 from db.quotas import job_gpus, quota_reason
 from jobrules.hostmem import host_memory_bytes

@@ -1,25 +1,23 @@
-"""Data functions for jobs, their metrics and events, and worker heartbeats.
+"""Data functions for a job's lifecycle: submit, claim, lease, finish, fail, requeue, restart,
+release, cancel, and the sweep of lapsed leases.
 
 Each function is one unit of work: it commits what it changed. Routes and workers call these and
-map the domain errors to status codes or task outcomes.
+map the domain errors to status codes or task outcomes. The trainer's metrics and events are
+db/ingest.py's, worker heartbeats db/workers.py's, a job on several nodes db/gangs.py's.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, exists, func, insert, select, text, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import delete, exists, func, select, text, update
 from sqlalchemy.orm import Session
 
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, User, WorkerBeat, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, Reservation, User, utcnow
 
 
 class NotFound(LookupError):
@@ -149,7 +147,8 @@ def db_now(session: Session) -> datetime:
     return aware(session.scalar(text("SELECT clock_timestamp()")))  # type: ignore[return-value]
 
 
-def _fence(attempt: Attempt) -> Any:
+def attempt_fence(attempt: Attempt) -> Any:
+    """The job runs this attempt of this owner: every write of an attempt is fenced by it."""
     return (Job.id == attempt.job_id) & (Job.attempts == attempt.attempt) & (Job.owner == attempt.owner)
 
 
@@ -157,7 +156,7 @@ def set_run_note(session: Session, *, attempts: list[Attempt], note: str | None)
     """What a running attempt waits on before it trains (`preparing environment`), shown as the
     job's wait_reason; None clears it. Fenced: a stale attempt changes nothing."""
     for attempt in attempts:
-        session.execute(update(Job).where(_fence(attempt)).values(wait_reason=note))
+        session.execute(update(Job).where(attempt_fence(attempt)).values(wait_reason=note))
 
 
 def _claimable(now: datetime, owner: str) -> Any:
@@ -241,116 +240,11 @@ def lease_left_s(session: Session, *, job_id: int) -> float | None:
     return (aware(job.lease_until) - db_now(session)).total_seconds()  # type: ignore[operator]
 
 
-@dataclass(slots=True)
-class JobLines:
-    """One job's share of a relay batch, each line with its protocol sequence number."""
-
-    metrics: list[tuple[int | None, int, str, float, float]] = field(default_factory=list)
-    """(seq, step, name, value, time)"""
-    events: list[tuple[int | None, str, str, dict[str, Any] | None, float]] = field(default_factory=list)
-    """(seq, kind, message, data, time); kind is log or event; seq None for a stray text line"""
-    result: tuple[int | None, dict[str, Any]] | None = None
-    """(seq, data)"""
-
-    def empty(self) -> bool:
-        return not (self.metrics or self.events or self.result)
-
-
-@dataclass(slots=True)
-class Applied:
-    """What one batch wrote for one job: rows with their ids, for the live channels."""
-
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    result: dict[str, Any] | None = None
-
-
-def _upsert_points(session: Session, rows: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
-    """Insert-or-update on (job, name, step); returns each row's id by (name, step)."""
-    dialect = session.get_bind().dialect.name
-    ins = (sqlite_insert if dialect == "sqlite" else pg_insert)(MetricPoint)
-    stmt = ins.on_conflict_do_update(
-        index_elements=["job_id", "name", "step"],
-        set_={"value": ins.excluded.value, "time": ins.excluded.time},
-    ).returning(MetricPoint.id, MetricPoint.name, MetricPoint.step)
-    return {(n, st): i for i, n, st in session.execute(stmt, rows)}
-
-
-def apply_lines(
-    session: Session,
-    *,
-    attempt: Attempt,
-    lines: JobLines,
-    lease_s: float,
-    now: datetime,
-    fence: Any = None,
-    renew: bool = True,
-    run_seconds: float | None = None,
-) -> Applied | None:
-    """Apply one job's lines of a batch inside the caller's transaction and renew its lease (and
-    record `run_seconds`, the job's run time over all its attempts, when given).
-    None when the attempt is fenced off (re-queued, failed by an operator, taken by a newer
-    attempt): then nothing of it is written. Lines at or below the applied sequence number are
-    skipped, so a batch retried after a commit that did go through changes nothing. `fence` (the
-    job owner's by default) and `renew` (the job's lease) are for a gang's nodes (apply_gang_lines)."""
-    fence = _fence(attempt) if fence is None else fence
-    seen = session.scalar(select(Job.applied_seq).where(fence))
-    if seen is None:
-        return None
-    out = Applied()
-    fresh = lambda seq: seq is None or seq > seen  # noqa: E731 - lines with no number always apply
-    metrics = [m for m in lines.metrics if fresh(m[0])]
-    events = [e for e in lines.events if fresh(e[0])]
-    result = lines.result if lines.result and fresh(lines.result[0]) else None
-    seqs = [x[0] for x in (*metrics, *events, *([result] if result else [])) if x[0] is not None]
-    top_seq = max([seen, *seqs])
-    ckpts: list[int] = []
-    values: dict[str, Any] = {"applied_seq": top_seq}
-    if renew:
-        values["lease_until"] = now + timedelta(seconds=lease_s)
-    if run_seconds is not None:
-        values["run_seconds"] = run_seconds
-    if metrics:
-        latest = {(n, st): (st, n, v, t) for _, st, n, v, t in metrics}  # one row per key per statement
-        rows = [
-            {"job_id": attempt.job_id, "step": st, "name": n, "value": v, "time": t}
-            for st, n, v, t in latest.values()
-        ]
-        ids = _upsert_points(session, rows)
-        out.metrics = [{"id": ids[(r["name"], r["step"])], **r} for r in rows]
-        top = max(st for st, *_ in latest.values())
-        values["step"] = case((Job.step < top, top), else_=Job.step)
-        if losses := [(st, v) for st, n, v, _ in latest.values() if n == "loss"]:
-            values["last_loss"] = max(losses)[1]
-    if events:
-        rows = [
-            {"job_id": attempt.job_id, "time": t, "kind": k, "message": m, "data": d}
-            for _, k, m, d, t in events
-        ]
-        ids = session.scalars(
-            insert(JobEvent).returning(JobEvent.id, sort_by_parameter_order=True), rows
-        ).all()
-        out.events = [{"id": i, **r} for i, r in zip(ids, rows, strict=True)]
-        ckpts += [
-            d["step"]
-            for _, k, m, d, _ in events
-            if k == "event" and m == "checkpoint" and d and isinstance(d.get("step"), int)
-        ]
-    if result is not None:
-        values["result"] = out.result = result[1]
-        if isinstance(result[1].get("steps"), int):
-            ckpts.append(result[1]["steps"])
-    if ckpts:
-        values["applied_step"] = case((Job.applied_step < max(ckpts), max(ckpts)), else_=Job.applied_step)
-    res = session.execute(update(Job).where(fence, Job.applied_seq == seen).values(**values))
-    return out if res.rowcount == 1 else None
-
-
 def renew_lease(session: Session, *, attempt: Attempt, lease_s: float) -> bool:
     """Extend the lease; False when the attempt was fenced off."""
     now = db_now(session)
     res = session.execute(
-        update(Job).where(_fence(attempt)).values(lease_until=now + timedelta(seconds=lease_s))
+        update(Job).where(attempt_fence(attempt)).values(lease_until=now + timedelta(seconds=lease_s))
     )
     session.commit()
     return res.rowcount == 1
@@ -377,7 +271,7 @@ def finish_job(
     }
     if result is not None:
         values["result"] = result
-    res = session.execute(update(Job).where(_fence(attempt)).values(**values, preempt_requested=False))
+    res = session.execute(update(Job).where(attempt_fence(attempt)).values(**values, preempt_requested=False))
     if res.rowcount != 1:
         session.rollback()
         return None
@@ -395,7 +289,7 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
     checkpoint by whoever claims it next. False when it was fenced off."""
     res = session.execute(
         update(Job)
-        .where(_fence(attempt), Job.status == JobStatus.running)
+        .where(attempt_fence(attempt), Job.status == JobStatus.running)
         .values(
             status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None, preempt_requested=False
         )
@@ -441,10 +335,11 @@ def restarts_spent_error(
 
 
 def _restart_values(
-    job: Job, *, reason: str, max_restarts: int
+    session: Session, job: Job, *, reason: str, max_restarts: int
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """(column values, status, event data) of a job whose attempt failed for the infrastructure:
-    back to the queue with its restart counted, or failed once max_restarts is used up."""
+    back to the queue with its restart counted, or failed with every attempt's reason once
+    max_restarts is used up."""
     used = job.restarts or 0
     values: dict[str, Any] = {
         "owner": None,
@@ -456,26 +351,24 @@ def _restart_values(
         values.update(status=JobStatus.queued, restarts=used + 1)
         data = {"reason": reason, "restart": used + 1, "max_restarts": max_restarts, "attempt": job.attempts}
         return values, JobStatus.queued, data
-    return values, JobStatus.failed, {}
+    error = restarts_spent_error(
+        session, job_id=job.id, attempt=job.attempts, reason=reason, max_restarts=max_restarts
+    )
+    values.update(status=JobStatus.failed, error=error, finished_at=utcnow())
+    return values, JobStatus.failed, {"error": error}
 
 
 def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts: int) -> str | None:
     """This attempt failed for the infrastructure (a rank killed by a signal): running -> queued,
     to resume from its checkpoint, counted in `restarts`; once `max_restarts` are used, running ->
     failed with every attempt's reason. Returns the new status, or None when it was fenced off."""
-    job = session.scalars(select(Job).where(_fence(attempt), Job.status == JobStatus.running)).first()
+    job = session.scalars(select(Job).where(attempt_fence(attempt), Job.status == JobStatus.running)).first()
     if job is None:
         session.rollback()
         return None
-    values, status, data = _restart_values(job, reason=reason, max_restarts=max_restarts)
-    if status == JobStatus.failed:
-        error = restarts_spent_error(
-            session, job_id=job.id, attempt=attempt.attempt, reason=reason, max_restarts=max_restarts
-        )
-        values.update(status=status, error=error, finished_at=utcnow())
-        data = {"error": error}
+    values, status, data = _restart_values(session, job, reason=reason, max_restarts=max_restarts)
     res = session.execute(
-        update(Job).where(_fence(attempt), Job.status == JobStatus.running).values(**values)
+        update(Job).where(attempt_fence(attempt), Job.status == JobStatus.running).values(**values)
     )
     if res.rowcount != 1:
         session.rollback()
@@ -489,17 +382,20 @@ def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts
 def expire_leases(
     session: Session,
     *,
-    gang_restarts: int = 3,
+    now: datetime | None = None,
     max_restarts: Callable[[dict[str, Any]], int] | None = None,
 ) -> tuple[list[Job], list[Job]]:
-    """Running jobs (and trials) whose lease ran out by database time: the owner is gone or cut
-    off. A cancel that was asked ends them `cancelled`; the rest go back to `queued` with no
-    message on record, for the reconciler to send. A multi-node job goes back whole when its lease
-    or any node's ran out (expire_gangs). `max_restarts(spec)`: a job (not a trial: its selection
-    group is retried as one) counts the lost attempt against it, and past it ends `failed` with
-    every attempt's reason; None counts nothing. Returns (re-queued, cancelled)."""
-    now = db_now(session)
-    requeued, cancelled = expire_gangs(session, now=now, gang_restarts=gang_restarts)
+    """Running jobs (and trials) whose lease ran out by database time `now` (the database's clock
+    when None): the owner is gone or cut off. A cancel that was asked ends them `cancelled`; the
+    rest go back to `queued` with no message on record, for the reconciler to send. A multi-node
+    job goes back whole when its lease or any node's ran out: the reconciler gives those back first
+    (db/gangs.py expire_gangs, at the same `now`). `max_restarts(spec)`: a job (not a trial: its
+    selection group is retried as one) counts the lost attempt against it, and past it ends
+    `failed` with every attempt's reason; None counts nothing. Returns (re-queued, cancelled)."""
+    if now is None:
+        now = db_now(session)
+    requeued: list[Job] = []
+    cancelled: list[Job] = []
     gone = session.scalars(
         select(Job).where(
             Job.status == JobStatus.running, Job.lease_until.is_(None) | (Job.lease_until < now)
@@ -519,13 +415,7 @@ def expire_leases(
         data: dict[str, Any] = {"reason": why}
         if not cancel and max_restarts is not None and job.kind == "job":
             limit = max_restarts(job.spec or {})
-            values, status, data = _restart_values(job, reason=why, max_restarts=limit)
-            if status == JobStatus.failed:
-                error = restarts_spent_error(
-                    session, job_id=job.id, attempt=job.attempts, reason=why, max_restarts=limit
-                )
-                values.update(status=status, error=error, finished_at=utcnow())
-                data = {"error": error}
+            values, _, data = _restart_values(session, job, reason=why, max_restarts=limit)
         res = session.execute(
             update(Job)
             .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)
@@ -544,30 +434,37 @@ def expire_leases(
     return requeued, cancelled
 
 
+def _operator_sets(
+    session: Session, *, job: Job, values: dict[str, Any], data: dict[str, Any], actor: str | None
+) -> Job:
+    """An operator's change of a job's status (fail_job, requeue_job), whatever its attempt: the
+    row, its slots back to the pool, the status event naming `actor`, in one transaction."""
+    session.execute(update(Job).where(Job.id == job.id).values(**values))
+    free_job_reservations(session, job_id=job.id)
+    by = {"by": actor} if actor else {}
+    event = JobEvent(
+        job_id=job.id, time=time.time(), kind="status", message=str(values["status"]), data={**data, **by}
+    )
+    session.add(event)
+    session.commit()
+    session.refresh(job)
+    return job
+
+
 def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
     """An operator ends a job `failed` whatever its state; a running attempt is fenced off (its
     worker notices at its next batch and kills the trainer)."""
     job = get_job(session, job_id)
     if job.status in TERMINAL:
         raise Conflict(f"job {job_id} is already {job.status}")
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(status=JobStatus.failed, error=reason, finished_at=utcnow(), owner=None, lease_until=None)
-    )
-    free_job_reservations(session, job_id=job_id)
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            time=time.time(),
-            kind="status",
-            message="failed",
-            data={"error": reason, **({"by": actor} if actor else {})},
-        )
-    )
-    session.commit()
-    session.refresh(job)
-    return job
+    values = {
+        "status": JobStatus.failed,
+        "error": reason,
+        "finished_at": utcnow(),
+        "owner": None,
+        "lease_until": None,
+    }
+    return _operator_sets(session, job=job, values=values, data={"error": reason}, actor=actor)
 
 
 def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None = None) -> Job:
@@ -576,33 +473,17 @@ def requeue_job(session: Session, *, job_id: int, reason: str, actor: str | None
     job = get_job(session, job_id)
     if job.status == JobStatus.queued:
         raise Conflict(f"job {job_id} is already queued")
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(
-            status=JobStatus.queued,
-            owner=None,
-            lease_until=None,
-            cancel_requested=False,
-            error=None,
-            finished_at=None,
-            enqueued_at=utcnow(),
-            preempt_requested=False,
-        )
-    )
-    free_job_reservations(session, job_id=job_id)
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            time=time.time(),
-            kind="status",
-            message="queued",
-            data={"reason": reason, **({"by": actor} if actor else {})},
-        )
-    )
-    session.commit()
-    session.refresh(job)
-    return job
+    values = {
+        "status": JobStatus.queued,
+        "owner": None,
+        "lease_until": None,
+        "cancel_requested": False,
+        "error": None,
+        "finished_at": None,
+        "enqueued_at": utcnow(),
+        "preempt_requested": False,
+    }
+    return _operator_sets(session, job=job, values=values, data={"reason": reason}, actor=actor)
 
 
 def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -> Job:
@@ -661,456 +542,3 @@ def stale_queued_jobs(session: Session, *, older_than_s: float) -> list[Job]:
         Job.enqueued_at.is_(None) | ((Job.enqueued_at < cutoff) & (Job.created_at < cutoff)),
     )
     return list(session.scalars(q).all())
-
-
-# ---- metrics and events ---------------------------------------------------------------------
-
-
-def add_event(
-    session: Session,
-    *,
-    job_id: int,
-    kind: str,
-    message: str,
-    data: dict[str, Any] | None = None,
-    at: float | None = None,
-) -> int:
-    ev = JobEvent(job_id=job_id, time=at or time.time(), kind=kind, message=message, data=data)
-    session.add(ev)
-    session.commit()
-    return ev.id
-
-
-def metric_series(
-    session: Session, *, job_id: int, names: Sequence[str] | None = None, since_step: int = 0
-) -> dict[str, tuple[list[int], list[float]]]:
-    q = select(MetricPoint.name, MetricPoint.step, MetricPoint.value).where(
-        MetricPoint.job_id == job_id, MetricPoint.step >= since_step
-    )
-    if names:
-        q = q.where(MetricPoint.name.in_(list(names)))
-    # the driver's own tuples (name, step and value need no conversion on SQLite or Postgres),
-    # grouped by name in bulk: a long job has tens of thousands of points, and making an ORM row
-    # of each held the API's interpreter lock for a large share of every read (bench/api_load.py)
-    result = session.connection().execute(q.order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id))
-    try:
-        rows = result.cursor.fetchall()
-    finally:
-        result.close()
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    for name, group in itertools.groupby(rows, key=operator.itemgetter(0)):
-        points = list(group)
-        steps, values = out.setdefault(name, ([], []))  # (a name comes in one run: ordered by it)
-        steps += [p[1] for p in points]
-        values += [p[2] for p in points]
-    return out
-
-
-def metrics_after(
-    session: Session, *, job_id: int, after_id: int, limit: int = 5000
-) -> Sequence[MetricPoint]:
-    q = (
-        select(MetricPoint)
-        .where(MetricPoint.job_id == job_id, MetricPoint.id > after_id)
-        .order_by(MetricPoint.id)
-        .limit(limit)
-    )
-    return session.scalars(q).all()
-
-
-def events_after(
-    session: Session,
-    *,
-    job_id: int,
-    after_id: int = 0,
-    kinds: Sequence[str] | None = None,
-    limit: int = 5000,
-) -> Sequence[JobEvent]:
-    q = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after_id)
-    if kinds:
-        q = q.where(JobEvent.kind.in_(list(kinds)))
-    return session.scalars(q.order_by(JobEvent.id).limit(limit)).all()
-
-
-def last_status_event(session: Session, *, job_id: int) -> JobEvent | None:
-    q = (
-        select(JobEvent)
-        .where(JobEvent.job_id == job_id, JobEvent.kind == "status")
-        .order_by(JobEvent.id.desc())
-        .limit(1)
-    )
-    return session.scalars(q).first()
-
-
-def latest_event(session: Session, *, job_id: int, message: str) -> JobEvent | None:
-    q = (
-        select(JobEvent)
-        .where(JobEvent.job_id == job_id, JobEvent.kind == "event", JobEvent.message == message)
-        .order_by(JobEvent.id.desc())
-        .limit(1)
-    )
-    return session.scalars(q).first()
-
-
-# ---- workers ----------------------------------------------------------------------------------
-
-
-def record_heartbeat(
-    session: Session,
-    *,
-    name: str,
-    hostname: str,
-    queues: list[str],
-    devices: list[dict[str, Any]],
-    host: dict[str, int] | None = None,
-) -> None:
-    """`host` is the machine's inventory for admission ({ram_bytes, slots, cpus})."""
-    inventory = {"devices": devices, "host": host or {}}
-    beat = session.get(WorkerBeat, name)
-    if beat is None:
-        session.add(WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices=inventory))
-    else:
-        beat.last_seen = utcnow()
-        beat.queues = {"queues": queues}
-        beat.devices = inventory
-    session.commit()
-
-
-def mark_draining(session: Session, *, name: str) -> None:
-    """The worker is shutting down warm: its inventory says so, and the scheduler places nothing
-    more on it (its heartbeat stops soon after)."""
-    beat = session.get(WorkerBeat, name)
-    if beat is not None:
-        inventory = dict(beat.devices or {})
-        inventory["host"] = {**(inventory.get("host") or {}), "draining": 1}
-        beat.devices = inventory
-        session.commit()
-
-
-def live_workers(session: Session, *, within_s: float) -> list[WorkerBeat]:
-    cutoff = utcnow() - timedelta(seconds=within_s)
-    return [w for w in session.scalars(select(WorkerBeat)).all() if aware(w.last_seen) >= cutoff]
-
-
-# ---- gangs: one job on several nodes (workers/gang.py) ----------------------------------------
-# Node 0 holds the job's lease (claim_job, `Job.owner`); every other node holds its reservation
-# row (`Reservation.owner`, its own `lease_until`) for the same attempt. Any node may write the
-# job's lines (global rank 0 of torchrun's c10d rendezvous can land on any node), fenced by
-# gang_fence. The first node to see the gang broken gives the whole job back (give_back_gang):
-# its reservations are deleted, so every other node is fenced off and kills its trainer.
-
-
-def gang_fence(attempt: Attempt, *, now: datetime) -> Any:
-    """The job runs this attempt, and the writer is its owner (node 0) or owns a live reservation
-    of the attempt (a reservation made at attempts == n runs attempt n + 1)."""
-    member = (
-        select(Reservation.id)
-        .where(
-            Reservation.job_id == attempt.job_id,
-            Reservation.attempt == attempt.attempt - 1,
-            Reservation.owner == attempt.owner,
-            Reservation.lease_until >= now,
-        )
-        .exists()
-    )
-    return (
-        (Job.id == attempt.job_id)
-        & (Job.attempts == attempt.attempt)
-        & (Job.status == JobStatus.running)
-        & ((Job.owner == attempt.owner) | member)
-    )
-
-
-def _node(attempt: Attempt, node_rank: int) -> Any:
-    return (
-        (Reservation.job_id == attempt.job_id)
-        & (Reservation.node_rank == node_rank)
-        & (Reservation.attempt == attempt.attempt - 1)
-        & (Reservation.owner == attempt.owner)
-    )
-
-
-def claim_node(
-    session: Session, *, job_id: int, node_rank: int, worker: str, owner: str, lease_s: float
-) -> Attempt | None:
-    """A node's task takes its reservation on this worker (one conditional UPDATE: of two
-    deliveries one wins; a retry of this process's own task takes it again). None when the
-    scheduler placed no such node here, another process holds it, or the job ended or moved on."""
-    now = db_now(session)
-    res = session.scalars(
-        select(Reservation).where(
-            Reservation.job_id == job_id, Reservation.node_rank == node_rank, Reservation.worker == worker
-        )
-    ).first()
-    job = session.get(Job, job_id)
-    fits = (
-        res is not None
-        and job is not None
-        and not job.cancel_requested
-        and job.status in (JobStatus.queued, JobStatus.running)
-        and job.attempts in (res.attempt, res.attempt + 1)
-    )
-    if not fits:
-        session.commit()
-        return None
-    got = session.execute(
-        update(Reservation)
-        .where(Reservation.id == res.id, Reservation.owner.is_(None) | (Reservation.owner == owner))  # type: ignore[union-attr]
-        .values(owner=owner, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
-    )
-    session.commit()
-    return Attempt(job_id=job_id, attempt=res.attempt + 1, owner=owner) if got.rowcount == 1 else None  # type: ignore[union-attr]
-
-
-def unclaim_node(session: Session, *, attempt: Attempt, node_rank: int, reason: str) -> None:
-    """A node gives its claim back before the gang started (node 0 never came): the scheduler
-    sends the node's task again; the reason goes into the job's log."""
-    session.execute(
-        update(Reservation)
-        .where(_node(attempt, node_rank))
-        .values(owner=None, claimed_at=None, lease_until=None)
-    )
-    session.add(JobEvent(job_id=attempt.job_id, time=time.time(), kind="log", message=reason))
-    session.commit()
-
-
-def set_rdzv_endpoint(session: Session, *, attempt: Attempt, endpoint: str, lease_s: float) -> bool:
-    """Node 0 (the job's owner) publishes its rendezvous "host:port" on its reservation and renews
-    that reservation's lease. False when fenced off."""
-    now = db_now(session)
-    res = session.execute(
-        update(Reservation)
-        .where(_node(attempt, 0), select(Job.id).where(_fence(attempt)).exists())
-        .values(rdzv_endpoint=endpoint, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
-    )
-    session.commit()
-    return res.rowcount == 1
-
-
-@dataclass(frozen=True, slots=True)
-class GangView:
-    """What a node of a gang needs to know each poll."""
-
-    intact: bool
-    """The job runs this attempt and this node still holds its live reservation."""
-    held: bool = False
-    """This node's reservation is still there, claimed by it (the job may not run yet)."""
-    endpoint: str | None = None
-    """Node 0's rendezvous endpoint (None until written)."""
-    slots: int = 0
-    """Ranks on this node."""
-    cancel: bool = False
-    preempt: bool = False
-    has_result: bool = False
-    stopped: bool = False
-    """The result says the run stopped before train.steps (a stop asked on some node)."""
-    wait_reason: str | None = None
-    """The scheduler's reason (a preemption names the job it makes room for)."""
-
-
-def gang_view(session: Session, *, attempt: Attempt, node_rank: int) -> GangView:
-    now = db_now(session)
-    job = session.get(Job, attempt.job_id)
-    if job is None:
-        return GangView(intact=False)
-    mine = session.scalars(select(Reservation).where(_node(attempt, node_rank))).first()
-    head = session.scalars(
-        select(Reservation).where(Reservation.job_id == attempt.job_id, Reservation.node_rank == 0)
-    ).first()
-    live = mine is not None and mine.lease_until is not None and aware(mine.lease_until) >= now
-    running = job.status == JobStatus.running and job.attempts == attempt.attempt
-    session.commit()
-    return GangView(
-        intact=live and running,
-        held=mine is not None,
-        endpoint=head.rdzv_endpoint
-        if head is not None and head.attempt == attempt.attempt - 1 and running
-        else None,
-        slots=mine.slots if mine is not None else 0,
-        cancel=job.cancel_requested,
-        preempt=bool(getattr(job, "preempt_requested", False)),
-        has_result=job.result is not None,
-        stopped=bool((job.result or {}).get("stopped")),
-        wait_reason=job.wait_reason,
-    )
-
-
-def _renew_node(
-    session: Session,
-    *,
-    attempt: Attempt,
-    node_rank: int,
-    lease_s: float,
-    now: datetime,
-    run_seconds: float | None = None,
-) -> bool:
-    """Extend this node's reservation lease (node 0: the job's too, recording `run_seconds` when
-    given) inside the caller's transaction. False when fenced off."""
-    until = now + timedelta(seconds=lease_s)
-    if not session.execute(
-        update(Reservation)
-        .where(_node(attempt, node_rank), Reservation.lease_until >= now)
-        .values(lease_until=until)
-    ).rowcount:
-        return False
-    if node_rank != 0:
-        return True
-    values: dict[str, Any] = {"lease_until": until}
-    if run_seconds is not None:
-        values["run_seconds"] = run_seconds
-    return bool(session.execute(update(Job).where(_fence(attempt)).values(**values)).rowcount)
-
-
-def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: float) -> bool:
-    """Extend this node's reservation lease (node 0: and the job's). False when fenced off."""
-    if not _renew_node(session, attempt=attempt, node_rank=node_rank, lease_s=lease_s, now=db_now(session)):
-        session.rollback()
-        return False
-    session.commit()
-    return True
-
-
-def apply_gang_lines(
-    session: Session,
-    *,
-    attempt: Attempt,
-    node_rank: int,
-    lines: JobLines,
-    lease_s: float,
-    now: datetime,
-    run_seconds: float | None = None,
-) -> Applied | None:
-    """apply_lines for one node of a gang, inside the relay's transaction: renews this node's
-    reservation lease (node 0: the job's too, and records `run_seconds`, the job's run time over
-    all its attempts, as apply_lines does for one node) and applies whatever lines this node's
-    trainer wrote (only the node holding global rank 0 writes any), fenced by gang_fence. None
-    when fenced off."""
-    if not _renew_node(
-        session, attempt=attempt, node_rank=node_rank, lease_s=lease_s, now=now, run_seconds=run_seconds
-    ):
-        return None
-    fence = gang_fence(attempt, now=now)
-    if lines.empty():
-        # no applied_seq round trip: the node with the lines may be writing them right now
-        return Applied() if session.scalar(select(Job.id).where(fence)) is not None else None
-    return apply_lines(
-        session, attempt=attempt, lines=lines, lease_s=lease_s, now=now, fence=fence, renew=False
-    )
-
-
-def gang_restarts_used(session: Session, *, job_id: int) -> int:
-    """How many times the job's gang was sent back to the queue after losing a node."""
-    rows = session.scalars(
-        select(JobEvent.data).where(
-            JobEvent.job_id == job_id, JobEvent.kind == "status", JobEvent.message == "queued"
-        )
-    ).all()
-    return sum(1 for d in rows if isinstance(d, dict) and d.get("gang_restart"))
-
-
-def give_back_gang(
-    session: Session,
-    *,
-    job_id: int,
-    attempt: int,
-    reason: str,
-    restart: bool,
-    gang_restarts: int,
-    writer: Attempt | None = None,
-    fail: bool = False,
-) -> str | None:
-    """End a gang's attempt as one: every reservation of the job is deleted (so every node is
-    fenced off and kills its trainer) and the job goes back to `queued` to be placed again and
-    resume from its checkpoint. `restart` (a node was lost or its trainer failed) counts against
-    `gang_restarts`; past it, or with `fail`, the job ends `failed` with the reason. A cancel that
-    was asked ends it `cancelled`. `writer`: the node doing it (fenced by gang_fence); None: the
-    reaper (expire_gangs). Returns the job's new status, or None when the attempt was already over."""
-    now = db_now(session)
-    fence = (
-        gang_fence(writer, now=now)
-        if writer is not None
-        else (Job.id == job_id) & (Job.attempts == attempt) & (Job.status == JobStatus.running)
-    )
-    job = session.scalars(select(Job).where(fence)).first()
-    if job is None:
-        session.rollback()
-        return None
-    used = gang_restarts_used(session, job_id=job_id)
-    # the spec's max_restarts bounds a gang's restarts as a one-node job's; the service's
-    # gang_restarts only for a spec stored before the field existed
-    own = (job.spec or {}).get("max_restarts")
-    limit, named = (gang_restarts, "gang_restarts") if own is None else (int(own), "max_restarts")
-    data: dict[str, Any] = {"reason": reason}
-    extra: dict[str, Any] = {}
-    if job.cancel_requested:
-        status, error = JobStatus.cancelled, None
-    elif fail or (restart and used >= limit):
-        status = JobStatus.failed
-        error = reason if fail else f"the gang failed {used + 1} times ({named}={limit}); last: {reason}"
-        data = {"error": error}
-    else:
-        status, error = JobStatus.queued, None
-        if restart:
-            data.update(gang_restart=used + 1, attempt=attempt)
-            extra["restarts"] = used + 1
-    terminal = status != JobStatus.queued
-    res = session.execute(
-        update(Job)
-        .where(fence)
-        .values(
-            status=status,
-            error=error,
-            owner=None,
-            lease_until=None,
-            enqueued_at=None,
-            finished_at=utcnow() if terminal else None,
-            preempt_requested=False,
-            **extra,
-        )
-    )
-    if res.rowcount != 1:
-        session.rollback()
-        return None
-    free_job_reservations(session, job_id=job_id)
-    session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message=str(status), data=data))
-    session.commit()
-    return str(status)
-
-
-def expire_gangs(session: Session, *, now: datetime, gang_restarts: int) -> tuple[list[Job], list[Job]]:
-    """Running multi-node jobs whose lease (node 0) or any claimed node's lease ran out: the gang
-    goes back whole (give_back_gang, counted as a restart). Returns (re-queued, cancelled); one
-    past its restarts ends failed."""
-    lapsed = select(Reservation.job_id).where(
-        Reservation.claimed_at.is_not(None), Reservation.lease_until < now
-    )
-    gangs = session.scalars(
-        select(Job).where(
-            Job.status == JobStatus.running,
-            Job.nnodes > 1,
-            Job.lease_until.is_(None) | (Job.lease_until < now) | Job.id.in_(lapsed),
-        )
-    ).all()
-    requeued, cancelled = [], []
-    for job in gangs:
-        late = session.scalars(
-            select(Reservation).where(
-                Reservation.job_id == job.id,
-                Reservation.claimed_at.is_not(None),
-                Reservation.lease_until < now,
-            )
-        ).all()
-        who = ", ".join(f"node {r.node_rank} on {r.worker}" for r in late) or f"node 0 on {job.worker}"
-        status = give_back_gang(
-            session,
-            job_id=job.id,
-            attempt=job.attempts,
-            reason=f"the lease of {who} (attempt {job.attempts}) ran out",
-            restart=True,
-            gang_restarts=gang_restarts,
-        )
-        if status == JobStatus.queued:
-            requeued.append(job)
-        elif status == JobStatus.cancelled:
-            cancelled.append(job)
-    return requeued, cancelled

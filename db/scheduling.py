@@ -358,7 +358,7 @@ def free_reservations(
 ) -> list[int]:
     """Delete reservations that hold slots for nothing: of jobs no longer queued or running, and
     unclaimed ones on workers whose heartbeat stopped (the job is placed again). A claimed node on
-    a dead worker is freed by its lease running out (db/jobs.py expire_leases). A selection
+    a dead worker is freed by its lease running out (db/gangs.py expire_gangs). A selection
     group's reservation goes when none of its trials is queued any more (before its claim) or none
     runs under its task (after: the group ended, or its worker died and the trials' leases ran
     out), and an unclaimed one on a dead worker. Returns the job ids whose reservations went.

@@ -11,7 +11,8 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from db.jobs import Applied, Attempt, Conflict, JobLines, NotFound, apply_lines, claim_job, create_job, db_now
+from db.ingest import Applied, JobLines, apply_lines
+from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now
 from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, Selection, Trial, utcnow
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import httpx
 import pytest
 
 from api.stack import Stack
+from db.engine import session_for
 from db.migrate import upgrade
+from db.workers import record_heartbeat
 from tests.sse import TOKENS
 
 # Every process the tests start (stacks, workers, trainers) computes on one thread. The suite runs
@@ -25,6 +28,13 @@ from tests.sse import TOKENS
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+# short windows, so a dead worker's job is taken back within seconds: the stacks of the fault tests
+LOST_WORKER_WINDOWS = {
+    "SHARDYARD_HEARTBEAT_S": "0.5",
+    "SHARDYARD_WORKER_ALIVE_S": "2",
+    "SHARDYARD_LEASE_S": "3",
+    "SHARDYARD_RECONCILE_S": "1",
+}
 
 
 def long_job(name: str, steps: int, *, checkpoint_every: int = 25) -> dict[str, Any]:
@@ -82,6 +92,16 @@ class StackHandle:
             time.sleep(0.2)
         raise AssertionError(f"job {job_id} not {statuses} after {timeout}s: {self.job(job_id)}")
 
+    def wait_selection(self, sid: int, timeout: float = 240) -> dict[str, Any]:
+        """Poll until the selection batch ends, whatever its status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sel = self.client.get(f"/api/selections/{sid}").json()
+            if sel["status"] in TERMINAL:
+                return sel
+            time.sleep(0.3)
+        raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s: {sel}")
+
     def wait_until(self, job_id: int, predicate, timeout: float = 60) -> dict[str, Any]:  # noqa: ANN001
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -90,6 +110,29 @@ class StackHandle:
                 return job
             time.sleep(0.1)
         raise AssertionError(f"job {job_id}: condition not met after {timeout}s: {self.job(job_id)}")
+
+
+def beat(db_url: str, name: str, *, slots: int = 1, tasks: int = 1) -> None:
+    """A worker's heartbeat written straight to the database, for the scheduler to place on: the
+    cpu and gpu queues and its own, one CPU device, 64 GiB of host memory."""
+    with session_for(db_url) as s:
+        record_heartbeat(
+            s,
+            name=name,
+            hostname="h",
+            queues=["cpu", "gpu", f"node.{name}"],
+            devices=[{"type": "cpu"}],
+            host={"slots": slots, "tasks": tasks, "ram_bytes": 64 * 2**30, "cpus": 2},
+        )
+
+
+def together(race: Callable[..., None], args: Iterable[Any]) -> None:
+    """Run `race(arg)` for every arg, each on its own thread, all at once, and wait for them all."""
+    threads = [threading.Thread(target=race, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @contextlib.contextmanager

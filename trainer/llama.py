@@ -14,7 +14,7 @@ from torch import nn
 
 from jobrules.models import swiglu_width
 from trainer.config import ModelConfig
-from trainer.recipe import ModelRecipe, gpt2_init
+from trainer.recipe import StackRecipe
 
 ROPE_BASE = 10_000.0
 
@@ -130,15 +130,14 @@ class LlamaHead(nn.Module):
         return self.out(self.norm(x_BTD))
 
 
-class LlamaRecipe(ModelRecipe):
+class LlamaRecipe(StackRecipe):
     """[TokenEmbedding, LlamaBlock x layers, LlamaHead]; init as GPT-2's (N(0, 0.02), residual
     projections scaled by 1/sqrt(2 * layers), norm weights 1)."""
 
     kind = "llama"
 
     def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.n_layers = cfg.layers + 2
+        super().__init__(cfg)
         self.kv_heads = cfg.kv_heads or cfg.heads
         self.hidden = swiglu_width(cfg.d_model, cfg.mlp_ratio)
 
@@ -150,9 +149,6 @@ class LlamaRecipe(ModelRecipe):
         if index == self.n_layers - 1:
             return LlamaHead(d_model=c.d_model, vocab_size=c.vocab_size)
         return LlamaBlock(d_model=c.d_model, heads=c.heads, kv_heads=self.kv_heads, hidden=self.hidden)
-
-    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
-        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
 
     def tp_hint(self, index: int) -> str | None:
         if index == 0:

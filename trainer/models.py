@@ -16,7 +16,7 @@ from torch import nn
 
 from jobrules.data import CHAR_VOCAB
 from trainer.config import ModelConfig
-from trainer.recipe import ModelRecipe, build_dense, cross_entropy_loss, gpt2_init
+from trainer.recipe import ModelRecipe, StackRecipe, build_dense, cross_entropy_loss
 
 
 class Embedding(nn.Module):
@@ -117,14 +117,10 @@ class Residual(nn.Module):
         return x_BTD + self.mlp(self.ln(x_BTD))
 
 
-class GPTRecipe(ModelRecipe):
+class GPTRecipe(StackRecipe):
     """Decoder-only transformer: [Embedding, Block x layers, Head]."""
 
     kind = "gpt"
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.n_layers = cfg.layers + 2
 
     def build_layer(self, index: int) -> nn.Module:
         c = self.cfg
@@ -134,24 +130,17 @@ class GPTRecipe(ModelRecipe):
             return Head(d_model=c.d_model, vocab_size=c.vocab_size)
         return Block(d_model=c.d_model, heads=c.heads, mlp_ratio=c.mlp_ratio)
 
-    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
-        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
-
     def tp_hint(self, index: int) -> str | None:
         if index == 0:
             return "embedding"
         return "head" if index == self.n_layers - 1 else "block"
 
 
-class MLPRecipe(ModelRecipe):
+class MLPRecipe(StackRecipe):
     """Position-wise residual MLP on characters: [CharInput, Residual x layers, Head]. It has no
     tensor-parallel form (its layers are not the GPT kinds trainer/tensor shards)."""
 
     kind = "mlp"
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.n_layers = cfg.layers + 2
 
     def build_layer(self, index: int) -> nn.Module:
         c = self.cfg
@@ -160,9 +149,6 @@ class MLPRecipe(ModelRecipe):
         if index == self.n_layers - 1:
             return Head(d_model=c.d_model, vocab_size=c.vocab_size)
         return Residual(d_model=c.d_model, hidden=c.mlp_ratio * c.d_model)
-
-    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
-        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
 
 
 RECIPES: dict[str, Callable[[ModelConfig], ModelRecipe]] = {"gpt": GPTRecipe, "mlp": MLPRecipe}

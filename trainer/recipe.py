@@ -27,8 +27,9 @@ and one optional part:
                                   "head" (the GPT layer kinds trainer/tensor knows), or None for
                                   "no tensor-parallel form" (a layout that needs one is refused)
 
-Subclass ModelRecipe and override what differs; GPT and MLP (trainer/models.py) are recipes, and a
-user's own model is one too. The trainer builds the whole model only for single-process runs and
+Subclass ModelRecipe and override what differs; GPT and MLP (trainer/models.py) and LLaMA
+(trainer/llama.py) are StackRecipes ([input, block x layers, head], GPT-2 init), and a user's own
+model is a recipe too. The trainer builds the whole model only for single-process runs and
 references (`build_dense`); a parallel rank builds the meta skeleton (`meta_layers`), decides what
 it holds, and materialises just those layers (`materialize`).
 """
@@ -44,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from trainer.config import ModelConfig
 
 
 class RecipeError(RuntimeError):
@@ -73,6 +76,18 @@ class ModelRecipe:
 
     def tp_hint(self, index: int) -> str | None:
         return None
+
+
+class StackRecipe(ModelRecipe):
+    """[input layer, block x cfg.layers, head], initialised as GPT-2's (gpt2_init): the built-in
+    kinds; each says which layers in build_layer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.n_layers = cfg.layers + 2
+
+    def init_layer(self, index: int, layer: nn.Module, *, generator: torch.Generator) -> None:
+        gpt2_init(layer, generator=generator, n_layers=self.cfg.layers)
 
 
 def cross_entropy_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from core.storage import Storage, StorageError
 from db.engine import session_for
-from db.jobs import add_event
+from db.ingest import add_event
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from core.messages import Message
 from core.settings import Settings
 from core.storage import StorageError, checkpoints_prefix, get_storage
 from db.engine import session_for
+from db.ingest import last_status_event
 from db.jobs import (
     Attempt,
     claim_job,
     finish_job,
     free_job_reservations,
     get_job,
-    last_status_event,
     lease_left_s,
     release_job,
     reserved_here,

@@ -15,10 +15,10 @@ and sent each a `shardyard.run_job` task with its node_rank and nnodes.
   dynamic_rendezvous.py `_mark_rendezvous_complete`), and global rank 0 is local rank 0 of the agent
   numbered 0 (agent/server/api.py `_assign_worker_ranks`). That is any node, not node 0. So every
   node relays its trainer's stdout, only the node holding rank 0 has lines to write, and each write
-  is fenced by the gang's rule (db/jobs.py apply_gang_lines): the job runs this attempt and the
+  is fenced by the gang's rule (db/gangs.py apply_gang_lines): the job runs this attempt and the
   writer is its owner or holds a live reservation of it. Each metric step reaches the database once.
 - The gang ends as one. Whichever node first sees it broken (its trainer failed, e.g. a peer's
-  sockets closed) gives the job back (db/jobs.py give_back_gang): its reservations are deleted, so
+  sockets closed) gives the job back (db/gangs.py give_back_gang): its reservations are deleted, so
   every other node is fenced off and kills its trainer at its next poll, and the job goes back to
   `queued` (attempt + 1) to be placed again and resume from its last checkpoint, at most
   `gang_restarts` times, then fails with the reason. A node that dies outright stops renewing its
@@ -42,18 +42,16 @@ from core.broker import job_channel
 from core.settings import Settings
 from core.storage import StorageError, get_storage
 from db.engine import session_for
-from db.jobs import (
-    Attempt,
+from db.gangs import (
     GangView,
     claim_node,
-    finish_job,
     gang_view,
-    get_job,
     give_back_gang,
     renew_node,
     set_rdzv_endpoint,
     unclaim_node,
 )
+from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
 from workers import pyenv
 from workers.ckpt_sync import storage_failure
@@ -215,7 +213,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, applied_step = job.spec, job.applied_step
-        used_s = job.run_seconds or 0.0  # node 0 records it (db/jobs.py apply_gang_lines)
+        used_s = job.run_seconds or 0.0  # node 0 records it (db/gangs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
     workdir = settings.data_dir / "jobs" / str(job_id)
     node_dir = workdir / f"node-{node_rank}"

@@ -26,7 +26,9 @@ from core.broker import JOBS_CHANNEL
 from core.messages import Message
 from core.settings import Settings
 from db.engine import session_for
-from db.jobs import Applied, Attempt, JobLines, apply_gang_lines, apply_lines, db_now
+from db.gangs import apply_gang_lines
+from db.ingest import Applied, JobLines, apply_lines
+from db.jobs import Attempt, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
 from workers.publisher import live_publisher
@@ -60,7 +62,7 @@ class Target:
     trial_id: int | None = None
     node_rank: int | None = None
     """Set for one node of a multi-node job (workers/gang.py): its writes are fenced by the gang's
-    rule (db/jobs.py apply_gang_lines) and renew this node's own lease."""
+    rule (db/gangs.py apply_gang_lines) and renew this node's own lease."""
     run_base: float = 0.0
     """Seconds the job's earlier attempts ran (jobs.run_seconds at the claim)."""
     started: float = field(default_factory=time.monotonic)

@@ -23,8 +23,10 @@ from sqlalchemy.exc import OperationalError
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue
 from core.settings import get_settings
 from db.engine import session_for
-from db.jobs import expire_leases, mark_draining, record_heartbeat
+from db.gangs import expire_gangs
+from db.jobs import db_now, expire_leases
 from db.selections import settle_selection, sync_trials, unsettled_selections
+from db.workers import mark_draining, record_heartbeat
 from jobrules.restarts import max_restarts
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
@@ -94,9 +96,12 @@ def reconcile_once() -> int:
     message). Returns how many leases were taken back."""
     settings = get_settings()
     with session_for(settings.database_url) as s:
-        requeued, cancelled = expire_leases(
-            s, gang_restarts=settings.gang_restarts, max_restarts=max_restarts
-        )
+        # a gang goes back whole (every node's reservation) before the sweep of one-node leases,
+        # both by the database's one clock
+        now = db_now(s)
+        requeued, cancelled = expire_gangs(s, now=now, gang_restarts=settings.gang_restarts)
+        more = expire_leases(s, now=now, max_restarts=max_restarts)
+        requeued, cancelled = requeued + more[0], cancelled + more[1]
         for job in requeued + cancelled:
             log.warning("job %s: the lease of %s ran out; %s", job.id, job.worker, job.status)
         touched = sync_trials(s, job_ids=[j.id for j in requeued + cancelled if j.kind == "trial"])

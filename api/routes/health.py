@@ -9,7 +9,8 @@ from api.deps import SessionDep, SettingsDep
 from api.schemas import HealthPublic, WorkerPublic
 from core.broker import redis_client
 from db.engine import get_engine
-from db.jobs import aware, live_workers
+from db.jobs import aware
+from db.workers import live_workers
 
 router = APIRouter(prefix="/api", tags=["health"])
 

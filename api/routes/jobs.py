@@ -34,6 +34,7 @@ from api.schemas import (
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
 from api.workspaces import WorkspaceRefError, pin_workspace
+from db import ingest as db_ingest
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Job, User
@@ -210,7 +211,7 @@ def get_metrics(
 ) -> MetricsPublic:
     _job_or_404(session, job_id, user)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    raw = db_jobs.metric_series(session, job_id=job_id, names=wanted, since_step=since_step)
+    raw = db_ingest.metric_series(session, job_id=job_id, names=wanted, since_step=since_step)
     series = {}
     for name, (steps, values) in raw.items():
         steps, values = downsample(steps, values, max_points=max_points or len(steps) or 1)
@@ -227,7 +228,7 @@ def get_logs(
     limit: int = Query(1000, ge=1, le=10_000),
 ) -> EventsPublic:
     _job_or_404(session, job_id, user)
-    rows = db_jobs.events_after(
+    rows = db_ingest.events_after(
         session, job_id=job_id, after_id=after_id, kinds=("log", "status"), limit=limit
     )
     return EventsPublic(items=[event_public(e) for e in rows])
@@ -237,7 +238,7 @@ def get_logs(
 def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> dict:
     """The pipeline's executed and simulated per-rank timelines (404 until the trainer sent one)."""
     _job_or_404(session, job_id, user)
-    ev = db_jobs.latest_event(session, job_id=job_id, message="timeline")
+    ev = db_ingest.latest_event(session, job_id=job_id, message="timeline")
     if ev is None or ev.data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has no pipeline timeline yet")
     return ev.data

@@ -75,6 +75,17 @@ def token_public(tok: ApiToken) -> TokenPublic:
     )
 
 
+def _own_or_404(session: SessionDep, user_id: int, user: User) -> None:
+    """404 unless user `user_id` exists and is the caller (or the caller is an admin): another
+    user's tokens are not even confirmed to exist."""
+    if user_id != user.id and not user.is_admin:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
+    try:
+        db_users.get_user(session, user_id)
+    except NotFound as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+
+
 def _minting_token(request: Request, session: SessionDep, user: User, confirm: str | None) -> int:
     """The API token a new token of `user`'s own is made from: the Bearer token of the request,
     or, from a dashboard session, the token the request re-presents (403 without one)."""
@@ -116,12 +127,7 @@ def list_users(session: SessionDep, settings: SettingsDep, _admin: AdminUser) ->
 def create_token(
     user_id: Id, body: TokenCreate, request: Request, session: SessionDep, user: CurrentUser
 ) -> TokenIssued:
-    if user_id != user.id and not user.is_admin:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
-    try:
-        db_users.get_user(session, user_id)
-    except NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    _own_or_404(session, user_id, user)
     parent = _minting_token(request, session, user, body.confirm_token)
     # a token of one's own is made from the caller's token; one an admin hands to another user is
     # that user's own (revoking the admin's token must not lock the other user out)
@@ -135,12 +141,7 @@ def create_token(
 def revoke_user_tokens(user_id: Id, session: SessionDep, user: CurrentUser) -> TokensRevoked:
     """Revoke every token and end every session of a user (an admin: anyone's; a user: their
     own, which signs them out everywhere)."""
-    if user_id != user.id and not user.is_admin:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"user {user_id} does not exist")
-    try:
-        db_users.get_user(session, user_id)
-    except NotFound as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    _own_or_404(session, user_id, user)
     return TokensRevoked(revoked=db_users.revoke_user_tokens(session, user_id=user_id))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.browser.test_dashboard import spec, wait_selection
+from tests.browser.test_dashboard import spec
 
 pytestmark = pytest.mark.browser
 
@@ -181,7 +181,7 @@ def test_trial_page_links_its_batch_and_says_stopped_early(stack, page: Page) ->
     resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sid = resp.json()["id"]
-    done = wait_selection(stack, sid)
+    done = stack.wait_selection(sid)
     stopped = [t for t in done["trials"] if t["status"] == "stopped_early"]
     assert stopped, done["trials"]
     t = stopped[0]

@@ -171,16 +171,6 @@ def test_submit_form_names_the_bad_field_and_cancel_button(stack, page: Page) ->
     assert stack.wait(job_id, statuses=("cancelled",), timeout=60)["status"] == "cancelled"
 
 
-def wait_selection(stack, sid: int, timeout: float = 240) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sel = stack.client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            return sel
-        time.sleep(0.3)
-    raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s")
-
-
 def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Page) -> None:
     body = {
         "name": "browser-lr",
@@ -195,7 +185,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
     page.goto(f"{stack.base_url}/#/selections/{sid}")
     expect(page.locator("#selection-header h1")).to_contain_text("browser-lr")
     expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)
-    done = wait_selection(stack, sid)
+    done = stack.wait_selection(sid)
     trials = {t["id"]: t for t in done["trials"]}
 
     # leaderboard: one row per trial, best first, ranked as the server ranks them
@@ -245,7 +235,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
     page.once("dialog", lambda d: d.accept())  # Stop asks first
     new.locator("button[data-stop]").click()
     expect(new).to_have_attribute("data-status", re.compile("stopped|cancelled"), timeout=120_000)
-    final = wait_selection(stack, sid)
+    final = stack.wait_selection(sid)
     grown = [t for t in final["trials"] if t["id"] not in trials]
     assert len(grown) == 1 and grown[0]["status"] in ("stopped", "cancelled")
     assert grown[0]["steps_done"] < 100_000

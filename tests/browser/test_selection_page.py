@@ -8,7 +8,7 @@ import re
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.browser.test_dashboard import spec, wait_selection
+from tests.browser.test_dashboard import spec
 
 pytestmark = pytest.mark.browser
 
@@ -29,7 +29,7 @@ def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Pa
     page.goto(f"{stack.base_url}/#/selections/{sid}")
     expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)
     expect(page.locator("#selection-header")).to_contain_text("sha, reduction factor 2, first rung at step 2")
-    done = wait_selection(stack, sid)
+    done = stack.wait_selection(sid)
     stopped = [t for t in done["trials"] if t["status"] == "stopped_early"]
     assert stopped  # SHA keeps max(1, 4 // 2) = 2 at rung 2, and 1 at rung 4
     for t in done["trials"]:

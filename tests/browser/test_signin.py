@@ -14,6 +14,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from db.engine import session_for
 from db.jobs import create_job, request_cancel
+from tests.browser.conftest import tab
 from tests.browser.test_dashboard import spec
 
 pytestmark = pytest.mark.browser
@@ -22,13 +23,8 @@ pytestmark = pytest.mark.browser
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
     """A tab with no session: the dashboard must ask to sign in."""
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    ctx.close()
-    assert not errors, f"uncaught errors in the page: {errors}"
+    with tab(browser) as pg:
+        yield pg
 
 
 def test_sign_in_then_own_jobs_stream_live(stack, page: Page) -> None:  # noqa: ANN001

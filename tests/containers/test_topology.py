@@ -27,6 +27,7 @@ from core.messages import parse_line
 from tests.archives import targz
 from tests.conftest import TERMINAL, TINY_SPEC, long_job
 from tests.containers.topology import BUCKET, Topology, make_root
+from tests.user_data import PERIODIC_BATCHES_PY
 
 pytestmark = pytest.mark.containers
 
@@ -38,18 +39,7 @@ GANG = {
     "parallel": {"data_parallel": 2},
     "checkpoint_every": 4,
 }
-DATA_PY = b"""
-import torch
-
-def batches(*, batch_size, seq_len, seed, period):
-    def stream(offset):
-        g = torch.Generator().manual_seed(seed + offset)
-        while True:
-            starts = torch.randint(0, period, (batch_size, 1), generator=g)
-            w = (starts + torch.arange(seq_len + 1)) % period
-            yield w[:, :-1], w[:, 1:]
-    return stream(0), stream(1)
-"""
+DATA_PY = PERIODIC_BATCHES_PY
 
 # the one-node reference: the command a worker runs for a 2-rank job, run inside a worker container
 REFERENCE = """

@@ -21,7 +21,8 @@ from sqlalchemy import func, select, update
 
 from api.stack import Stack
 from db.engine import session_for
-from db.jobs import Attempt, add_event, claim_job, create_job, finish_job
+from db.ingest import add_event
+from db.jobs import Attempt, claim_job, create_job, finish_job
 from db.models import Job, JobEvent, JobStatus, MetricPoint, utcnow
 from tests.conftest import TINY_SPEC
 
@@ -187,14 +188,19 @@ def test_broker_down_is_served_or_answered_503_never_500(api_stack: Stack) -> No
             assert r.status_code == 201, r.text
             assert [t["status"] for t in r.json()["trials"]] == ["queued", "queued"]
             # a stream still opens and serves what the database has
-            with c.stream("GET", f"/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=30)) as s:
-                assert s.status_code == 200
-                for line in s.iter_lines():
-                    if line.startswith("data:"):
-                        assert '"queued"' in line
-                        break
+            _stream_opens_queued(c, job_id)
     finally:
         st.start_redis()
+
+
+def _stream_opens_queued(c: httpx.Client, job_id: int) -> None:
+    """The job's stream opens and its first frame is the queued job the database has."""
+    with c.stream("GET", f"/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=30)) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data:"):
+                assert '"queued"' in line
+                break
 
 
 def _running_job(st: Stack, name: str) -> tuple[int, Attempt]:
@@ -218,12 +224,7 @@ def test_a_hung_broker_never_hangs_the_api(api_stack: Stack) -> None:
             assert health["status"] == "degraded" and health["broker"]["ok"] is False, health
             r = c.post("/api/jobs", json=TINY_SPEC)
             assert r.status_code == 201, r.text
-            with c.stream("GET", f"/api/jobs/{job_id}/stream", timeout=httpx.Timeout(10, read=30)) as s:
-                assert s.status_code == 200
-                for line in s.iter_lines():
-                    if line.startswith("data:"):
-                        assert '"queued"' in line
-                        break
+            _stream_opens_queued(c, job_id)
             assert c.post(f"/api/jobs/{job_id}/cancel").json()["status"] == "cancelled"
     finally:
         os.kill(redis.pid, signal.SIGCONT)

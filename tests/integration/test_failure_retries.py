@@ -20,16 +20,11 @@ import pytest
 
 from api.stack import Stack
 from tests.archives import targz
-from tests.conftest import TINY_SPEC, StackHandle, long_job, running
+from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle, long_job, running
 
 pytestmark = pytest.mark.integration
 
-FAST = {
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
-}
+FAST = LOST_WORKER_WINDOWS
 STEPS = 120
 TWO_RANKS = {**long_job("sigkill", STEPS, checkpoint_every=10), "parallel": {"data_parallel": 2}}
 

@@ -21,15 +21,12 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
-from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
+from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
 
 pytestmark = pytest.mark.integration
 
 FAST = {
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
+    **LOST_WORKER_WINDOWS,
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
 }
 # long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
@@ -46,14 +43,9 @@ SPEC = {
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("faults"), workers=1, concurrency=1, extra_env=FAST)
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
-        assert _processes_under(st.root) == [], "processes left behind after the stack stopped"
+    assert _processes_under(st.root) == [], "processes left behind after the stack stopped"
 
 
 def _cmdlines() -> Iterator[tuple[int, str]]:

@@ -38,7 +38,9 @@ import torch
 
 from api.stack import Stack, worker_command
 from core.messages import parse_line
+from db import ingest as dbi
 from db import jobs as dbj
+from db import workers as dbw
 from db.engine import session_for
 from db.models import Job, Reservation
 from tests.conftest import long_job
@@ -102,7 +104,7 @@ class Gang:
             assert proc.poll() is None, (self.stack.root / f"worker{index}.log").read_text()[-3000:]
             with session_for(self.url) as s:
                 seen = [
-                    w.name for w in dbj.live_workers(s, within_s=3) if w.name.startswith(f"worker{index}@")
+                    w.name for w in dbw.live_workers(s, within_s=3) if w.name.startswith(f"worker{index}@")
                 ]
             if seen:
                 self.names[index] = seen[0]
@@ -145,7 +147,7 @@ class Gang:
 
     def series(self, job_id: int) -> dict[str, tuple[list[int], list[float]]]:
         with session_for(self.url) as s:
-            return dbj.metric_series(s, job_id=job_id, names=["loss", "val_loss"])
+            return dbi.metric_series(s, job_id=job_id, names=["loss", "val_loss"])
 
 
 def reference_run(root: Path) -> subprocess.Popen[str]:
@@ -272,7 +274,7 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     # whole, counted as a restart, and the first attempt's reservations are gone
     def given_back(_job: Job) -> list[Any]:
         with session_for(g.url) as s:
-            events = dbj.events_after(s, job_id=job_id, kinds=["status"])
+            events = dbi.events_after(s, job_id=job_id, kinds=["status"])
             return [e.data for e in events if e.message == "queued" and (e.data or {}).get("gang_restart")]
 
     g.wait(job_id, given_back, "given back", timeout=120)
@@ -293,10 +295,10 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     job = g.wait(job_id, lambda j: j.status == "succeeded", "succeeded")
     assert job.attempts == 2
     with session_for(g.url) as s:
-        logs = [e.message for e in dbj.events_after(s, job_id=job_id, kinds=["log"])]
+        logs = [e.message for e in dbi.events_after(s, job_id=job_id, kinds=["log"])]
         starts = [
             e.data["start_step"]
-            for e in dbj.events_after(s, job_id=job_id, kinds=["event"])
+            for e in dbi.events_after(s, job_id=job_id, kinds=["event"])
             if e.message == "start"
         ]
     assert starts[0] == 0 and starts[-1] >= 5, starts
@@ -332,9 +334,9 @@ def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: G
         with session_for(g.url) as s:
             requeued = [
                 e.data
-                for e in dbj.events_after(s, job_id=j, kinds=["status"])
+                for e in dbi.events_after(s, job_id=j, kinds=["status"])
                 if e.message == "queued" and e.data
             ]
-            steps = dbj.metric_series(s, job_id=j, names=["loss"])["loss"][0]
+            steps = dbi.metric_series(s, job_id=j, names=["loss"])["loss"][0]
         assert any(f"preempted by job {urgent}" in (d.get("reason") or "") for d in requeued), requeued
         assert steps == list(range(1, LOW_STEPS + 1)), "every step exactly once"

@@ -21,7 +21,7 @@ from db.engine import session_for
 from db.jobs import create_job
 from db.models import User
 from db.users import create_user
-from tests.conftest import StackHandle, long_job
+from tests.conftest import StackHandle, long_job, running
 from tests.fullfs import full_disk
 from tests.sse import read_sse
 
@@ -39,13 +39,8 @@ FAST = {
 @pytest.fixture(scope="module")
 def ops_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("ops"), workers=1, extra_env={"SHARDYARD_SSE_KEEPALIVE_S": "1"})
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def _follow(handle: StackHandle, job_id: int) -> subprocess.Popen[str]:

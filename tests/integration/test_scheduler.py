@@ -19,7 +19,7 @@ from sqlalchemy import select
 from api.stack import Stack
 from db.engine import session_for
 from db.models import JobEvent
-from tests.conftest import TERMINAL, TINY_SPEC, StackHandle, long_job
+from tests.conftest import TERMINAL, TINY_SPEC, StackHandle, long_job, running
 
 pytestmark = pytest.mark.integration
 
@@ -47,13 +47,8 @@ PREEMPTIBLE = {**_LONG, "train": {**_LONG["train"], "eval_every": 100}}
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("sched"), workers=2, concurrency=1, extra_env=ENV)
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def _user(h: StackHandle) -> httpx.Client:

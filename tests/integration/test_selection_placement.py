@@ -18,17 +18,14 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
-from tests.conftest import TERMINAL, TINY_SPEC, StackHandle
+from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
 
 pytestmark = pytest.mark.integration
 
 ENV = {
     "SHARDYARD_WORKER_SLOTS": "1",
     "SHARDYARD_SCHEDULER_S": "0.5",
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
+    **LOST_WORKER_WINDOWS,
     "SHARDYARD_SSE_KEEPALIVE_S": "1",
 }
 STEPS = 8
@@ -39,13 +36,8 @@ LONG = {**TINY_SPEC, "name": "long", "train": {**TINY_SPEC["train"], "steps": 1_
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
     st = Stack(root=tmp_path_factory.mktemp("selplace"), workers=2, concurrency=1, extra_env=ENV)
-    st.start()
-    handle = StackHandle(st)
-    try:
+    with running(st) as handle:
         yield handle
-    finally:
-        handle.client.close()
-        st.stop()
 
 
 def _batch(h: StackHandle, base: dict[str, Any], lrs: list[float]) -> dict[str, Any]:
@@ -75,12 +67,6 @@ def _until(check, what: str, timeout: float = 180) -> Any:  # noqa: ANN001
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
-def _wait_selection(h: StackHandle, sid: int, timeout: float = 240) -> dict[str, Any]:
-    return _until(
-        lambda: (s := _selection(h, sid))["status"] in TERMINAL and s, f"selection {sid} ends", timeout
-    )
-
-
 def test_a_batch_of_two_groups_runs_one_group_on_each_worker(two: StackHandle) -> None:
     sel = _batch(two, BASE, [1e-3, 3e-3])
     jobs = [t["job_id"] for t in sel["trials"]]
@@ -96,7 +82,7 @@ def test_a_batch_of_two_groups_runs_one_group_on_each_worker(two: StackHandle) -
         return len(seen) == 2 or _selection(two, sel["id"])["status"] in TERMINAL
 
     _until(both_reserved, "both groups reserved")
-    done = _wait_selection(two, sel["id"])
+    done = two.wait_selection(sel["id"])
     assert done["status"] == "succeeded", done
     workers = {two.job(j)["worker"] for j in jobs}
     assert len(workers) == 2, f"both groups ran on one worker: {workers}"
@@ -135,13 +121,13 @@ def test_a_group_waits_with_a_reason_until_a_worker_frees_up(two: StackHandle) -
     stopped = busy["trials"][0]
     resp = two.client.post(f"/api/selections/{busy['id']}/trials/{stopped['id']}/stop")
     assert resp.status_code == 200, resp.text
-    done = _wait_selection(two, waiting["id"])
+    done = two.wait_selection(waiting["id"])
     assert done["status"] == "succeeded" and done["trials"][0]["result"]["steps"] == STEPS, done
     ran = two.job(trial["job_id"])
     assert ran["worker"] == two.job(stopped["job_id"])["worker"] and ran["wait_reason"] is None
     # cancelling the long batch frees the other group's reservation
     assert two.client.post(f"/api/selections/{busy['id']}/cancel").status_code == 200
-    ended = _wait_selection(two, busy["id"])
+    ended = two.wait_selection(busy["id"])
     assert ended["status"] == "cancelled"
     assert ended["trials"][0]["status"] == "stopped" and ended["trials"][1]["status"] in (
         "stopped",
@@ -182,7 +168,7 @@ def test_a_group_whose_worker_dies_runs_again_on_the_other_worker(two: StackHand
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     try:
-        done = _wait_selection(two, sel["id"], timeout=240)
+        done = two.wait_selection(sel["id"], timeout=240)
         assert done["status"] == "succeeded", done
         job = two.job(job_id)
         assert job["attempts"] == 2 and job["worker"] != first["worker"], job

@@ -7,7 +7,6 @@ import pytest
 
 from core.search import suggest
 from tests.conftest import TINY_SPEC, StackHandle
-from tests.integration.test_selections_e2e import wait_selection
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +35,7 @@ def test_tpe_batch_grows_by_generations_reproducibly(stack: StackHandle) -> None
     more = stack.client.post(f"/api/selections/{sel['id']}/trials", json={"trials": 1})
     assert more.status_code == 409 and "method tpe" in more.json()["detail"]
 
-    done = wait_selection(stack, sel["id"])
+    done = stack.wait_selection(sel["id"])
     assert done["status"] == "succeeded" and done["error"] is None
     trials = sorted(done["trials"], key=lambda t: t["index"])
     assert [t["index"] for t in trials] == [0, 1, 2, 3]

@@ -19,16 +19,6 @@ pytestmark = pytest.mark.integration
 BASE = {**TINY_SPEC, "name": "sel", "train": {**TINY_SPEC["train"], "steps": 24, "eval_every": 4}}
 
 
-def wait_selection(stack: StackHandle, sid: int, timeout: float = 240) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sel = stack.client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            return sel
-        time.sleep(0.3)
-    raise AssertionError(f"selection {sid} still {sel['status']} after {timeout}s: {sel}")
-
-
 def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
     body = {
         "name": "lr-search",
@@ -49,7 +39,7 @@ def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
         target=lambda: frames.extend(read_sse(stack.base_url, f"/api/selections/{sel['id']}/stream"))
     )
     t.start()
-    done = wait_selection(stack, sel["id"])
+    done = stack.wait_selection(sel["id"])
     t.join(timeout=60)
 
     assert done["status"] == "succeeded"
@@ -79,7 +69,7 @@ def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
         f"/api/selections/{sel['id']}/trials", json={"params": [{"train.lr": 2e-3}], "warm_start_from": best}
     )
     assert grown.status_code == 201, grown.text
-    again = wait_selection(stack, sel["id"])
+    again = stack.wait_selection(sel["id"])
     new = [tr for tr in again["trials"] if tr["id"] not in trials]
     assert len(new) == 1 and new[0]["status"] in ("succeeded", "stopped_early")
     assert new[0]["params"] == {"train.lr": 2e-3} and new[0]["warm_start_from"] == best
@@ -135,7 +125,7 @@ def test_cancel_a_running_batch_and_stop_one_trial(stack: StackHandle) -> None:
         assert time.monotonic() < deadline, "the stopped trial did not end"
         time.sleep(0.2)
     assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 200
-    done = wait_selection(stack, sel["id"], timeout=120)
+    done = stack.wait_selection(sel["id"], timeout=120)
     assert done["status"] == "cancelled"
     assert all(t["status"] in ("stopped", "cancelled") for t in done["trials"])
     assert all(t["steps_done"] < 100_000 for t in done["trials"])
@@ -209,7 +199,7 @@ def test_trials_count_against_the_owners_quota_and_stop_at_max_runtime(stack: St
         held = stack.wait_until(job["id"], lambda j: j["wait_reason"] is not None, timeout=60)
         assert held["status"] == "queued"
         assert f"1 of {name}'s jobs are running, the quota is 1" in held["wait_reason"]
-        done = wait_selection(stack, sid, timeout=120)
+        done = stack.wait_selection(sid, timeout=120)
         (trial,) = done["trials"]
         assert done["status"] == "failed" and trial["status"] == "failed"
         trial_job = stack.job(trial["job_id"])

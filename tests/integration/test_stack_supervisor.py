@@ -16,18 +16,13 @@ import pytest
 import redis
 
 from api.stack import CrashLoop, RestartPolicy, Stack, free_port
-from tests.conftest import TINY_SPEC, StackHandle, long_job
+from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle, long_job
 from tests.stack_cli import left_behind, proc_info, sigterm_and_wait, start_stack_cli
 
 pytestmark = pytest.mark.integration
 
 # a dead worker's job is taken back within seconds (as in test_faults.py)
-FAST = {
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
-}
+FAST = LOST_WORKER_WINDOWS
 STEPS = 100
 
 

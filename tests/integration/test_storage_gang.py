@@ -23,6 +23,7 @@ import pytest
 
 from api.stack import Stack
 from core.storage import open_storage
+from db import ingest as dbi
 from db import jobs as dbj
 from db.engine import session_for
 from db.models import Job, Reservation
@@ -142,11 +143,11 @@ def test_a_gang_that_lost_a_node_resumes_from_the_store_on_a_new_host(gang) -> N
     with session_for(url) as s:
         starts = [
             e.data["start_step"]
-            for e in dbj.events_after(s, job_id=job_id, kinds=["event"])
+            for e in dbi.events_after(s, job_id=job_id, kinds=["event"])
             if e.message == "start"
         ]
-        logs = [e.message for e in dbj.events_after(s, job_id=job_id, kinds=["log"])]
-        series = dbj.metric_series(s, job_id=job_id, names=["loss"])
+        logs = [e.message for e in dbi.events_after(s, job_id=job_id, kinds=["log"])]
+        series = dbi.metric_series(s, job_id=job_id, names=["loss"])
     assert starts[0] == 0 and starts[-1] >= 5, f"the restarted gang resumed from the store: {starts}"
     assert series["loss"][0] == list(range(1, STEPS + 1)), "every loss step exactly once"
     assert any(m.startswith(f"restored checkpoint step {starts[-1]} from {URL}") for m in logs), logs

@@ -22,10 +22,10 @@ import pytest
 
 from api.stack import Stack
 from core.storage import open_storage
-from db import jobs as dbj
+from db import ingest as dbi
 from db.engine import session_for
 from tests.archives import targz
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle
 from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
 from tests.s3 import S3Server
 
@@ -33,10 +33,7 @@ pytestmark = pytest.mark.integration
 
 URL = "s3://shardyard/it"
 FAST = {
-    "SHARDYARD_HEARTBEAT_S": "0.5",
-    "SHARDYARD_WORKER_ALIVE_S": "2",
-    "SHARDYARD_LEASE_S": "3",
-    "SHARDYARD_RECONCILE_S": "1",
+    **LOST_WORKER_WINDOWS,
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
     "SHARDYARD_STORAGE_SYNC_S": "0.5",
 }
@@ -103,7 +100,7 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
 def _starts(h: StackHandle, job_id: int) -> list[int]:
     """start_step of each attempt's trainer start."""
     with session_for(h.stack.database_url) as s:
-        events = dbj.events_after(s, job_id=job_id, kinds=["event"])
+        events = dbi.events_after(s, job_id=job_id, kinds=["event"])
         return [e.data["start_step"] for e in events if e.message == "start"]
 
 

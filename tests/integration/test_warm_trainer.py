@@ -20,7 +20,6 @@ import torch
 
 from core.settings import get_settings
 from tests.conftest import TINY_SPEC, StackHandle
-from tests.integration.test_selections_e2e import wait_selection
 from trainer.zygote import WARM_MARK
 from workers import warm
 from workers.execute import trainer_command
@@ -185,7 +184,7 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
     sid = resp.json()["id"]
     done = stack.wait(job["id"], timeout=300)
     assert done["status"] == "succeeded", done
-    sel = wait_selection(stack, sid, timeout=300)
+    sel = stack.wait_selection(sid, timeout=300)
     assert sel["status"] == "succeeded", sel
 
     # the worker forked both from its zygote (each run's stderr says so) ...
@@ -245,7 +244,7 @@ def test_checkpoints_best_keeps_one_trial_across_a_batch_of_two_groups(stack: St
     resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sid = resp.json()["id"]
-    sel = wait_selection(stack, sid, timeout=300)
+    sel = stack.wait_selection(sid, timeout=300)
     assert sel["status"] == "succeeded", sel
     metrics = {t["index"]: t["best_metric"] for t in sel["trials"]}
     assert None not in metrics.values() and len(metrics) == 2

@@ -18,26 +18,19 @@ import pytest
 from tests.archives import MALICIOUS, targz
 from tests.conftest import TERMINAL, StackHandle
 from tests.trainer.user_model_src import USER_MODEL
+from tests.user_data import PERIODIC_BATCHES_PY
 
 pytestmark = pytest.mark.integration
 
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom.\n"
 
-DATA_PY = b"""
-import torch
-
-def batches(*, batch_size, seq_len, seed, period):
-    def stream(offset):
-        g = torch.Generator().manual_seed(seed + offset)
-        while True:
-            starts = torch.randint(0, period, (batch_size, 1), generator=g)
-            w = (starts + torch.arange(seq_len + 1)) % period
-            yield w[:, :-1], w[:, 1:]
-    return stream(0), stream(1)
-
+DATA_PY = (
+    PERIODIC_BATCHES_PY
+    + b"""
 def broken(**kwargs):
     return helper_that_does_not_exist(kwargs)
 """
+)
 
 
 def upload(stack: StackHandle, body: bytes, name: str = "ws"):  # noqa: ANN201

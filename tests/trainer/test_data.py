@@ -6,13 +6,13 @@ and bad paths, empty files and a too-small model vocabulary are refused with the
 from __future__ import annotations
 
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.user_data import PERIODIC_BATCHES_PY
 from trainer.config import ConfigError, DataConfig, JobConfig
 from trainer.data import TokenFiles, data_for, load_data, with_data_vocab
 from trainer.protocol import ListSink, NeverStop
@@ -165,25 +165,8 @@ def test_bad_paths_and_empty_files_are_named(tmp_path: Path) -> None:
 
 
 def test_python_data_entry_point(tmp_path: Path) -> None:
-    (tmp_path / "mydata.py").write_text(
-        textwrap.dedent(
-            """
-            import torch
-
-            def batches(*, batch_size, seq_len, seed, period):
-                def stream(offset):
-                    g = torch.Generator().manual_seed(seed + offset)
-                    while True:
-                        starts = torch.randint(0, period, (batch_size, 1), generator=g)
-                        w = (starts + torch.arange(seq_len + 1)) % period
-                        yield w[:, :-1], w[:, 1:]
-                return stream(0), stream(1)
-
-            def broken(**kwargs):
-                return 42
-            """
-        )
-    )
+    broken = "\ndef broken(**kwargs):\n    return 42\n"
+    (tmp_path / "mydata.py").write_text(PERIODIC_BATCHES_PY.decode() + broken)
     set_workspace(tmp_path)
     spec = job({"kind": "python", "entry": "mydata:batches", "args": {"period": 11}, "vocab_size": 11})
     sink = ListSink()

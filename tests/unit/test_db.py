@@ -7,7 +7,9 @@ import threading
 import pytest
 
 from db import jobs as dbj
+from db import workers as dbw
 from db.engine import get_engine, session_for
+from tests.conftest import together
 
 
 def _job(url: str, **kw) -> int:
@@ -34,11 +36,7 @@ def test_claim_is_won_by_exactly_one_of_many_racing_workers(db_url: str) -> None
             if dbj.claim_job(s, job_id=job_id, owner=name, worker=name, lease_s=30):
                 wins.append(name)
 
-    threads = [threading.Thread(target=race, args=(f"w{i}",)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together(race, (f"w{i}" for i in range(8)))
     assert len(wins) == 1
     with session_for(db_url) as s:
         job = dbj.get_job(s, job_id)
@@ -73,9 +71,9 @@ def test_stale_queued_jobs_are_found_for_the_reconciler(db_url: str) -> None:
 
 def test_heartbeats_and_liveness(db_url: str) -> None:
     with session_for(db_url) as s:
-        dbj.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[{"type": "cpu"}])
-        assert [w.name for w in dbj.live_workers(s, within_s=30)] == ["w1"]
-        assert dbj.live_workers(s, within_s=-1) == []
+        dbw.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[{"type": "cpu"}])
+        assert [w.name for w in dbw.live_workers(s, within_s=30)] == ["w1"]
+        assert dbw.live_workers(s, within_s=-1) == []
 
 
 def test_migrations_match_the_models(db_url: str) -> None:

@@ -13,6 +13,8 @@ import pytest
 from sqlalchemy import select
 
 from core.settings import Settings
+from db import gangs as dbg
+from db import ingest as dbi
 from db import jobs as dbj
 from db.engine import session_for
 from db.migrate import upgrade
@@ -41,8 +43,8 @@ def _running_gang(settings: Settings) -> list[dbj.Attempt]:
             s.add(Reservation(job_id=job.id, worker=f"w{r}", node_rank=r, nnodes=2, slots=2, attempt=0))
         s.commit()
         head = dbj.claim_job(s, job_id=job.id, owner="p0", worker="w0", lease_s=30)
-        assert dbj.claim_node(s, job_id=job.id, node_rank=0, worker="w0", owner="p0", lease_s=30) == head
-        member = dbj.claim_node(s, job_id=job.id, node_rank=1, worker="w1", owner="p1", lease_s=30)
+        assert dbg.claim_node(s, job_id=job.id, node_rank=0, worker="w0", owner="p0", lease_s=30) == head
+        member = dbg.claim_node(s, job_id=job.id, node_rank=1, worker="w1", owner="p1", lease_s=30)
     assert head is not None and member is not None
     return [head, member]
 
@@ -198,7 +200,7 @@ def test_a_node_whose_node_0_never_comes_gives_its_claim_back(settings: Settings
             select(Reservation).where(Reservation.job_id == job.id, Reservation.node_rank == 1)
         ).one()
         assert (row.owner, row.claimed_at, row.lease_until) == (None, None, None)
-        [log] = dbj.events_after(s, job_id=job.id, kinds=["log"])
+        [log] = dbi.events_after(s, job_id=job.id, kinds=["log"])
         assert log.message == "node 1 on w1: waited 1 s (gang_join_s) for node 0's rendezvous endpoint"
         assert dbj.get_job(s, job.id).status == JobStatus.queued
 
@@ -258,11 +260,11 @@ def test_node_0_records_the_gangs_run_time_over_its_attempts(settings: Settings)
     head, member = _running_gang(settings)
     with session_for(settings.database_url) as s:
         for attempt, node_rank, ran in ((member, 1, 9.0), (head, 0, 7.5)):
-            got = dbj.apply_gang_lines(
+            got = dbg.apply_gang_lines(
                 s,
                 attempt=attempt,
                 node_rank=node_rank,
-                lines=dbj.JobLines(),
+                lines=dbi.JobLines(),
                 lease_s=30,
                 now=dbj.db_now(s),
                 run_seconds=ran,

@@ -23,6 +23,7 @@ from db import selections as dbsel
 from db.engine import session_for
 from db.models import Job, JobStatus, Reservation, Trial
 from db.users import create_user
+from tests.conftest import beat
 
 GiB = 2**30
 SPEC = {
@@ -45,18 +46,6 @@ class Sent:
         self, _settings: Settings, *, selection_id: int, trial_ids: list[int], queue: str, reservation_id: int
     ) -> None:
         self.groups.append((selection_id, trial_ids, queue, reservation_id))
-
-
-def _beat(url: str, name: str, *, slots: int = 1, tasks: int = 1) -> None:
-    with session_for(url) as s:
-        dbj.record_heartbeat(
-            s,
-            name=name,
-            hostname="h",
-            queues=["cpu", "gpu", f"node.{name}"],
-            devices=[{"type": "cpu"}],
-            host={"slots": slots, "tasks": tasks, "ram_bytes": 64 * GiB, "cpus": 2},
-        )
 
 
 def _batch(
@@ -103,8 +92,8 @@ def _trial_job(url: str, trial_id: int) -> Job:
 
 
 def test_groups_of_a_batch_spread_over_two_workers_and_the_third_waits(db_url: str) -> None:
-    _beat(db_url, "w1@h")
-    _beat(db_url, "w2@h")
+    beat(db_url, "w1@h")
+    beat(db_url, "w2@h")
     sel, trials = _batch(db_url, 3)
     sent = Sent()
     sched = _sched(db_url, sent)
@@ -162,7 +151,7 @@ def test_groups_of_a_batch_spread_over_two_workers_and_the_third_waits(db_url: s
 
 
 def test_a_group_whose_trials_lease_ran_out_is_freed_and_placed_again(db_url: str) -> None:
-    _beat(db_url, "w1@h", slots=2, tasks=2)
+    beat(db_url, "w1@h", slots=2, tasks=2)
     _sel, trials = _batch(db_url, 2, group_size=2)
     sent = Sent()
     sched = _sched(db_url, sent)
@@ -194,28 +183,28 @@ def test_a_group_whose_trials_lease_ran_out_is_freed_and_placed_again(db_url: st
 
 
 def test_unclaimed_group_moves_off_a_dead_worker_and_a_lost_message_is_sent_again(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h")
     _sel, trials = _batch(db_url, 1)
     sent = Sent()
     sched = _sched(db_url, sent, worker_alive_s=0.5, requeue_after_s=0.3)
     # beat again right before the tick: on a loaded machine the batch's set-up alone can take
     # longer than the 0.5 s alive window, and the worker would count as dead already
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h")
     sched.tick()
     assert sent.groups[-1][1:3] == (trials, "node.w1@h")
     time.sleep(0.4)  # never claimed: the message was lost, it goes again to the same worker
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h")
     sched.tick()
     assert len(sent.groups) == 2 and sent.groups[-1][2:] == sent.groups[0][2:]
     time.sleep(0.7)  # w1 stops beating; w2 appears
-    _beat(db_url, "w2@h")
+    beat(db_url, "w2@h")
     sched.tick()
     assert sent.groups[-1][1:3] == (trials, "node.w2@h")
     assert [h[0] for h in _held(db_url)] == ["w2@h"]
 
 
 def test_cancelling_the_batch_frees_its_unclaimed_groups(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h")
     sel, _trials = _batch(db_url, 1)
     sent = Sent()
     sched = _sched(db_url, sent)
@@ -232,7 +221,7 @@ def test_a_group_that_ran_counts_in_its_owners_recent_slot_minutes(db_url: str) 
     batch's devices (slots) from the group's claim, which its trials share as started_at, to
     the end of its last trial. Before, only jobs counted: a user whose batches had just used
     the fleet for an hour stood as if idle."""
-    _beat(db_url, "w1@h", slots=2)
+    beat(db_url, "w1@h", slots=2)
     with session_for(db_url) as s:
         ann = create_user(s, name="ann").id
     _, trials = _batch(db_url, 2, group_size=2, devices=2, owner_id=ann)
@@ -266,7 +255,7 @@ def test_a_group_that_ran_counts_in_its_owners_recent_slot_minutes(db_url: str) 
 
 
 def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
-    _beat(db_url, "w1@h", slots=4, tasks=4)
+    beat(db_url, "w1@h", slots=4, tasks=4)
     with session_for(db_url) as s:
         uid = create_user(s, name="ann", max_running_jobs=1).id
     _sel, trials = _batch(db_url, 2, owner_id=uid)
@@ -287,7 +276,7 @@ def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
 
 
 def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h")
     with session_for(db_url) as s:
         job = dbj.create_job(s, name="j", spec=SPEC).id
     _sel, trials = _batch(db_url, 1, priority=5)
@@ -310,7 +299,7 @@ def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
 def test_the_worker_runs_only_a_group_reserved_for_it_and_gives_back_one_over_quota(db_url: str) -> None:
     from workers.selection import execute_selection
 
-    _beat(db_url, "w1@h", slots=2, tasks=2)
+    beat(db_url, "w1@h", slots=2, tasks=2)
     with session_for(db_url) as s:
         uid = create_user(s, name="bo", max_running_jobs=1).id
     sel, trials = _batch(db_url, 1, owner_id=uid)
@@ -342,8 +331,8 @@ def test_overlapping_groups_reserved_at_once_on_two_workers_never_share_a_trial(
     find a trial taken. Before the selection row was locked, on Postgres the second booked trials
     2 and 3 meanwhile and the first then booked 1 and 2 on what it had read (each worker's row
     lock orders only its own reservations); SQLite has one writer at a time."""
-    _beat(db_url, "w1@h", slots=4, tasks=4)
-    _beat(db_url, "w2@h", slots=4, tasks=4)
+    beat(db_url, "w1@h", slots=4, tasks=4)
+    beat(db_url, "w2@h", slots=4, tasks=4)
     _, trials = _batch(db_url, 3)
     cap = {w: dbs.Capacity(slots=4, tasks=4, gpus=0, ram_bytes=64 * GiB) for w in ("w1@h", "w2@h")}
     first_checked, go_on = threading.Event(), threading.Event()

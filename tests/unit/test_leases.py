@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
+from db import ingest as dbi
 from db import jobs as dbj
 from db import selections as dbs
 from db.engine import session_for
@@ -20,9 +21,9 @@ def _job(url: str) -> int:
         return dbj.create_job(s, name="j", spec={"train": {"steps": 9}}, steps=9).id
 
 
-def _apply(url: str, attempt: dbj.Attempt, lines: dbj.JobLines, lease_s: float = 30) -> dbj.Applied | None:
+def _apply(url: str, attempt: dbj.Attempt, lines: dbi.JobLines, lease_s: float = 30) -> dbi.Applied | None:
     with session_for(url) as s:
-        got = dbj.apply_lines(s, attempt=attempt, lines=lines, lease_s=lease_s, now=dbj.db_now(s))
+        got = dbi.apply_lines(s, attempt=attempt, lines=lines, lease_s=lease_s, now=dbj.db_now(s))
         s.commit()
         return got
 
@@ -65,7 +66,7 @@ def test_a_stale_attempt_writes_nothing(db_url: str) -> None:
     time.sleep(0.3)
     with session_for(db_url) as s:
         new = dbj.claim_job(s, job_id=job_id, owner="b", worker="w", lease_s=30)
-    assert _apply(db_url, old, dbj.JobLines(metrics=[(0, 1, "loss", 9.0, 1.0)], result=(1, {"x": 1}))) is None
+    assert _apply(db_url, old, dbi.JobLines(metrics=[(0, 1, "loss", 9.0, 1.0)], result=(1, {"x": 1}))) is None
     assert _series(db_url, job_id) == []
     with session_for(db_url) as s:
         assert dbj.finish_job(s, attempt=old, status=JobStatus.failed, error="zombie") is None
@@ -73,7 +74,7 @@ def test_a_stale_attempt_writes_nothing(db_url: str) -> None:
         assert not dbj.renew_lease(s, attempt=old, lease_s=30)
         job = dbj.get_job(s, job_id)
         assert (job.status, job.owner, job.result) == ("running", "b", None)
-    assert _apply(db_url, new, dbj.JobLines(metrics=[(0, 1, "loss", 2.0, 1.0)])) is not None
+    assert _apply(db_url, new, dbi.JobLines(metrics=[(0, 1, "loss", 2.0, 1.0)])) is not None
     with session_for(db_url) as s:
         assert dbj.finish_job(s, attempt=new, status=JobStatus.succeeded) is not None
         assert dbj.get_job(s, job_id).status == "succeeded"
@@ -83,16 +84,16 @@ def test_metric_steps_are_stored_once_the_newest_attempt_winning(db_url: str) ->
     job_id = _job(db_url)
     with session_for(db_url) as s:
         a1 = dbj.claim_job(s, job_id=job_id, owner="a", worker="w", lease_s=0.1)
-    got = _apply(db_url, a1, dbj.JobLines(metrics=[(i, i + 1, "loss", 10.0 - i, 1.0) for i in range(5)]), 0.1)
+    got = _apply(db_url, a1, dbi.JobLines(metrics=[(i, i + 1, "loss", 10.0 - i, 1.0) for i in range(5)]), 0.1)
     assert [p["step"] for p in got.metrics] == [1, 2, 3, 4, 5]
     # the same batch again (a retry after a commit that did go through): nothing changes
-    again = _apply(db_url, a1, dbj.JobLines(metrics=[(4, 5, "loss", -1.0, 1.0)]), 0.1)
+    again = _apply(db_url, a1, dbi.JobLines(metrics=[(4, 5, "loss", -1.0, 1.0)]), 0.1)
     assert again is not None and again.metrics == []
     time.sleep(0.3)
     with session_for(db_url) as s:
         a2 = dbj.claim_job(s, job_id=job_id, owner="b", worker="w", lease_s=30)
     # a re-run from the checkpoint at step 3: steps 4..6, numbered from 0 again by the new process
-    _apply(db_url, a2, dbj.JobLines(metrics=[(i, 4 + i, "loss", 1.0 + i, 2.0) for i in range(3)]))
+    _apply(db_url, a2, dbi.JobLines(metrics=[(i, 4 + i, "loss", 1.0 + i, 2.0) for i in range(3)]))
     assert _series(db_url, job_id) == [(1, 10.0), (2, 9.0), (3, 8.0), (4, 1.0), (5, 2.0), (6, 3.0)]
     with session_for(db_url) as s:
         job = dbj.get_job(s, job_id)
@@ -103,10 +104,10 @@ def test_a_result_is_stored_when_it_arrives_and_marks_the_applied_step(db_url: s
     job_id = _job(db_url)
     with session_for(db_url) as s:
         a = dbj.claim_job(s, job_id=job_id, owner="a", worker="w", lease_s=30)
-    _apply(db_url, a, dbj.JobLines(events=[(0, "event", "checkpoint", {"step": 4}, 1.0)]))
+    _apply(db_url, a, dbi.JobLines(events=[(0, "event", "checkpoint", {"step": 4}, 1.0)]))
     with session_for(db_url) as s:
         assert dbj.get_job(s, job_id).applied_step == 4
-    _apply(db_url, a, dbj.JobLines(result=(1, {"steps": 9, "final_loss": 1.5})))
+    _apply(db_url, a, dbi.JobLines(result=(1, {"steps": 9, "final_loss": 1.5})))
     with session_for(db_url) as s:
         job = dbj.get_job(s, job_id)
         assert (job.status, job.result, job.applied_step) == ("running", {"steps": 9, "final_loss": 1.5}, 9)
@@ -165,7 +166,7 @@ def test_a_trial_ends_only_with_its_result_and_the_batch_status_follows(db_url: 
         assert [t.index for t, _ in won] == [0, 1]
     (t0, a0), (t1, a1) = won
 
-    def apply(trial: Trial, attempt: dbj.Attempt, lines: dbj.JobLines, progress: dbs.TrialProgress) -> None:
+    def apply(trial: Trial, attempt: dbj.Attempt, lines: dbi.JobLines, progress: dbs.TrialProgress) -> None:
         with session_for(db_url) as s:
             got = dbs.apply_trial_lines(
                 s,
@@ -182,9 +183,9 @@ def test_a_trial_ends_only_with_its_result_and_the_batch_status_follows(db_url: 
 
     # trial 0: its result first, then (next batch) its end
     apply(
-        t0, a0, dbj.JobLines(result=(3, {"steps": 4, "compute_s": 1.5})), dbs.TrialProgress(values=[2.0, 1.0])
+        t0, a0, dbi.JobLines(result=(3, {"steps": 4, "compute_s": 1.5})), dbs.TrialProgress(values=[2.0, 1.0])
     )
-    apply(t0, a0, dbj.JobLines(), dbs.TrialProgress(values=[], steps_done=4, finish=("succeeded", None)))
+    apply(t0, a0, dbi.JobLines(), dbs.TrialProgress(values=[], steps_done=4, finish=("succeeded", None)))
     with session_for(db_url) as s:
         row = s.get(Trial, t0.id)
         assert (row.status, row.best_metric, row.result["compute_s"]) == ("succeeded", 1.0, 1.5)
@@ -203,7 +204,7 @@ def test_a_trial_ends_only_with_its_result_and_the_batch_status_follows(db_url: 
     apply(
         t1,
         again[0][1],
-        dbj.JobLines(result=(0, {"steps": 4})),
+        dbi.JobLines(result=(0, {"steps": 4})),
         dbs.TrialProgress(values=[], finish=("stopped_early", None)),
     )
     with session_for(db_url) as s:

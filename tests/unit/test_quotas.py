@@ -8,6 +8,7 @@ from db import jobs as dbj
 from db.engine import session_for
 from db.quotas import quota_gate, waiting_jobs
 from db.users import create_user
+from tests.conftest import together
 
 DEFAULTS = {"running_jobs": 4, "ranks": 64, "gpus": 8}
 
@@ -82,11 +83,7 @@ def test_racing_workers_never_exceed_the_quota(db_url: str) -> None:
         if _gate_and_claim(db_url, job_id) is None:
             started.append(job_id)
 
-    threads = [threading.Thread(target=race, args=(i,)) for i in ids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together(race, ids)
     assert len(started) == 2
     with session_for(db_url) as s:
         assert len(waiting_jobs(s, owner_id=uid)) == 4

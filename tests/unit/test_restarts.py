@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from db import ingest as dbi
 from db import jobs as dbj
 from db.engine import session_for
 from db.models import JobStatus
@@ -27,7 +28,7 @@ def _claim(url: str, job_id: int, *, lease_s: float = 30) -> dbj.Attempt:
 
 def _restart_events(url: str, job_id: int) -> list[dict]:
     with session_for(url) as s:
-        evs = dbj.events_after(s, job_id=job_id, after_id=0, limit=100)
+        evs = dbi.events_after(s, job_id=job_id, after_id=0, limit=100)
     return [
         e.data for e in evs if e.kind == "status" and e.message == "queued" and (e.data or {}).get("restart")
     ]

@@ -24,11 +24,13 @@ from core.scheduler import (
     plan,
 )
 from core.settings import Settings
+from db import ingest as dbi
 from db import jobs as dbj
 from db import scheduling as dbs
 from db.engine import get_engine, session_for
 from db.models import Job, JobStatus, Reservation, WorkerBeat
 from db.users import create_user
+from tests.conftest import beat, together
 
 GiB = 2**30
 
@@ -253,18 +255,6 @@ class Sent:
         self.calls.append((job_id, queue, node_rank, nnodes))
 
 
-def _beat(url: str, name: str, *, slots: int = 2, tasks: int = 1) -> None:
-    with session_for(url) as s:
-        dbj.record_heartbeat(
-            s,
-            name=name,
-            hostname="h",
-            queues=["cpu", "gpu", f"node.{name}"],
-            devices=[{"type": "cpu"}],
-            host={"slots": slots, "tasks": tasks, "ram_bytes": 64 * GiB, "cpus": 2},
-        )
-
-
 SPEC = {
     "model": {"kind": "gpt", "layers": 1, "d_model": 16, "heads": 1, "seq_len": 8, "vocab_size": 64},
     "train": {"steps": 1, "batch_size": 2},
@@ -283,8 +273,8 @@ def _sched(url: str, sent: Sent, **kw: Any) -> Scheduler:
 
 
 def test_tick_reserves_sends_and_frees(db_url: str) -> None:
-    _beat(db_url, "w1@h")
-    _beat(db_url, "w2@h")
+    beat(db_url, "w1@h", slots=2)
+    beat(db_url, "w2@h", slots=2)
     low = [_job(db_url) for _ in range(3)]
     high = _job(db_url, priority=3)
     sent = Sent()
@@ -313,7 +303,7 @@ def test_tick_reserves_sends_and_frees(db_url: str) -> None:
 
 
 def test_unclaimed_reservations_of_a_dead_worker_are_freed(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h", slots=2)
     job = _job(db_url)
     sent = Sent()
     sched = _sched(db_url, sent, worker_alive_s=5)
@@ -328,14 +318,14 @@ def test_unclaimed_reservations_of_a_dead_worker_are_freed(db_url: str) -> None:
             .values(last_seen=dbj.db_now(s) - timedelta(seconds=10))
         )
         s.commit()
-    _beat(db_url, "w2@h")
+    beat(db_url, "w2@h", slots=2)
     sched.tick()
     assert sent.calls[-1] == (job, "node.w2@h", 0, 1)
 
 
 def test_wide_job_is_reserved_as_a_gang_in_one_transaction(db_url: str) -> None:
-    _beat(db_url, "w1@h")
-    _beat(db_url, "w2@h")
+    beat(db_url, "w1@h", slots=2)
+    beat(db_url, "w2@h", slots=2)
     job = _job(db_url, world_size=4)
     sent = Sent()
     _sched(db_url, sent).tick()
@@ -348,7 +338,7 @@ def test_wide_job_is_reserved_as_a_gang_in_one_transaction(db_url: str) -> None:
 
 
 def test_fair_share_across_ticks_on_the_database(db_url: str) -> None:
-    _beat(db_url, "w1@h", slots=1, tasks=1)
+    beat(db_url, "w1@h", slots=1, tasks=1)
     with session_for(db_url) as s:
         ann, bob = create_user(s, name="ann").id, create_user(s, name="bob").id
     ids = [_job(db_url, owner_id=ann) for _ in range(3)] + [_job(db_url, owner_id=bob) for _ in range(3)]
@@ -367,7 +357,7 @@ def test_fair_share_across_ticks_on_the_database(db_url: str) -> None:
 
 
 def test_quota_reason_is_written_and_lifted(db_url: str) -> None:
-    _beat(db_url, "w1@h", slots=4, tasks=4)
+    beat(db_url, "w1@h", slots=4, tasks=4)
     with session_for(db_url) as s:
         cy = create_user(s, name="cy", max_running_jobs=1).id
     first, second = _job(db_url, owner_id=cy), _job(db_url, owner_id=cy)
@@ -382,7 +372,7 @@ def test_only_the_wait_reasons_that_changed_are_rewritten(db_url: str) -> None:
     """A reason is written when it changes, not on every tick (with 1,000 queued jobs a rewrite of
     each one every tick would be most of the tick's database time). Counted as the rows the
     reason UPDATEs changed in the database."""
-    _beat(db_url, "w1@h", slots=1, tasks=1)
+    beat(db_url, "w1@h", slots=1, tasks=1)
     with session_for(db_url) as s:
         dee = create_user(s, name="dee", max_running_jobs=0).id
     first = _job(db_url, priority=3)
@@ -430,7 +420,7 @@ def test_wait_reasons_are_set_and_cleared_on_queued_jobs_only(db_url: str) -> No
 
 
 def test_one_scheduler_holds_the_lock(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h", slots=2)
     _job(db_url)
     a, b = Sent(), Sent()
     first, second = _sched(db_url, a), _sched(db_url, b)
@@ -444,7 +434,7 @@ def test_one_scheduler_holds_the_lock(db_url: str) -> None:
 def test_racing_reservations_never_double_book(db_url: str) -> None:
     """Two schedulers (the lock bypassed: as if one's lease had lapsed mid-tick) reserve the one
     free slot of a worker for two different jobs at the same instant: exactly one wins."""
-    _beat(db_url, "w1@h", slots=1, tasks=1)
+    beat(db_url, "w1@h", slots=1, tasks=1)
     jobs = [_job(db_url), _job(db_url)]
     cap = {"w1@h": dbs.Capacity(slots=1, tasks=1, gpus=0, ram_bytes=64 * GiB)}
     barrier = threading.Barrier(2)
@@ -456,11 +446,7 @@ def test_racing_reservations_never_double_book(db_url: str) -> None:
             if dbs.reserve(s, job_id=job_id, nodes=[dbs.Node("w1@h", 1, 0, GiB)], capacity=cap):
                 wins.append(job_id)
 
-    threads = [threading.Thread(target=race, args=(j,)) for j in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    together(race, jobs)
     assert len(wins) == 1
     with session_for(db_url) as s:
         assert s.query(Reservation).count() == 1
@@ -472,7 +458,7 @@ def test_racing_reservations_never_double_book(db_url: str) -> None:
 
 
 def test_preemption_flag_is_set_on_the_lower_priority_job(db_url: str) -> None:
-    _beat(db_url, "w1@h", slots=1, tasks=1)
+    beat(db_url, "w1@h", slots=1, tasks=1)
     low = _job(db_url)
     sent = Sent()
     sched = _sched(db_url, sent, preemption=True)
@@ -488,7 +474,7 @@ def test_preemption_flag_is_set_on_the_lower_priority_job(db_url: str) -> None:
 
 
 def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> None:
-    _beat(db_url, "w1@h")
+    beat(db_url, "w1@h", slots=2)
     job = _job(db_url)
     sent = Sent()
     down = {"on": True}
@@ -504,7 +490,7 @@ def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> 
     with session_for(db_url) as s:
         (row,) = s.query(Reservation).filter_by(job_id=job).all()
         assert row.sent_at is None
-        logs = [e.message for e in dbj.events_after(s, job_id=job, kinds=["log"])]
+        logs = [e.message for e in dbi.events_after(s, job_id=job, kinds=["log"])]
         assert logs == ["broker unavailable, will retry: redis is down"]
     down["on"] = False
     sched.tick()
@@ -536,8 +522,8 @@ def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
 def test_preemption_asks_a_running_job_not_one_only_reserved(db_url: str) -> None:
     """A lower-priority job that is reserved but not started cannot be asked to checkpoint
     (request_preemption asks running jobs): choosing it asked nobody and said it had."""
-    _beat(db_url, "w1@h", slots=1, tasks=1)
-    _beat(db_url, "w2@h", slots=1, tasks=1)
+    beat(db_url, "w1@h", slots=1, tasks=1)
+    beat(db_url, "w2@h", slots=1, tasks=1)
     waiting, started = _job(db_url), _job(db_url)
     sent = Sent()
     sched = _sched(db_url, sent, preemption=True)

@@ -22,6 +22,7 @@ over the row peers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,13 +58,7 @@ class _Summa(torch.autograd.Function):
         ctx.save_for_backward(x_nI, w_OI)
         ctx.mesh, ctx.layer = mesh, layer
         y_nO = x_nI.new_zeros(x_nI.shape[0], w_OI.shape[0])
-        nxt = _fetch(x_nI, w_OI, s=0, mesh=mesh, layer=layer, phase="fwd")
-        for s in range(mesh.q):
-            a_nI, b_OI, works = nxt
-            comm.wait(works)
-            if s + 1 < mesh.q:
-                # the next step's blocks travel while this step multiplies
-                nxt = _fetch(x_nI, w_OI, s=s + 1, mesh=mesh, layer=layer, phase="fwd")
+        for _s, a_nI, b_OI in _summa_steps(x_nI, w_OI, mesh=mesh, layer=layer, phase="fwd"):
             y_nO.addmm_(a_nI, b_OI.t())
         return y_nO
 
@@ -75,12 +70,7 @@ class _Summa(torch.autograd.Function):
         dy_nO = dy_nO.contiguous()
         dx_nI, dw_OI = None, None
         pending: list[tuple[Any, torch.Tensor, str, int]] = []
-        nxt = _fetch(x_nI, w_OI, s=0, mesh=mesh, layer=layer, phase="bwd")
-        for s in range(mesh.q):
-            a_nI, b_OI, works = nxt
-            comm.wait(works)
-            if s + 1 < mesh.q:
-                nxt = _fetch(x_nI, w_OI, s=s + 1, mesh=mesh, layer=layer, phase="bwd")
+        for s, a_nI, b_OI in _summa_steps(x_nI, w_OI, mesh=mesh, layer=layer, phase="bwd"):
             # dx[r, s] = sum_j dy[r, j] W[j, s]: partial here, summed onto column s of this row
             pdx_nI = dy_nO @ b_OI
             work = comm.reduce(pdx_nI, dst=mesh.row_ranks[s], group=mesh.row_peers, layer=layer, phase="bwd")
@@ -99,6 +89,20 @@ class _Summa(torch.autograd.Function):
         # every depth layer multiplied different rows by the same W[j, i]
         comm.all_reduce(dw_OI, group=mesh.depth_peers, layer=layer, phase="bwd")
         return dx_nI, dw_OI, None, None
+
+
+def _summa_steps(
+    x_nI: torch.Tensor, w_OI: torch.Tensor, *, mesh: MeshGrid, layer: str, phase: str
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(s, x[r, s], W[j, s]) for each SUMMA step s, once its broadcasts arrived; step s+1's are
+    issued before step s is handed out, so they travel while the caller multiplies."""
+    nxt = _fetch(x_nI, w_OI, s=0, mesh=mesh, layer=layer, phase=phase)
+    for s in range(mesh.q):
+        a_nI, b_OI, works = nxt
+        comm.wait(works)
+        if s + 1 < mesh.q:
+            nxt = _fetch(x_nI, w_OI, s=s + 1, mesh=mesh, layer=layer, phase=phase)
+        yield s, a_nI, b_OI
 
 
 def _fetch(
