@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
@@ -102,6 +103,7 @@ def trial_fields(t: Trial) -> dict[str, Any]:
         "compute_s": (t.result or {}).get("compute_s"),
         "copy_s": (t.result or {}).get("copy_s"),
         "stop_reason": (t.result or {}).get("stop_reason"),
+        "repeats_skipped": (t.result or {}).get("repeats_skipped"),
     }
 
 
@@ -223,6 +225,74 @@ def claim_trials(
     return won
 
 
+def add_group_trial(
+    session: Session,
+    *,
+    selection_id: int,
+    index: int,
+    params: dict[str, Any],
+    spec: dict[str, Any],
+    reservation_id: int,
+    worker: str,
+    owner: str,
+    lease_s: float,
+    result: dict[str, Any] | None = None,
+) -> tuple[Trial, Attempt] | None:
+    """A sampler's next trial, added to a running group (workers/search.py ask_next) in ONE
+    transaction: its Job row already claimed by `owner` and its id in the group's reservation, so
+    the scheduler never sees it queued and places it elsewhere. None, writing nothing, when the
+    group's reservation is gone or another process holds it, or the index is taken (IntegrityError
+    is the caller's: another worker asked it first)."""
+    res = session.scalar(select(Reservation).where(_group_reservation(reservation_id, worker, owner)))
+    if res is None:
+        return None
+    sel = session.get(Selection, selection_id)
+    assert sel is not None
+    group_job = session.get(Job, session.scalar(select(Trial.job_id).where(Trial.id.in_(res.trial_ids))))
+    now = db_now(session)
+    job = Job(
+        name=f"{spec.get('name', 'trial')}#{index}",
+        spec=spec,
+        queue=group_job.queue if group_job is not None else "cpu",
+        steps=spec["train"]["steps"],
+        kind="trial",
+        selection_id=selection_id,
+        owner_id=sel.owner_id,
+        priority=int(spec.get("priority", 0) or 0),
+        status=JobStatus.running,
+        enqueued_at=utcnow(),
+        started_at=now,
+        worker=worker,
+        owner=owner,
+        lease_until=now + timedelta(seconds=lease_s),
+        applied_seq=-1,
+        attempts=1,
+    )
+    session.add(job)
+    session.flush()
+    trial = Trial(
+        selection_id=selection_id,
+        index=index,
+        params=params,
+        job_id=job.id,
+        steps_total=spec["train"]["steps"],
+        status="running",
+        result=result,
+    )
+    session.add(trial)
+    session.flush()
+    res.trial_ids = [*res.trial_ids, trial.id]
+    t = time.time()
+    session.add(JobEvent(job_id=job.id, time=t, kind="status", message="queued", data={"by": "search"}))
+    session.add(
+        JobEvent(
+            job_id=job.id, time=t, kind="status", message="running", data={"worker": worker, "attempt": 1}
+        )
+    )
+    session.commit()
+    return trial, Attempt(job_id=job.id, attempt=1, owner=owner)
+
+
 @dataclass(slots=True)
 class TrialProgress:
     """What a batch of lines says about a trial beyond its job's lines."""
@@ -263,7 +333,9 @@ def apply_trial_lines(
     if progress.steps_done is not None:
         trial.steps_done = max(trial.steps_done, progress.steps_done)
     if applied.result is not None:
-        trial.result = applied.result
+        # the search's note (repeats it skipped for this trial) stays beside the executor's report
+        note = {k: v for k, v in (trial.result or {}).items() if k == "repeats_skipped"}
+        trial.result = {**note, **applied.result}
     if progress.finish is not None:
         status, error = progress.finish
         trial.status = status
