@@ -438,12 +438,12 @@ def derive_status(states: Sequence[str], *, cancel_requested: bool) -> str:
 
 
 GROWING_METHODS = frozenset({"tpe", "cmaes", "qmc"})
-"""The samplers of core/search.py: their batches add their own trials, a generation at a time."""
+"""The samplers of core/search.py: their batches add their own trials as trials end."""
 
 
 def still_growing(sel: Selection) -> bool:
     """A sampler batch is not over while it has fewer trials than it asked for, unless it was
-    cancelled or its search stopped (`error`): its next generation is about to be added."""
+    cancelled or its search stopped (`error`): its next trials are about to be added."""
     req = sel.request or {}
     return (
         req.get("method") in GROWING_METHODS
@@ -472,7 +472,7 @@ def settle_selection(session: Session, *, selection_id: int) -> str:
 
 
 def batch_over(session: Session, *, selection_id: int) -> bool:
-    """Whether settling the batch now would end it (every trial ended, no generation left to
+    """Whether settling the batch now would end it (every trial ended, no trial left to
     grow), read fresh and without writing anything."""
     sel = get_selection(session, selection_id)
     session.refresh(sel)

@@ -405,7 +405,7 @@ def _end_group(
     """Trials the executor never fully reported (final event and result): cancelled or stopped
     when that was asked, given back when the worker shuts down or the executor lost a result,
     failed when the executor failed. The group's reservation is freed with them: the scheduler
-    places the trials given back (and a sampler's next generation) again."""
+    places the trials given back (and a sampler's next trials) again."""
     rerun = []
     with session_for(settings.database_url) as s:
         sel = get_selection(s, selection_id)
@@ -429,8 +429,8 @@ def _end_group(
             sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
         free_group(s, reservation_id=group[0], worker=group[1], owner=owner_id())
         s.commit()
-        # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
-        # the batch is settled, so it never shows as ended between two generations
+        # a sampler batch (tpe, cmaes, qmc) whose group asked none asks its next trials here, before
+        # the batch is settled, so it never shows as ended between two asks
         grow(settings, selection_id=selection_id)
         keep_best_checkpoints(settings, s, selection_id=selection_id)  # before the end shows
         status = settle_selection(s, selection_id=selection_id)

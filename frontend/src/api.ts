@@ -126,6 +126,8 @@ export interface Trial {
   compute_s?: number | null;
   copy_s?: number | null;
   stop_reason?: StopReason | null;
+  /** A sampler's trial: earlier trials whose points the sampler asked again first (not run). */
+  repeats_skipped?: number[] | null;
 }
 
 /** Why the rungs stopped a trial: its rung, its metric there, the last kept trial's metric. */
