@@ -519,9 +519,9 @@ class Executor:
     def _growing(self) -> bool:
         """Under the lock: whether `more` may still add a trial (it is being asked, or a trial ended
         since it last had none)."""
-        return (
-            self.more is not None and not self._stopping and (self._asking or self._asked_at != self._ended())
-        )
+        if self.more is None:
+            return False
+        return self._asking or (not self._stopping and self._asked_at != self._ended())
 
     def _ask_more(self) -> None:
         """Under the lock (released while `more` answers and the trial is built): ask for a trial."""
