@@ -429,6 +429,8 @@ def test_more_adds_a_trial_when_a_device_frees_without_waiting_for_the_others() 
     first = {t: min(s.start for s in ex.trace if s.trial == t) for t in results}
     last1 = max(s.end for s in ex.trace if s.trial == 1)
     assert first[2] < last1 and first[3] < last1
+    # the process lives as long as the batch: ended trials hold no weights
+    assert all(r.trial.shards == [] for r in ex.runs.values())
 
 
 def test_more_cannot_grow_a_batch_with_rungs() -> None:

@@ -333,8 +333,21 @@ class Executor:
             run.sink.event("checkpoint", {"step": steps, "path": str(path)})
         self._report_end(run, steps)
         self._keep_checkpoints(run)
+        self._release(run)
         if self.rungs is not None:
             self._apply(self.rungs.finished(run.index, step=steps))
+
+    def _release(self, run: TrialRun) -> None:
+        """A growing batch's process lives as long as the batch: an ended trial's weights and
+        optimizer state go (its result keeps its step and loss), so the process holds about
+        `parallel` trials however many the batch asks. No device holds an ended trial."""
+        t = run.trial
+        if self.more is None or t is None:
+            return
+        t.shards, t.model = [], torch.nn.Sequential()
+        t._inputs.clear()
+        t._y = t._grad = t._coef = None
+        t._norms.clear()
 
     def _fail(self, run: TrialRun, exc: BaseException) -> None:
         run.error = f"{type(exc).__name__}: {exc}"
@@ -343,6 +356,7 @@ class Executor:
         steps = run.trial.step if run.trial else 0
         self._report_end(run, steps)
         self._keep_checkpoints(run)
+        self._release(run)
         if self.rungs is not None:
             self._apply(self.rungs.finished(run.index, step=steps))
 
