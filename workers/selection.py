@@ -275,6 +275,13 @@ def execute_selection(
             limits[i] = runtime_limit_s(new.spec, service_max_s=settings.max_job_runtime_s)
             won.append((t, new.attempt))
             mine.add(i)
+            if uploader is not None:  # its checkpoints go to the store like the group's first trials'
+                m = Mirror(
+                    storage=uploader.mirrors[0].storage,
+                    local=root / f"trial-{i}",
+                    prefix=f"{selection_prefix(selection_id)}/trial-{i}",
+                )
+                uploader.mirrors = [*uploader.mirrors, m]  # a new list: the upload thread keeps its own
             publish_status(relay, job_id=t.job_id)
             trial = BatchTrial(index=i, spec=new.spec).model_dump()
         tmp = ask_file.with_suffix(".tmp")
