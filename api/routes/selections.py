@@ -211,7 +211,7 @@ def add_trials(
         raise HTTPException(
             status.HTTP_409_CONFLICT,
             f"selection {selection_id} uses method {req.method}: its sampler adds the trials itself, "
-            f"a generation of {req.generation} at a time",
+            f"as trials end, {req.generation} in flight",
         )
     if body.warm_start_from is not None:
         try:
