@@ -279,6 +279,9 @@ class TrialPublic(BaseModel):
     copy_s: float | None = None
     stop_reason: StopReason | None = None
     """Why the trial stopped, as the executor reports it (None while it runs or if it did not say)."""
+    repeats_skipped: list[int] | None = None
+    """A sampler's trials: the earlier trials whose points the sampler asked again first for this
+    trial; those asks were not run (core/search.py)."""
 
 
 class SpaceRange(PresentOnly):

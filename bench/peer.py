@@ -1,6 +1,7 @@
 """Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
 
     python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
+    python -m bench.peer --search [--reps 5] [--steps 60]
 
 The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
 CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and with ASHA
@@ -17,6 +18,17 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 - ray / ray-reuse: Ray Tune (`Tuner`, a function trainable running trainer/loop.py's `train`, one
   CPU per trial, `ray.init(num_cpus=2)` done before timing), with `reuse_actors` off (Ray's
   default) and on; FIFOScheduler or ASHAScheduler(grace_period=1 report = 10 steps, rf 2).
+
+`--search`: model-based search on the same 8-point grid, where the answer is known (every point's
+best val_loss is the grid's, each point computed once per repetition by the REST grid run). One
+repetition per seed (0 .. reps-1), interleaved: `rest-grid` (the grid through REST, as above),
+`rest-tpe` (`method: tpe`, 8 trials, `parallel` 2, 4 random startup trials, the seed) and
+`ray-optuna` (Ray Tune with `OptunaSearch` over the same two choices: Optuna's TPESampler with the
+same seed, startup trials and `constant_liar`, 8 samples, `ConcurrencyLimiter` 2, one CPU per trial;
+each trial reports its best val_loss so far, the value Shardyard's sampler is told). Each reports
+its wall, the best value it found and the best value after each trial (by trial index, from the
+grid's values of the points asked), and how many points it ran twice. Writes
+bench/results/peer_search.json.
 
 Every side reports the best trial's parameters and val_loss, so a fast wrong answer shows. The
 work floor is the bare side's summed per-trial training time over two cores. Checkpoints are off on
@@ -250,6 +262,247 @@ def run_ray(ts: list[dict[str, Any]], mode: str, *, reuse: bool, steps: int, tmp
     return {"wall_s": wall, "trials": per}
 
 
+# -- model-based search: Shardyard's TPE over REST beside Ray Tune's OptunaSearch ---------------------
+
+STARTUP = 4
+"""Random trials before TPE's model, on both sides (Optuna's default, 10, is more than 8 trials)."""
+
+
+def _point(params: dict[str, Any]) -> tuple[float, int]:
+    return float(params["train.lr"]), int(params["model.layers"])
+
+
+def run_rest_search(client: httpx.Client, steps: int, *, method: str, seed: int) -> dict[str, Any]:
+    """The batch through REST: the grid, or TPE with `seed`; its trials' points and best val_loss
+    by trial index."""
+    body: dict[str, Any] = {
+        "name": f"peer-{method}",
+        "base": base_spec(steps),
+        "space": SPACE,
+        "method": method,
+        "devices": 2,
+        "checkpoints": "none",
+        "seed": seed,
+    }
+    if method == "tpe":
+        body.update(trials=8, parallel=2, startup_trials=STARTUP)
+    r = client.post("/api/selections", json=body)
+    r.raise_for_status()
+    sid = r.json()["id"]
+    while True:
+        sel = client.get(f"/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(REST_POLL_S)
+    if sel["status"] != "succeeded":
+        raise RuntimeError(f"selection {sid} ended {sel['status']}: {sel.get('error')}")
+    ts = sorted(sel["trials"], key=lambda t: t["index"])
+    return {
+        "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),
+        "points": [_point(t["params"]) for t in ts],
+        "values": [t["best_metric"] for t in ts],
+        "repeats_skipped": {t["index"]: t.get("repeats_skipped") for t in ts if t.get("repeats_skipped")},
+        "error": sel.get("error"),
+    }
+
+
+def _ray_point(config: dict[str, Any], base: dict[str, Any]) -> None:
+    import torch
+    from ray import tune
+
+    from jobrules.space import apply_params
+    from trainer.config import JobConfig
+    from trainer.protocol import NeverStop, NullSink
+    from trainer.runner import run
+
+    class Report(NullSink):
+        best = float("inf")
+
+        def metric(self, step: int, name: str, value: float) -> None:
+            if name == "val_loss":
+                # the best so far: the value Shardyard's sampler is told (a trial's best metric)
+                self.best = min(self.best, float(value))
+                tune.report({"val_loss": self.best, "step": step})
+
+    torch.set_num_threads(1)
+    spec = apply_params(base, {"train.lr": config["lr"], "model.layers": config["layers"]})
+    run(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
+
+
+def run_ray_optuna(steps: int, *, seed: int, tmp: Path) -> dict[str, Any]:
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from ray import tune
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.optuna import OptunaSearch
+
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=STARTUP, constant_liar=True)
+    search = OptunaSearch(
+        space={"lr": CategoricalDistribution(LRS), "layers": CategoricalDistribution(LAYERS)},
+        metric="val_loss",
+        mode="min",
+        sampler=sampler,
+    )
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(_ray_point, base=base_spec(steps)), {"cpu": 1}),
+        tune_config=tune.TuneConfig(
+            search_alg=ConcurrencyLimiter(search, max_concurrent=2), num_samples=8, reuse_actors=False
+        ),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp / "ray"), name=f"optuna-{seed}-{time.time_ns()}", verbose=0
+        ),
+    )
+    t0 = time.perf_counter()
+    grid = tuner.fit()
+    wall = time.perf_counter() - t0
+    rs = sorted(grid, key=_ray_order)
+    return {
+        "wall_s": wall,
+        "points": [(float(r.config["lr"]), int(r.config["layers"])) for r in rs],
+        "values": [r.metrics.get("val_loss") for r in rs],
+    }
+
+
+def _ray_order(result: Any) -> int:
+    """The order the searcher asked a trial in: Ray's experiment tag ("3_layers=2,lr=0.001") or,
+    failing that, the same number in the trial's folder name."""
+    import re
+
+    tag = str(result.metrics.get("experiment_tag") or "")
+    if re.match(r"\d+_", tag):
+        return int(tag.split("_", 1)[0])
+    m = re.search(r"_(\d+)_layers=", os.path.basename(str(result.path)))
+    if m is None:
+        raise RuntimeError(f"cannot tell the order of Ray trial {result.path}")
+    return int(m.group(1))
+
+
+def curve(points: list[tuple[float, int]], truth: dict[tuple[float, int], float]) -> list[float]:
+    """The best of the grid's values over the points asked so far, after each trial."""
+    out, best = [], float("inf")
+    for p in points:
+        best = min(best, truth[p])
+        out.append(best)
+    return out
+
+
+def run_search(args: argparse.Namespace) -> None:
+    from api.stack import Stack
+
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-search-") as tmpdir:
+        tmp = Path(tmpdir)
+        os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+        os.environ["SHARDYARD_WARM_TRAINER"] = "true"
+        stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
+        (tmp / "stack").mkdir()
+        stack.start()
+        client = httpx.Client(
+            base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+        )
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+        try:
+            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
+            for rep in range(args.reps):
+                seed = rep
+                for side in ("rest-grid", "rest-tpe", "ray-optuna"):
+                    before = load()
+                    if side == "rest-grid":
+                        out = run_rest_search(client, args.steps, method="grid", seed=seed)
+                    elif side == "rest-tpe":
+                        out = run_rest_search(client, args.steps, method="tpe", seed=seed)
+                    else:
+                        out = run_ray_optuna(args.steps, seed=seed, tmp=tmp)
+                    out.update(side=side, seed=seed, rep=rep, load_before=before, load_after=load())
+                    runs.append(out)
+                    print(
+                        f"rep {rep} {side:10s} seed {seed}: {out['wall_s']:7.2f} s  load {before:.1f}->"
+                        f"{out['load_after']:.1f}",
+                        flush=True,
+                    )
+        finally:
+            client.close()
+            stack.stop()
+            ray.shutdown()
+    summary = summarize_search(runs)
+    loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
+    print(table(summary["rows"], title=f"\nover {args.reps} seeds, interleaved"))
+    for line in summary["goals"]:
+        print(line)
+    print(
+        f"load average (1 min) around the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} cores"
+    )
+    path = write_results(
+        "peer_search",
+        {
+            "steps": args.steps,
+            "space": SPACE,
+            "trials": 8,
+            "parallel": 2,
+            "startup_trials": STARTUP,
+            "runs": [{**r, "points": [list(p) for p in r["points"]]} for r in runs],
+            "truth": summary["truth"],
+            "summary": {k: v for k, v in summary.items() if k != "truth"},
+            "load_average_1min": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)},
+        },
+    )
+    print(f"wrote {path}")
+
+
+def summarize_search(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    grids = [r for r in runs if r["side"] == "rest-grid"]
+    truth: dict[tuple[float, int], float] = {}
+    for r in grids:  # every point once per repetition; training is deterministic, so they agree
+        for p, v in zip(r["points"], r["values"], strict=True):
+            truth.setdefault(p, v)
+    best = min(truth.values())
+    rows = []
+    med: dict[str, float] = {}
+    for side in ("rest-grid", "rest-tpe", "ray-optuna"):
+        rs = [r for r in runs if r["side"] == side]
+        if not rs:
+            continue
+        for r in rs:
+            r["best_after_trial"] = curve(r["points"], truth)
+            r["points_run_twice"] = len(r["points"]) - len(set(r["points"]))
+        med[side] = statistics.median(r["wall_s"] for r in rs)
+        found = [r["best_after_trial"][-1] for r in rs]
+        mean_curve = [statistics.mean(c) for c in zip(*(r["best_after_trial"] for r in rs), strict=True)]
+        rows.append(
+            {
+                "side": side,
+                "wall s (median)": med[side],
+                "/ rest-grid": med[side] / med["rest-grid"] if "rest-grid" in med else "",
+                "seeds": len(rs),
+                "found the best": f"{sum(f == best for f in found)} of {len(rs)}",
+                "best after each trial (mean over seeds)": " ".join(f"{v:.3f}" for v in mean_curve),
+                "points run twice (all seeds)": sum(r["points_run_twice"] for r in rs),
+            }
+        )
+    ratios = []
+    for rep in sorted({r["rep"] for r in runs}):
+        g = [r for r in runs if r["rep"] == rep and r["side"] == "rest-grid"]
+        t = [r for r in runs if r["rep"] == rep and r["side"] == "rest-tpe"]
+        if g and t:
+            ratios.append(t[0]["wall_s"] / g[0]["wall_s"])
+    goals = []
+    if ratios:
+        goals.append(
+            f"REST tpe / REST grid wall, per repetition: {', '.join(f'{x:.3f}' for x in ratios)}; "
+            f"median {statistics.median(ratios):.3f} (goal <= 1.05)"
+        )
+    return {
+        "rows": rows,
+        "goals": goals,
+        "tpe_over_grid": ratios,
+        "best_value": best,
+        "medians": med,
+        "truth": [{"lr": p[0], "layers": p[1], "best_val_loss": v} for p, v in sorted(truth.items())],
+    }
+
+
 # -- the run ---------------------------------------------------------------------------------------
 
 
@@ -263,7 +516,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
     ap.add_argument("--out", default="peer")
+    ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     args = ap.parse_args()
+    if args.search:
+        run_search(args)
+        return
     sides = args.sides.split(",")
     ts = trials(args.steps)
     params = {t["index"]: t["params"] for t in ts}

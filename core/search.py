@@ -1,15 +1,25 @@
 """Model-based search for selection batches: Optuna's samplers through its ask-and-tell interface.
 
-A batch with `method` tpe, cmaes or qmc grows in generations of `parallel` trials. Generation g
-(trials g*P .. g*P+P-1) is asked once every trial before it has ended, and the sampler has been told
-their values in trial-index order. Nothing depends on which trial finished first, so a fixed seed
-gives the same suggestions whenever the trials report the same values.
+A batch with `method` tpe, cmaes or qmc keeps `parallel` trials in flight and asks a new one as soon
+as one ends, never waiting for a generation. The order is logical, not the clock's: trial k is asked
+once trials 0 .. k-parallel have ended, after the sampler has been told their values in index order,
+with trials k-parallel+1 .. k-1 still running (TPE's constant liar treats them as pessimistically
+done, so it looks elsewhere). Nothing depends on which trial finished first, so a fixed seed gives
+the same suggestions whenever the trials report the same values. A trial that ends before an earlier
+one cannot hand its device to a new trial until the earlier one has ended too; trials of one batch
+are the same length except where the space changes it, so this is rare.
 
-The study is not kept anywhere: `suggest` replays the whole ask-and-tell sequence from the seed and
-the values so far, and returns every trial's parameters up to the end of the next generation. The
-replay reproduces the parameters already stored for the earlier trials (the caller checks), which
-is what makes any worker, or the API at submit, able to ask the next generation. Replaying is
-cheap next to training (milliseconds per trial).
+A sampler may ask a point an earlier trial already has (likely on a small discrete space). That ask
+is not run: it is told the earlier trial's value once that trial is told (at once when it already
+is), and the sampler is asked again, up to MAX_REPEATS times; the trial finally asked lists the
+trials it repeated first (`Asked.repeats`). When every point of a finite space has a trial, the
+search ends there (`Plan.exhausted`), fewer trials than asked for.
+
+The study is not kept anywhere: `plan` replays the whole ask-and-tell sequence from the seed and
+the values so far, and returns every trial's parameters up to the last one that may be asked now.
+The replay reproduces the parameters already stored for the earlier trials (the caller checks), which
+is what makes any worker, or the API at submit, able to ask the next trial. Replaying is cheap next
+to training (milliseconds per trial).
 
 The space is the batch's own (jobrules/space.py): a choice becomes a categorical distribution, a
 range a float or int distribution (log-scaled with `log`).
@@ -21,6 +31,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +89,8 @@ def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseS
     optuna = _optuna()
     startup = {} if startup_trials is None else {"n_startup_trials": startup_trials}
     if method == "tpe":
-        # constant_liar: the trials of one generation are asked before any of them is told, so
-        # each later ask treats the earlier ones as (pessimistically) done and looks elsewhere
+        # constant_liar: a trial is asked while the `parallel - 1` before it still run, so each ask
+        # treats those as (pessimistically) done and looks elsewhere
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True, **startup)
     if method == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, **startup, warn_independent_sampling=False)
@@ -88,6 +99,108 @@ def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseS
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.samplers.QMCSampler(seed=seed, scramble=True, warn_independent_sampling=False)
     raise SpaceError(f"method must be one of {', '.join(SAMPLERS)} for a sampler, got {method!r}")
+
+
+MAX_REPEATS = 64
+"""Asks in a row that may repeat earlier trials' points before the search gives up on a new one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    params: dict[str, Any]
+    repeats: tuple[int, ...] = ()
+    """Earlier trials whose points the sampler asked first for this trial, skipped (not run)."""
+
+
+@dataclass(slots=True)
+class Plan:
+    trials: list[Asked] = field(default_factory=list)
+    exhausted: bool = False
+    """Every point of a finite space has a trial (or MAX_REPEATS asks in a row repeated one): the
+    search asks nothing more."""
+
+
+def space_size(space: dict[str, Any]) -> int | None:
+    """How many distinct points the space has; None when a float range makes it continuous."""
+    dist = _optuna().distributions
+    n = 1
+    for d in distributions(space).values():
+        if isinstance(d, dist.CategoricalDistribution):
+            n *= len(d.choices)
+        elif isinstance(d, dist.IntDistribution) and not d.log:
+            n *= (d.high - d.low) // d.step + 1
+        elif isinstance(d, dist.IntDistribution):
+            n *= d.high - d.low + 1
+        else:
+            return None
+    return n
+
+
+def plan(
+    *,
+    space: dict[str, Any],
+    method: str,
+    seed: int,
+    mode: str,
+    parallel: int,
+    values: Sequence[float | None],
+    total: int,
+    startup_trials: int | None = None,
+) -> Plan:
+    """Trials 0 .. min(total, len(values) + parallel) - 1: those that may be asked once trials
+    0 .. len(values) - 1 have ended. `values[i]` is trial i's metric (None: it failed or has none);
+    the values are a prefix: a trial that ended after a running one waits for it to be told."""
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    optuna = _optuna()
+    dists = distributions(space)
+    size = space_size(space)
+    study = optuna.create_study(
+        direction="minimize" if mode == "min" else "maximize",
+        sampler=make_sampler(method, seed=seed, startup_trials=startup_trials),
+    )
+
+    def tell(t: Any, v: float | None) -> None:
+        if v is None:
+            study.tell(t, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(t, float(v))
+
+    out = Plan()
+    asked: list[Any] = []
+    shadows: dict[int, list[Any]] = {}  # skipped repeats of trial j, told when j is
+    seen: dict[tuple, int] = {}
+    told = 0
+    end = min(total, len(values) + parallel)
+    while len(out.trials) < end:
+        k = len(out.trials)
+        while told <= k - parallel:  # told in index order, never in the order the trials ended
+            for t in [asked[told], *shadows.pop(told, [])]:
+                tell(t, values[told])
+            told += 1
+        if size is not None and len(seen) >= size:
+            out.exhausted = True
+            break
+        repeats: list[int] = []
+        for _ in range(MAX_REPEATS + 1):
+            t = study.ask(dists)
+            params = {path: _plain(v) for path, v in t.params.items()}
+            key = tuple(sorted((p, repr(v)) for p, v in params.items()))
+            j = seen.get(key)
+            if j is None:
+                break
+            repeats.append(j)
+            if j < told:
+                tell(t, values[j])  # the same point's value, known already
+            else:
+                shadows.setdefault(j, []).append(t)  # still running: told with it
+        else:
+            out.exhausted = True
+            break
+        seen[key] = k
+        asked.append(t)
+        out.trials.append(Asked(params=params, repeats=tuple(repeats)))
+    return out
 
 
 def suggest(
@@ -101,34 +214,18 @@ def suggest(
     total: int,
     startup_trials: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Parameters of trials 0 .. min(total, len(values) + parallel) - 1: the replayed earlier
-    generations and the next one. `values[i]` is trial i's metric (None: it failed or has none);
-    `len(values)` must end a generation (a multiple of `parallel`, or every trial there is)."""
-    if parallel < 1:
-        raise ValueError(f"parallel must be >= 1, got {parallel}")
-    n = len(values)
-    if n % parallel and n != total:
-        raise ValueError(f"{n} values do not end a generation of {parallel} trials")
-    optuna = _optuna()
-    dists = distributions(space)
-    study = optuna.create_study(
-        direction="minimize" if mode == "min" else "maximize",
-        sampler=make_sampler(method, seed=seed, startup_trials=startup_trials),
+    """The parameters of `plan`'s trials."""
+    p = plan(
+        space=space,
+        method=method,
+        seed=seed,
+        mode=mode,
+        parallel=parallel,
+        values=values,
+        total=total,
+        startup_trials=startup_trials,
     )
-    out: list[dict[str, Any]] = []
-    end = min(total, n + parallel)
-    while len(out) < end:
-        asked = [study.ask(dists) for _ in range(min(parallel, end - len(out)))]
-        out += [dict(t.params) for t in asked]
-        for t in asked:  # told in index order, never in the order the trials ended
-            if t.number >= n:
-                break
-            v = values[t.number]
-            if v is None:
-                study.tell(t, state=optuna.trial.TrialState.FAIL)
-            else:
-                study.tell(t, float(v))
-    return [{path: _plain(v) for path, v in p.items()} for p in out]
+    return [a.params for a in p.trials]
 
 
 def _plain(v: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
@@ -103,6 +104,7 @@ def trial_fields(t: Trial) -> dict[str, Any]:
         "compute_s": (t.result or {}).get("compute_s"),
         "copy_s": (t.result or {}).get("copy_s"),
         "stop_reason": (t.result or {}).get("stop_reason"),
+        "repeats_skipped": (t.result or {}).get("repeats_skipped"),
     }
 
 
@@ -224,6 +226,74 @@ def claim_trials(
     return won
 
 
+def add_group_trial(
+    session: Session,
+    *,
+    selection_id: int,
+    index: int,
+    params: dict[str, Any],
+    spec: dict[str, Any],
+    reservation_id: int,
+    worker: str,
+    owner: str,
+    lease_s: float,
+    result: dict[str, Any] | None = None,
+) -> tuple[Trial, Attempt] | None:
+    """A sampler's next trial, added to a running group (workers/search.py ask_next) in ONE
+    transaction: its Job row already claimed by `owner` and its id in the group's reservation, so
+    the scheduler never sees it queued and places it elsewhere. None, writing nothing, when the
+    group's reservation is gone or another process holds it, or the index is taken (IntegrityError
+    is the caller's: another worker asked it first)."""
+    res = session.scalar(select(Reservation).where(_group_reservation(reservation_id, worker, owner)))
+    if res is None:
+        return None
+    sel = session.get(Selection, selection_id)
+    assert sel is not None
+    group_job = session.get(Job, session.scalar(select(Trial.job_id).where(Trial.id.in_(res.trial_ids))))
+    now = db_now(session)
+    job = Job(
+        name=f"{spec.get('name', 'trial')}#{index}",
+        spec=spec,
+        queue=group_job.queue if group_job is not None else "cpu",
+        steps=spec["train"]["steps"],
+        kind="trial",
+        selection_id=selection_id,
+        owner_id=sel.owner_id,
+        priority=int(spec.get("priority", 0) or 0),
+        status=JobStatus.running,
+        enqueued_at=utcnow(),
+        started_at=now,
+        worker=worker,
+        owner=owner,
+        lease_until=now + timedelta(seconds=lease_s),
+        applied_seq=-1,
+        attempts=1,
+    )
+    session.add(job)
+    session.flush()
+    trial = Trial(
+        selection_id=selection_id,
+        index=index,
+        params=params,
+        job_id=job.id,
+        steps_total=spec["train"]["steps"],
+        status="running",
+        result=result,
+    )
+    session.add(trial)
+    session.flush()
+    res.trial_ids = [*res.trial_ids, trial.id]
+    t = time.time()
+    session.add(JobEvent(job_id=job.id, time=t, kind="status", message="queued", data={"by": "search"}))
+    session.add(
+        JobEvent(
+            job_id=job.id, time=t, kind="status", message="running", data={"worker": worker, "attempt": 1}
+        )
+    )
+    session.commit()
+    return trial, Attempt(job_id=job.id, attempt=1, owner=owner)
+
+
 @dataclass(slots=True)
 class TrialProgress:
     """What a batch of lines says about a trial beyond its job's lines."""
@@ -264,7 +334,9 @@ def apply_trial_lines(
     if progress.steps_done is not None:
         trial.steps_done = max(trial.steps_done, progress.steps_done)
     if applied.result is not None:
-        trial.result = applied.result
+        # the search's note (repeats it skipped for this trial) stays beside the executor's report
+        note = {k: v for k, v in (trial.result or {}).items() if k == "repeats_skipped"}
+        trial.result = {**note, **applied.result}
     if progress.finish is not None:
         status, error = progress.finish
         trial.status = status
@@ -367,12 +439,12 @@ def derive_status(states: Sequence[str], *, cancel_requested: bool) -> str:
 
 
 GROWING_METHODS = frozenset({"tpe", "cmaes", "qmc"})
-"""The samplers of core/search.py: their batches add their own trials, a generation at a time."""
+"""The samplers of core/search.py: their batches add their own trials as trials end."""
 
 
 def still_growing(sel: Selection) -> bool:
     """A sampler batch is not over while it has fewer trials than it asked for, unless it was
-    cancelled or its search stopped (`error`): its next generation is about to be added."""
+    cancelled or its search stopped (`error`): its next trials are about to be added."""
     req = sel.request or {}
     return (
         req.get("method") in GROWING_METHODS
@@ -401,7 +473,7 @@ def settle_selection(session: Session, *, selection_id: int) -> str:
 
 
 def batch_over(session: Session, *, selection_id: int) -> bool:
-    """Whether settling the batch now would end it (every trial ended, no generation left to
+    """Whether settling the batch now would end it (every trial ended, no trial left to
     grow), read fresh and without writing anything."""
     sel = get_selection(session, selection_id)
     session.refresh(sel)

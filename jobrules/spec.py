@@ -318,13 +318,13 @@ class SelectionCreate(BatchRules):
     method: Literal[METHODS] = Field(
         "random",
         description="grid or random expand the space at submit; tpe, cmaes and qmc are Optuna "
-        "samplers that grow the batch a generation of `parallel` trials at a time",
+        "samplers that keep `parallel` trials in flight, asking a new one as each ends",
     )
     trials: int | None = Field(
         None, ge=1, le=1024, description="how many (random and the samplers; grid sets its own)"
     )
     parallel: int | None = Field(
-        None, ge=1, le=1024, description="samplers only: trials asked per generation (default: devices)"
+        None, ge=1, le=1024, description="samplers only: trials in flight at once (default: devices)"
     )
     startup_trials: int | None = Field(
         None, ge=1, le=1024, description="tpe and cmaes: random trials before the model (Optuna's default 10)"

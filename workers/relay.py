@@ -122,6 +122,11 @@ class Relay:
         with self._lock:
             self._pending.append((key, msg))
 
+    def add_target(self, key: int, target: Target) -> None:
+        """A trial that joined the group while it runs (a sampler's next one: workers/search.py)."""
+        with self._flush_lock:
+            self.targets = {**self.targets, key: target}  # a new dict: readers keep the one they hold
+
     def pending(self) -> int:
         with self._lock:
             return len(self._pending)

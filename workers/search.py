@@ -1,46 +1,107 @@
-"""Grows a sampler batch (method tpe, cmaes or qmc) by its next generation once the last one has
-ended: the worker that ends a group calls `grow` before it settles the batch
-(workers/selection.py), and the reconciler calls it for every unsettled batch (workers/tasks.py),
-in case a worker died between its group's end and the ask.
+"""Grows a sampler batch (method tpe, cmaes or qmc) one trial at a time, as trials end.
 
-The sampler is replayed from the batch's seed and its trials' values in index order
-(core/search.py), so whichever worker gets here, and whenever, it asks the same trials. Two workers
-that end the generation's last groups at the same moment may both ask: the unique (selection,
-index) index lets one add the trials and the other add none. The new trials are queued; the
-scheduler (core/scheduler.py) places them in groups like the batch's first ones.
+Two paths ask the next trial, both from the same replay (core/search.py `plan`: the batch's seed
+and its trials' values in index order), so whichever asks, and whenever, the same trials come out:
+
+- `ask_next`: a running group's executor asks for a trial when a device of it frees (the worker
+  answers from workers/selection.py); the new trial joins that group, claimed by it in the same
+  transaction that adds it, so it never waits for the scheduler or a new process.
+- `grow`: when no trial of the batch is running or queued (the group ended without asking, or a
+  worker died between its group's end and the ask), the worker that ends a group and the reconciler
+  (workers/tasks.py) add every trial that may be asked now; the scheduler (core/scheduler.py)
+  places them in groups like the batch's first ones.
+
+Trial k may be asked once trials 0 .. k-parallel have ended. Two processes that ask at the same
+moment both compute the same trial: the unique (selection, index) index lets one add it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
 
-from core.search import SAMPLERS, suggest
+from core.search import SAMPLERS, Plan, plan
 from core.settings import Settings
 from db.engine import session_for
-from db.models import Job, Selection
-from db.selections import TRIAL_DONE, add_trials, get_selection
+from db.jobs import Attempt
+from db.models import Job, Reservation, Selection, Trial
+from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection
 from jobrules.space import apply_params
 from jobrules.spec import BatchRules
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class NewTrial:
+    trial: Trial
+    attempt: Attempt
+    spec: dict[str, Any]
+
+
 def grow(settings: Settings, *, selection_id: int) -> list[int]:
-    """Add the batch's next generation if it is due; returns the new trial ids. A
-    search that cannot go on says why in the selection's `error`, and the batch settles."""
+    """Add the trials the batch may ask now, when none of its trials runs or waits; returns the
+    new trial ids. A search that cannot go on says why in the selection's `error`, and the batch
+    settles."""
     try:
         return _grow(settings, selection_id=selection_id)
     except OperationalError:  # a locked or unreachable database: the reconciler asks again
-        log.warning("selection %d: the database was busy; its next generation waits", selection_id)
+        log.warning("selection %d: the database was busy; its next trials wait", selection_id)
         return []
     except Exception as e:  # noqa: BLE001 - the group's own results are in; report, do not lose them
-        log.exception("selection %d: the search could not ask its next generation", selection_id)
+        log.exception("selection %d: the search could not ask its next trials", selection_id)
         _give_up(settings, selection_id=selection_id, reason=f"{type(e).__name__}: {e}")
         return []
+
+
+def ask_next(
+    settings: Settings, *, selection_id: int, reservation_id: int, worker: str, owner: str
+) -> NewTrial | None:
+    """The batch's next trial, added to the running group `reservation_id` and claimed by `owner`,
+    when it may be asked now (trials 0 .. k-parallel ended); else None. Never raises: a failure
+    answers None, and the group's end (`grow`) asks again."""
+    try:
+        with session_for(settings.database_url) as s:
+            sel, req, trials = _batch(s, selection_id)
+            if sel is None:
+                return None
+            got = _replay(s, sel=sel, req=req, trials=trials, upto=len(trials) + 1)
+            if got is None or len(got.trials) <= len(trials):
+                return None
+            k = len(trials)
+            asked = got.trials[k]
+            spec = apply_params(req["base"], asked.params)
+            try:
+                new = add_group_trial(
+                    s,
+                    selection_id=selection_id,
+                    index=k,
+                    params=asked.params,
+                    spec=spec,
+                    reservation_id=reservation_id,
+                    worker=worker,
+                    owner=owner,
+                    lease_s=settings.lease_s,
+                    result=_note(asked.repeats),
+                )
+            except IntegrityError:
+                s.rollback()  # another process asked it first
+                return None
+            if new is None:
+                return None
+            return NewTrial(trial=new[0], attempt=new[1], spec=spec)
+    except Exception:  # noqa: BLE001 - the running trials go on; the group's end asks again
+        log.exception("selection %d: the search could not ask its next trial", selection_id)
+        return None
+
+
+def _note(repeats: tuple[int, ...]) -> dict[str, Any] | None:
+    return {"repeats_skipped": list(repeats)} if repeats else None
 
 
 def _give_up(settings: Settings, *, selection_id: int, reason: str) -> None:
@@ -48,46 +109,96 @@ def _give_up(settings: Settings, *, selection_id: int, reason: str) -> None:
         s.execute(
             update(Selection)
             .where(Selection.id == selection_id)
-            .values(error=f"the search stopped before its last generation: {reason}")
+            .values(error=f"the search stopped before its last trial: {reason}")
         )
         s.commit()
 
 
+def _batch(s: Session, selection_id: int) -> tuple[Selection | None, dict[str, Any], list[Trial]]:
+    """The batch when it is a sampler's with trials left to ask; else (None, ...)."""
+    sel = get_selection(s, selection_id)
+    req: dict[str, Any] = dict(sel.request)
+    trials = sorted(sel.trials, key=lambda t: t.index)
+    total = int(req.get("trials") or 0)
+    if req.get("method") not in SAMPLERS or sel.cancel_requested or sel.error or len(trials) >= total:
+        return None, req, trials
+    return sel, req, trials
+
+
+def _replay(
+    s: Session, *, sel: Selection, req: dict[str, Any], trials: list[Trial], upto: int
+) -> Plan | None:
+    """The sampler's replay from the ended prefix of the batch's trials, checked against the stored
+    trials; None when no new trial may be asked yet. A space every point of which has a trial ends
+    the search here (the selection's `error` says so)."""
+    parallel = int(req.get("parallel") or req.get("devices") or 1)
+    rules = BatchRules(**BatchRules.rules_of(req))  # the request's, or its defaults
+    values: list[float | None] = []
+    for t in trials:  # a trial's value is its best metric; failed, or none: a failure
+        if t.status not in TRIAL_DONE:
+            break
+        values.append(None if t.status == "failed" else t.best_metric)
+    total = min(int(req.get("trials") or 0), upto)
+    if len(values) + parallel <= len(trials):
+        return None  # trial k waits for trial k-parallel to end
+    got = plan(
+        space=req["space"],
+        method=req["method"],
+        seed=rules.seed,
+        mode=rules.mode,
+        parallel=parallel,
+        values=values,
+        total=total,
+        startup_trials=req.get("startup_trials"),
+    )
+    if [a.params for a in got.trials[: len(trials)]] != [t.params for t in trials]:
+        # the replay must ask what was asked: anything else means a different sampler version
+        # or a batch edited by hand, and the search cannot go on reproducibly
+        raise RuntimeError("the sampler's replay asks other parameters than the stored trials")
+    if got.exhausted and len(got.trials) == len(trials):
+        s.execute(
+            update(Selection)
+            .where(Selection.id == sel.id)
+            .values(
+                error=f"the search ended at {len(trials)} trials: every point of the space has one "
+                f"(the sampler asked only points that earlier trials have)"
+            )
+        )
+        s.commit()
+        return None
+    return got
+
+
+def _held(s: Session, trial_ids: set[int]) -> bool:
+    """Whether a group reservation holds any of these trials (a group of the batch is running or
+    about to: it asks its own next trials)."""
+    for ids in s.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
+        if trial_ids & set(ids or []):
+            return True
+    return False
+
+
 def _grow(settings: Settings, *, selection_id: int) -> list[int]:
     with session_for(settings.database_url) as s:
-        sel = get_selection(s, selection_id)
-        req: dict[str, Any] = dict(sel.request)
-        method, total = req.get("method"), int(req.get("trials") or 0)
-        trials = sorted(sel.trials, key=lambda t: t.index)
-        if method not in SAMPLERS or sel.cancel_requested or len(trials) >= total:
+        sel, req, trials = _batch(s, selection_id)
+        if sel is None or not trials:
             return []
-        if any(t.status not in TRIAL_DONE for t in trials):
-            return []  # the generation is still running
-        parallel = int(req.get("parallel") or req.get("devices") or 1)
-        rules = BatchRules(**BatchRules.rules_of(req))  # the request's, or its defaults
-        if len(trials) % parallel:
-            return []  # not a whole generation: the batch was not grown by this sampler
-        # a trial's value is its best metric; a failed trial or one without a metric is a failure
-        values = [None if t.status == "failed" else t.best_metric for t in trials]
-        params = suggest(
-            space=req["space"],
-            method=method,
-            seed=rules.seed,
-            mode=rules.mode,
-            parallel=parallel,
-            values=values,
-            total=total,
-            startup_trials=req.get("startup_trials"),
-        )
-        if params[: len(trials)] != [t.params for t in trials]:
-            # the replay must ask what was asked: anything else means a different sampler version
-            # or a batch edited by hand, and the search cannot go on reproducibly
-            raise RuntimeError("the sampler's replay asks other parameters than the stored trials")
+        if any(t.status not in TRIAL_DONE for t in trials) or _held(s, {t.id for t in trials}):
+            return []  # a group runs: it asks its own next trials as its devices free
+        got = _replay(s, sel=sel, req=req, trials=trials, upto=int(req.get("trials") or 0))
+        if got is None:
+            return []
         queue = s.get(Job, trials[0].job_id).queue
-        plans = [(i, p, apply_params(req["base"], p)) for i, p in enumerate(params) if i >= len(trials)]
+        new = got.trials[len(trials) :]
+        plans = [(len(trials) + i, a.params, apply_params(req["base"], a.params)) for i, a in enumerate(new)]
         try:
-            new = add_trials(s, selection_id=selection_id, plans=plans, queue=queue)
+            added = add_trials(s, selection_id=selection_id, plans=plans, queue=queue)
         except IntegrityError:
-            s.rollback()  # another worker added this generation first
+            s.rollback()  # another worker added them first
             return []
-        return [t.id for t in new]
+        notes = [(t, _note(a.repeats)) for t, a in zip(added, new, strict=True)]
+        if any(n for _, n in notes):
+            for t, n in notes:
+                t.result = n
+            s.commit()
+        return [t.id for t in added]

@@ -22,6 +22,7 @@ from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
 from core.messages import BatchTrial, Message, SelectionBatch
+from core.search import SAMPLERS
 from core.settings import Settings
 from core.storage import StorageError, get_storage, selection_prefix
 from db.engine import session_for
@@ -46,7 +47,7 @@ from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.search import grow
+from workers.search import ask_next, grow
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
 
@@ -152,6 +153,11 @@ def execute_selection(
     batch_path.write_text(batch.model_dump_json(indent=2))
     stop_file, stop_trials = root / f"{group}.stop", root / f"{group}.stop-trials"
     stop_trials.unlink(missing_ok=True)
+    # a sampler's batch asks its next trial whenever a device of the group frees (workers/search.py);
+    # rungs (early_stopping) decide over a fixed set of trials, so such a batch grows between groups
+    ask_file = root / f"{group}.ask.json"
+    ask_file.unlink(missing_ok=True)
+    grows = req.get("method") in SAMPLERS and not req.get("early_stopping")
 
     channel = selection_channel(selection_id)
     relay = Relay(
@@ -237,6 +243,7 @@ def execute_selection(
         str(stop_file),
         "--stop-trials-file",
         str(stop_trials),
+        *(["--ask-file", str(ask_file)] if grows else []),
         *ws_args,
     ]
 
@@ -245,7 +252,45 @@ def execute_selection(
 
     steps: dict[int, int] = {}
 
+    def answer(n: int) -> None:
+        """The executor's ask `n` (a device freed): the batch's next trial joins this group, or none."""
+        try:
+            relay.flush()  # the trials that ended before the ask are told to the sampler
+        except Exception:  # noqa: BLE001 - the sampler then sees fewer ended trials: it may ask none
+            log.warning("selection %s %s: could not apply lines before an ask", selection_id, group)
+        new = ask_next(
+            settings,
+            selection_id=selection_id,
+            reservation_id=reservation_id,
+            worker=worker,
+            owner=owner_id(),
+        )
+        trial = None
+        if new is not None:
+            t, i = new.trial, new.trial.index
+            relay.add_target(
+                i, Target(attempt=new.attempt, channels=(job_channel(t.job_id), channel), trial_id=t.id)
+            )
+            specs[i], used_s[i] = new.spec, 0.0
+            limits[i] = runtime_limit_s(new.spec, service_max_s=settings.max_job_runtime_s)
+            won.append((t, new.attempt))
+            mine.add(i)
+            if uploader is not None:  # its checkpoints go to the store like the group's first trials'
+                m = Mirror(
+                    storage=uploader.mirrors[0].storage,
+                    local=root / f"trial-{i}",
+                    prefix=f"{selection_prefix(selection_id)}/trial-{i}",
+                )
+                uploader.mirrors = [*uploader.mirrors, m]  # a new list: the upload thread keeps its own
+            publish_status(relay, job_id=t.job_id)
+            trial = BatchTrial(index=i, spec=new.spec).model_dump()
+        tmp = ask_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"ask": n, "trial": trial}))
+        tmp.replace(ask_file)  # whole, never half-written
+
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
+        if msg.trial is None and msg.kind == "event" and msg.message == "ask":
+            answer(int(msg.data.get("ask", 0)))
         if msg.trial is not None:
             if msg.kind == "metric":
                 steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)
@@ -367,7 +412,7 @@ def _end_group(
     """Trials the executor never fully reported (final event and result): cancelled or stopped
     when that was asked, given back when the worker shuts down or the executor lost a result,
     failed when the executor failed. The group's reservation is freed with them: the scheduler
-    places the trials given back (and a sampler's next generation) again."""
+    places the trials given back (and a sampler's next trials) again."""
     rerun = []
     with session_for(settings.database_url) as s:
         sel = get_selection(s, selection_id)
@@ -391,8 +436,8 @@ def _end_group(
             sync_trials(s, job_ids=[t.job_id for t, _ in won if t.id in rerun])
         free_group(s, reservation_id=group[0], worker=group[1], owner=owner_id())
         s.commit()
-        # a sampler batch (tpe, cmaes, qmc) asks its next generation once this one has ended, before
-        # the batch is settled, so it never shows as ended between two generations
+        # a sampler batch (tpe, cmaes, qmc) whose group asked none asks its next trials here, before
+        # the batch is settled, so it never shows as ended between two asks
         grow(settings, selection_id=selection_id)
         keep_best_checkpoints(settings, s, selection_id=selection_id)  # before the end shows
         status = settle_selection(s, selection_id=selection_id)

@@ -109,13 +109,15 @@ def _refuse_groups(
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, why)
 
 
-def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
+def _first_params(body: SelectionCreate) -> tuple[list[dict[str, Any]], list[tuple[int, ...]]]:
     """The trials a batch starts with: the whole grid or random sample, or a sampler's first
-    generation (the worker asks the next ones as generations end: workers/search.py)."""
+    `parallel` trials (the worker asks the next ones as trials end: workers/search.py); with each,
+    the earlier trials whose points the sampler asked again first (skipped, core/search.py)."""
     if body.method in ("grid", "random"):
-        return sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+        params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
+        return params, [()] * len(params)
     search.check_fits(body.method, body.space)
-    return search.suggest(
+    got = search.plan(
         space=body.space,
         method=body.method,
         seed=body.seed,
@@ -125,6 +127,7 @@ def _first_params(body: SelectionCreate) -> list[dict[str, Any]]:
         total=body.trials or 0,
         startup_trials=body.startup_trials,
     )
+    return [a.params for a in got.trials], [a.repeats for a in got.trials]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
@@ -139,7 +142,7 @@ def submit_selection(
     except WorkspaceRefError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
     try:
-        params = _first_params(body)
+        params, repeats = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
     plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
@@ -153,9 +156,13 @@ def submit_selection(
         scheduler=body.scheduler,
         owner_id=user.id,
     )
-    db_sel.add_trials(
+    trials = db_sel.add_trials(
         session, selection_id=sel.id, plans=plans, queue=body.base.queue, owner_id=user.id, actor=user.name
     )
+    if any(repeats):
+        for t, r in zip(trials, repeats, strict=True):
+            t.result = {"repeats_skipped": list(r)} if r else None
+        session.commit()
     wake_scheduler(request)
     return selection_public(db_sel.get_selection(session, sel.id))
 
@@ -206,7 +213,7 @@ def add_trials(
         raise HTTPException(
             status.HTTP_409_CONFLICT,
             f"selection {selection_id} uses method {req.method}: its sampler adds the trials itself, "
-            f"a generation of {req.generation} at a time",
+            f"as trials end, {req.generation} in flight",
         )
     if body.warm_start_from is not None:
         try:

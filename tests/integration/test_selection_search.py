@@ -1,5 +1,6 @@
-"""A TPE batch over HTTP on the real stack: it grows a generation at a time as results come in, and
-each generation is exactly what the seeded sampler asks from the earlier trials' values."""
+"""A TPE batch over HTTP on the real stack: it asks its next trial as soon as a device frees (no
+generation barrier), every trial is exactly what the seeded sampler asks from the earlier trials'
+values, a rerun with the same seed asks the same trials, and no point of a discrete space runs twice."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ BASE = {**TINY_SPEC, "name": "tpe", "train": {**TINY_SPEC["train"], "steps": 6, 
 SPACE = {"train.lr": {"low": 1e-4, "high": 3e-2, "log": True}}
 
 
-def test_tpe_batch_grows_by_generations_reproducibly(stack: StackHandle) -> None:
+def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
     body = {
         "name": "tpe-lr",
         "base": BASE,
@@ -40,7 +41,7 @@ def test_tpe_batch_grows_by_generations_reproducibly(stack: StackHandle) -> None
     trials = sorted(done["trials"], key=lambda t: t["index"])
     assert [t["index"] for t in trials] == [0, 1, 2, 3]
     assert all(t["status"] == "succeeded" and t["best_metric"] is not None for t in trials)
-    # generation 2 is what the sampler asks after being told generation 1's values in index order
+    # trials 2 and 3 are what the sampler asks after being told trials 0 and 1's values in index order
     want = suggest(
         space=SPACE,
         method="tpe",
@@ -52,5 +53,72 @@ def test_tpe_batch_grows_by_generations_reproducibly(stack: StackHandle) -> None
         startup_trials=2,
     )
     assert [t["params"] for t in trials] == want
-    # the submit's first generation is the same replay with no values
+    # the submit's first trials are the same replay with no values
     assert [t["params"] for t in sel["trials"]] == want[:2]
+
+
+# seed 6 asks trial 0 with 3 steps and trial 1 with 24 (core.search.plan, checked below): trial 0 ends
+# first, and trial 2 (asked once trial 0 has ended) must start while trial 1 still runs
+STEPS_SPACE = {"train.steps": [3, 24], "train.lr": {"low": 1e-3, "high": 3e-2, "log": True}}
+ASYNC = {
+    "name": "tpe-async",
+    "base": {**BASE, "train": {**BASE["train"], "eval_every": 3}},
+    "space": STEPS_SPACE,
+    "method": "tpe",
+    "trials": 4,
+    "parallel": 2,
+    "startup_trials": 2,
+    "seed": 6,
+    "devices": 2,
+    "checkpoints": "none",
+}
+
+
+def run_batch(stack: StackHandle, body: dict) -> dict:
+    resp = stack.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    done = wait_selection(stack, resp.json()["id"], timeout=400)
+    done["trials"].sort(key=lambda t: t["index"])
+    return done
+
+
+def test_tpe_asks_as_devices_free_and_a_rerun_asks_the_same(stack: StackHandle) -> None:
+    first = suggest(
+        space=STEPS_SPACE, method="tpe", seed=6, mode="min", parallel=2, values=[], total=4, startup_trials=2
+    )
+    assert [p["train.steps"] for p in first] == [3, 24]
+    a = run_batch(stack, ASYNC)
+    assert a["status"] == "succeeded" and a["error"] is None
+    trials = a["trials"]
+    assert [t["index"] for t in trials] == [0, 1, 2, 3]
+    assert all(t["status"] == "succeeded" for t in trials)
+    jobs = {t["index"]: stack.job(t["job_id"]) for t in trials}
+    # no generation barrier: trial 2 started before trial 1 (asked with it) ended
+    assert jobs[2]["started_at"] < jobs[1]["finished_at"]
+    assert jobs[0]["finished_at"] <= jobs[2]["started_at"]  # and only once trial 0 had ended
+    want = suggest(
+        space=STEPS_SPACE,
+        method="tpe",
+        seed=6,
+        mode="min",
+        parallel=2,
+        values=[t["best_metric"] for t in trials[:2]],
+        total=4,
+        startup_trials=2,
+    )
+    assert [t["params"] for t in trials] == want
+    # the same seed again: the same trials, whichever finished first this time
+    b = run_batch(stack, ASYNC)
+    assert [t["params"] for t in b["trials"]] == [t["params"] for t in trials]
+
+
+def test_no_point_of_a_discrete_space_runs_twice(stack: StackHandle) -> None:
+    space = {"train.lr": [1e-3, 3e-3], "train.optimizer": ["adamw", "sgd"]}  # 4 points
+    body = {**ASYNC, "name": "tpe-small", "space": space, "trials": 6, "seed": 1}
+    done = run_batch(stack, body)
+    points = [tuple(sorted(t["params"].items())) for t in done["trials"]]
+    assert len(points) == 4 and len(set(points)) == 4
+    assert done["status"] == "succeeded" and "every point of the space" in done["error"]
+    # the asks that repeated an earlier point were not run, and the trial list says so
+    repeats = {t["index"]: t["repeats_skipped"] for t in done["trials"] if t["repeats_skipped"]}
+    assert repeats and all(j < k for k, js in repeats.items() for j in js)

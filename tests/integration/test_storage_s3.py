@@ -8,7 +8,8 @@ the same.
 - a worker killed with SIGKILL mid-run: the job resumes on a second worker (another data dir) from
   the store's checkpoint, not step 0, with every loss step exactly once; DELETE removes its objects;
 - the store stopped mid-run: the failed uploads are in the job's log and retried, the worker goes
-  on; a job that starts while it is down fails naming the store, never from step 0.
+  on; a job that starts while it is down fails naming the store, never from step 0;
+- a TPE batch's trials asked while its group runs upload their checkpoints too.
 """
 
 from __future__ import annotations
@@ -195,3 +196,34 @@ def test_the_store_going_down(hosts: Hosts) -> None:
     resp = h.client.post(f"/api/jobs/{second}/requeue", json={"reason": "the store is back"})
     assert resp.status_code == 200, resp.text
     h.wait(second, timeout=300)
+
+
+def test_a_sampler_trial_asked_mid_group_uploads_its_checkpoints(hosts: Hosts) -> None:
+    """A TPE batch's trials 2 and 3 join the running group (workers/search.py ask_next): their
+    checkpoints reach the store like the group's first trials'."""
+    h = hosts.h
+    hosts.only(1)
+    body = {
+        "name": "tpe-store",
+        "base": {
+            **TINY_SPEC,
+            "name": "tpe-store",
+            "train": {**TINY_SPEC["train"], "steps": 6, "eval_every": 3},
+        },
+        "space": {"train.lr": {"low": 1e-4, "high": 3e-2, "log": True}},
+        "method": "tpe",
+        "trials": 4,
+        "parallel": 2,
+        "startup_trials": 2,
+        "devices": 2,
+        "checkpoints": "all",
+    }
+    resp = h.client.post("/api/selections", json=body)
+    assert resp.status_code == 201, resp.text
+    from tests.integration.test_selections_e2e import wait_selection
+
+    done = wait_selection(h, resp.json()["id"], timeout=300)
+    assert done["status"] == "succeeded" and len(done["trials"]) == 4
+    keys = hosts.store.list(f"selections/{done['id']}")
+    for i in range(4):
+        assert any(f"/trial-{i}/" in k for k in keys), f"trial {i} has no checkpoint in the store: {keys}"

@@ -394,3 +394,46 @@ def test_a_trial_reports_on_the_steps_a_job_does(tmp_path: Path) -> None:
     saved = [d["step"] for e, d in trial.events if e == "checkpoint"]
     assert saved == [2, 4]  # step 2 by the cadence, step 4 once, at the trial's end
     assert [d["step"] for e, d in alone.events if e == "checkpoint"] == [2]  # the loop's end save is silent
+
+
+def test_more_adds_a_trial_when_a_device_frees_without_waiting_for_the_others() -> None:
+    """A growing batch: `more` is asked when a device frees with no trial waiting for one, its trial
+    runs while the first ones still do (no generation barrier), and the run ends once it has none."""
+    order: list[tuple[str, int]] = []
+    queue = [2, 3]
+    lock = threading.Lock()
+
+    def more() -> TrialEntry | None:
+        with lock:
+            if not queue:
+                order.append(("none", -1))
+                return None
+            i = queue.pop(0)
+            order.append(("ask", i))
+            return TrialEntry(index=i, job=job(i % 3), sink=sinks[i])
+
+    sinks = {i: ListSink() for i in range(4)}
+    # trials 0 and 2 (one shard, 3 steps) and 3 (3 shards, 4 steps) end long before trial 1
+    # (3 shards, 20 steps)
+    long = JobConfig.from_dict(
+        {"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 20}}
+    )
+    entries = [TrialEntry(index=0, job=job(2), sink=sinks[0]), TrialEntry(index=1, job=long, sink=sinks[1])]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="fifo"), more=more)
+    results = ex.run()
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(r["status"] == "succeeded" for r in results.values())
+    assert [o for o in order if o[0] == "ask"] == [("ask", 2), ("ask", 3)]
+    assert order[-1] == ("none", -1)
+    # trials 2 and 3 started before trial 1 ran its last task: no barrier at the first trials' end
+    first = {t: min(s.start for s in ex.trace if s.trial == t) for t in results}
+    last1 = max(s.end for s in ex.trace if s.trial == 1)
+    assert first[2] < last1 and first[3] < last1
+    # the process lives as long as the batch: ended trials hold no weights
+    assert all(r.trial.shards == [] for r in ex.runs.values())
+
+
+def test_more_cannot_grow_a_batch_with_rungs() -> None:
+    cfg = ExecutorConfig(early_stopping=HalvingConfig(kind="asha", reduction_factor=2, min_steps=1))
+    with pytest.raises(ValueError, match="cannot have early stopping"):
+        Executor([TrialEntry(index=0, job=job(2), sink=ListSink())], devices=CPU2, cfg=cfg, more=lambda: None)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from core.search import SAMPLERS, check_fits, suggest
+from core.search import SAMPLERS, check_fits, plan, space_size, suggest
 from jobrules.space import SpaceError
 
 SPACE = {
@@ -103,3 +103,100 @@ def test_the_database_knows_which_batches_grow_themselves() -> None:
     from db.selections import GROWING_METHODS
 
     assert set(SAMPLERS) == GROWING_METHODS
+
+
+def run_async(*, seed: int, total: int, parallel: int, space: dict, value, arrival_seed: int) -> list:  # noqa: ANN001
+    """Drive a batch as the service does now: `parallel` trials in flight, a new one asked as soon as
+    one ends (in a shuffled arrival order), each ask a fresh replay from the ended prefix."""
+    import random
+
+    rng = random.Random(arrival_seed)
+    params: list[dict] = []
+    ended: dict[int, float] = {}
+    running: list[int] = []
+    while len(ended) < total:
+        prefix = 0
+        while prefix in ended:
+            prefix += 1
+        got = plan(
+            space=space,
+            method="tpe",
+            seed=seed,
+            mode="min",
+            parallel=parallel,
+            values=[ended[i] for i in range(prefix)],
+            total=total,
+            startup_trials=2,
+        )
+        assert [a.params for a in got.trials[: len(params)]] == params  # the replay asks what was asked
+        if got.exhausted and len(got.trials) == len(params) and not running:
+            break
+        for a in got.trials[len(params) :]:
+            running.append(len(params))
+            params.append(a.params)
+        done = running.pop(rng.randrange(len(running)))  # whichever ends first
+        ended[done] = value(params[done])
+    return params
+
+
+def test_a_trial_is_asked_from_the_trials_parallel_before_it() -> None:
+    """Trial k depends on the values of trials 0 .. k-parallel only: more values leave it as it is."""
+    full = suggest(
+        space=SPACE,
+        method="tpe",
+        seed=2,
+        mode="min",
+        parallel=3,
+        values=[1.0] * 6,
+        total=12,
+        startup_trials=2,
+    )
+    for m in range(6):
+        some = suggest(
+            space=SPACE,
+            method="tpe",
+            seed=2,
+            mode="min",
+            parallel=3,
+            values=[1.0] * m,
+            total=12,
+            startup_trials=2,
+        )
+        assert len(some) == m + 3 and some == full[: m + 3]
+
+
+def test_asking_as_trials_end_is_reproducible_whatever_the_arrival_order() -> None:
+    a = run_async(seed=3, total=12, parallel=3, space=SPACE, value=objective, arrival_seed=0)
+    b = run_async(seed=3, total=12, parallel=3, space=SPACE, value=objective, arrival_seed=7)
+    assert a == b and len(a) == 12
+    assert run_async(seed=4, total=12, parallel=3, space=SPACE, value=objective, arrival_seed=0) != a
+
+
+SMALL = {"train.lr": [0.001, 0.01], "model.layers": [1, 2], "train.optimizer": ["adamw", "sgd"]}
+
+
+def test_no_point_of_a_discrete_space_runs_twice() -> None:
+    """8 points, 8 trials: every point once; the asks that repeated a point are named, not run."""
+    assert space_size(SMALL) == 8 and space_size(SPACE) is None
+    value = lambda p: p["train.lr"] * p["model.layers"]  # noqa: E731
+    for seed in range(3):
+        got = plan(space=SMALL, method="tpe", seed=seed, mode="min", parallel=2, values=[], total=8)
+        params = run_async(seed=seed, total=8, parallel=2, space=SMALL, value=value, arrival_seed=seed)
+        keys = {tuple(sorted(p.items())) for p in params}
+        assert len(params) == 8 and len(keys) == 8
+        assert params[:2] == [a.params for a in got.trials]
+    values = [value(p) for p in params]
+    full = plan(space=SMALL, method="tpe", seed=2, mode="min", parallel=2, values=values, total=8)
+    assert any(a.repeats for a in full.trials)  # TPE did ask some point twice; that ask was skipped
+    for k, a in enumerate(full.trials):
+        assert all(j < k for j in a.repeats)
+
+
+def test_a_spent_discrete_space_ends_the_search() -> None:
+    value = lambda p: p["train.lr"]  # noqa: E731
+    params = run_async(seed=0, total=12, parallel=2, space=SMALL, value=value, arrival_seed=0)
+    assert len(params) == 8 and len({tuple(sorted(p.items())) for p in params}) == 8
+    got = plan(
+        space=SMALL, method="tpe", seed=0, mode="min", parallel=2, values=[value(p) for p in params], total=12
+    )
+    assert got.exhausted and len(got.trials) == 8

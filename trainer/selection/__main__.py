@@ -83,6 +83,33 @@ class StopTrialsFile:
         return self._last
 
 
+class AskFile:
+    """Asks the worker for the batch's next trial (workers/selection.py answers): writes a batch
+    line {"kind": "event", "event": "ask", "data": {"ask": n}} and waits for the worker's answer,
+    {"ask": n, "trial": <BatchTrial> | null}, in the file (written whole: tmp file and rename).
+    A stop, or no answer within `timeout_s`, is no trial."""
+
+    def __init__(
+        self, path: Path, *, lines: TrialLines, stop: FileStopSignal, timeout_s: float = 120.0
+    ) -> None:
+        self._path, self._lines, self._stop, self._timeout_s = path, lines, stop, timeout_s
+        self._n = 0
+
+    def __call__(self) -> dict[str, Any] | None:
+        self._n += 1
+        self._lines.event("ask", {"ask": self._n})
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline and not self._stop.requested():
+            try:
+                got = json.loads(self._path.read_text())
+            except (OSError, ValueError):
+                got = None
+            if isinstance(got, dict) and got.get("ask") == self._n:
+                return got.get("trial")
+            time.sleep(0.01)
+        return None
+
+
 def pick_devices(kind: str, n: int) -> list[torch.device]:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-root", type=Path, default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--stop-trials-file", default=None)
+    ap.add_argument(
+        "--ask-file",
+        type=Path,
+        default=None,
+        help="the worker's answers when a device frees (a growing batch)",
+    )
     ap.add_argument("--workspace", type=Path, default=None, help="the batch's unpacked workspace folder")
     ap.add_argument("--pyenv", type=Path, default=None, help="the job's own packages (appended to sys.path)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
@@ -125,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trainer.selection.job import run_selection
 
+        stop = FileStopSignal(args.stop_file)
         summary = run_selection(
             raw,
             sink_for_trial=lambda i: TrialLines(sys.stdout, trial=i, numbering=numbering),
-            stop=FileStopSignal(args.stop_file),
+            stop=stop,
             devices=devices,
             checkpoint_root=args.checkpoint_root,
             stop_trials=StopTrialsFile(args.stop_trials_file),
+            more=AskFile(args.ask_file, lines=batch_lines, stop=stop) if args.ask_file else None,
         )
     except ConfigError as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})

@@ -9,6 +9,11 @@ run next and copies that trial's next shard in on a side stream while the curren
 CPU the copy is a no-op, same code path). ASHA decisions are taken at mini-batch ends; stopped trials
 free their device at once.
 
+A batch that grows as it runs (a sampler's: workers/search.py) gives `more`: at the dispatch point,
+once a trial has ended since it was last consulted, one free device asks it (outside the lock; the
+other devices go on) for a new trial, and adds the trial it returns to the run; None means none now.
+The run ends when every trial has ended and `more`, asked after the last end, had none.
+
 Threading: every piece of shared state (trial status, holders, ledgers, ASHA) changes under
 `self._cond`; a trial's tensors are touched only by the device that holds it, outside the lock.
 """
@@ -148,6 +153,7 @@ class Executor:
         stop: StopSignal | None = None,
         stop_trials: Callable[[], set[int]] | None = None,
         scheduler: Scheduler | None = None,
+        more: Callable[[], TrialEntry | None] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a selection batch needs at least one device")
@@ -159,6 +165,12 @@ class Executor:
         self.stop = stop or NeverStop()
         self.stop_trials = stop_trials or (lambda: set())
         self.runs = {e.index: TrialRun(entry=e) for e in entries}
+        if more is not None and cfg.early_stopping is not None:
+            raise ValueError("a batch that grows as it runs (more) cannot have early stopping rungs")
+        self.more = more
+        self._asking = False
+        self._asked_at = -1
+        """How many trials had ended when `more` last answered None (-1: never asked)."""
         self.reservations = [
             Reservations(device=f"{d}#{i}", budget_bytes=cfg.device_budget_bytes)
             for i, d in enumerate(devices)
@@ -194,22 +206,7 @@ class Executor:
         """Build and cut every trial on the host; a trial that cannot be built or can never fit a
         device fails alone, with the reason, and the others run."""
         for run in self.runs.values():
-            e = run.entry
-            try:
-                t = ShardedTrial.build(
-                    e.job,
-                    index=e.index,
-                    budget_bytes=self.cfg.device_budget_bytes,
-                    prefetch=self.cfg.prefetch,
-                )
-                if e.warm_start is not None:
-                    t.warm_start(e.warm_start)
-                t.resume(e.checkpoint_dir)
-                run.trial = t
-                if t.step >= t.steps_total:
-                    self._finish(run, "succeeded")
-            except Exception as exc:  # noqa: BLE001 - reported on the trial, the batch goes on
-                self._fail(run, exc)
+            self._build(run)
         max_steps = {i: r.entry.job.train.steps for i, r in self.runs.items()}
         if self.cfg.early_stopping is not None:
             self.rungs = Halving(self.cfg.early_stopping, max_steps=max_steps)
@@ -218,6 +215,37 @@ class Executor:
                     self.rungs.finished(run.index, step=run.trial.step if run.trial else 0)
                 elif run.trial.step > 0:
                     self.rungs.resumed(run.index, step=run.trial.step)
+
+    def _build(self, run: TrialRun) -> None:
+        self._built(run, self._cut(run))
+
+    def _cut(self, run: TrialRun) -> Exception | None:
+        """Build the trial's shards on the host (touches only `run`: no lock needed)."""
+        e = run.entry
+        try:
+            t = ShardedTrial.build(
+                e.job,
+                index=e.index,
+                budget_bytes=self.cfg.device_budget_bytes,
+                prefetch=self.cfg.prefetch,
+            )
+            if e.warm_start is not None:
+                t.warm_start(e.warm_start)
+            t.resume(e.checkpoint_dir)
+            run.trial = t
+        except Exception as exc:  # noqa: BLE001 - reported on the trial, the batch goes on
+            return exc
+        return None
+
+    def _built(self, run: TrialRun, exc: Exception | None) -> None:
+        """A trial that could not be built fails; one already trained to its end succeeds."""
+        if exc is not None:
+            try:
+                raise exc
+            except Exception as e:  # noqa: BLE001 - re-raised only so _fail logs its traceback
+                self._fail(run, e)
+        elif run.trial.step >= run.trial.steps_total:
+            self._finish(run, "succeeded")
 
     # -- the scheduler's view --------------------------------------------------------------------
 
@@ -305,8 +333,21 @@ class Executor:
             run.sink.event("checkpoint", {"step": steps, "path": str(path)})
         self._report_end(run, steps)
         self._keep_checkpoints(run)
+        self._release(run)
         if self.rungs is not None:
             self._apply(self.rungs.finished(run.index, step=steps))
+
+    def _release(self, run: TrialRun) -> None:
+        """A growing batch's process lives as long as the batch: an ended trial's weights and
+        optimizer state go (its result keeps its step and loss), so the process holds about
+        `parallel` trials however many the batch asks. No device holds an ended trial."""
+        t = run.trial
+        if self.more is None or t is None:
+            return
+        t.shards, t.model = [], torch.nn.Sequential()
+        t._inputs.clear()
+        t._y = t._grad = t._coef = None
+        t._norms.clear()
 
     def _fail(self, run: TrialRun, exc: BaseException) -> None:
         run.error = f"{type(exc).__name__}: {exc}"
@@ -315,6 +356,7 @@ class Executor:
         steps = run.trial.step if run.trial else 0
         self._report_end(run, steps)
         self._keep_checkpoints(run)
+        self._release(run)
         if self.rungs is not None:
             self._apply(self.rungs.finished(run.index, step=steps))
 
@@ -432,8 +474,11 @@ class Executor:
                                 continue
                         else:
                             run = self._pick(d)
+                        if run is None and self._may_ask():
+                            self._ask_more()
+                            continue
                         if run is None:
-                            if all(r.status in FINAL for r in self.runs.values()):
+                            if all(r.status in FINAL for r in self.runs.values()) and not self._growing():
                                 self._cond.notify_all()
                                 return
                             self._waiting += 1
@@ -470,6 +515,51 @@ class Executor:
                     run.busy_s += time.perf_counter() - t_slot - t_pf
                     self._cond.notify_all()
                 reserved = nxt
+
+    # -- trials added while the batch runs ------------------------------------------------------
+
+    def _ended(self) -> int:
+        return sum(r.status in FINAL for r in self.runs.values())
+
+    def _may_ask(self) -> bool:
+        """Under the lock: whether this free device should ask `more` now."""
+        return (
+            self.more is not None
+            and not self._asking
+            and not self._stopping
+            and self._asked_at != self._ended()
+        )
+
+    def _growing(self) -> bool:
+        """Under the lock: whether `more` may still add a trial (it is being asked, or a trial ended
+        since it last had none)."""
+        if self.more is None:
+            return False
+        return self._asking or (not self._stopping and self._asked_at != self._ended())
+
+    def _ask_more(self) -> None:
+        """Under the lock (released while `more` answers and the trial is built): ask for a trial."""
+        assert self.more is not None
+        self._asking = True
+        ended = self._ended()
+        self._cond.release()
+        run, exc = None, None
+        try:
+            entry = self.more()
+            if entry is not None:
+                run = TrialRun(entry=entry)
+                exc = self._cut(run)
+        finally:
+            self._cond.acquire()
+            self._asking = False
+            self._cond.notify_all()
+        if run is None:
+            self._asked_at = ended
+            return
+        if run.index in self.runs:
+            raise RuntimeError(f"more() returned trial {run.index}, which the batch has already")
+        self.runs[run.index] = run
+        self._built(run, exc)
 
     def _run_task(self, d: int, run: TrialRun) -> None:
         t = run.trial

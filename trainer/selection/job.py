@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from jobrules.spec import SelectionBatch, parse
+from jobrules.spec import BatchTrial, SelectionBatch, parse
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
@@ -85,15 +85,18 @@ def run_selection(
     devices: list[torch.device],
     checkpoint_root: Path | None,
     stop_trials: Callable[[], set[int]] | None = None,
+    more: Callable[[], dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
     checkpoint_root/trial-<index>/ holds each trial's checkpoints; a trial that finds one there
-    resumes from it (so a re-delivered batch continues where it stopped)."""
+    resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for a new
+    trial (a BatchTrial dict, or None: none now) when a device frees and no trial waits for one
+    (trainer/selection/executor.py)."""
     spec = parse_batch(batch)
-    entries: list[TrialEntry] = []
     failed: dict[int, dict[str, Any]] = {}
-    for t in spec.trials:
+
+    def entry(t: TrialSpec) -> TrialEntry | None:
         sink = sink_for_trial(t.index)
         try:
             job = JobConfig.from_dict(t.spec)
@@ -103,21 +106,39 @@ def run_selection(
             sink.event("trial", {"status": "failed", "steps_done": 0})
             failed[t.index] = {"trial": t.index, "status": "failed", "steps": 0, "error": reason}
             sink.result(failed[t.index])
-            continue
-        entries.append(
-            TrialEntry(
-                index=t.index,
-                job=job,
-                sink=sink,
-                checkpoint_dir=checkpoint_root / f"trial-{t.index}" if checkpoint_root is not None else None,
-                warm_start=t.warm_start,
-            )
+            return None
+        return TrialEntry(
+            index=t.index,
+            job=job,
+            sink=sink,
+            checkpoint_dir=checkpoint_root / f"trial-{t.index}" if checkpoint_root is not None else None,
+            warm_start=t.warm_start,
         )
+
+    def next_entry() -> TrialEntry | None:
+        assert more is not None
+        while (got := more()) is not None:
+            t = BatchTrial.model_validate(got)
+            ws = Path(t.warm_start) if t.warm_start else None
+            if (e := entry(TrialSpec(index=t.index, spec=t.spec, warm_start=ws))) is not None:
+                return e
+            # a bad spec failed alone (its lines are out before the next ask): ask again
+        return None
+
+    entries = [e for t in spec.trials if (e := entry(t)) is not None]
     t0 = time.perf_counter()
-    results: dict[int, dict[str, Any]] = dict(failed)
-    if entries:
-        ex = Executor(entries, devices=devices, cfg=spec.executor, stop=stop, stop_trials=stop_trials)
+    results: dict[int, dict[str, Any]] = {}
+    if entries or more is not None:
+        ex = Executor(
+            entries,
+            devices=devices,
+            cfg=spec.executor,
+            stop=stop,
+            stop_trials=stop_trials,
+            more=next_entry if more is not None else None,
+        )
         results.update(ex.run())
+    results.update(failed)
     makespan = time.perf_counter() - t0
     sign = 1.0 if spec.executor.mode == "min" else -1.0
     ranked = sorted(
