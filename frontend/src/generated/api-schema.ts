@@ -1205,7 +1205,7 @@ export interface components {
             };
             /**
              * Method
-             * @description grid or random expand the space at submit; tpe, cmaes and qmc are Optuna samplers that grow the batch a generation of `parallel` trials at a time
+             * @description grid or random expand the space at submit; tpe, cmaes and qmc are Optuna samplers that keep `parallel` trials in flight, asking a new one as each ends
              * @default random
              * @enum {string}
              */
@@ -1217,7 +1217,7 @@ export interface components {
             trials?: number | null;
             /**
              * Parallel
-             * @description samplers only: trials asked per generation (default: devices)
+             * @description samplers only: trials in flight at once (default: devices)
              */
             parallel?: number | null;
             /**
@@ -1603,6 +1603,8 @@ export interface components {
             /** Copy S */
             copy_s?: number | null;
             stop_reason?: components["schemas"]["StopReason"] | null;
+            /** Repeats Skipped */
+            repeats_skipped?: number[] | null;
         };
         /**
          * TrialReport
