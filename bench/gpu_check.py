@@ -60,6 +60,8 @@ GPU_TESTS: tuple[str, ...] = (
     "tests/trainer/test_gpu_paths.py::test_a_run_forked_from_the_warm_trainer_trains_on_the_device",
     "tests/trainer/test_gpu_paths.py::test_a_selection_batch_on_the_device_matches_each_trial_alone[True]",
     "tests/trainer/test_gpu_paths.py::test_a_selection_batch_on_the_device_matches_each_trial_alone[False]",
+    "tests/trainer/test_fused.py::test_fused_members_match_each_trial_alone[cuda]",
+    "tests/trainer/test_fused.py::test_a_member_dropped_mid_run_leaves_the_others_on_course[cuda]",
 )
 
 

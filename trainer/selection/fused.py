@@ -152,10 +152,6 @@ def check_fusable(jobs: Sequence[JobConfig]) -> None:
 # over the members) and adds dispatch work to every op; here a Linear is one baddbmm over K, and
 # attention folds K into the batch of one scaled_dot_product_attention call.
 
-# the gradient of a parameter that is a strided view of the (K, N) buffer is accumulated into its
-# preset view in place (what the stack wants); torch warns that it is not the layout it would pick
-warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-
 
 def _linear(x_KBTI: torch.Tensor, w_KOI: torch.Tensor, b_KO: torch.Tensor | None) -> torch.Tensor:
     K, B, T, In = x_KBTI.shape
@@ -327,7 +323,12 @@ class FusedTrials:
         self.grad.zero_()
         loss_K = stacked_loss(self._logits(self.params, x_K), y_K)
         # members share no parameter: d(sum)/d(member k's weights) is member k's own gradient
-        loss_K.sum().backward()
+        with warnings.catch_warnings():
+            # the gradient of a parameter that is a strided view of the (K, N) buffer accumulates
+            # into its preset view in place (what the stack wants); torch warns that it is not the
+            # layout it would pick
+            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
+            loss_K.sum().backward()
         self._step()
         losses = loss_K.detach().tolist()  # note: a CPU-GPU sync point, once per fused step
         for k in range(self.size):
