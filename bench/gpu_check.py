@@ -121,6 +121,14 @@ BENCHES: tuple[Bench, ...] = (
         results="pipeline-projection-cuda.json",
         what="pipeline projection with block costs timed on this GPU",
     ),
+    Bench(
+        name="hfta",
+        module="bench.hfta",
+        args=("--device", "cuda", "--steps", "30"),
+        limit_s=60,
+        results="hfta_cuda.json",
+        what="4 same-architecture trials fused (HFTA) vs their 4 separate steps, losses equal to 1e-5",
+    ),
 )
 TESTS_LIMIT_S = 150.0
 

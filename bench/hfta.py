@@ -8,9 +8,9 @@ and seed are trained `--steps` steps twice from the same start: fused (one `Fuse
 step) and separately (each trial's own composed engine, `trainer.runner.build_engine`, the engine
 a single-trial run uses; its K steps one after another). A step is timed as a trial runs it: its
 batches drawn and copied in, forward, backward, optimizer step, losses read back (a sync point in
-both paths). Reported: the median over the steps after `WARMUP` of the fused step and of the sum
-of the K separate steps, their ratio, the peak device memory of each path (CUDA), and the largest
-absolute difference between a member's fused loss and its separate loss over every step (fp32; it
+both paths); the two paths' steps are interleaved, so load from elsewhere falls on both alike.
+Reported: the median over the steps after `WARMUP` of the fused step and of the sum of the K
+separate steps, their ratio, and the largest absolute difference between a member's fused loss and its separate loss over every step (fp32; it
 must be within 1e-5, else the exit code is 1 after the results are written).
 
 Sizes (seq_len 128, batch 8): small = 2 layers d_model 128, medium = 4 layers d_model 256, large =
@@ -24,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,6 @@ import torch
 from bench.common import machine, table, write_results
 from trainer.config import JobConfig
 from trainer.data import BatchStream, data_for, with_data_vocab
-from trainer.device import peak_memory_mb
 from trainer.models import build_model, count_params
 from trainer.protocol import NullSink
 from trainer.runner import build_engine
@@ -76,56 +76,51 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _reset_peak(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
+class Separate:
+    """The same trials, each on its own composed engine: K steps one after another."""
+
+    def __init__(self, jobs: list[JobConfig], *, dev: torch.device) -> None:
+        self.engines = []
+        for job in jobs:
+            engine, recipe, _ = build_engine(job, sink=NullSink(), device=dev)
+            stream = BatchStream(data=data_for(job), batch_size=job.train.batch_size, seed=job.train.seed)
+            self.engines.append((engine, recipe, stream))
+        self.step = 0
+
+    def train_step(self) -> list[float]:
+        losses = []
+        for engine, recipe, stream in self.engines:
+            x, y = recipe.feed(stream.batch_for(self.step))
+            losses.append(engine.train_step(x, y))  # a float: the loss read back, as the loop does
+        self.step += 1
+        return losses
+
+    def close(self) -> None:
+        for engine, _, _ in self.engines:
+            engine.close()
 
 
-def run_fused(jobs: list[JobConfig], *, dev: torch.device) -> tuple[list[float], list[list[float]], float]:
-    """(step seconds, losses per step per member, peak MiB)."""
-    _reset_peak(dev)
-    fused = FusedTrials(jobs, device=dev)
-    times, losses = [], []
-    for _ in range(jobs[0].train.steps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        losses.append(fused.train_step())  # reads the K losses back: the step's end
-        times.append(time.perf_counter() - t0)
-    peak = peak_memory_mb(dev) if dev.type == "cuda" else float("nan")
-    del fused
-    return times, losses, peak
-
-
-def run_separate(jobs: list[JobConfig], *, dev: torch.device) -> tuple[list[float], list[list[float]], float]:
-    """The same trials, each on its own engine, their steps one after another."""
-    _reset_peak(dev)
-    engines = []
-    for job in jobs:
-        engine, recipe, _ = build_engine(job, sink=NullSink(), device=dev)
-        stream = BatchStream(data=data_for(job), batch_size=job.train.batch_size, seed=job.train.seed)
-        engines.append((engine, recipe, stream))
-    times, losses = [], []
-    for step in range(jobs[0].train.steps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        row = []
-        for engine, recipe, stream in engines:
-            x, y = recipe.feed(stream.batch_for(step))
-            row.append(engine.train_step(x, y))  # a float: the loss read back, as the loop does
-        times.append(time.perf_counter() - t0)
-        losses.append(row)
-    peak = peak_memory_mb(dev) if dev.type == "cuda" else float("nan")
-    for engine, _, _ in engines:
-        engine.close()
-    return times, losses, peak
+def _timed(fn: Callable[[], list[float]], dev: torch.device) -> tuple[float, list[float]]:
+    _sync(dev)
+    t0 = time.perf_counter()
+    losses = fn()  # both paths read their losses back: the step's end
+    return time.perf_counter() - t0, losses
 
 
 def measure(size: str, *, members: int, steps: int, dev: torch.device) -> dict[str, Any]:
+    """Both paths side by side, their steps interleaved (fused, separate, fused, ...), so that
+    whatever else loads the machine falls on both alike."""
     jobs = trials(size, members=members, steps=steps, device=dev.type)
-    fused_t, fused_l, fused_mb = run_fused(jobs, dev=dev)
-    sep_t, sep_l, sep_mb = run_separate(jobs, dev=dev)
-    diff = max(abs(a - b) for fr, sr in zip(fused_l, sep_l, strict=True) for a, b in zip(fr, sr, strict=True))
+    fused = FusedTrials(jobs, device=dev)
+    separate = Separate(jobs, dev=dev)
+    fused_t, sep_t, diff = [], [], 0.0
+    for _ in range(steps):
+        t, fl = _timed(fused.train_step, dev)
+        fused_t.append(t)
+        t, sl = _timed(separate.train_step, dev)
+        sep_t.append(t)
+        diff = max(diff, *(abs(a - b) for a, b in zip(fl, sl, strict=True)))
+    separate.close()
     fused_ms = statistics.median(fused_t[WARMUP:]) * 1e3
     sep_ms = statistics.median(sep_t[WARMUP:]) * 1e3
     cfg = jobs[0].model
@@ -136,10 +131,8 @@ def measure(size: str, *, members: int, steps: int, dev: torch.device) -> dict[s
         "fused_step_ms": fused_ms,
         "separate_steps_ms": sep_ms,
         "separate / fused": sep_ms / fused_ms,
-        "fused_peak_mib": fused_mb,
-        "separate_peak_mib": sep_mb,
         "max_abs_loss_diff": diff,
-        "final_losses": fused_l[-1],
+        "final_losses": fl,
     }
 
 
@@ -190,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": WARMUP,
             "torch_threads": torch.get_num_threads(),
-            "method": "median wall time per step after warm-up, synchronised; separate = the sum of the "
-            "K trials' own composed-engine steps; losses compared member by member at every step",
+            "method": "median wall time per step after warm-up, synchronised, the two paths' steps "
+            "interleaved; separate = the K trials' own composed-engine steps one after another; losses "
+            "compared member by member at every step",
             "tolerance": TOLERANCE,
             "losses_within_tolerance": within,
             "elapsed_s": time.perf_counter() - t0,
