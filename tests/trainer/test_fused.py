@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -149,3 +149,25 @@ def test_an_unfusable_set_is_refused_naming_the_field() -> None:
     assert reasons[3].startswith("parallel.spill")
     assert "train.batch_size differs (16 vs 8)" not in reasons[4]  # base's batch is 4, not 16
     assert "train.batch_size differs (4 vs 8)" in reasons[4]
+
+
+@pytest.mark.parametrize("trials", [ADAMW, SGD], ids=["adamw", "sgd"])
+def test_a_fused_member_goes_on_alone_from_its_checkpoint(
+    trials: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A member's `member_state`, saved as a checkpoint at step 3, is what the single-trial path
+    resumes from: it ends where the trial ends trained alone from the start."""
+    jobs = [_job(t, device="cpu") for t in trials]
+    fused = FusedTrials(jobs)
+    for _ in range(STEPS // 2):
+        fused.train_step()
+    for k, job in enumerate(jobs):
+        out = tmp_path / f"member-{k}"
+        save_checkpoint(out, step=STEPS // 2, state=fused.member_state(k))
+        sink = ListSink()
+        run(job, sink=sink, stop=NeverStop(), checkpoint_dir=out)
+        ref_losses, ref_params, _ = _alone(job, tmp_path)
+        torch.testing.assert_close(sink.series("loss"), ref_losses[STEPS // 2 :], **TOL)
+        got = load_checkpoint(latest_checkpoint(out))["model"]
+        for name, want in ref_params.items():
+            torch.testing.assert_close(got[name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")

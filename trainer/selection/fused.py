@@ -34,6 +34,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from trainer.config import ConfigError, JobConfig, ModelConfig
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import check_finite, val_batches
 from trainer.models import recipe_for
+from trainer.optim import build_optimizer
 from trainer.recipe import ModelRecipe, build_dense
 
 FUSED_KINDS = ("gpt", "mlp")
@@ -391,6 +393,32 @@ class FusedTrials:
         """The member's weights by the names its own `nn.Sequential` has, as CPU copies."""
         row = self.ids.index(member)
         return {n: p[row].detach().to("cpu", copy=True) for n, p in self.params.items()}
+
+    def member_state(self, member: int) -> dict[str, Any]:
+        """The member as the composed engine's checkpoint holds a single trial ("model" by name,
+        "optimizer" in torch.optim's state_dict form, trainer/engine.py): `save_checkpoint` it and
+        `trainer.runner.run` goes on from there alone, as if the trial had never been fused."""
+        row = self.ids.index(member)
+        job = self.jobs[row]
+        model = self.member_params(member)
+        named = [(n, torch.nn.Parameter(t)) for n, t in model.items()]
+        opt = build_optimizer([p for _, p in named], job.train)
+        steps = float(self.step_counts[row])
+        for (_, p), s in zip(named, self.slots, strict=True):
+
+            def rows(key: str, s: _Slot = s) -> torch.Tensor:
+                return self.state[key][row, s.start : s.stop].view(s.shape).to("cpu", copy=True)
+
+            if self.optimizer == "adamw":
+                st = {
+                    "step": torch.tensor(steps),
+                    "exp_avg": rows("exp_avg"),
+                    "exp_avg_sq": rows("exp_avg_sq"),
+                }
+            else:
+                st = {"momentum_buffer": rows("momentum_buffer") if job.train.momentum > 0 else None}
+            opt.state[p] = st
+        return {"model": model, "optimizer": opt.state_dict()}
 
     @torch.no_grad()
     def eval_losses(self) -> list[float]:
