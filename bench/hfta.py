@@ -10,8 +10,13 @@ a single-trial run uses; its K steps one after another). A step is timed as a tr
 batches drawn and copied in, forward, backward, optimizer step, losses read back (a sync point in
 both paths); the two paths' steps are interleaved, so load from elsewhere falls on both alike.
 Reported: the median over the steps after `WARMUP` of the fused step and of the sum of the K
-separate steps, their ratio, and the largest absolute difference between a member's fused loss and its separate loss over every step (fp32; it
-must be within 1e-5, else the exit code is 1 after the results are written).
+separate steps, their ratio, and the largest absolute difference between a member's fused loss
+and its separate loss over every step (fp32). Every member's losses must agree at every step by
+torch.testing.assert_close's rule with atol = rtol = 1e-5 (the test's), else the exit code is 1
+after the results are written. The rule is relative as well as absolute because the fused kernels
+(batched matmuls, a layer norm's affine applied apart) round differently from the separate ones
+and training carries the differences forward: on this repo's CPU, 4 layers d_model 256 reached an
+absolute difference of 1.2e-5 on a loss near 4.8 within 10 steps (2.5 parts per million).
 
 Sizes (seq_len 128, batch 8): small = 2 layers d_model 128, medium = 4 layers d_model 256, large =
 8 layers d_model 512 (CUDA only by default: on a CPU core it takes seconds a step). Writes
@@ -21,6 +26,7 @@ bench/results/hfta_<device>.json with the machine. Asked for CUDA without one, e
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -45,7 +51,9 @@ SIZES: dict[str, dict[str, Any]] = {
 SEQ_LEN, BATCH = 128, 8
 WARMUP = 3
 """Steps left out of the medians (allocator, cuBLAS handles and kernel choice settle in them)."""
-TOLERANCE = 1e-5
+ATOL = RTOL = 1e-5
+"""Fused and separate losses agree when |fused - separate| <= ATOL + RTOL * |separate| at every
+step: torch.testing.assert_close's rule with the tolerances of tests/trainer/test_fused.py."""
 
 
 def trials(size: str, *, members: int, steps: int, device: str) -> list[JobConfig]:
@@ -113,13 +121,15 @@ def measure(size: str, *, members: int, steps: int, dev: torch.device) -> dict[s
     jobs = trials(size, members=members, steps=steps, device=dev.type)
     fused = FusedTrials(jobs, device=dev)
     separate = Separate(jobs, dev=dev)
-    fused_t, sep_t, diff = [], [], 0.0
+    fused_t, sep_t, diffs, within = [], [], [], True
     for _ in range(steps):
         t, fl = _timed(fused.train_step, dev)
         fused_t.append(t)
         t, sl = _timed(separate.train_step, dev)
         sep_t.append(t)
-        diff = max(diff, *(abs(a - b) for a, b in zip(fl, sl, strict=True)))
+        diffs.append(max(abs(a - b) for a, b in zip(fl, sl, strict=True)))
+        # torch.testing.assert_close's rule, as tests/trainer/test_fused.py applies it
+        within = within and all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in zip(fl, sl, strict=True))
     separate.close()
     fused_ms = statistics.median(fused_t[WARMUP:]) * 1e3
     sep_ms = statistics.median(sep_t[WARMUP:]) * 1e3
@@ -131,7 +141,9 @@ def measure(size: str, *, members: int, steps: int, dev: torch.device) -> dict[s
         "fused_step_ms": fused_ms,
         "separate_steps_ms": sep_ms,
         "separate / fused": sep_ms / fused_ms,
-        "max_abs_loss_diff": diff,
+        "max_abs_loss_diff": max(diffs),
+        "within_tolerance": within,
+        "abs_loss_diff_per_step": diffs,
         "final_losses": fl,
     }
 
@@ -160,13 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rows = []
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     for size in sizes:
         rows.append(measure(size, members=args.members, steps=args.steps, dev=dev))
-        print({k: v for k, v in rows[-1].items() if k != "final_losses"}, flush=True)
+        print(
+            {k: v for k, v in rows[-1].items() if k not in ("final_losses", "abs_loss_diff_per_step")},
+            flush=True,
+        )
     info = machine()
     where = info.get("gpu") if dev.type == "cuda" else f"{info['cpu']} ({torch.get_num_threads()} threads)"
-    shown = [{k: v for k, v in r.items() if k != "final_losses"} for r in rows]
+    shown = [
+        {k: v for k, v in r.items() if k not in ("final_losses", "abs_loss_diff_per_step")} for r in rows
+    ]
     print(
         table(
             shown,
@@ -174,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.steps - WARMUP} steps (fp32)",
         )
     )
-    within = all(r["max_abs_loss_diff"] <= TOLERANCE for r in rows)
+    within = all(r["within_tolerance"] for r in rows)
     path = write_results(
         f"hfta_{dev.type}",
         {
@@ -183,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": WARMUP,
             "torch_threads": torch.get_num_threads(),
+            "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
             "method": "median wall time per step after warm-up, synchronised, the two paths' steps "
             "interleaved; separate = the K trials' own composed-engine steps one after another; losses "
             "compared member by member at every step",
-            "tolerance": TOLERANCE,
+            "tolerance": {"atol": ATOL, "rtol": RTOL},
             "losses_within_tolerance": within,
             "elapsed_s": time.perf_counter() - t0,
             "rows": rows,
@@ -194,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {path} in {time.perf_counter() - t0:.1f} s")
     if not within:
-        print(f"bench.hfta: fused and separate losses differ by more than {TOLERANCE}", file=sys.stderr)
+        print(
+            f"bench.hfta: fused and separate losses differ by more than {ATOL} + {RTOL} x |loss|",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
