@@ -79,9 +79,9 @@ def _alone(job: JobConfig, tmp: Path) -> tuple[list[float], dict[str, torch.Tens
 
 
 def _assert_member(
-    fused: FusedTrials, member: int, losses: list[float], ref: tuple[list[float], dict]
+    fused: FusedTrials, member: int, losses: list[float], ref: tuple[list[float], dict, float]
 ) -> None:
-    ref_losses, ref_params = ref
+    ref_losses, ref_params, _ = ref
     torch.testing.assert_close(losses, ref_losses[: len(losses)], **TOL)
     got = fused.member_params(member)
     assert got.keys() == ref_params.keys()

@@ -331,6 +331,8 @@ class FusedTrials:
             # layout it would pick
             warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
             loss_K.sum().backward()
+        # the optimizer reads self.grad: a gradient autograd put anywhere else would be lost
+        assert all(p.grad is not None and p.grad._base is self.grad for p in self.params.values())
         self._step()
         losses = loss_K.detach().tolist()  # note: a CPU-GPU sync point, once per fused step
         for k in range(self.size):
