@@ -60,6 +60,8 @@ GPU_TESTS: tuple[str, ...] = (
     "tests/trainer/test_gpu_paths.py::test_a_run_forked_from_the_warm_trainer_trains_on_the_device",
     "tests/trainer/test_gpu_paths.py::test_a_selection_batch_on_the_device_matches_each_trial_alone[True]",
     "tests/trainer/test_gpu_paths.py::test_a_selection_batch_on_the_device_matches_each_trial_alone[False]",
+    "tests/trainer/test_fused.py::test_fused_members_match_each_trial_alone[cuda]",
+    "tests/trainer/test_fused.py::test_a_member_dropped_mid_run_leaves_the_others_on_course[cuda]",
 )
 
 
@@ -118,6 +120,14 @@ BENCHES: tuple[Bench, ...] = (
         limit_s=45,
         results="pipeline-projection-cuda.json",
         what="pipeline projection with block costs timed on this GPU",
+    ),
+    Bench(
+        name="hfta",
+        module="bench.hfta",
+        args=("--device", "cuda", "--steps", "30"),
+        limit_s=60,
+        results="hfta_cuda.json",
+        what="4 same-architecture trials fused (HFTA) vs their 4 separate steps, losses equal to 1e-5",
     ),
 )
 TESTS_LIMIT_S = 150.0
