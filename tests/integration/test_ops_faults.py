@@ -9,10 +9,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 
 from api.schemas import JobSpec
@@ -59,6 +62,21 @@ def _follow(handle: StackHandle, job_id: int) -> subprocess.Popen[str]:
     )
 
 
+def _connected(h: StackHandle, timeout: float = 120) -> None:
+    """Waits until the API counts an open stream (GET /metrics): the follow has started and opened
+    its stream. On a loaded machine the CLI's start can outlast the wait for step 10, and a restart
+    before it connects would test nothing."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{h.base_url}/metrics", headers={"Authorization": f"Bearer {h.token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        for family in text_string_to_metric_families(r.text):
+            if family.name == "shardyard_sse_open_streams" and sum(x.value for x in family.samples) >= 1:
+                return
+        time.sleep(0.2)
+    raise AssertionError("the follow opened no stream")
+
+
 def _loss_steps(frames: list) -> list[int]:
     return [d["step"] for _, ev, d in frames if ev == "metric" and d["name"] == "loss"]
 
@@ -98,8 +116,11 @@ def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None
     # long enough to outlast the restart on an idle machine
     job = h.submit(long_job("api-restart", 300))
     follow = _follow(h, job["id"])
+    _connected(h)
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
     h.stack.restart_api()
+    # the restart happened mid-job, or this test would prove nothing
+    assert h.job(job["id"])["status"] == "running"
     h.wait(job["id"], timeout=300)
     out, err = follow.communicate(timeout=120)
     assert follow.returncode == 0, err
