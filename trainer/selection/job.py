@@ -85,12 +85,15 @@ def run_selection(
     devices: list[torch.device],
     checkpoint_root: Path | None,
     stop_trials: Callable[[], set[int]] | None = None,
+    device_threads: bool = False,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
     checkpoint_root/trial-<index>/ holds each trial's checkpoints; a trial that finds one there
     resumes from it (so a re-delivered batch continues where it stopped)."""
     spec = parse_batch(batch)
+    if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
+        spec.executor.device_processes = False
     entries: list[TrialEntry] = []
     failed: dict[int, dict[str, Any]] = {}
     for t in spec.trials:
