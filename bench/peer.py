@@ -1,6 +1,7 @@
 """Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
 
     python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
+    (sides also: executor-threads)
     python -m bench.peer --search [--reps 5] [--steps 60]
 
 The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
@@ -10,7 +11,10 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 - bare: the floor with no orchestrator: a 2-process pool (`multiprocessing`, spawn) running
   trainer/loop.py's `train` per trial, one torch thread each. FIFO only (no early stopping).
 - executor: `python -m trainer.selection` alone (Shardyard's executor, shard alternation over 2
-  devices, Sharded-LRTF), a fresh process as a user would start it (it imports torch each time).
+  devices, Sharded-LRTF), a fresh process as a user would start it (it imports torch each time);
+  its two CPU devices are forked device processes.
+- executor-threads: the same with `--device-threads` (the two devices as threads of one process,
+  the executor before device processes), to compare on the same machine in the same run.
 - rest: the same batch through `POST /api/selections` on a warm embedded stack (redis-server,
   uvicorn, one Celery worker, SQLite, the worker's warm trainer on: each group is forked from a
   process that imported torch once); timed from the submit to the batch's end (server clock),
@@ -31,7 +35,11 @@ grid's values of the points asked), and how many points it ran twice. Writes
 bench/results/peer_search.json.
 
 Every side reports the best trial's parameters and val_loss, so a fast wrong answer shows. The
-work floor is the bare side's summed per-trial training time over two cores. Checkpoints are off on
+work floor is the bare side's summed per-trial training time over two cores. The bare and executor
+sides also report their CPU-seconds: user + system time of every process the side ran (the pool's
+workers; the executor's process and its device processes), from getrusage(RUSAGE_CHILDREN) around
+the run; on a shared, loaded machine CPU time is what stays comparable, where wall time measures the
+scheduler's shares. Checkpoints are off on
 every side (Shardyard: `checkpoints: none`). Prints a table, the load average around the runs and
 how many REST groups ran warm, and writes bench/results/peer.json with the machine and the load
 average around each run (the machine may be shared).
@@ -43,6 +51,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -104,6 +113,12 @@ def best_of(per_trial: dict[int, dict[str, Any]], params: dict[int, dict]) -> di
 # -- bare: a process pool, no orchestrator --------------------------------------------------------
 
 
+def children_cpu_s() -> float:
+    """User + system seconds of this process's waited-for children (and theirs) so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _bare_trial(t: dict[str, Any]) -> tuple[int, float, int, float]:
     import torch
 
@@ -118,12 +133,15 @@ def _bare_trial(t: dict[str, Any]) -> tuple[int, float, int, float]:
 
 
 def run_bare(ts: list[dict[str, Any]]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(2) as pool:
-        out = pool.map(_bare_trial, ts, chunksize=1)
+    t0, c0 = time.perf_counter(), children_cpu_s()
+    pool = mp.get_context("spawn").Pool(2)
+    out = pool.map(_bare_trial, ts, chunksize=1)
     wall = time.perf_counter() - t0
+    pool.close()
+    pool.join()  # the workers exit and are waited for, so their CPU time is counted
+    cpu = children_cpu_s() - c0
     per = {i: {"val_loss": v, "steps": s, "seconds": sec} for i, v, s, sec in out}
-    return {"wall_s": wall, "trials": per, "work_s": sum(r["seconds"] for r in per.values())}
+    return {"wall_s": wall, "cpu_s": cpu, "trials": per, "work_s": sum(r["seconds"] for r in per.values())}
 
 
 # -- Shardyard: the executor alone, and through the REST API --------------------------------------
@@ -141,7 +159,7 @@ def batch_doc(ts: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     }
 
 
-def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path) -> dict[str, Any]:
+def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path, *, threads: bool = False) -> dict[str, Any]:
     path = tmp / f"batch-{mode}.json"
     path.write_text(json.dumps(batch_doc(ts, mode)))
     cmd = [
@@ -154,10 +172,12 @@ def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path) -> dict[str, An
         "2",
         "--device",
         "cpu",
+        *(["--device-threads"] if threads else []),
     ]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), children_cpu_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
     wall = time.perf_counter() - t0
+    cpu = children_cpu_s() - c0
     if proc.returncode != 0:
         raise RuntimeError(f"trainer.selection exited {proc.returncode}: {proc.stderr[-2000:]}")
     summary = next(json.loads(line)["data"] for line in proc.stdout.splitlines() if '"batch_result"' in line)
@@ -165,7 +185,7 @@ def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path) -> dict[str, An
         r["trial"]: {"val_loss": r["val_loss"], "steps": r["steps"], "status": r["status"]}
         for r in summary["trials"]
     }
-    return {"wall_s": wall, "trials": per}
+    return {"wall_s": wall, "cpu_s": cpu, "trials": per}
 
 
 def _env() -> dict[str, str]:
@@ -557,8 +577,8 @@ def main() -> None:
                         before = load()
                         if side == "bare":
                             out = run_bare(ts)
-                        elif side == "executor":
-                            out = run_executor(ts, mode, tmp)
+                        elif side in ("executor", "executor-threads"):
+                            out = run_executor(ts, mode, tmp, threads=side == "executor-threads")
                         elif side == "rest":
                             assert client is not None
                             out = run_rest(client, args.steps, mode)
@@ -574,8 +594,9 @@ def main() -> None:
                         )
                         runs.append(out)
                         b = out["best"]
+                        cpu = f"  {out['cpu_s']:6.2f} CPU-s" if "cpu_s" in out else ""
                         print(
-                            f"rep {rep} {side:9s} {mode}: {out['wall_s']:7.2f} s  best trial {b['trial']} "
+                            f"rep {rep} {side:9s} {mode}: {out['wall_s']:7.2f} s{cpu}  best trial {b['trial']} "
                             f"{b['params']} val_loss {b['val_loss']:.6f}  load {before:.1f}->{out['load_after']:.1f}",
                             flush=True,
                         )
@@ -626,6 +647,7 @@ def _warm_groups(stack_root: Path) -> tuple[int, int]:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     med: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}
     rows = []
     bare = [r for r in runs if r["side"] == "bare"]
     floor = statistics.median(r["work_s"] for r in bare) / 2 if bare else None
@@ -635,6 +657,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if not rs:
                 continue
             med[side, mode] = m = statistics.median(r["wall_s"] for r in rs)
+            if all("cpu_s" in r for r in rs):
+                cpu[side, mode] = statistics.median(r["cpu_s"] for r in rs)
             bests = {(r["best"]["trial"], round(r["best"]["val_loss"], 6)) for r in rs}
             b = rs[0]["best"]
             rows.append(
@@ -645,6 +669,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "runs": len(rs),
                     "/ work floor": m / floor if floor else "",
                     "/ bare": m / med["bare", "fifo"] if ("bare", "fifo") in med else "",
+                    "CPU-s (median)": cpu.get((side, mode), ""),
+                    "/ bare CPU-s": _paired(runs, side, mode) if (side, mode) in cpu else "",
                     "best trial": b["trial"],
                     "best params": json.dumps(b["params"]),
                     "best val_loss": f"{b['val_loss']:.6f}",
@@ -652,6 +678,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 }
             )
     goals = []
+    for side in ("executor", "executor-threads"):
+        if (side, "fifo") in cpu and ("bare", "fifo") in cpu:
+            goals.append(
+                f"{side} CPU-s / bare CPU-s (FIFO, median of per-repetition ratios): "
+                f"{_paired(runs, side, 'fifo'):.3f} (goal <= 1.05)"
+            )
+    if ("rest", "fifo") in med and floor:
+        goals.append(f"REST warm FIFO / work floor: {med['rest', 'fifo'] / floor:.3f} (goal <= 1.05)")
     if ("rest", "fifo") in med and ("bare", "fifo") in med:
         r = med["rest", "fifo"] / med["bare", "fifo"]
         goals.append(f"REST warm / bare floor (FIFO): {r:.3f} (goal <= 1)")
@@ -667,7 +701,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "goals": goals,
         "work_floor_s": floor,
         "medians": {f"{k[0]}/{k[1]}": v for k, v in med.items()},
+        "cpu_s_medians": {f"{k[0]}/{k[1]}": v for k, v in cpu.items()},
     }
+
+
+def _paired(runs: list[dict[str, Any]], side: str, mode: str) -> float:
+    """Median over repetitions of this side's CPU-seconds over the bare side's in the same
+    repetition (run next to it, so under about the same load)."""
+    bare = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == "bare"}
+    ratios = [
+        r["cpu_s"] / bare[r["rep"]]
+        for r in runs
+        if r["side"] == side and r["mode"] == mode and r["rep"] in bare
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 if __name__ == "__main__":

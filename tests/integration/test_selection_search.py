@@ -77,7 +77,7 @@ ASYNC = {
 def run_batch(stack: StackHandle, body: dict) -> dict:
     resp = stack.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
-    done = wait_selection(stack, resp.json()["id"], timeout=400)
+    done = stack.wait_selection(resp.json()["id"], timeout=400)
     done["trials"].sort(key=lambda t: t["index"])
     return done
 

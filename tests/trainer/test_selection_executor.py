@@ -1,9 +1,13 @@
 """The executor trains each trial to exactly the parameters trainer/loop.py gives it alone, whatever
-the interleaving of shards over the two CPU 'devices' (worker threads), for SGD and AdamW."""
+the interleaving of shards over the two CPU 'devices' (forked device processes, or worker threads),
+for SGD and AdamW."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -123,10 +127,14 @@ def check_no_overlap(ex: Executor) -> None:
             assert a.end <= b.start, f"trial {a.trial} ran on devices {a.device} and {b.device} at once"
 
 
+@pytest.mark.parametrize("processes", [True, False], ids=["processes", "threads"])
 @pytest.mark.parametrize("how", ["shard-lrtf", "round-robin", "fifo", "random-0", "random-1"])
-def test_each_trial_matches_training_alone(tmp_path: Path, reference, how: str) -> None:  # noqa: ANN001
+def test_each_trial_matches_training_alone(tmp_path: Path, reference, how: str, processes: bool) -> None:  # noqa: ANN001
     custom = RandomChoice(int(how.split("-")[1])) if how.startswith("random") else None
-    ex, results, sinks = run_batch(tmp_path, scheduler="fifo" if custom else how, custom=custom)
+    ex, results, sinks = run_batch(
+        tmp_path, scheduler="fifo" if custom else how, custom=custom, device_processes=processes
+    )
+    assert ex.processes is processes
     assert {i: r["status"] for i, r in results.items()} == dict.fromkeys(range(len(SPECS)), "succeeded")
     check_no_overlap(ex)
     assert {s.device for s in ex.trace} == {0, 1}  # both devices worked
@@ -152,8 +160,9 @@ def test_interleavings_really_differ(tmp_path: Path) -> None:
     assert orders[0] != orders[1]
 
 
+@pytest.mark.parametrize("processes", [True, False], ids=["processes", "threads"])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
+def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool, processes: bool) -> None:
     # the tightest budget every trial's cuts fit: with prefetch, twice the largest shard's working
     # set (a running shard and another trial's prefetched one); without, the largest alone
     biggest = max(
@@ -161,16 +170,22 @@ def test_budget_is_never_exceeded(tmp_path: Path, prefetch: bool) -> None:
         for i in range(len(SPECS))
     )
     budget = 2 * biggest if prefetch else biggest
-    ex, results, _ = run_batch(tmp_path, device_budget_bytes=budget, prefetch=prefetch)
+    ex, results, _ = run_batch(
+        tmp_path, device_budget_bytes=budget, prefetch=prefetch, device_processes=processes
+    )
     assert all(r["status"] == "succeeded" for r in results.values()), results
     # planned reservations and the real bytes the shards held (the strict spill ledger raises past
     # the budget, which would have failed a trial above)
     assert all(0 < lg.peak_bytes <= budget for lg in ex.reservations)
     assert all(0 < p.ledger.peak <= budget and p.ledger.strict for p in ex.places)
     assert all(p.ledger.held == 0 for p in ex.places)  # everything spilled at the end
-    # double buffering across trials happened (a shard copied in ahead of its task), or not at all
-    prefetched = sum(1 for r in results.values() if r["prefetch_s"] > 0)
+    # double buffering across trials happened (a device reserved its next trial while running one),
+    # or not at all; a CPU thread binds the shard ahead (same code path as CUDA's copy), a device
+    # process only when the task comes (host and device are one memory)
+    prefetched = sum(r.prefetches for r in ex.runs.values())
     assert prefetched > 0 if prefetch else prefetched == 0
+    bound_ahead = sum(1 for r in results.values() if r["prefetch_s"] > 0)
+    assert bound_ahead > 0 if prefetch and not processes else bound_ahead == 0
 
 
 @pytest.mark.parametrize("how", ["shard-lrtf", "sequential"])
@@ -437,3 +452,208 @@ def test_more_cannot_grow_a_batch_with_rungs() -> None:
     cfg = ExecutorConfig(early_stopping=HalvingConfig(kind="asha", reduction_factor=2, min_steps=1))
     with pytest.raises(ValueError, match="cannot have early stopping"):
         Executor([TrialEntry(index=0, job=job(2), sink=ListSink())], devices=CPU2, cfg=cfg, more=lambda: None)
+
+
+# -- CPU devices as processes (trainer/selection/devices.py) --------------------------------------
+
+
+def test_device_processes_give_the_threads_results_exactly() -> None:
+    """The same ASHA batch on device threads and on device processes: the same trials stop at the
+    same rungs with the same values, and every trial's loss and val_loss series are bit-identical."""
+    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min", seed=3)
+    out = {}
+    for processes in (False, True):
+        sinks = {i: ListSink() for i in range(len(SPECS))}
+        entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
+        cfg = ExecutorConfig(
+            metric="val_loss", early_stopping=asha, checkpoints="none", device_processes=processes
+        )
+        ex = Executor(entries, devices=CPU2, cfg=cfg)
+        results = ex.run()
+        assert ex.processes is processes and {s.device for s in ex.trace} == {0, 1}
+        out[processes] = (
+            {i: (r["status"], r["steps"], r["stop_reason"], r["final_loss"]) for i, r in results.items()},
+            {i: (sinks[i].series("loss"), sinks[i].series("val_loss")) for i in sinks},
+        )
+    assert out[True] == out[False]
+    assert any(st == "stopped_early" for st, _, _, _ in out[True][0].values())
+
+
+def test_a_trial_moves_between_device_processes_only_between_mini_batches(tmp_path: Path) -> None:
+    ex, results, _ = run_batch(tmp_path, scheduler="round-robin", device_processes=True)
+    assert all(r["status"] == "succeeded" for r in results.values())
+    moved = 0
+    for i in results:
+        slots = sorted((s for s in ex.trace if s.trial == i), key=lambda s: s.start)
+        tasks = ex.runs[i].trial.tasks
+        for n, (a, b) in enumerate(zip(slots, slots[1:], strict=False)):
+            if a.device != b.device:
+                moved += 1
+                assert (n + 1) % len(tasks) == 0, f"trial {i} changed device inside a mini-batch"
+    assert moved > 0  # the trials did change device (between mini-batches)
+
+
+def test_a_trial_added_while_the_batch_runs_is_handed_to_the_device_processes(
+    tmp_path: Path,
+    reference,  # noqa: ANN001
+) -> None:
+    """A trial that joins after the fork is built and shared here, and adopted by the device
+    process that takes it; it trains exactly as alone (the same weights as trial 0's reference)."""
+    added: dict[str, object] = {}
+    late_sink = ListSink()
+
+    class AddAt(ListSink):
+        def metric(self, step: int, name: str, value: float) -> None:
+            super().metric(step, name, value)
+            if name == "loss" and step == 1 and "run" not in added:
+                entry = TrialEntry(index=9, job=job(0), sink=late_sink, checkpoint_dir=tmp_path / "trial-9")
+                added["run"] = ex.add_trial(entry)
+
+    entries = [
+        TrialEntry(index=1, job=job(1), sink=AddAt()),
+        TrialEntry(index=2, job=job(2), sink=ListSink()),
+    ]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(checkpoints="all", device_processes=True))
+    results = ex.run()
+    assert results[9]["status"] == "succeeded" and results[9]["steps"] == job(0).train.steps
+    assert ex.runs[9].block is not None and any(s.trial == 9 for s in ex.trace)
+    want, ref_sink = reference[0]
+    got = load_checkpoint(latest_checkpoint(tmp_path / "trial-9"))["model"]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    torch.testing.assert_close(late_sink.series("loss"), ref_sink.series("loss"))
+    torch.testing.assert_close(late_sink.series("val_loss"), ref_sink.series("val_loss"))
+
+
+def test_a_trial_with_a_users_data_iterable_keeps_its_device_process(tmp_path: Path) -> None:
+    """The iterable's position lives in the process that drew from it: such a trial never changes
+    process, and trains as alone."""
+    from trainer.workspace import set_workspace
+
+    (tmp_path / "seqdata.py").write_text(
+        "import torch\n\n"
+        "def batches(*, batch_size, seq_len, seed):\n"
+        "    def stream(offset):\n"
+        "        g = torch.Generator().manual_seed(seed + offset)\n"
+        "        while True:\n"
+        "            w = (torch.randint(0, 11, (batch_size, 1), generator=g) + torch.arange(seq_len + 1)) % 11\n"
+        "            yield w[:, :-1], w[:, 1:]\n"
+        "    return stream(0), stream(1)\n"
+    )
+    set_workspace(tmp_path)
+    try:
+        spec = {
+            "name": "py",
+            "model": {"kind": "gpt", "layers": 1, "d_model": 16, "heads": 2, "seq_len": 8},
+            "data": {"kind": "python", "entry": "seqdata:batches", "vocab_size": 11},
+            "train": {"steps": 6, "lr": 1e-2, "seed": 7, **SMALL},
+        }
+        alone = ListSink()
+        run(JobConfig.from_dict(spec), sink=alone, stop=NeverStop(), device=torch.device("cpu"))
+        sinks = {0: ListSink(), 1: ListSink()}
+        entries = [
+            TrialEntry(index=0, job=JobConfig.from_dict(spec), sink=sinks[0]),
+            TrialEntry(index=1, job=job(2), sink=sinks[1]),
+        ]
+        ex = Executor(
+            entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", device_processes=True)
+        )
+        results = ex.run()
+    finally:
+        set_workspace(None)
+    assert all(r["status"] == "succeeded" for r in results.values()), results
+    assert len({s.device for s in ex.trace if s.trial == 0}) == 1
+    torch.testing.assert_close(sinks[0].series("loss"), alone.series("loss"))
+    torch.testing.assert_close(sinks[0].series("val_loss"), alone.series("val_loss"))
+
+
+def _hang_in_task(monkeypatch: pytest.MonkeyPatch, marker: Path, trials: set[int]) -> None:
+    """Trials `trials` write their device process's id to `marker`-<trial> at step 1's first task,
+    then hang there (the forked device processes inherit the patch)."""
+    real = ShardedTrial._compute
+
+    def hanging(self, task, s, place):  # noqa: ANN001, ANN202
+        if self.index in trials and self.step == 1:
+            Path(f"{marker}-{self.index}").write_text(str(os.getpid()))
+            time.sleep(120)
+        return real(self, task, s, place)
+
+    monkeypatch.setattr(ShardedTrial, "_compute", hanging)
+
+
+def _run_with_deadline(ex: Executor, deadline_s: float = 120.0) -> dict[int, dict]:
+    out: dict[str, object] = {}
+    th = threading.Thread(target=lambda: out.setdefault("results", ex.run()), daemon=True)
+    th.start()
+    th.join(deadline_s)
+    assert not th.is_alive(), "the executor hung after a device process died"
+    return out["results"]  # type: ignore[return-value]
+
+
+def _kill_when_written(paths: list[Path]) -> list[int]:
+    pids = []
+    for path in paths:
+        for _ in range(600):
+            if path.exists() and path.read_text():
+                break
+            time.sleep(0.05)
+        pid = int(path.read_text())
+        os.kill(pid, signal.SIGKILL)
+        pids.append(pid)
+    return pids
+
+
+def test_a_device_process_killed_mid_task_fails_its_trial_and_the_batch_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _hang_in_task(monkeypatch, tmp_path / "pid", {0})
+    sinks = {i: ListSink() for i in range(len(SPECS))}
+    entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="fifo", device_processes=True))
+    killer = threading.Thread(target=lambda: killed.extend(_kill_when_written([tmp_path / "pid-0"])))
+    killed: list[int] = []
+    killer.start()
+    results = _run_with_deadline(ex)
+    killer.join()
+    (pid,) = killed
+    err = results[0]["error"]
+    assert results[0]["status"] == "failed" and results[0]["steps"] == 1
+    assert re.fullmatch(
+        rf"DeviceDied: device cpu#([01]) \(process {pid}\) died: killed by signal 9 \(SIGKILL\) "
+        r"while running the trial's task F0",
+        err,
+    ), err
+    dead = int(re.search(r"cpu#([01])", err).group(1))
+    assert ex.dead[dead] is not None and ex.dead[1 - dead] is None
+    assert [d["status"] for e, d in sinks[0].events if e == "trial"] == ["running", "failed"]
+    # a trial whose mini-batch was in the dead process fails with it (its boundary activations are
+    # gone), naming the same process; every other trial runs to its end on the device left
+    for i, r in results.items():
+        if i != 0 and r["status"] == "failed":
+            assert r["error"] == f"{err} (this trial's mini-batch was in that process)"
+            assert r["steps"] < job(i).train.steps
+        elif i != 0:
+            assert r["status"] == "succeeded" and r["steps"] == job(i).train.steps
+    assert sum(r["status"] == "succeeded" for r in results.values()) >= 3
+
+
+def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one-shard trials: none is ever held mid-mini-batch by a process, so the third one fails only
+    # because no device is left; it has steps enough to outlast the kills
+    _hang_in_task(monkeypatch, tmp_path / "pid", {0, 1})
+    long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 400}}
+    jobs = {0: job(2), 1: job(4), 2: JobConfig.from_dict({"name": "long", "data": DATA, **long})}
+    entries = [TrialEntry(index=i, job=j, sink=ListSink()) for i, j in jobs.items()]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", device_processes=True))
+    killer = threading.Thread(target=_kill_when_written, args=([tmp_path / "pid-0", tmp_path / "pid-1"],))
+    killer.start()
+    results = _run_with_deadline(ex)
+    killer.join()
+    assert all(ex.dead)
+    assert all(r["status"] == "failed" for r in results.values()), results
+    for i in (0, 1):
+        assert "killed by signal 9 (SIGKILL)" in results[i]["error"]
+    assert 0 < results[2]["steps"] < 400
+    assert results[2]["error"] == f"DeviceDied: no device left ({ex.dead[0]}; {ex.dead[1]})"

@@ -137,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--workspace", type=Path, default=None, help="the batch's unpacked workspace folder")
     ap.add_argument("--pyenv", type=Path, default=None, help="the job's own packages (appended to sys.path)")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: cores / devices)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads of a device thread (0: cores / devices); device processes share the cores out",
+    )
+    ap.add_argument(
+        "--device-threads",
+        action="store_true",
+        help="run several CPU devices as threads of this process, not forked processes (to compare)",
+    )
     args = ap.parse_args(argv)
 
     numbering = Numbering()
@@ -153,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
         return 2
     if devices[0].type == "cpu":
-        # each CPU 'device' is a worker thread; share the cores out instead of oversubscribing them
+        # one CPU 'device' runs in this process, several in forked device processes that share the
+        # cores out themselves (trainer/selection/devices.py); either way, no oversubscription
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // len(devices)))
     try:
         from trainer.selection.job import run_selection
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_root=args.checkpoint_root,
             stop_trials=StopTrialsFile(args.stop_trials_file),
             more=AskFile(args.ask_file, lines=batch_lines, stop=stop) if args.ask_file else None,
+            device_threads=args.device_threads,
         )
     except ConfigError as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})

@@ -16,6 +16,12 @@ The run ends when every trial has ended and `more`, asked after the last end, ha
 
 Threading: every piece of shared state (trial status, holders, ledgers, ASHA) changes under
 `self._cond`; a trial's tensors are touched only by the device that holds it, outside the lock.
+
+CPU devices are processes (trainer/selection/devices.py): each device thread here stays the
+device's dispatcher, every decision stays in this process, and the task itself runs in the
+device's forked process on the trial's tensors in shared memory. There a trial changes device only
+between mini-batches (its boundary activations live in the process that began the mini-batch).
+CUDA devices stay threads: CUDA cannot be forked once initialised.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from jobrules.spec import CHECKPOINT_POLICIES, METRICS, BatchRules
 from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.config import JobConfig
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
+from trainer.selection.devices import Adoption, DeviceDied, DeviceProcesses, Done, Order, execute
 from trainer.selection.halving import Decisions, Halving, HalvingConfig, StopReason
 from trainer.selection.reservations import Reservations
 from trainer.selection.scheduler import Scheduler, TrialView, make_scheduler
@@ -75,6 +82,10 @@ class ExecutorConfig:
     """Each device's budget; None: unlimited (CPU devices)."""
     poll_s: float = 0.05
     """How often an idle device re-reads the stop signals."""
+    device_processes: bool | None = None
+    """Run each CPU device as a forked process (trainer/selection/devices.py) rather than a thread
+    of this one; None: processes when there are several CPU devices, threads otherwise (one
+    device, or CUDA, which cannot be forked once initialised)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -133,6 +144,13 @@ class TrialRun:
     started: bool = False
     stop_reason: StopReason | None = None
     """Why the rungs stopped the trial (its rung, its value, the rung's cut-off)."""
+    prefetches: int = 0
+    """Times a device reserved the trial as its next one while running another (double buffering)."""
+    pinned: int | None = None
+    """Device processes: the device whose process holds the trial's mini-batch in progress (or, for a
+    trial whose data carries state, the trial for good); only it may take the trial's next task."""
+    block: torch.Tensor | None = None
+    """Device processes: the trial's shared-memory block (ShardedTrial.share)."""
 
     @property
     def index(self) -> int:
@@ -157,6 +175,16 @@ class Executor:
     ) -> None:
         if not devices:
             raise ValueError("a selection batch needs at least one device")
+        cpu = all(d.type == "cpu" for d in devices)
+        if cfg.device_processes and not cpu:
+            raise ValueError(
+                f"device processes are for CPU devices only (CUDA cannot be forked once initialised), "
+                f"got {', '.join(map(str, devices))}"
+            )
+        self.processes = (
+            cfg.device_processes if cfg.device_processes is not None else cpu and len(devices) > 1
+        )
+        """CPU devices run as processes (trainer/selection/devices.py)."""
         if len({e.index for e in entries}) != len(entries):
             raise ValueError("trial indices must be unique")
         self.cfg = cfg
@@ -188,6 +216,10 @@ class Executor:
         self._fatal: BaseException | None = None
         self.idle_s = [0.0] * len(devices)
         """Per device: time spent waiting for an idle trial."""
+        self._procs: DeviceProcesses | None = None
+        self._started = False
+        self.dead: list[str | None] = [None] * len(devices)
+        """Per device: why its process died (device processes only), or None while it serves."""
         budget = cfg.device_budget_bytes
         # the real bytes on each device (the spilling engine's ledger; strict: passing the budget
         # raises), beside `self.reservations`, the scheduler's plan
@@ -202,10 +234,25 @@ class Executor:
 
     # -- set-up ----------------------------------------------------------------------------------
 
+    def add_trial(self, entry: TrialEntry) -> TrialRun:
+        """Add a trial, before `run` or while it runs (from this process: a device thread, a
+        sink); a free device takes it like any other. Device processes get it with its first task.
+        Trials that early stopping ranks must all be known when the run starts."""
+        with self._cond:
+            if entry.index in self.runs:
+                raise ValueError(f"trial index {entry.index} is already in the batch")
+            if self.rungs is not None:
+                raise ValueError("trials cannot join a batch with early stopping once it has started")
+            run = self.runs[entry.index] = TrialRun(entry=entry)
+            if self._started:
+                self._build(run)
+            self._cond.notify_all()
+        return run
+
     def _prepare(self) -> None:
         """Build and cut every trial on the host; a trial that cannot be built or can never fit a
         device fails alone, with the reason, and the others run."""
-        for run in self.runs.values():
+        for run in list(self.runs.values()):
             self._build(run)
         max_steps = {i: r.entry.job.train.steps for i, r in self.runs.items()}
         if self.cfg.early_stopping is not None:
@@ -217,10 +264,13 @@ class Executor:
                     self.rungs.resumed(run.index, step=run.trial.step)
 
     def _build(self, run: TrialRun) -> None:
+        """Build and cut one trial on the host (with device processes, in shared memory); a trial
+        that cannot be built or can never fit a device fails alone, with the reason."""
         self._built(run, self._cut(run))
 
-    def _cut(self, run: TrialRun) -> Exception | None:
-        """Build the trial's shards on the host (touches only `run`: no lock needed)."""
+    def _cut(self, run: TrialRun) -> tuple[Exception, str] | None:
+        """Build the trial's shards on the host, in shared memory with device processes (touches
+        only `run`: no lock needed); the error and its traceback where it could not be built."""
         e = run.entry
         try:
             t = ShardedTrial.build(
@@ -232,18 +282,18 @@ class Executor:
             if e.warm_start is not None:
                 t.warm_start(e.warm_start)
             t.resume(e.checkpoint_dir)
+            if self.processes:
+                run.block = t.share()
             run.trial = t
         except Exception as exc:  # noqa: BLE001 - reported on the trial, the batch goes on
-            return exc
+            return exc, traceback.format_exc()
         return None
 
-    def _built(self, run: TrialRun, exc: Exception | None) -> None:
+    def _built(self, run: TrialRun, failed: tuple[Exception, str] | None) -> None:
         """A trial that could not be built fails; one already trained to its end succeeds."""
-        if exc is not None:
-            try:
-                raise exc
-            except Exception as e:  # noqa: BLE001 - re-raised only so _fail logs its traceback
-                self._fail(run, e)
+        if failed is not None:
+            exc, trace = failed
+            self._fail(run, f"{type(exc).__name__}: {exc}", trace)
         elif run.trial.step >= run.trial.steps_total:
             self._finish(run, "succeeded")
 
@@ -256,12 +306,13 @@ class Executor:
             return sum(run.step_times) / len(run.step_times)
         return run.trial.flops_per_step / (self._flops_rate or 1e10)
 
-    def _idle(self) -> list[TrialRun]:
+    def _idle(self, d: int) -> list[TrialRun]:
         return [
             r
             for r in self.runs.values()
             if r.status in ("pending", "running")
             and r.holder is None
+            and r.pinned in (None, d)
             and not (r.stop_requested and r.trial.pos == 0)  # stops at the next poll instead
         ]
 
@@ -277,7 +328,7 @@ class Executor:
         )
 
     def _pick(self, d: int, *, exclude: TrialRun | None = None, extra_bytes: int = 0) -> TrialRun | None:
-        idle = [r for r in self._idle() if r is not exclude]
+        idle = [r for r in self._idle(d) if r is not exclude]
         if not idle:
             return None
         active = [r.index for r in self.runs.values() if r.status in ("pending", "running")]
@@ -348,10 +399,12 @@ class Executor:
         t._inputs.clear()
         t._y = t._grad = t._coef = None
         t._norms.clear()
+        run.block = None  # the parent's hold on the shared memory (a device process keeps its map)
 
-    def _fail(self, run: TrialRun, exc: BaseException) -> None:
-        run.error = f"{type(exc).__name__}: {exc}"
-        run.sink.log(f"trial {run.index} failed: {run.error}\n{traceback.format_exc()}")
+    def _fail(self, run: TrialRun, error: str, trace: str = "") -> None:
+        """The trial ends failed with `error` ("Type: message"); `trace` goes to its log."""
+        run.error = error
+        run.sink.log(f"trial {run.index} failed: {run.error}\n{trace}")
         run.status = "failed"
         steps = run.trial.step if run.trial else 0
         self._report_end(run, steps)
@@ -434,7 +487,11 @@ class Executor:
 
     def _prefetch(self, d: int, run: TrialRun) -> None:
         """Start copying `run`'s next shard to device d: on CUDA on the device's copy stream, so it
-        overlaps the task about to run; on CPU the same call copies at once."""
+        overlaps the task about to run; on a CPU thread the same call binds the host copy at once.
+        A device process binds it when the task comes (host and device are one memory there)."""
+        run.prefetches += 1
+        if self._procs is not None:
+            return
         t = run.trial
         task = t.next_task
         dt = t.copy_in(task.shard, self.places[d], state=task.steps, grads=task.kind == "S")
@@ -467,7 +524,8 @@ class Executor:
                             run, reserved = reserved, None
                             booked.release((run.index, "prefetch"))
                             if run.stop_requested and run.trial.pos == 0:
-                                run.trial.shards[run.trial.next_task.shard].spill()
+                                if self._procs is None:
+                                    run.trial.shards[run.trial.next_task.shard].spill()
                                 run.holder = None
                                 self._finish(run, "stopped")
                                 run = None
@@ -513,6 +571,12 @@ class Executor:
                     booked.release((run.index, "run"))
                     self._after_task(run)
                     run.busy_s += time.perf_counter() - t_slot - t_pf
+                    if self.dead[d] is not None:
+                        if nxt is not None:  # its reservation goes back; the trial itself is whole
+                            booked.release((nxt.index, "prefetch"))
+                            nxt.holder = None
+                        self._cond.notify_all()
+                        return
                     self._cond.notify_all()
                 reserved = nxt
 
@@ -561,16 +625,47 @@ class Executor:
         self.runs[run.index] = run
         self._built(run, exc)
 
+    def _order(self, d: int, run: TrialRun) -> Order:
+        """The task for device d, with whether the trial evaluates once it ends its mini-batch."""
+        t = run.trial
+        step = t.step + 1
+        ends = t.pos == len(t.tasks) - 1
+        # an ASHA rung ranked by val_loss needs one at that step too
+        rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
+        evaluate = ends and (AfterStep.of(t.job).evaluates(step) or (rung and self.cfg.metric == "val_loss"))
+        order = Order(trial=run.index, step=t.step, pos=t.pos, loss=t.loss, evaluate=evaluate)
+        if self._procs is not None and not self._procs.knows(d, run.index):
+            assert run.block is not None
+            order.adopt = Adoption(
+                job=run.entry.job,
+                block=run.block,
+                budget_bytes=self.cfg.device_budget_bytes,
+                prefetch=self.cfg.prefetch,
+            )
+        return order
+
     def _run_task(self, d: int, run: TrialRun) -> None:
         t = run.trial
         task = t.next_task
-        start = time.perf_counter()
-        try:
-            timing = t.run_task(self.places[d])
-            run.compute_s += timing.compute_s
-            run.copy_s += timing.copy_s
-            run.done_in_step_s += timing.compute_s + timing.copy_s
-            end = time.perf_counter()
+        order = self._order(d, run)
+        if self._procs is None:
+            done = execute(t, self.places[d], evaluate=order.evaluate)
+        else:
+            try:
+                done = self._procs.run(d, order)
+            except DeviceDied as exc:
+                self._device_died(d, run, f"{exc} while running the trial's task {task.kind}{task.shard}")
+                return
+            # the parent's record of the trial follows the device's (its tensors are shared)
+            t.step, t.pos, t.loss = done.step, done.pos, done.loss
+            ledger = self.places[d].ledger
+            ledger.peak, ledger.held = max(ledger.peak, done.peak_bytes), done.held_bytes
+            stateful = run.entry.job.data.kind == "python"  # the data iterator lives in that process
+            run.pinned = d if (t.pos != 0 or stateful) else None
+        if done.ran:
+            run.compute_s += done.compute_s
+            run.copy_s += done.copy_s
+            run.done_in_step_s += done.compute_s + done.copy_s
             with self._cond:
                 self.trace.append(
                     Slot(
@@ -578,25 +673,38 @@ class Executor:
                         device=d,
                         kind=task.kind,
                         shard=task.shard,
-                        start=start,
-                        end=end,
-                        compute_s=timing.compute_s,
-                        copy_s=timing.copy_s,
+                        start=done.start,
+                        end=done.end,
+                        compute_s=done.compute_s,
+                        copy_s=done.copy_s,
                     )
                 )
-            if t.pos == 0:  # the mini-batch is done: metrics and evaluation, still holding the trial
-                self._end_of_step(run, self.places[d])
+        try:
+            if done.ran and t.pos == 0:  # the mini-batch is done: metrics, evaluation, checkpoint
+                self._end_of_step(run, done)
         except Exception as exc:  # noqa: BLE001 - this trial fails, the batch goes on
-            # free what the failed task left on the device, so the other trials keep its budget
-            place = self.places[d]
-            with contextlib.suppress(Exception):
-                for shard in t.shards:
-                    shard.spill()
-            place.ledger.release_prefix(f"t{run.index}.")
+            done.error = done.error or f"{type(exc).__name__}: {exc}"
+            done.trace = done.trace or traceback.format_exc()
+        if done.error is not None:
             with self._cond:
-                self._fail(run, exc)
+                self._fail(run, done.error, done.trace)
 
-    def _end_of_step(self, run: TrialRun, place: Place) -> None:
+    def _device_died(self, d: int, run: TrialRun, error: str) -> None:
+        """Device d's process is gone: fail its trial and every trial whose mini-batch (or data)
+        lived there; with no device left, fail the rest too. The other devices go on."""
+        with self._cond:
+            self.dead[d] = error
+            self._fail(run, f"DeviceDied: {error}")
+            for r in self.runs.values():
+                if r is not run and r.status not in FINAL and r.pinned == d:
+                    self._fail(r, f"DeviceDied: {error} (this trial's mini-batch was in that process)")
+            if all(self.dead):
+                for r in self.runs.values():
+                    if r is not run and r.status not in FINAL and r.holder in (None, d):
+                        self._fail(r, f"DeviceDied: no device left ({'; '.join(map(str, self.dead))})")
+            self._cond.notify_all()
+
+    def _end_of_step(self, run: TrialRun, done: Done) -> None:
         t = run.trial
         step = t.step
         cfg = t.job.train
@@ -608,24 +716,22 @@ class Executor:
             loss=t.loss,
             seconds=run.done_in_step_s,
             tokens=cfg.batch_size * t.job.model.seq_len,
-            peak_mem_mb=place.ledger.peak / 2**20,
+            peak_mem_mb=done.peak_bytes / 2**20,
         )
         run.done_in_step_s = 0.0
-        after = AfterStep.of(t.job)
-        # an ASHA rung ranked by val_loss needs one at that step too
-        rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
-        if after.evaluates(step) or (rung and self.cfg.metric == "val_loss"):
-            t0 = time.perf_counter()
-            run.val_loss = t.evaluate(place)
-            run.compute_s += time.perf_counter() - t0
+        if done.val_loss is not None:
+            run.compute_s += done.eval_s
+            run.val_loss = done.val_loss
             report_eval(sink, step=step, val_loss=run.val_loss)
             if self.cfg.metric == "val_loss":
                 self._record(run, run.val_loss)
+        if done.error is not None:  # the evaluation failed
+            return
         if self.cfg.metric == "loss":
             self._record(run, t.loss)
         ckpt = run.entry.checkpoint_dir
         # the last step's checkpoint is _finish's
-        if ckpt is not None and after.checkpoints(step):
+        if ckpt is not None and AfterStep.of(t.job).checkpoints(step):
             sink.event("checkpoint", {"step": step, "path": str(t.save(ckpt))})
 
     def _record(self, run: TrialRun, value: float) -> None:
@@ -660,15 +766,28 @@ class Executor:
 
     def run(self) -> dict[int, dict[str, Any]]:
         """Train every trial to its end (or its stop); returns each trial's result by index."""
+        self._started = True
         self._prepare()
+        if self.processes:
+            # forked now, before any thread of ours runs: the processes inherit the built trials
+            # (their tensors already in shared memory) and the trials added later are handed over
+            trials = {
+                i: r.trial for i, r in self.runs.items() if r.trial is not None and r.status not in FINAL
+            }
+            labels = [f"{d}#{i}" for i, d in enumerate(self.devices)]
+            self._procs = DeviceProcesses(labels, trials=trials, budget_bytes=self.cfg.device_budget_bytes)
         threads = [
             threading.Thread(target=self._worker, args=(d,), name=f"selection-dev{d}", daemon=True)
             for d in range(len(self.devices))
         ]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        try:
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            if self._procs is not None:
+                self._procs.close()
         if self._fatal is not None:
             raise RuntimeError(f"selection executor failed: {self._fatal!r}") from self._fatal
         return {i: self._result(r) for i, r in sorted(self.runs.items())}

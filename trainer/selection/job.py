@@ -86,6 +86,7 @@ def run_selection(
     checkpoint_root: Path | None,
     stop_trials: Callable[[], set[int]] | None = None,
     more: Callable[[], dict[str, Any] | None] | None = None,
+    device_threads: bool = False,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
@@ -94,6 +95,8 @@ def run_selection(
     trial (a BatchTrial dict, or None: none now) when a device frees and no trial waits for one
     (trainer/selection/executor.py)."""
     spec = parse_batch(batch)
+    if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
+        spec.executor.device_processes = False
     failed: dict[int, dict[str, Any]] = {}
 
     def entry(t: TrialSpec) -> TrialEntry | None:

@@ -20,6 +20,7 @@ scale and step it (the spilling engine's deferred path, one task per shard here)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,9 @@ class Place:
 
 class HostShard(Shard):
     """A spilling-engine shard that, while it runs on a CPU "device", computes on its host copy:
-    host and device are the same memory there, so copying in and out would only cost time."""
+    host and device are the same memory there, so copying in and out would only cost time. An
+    aliased shard's parameters and optimizer state stay bound to the host buffers for good (nothing
+    is rebound in or out), and parked gradients are the gradient buffer itself."""
 
     alias = False
     """Set while the shard is bound to a CPU place: a copy in returns the host tensor itself."""
@@ -100,6 +103,38 @@ class HostShard(Shard):
         if src.data_ptr() == dst.data_ptr():  # an aliased shard writes its host copy in place
             return
         super()._copy_out(src, dst)
+
+    def ready(self) -> None:
+        if not self.alias:
+            super().ready()
+            return
+        # parameters and optimizer state already point into the host buffers (spill left them
+        # there): only gradients brought back for a deferred step need binding
+        assert self.dev is self.host, f"shard {self.index} is not on the device"
+        self._pending.clear()
+        if self.dev_grad is not None:
+            for p, view in zip(self.params, self.views(self.dev_grad), strict=True):
+                p.grad = view
+
+    def spill(self) -> None:
+        if not self.alias:
+            super().spill()
+            return
+        self.drop_grads()
+        if self.state_dev is not None:
+            self.state_dev = None
+            self.ledger.release(f"{self.tag}.state")
+        if self.dev is not None:
+            self.dev, self.dirty = None, False
+            self.ledger.release(f"{self.tag}.params")
+
+    def stash_grads(self) -> None:
+        if not self.alias:
+            super().stash_grads()
+            return
+        assert self.dev_grad is not None
+        self.grad_host = self.dev_grad  # the same memory: keep the buffer, free only its ledger entry
+        self.drop_grads()
 
 
 def mini_batch_tasks(n_shards: int, *, deferred: bool) -> list[Task]:
@@ -333,6 +368,84 @@ class ShardedTrial:
         _sync(place)
         return total / cfg.eval_batches
 
+    # -- shared memory (CPU device processes, trainer/selection/devices.py) -----------------------
+
+    def _state_tensors(self) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """Every tensor that outlives a mini-batch, in a fixed order, each with how to rebind it:
+        per shard its host copy, its optimizer state and step counts; then the model's buffers
+        (e.g. running statistics, updated in place by a training forward)."""
+        out: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        for s in self.shards:
+            assert s.dev is None and s.opt is not None, f"shard {s.index} must be spilled to be shared"
+
+            def host(new: torch.Tensor, s: HostShard = s) -> None:
+                s.host = new
+                for p, view in zip(s.params, s.views(new), strict=True):
+                    p.data = view
+
+            out.append((s.host, host))
+            for k, flat in s.state_host.items():
+
+                def state(new: torch.Tensor, s: HostShard = s, k: str = k) -> None:
+                    s.state_host[k] = new
+                    for p, view in zip(s.params, s.views(new), strict=True):
+                        s.opt.state[p][k] = view
+
+                out.append((flat, state))
+            if s.params and all("step" in s.opt.state[p] for p in s.params):
+                # one tensor of step counts, each parameter's a 0-dim view (AdamW adds to it in place)
+                steps = torch.stack([s.opt.state[p]["step"].reshape(()) for p in s.params])
+
+                def step(new: torch.Tensor, s: HostShard = s) -> None:
+                    for i, p in enumerate(s.params):
+                        s.opt.state[p]["step"] = new[i]
+
+                out.append((steps, step))
+        seen: set[int] = set()
+        for mod in self.model.modules():
+            for name, b in mod._buffers.items():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+
+                def buffer(new: torch.Tensor, mod: nn.Module = mod, name: str = name) -> None:
+                    mod._buffers[name] = new
+
+                out.append((b, buffer))
+        return out
+
+    def share(self) -> torch.Tensor:
+        """Move every tensor that outlives a mini-batch (weights, optimizer state, step counts,
+        buffers) into one block of shared memory, rebinding them there; returns the block. A
+        process forked after this, or one that `adopt`s the block, trains the same tensors in
+        place: nothing is copied when the trial moves between device processes."""
+        return self._bind(None)
+
+    def adopt(self, block: torch.Tensor) -> None:
+        """Bind this trial, built from the same job, to `share`'s block from another process."""
+        self._bind(block)
+
+    def _bind(self, block: torch.Tensor | None) -> torch.Tensor:
+        tensors = self._state_tensors()
+        offsets, total = [], 0
+        for t, _ in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned: any dtype views
+        if block is None:
+            new_block = torch.empty(total, dtype=torch.uint8).share_memory_()
+        else:
+            if block.numel() != total:
+                raise ValueError(
+                    f"trial {self.index}: shared block of {block.numel()} bytes, this build needs {total}"
+                )
+            new_block = block
+        for (t, rebind), o in zip(tensors, offsets, strict=True):
+            view = new_block[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            if block is None:
+                view.copy_(t)
+            rebind(view)
+        return new_block
+
     # -- checkpoints (every shard is spilled between tasks, so the host copies are the truth) ----
 
     def state(self) -> dict[str, Any]:
@@ -372,8 +485,8 @@ class ShardedTrial:
                 st = per_param[name]
                 for k, flat in s.state_host.items():
                     s.views(flat)[i].copy_(st[k])
-                if "step" in s.opt.state[p]:
-                    s.opt.state[p]["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+                if "step" in s.opt.state[p]:  # in place: the count may live in shared memory
+                    s.opt.state[p]["step"].fill_(float(st["step"]))
         self.step = int(sd["step"])
         return self.step
 
