@@ -6,7 +6,9 @@ API process keeps the series of the jobs it was asked for as arrays and, on each
 only the points stored since (`id` above the highest it holds), so a read costs the new points.
 
 Exact, not a time-to-live: every request reads what is new, so a point is in the answer from the
-first request after its commit. A point is only ever rewritten in place (same id, new value) when
+first request after its commit. Ids arrive in commit order per job: one relay batch at a time
+writes a job's points (db/jobs.py apply_lines, fenced by `applied_seq`; of a gang only the node of
+global rank 0 writes any). A point is only ever rewritten in place (same id, new value) when
 an attempt re-runs steps from a checkpoint, and each attempt (`Job.attempts`) starts from a full
 read; so does a new job under a reused id (`created_at`), a point that arrives out of step order
 (an in-place rewrite cannot be seen, so the series is read again) and an entry older than

@@ -138,6 +138,7 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
                 if k % int(rate * 5) == 0:
                     load.append(os.getloadavg()[0])
         achieved = n / (time.perf_counter() - t0)
+        streamed_step = c.get(f"/api/jobs/{job['id']}").json()["progress"]["step"]
         stop.set()
         prober.join(timeout=10)
         load.append(os.getloadavg()[0])
@@ -164,6 +165,7 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
         "streams": streams,
         "stream_bytes": delivered,
         "streams_closed_early": dropped,
+        "streamed_job_step": streamed_step,
         "submits_per_s_target": rate,
         "submits_per_s_achieved": achieved,
         "seconds": seconds,
