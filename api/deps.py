@@ -19,10 +19,17 @@ def app_settings(request: Request) -> Settings:
     return getattr(request.app.state, "settings", None) or get_settings()
 
 
-def get_session(settings: Annotated[Settings, Depends(app_settings)]) -> Iterator[Session]:
+async def _app_settings(request: Request) -> Settings:
+    """app_settings as a dependency. A coroutine: FastAPI runs a plain function dependency in the
+    thread pool, and one more hand-over to a thread and back per request is waiting time under
+    load (bench/api_load.py) for a lookup that never blocks."""
+    return app_settings(request)
+
+
+def get_session(settings: Annotated[Settings, Depends(_app_settings)]) -> Iterator[Session]:
     with session_for(settings.database_url) as session:
         yield session
 
 
-SettingsDep = Annotated[Settings, Depends(app_settings)]
+SettingsDep = Annotated[Settings, Depends(_app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]

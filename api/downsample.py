@@ -30,3 +30,18 @@ def downsample(steps: list[int], values: list[float], *, max_points: int) -> tup
     ]
     out = lttb.downsample(data, n_out=min(max_points, len(data)))
     return [int(s) for s in out[:, 0]], [float(v) for v in out[:, 1]]
+
+
+def downsample_arrays(
+    steps: np.ndarray, values: np.ndarray, *, max_points: int
+) -> tuple[list[int], list[float]]:
+    """`downsample` of one series already one point per step, in order, held as arrays (the
+    per-job series cache, api/series.py): no lists to convert on every read."""
+    if len(steps) <= max_points:
+        return steps.tolist(), values.tolist()
+    if max_points < 3:
+        return steps[-max_points:].tolist(), values[-max_points:].tolist()
+    finite = np.isfinite(values)
+    data = np.column_stack([steps.astype(np.float64), values])[finite]
+    out = lttb.downsample(data, n_out=min(max_points, len(data)))
+    return [int(s) for s in out[:, 0]], [float(v) for v in out[:, 1]]

@@ -166,6 +166,21 @@ def metric_series(
     return out
 
 
+def metric_rows(session: Session, *, job_id: int, after_id: int = 0) -> list[tuple[int, str, int, float]]:
+    """(id, name, step, value) of a job's points with an id above `after_id`, ordered by name and
+    step, as the driver's tuples: what the API's per-job series cache reads (api/series.py)."""
+    q = (
+        select(MetricPoint.id, MetricPoint.name, MetricPoint.step, MetricPoint.value)
+        .where(MetricPoint.job_id == job_id, MetricPoint.id > after_id)
+        .order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id)
+    )
+    result = session.connection().execute(q)
+    try:
+        return result.cursor.fetchall()
+    finally:
+        result.close()
+
+
 def metrics_after(
     session: Session, *, job_id: int, after_id: int, limit: int = 5000
 ) -> Sequence[MetricPoint]:

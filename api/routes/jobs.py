@@ -7,14 +7,13 @@ import re
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, BackgroundTasks, Header, HTTPException, Path, Query, Request, status
 from pydantic import BaseModel, Field
 
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
 from api.convert import event_public, job_public
 from api.deps import SessionDep, SettingsDep
-from api.downsample import downsample
 from api.publish import publish_job_status
 from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
@@ -31,6 +30,7 @@ from api.schemas import (
     TimelinePublic,
     sse_doc,
 )
+from api.series import job_series
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
 from api.workspaces import WorkspaceRefError, pin_workspace
@@ -77,7 +77,12 @@ def _job_or_404(session: SessionDep, job_id: int, user: User) -> Job:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
 def submit_job(
-    spec: JobSpec, request: Request, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    spec: JobSpec,
+    request: Request,
+    background: BackgroundTasks,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
 ) -> JobPublic:
     if (reason := admission_problem(session, spec, settings=settings, user=user)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
@@ -98,7 +103,8 @@ def submit_job(
     )
     # the scheduler places it (core/scheduler.py) and sends its task; wake it now
     wake_scheduler(request)
-    publish_job_status(settings, job_id=job.id, status="queued")
+    # the row is committed; the live announcement (a Redis round trip) goes out after the answer
+    background.add_task(publish_job_status, settings, job_id=job.id, status="queued")
     return job_public(job)
 
 
@@ -204,18 +210,23 @@ def delete_job(job_id: JobId, settings: SettingsDep, _admin: AdminUser) -> None:
 def get_metrics(
     job_id: JobId,
     session: SessionDep,
+    settings: SettingsDep,
     user: CurrentUser,
     names: str | None = Query(None, max_length=2000, description="comma-separated metric names"),
     since_step: int = Query(0, ge=0, le=DB_INT),
     max_points: int | None = Query(None, ge=2, le=100_000, description="downsample each series (LTTB)"),
 ) -> MetricsPublic:
-    _job_or_404(session, job_id, user)
+    job = _job_or_404(session, job_id, user)
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    raw = db_ingest.metric_series(session, job_id=job_id, names=wanted, since_step=since_step)
-    series = {}
-    for name, (steps, values) in raw.items():
-        steps, values = downsample(steps, values, max_points=max_points or len(steps) or 1)
-        series[name] = Series(steps=steps, values=values)
+    raw = job_series(
+        session,
+        database_url=settings.database_url,
+        job=job,
+        names=wanted,
+        since_step=since_step,
+        max_points=max_points,
+    )
+    series = {name: Series(steps=steps, values=values) for name, (steps, values) in raw.items()}
     return MetricsPublic(job_id=job_id, series=series)
 
 
