@@ -106,20 +106,20 @@ BENCHES: tuple[Bench, ...] = (
         what="zero-bubble split backward (B + W) against one plain backward",
     ),
     Bench(
-        name="warm",
-        module="bench.warm",
-        args=("--gpu", "--reps", "1"),
-        limit_s=75,
-        results="warm_trainer_gpu.json",
-        what="first step of a cold vs a warm (forked) trainer on CUDA",
-    ),
-    Bench(
         name="selection",
         module="bench.selection",
         args=("--gpu", "--reps", "1"),
         limit_s=150,
         results="selection_gpu.json",
         what="4 trials larger than the device: shard alternation vs one at a time",
+    ),
+    Bench(
+        name="warm",
+        module="bench.warm",
+        args=("--gpu", "--reps", "1"),
+        limit_s=75,
+        results="warm_trainer_gpu.json",
+        what="first step of a cold vs a warm (forked) trainer on CUDA",
     ),
     Bench(
         name="projection",
