@@ -32,6 +32,11 @@ _CUDA = pytest.param(
 )
 DEVICES = [_CUDA] if DEVICE == "cuda" else [DEVICE, _CUDA]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+PARAM_TOL_CUDA = {"atol": 1e-4, "rtol": 1e-5}
+"""Weights on CUDA: measured on an H200, one element of 2.attn.qkv.bias was 1.1e-5 off (relative
+5.5: a value near zero) while every loss matched to 1e-6; Adam divides a near-zero gradient by its
+own running scale, so the batched matmul's different rounding order moves such an element by up
+to lr-sized amounts. Losses, what a trial reports, stay at 1e-5 on every device."""
 STEPS = 6
 
 MODEL = {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 4, "seq_len": 16}
@@ -85,8 +90,9 @@ def _assert_member(
     torch.testing.assert_close(losses, ref_losses[: len(losses)], **TOL)
     got = fused.member_params(member)
     assert got.keys() == ref_params.keys()
+    tol = PARAM_TOL_CUDA if fused.device.type == "cuda" else TOL
     for name, want in ref_params.items():
-        torch.testing.assert_close(got[name], want.cpu(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], want.cpu(), **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
