@@ -198,6 +198,21 @@ def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
 
 
+def run_selection(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    """Submit the batch over REST and poll it until it ends; it must have succeeded."""
+    r = client.post("/api/selections", json=body)
+    r.raise_for_status()
+    sid = r.json()["id"]
+    while True:
+        sel = client.get(f"/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(REST_POLL_S)
+    if sel["status"] != "succeeded":
+        raise RuntimeError(f"selection {sid} ended {sel['status']}: {sel.get('error')}")
+    return sel
+
+
 def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
     body = {
         "name": f"peer-{mode}",
@@ -210,17 +225,8 @@ def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
         "checkpoints": "none",
     }
     t0 = time.perf_counter()
-    r = client.post("/api/selections", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    while True:
-        sel = client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(REST_POLL_S)
+    sel = run_selection(client, body)
     client_wall = time.perf_counter() - t0
-    if sel["status"] != "succeeded":
-        raise RuntimeError(f"selection {sid} ended {sel['status']}")
     per = {}
     for t in sel["trials"]:
         result = t.get("result") or client.get(f"/api/jobs/{t['job_id']}").json()["result"] or {}
@@ -306,16 +312,7 @@ def run_rest_search(client: httpx.Client, steps: int, *, method: str, seed: int)
     }
     if method == "tpe":
         body.update(trials=8, parallel=2, startup_trials=STARTUP)
-    r = client.post("/api/selections", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    while True:
-        sel = client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(REST_POLL_S)
-    if sel["status"] != "succeeded":
-        raise RuntimeError(f"selection {sid} ended {sel['status']}: {sel.get('error')}")
+    sel = run_selection(client, body)
     ts = sorted(sel["trials"], key=lambda t: t["index"])
     return {
         "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),

@@ -327,32 +327,14 @@ def run_in_job_env(
     *,
     job_id: int,
     relay: Relay,
-    poll: Callable[[], Ask],
-    stop_file: Path,
     workdir: Path,
-    out: Outcome,
-    memory_limit: int | None,
-    what: str,
-    uploader: Uploader | None,
-    still_ours: Callable[[], bool] = lambda: True,
+    **attempt: Any,
 ) -> int | None:
-    """`run_attempt` in the job's own requirements (workers/pyenv.py): built (or found) first, by
-    this worker under the job's lease, or refused; released once the trainer has exited."""
+    """`run_attempt` (given `attempt`'s other arguments) in the job's own requirements
+    (workers/pyenv.py): built (or found) first, by this worker under the job's lease, or refused;
+    released once the trainer has exited."""
     env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
-    rc = run_attempt(
-        settings,
-        cmd,
-        relay=relay,
-        poll=poll,
-        stop_file=stop_file,
-        workdir=workdir,
-        out=out,
-        memory_limit=memory_limit,
-        what=what,
-        env=env,
-        uploader=uploader,
-        still_ours=still_ours,
-    )
+    rc = run_attempt(settings, cmd, relay=relay, workdir=workdir, env=env, **attempt)
     env.release()
     return rc
 
