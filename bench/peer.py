@@ -403,25 +403,33 @@ def curve(points: list[tuple[float, int]], truth: dict[tuple[float, int], float]
     return out
 
 
-def run_search(args: argparse.Namespace) -> None:
+def start_stack(tmp: Path) -> tuple[Any, httpx.Client]:
+    """An embedded stack (one worker) under `tmp`, and an admin client of it, warmed: the worker has
+    taken a batch before the timed ones."""
     from api.stack import Stack
 
+    os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+    # the worker forks each group from its warm trainer (workers/warm.py), as deployed
+    os.environ["SHARDYARD_WARM_TRAINER"] = "true"
+    stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
+    (tmp / "stack").mkdir()
+    stack.start()
+    client = httpx.Client(
+        base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+    )
+    run_rest(client, 10, "fifo")
+    return stack, client
+
+
+def run_search(args: argparse.Namespace) -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-search-") as tmpdir:
         tmp = Path(tmpdir)
-        os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-        os.environ["SHARDYARD_WARM_TRAINER"] = "true"
-        stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
-        (tmp / "stack").mkdir()
-        stack.start()
-        client = httpx.Client(
-            base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
-        )
+        stack, client = start_stack(tmp)
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
         try:
-            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
             for rep in range(args.reps):
                 seed = rep
                 for side in ("rest-grid", "rest-tpe", "ray-optuna"):
@@ -546,18 +554,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         stack = client = None
         if "rest" in sides:
-            from api.stack import Stack
-
-            os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-            # the worker forks each group from its warm trainer (workers/warm.py), as deployed
-            os.environ["SHARDYARD_WARM_TRAINER"] = "true"
-            stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
-            (tmp / "stack").mkdir()
-            stack.start()
-            client = httpx.Client(
-                base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
-            )
-            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
+            stack, client = start_stack(tmp)
         if any(s.startswith("ray") for s in sides):
             import ray
 
