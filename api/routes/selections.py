@@ -5,19 +5,18 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi import APIRouter, Header, HTTPException, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.admission import admission_problem, group_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
-from api.deps import RowId, SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep
 from api.limits import clip
 from api.queue import wake_scheduler
 from api.schemas import (
     DB_BIGINT,
-    DB_INT,
     JobSpec,
     SelectionCreate,
     SelectionPublic,
@@ -170,8 +169,8 @@ def submit_selection(
 def list_selections(
     session: SessionDep,
     user: CurrentUser,
-    limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=DB_INT),
+    limit: PageSize = 50,
+    offset: PageStart = 0,
 ) -> SelectionsPublic:
     owner_id = None if user.is_admin else user.id
     rows, total = db_sel.list_selections(session, owner_id=owner_id, limit=limit, offset=offset)
