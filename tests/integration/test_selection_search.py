@@ -28,9 +28,7 @@ def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
         "devices": 2,
         "checkpoints": "none",
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sel = resp.json()
+    sel = stack.submit_selection(body)
     assert len(sel["trials"]) == 2  # the first generation only
     # a sampler batch grows itself; adding trials by hand is refused
     more = stack.client.post(f"/api/selections/{sel['id']}/trials", json={"trials": 1})
@@ -81,9 +79,7 @@ def replay(body: dict, values: list[float | None]) -> list[dict]:
 
 
 def run_batch(stack: StackHandle, body: dict) -> dict:
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    done = stack.wait_selection(resp.json()["id"], timeout=400)
+    done = stack.wait_selection(stack.submit_selection(body)["id"], timeout=400)
     done["trials"].sort(key=lambda t: t["index"])
     return done
 

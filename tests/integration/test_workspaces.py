@@ -170,9 +170,7 @@ def test_user_model_trains_through_the_api_and_a_selection_ranges_over_its_args(
         "devices": 2,
         "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     deadline = time.monotonic() + 300
     while (sel := stack.client.get(f"/api/selections/{sid}").json())["status"] not in TERMINAL:
         assert time.monotonic() < deadline, sel
