@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.archives import MALICIOUS, targz
+from tests.archives import MALICIOUS, targz, upload
 from tests.conftest import TERMINAL, StackHandle
 from tests.trainer.user_model_src import USER_MODEL
 from tests.user_data import PERIODIC_BATCHES_PY
@@ -31,12 +31,6 @@ def broken(**kwargs):
     return helper_that_does_not_exist(kwargs)
 """
 )
-
-
-def upload(stack: StackHandle, body: bytes, name: str = "ws"):  # noqa: ANN201
-    return stack.client.post(
-        "/api/workspaces", params={"name": name}, content=body, headers={"content-type": "application/gzip"}
-    )
 
 
 def tiny(**over) -> dict:  # noqa: ANN003
