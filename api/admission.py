@@ -60,16 +60,7 @@ def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> st
     if ranks > most_slots:
         # wider than any one worker: a gang of equal shares over several (the scheduler places it)
         boxes = [b for b in (box_of(w) for w in workers) if b is not None]
-        want = Want(
-            id=0,
-            user=None,
-            priority=0,
-            created=0.0,
-            ranks=ranks,
-            gpus=job_gpus(spec.model_dump()),
-            ram=need["total"],
-            queue=spec.queue,
-        )
+        want = _what_if(ranks=ranks, gpus=job_gpus(spec.model_dump()), ram=need["total"], queue=spec.queue)
         if gang_shape(want, boxes) is not None:
             return None
         return (
@@ -89,6 +80,11 @@ def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> st
             f"the largest live worker with room for {ranks} rank(s); shrink the model, batch_size or seq_len"
         )
     return None
+
+
+def _what_if(*, ranks: int, gpus: int, ram: int, queue: str) -> Want:
+    """A job of nobody's, to ask the scheduler's placement whether the live workers could hold it."""
+    return Want(id=0, user=None, priority=0, created=0.0, ranks=ranks, gpus=gpus, ram=ram, queue=queue)
 
 
 def group_problem(
@@ -118,16 +114,7 @@ def group_problem(
     gpus = devices if job_gpus(specs[0]) else 0
     rams = [host_memory_bytes(s)["total"] for s in specs]
     ram = max(sum(rams[i : i + group_size]) for i in range(0, len(rams), group_size))
-    group = Want(
-        id=0,
-        user=None,
-        priority=0,
-        created=0.0,
-        ranks=devices,
-        gpus=gpus,
-        ram=ram,
-        queue=specs[0].get("queue", "cpu"),
-    )
+    group = _what_if(ranks=devices, gpus=gpus, ram=ram, queue=specs[0].get("queue", "cpu"))
     if gang_shape(group, boxes) == 1:
         return None
     most = max(boxes, key=lambda b: (b.slots, b.ram))

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Query, Request
 from sqlalchemy.orm import Session
 
 from core.settings import Settings, get_settings
 from db.engine import session_for
+from jobrules.spec import DB_INT
 
 
 def app_settings(request: Request) -> Settings:
@@ -33,3 +34,9 @@ def get_session(settings: Annotated[Settings, Depends(_app_settings)]) -> Iterat
 
 SettingsDep = Annotated[Settings, Depends(_app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
+RowId = Annotated[int, Path(ge=1, le=DB_INT)]
+"""A row's id in a route's path: positive, and within the database's integer (else a 422)."""
+PageSize = Annotated[int, Query(ge=1, le=500)]
+"""A list route's `limit` (default 50)."""
+PageStart = Annotated[int, Query(ge=0, le=DB_INT)]
+"""A list route's `offset` (default 0)."""

@@ -32,6 +32,7 @@ from jobrules.spec import (  # noqa: F401 - the request models, re-exported for 
     TrainSpec,
     TrialsAdd,
 )
+from jobrules.stopping import StopReason  # noqa: F401 - one definition with the trainer's
 
 # env.pip may hold pip options only where the admin allows them
 jobrules.spec.pip_options_allowed = lambda: get_settings().pyenv_allow_options
@@ -220,22 +221,6 @@ class HealthPublic(BaseModel):
 
 
 # ---- selections -------------------------------------------------------------------------------
-
-
-class StopReason(BaseModel):
-    """Why the rungs stopped a trial early."""
-
-    rung: int
-    """The rung's step."""
-    value: float
-    """The trial's metric at the rung."""
-    cutoff: float
-    """The metric of the last trial kept at that rung: a stopped trial is no better than this."""
-    kept: int
-    """How many trials of the rung went on."""
-    of: int
-    """How many reported at the rung."""
-    bracket: int
 
 
 class TrialReport(PresentOnly):

@@ -198,6 +198,21 @@ def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
 
 
+def run_selection(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    """Submit the batch over REST and poll it until it ends; it must have succeeded."""
+    r = client.post("/api/selections", json=body)
+    r.raise_for_status()
+    sid = r.json()["id"]
+    while True:
+        sel = client.get(f"/api/selections/{sid}").json()
+        if sel["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        time.sleep(REST_POLL_S)
+    if sel["status"] != "succeeded":
+        raise RuntimeError(f"selection {sid} ended {sel['status']}: {sel.get('error')}")
+    return sel
+
+
 def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
     body = {
         "name": f"peer-{mode}",
@@ -210,17 +225,8 @@ def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
         "checkpoints": "none",
     }
     t0 = time.perf_counter()
-    r = client.post("/api/selections", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    while True:
-        sel = client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(REST_POLL_S)
+    sel = run_selection(client, body)
     client_wall = time.perf_counter() - t0
-    if sel["status"] != "succeeded":
-        raise RuntimeError(f"selection {sid} ended {sel['status']}")
     per = {}
     for t in sel["trials"]:
         result = t.get("result") or client.get(f"/api/jobs/{t['job_id']}").json()["result"] or {}
@@ -306,16 +312,7 @@ def run_rest_search(client: httpx.Client, steps: int, *, method: str, seed: int)
     }
     if method == "tpe":
         body.update(trials=8, parallel=2, startup_trials=STARTUP)
-    r = client.post("/api/selections", json=body)
-    r.raise_for_status()
-    sid = r.json()["id"]
-    while True:
-        sel = client.get(f"/api/selections/{sid}").json()
-        if sel["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        time.sleep(REST_POLL_S)
-    if sel["status"] != "succeeded":
-        raise RuntimeError(f"selection {sid} ended {sel['status']}: {sel.get('error')}")
+    sel = run_selection(client, body)
     ts = sorted(sel["trials"], key=lambda t: t["index"])
     return {
         "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),
@@ -406,25 +403,33 @@ def curve(points: list[tuple[float, int]], truth: dict[tuple[float, int], float]
     return out
 
 
-def run_search(args: argparse.Namespace) -> None:
+def start_stack(tmp: Path) -> tuple[Any, httpx.Client]:
+    """An embedded stack (one worker) under `tmp`, and an admin client of it, warmed: the worker has
+    taken a batch before the timed ones."""
     from api.stack import Stack
 
+    os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
+    # the worker forks each group from its warm trainer (workers/warm.py), as deployed
+    os.environ["SHARDYARD_WARM_TRAINER"] = "true"
+    stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
+    (tmp / "stack").mkdir()
+    stack.start()
+    client = httpx.Client(
+        base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+    )
+    run_rest(client, 10, "fifo")
+    return stack, client
+
+
+def run_search(args: argparse.Namespace) -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-search-") as tmpdir:
         tmp = Path(tmpdir)
-        os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-        os.environ["SHARDYARD_WARM_TRAINER"] = "true"
-        stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
-        (tmp / "stack").mkdir()
-        stack.start()
-        client = httpx.Client(
-            base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
-        )
+        stack, client = start_stack(tmp)
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
         try:
-            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
             for rep in range(args.reps):
                 seed = rep
                 for side in ("rest-grid", "rest-tpe", "ray-optuna"):
@@ -549,18 +554,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         stack = client = None
         if "rest" in sides:
-            from api.stack import Stack
-
-            os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-            # the worker forks each group from its warm trainer (workers/warm.py), as deployed
-            os.environ["SHARDYARD_WARM_TRAINER"] = "true"
-            stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
-            (tmp / "stack").mkdir()
-            stack.start()
-            client = httpx.Client(
-                base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
-            )
-            run_rest(client, 10, "fifo")  # warm: the worker has taken a batch before the timed ones
+            stack, client = start_stack(tmp)
         if any(s.startswith("ray") for s in sides):
             import ray
 

@@ -27,7 +27,7 @@ from bench.common import table, write_results
 from core.settings import get_settings
 from workers import warm
 from workers.execute import trainer_command
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Outcome, run_unattended
 
 SPEC: dict[str, Any] = {
     "name": "warm-bench",
@@ -66,16 +66,7 @@ def time_first_step(cmd: list[str], tmp: Path) -> dict[str, float]:
             first.append(time.perf_counter() - t0)
 
     out = Outcome()
-    rc = supervise(
-        cmd,
-        on_message=on_message,
-        poll=lambda: Ask.none,
-        stop_file=tmp / "stop",
-        stderr_log=tmp / "stderr.log",
-        grace_s=10,
-        shutdown_grace_s=10,
-        out=out,
-    )
+    rc = run_unattended(cmd, tmp, grace_s=10, out=out, on_message=on_message)
     if rc != 0 or not first:
         raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
     return {"first_step_s": first[0], "wall_s": time.perf_counter() - t0}

@@ -203,29 +203,9 @@ def plan(
     return out
 
 
-def suggest(
-    *,
-    space: dict[str, Any],
-    method: str,
-    seed: int,
-    mode: str,
-    parallel: int,
-    values: Sequence[float | None],
-    total: int,
-    startup_trials: int | None = None,
-) -> list[dict[str, Any]]:
-    """The parameters of `plan`'s trials."""
-    p = plan(
-        space=space,
-        method=method,
-        seed=seed,
-        mode=mode,
-        parallel=parallel,
-        values=values,
-        total=total,
-        startup_trials=startup_trials,
-    )
-    return [a.params for a in p.trials]
+def suggest(**plan_args: Any) -> list[dict[str, Any]]:
+    """The parameters of `plan(**plan_args)`'s trials."""
+    return [a.params for a in plan(**plan_args).trials]
 
 
 def _plain(v: Any) -> Any:

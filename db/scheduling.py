@@ -197,9 +197,9 @@ def workers_seen(session: Session, *, within_s: float) -> list[BeatRow]:
     return [BeatRow(*r) for r in _rows(session, _BEATS) if aware(r.last_seen) >= cutoff]
 
 
-@dataclass(slots=True)
-class HeldRow:
-    """A reservation with what the scheduler needs of its job."""
+@dataclass(frozen=True, slots=True)
+class ReservedNode:
+    """A reservation's node: the columns HeldRow and Reserved both start with, in this order."""
 
     id: int
     job_id: int
@@ -209,6 +209,12 @@ class HeldRow:
     slots: int
     gpus: int
     ram_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRow(ReservedNode):
+    """A reservation with what the scheduler needs of its job."""
+
     claimed: bool
     sent_at: datetime | None
     owner_id: int | None
@@ -479,17 +485,9 @@ def request_preemption(session: Session, *, job_ids: Sequence[int], by_job: int)
 
 
 @dataclass(frozen=True, slots=True)
-class Reserved:
+class Reserved(ReservedNode):
     """One reserved node, as written."""
 
-    id: int
-    job_id: int
-    worker: str
-    node_rank: int
-    nnodes: int
-    slots: int
-    gpus: int
-    ram_bytes: int
     attempt: int
     created_at: datetime
     sent_at: datetime | None

@@ -65,16 +65,16 @@ def add_trials(
             actor=actor,
             priority=int(spec.get("priority", 0) or 0),  # the batch's groups are ordered by it
         )
-        trial = Trial(
-            selection_id=selection_id,
-            index=index,
-            params=params,
-            job_id=job.id,
-            steps_total=spec["train"]["steps"],
-            warm_start_from=warm_start_from,
+        trials.append(
+            _add_trial(
+                session,
+                job,
+                selection_id=selection_id,
+                index=index,
+                params=params,
+                warm_start_from=warm_start_from,
+            )
         )
-        session.add(trial)
-        trials.append(trial)
     # a finished batch that grows runs again; a running one stays running
     session.execute(
         update(Selection)
@@ -83,6 +83,22 @@ def add_trials(
     )
     session.commit()
     return trials
+
+
+def _add_trial(
+    session: Session, job: Job, *, selection_id: int, index: int, params: dict, **fields: Any
+) -> Trial:
+    """The trial row of `job` (a new row, its steps those of the job's spec), added to `session`."""
+    trial = Trial(
+        selection_id=selection_id,
+        index=index,
+        params=params,
+        job_id=job.id,
+        steps_total=job.spec["train"]["steps"],
+        **fields,
+    )
+    session.add(trial)
+    return trial
 
 
 def trial_fields(t: Trial) -> dict[str, Any]:
@@ -271,16 +287,9 @@ def add_group_trial(
     )
     session.add(job)
     session.flush()
-    trial = Trial(
-        selection_id=selection_id,
-        index=index,
-        params=params,
-        job_id=job.id,
-        steps_total=spec["train"]["steps"],
-        status="running",
-        result=result,
+    trial = _add_trial(
+        session, job, selection_id=selection_id, index=index, params=params, status="running", result=result
     )
-    session.add(trial)
     session.flush()
     res.trial_ids = [*res.trial_ids, trial.id]
     t = time.time()

@@ -125,31 +125,20 @@ def _iso(dt: datetime | None) -> str | None:
 
 
 def _payload(session: Session, row: WebhookDelivery) -> dict[str, Any]:
-    """What the receiver is told, read once at the first attempt."""
+    """What the receiver is told, read once at the first attempt: the job's or the batch's id and
+    status, and what its row says of it while it still exists."""
     base: dict[str, Any] = {"event": row.event, "delivery_id": row.id, "status": row.status}
-    if row.event == "job.ended":
-        job = session.get(Job, row.object_id)
-        base["job"] = {"id": row.object_id, "status": row.status}
-        if job is not None:
-            base["job"].update(
-                name=job.name,
-                error=job.error,
-                steps=job.steps,
-                step=job.step,
-                attempts=job.attempts,
-                finished_at=_iso(job.finished_at),
-            )
+    kind = "job" if row.event == "job.ended" else "selection"
+    about = base[kind] = {"id": row.object_id, "status": row.status}
+    obj = session.get(Job if kind == "job" else Selection, row.object_id)
+    if obj is None:
+        return base
+    about.update(name=obj.name, error=obj.error)
+    if isinstance(obj, Job):
+        about.update(steps=obj.steps, step=obj.step, attempts=obj.attempts)
     else:
-        sel = session.get(Selection, row.object_id)
-        base["selection"] = {"id": row.object_id, "status": row.status}
-        if sel is not None:
-            base["selection"].update(
-                name=sel.name,
-                error=sel.error,
-                metric=sel.metric,
-                trials=len(sel.trials),
-                finished_at=_iso(sel.finished_at),
-            )
+        about.update(metric=obj.metric, trials=len(obj.trials))
+    about["finished_at"] = _iso(obj.finished_at)
     return base
 
 

@@ -41,7 +41,7 @@ from shardyard.results import (
     TrialEvent,
     Workspace,
 )
-from shardyard.stream import END, StreamTimeout, frames
+from shardyard.stream import END, Frame, StreamTimeout, frames
 from shardyard.workspace import archive_body
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -198,20 +198,14 @@ class Client:
         return self._job_events(job_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume)
 
     def _job_events(self, job_id: int, **kwargs: Any) -> Iterator[JobEvent]:
-        final: StatusEvent | None = None
-        for f in self._frames(f"/api/jobs/{job_id}/stream", **kwargs):
+        def event(f: Frame) -> JobEvent | None:
             d = f.data
-            if f.event == END:
-                # the terminal status can come before the last points (a finished job's replay
-                # sends its rows a chunk at a time), so we read on until the server closes
-                if final is not None:
-                    return
-            elif f.event == "metric":
-                yield MetricEvent(
+            if f.event == "metric":
+                return MetricEvent(
                     job_id=job_id, step=d["step"], name=d["name"], value=d["value"], time=d["time"], id=f.id
                 )
-            elif f.event == "log":
-                yield LogEvent(
+            if f.event == "log":
+                return LogEvent(
                     job_id=job_id,
                     message=d["message"],
                     time=d["time"],
@@ -219,18 +213,38 @@ class Client:
                     stream=d.get("stream"),
                     id=f.id,
                 )
-            elif f.event == "status":
-                ev = StatusEvent(
+            if f.event == "status":
+                return StatusEvent(
                     status=d["status"], job_id=job_id, error=d.get("error"), time=d.get("time"), id=f.id
                 )
-                if final is not None and ev.status == final.status:
-                    continue  # a stream resumed after the end sends the final status again
-                yield ev
-                final = ev if ev.done else None
-            elif f.event == "event":
-                yield NoticeEvent(
+            if f.event == "event":
+                return NoticeEvent(
                     job_id=job_id, event=d["event"], data=d.get("data"), time=d["time"], id=f.id
                 )
+            return None
+
+        return self._until_end(f"/api/jobs/{job_id}/stream", event, **kwargs)
+
+    def _until_end(self, path: str, event: Callable[[Frame], Any], **kwargs: Any) -> Iterator[Any]:
+        """`event(frame)` of each frame of the stream at `path` (None: skipped) until the server
+        closes it after a terminal StatusEvent. The terminal status can come before the last points
+        (a finished job's replay sends its rows a chunk at a time, an ended batch's stream sends
+        its status before its points), so we read on to the end; a stream resumed after the end
+        sends the final status again, which is not yielded twice."""
+        final: StatusEvent | None = None
+        for f in self._frames(path, **kwargs):
+            if f.event == END:
+                if final is not None:
+                    return
+                continue
+            ev = event(f)
+            if ev is None:
+                continue
+            if isinstance(ev, StatusEvent):
+                if final is not None and ev.status == final.status:
+                    continue
+                final = ev if ev.done else None
+            yield ev
 
     def wait(self, job_id: int, *, timeout: float | None = None) -> Job:
         """The job once it has ended (succeeded, failed or cancelled), read after its stream said
@@ -305,15 +319,10 @@ class Client:
         )
 
     def _selection_events(self, selection_id: int, **kwargs: Any) -> Iterator[SelectionEvent]:
-        final: StatusEvent | None = None
-        for f in self._frames(f"/api/selections/{selection_id}/stream", **kwargs):
+        def event(f: Frame) -> SelectionEvent | None:
             d = f.data
-            if f.event == END:
-                # an ended batch's stream sends its status before its points: read on to the end
-                if final is not None:
-                    return
-            elif f.event == "metric":
-                yield MetricEvent(
+            if f.event == "metric":
+                return MetricEvent(
                     job_id=d["job_id"],
                     trial_id=d["trial_id"],
                     step=d["step"],
@@ -322,14 +331,13 @@ class Client:
                     time=d["time"],
                     id=f.id,
                 )
-            elif f.event == "trial":
-                yield TrialEvent(selection_id=selection_id, trial=Trial.from_json(d))
-            elif f.event == "status":
-                ev = StatusEvent(status=d["status"], selection_id=selection_id, id=f.id)
-                if final is not None and ev.status == final.status:
-                    continue  # a stream resumed after the end sends the status again
-                yield ev
-                final = ev if ev.done else None
+            if f.event == "trial":
+                return TrialEvent(selection_id=selection_id, trial=Trial.from_json(d))
+            if f.event == "status":
+                return StatusEvent(status=d["status"], selection_id=selection_id, id=f.id)
+            return None
+
+        return self._until_end(f"/api/selections/{selection_id}/stream", event, **kwargs)
 
     def wait_selection(self, selection_id: int, *, timeout: float | None = None) -> Selection:
         """The batch once it has ended; StreamTimeout after `timeout` seconds."""

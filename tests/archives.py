@@ -6,6 +6,9 @@ import io
 import stat
 import tarfile
 import zipfile
+from typing import Any
+
+import httpx
 
 
 def targz(files: dict[str, bytes], *, extra: list[tarfile.TarInfo] | None = None) -> bytes:
@@ -59,3 +62,11 @@ MALICIOUS: dict[str, tuple[bytes, str]] = {
     "zip symlink": (zipped({"ok.py": b""}, links={"link": "/etc/passwd"}), "is a symlink"),
     "not an archive": (b"hello, I am text", "neither a .tar.gz"),
 }
+
+
+def upload(handle: Any, body: bytes, name: str = "ws") -> httpx.Response:
+    """POST /api/workspaces of a tar.gz `body`, with the client of `handle` (a StackHandle, or the
+    container tests' Topology)."""
+    return handle.client.post(
+        "/api/workspaces", params={"name": name}, content=body, headers={"content-type": "application/gzip"}
+    )

@@ -75,6 +75,11 @@ class StackHandle:
         assert resp.status_code == 201, resp.text
         return resp.json()
 
+    def submit_selection(self, body: dict[str, Any]) -> dict[str, Any]:
+        resp = self.client.post("/api/selections", json=body)
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.get(f"/api/jobs/{job_id}").json()
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
+
+from shardyard.stream import _parse
 
 TOKENS: dict[str, str] = {}
 """base URL -> the admin token of the stack there (StackHandle fills it), so a stream read from
@@ -40,16 +41,6 @@ def read_sse(
 
 
 def sse_frames(lines: Iterable[str]) -> Iterator[tuple[str | None, str, dict[str, Any]]]:
-    """(id, event, data) of each frame in a stream's lines, as each one ends."""
-    fid, event, data = None, "message", []
-    for line in lines:
-        if line == "":
-            if data:
-                yield fid, event, json.loads("\n".join(data))
-            fid, event, data = None, "message", []
-        elif line.startswith("id:"):
-            fid = line[3:].strip()
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
+    """(id, event, data) of each frame in a stream's lines, as each one ends: the SDK's parser."""
+    for f in _parse(iter(lines), deadline=None):
+        yield f.id, f.event, f.data

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from core.broker import JOBS_CHANNEL, job_channel
 from core.messages import Message
@@ -253,11 +254,11 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     out = Outcome()
     mem_limit = memory_limit_bytes(spec)
     oom_before = oom_kill_count()
-    # the job's own requirements (workers/pyenv.py): built here, under the job's lease, or refused
-    env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
-    rc = run_attempt(
+    rc = run_in_job_env(
         settings,
         cmd,
+        spec,
+        job_id=job_id,
         relay=relay,
         poll=poll,
         stop_file=stop_file,
@@ -265,10 +266,8 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} attempt {attempt.attempt}",
-        env=env,
         uploader=uploader,
     )
-    env.release()
     if rc is None:
         return "lost"
     # the job's end frees its reservation; the scheduler places the next queued job
@@ -319,6 +318,25 @@ def fail_unstarted(settings: Settings, *, attempt: Attempt, relay: Relay, error:
     relay.close()
     relay.drain_live()
     return status
+
+
+def run_in_job_env(
+    settings: Settings,
+    cmd: list[str],
+    spec: dict[str, Any],
+    *,
+    job_id: int,
+    relay: Relay,
+    workdir: Path,
+    **attempt: Any,
+) -> int | None:
+    """`run_attempt` (given `attempt`'s other arguments) in the job's own requirements
+    (workers/pyenv.py): built (or found) first, by this worker under the job's lease, or refused;
+    released once the trainer has exited."""
+    env = pyenv.for_job(spec, settings=settings, workdir=workdir, relay=relay, job_id=job_id)
+    rc = run_attempt(settings, cmd, relay=relay, workdir=workdir, env=env, **attempt)
+    env.release()
+    return rc
 
 
 def run_attempt(

@@ -53,14 +53,13 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
-from workers import pyenv
 from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
     owner_id,
     publish_status,
     restore_checkpoints,
-    run_attempt,
+    run_in_job_env,
     take_lease,
     trainer_args,
 )
@@ -291,11 +290,12 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     mem_limit = memory_limit_bytes(spec)
     oom_before = oom_kill_count()
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
-    # each node builds (or finds) the job's own requirements before its torchrun (workers/pyenv.py)
-    env = pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id)
-    rc = run_attempt(
+    # each node builds (or finds) the job's own requirements before its torchrun
+    rc = run_in_job_env(
         settings,
         cmd,
+        spec,
+        job_id=job_id,
         relay=relay,
         poll=poll,
         stop_file=stop_file,
@@ -303,12 +303,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         out=out,
         memory_limit=mem_limit,
         what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
-        env=env,
         uploader=uploader,
         # once the gang was given back, a newer attempt may already be restoring from the store
         still_ours=lambda: _view(settings, attempt, node_rank).intact,
     )
-    env.release()
     if rc is None:
         return "lost"
     ender = GangEnd(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
@@ -207,3 +208,27 @@ def supervise(
         reap_group(proc.pid)  # and their exits, when this process adopted them (workers/warm.py)
         for t in threads:
             t.join(timeout=5)
+
+
+def run_unattended(
+    cmd: list[str],
+    workdir: Path,
+    *,
+    grace_s: float,
+    out: Outcome,
+    on_message: Callable[[Message], None],
+    **kw: Any,
+) -> int:
+    """`supervise` with nobody asking it to stop (a bench's or a test's run): its stop file and
+    stderr log in `workdir`, `grace_s` for both graces; `kw`: supervise's other arguments."""
+    return supervise(
+        cmd,
+        on_message=on_message,
+        poll=lambda: Ask.none,
+        stop_file=workdir / "stop",
+        stderr_log=workdir / "stderr.log",
+        grace_s=grace_s,
+        shutdown_grace_s=grace_s,
+        out=out,
+        **kw,
+    )

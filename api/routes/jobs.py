@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
 from api.convert import event_public, job_public
-from api.deps import SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, SessionDep, SettingsDep
 from api.publish import publish_job_status
 from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
@@ -116,8 +116,8 @@ def list_jobs(
     status_: StatusFilter = None,
     owner: str | None = Query(None, max_length=64, description="only this user's jobs (admins)"),
     name: str | None = Query(None, max_length=200, description="name contains this (any case)"),
-    limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=DB_INT),
+    limit: PageSize = 50,
+    offset: PageStart = 0,
 ) -> JobsPublic:
     rows, total = db_jobs.list_jobs(
         session,

@@ -5,19 +5,18 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, Header, HTTPException, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.admission import admission_problem, group_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
-from api.deps import SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep
 from api.limits import clip
 from api.queue import wake_scheduler
 from api.schemas import (
     DB_BIGINT,
-    DB_INT,
     JobSpec,
     SelectionCreate,
     SelectionPublic,
@@ -38,7 +37,6 @@ from db.models import Selection, User
 from jobrules.space import SpaceError, apply_params, sample_params
 
 router = APIRouter(prefix="/api/selections", tags=["selections"])
-Id = Annotated[int, Path(ge=1, le=DB_INT)]
 
 
 def _selection_or_404(session: Session, selection_id: int, user: User) -> Selection:
@@ -171,8 +169,8 @@ def submit_selection(
 def list_selections(
     session: SessionDep,
     user: CurrentUser,
-    limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=DB_INT),
+    limit: PageSize = 50,
+    offset: PageStart = 0,
 ) -> SelectionsPublic:
     owner_id = None if user.is_admin else user.id
     rows, total = db_sel.list_selections(session, owner_id=owner_id, limit=limit, offset=offset)
@@ -180,12 +178,12 @@ def list_selections(
 
 
 @router.get("/{selection_id}", response_model=SelectionPublic)
-def get_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -> SelectionPublic:
+def get_selection(selection_id: RowId, session: SessionDep, user: CurrentUser) -> SelectionPublic:
     return selection_public(_selection_or_404(session, selection_id, user))
 
 
 @router.post("/{selection_id}/cancel", response_model=SelectionPublic)
-def cancel_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -> SelectionPublic:
+def cancel_selection(selection_id: RowId, session: SessionDep, user: CurrentUser) -> SelectionPublic:
     _selection_or_404(session, selection_id, user)
     try:
         sel = db_sel.cancel_selection(session, selection_id=selection_id)
@@ -196,7 +194,7 @@ def cancel_selection(selection_id: Id, session: SessionDep, user: CurrentUser) -
 
 @router.post("/{selection_id}/trials", status_code=status.HTTP_201_CREATED, response_model=SelectionPublic)
 def add_trials(
-    selection_id: Id,
+    selection_id: RowId,
     body: TrialsAdd,
     request: Request,
     session: SessionDep,
@@ -251,7 +249,7 @@ def add_trials(
 
 
 @router.post("/{selection_id}/trials/{trial_id}/stop", response_model=TrialPublic)
-def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: CurrentUser) -> TrialPublic:
+def stop_trial(selection_id: RowId, trial_id: RowId, session: SessionDep, user: CurrentUser) -> TrialPublic:
     _selection_or_404(session, selection_id, user)
     try:
         trial = db_sel.request_trial_stop(session, selection_id=selection_id, trial_id=trial_id)
@@ -269,7 +267,7 @@ def stop_trial(selection_id: Id, trial_id: Id, session: SessionDep, user: Curren
     responses=sse_doc(SelectionStreamEvents),
 )
 def stream_selection(
-    selection_id: Id,
+    selection_id: RowId,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,

@@ -8,9 +8,7 @@ revokes it); one an admin mints for another user, and a user's first token, belo
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, HTTPException, Path, Request, Response, status
+from fastapi import APIRouter, HTTPException, Request, Response, status
 
 from api.admission import user_quotas
 from api.auth import (
@@ -24,8 +22,7 @@ from api.auth import (
     hash_secret,
     issue_token,
 )
-from api.deps import SessionDep, SettingsDep
-from api.schemas import DB_INT
+from api.deps import RowId, SessionDep, SettingsDep
 from api.user_schemas import (
     Me,
     Quotas,
@@ -46,7 +43,6 @@ from db.jobs import Conflict, NotFound, aware
 from db.models import ApiToken, User
 
 router = APIRouter(prefix="/api", tags=["users"])
-Id = Annotated[int, Path(ge=1, le=DB_INT)]
 
 
 def user_public(user: User, settings: Settings) -> UserPublic:
@@ -125,7 +121,7 @@ def list_users(session: SessionDep, settings: SettingsDep, _admin: AdminUser) ->
 
 @router.post("/users/{user_id}/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenIssued)
 def create_token(
-    user_id: Id, body: TokenCreate, request: Request, session: SessionDep, user: CurrentUser
+    user_id: RowId, body: TokenCreate, request: Request, session: SessionDep, user: CurrentUser
 ) -> TokenIssued:
     _own_or_404(session, user_id, user)
     parent = _minting_token(request, session, user, body.confirm_token)
@@ -138,7 +134,7 @@ def create_token(
 
 
 @router.delete("/users/{user_id}/tokens", response_model=TokensRevoked)
-def revoke_user_tokens(user_id: Id, session: SessionDep, user: CurrentUser) -> TokensRevoked:
+def revoke_user_tokens(user_id: RowId, session: SessionDep, user: CurrentUser) -> TokensRevoked:
     """Revoke every token and end every session of a user (an admin: anyone's; a user: their
     own, which signs them out everywhere)."""
     _own_or_404(session, user_id, user)
@@ -153,7 +149,7 @@ def list_tokens(session: SessionDep, user: CurrentUser) -> TokensPublic:
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic)
-def revoke_token(token_id: Id, session: SessionDep, user: CurrentUser) -> TokenPublic:
+def revoke_token(token_id: RowId, session: SessionDep, user: CurrentUser) -> TokenPublic:
     """Revoke a token, or end a session, and with it every session and token made from it."""
     try:
         tok = db_users.revoke_token(session, token_id=token_id, user_id=None if user.is_admin else user.id)

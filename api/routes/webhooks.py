@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, HTTPException, Query, status
 
 from api.auth import CurrentUser
-from api.deps import SessionDep, SettingsDep
-from api.schemas import DB_INT
+from api.deps import RowId, SessionDep, SettingsDep
 from api.webhook_schemas import (
     AttemptPublic,
     DeliveriesPublic,
@@ -25,7 +24,6 @@ from db.jobs import NotFound, aware
 from db.models import User, Webhook
 
 router = APIRouter(prefix="/api/webhooks", tags=["webhooks"])
-Id = Annotated[int, Path(ge=1, le=DB_INT)]
 
 
 def webhook_public(hook: Webhook) -> WebhookPublic:
@@ -57,7 +55,7 @@ def list_webhooks(session: SessionDep, user: CurrentUser) -> WebhooksPublic:
 
 
 @router.delete("/{webhook_id}", response_model=WebhookPublic)
-def delete_webhook(webhook_id: Id, session: SessionDep, user: CurrentUser) -> WebhookPublic:
+def delete_webhook(webhook_id: RowId, session: SessionDep, user: CurrentUser) -> WebhookPublic:
     """Deliveries still pending go with it."""
     try:
         return webhook_public(dbw.delete_webhook(session, webhook_id=webhook_id, user_id=_scope(user)))
@@ -67,7 +65,7 @@ def delete_webhook(webhook_id: Id, session: SessionDep, user: CurrentUser) -> We
 
 @router.get("/{webhook_id}/deliveries", response_model=DeliveriesPublic)
 def list_deliveries(
-    webhook_id: Id,
+    webhook_id: RowId,
     session: SessionDep,
     user: CurrentUser,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,

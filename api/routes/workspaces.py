@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import CurrentUser
-from api.deps import SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, SessionDep, SettingsDep
 from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
 from api.workspaces import visible_workspace
 from core.archive import ArchiveError, inspect_archive
@@ -134,8 +134,8 @@ def _record(
 def list_workspaces(
     session: SessionDep,
     user: CurrentUser,
-    limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=DB_INT),
+    limit: PageSize = 50,
+    offset: PageStart = 0,
 ) -> WorkspacesPublic:
     """The caller's workspaces (an admin's: everyone's)."""
     owner = None if user.is_admin else user.id

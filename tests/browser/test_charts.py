@@ -178,9 +178,7 @@ def test_trial_page_links_its_batch_and_says_stopped_early(stack, page: Page) ->
         "seed": 1,
         "early_stopping": {"kind": "asha", "reduction_factor": 2, "min_steps": 2},
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     done = stack.wait_selection(sid)
     stopped = [t for t in done["trials"] if t["status"] == "stopped_early"]
     assert stopped, done["trials"]

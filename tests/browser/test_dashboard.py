@@ -179,9 +179,7 @@ def test_selection_page_leaderboard_curves_parcoords_and_growth(stack, page: Pag
         "method": "grid",
         "devices": 2,
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     page.goto(f"{stack.base_url}/#/selections/{sid}")
     expect(page.locator("#selection-header h1")).to_contain_text("browser-lr")
     expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)

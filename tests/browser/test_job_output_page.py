@@ -77,9 +77,7 @@ def test_a_running_trials_steps_move_and_the_selection_shows_device_use(stack, p
     ws = upload_chatty(stack)
     base = chatty_spec(ws, name="sel", steps=40, pause=0.3)
     body = {"name": "browser-steps", "base": base, "space": {"train.lr": [1e-3, 3e-3]}, "method": "grid"}
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     page.goto(f"{stack.base_url}/#/selections/{sid}")
     running = page.locator("#leaderboard tr[data-status='running'] .progress .label")
     seen: set[str] = set()

@@ -23,9 +23,7 @@ def test_selection_page_shows_stop_reasons_and_per_trial_results(stack, page: Pa
         "seed": 1,
         "early_stopping": {"kind": "sha", "reduction_factor": 2, "min_steps": 2},
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     page.goto(f"{stack.base_url}/#/selections/{sid}")
     expect(page.locator("#selection-header .badge")).to_have_text("succeeded", timeout=240_000)
     expect(page.locator("#selection-header")).to_contain_text("sha, reduction factor 2, first rung at step 2")

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from core.messages import parse_line
-from tests.archives import targz
+from tests.archives import targz, upload
 from tests.conftest import TERMINAL, TINY_SPEC, long_job
 from tests.containers.topology import BUCKET, Topology, make_root
 from tests.user_data import PERIODIC_BATCHES_PY
@@ -184,12 +184,7 @@ def test_workspace_job_on_the_other_worker_then_a_killed_worker_s_job_resumes(to
     (other,) = [w for w in topo.workers if w != first]
 
     # the upload reaches the API; the one worker with a free slot runs the job from the store
-    up = topo.client.post(
-        "/api/workspaces",
-        params={"name": "ws"},
-        content=targz({"mydata/__init__.py": b"", "mydata/source.py": DATA_PY}),
-        headers={"content-type": "application/gzip"},
-    )
+    up = upload(topo, targz({"mydata/__init__.py": b"", "mydata/source.py": DATA_PY}))
     assert up.status_code == 201, up.text
     ws = up.json()
     assert [k for k in store_keys(topo, "shardyard/workspaces/") if ws["digest"] in k], (

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from api.stack import Stack
-from tests.archives import targz
+from tests.archives import targz, upload
 from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle, long_job, running
 
 pytestmark = pytest.mark.integration
@@ -85,12 +85,7 @@ def test_a_rank_killed_by_sigkill_is_named_and_the_job_is_retried(h: StackHandle
 
 
 def test_user_code_and_nan_failures_are_not_retried(h: StackHandle) -> None:
-    ws = h.client.post(
-        "/api/workspaces",
-        params={"name": "broken"},
-        content=targz({"mydata/__init__.py": b"", "mydata/source.py": BROKEN_DATA}),
-        headers={"content-type": "application/gzip"},
-    )
+    ws = upload(h, targz({"mydata/__init__.py": b"", "mydata/source.py": BROKEN_DATA}), name="broken")
     assert ws.status_code < 300, ws.text
     broken = h.submit(
         {

@@ -275,9 +275,7 @@ def test_kill_the_worker_mid_selection(faults: StackHandle) -> None:
         "method": "grid",
         "devices": 1,
     }
-    resp = faults.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sel = resp.json()
+    sel = faults.submit_selection(body)
     jobs = [t["job_id"] for t in sel["trials"]]
     deadline = time.monotonic() + 180
     while max(faults.job(j)["progress"]["step"] for j in jobs) < 6:

@@ -17,7 +17,7 @@ from sqlalchemy import update
 
 from db.engine import session_for
 from db.models import User
-from tests.archives import targz
+from tests.archives import targz, upload
 from tests.conftest import TINY_SPEC, StackHandle
 from tests.integration.test_cli_and_stream_idle import cli
 
@@ -68,12 +68,7 @@ def chatty_spec(ws: str, *, name: str, steps: int, **args: object) -> dict:
 
 
 def upload_chatty(stack: StackHandle) -> str:
-    resp = stack.client.post(
-        "/api/workspaces",
-        params={"name": "chatty"},
-        content=targz({"chatty/__init__.py": b"", "chatty/source.py": CHATTY_PY}),
-        headers={"content-type": "application/gzip"},
-    )
+    resp = upload(stack, targz({"chatty/__init__.py": b"", "chatty/source.py": CHATTY_PY}), name="chatty")
     assert resp.status_code == 201, resp.text
     return resp.json()["ref"]
 

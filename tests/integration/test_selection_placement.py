@@ -49,9 +49,7 @@ def _batch(h: StackHandle, base: dict[str, Any], lrs: list[float]) -> dict[str, 
         "devices": 1,
         "group_size": 1,
     }
-    resp = h.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    return resp.json()
+    return h.submit_selection(body)
 
 
 def _selection(h: StackHandle, sid: int) -> dict[str, Any]:

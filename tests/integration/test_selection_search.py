@@ -28,9 +28,7 @@ def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
         "devices": 2,
         "checkpoints": "none",
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sel = resp.json()
+    sel = stack.submit_selection(body)
     assert len(sel["trials"]) == 2  # the first generation only
     # a sampler batch grows itself; adding trials by hand is refused
     more = stack.client.post(f"/api/selections/{sel['id']}/trials", json={"trials": 1})
@@ -42,16 +40,7 @@ def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
     assert [t["index"] for t in trials] == [0, 1, 2, 3]
     assert all(t["status"] == "succeeded" and t["best_metric"] is not None for t in trials)
     # trials 2 and 3 are what the sampler asks after being told trials 0 and 1's values in index order
-    want = suggest(
-        space=SPACE,
-        method="tpe",
-        seed=5,
-        mode="min",
-        parallel=2,
-        values=[t["best_metric"] for t in trials[:2]],
-        total=4,
-        startup_trials=2,
-    )
+    want = replay(body, [t["best_metric"] for t in trials[:2]])
     assert [t["params"] for t in trials] == want
     # the submit's first trials are the same replay with no values
     assert [t["params"] for t in sel["trials"]] == want[:2]
@@ -74,18 +63,29 @@ ASYNC = {
 }
 
 
+def replay(body: dict, values: list[float | None]) -> list[dict]:
+    """The params the sampler asks for `body`'s trials (metric minimized) once told `values`, in
+    index order: what core.search.suggest gives the API."""
+    return suggest(
+        space=body["space"],
+        method=body["method"],
+        seed=body["seed"],
+        mode="min",
+        parallel=body["parallel"],
+        values=values,
+        total=body["trials"],
+        startup_trials=body["startup_trials"],
+    )
+
+
 def run_batch(stack: StackHandle, body: dict) -> dict:
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    done = stack.wait_selection(resp.json()["id"], timeout=400)
+    done = stack.wait_selection(stack.submit_selection(body)["id"], timeout=400)
     done["trials"].sort(key=lambda t: t["index"])
     return done
 
 
 def test_tpe_asks_as_devices_free_and_a_rerun_asks_the_same(stack: StackHandle) -> None:
-    first = suggest(
-        space=STEPS_SPACE, method="tpe", seed=6, mode="min", parallel=2, values=[], total=4, startup_trials=2
-    )
+    first = replay(ASYNC, [])
     assert [p["train.steps"] for p in first] == [3, 24]
     a = run_batch(stack, ASYNC)
     assert a["status"] == "succeeded" and a["error"] is None
@@ -96,16 +96,7 @@ def test_tpe_asks_as_devices_free_and_a_rerun_asks_the_same(stack: StackHandle) 
     # no generation barrier: trial 2 started before trial 1 (asked with it) ended
     assert jobs[2]["started_at"] < jobs[1]["finished_at"]
     assert jobs[0]["finished_at"] <= jobs[2]["started_at"]  # and only once trial 0 had ended
-    want = suggest(
-        space=STEPS_SPACE,
-        method="tpe",
-        seed=6,
-        mode="min",
-        parallel=2,
-        values=[t["best_metric"] for t in trials[:2]],
-        total=4,
-        startup_trials=2,
-    )
+    want = replay(ASYNC, [t["best_metric"] for t in trials[:2]])
     assert [t["params"] for t in trials] == want
     # the same seed again: the same trials, whichever finished first this time
     b = run_batch(stack, ASYNC)

@@ -29,9 +29,7 @@ def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
         "scheduler": "shard-lrtf",
         "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sel = resp.json()
+    sel = stack.submit_selection(body)
     assert len(sel["trials"]) == 6 and {t["status"] for t in sel["trials"]} == {"queued"}
 
     frames: list = []
@@ -142,9 +140,7 @@ def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle) -> None
         "method": "grid",
         "devices": 1,
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     path = f"/api/selections/{sid}/stream"
     # the three trials' states, the batch's status, then a dozen points: cut there
     first = read_sse(stack.base_url, path, stop_after=3 + 1 + 12)

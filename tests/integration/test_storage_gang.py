@@ -28,6 +28,7 @@ from db import jobs as dbj
 from db.engine import session_for
 from db.models import Job, Reservation
 from tests.conftest import StackHandle
+from tests.integration.test_gang import SPEC as GANG_SPEC
 from tests.integration.test_gang import _attempt_processes, _tree
 from tests.s3 import S3Server
 
@@ -36,13 +37,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 URL = "s3://shardyard/gang"
 STEPS = 60
 SPEC: dict[str, Any] = {
+    **GANG_SPEC,  # test_gang.py's model, data and checkpoints
     "name": "gang-s3",
-    "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
-    "data": {"max_chars": 200_000},
-    "train": {"steps": STEPS, "batch_size": 8, "lr": 3e-3, "eval_every": 20, "seed": 0},
+    "train": {**GANG_SPEC["train"], "steps": STEPS},
     # two pipeline stages: each rank writes its own piece of every checkpoint
-    "parallel": {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}},
-    "checkpoint_every": 5,
+    "parallel": {"pipeline": GANG_SPEC["parallel"]["pipeline"]},
 }
 ADDRS = {1: "127.0.0.2", 2: "127.0.0.1", 3: "127.0.0.3"}
 

@@ -26,25 +26,19 @@ from core.storage import open_storage
 from db import ingest as dbi
 from db.engine import session_for
 from tests.archives import targz
-from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle
+from tests.conftest import TINY_SPEC, StackHandle
+from tests.integration.test_faults import FAST as FAULT_ENV
+from tests.integration.test_faults import SPEC as FAULT_SPEC
+from tests.integration.test_faults import STEPS
 from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
 from tests.s3 import S3Server
 
 pytestmark = pytest.mark.integration
 
 URL = "s3://shardyard/it"
-FAST = {
-    **LOST_WORKER_WINDOWS,
-    "SHARDYARD_SHUTDOWN_GRACE_S": "20",
-    "SHARDYARD_STORAGE_SYNC_S": "0.5",
-}
-STEPS = 100
-SPEC = {
-    **TINY_SPEC,
-    "name": "stored",
-    "checkpoint_every": 4,
-    "train": {**TINY_SPEC["train"], "steps": STEPS, "eval_every": 10},
-}
+# test_faults.py's windows and job (a fault aimed at step 6 lands before its end), stored
+FAST = {**FAULT_ENV, "SHARDYARD_STORAGE_SYNC_S": "0.5"}
+SPEC = {**FAULT_SPEC, "name": "stored"}
 
 
 class Hosts:
@@ -218,11 +212,7 @@ def test_a_sampler_trial_asked_mid_group_uploads_its_checkpoints(hosts: Hosts) -
         "devices": 2,
         "checkpoints": "all",
     }
-    resp = h.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    from tests.integration.test_selections_e2e import wait_selection
-
-    done = wait_selection(h, resp.json()["id"], timeout=300)
+    done = h.wait_selection(h.submit_selection(body)["id"], timeout=300)
     assert done["status"] == "succeeded" and len(done["trials"]) == 4
     keys = hosts.store.list(f"selections/{done['id']}")
     for i in range(4):

@@ -179,9 +179,7 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
         "scheduler": "fifo",
         "checkpoints": "all",
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     done = stack.wait(job["id"], timeout=300)
     assert done["status"] == "succeeded", done
     sel = stack.wait_selection(sid, timeout=300)
@@ -241,9 +239,7 @@ def test_checkpoints_best_keeps_one_trial_across_a_batch_of_two_groups(stack: St
         "group_size": 1,  # two groups, two tasks: each group's executor keeps its own trial
         "checkpoints": "best",
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     sel = stack.wait_selection(sid, timeout=300)
     assert sel["status"] == "succeeded", sel
     metrics = {t["index"]: t["best_metric"] for t in sel["trials"]}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.archives import MALICIOUS, targz
+from tests.archives import MALICIOUS, targz, upload
 from tests.conftest import TERMINAL, StackHandle
 from tests.trainer.user_model_src import USER_MODEL
 from tests.user_data import PERIODIC_BATCHES_PY
@@ -31,12 +31,6 @@ def broken(**kwargs):
     return helper_that_does_not_exist(kwargs)
 """
 )
-
-
-def upload(stack: StackHandle, body: bytes, name: str = "ws"):  # noqa: ANN201
-    return stack.client.post(
-        "/api/workspaces", params={"name": name}, content=body, headers={"content-type": "application/gzip"}
-    )
 
 
 def tiny(**over) -> dict:  # noqa: ANN003
@@ -170,9 +164,7 @@ def test_user_model_trains_through_the_api_and_a_selection_ranges_over_its_args(
         "devices": 2,
         "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sid = resp.json()["id"]
+    sid = stack.submit_selection(body)["id"]
     deadline = time.monotonic() + 300
     while (sel := stack.client.get(f"/api/selections/{sid}").json())["status"] not in TERMINAL:
         assert time.monotonic() < deadline, sel

@@ -41,6 +41,13 @@ def job(data: dict, *, steps: int = 30, model: dict | None = None) -> JobConfig:
     )
 
 
+def train(spec: JobConfig) -> ListSink:
+    """`spec` trained to its end: the lines it wrote."""
+    sink = ListSink()
+    run(spec, sink=sink, stop=NeverStop())
+    return sink
+
+
 def falls(sink: ListSink) -> bool:
     loss = sink.series("loss")
     return sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.3
@@ -56,9 +63,7 @@ def test_byte_tokenizer_on_a_folder_of_utf8_files(tmp_path: Path) -> None:
     # non-ASCII letters are several bytes each, and they are in the stream
     assert int(data.train.max()) >= 0xC3
     assert with_data_vocab(spec).model.vocab_size == 256
-    sink = ListSink()
-    run(spec, sink=sink, stop=NeverStop())
-    assert falls(sink)
+    assert falls(train(spec))
 
 
 def test_hf_tokenizer_trained_here_and_relative_to_the_workspace(tmp_path: Path) -> None:
@@ -78,18 +83,12 @@ def test_hf_tokenizer_trained_here_and_relative_to_the_workspace(tmp_path: Path)
     assert data.vocab_size == vocab
     expected = tok.encode(TEXT, add_special_tokens=False).ids
     assert data.train[: len(expected)].tolist() == expected
-    sink = ListSink()
-    run(spec, sink=sink, stop=NeverStop())
-    assert falls(sink)
+    assert falls(train(spec))
     # a model vocabulary smaller than the tokenizer's is refused before training
     with pytest.raises(
         ConfigError, match=rf"data's vocabulary \({vocab}\) is larger than model.vocab_size \(100\)"
     ):
-        run(
-            job({"path": "corpus.txt", "tokenizer": "tokenizer.json"}, model={"vocab_size": 100}),
-            sink=ListSink(),
-            stop=NeverStop(),
-        )
+        train(job({"path": "corpus.txt", "tokenizer": "tokenizer.json"}, model={"vocab_size": 100}))
 
 
 def write_tokens(folder: Path, *, n: int, vocab: int, dtype: str) -> None:
@@ -115,19 +114,13 @@ def test_tokens_bin_trains_through_memmap(tmp_path: Path, dtype: str) -> None:
     x, y = data.batch(split="train", batch_size=4, generator=torch.Generator().manual_seed(1))
     assert x.dtype == torch.int64 and x.shape == (4, 16)
     torch.testing.assert_close(x[:, 1:], y[:, :-1])
-    sink = ListSink()
-    run(spec, sink=sink, stop=NeverStop())
-    assert falls(sink)
+    assert falls(train(spec))
 
 
 def test_tokens_with_ids_beyond_the_stated_vocabulary_fail_with_the_reason(tmp_path: Path) -> None:
     write_tokens(tmp_path, n=5_000, vocab=1000, dtype="uint16")
     with pytest.raises(ConfigError, match=r"token id \d+ in train.bin is >= data.vocab_size \(10\)"):
-        run(
-            job({"kind": "tokens", "path": str(tmp_path), "vocab_size": 10}),
-            sink=ListSink(),
-            stop=NeverStop(),
-        )
+        train(job({"kind": "tokens", "path": str(tmp_path), "vocab_size": 10}))
 
 
 def test_bad_paths_and_empty_files_are_named(tmp_path: Path) -> None:
@@ -169,19 +162,11 @@ def test_python_data_entry_point(tmp_path: Path) -> None:
     (tmp_path / "mydata.py").write_text(PERIODIC_BATCHES_PY.decode() + broken)
     set_workspace(tmp_path)
     spec = job({"kind": "python", "entry": "mydata:batches", "args": {"period": 11}, "vocab_size": 11})
-    sink = ListSink()
-    run(spec, sink=sink, stop=NeverStop())
-    assert falls(sink)
+    assert falls(train(spec))
     with pytest.raises(
         UserCodeError, match=r"data.entry must return \(train, val\) iterables of batches, got int"
     ):
-        run(
-            job({"kind": "python", "entry": "mydata:broken", "vocab_size": 11}),
-            sink=ListSink(),
-            stop=NeverStop(),
-        )
+        train(job({"kind": "python", "entry": "mydata:broken", "vocab_size": 11}))
     with pytest.raises(UserCodeError, match="no module 'nothere'"):
-        run(
-            job({"kind": "python", "entry": "nothere:x", "vocab_size": 11}), sink=ListSink(), stop=NeverStop()
-        )
+        train(job({"kind": "python", "entry": "nothere:x", "vocab_size": 11}))
     sys.modules.pop("mydata", None)

@@ -120,17 +120,21 @@ def test_a_refused_spec_fails_at_once(settings: Settings) -> None:
 
 
 @pytest.mark.parametrize(
-    "error",
+    ("node", "error"),
     [
-        "TrainingError: loss is nan at step 3; lower train.lr (rank 0 of 4)",
-        "user code failed: data.entry: NameError",
+        (0, "TrainingError: loss is nan at step 3; lower train.lr (rank 0 of 4)"),
+        (0, "user code failed: data.entry: NameError"),
+        # the job's requirements (workers/pyenv.py) fail the same way on every attempt
+        (1, "environment: resolving the requirements failed: error: no-such-pkg was not found"),
     ],
 )
-def test_a_nan_loss_or_the_users_code_fails_at_once(settings: Settings, error: str) -> None:
-    head, _ = _running_gang(settings)
-    assert _end(settings, head, 0, rc=1, out=Outcome(error=error)) == "failed"
+def test_a_nan_loss_the_users_code_or_a_failed_environment_fails_the_gang_at_once(
+    settings: Settings, node: int, error: str
+) -> None:
+    head, member = _running_gang(settings)
+    assert _end(settings, (head, member)[node], node, rc=1, out=Outcome(error=error)) == "failed"
     job, events, _ = _job(settings, head.job_id)
-    assert job.error == f"node 0 on w0: {error}"
+    assert job.error == f"node {node} on w{node}: {error}"
     assert not any(e.get("gang_restart") for e in events)
 
 
@@ -152,16 +156,6 @@ def test_a_rank_killed_by_a_signal_is_named_and_the_gang_restarts(settings: Sett
     assert events[-1]["reason"].startswith(
         "node 0 on w0: rank 1 (pid 4242) on w0 was killed by SIGKILL (exit code -9)"
     )
-
-
-def test_a_nodes_failed_environment_fails_the_gang_at_once(settings: Settings) -> None:
-    # the job's requirements (workers/pyenv.py) fail the same way on every attempt: no restart
-    head, member = _running_gang(settings)
-    why = "environment: resolving the requirements failed: error: no-such-pkg was not found"
-    assert _end(settings, member, 1, rc=1, out=Outcome(error=why)) == "failed"
-    job, events, _ = _job(settings, head.job_id)
-    assert job.error == f"node 1 on w1: {why}"
-    assert not any(e.get("gang_restart") for e in events)
 
 
 def test_a_stop_from_another_nodes_warm_shutdown_gives_the_gang_back_uncounted(settings: Settings) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from db import gangs as dbg
 from db import ingest as dbi
@@ -93,20 +94,25 @@ def test_any_node_of_the_attempt_writes_the_lines_nobody_else(db_url: str) -> No
         assert dbg.gang_view(s, attempt=member, node_rank=1).intact
 
 
+def _give_back(s: Session, writer: dbj.Attempt, *, reason: str, gang_restarts: int) -> str | None:
+    """`writer`'s node gives its gang back, to be restarted (up to `gang_restarts`)."""
+    return dbg.give_back_gang(
+        s,
+        job_id=writer.job_id,
+        attempt=writer.attempt,
+        reason=reason,
+        restart=True,
+        gang_restarts=gang_restarts,
+        writer=writer,
+    )
+
+
 def test_a_node_giving_the_gang_back_fences_every_node(db_url: str) -> None:
     job_id = _gang(db_url)
     head, member = _start(db_url, job_id)
     with session_for(db_url) as s:
         # node 0's trainer failed (a peer's sockets closed): the whole gang goes back
-        status = dbg.give_back_gang(
-            s,
-            job_id=job_id,
-            attempt=head.attempt,
-            reason="node 0: gloo",
-            restart=True,
-            gang_restarts=3,
-            writer=head,
-        )
+        status = _give_back(s, head, reason="node 0: gloo", gang_restarts=3)
         assert status == "queued"
         job = dbj.get_job(s, job_id)
         assert (job.status, job.owner) == ("queued", None)
@@ -114,18 +120,7 @@ def test_a_node_giving_the_gang_back_fences_every_node(db_url: str) -> None:
         assert dbg.gang_restarts_used(s, job_id=job_id) == 1
         assert not dbg.gang_view(s, attempt=member, node_rank=1).intact
         # the survivor cannot give it back twice, nor write, nor renew
-        assert (
-            dbg.give_back_gang(
-                s,
-                job_id=job_id,
-                attempt=member.attempt,
-                reason="x",
-                restart=True,
-                gang_restarts=3,
-                writer=member,
-            )
-            is None
-        )
+        assert _give_back(s, member, reason="x", gang_restarts=3) is None
         assert not dbg.renew_node(s, attempt=member, node_rank=1, lease_s=30)
     assert _write(db_url, member, 1, _loss(5, 6, 1.0)) is None
     assert _losses(db_url, job_id) == []
@@ -145,15 +140,7 @@ def test_past_gang_restarts_the_job_fails_with_the_reason(db_url: str) -> None:
             s.commit()
         head, _ = _start(db_url, job_id)
         with session_for(db_url) as s:
-            status = dbg.give_back_gang(
-                s,
-                job_id=job_id,
-                attempt=head.attempt,
-                reason=f"lost {n}",
-                restart=True,
-                gang_restarts=2,
-                writer=head,
-            )
+            status = _give_back(s, head, reason=f"lost {n}", gang_restarts=2)
         assert status == ("queued" if n < 2 else "failed")
     with session_for(db_url) as s:
         job = dbj.get_job(s, job_id)

@@ -254,11 +254,18 @@ def test_a_group_that_ran_counts_in_its_owners_recent_slot_minutes(db_url: str) 
         assert dbs.recent_usage(s, window_s=3600, now=now)[ann][0] == 2 * 30
 
 
-def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
-    beat(db_url, "w1@h", slots=4, tasks=4)
+def _batch_of_a_one_job_owner(db_url: str, name: str, n: int, *, slots: int) -> tuple[int, int, list[int]]:
+    """A worker with `slots` slots and tasks; user `name`, who may run one job at a time; a batch of
+    hers with `n` trials: (her id, the batch, its trials)."""
+    beat(db_url, "w1@h", slots=slots, tasks=slots)
     with session_for(db_url) as s:
-        uid = create_user(s, name="ann", max_running_jobs=1).id
-    _sel, trials = _batch(db_url, 2, owner_id=uid)
+        uid = create_user(s, name=name, max_running_jobs=1).id
+    sel, trials = _batch(db_url, n, owner_id=uid)
+    return uid, sel, trials
+
+
+def test_groups_obey_the_owners_quota_and_priority_order(db_url: str) -> None:
+    uid, _sel, trials = _batch_of_a_one_job_owner(db_url, "ann", 2, slots=4)
     sent = Sent()
     sched = _sched(db_url, sent)
     sched.tick()
@@ -299,10 +306,7 @@ def test_a_batch_of_higher_priority_goes_before_older_jobs(db_url: str) -> None:
 def test_the_worker_runs_only_a_group_reserved_for_it_and_gives_back_one_over_quota(db_url: str) -> None:
     from workers.selection import execute_selection
 
-    beat(db_url, "w1@h", slots=2, tasks=2)
-    with session_for(db_url) as s:
-        uid = create_user(s, name="bo", max_running_jobs=1).id
-    sel, trials = _batch(db_url, 1, owner_id=uid)
+    uid, sel, trials = _batch_of_a_one_job_owner(db_url, "bo", 1, slots=2)
     sent = Sent()
     _sched(db_url, sent).tick()
     ((_, ids, _queue, rid),) = sent.groups

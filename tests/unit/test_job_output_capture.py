@@ -12,7 +12,7 @@ from pathlib import Path
 from core.messages import Message
 from workers.hardware import HardwareSampler, group_ranks
 from workers.logcap import LogCap, split_rank
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Outcome, run_unattended
 
 
 def test_the_log_keeps_head_and_tail_past_its_cap_with_a_note() -> None:
@@ -83,15 +83,12 @@ def test_supervise_hands_over_stray_stdout_and_stderr_but_keeps_protocol_lines(t
     output: list[tuple[int | None, str, str]] = []
     out = Outcome(rank=0)
     pids: list[int] = []
-    rc = supervise(
+    rc = run_unattended(
         [sys.executable, "-c", code],
-        on_message=messages.append,
-        poll=lambda: Ask.none,
-        stop_file=tmp_path / "stop",
-        stderr_log=tmp_path / "stderr.log",
+        tmp_path,
         grace_s=1,
-        shutdown_grace_s=1,
         out=out,
+        on_message=messages.append,
         on_output=lambda r, s, t: output.append((r, s, t)),
         on_start=pids.append,
     )

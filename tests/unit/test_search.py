@@ -141,27 +141,18 @@ def run_async(*, seed: int, total: int, parallel: int, space: dict, value, arriv
 
 def test_a_trial_is_asked_from_the_trials_parallel_before_it() -> None:
     """Trial k depends on the values of trials 0 .. k-parallel only: more values leave it as it is."""
-    full = suggest(
-        space=SPACE,
-        method="tpe",
-        seed=2,
-        mode="min",
-        parallel=3,
-        values=[1.0] * 6,
-        total=12,
-        startup_trials=2,
-    )
+    ask = {
+        "space": SPACE,
+        "method": "tpe",
+        "seed": 2,
+        "mode": "min",
+        "parallel": 3,
+        "total": 12,
+        "startup_trials": 2,
+    }
+    full = suggest(values=[1.0] * 6, **ask)
     for m in range(6):
-        some = suggest(
-            space=SPACE,
-            method="tpe",
-            seed=2,
-            mode="min",
-            parallel=3,
-            values=[1.0] * m,
-            total=12,
-            startup_trials=2,
-        )
+        some = suggest(values=[1.0] * m, **ask)
         assert len(some) == m + 3 and some == full[: m + 3]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from jobrules.hostmem import RANK_RUNTIME_BYTES, host_memory_bytes
 from tests.conftest import TINY_SPEC
 from workers.limits import GiB, memory_limit_bytes, out_of_memory_error, runtime_limit_s
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Outcome, run_unattended
 
 SPEC = {
     **TINY_SPEC,
@@ -25,15 +25,12 @@ def test_a_trainer_past_its_memory_limit_fails_alone_with_out_of_host_memory(tmp
     # torch asks for 8 GiB under a 2 GiB address-space limit: the allocation fails in the child
     grab = "import torch; torch.ones(2**31, dtype=torch.float32)"
     out = Outcome()
-    rc = supervise(
+    rc = run_unattended(
         [sys.executable, "-c", grab],
-        on_message=lambda _msg: None,
-        poll=lambda: Ask.none,
-        stop_file=tmp_path / "stop",
-        stderr_log=tmp_path / "stderr.log",
+        tmp_path,
         grace_s=5,
-        shutdown_grace_s=5,
         out=out,
+        on_message=lambda _msg: None,
         memory_limit=2 * GiB,
     )
     assert rc != 0

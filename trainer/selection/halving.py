@@ -31,10 +31,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 from jobrules.spec import STOPPING_KINDS, EarlyStoppingSpec
+from jobrules.stopping import StopReason
 
 Mode = Literal["min", "max"]
 Kind = Literal[STOPPING_KINDS]
@@ -64,24 +65,6 @@ class HalvingConfig:
             raise ValueError(f"early_stopping.min_steps must be >= 1, got {self.min_steps}")
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {self.mode!r}")
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class StopReason:
-    rung: int
-    """The rung's step."""
-    value: float
-    """The trial's metric at the rung."""
-    cutoff: float
-    """The metric of the last trial kept at that rung: a stopped trial is no better than this."""
-    kept: int
-    """How many trials of the rung went on."""
-    of: int
-    """How many reported at the rung."""
-    bracket: int
-
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -36,19 +36,14 @@ class BlockTP(nn.Module):
 
 def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
     if isinstance(mesh, Mesh1D):
-        m = layers_1d
-        return BlockTP(
-            ln1=m.LayerNorm1D(block.ln1, mesh=mesh, name=f"{name}.ln1"),
-            attn=m.Attention1D(block.attn, mesh=mesh, name=f"{name}.attn"),
-            ln2=m.LayerNorm1D(block.ln2, mesh=mesh, name=f"{name}.ln2"),
-            mlp=m.MLP1D(block.mlp, mesh=mesh, name=f"{name}.mlp"),
-        )
-    g = layers_25d
+        ln, attn, mlp = layers_1d.LayerNorm1D, layers_1d.Attention1D, layers_1d.MLP1D
+    else:
+        ln, attn, mlp = layers_25d.LayerNormGrid, layers_25d.AttentionGrid, layers_25d.MLPGrid
     return BlockTP(
-        ln1=g.LayerNormGrid(block.ln1, mesh=mesh, name=f"{name}.ln1"),
-        attn=g.AttentionGrid(block.attn, mesh=mesh, name=f"{name}.attn"),
-        ln2=g.LayerNormGrid(block.ln2, mesh=mesh, name=f"{name}.ln2"),
-        mlp=g.MLPGrid(block.mlp, mesh=mesh, name=f"{name}.mlp"),
+        ln1=ln(block.ln1, mesh=mesh, name=f"{name}.ln1"),
+        attn=attn(block.attn, mesh=mesh, name=f"{name}.attn"),
+        ln2=ln(block.ln2, mesh=mesh, name=f"{name}.ln2"),
+        mlp=mlp(block.mlp, mesh=mesh, name=f"{name}.mlp"),
     )
 
 
