@@ -28,6 +28,12 @@ pytestmark = pytest.mark.integration
 FAST = {
     **LOST_WORKER_WINDOWS,
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
+    # every checkpoint stays: this tiny model runs 100 steps in under a second on an idle machine,
+    # faster than the relay applies their lines, and the trainer's own pruning (newest 3) could
+    # delete the last checkpoint whose lines are applied before a kill; the attempt after it then
+    # starts from step 0 (exactly once still holds, the resume these tests check does not). A
+    # known limit, in the README's "Faults" notes.
+    "SHARDYARD_CHECKPOINT_KEEP": "0",
 }
 # long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
 # of this model takes a few milliseconds there, and the warm trainer starts it in under a second)
