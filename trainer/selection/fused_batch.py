@@ -196,8 +196,7 @@ class FusedGroups:
                     tokens=job.train.batch_size * job.model.seq_len,
                     peak_mem_mb=peak / 2**20,
                 )
-            evaluating = [m for m, _ in zip(live, losses, strict=True) if m.error is None]
-            evaluating = [m for m in evaluating if m.after.evaluates(m.steps)]
+            evaluating = [m for m in live if m.error is None and m.after.evaluates(m.steps)]
             if evaluating:
                 t0 = time.perf_counter()
                 values = fused.eval_losses([m.pos for m in evaluating])
@@ -245,11 +244,12 @@ class FusedGroups:
         """The executor's `_finish`: the end-of-trial checkpoint (unless `none`), the result, the
         final event. Checkpoints `none` removes the trial's directory; `best` is the batch's
         (trainer/selection/job.py keeps the best trial's once every trial has ended)."""
-        m.status = status
         ckpt = m.entry.checkpoint_dir
         if fused is not None and ckpt is not None and m.steps > 0 and self.cfg.checkpoints != "none":
+            # a checkpoint that cannot be written raises with the member still running: it fails
             path = save_checkpoint(ckpt, step=m.steps, state=fused.trial_state(m.pos))
             m.entry.sink.event("checkpoint", {"step": m.steps, "path": str(path)})
+        m.status = status
         self._report_end(m)
         if self.cfg.checkpoints == "none" and ckpt is not None:
             shutil.rmtree(ckpt, ignore_errors=True)
