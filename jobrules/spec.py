@@ -300,6 +300,22 @@ class BatchRules(Strict):
     mode: Literal["min", "max"] = "min"
     scheduler: Literal[SCHEDULERS] = "shard-lrtf"
     early_stopping: EarlyStoppingSpec | None = None
+    fuse: bool = Field(
+        False,
+        description="train trials of one architecture as one stacked model (horizontal fusion, "
+        "trainer/selection/fused.py); not with early_stopping or a sampler method",
+    )
+    """Horizontal fusion: the trials of a group that share an architecture, data shape, batch size
+    and optimizer train as one stacked model on one device; the others run as without it."""
+
+    @model_validator(mode="after")
+    def _fuse_rules(self) -> BatchRules:
+        if self.fuse and self.early_stopping is not None:
+            raise ValueError(
+                "fuse cannot be combined with early_stopping: the rungs pause and resume each trial "
+                "on its own, a fused stack steps its members together"
+            )
+        return self
 
     @classmethod
     def rules_of(cls, request: dict[str, Any]) -> dict[str, Any]:
@@ -345,6 +361,12 @@ class SelectionCreate(BatchRules):
             raise ValueError(f"method {self.method} needs trials (how many in all)")
         if self.startup_trials is not None and self.method == "qmc":
             raise ValueError("startup_trials is for tpe and cmaes; qmc has no model to start")
+        if self.fuse and sampler:
+            raise ValueError(
+                f"fuse cannot be combined with method {self.method}: a sampler's batch grows one "
+                "trial at a time as trials end, a fused stack needs its members at the start "
+                "(use grid or random)"
+            )
         return self
 
     @property

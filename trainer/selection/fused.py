@@ -319,8 +319,11 @@ class FusedTrials:
         y = torch.stack([y for _, y in pairs]).to(self.device)
         return x, y
 
-    def train_step(self) -> list[float]:
-        """One step of every member on its own next batch; returns each member's loss."""
+    def train_step(self, *, check: bool = True) -> list[float]:
+        """One step of every member on its own next batch; returns each member's loss. `check`:
+        raise TrainingError at a non-finite loss (False: the caller checks each member, as a
+        batch does to fail that member alone; members share no parameter, so the others' steps
+        are sound)."""
         x_K, y_K = self.batches()
         self.grad.zero_()
         loss_K = stacked_loss(self._logits(self.params, x_K), y_K)
@@ -337,7 +340,9 @@ class FusedTrials:
         losses = loss_K.detach().tolist()  # note: a CPU-GPU sync point, once per fused step
         for k in range(self.size):
             self.step_counts[k] += 1
-            check_finite(losses[k], self.step_counts[k])
+        if check:
+            for k in range(self.size):
+                check_finite(losses[k], self.step_counts[k])
         return losses
 
     @torch.no_grad()
@@ -422,12 +427,35 @@ class FusedTrials:
             opt.state[p] = st
         return {"model": model, "optimizer": opt.state_dict()}
 
+    def trial_state(self, member: int) -> dict[str, Any]:
+        """The member as the selection executor's checkpoint holds a trial (ShardedTrial.state in
+        trainer/selection/shards.py: "model" by name, "optimizer" {"per_param": {name: state}}),
+        so a trial fused in one run resumes unfused in the next, and the other way round."""
+        row = self.ids.index(member)
+        job = self.jobs[row]
+        if self.optimizer == "adamw":
+            keys = ["exp_avg", "exp_avg_sq"]
+        else:
+            keys = ["momentum_buffer"] if job.train.momentum > 0 else []
+        per_param: dict[str, dict[str, Any]] = {}
+        for s in self.slots:
+            st: dict[str, Any] = {
+                k: self.state[k][row, s.start : s.stop].view(s.shape).to("cpu", copy=True) for k in keys
+            }
+            if self.optimizer == "adamw":
+                st["step"] = float(self.step_counts[row])
+            per_param[s.name] = st
+        return {"model": self.member_params(member), "optimizer": {"per_param": per_param}}
+
     @torch.no_grad()
-    def eval_losses(self) -> list[float]:
-        """Each member's validation loss over its own fixed batches (trainer/loop.py's `evaluate`).
-        One member at a time: evaluation is rare, and members may ask for different batch counts."""
+    def eval_losses(self, members: Sequence[int] | None = None) -> list[float]:
+        """Each member's validation loss over its own fixed batches (trainer/loop.py's `evaluate`),
+        of `members` (job indices; None: every member in the stack), in that order. One member at
+        a time: evaluation is rare, and members may ask for different batch counts."""
         out = []
-        for row, job in enumerate(self.jobs):
+        rows = range(self.size) if members is None else [self.ids.index(m) for m in members]
+        for row in rows:
+            job = self.jobs[row]
             params = {n: p[row : row + 1] for n, p in self.params.items()}
             losses = [
                 stacked_loss(self._logits(params, x.to(self.device)[None]), y.to(self.device)[None]).item()

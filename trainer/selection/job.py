@@ -2,7 +2,9 @@
 
 The batch is a SelectionBatch message (jobrules/spec.py: the group's trials, each an index, a
 JobSpec and an optional warm-start checkpoint, and the request's metric, mode, scheduler,
-early_stopping, seed and checkpoints, with their defaults and allowed values defined there once).
+early_stopping, seed, checkpoints and fuse, with their defaults and allowed values defined there
+once). With `fuse`, the trials that `fusable` stacks train as stacked models
+(trainer/selection/fused_batch.py) and the rest go through the executor, each told why.
 
 Each trial reports to its own sink: metrics (loss, val_loss, step_time_ms, tokens_per_s,
 peak_mem_mb), events ("trial" with {"status": running | succeeded | stopped_early | stopped |
@@ -13,6 +15,7 @@ fit a device, fails alone with the reason; the rest of the batch runs.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +25,12 @@ from typing import Any
 import torch
 
 from jobrules.spec import BatchTrial, SelectionBatch, parse
+from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.fused import fusable
+from trainer.selection.fused_batch import FusedGroups
 from trainer.selection.halving import HalvingConfig
 
 
@@ -39,6 +45,8 @@ class TrialSpec:
 class BatchSpec:
     trials: list[TrialSpec]
     executor: ExecutorConfig
+    fuse: bool = False
+    """Train fusable trials as stacked models (trainer/selection/fused_batch.py)."""
 
 
 def parse_batch(batch: Any) -> BatchSpec:
@@ -70,7 +78,7 @@ def parse_batch(batch: Any) -> BatchSpec:
         prefetch=msg.prefetch,
         device_budget_bytes=None if budget_mb is None else int(budget_mb * 2**20),
     )
-    return BatchSpec(trials=trials, executor=cfg)
+    return BatchSpec(trials=trials, executor=cfg, fuse=msg.fuse)
 
 
 class _Bad:
@@ -131,6 +139,19 @@ def run_selection(
     entries = [e for t in spec.trials if (e := entry(t)) is not None]
     t0 = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
+    if spec.fuse and entries:
+        groups, entries = fuse_groups(entries, growing=more is not None)
+        if groups:
+            results.update(
+                FusedGroups(
+                    groups,
+                    devices=devices,
+                    cfg=spec.executor,
+                    stop=stop,
+                    stop_trials=stop_trials or (lambda: set()),
+                ).run()
+            )
+    fused = set(results)
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -148,6 +169,13 @@ def run_selection(
         (r for r in results.values() if r.get("best_metric") is not None),
         key=lambda r: (sign * r["best_metric"], r["trial"]),
     )
+    if fused and checkpoint_root is not None and spec.executor.checkpoints == "best":
+        # the executor keeps its own trials' best; with fused trials beside them, the batch's best
+        # is known only now (the same rule: best metric, then index)
+        best = ranked[0]["trial"] if ranked else None
+        for i in results:
+            if i != best:
+                shutil.rmtree(checkpoint_root / f"trial-{i}", ignore_errors=True)
     return {
         "trials": [results[i] for i in sorted(results)],
         "leaderboard": [
@@ -161,6 +189,40 @@ def run_selection(
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
     }
+
+
+def fuse_groups(
+    entries: list[TrialEntry], *, growing: bool
+) -> tuple[list[list[TrialEntry]], list[TrialEntry]]:
+    """The request's `fuse`: the groups of two or more trials that train as one stacked model
+    (trainer/selection/fused.py `fusable`), and the trials that go through the executor, each told
+    why on its sink ("not fused: <reason>")."""
+    alone: list[TrialEntry] = []
+    candidates: list[TrialEntry] = []
+    for e in entries:
+        why = None
+        if growing:
+            why = "the batch grows as it runs (a sampler's), its trials start one by one"
+        elif e.warm_start is not None:
+            why = "it starts from another trial's checkpoint (warm_start)"
+        elif (found := latest_checkpoint(e.checkpoint_dir)) is not None:
+            why = f"it resumes from its checkpoint {found.name}"
+        if why is None:
+            candidates.append(e)
+        else:
+            e.sink.log(f"trial {e.index} not fused: {why}")
+            alone.append(e)
+    groups: list[list[TrialEntry]] = []
+    for g in fusable([e.job for e in candidates]):
+        members = [candidates[k] for k in g.members]
+        if g.fused:
+            groups.append(members)
+        else:
+            e = members[0]
+            e.sink.log(f"trial {e.index} not fused: {g.reason}")
+            alone.append(e)
+    alone.sort(key=lambda e: e.index)
+    return groups, alone
 
 
 def load_batch(path: str) -> dict[str, Any]:

@@ -1191,6 +1191,12 @@ export interface components {
             scheduler: "shard-lrtf" | "fifo" | "round-robin" | "sequential";
             early_stopping?: components["schemas"]["EarlyStoppingSpec"] | null;
             /**
+             * Fuse
+             * @description train trials of one architecture as one stacked model (horizontal fusion, trainer/selection/fused.py); not with early_stopping or a sampler method
+             * @default false
+             */
+            fuse: boolean;
+            /**
              * Name
              * @default selection
              */
