@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
+from db.engine import session_for
+from db.models import Job
 from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
 
 pytestmark = pytest.mark.integration
@@ -104,10 +106,18 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
 
 
 def _started(h: StackHandle, step: int = 6) -> int:
+    """A job past `step` whose first checkpoint's lines are applied (Job.applied_step), so that an
+    attempt after a fault has a checkpoint it may resume from."""
     _ensure_worker(h.stack)
     job = h.submit(SPEC)
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= step, timeout=180)
-    return job["id"]
+    deadline = time.monotonic() + 60
+    while True:
+        with session_for(h.stack.database_url) as s:
+            if s.get(Job, job["id"]).applied_step >= SPEC["checkpoint_every"]:
+                return job["id"]
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.05)
 
 
 def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle) -> None:

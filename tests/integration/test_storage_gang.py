@@ -12,6 +12,7 @@ step exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -35,7 +36,9 @@ from tests.s3 import S3Server
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 URL = "s3://shardyard/gang"
-STEPS = 60
+# long enough that the kill lands mid-job on an idle machine (at 60 steps the job had ended by
+# the time both pieces of a checkpoint were in the store)
+STEPS = 200
 SPEC: dict[str, Any] = {
     **GANG_SPEC,  # test_gang.py's model, data and checkpoints
     "name": "gang-s3",
@@ -124,10 +127,13 @@ def test_a_gang_that_lost_a_node_resumes_from_the_store_on_a_new_host(gang) -> N
     victim = _tree(st.procs.pop(f"worker{index}").pid)
     for pid in victim:
         os.kill(pid, signal.SIGSTOP)
-    at = _job(url, job_id)
-    assert at.status == "running" and at.step < STEPS, "the kill must land mid-job"
-    for pid in victim:
-        os.kill(pid, signal.SIGKILL)
+    try:
+        at = _job(url, job_id)
+        assert at.status == "running" and at.step < STEPS, "the kill must land mid-job"
+    finally:  # never leave a stopped process behind, whatever the check says
+        for pid in victim:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
     while _job(url, job_id).attempts < 2 and _job(url, job_id).status == "running":
         assert time.monotonic() < deadline, "the gang was not given back"
