@@ -54,7 +54,6 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime
@@ -65,6 +64,7 @@ import httpx
 
 from bench.common import table, write_results
 from jobrules.space import expand
+from workers.selection import selection_command
 
 ROOT = Path(__file__).resolve().parents[1]
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -162,18 +162,7 @@ def batch_doc(ts: list[dict[str, Any]], mode: str) -> dict[str, Any]:
 def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path, *, threads: bool = False) -> dict[str, Any]:
     path = tmp / f"batch-{mode}.json"
     path.write_text(json.dumps(batch_doc(ts, mode)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.selection",
-        "--batch",
-        str(path),
-        "--devices",
-        "2",
-        "--device",
-        "cpu",
-        *(["--device-threads"] if threads else []),
-    ]
+    cmd = selection_command(path, 2, "--device", "cpu", *(["--device-threads"] if threads else []))
     t0, c0 = time.perf_counter(), children_cpu_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
     wall = time.perf_counter() - t0

@@ -56,6 +56,21 @@ MAX_ATTEMPTS = 3
 """A trial whose executor keeps ending without its result is re-run this many times, then failed."""
 
 
+def selection_command(batch_path: Path, devices: int, *args: str) -> list[str]:
+    """The command line that trains a batch document in a fresh interpreter (the worker's, the
+    benchmarks' and the tests'): `python -m trainer.selection --batch F --devices N ...`."""
+    return [
+        sys.executable,
+        "-m",
+        "trainer.selection",
+        "--batch",
+        str(batch_path),
+        "--devices",
+        str(devices),
+        *args,
+    ]
+
+
 def take_trials(settings: Settings, *, worker: str, reservation_id: int) -> list[tuple[Trial, Attempt]]:
     """Claim the group's reservation and trials; while some are still held under a lease that is
     running out, wait for it and take them then. A group the scheduler did not place here (or
@@ -229,14 +244,9 @@ def execute_selection(
             stop_trials.write_text(json.dumps(sorted(stop)))
         return Ask.stop if cancel else Ask.none
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.selection",
-        "--batch",
-        str(batch_path),
-        "--devices",
-        str(req.get("devices", SelectionCreate.model_fields["devices"].default)),
+    cmd = selection_command(
+        batch_path,
+        req.get("devices", SelectionCreate.model_fields["devices"].default),
         "--checkpoint-root",
         str(root),
         "--stop-file",
@@ -245,7 +255,7 @@ def execute_selection(
         str(stop_trials),
         *(["--ask-file", str(ask_file)] if grows else []),
         *ws_args,
-    ]
+    )
 
     # every trial of the group lives in this one process (idle ones in host memory)
     mem_limit = group_memory_limit_bytes([specs[i] for i in sorted(mine)])

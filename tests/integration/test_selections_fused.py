@@ -25,9 +25,7 @@ def test_a_fused_batch_runs_on_the_stack(stack: StackHandle) -> None:
         "devices": 2,
         "fuse": True,
     }
-    resp = stack.client.post("/api/selections", json=body)
-    assert resp.status_code == 201, resp.text
-    sel = resp.json()
+    sel = stack.submit_selection(body)
     assert sel["request"]["fuse"] is True and len(sel["trials"]) == 4
     done = stack.wait_selection(sel["id"])
     assert done["status"] == "succeeded", done

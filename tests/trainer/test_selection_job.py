@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from trainer.config import ConfigError
 from trainer.protocol import ListSink, NeverStop
 from trainer.selection.job import parse_batch, run_selection
 from trainer.selection.space import expand
+from workers.selection import selection_command
 
 BASE = {
     "model": {"kind": "mlp", "layers": 2, "d_model": 16, "seq_len": 8},
@@ -110,18 +110,7 @@ def cli(tmp_path: Path, b: dict, *extra: str) -> tuple[int, list[dict]]:
     path = tmp_path / "batch.json"
     path.write_text(json.dumps(b))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer.selection",
-            "--batch",
-            str(path),
-            "--devices",
-            "2",
-            "--device",
-            "cpu",
-            *extra,
-        ],
+        selection_command(path, 2, "--device", "cpu", *extra),
         capture_output=True,
         text=True,
         timeout=300,
