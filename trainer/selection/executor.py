@@ -239,15 +239,22 @@ class Executor:
         sink); a free device takes it like any other. Device processes get it with its first task.
         Trials that early stopping ranks must all be known when the run starts."""
         with self._cond:
-            if entry.index in self.runs:
-                raise ValueError(f"trial index {entry.index} is already in the batch")
             if self.rungs is not None:
                 raise ValueError("trials cannot join a batch with early stopping once it has started")
-            run = self.runs[entry.index] = TrialRun(entry=entry)
-            if self._started:
-                self._build(run)
+            run = TrialRun(entry=entry)
+            self._join(run, self._cut(run) if self._started else None)
             self._cond.notify_all()
         return run
+
+    def _join(self, run: TrialRun, failed: tuple[Exception, str] | None) -> None:
+        """Under the lock: a trial joins the batch (add_trial, or `more` of a growing batch); once
+        the run has started it is already cut (`failed`: why it could not be), before that the
+        run's own preparation builds it."""
+        if run.index in self.runs:
+            raise ValueError(f"trial index {run.index} is already in the batch")
+        self.runs[run.index] = run
+        if self._started:
+            self._built(run, failed)
 
     def _prepare(self) -> None:
         """Build and cut every trial on the host; a trial that cannot be built or can never fit a
@@ -620,10 +627,7 @@ class Executor:
         if run is None:
             self._asked_at = ended
             return
-        if run.index in self.runs:
-            raise RuntimeError(f"more() returned trial {run.index}, which the batch has already")
-        self.runs[run.index] = run
-        self._built(run, exc)
+        self._join(run, exc)
 
     def _order(self, d: int, run: TrialRun) -> Order:
         """The task for device d, with whether the trial evaluates once it ends its mini-batch."""
