@@ -17,6 +17,8 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
+from tests.integration.test_job_output import chatty_spec, upload_chatty
+
 pytestmark = pytest.mark.browser
 
 SCREENSHOT = Path("/tmp/dashboard.png")
@@ -113,7 +115,11 @@ def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
 
 def test_job_page_charts_fill_live(stack, page: Page) -> None:
     """Opened before the job runs: points reach the chart over EventSource while it is running."""
-    job = stack.submit(spec(seed=3, steps=100, eval_every=25))
+    # ~0.1 s a step (the data source sleeps): the run outlasts the page's load by seconds. The stdlib
+    # spec's 100 steps once finished before the page had drawn (CI: one draw, at "succeeded")
+    live = chatty_spec(upload_chatty(stack), name="live-chart", steps=100, pause=0.1)
+    live["train"]["eval_every"] = 25
+    job = stack.submit(live)
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
     # the page draws once the session is confirmed (GET /api/auth/me)
     expect(page.locator("#loss-chart")).to_be_attached(timeout=15_000)
