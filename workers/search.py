@@ -25,7 +25,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from core.search import SAMPLERS, Plan, plan
+from core.search import SAMPLERS, Plan, askable, free_asks, plan
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt
@@ -139,8 +139,9 @@ def _replay(
             break
         values.append(None if t.status == "failed" else t.best_metric)
     total = min(int(req.get("trials") or 0), upto)
-    if len(values) + parallel <= len(trials):
-        return None  # trial k waits for trial k-parallel to end
+    free = free_asks(req["method"], req.get("startup_trials"))
+    if askable(told=len(values), parallel=parallel, free=free, total=total) <= len(trials):
+        return None  # trial k waits for trial k-parallel to end (past the value-free asks)
     got = plan(
         space=req["space"],
         method=req["method"],

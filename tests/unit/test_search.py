@@ -80,9 +80,33 @@ def test_other_samplers_are_reproducible(method: str) -> None:
 
 
 def test_a_failed_trial_is_told_as_failed() -> None:
-    first = suggest(space=SPACE, method="tpe", seed=0, mode="min", parallel=2, values=[], total=4)
-    more = suggest(space=SPACE, method="tpe", seed=0, mode="min", parallel=2, values=[None, 1.0], total=4)
+    ask = {"space": SPACE, "method": "tpe", "seed": 0, "mode": "min", "parallel": 2, "startup_trials": 1}
+    first = suggest(values=[], total=4, **ask)
+    more = suggest(values=[None, 1.0], total=4, **ask)
     assert more[:2] == first and len(more) == 4
+
+
+@pytest.mark.parametrize(("method", "startup"), [("tpe", 4), ("cmaes", 3), ("tpe", None)])
+def test_the_value_free_asks_are_asked_at_once_and_look_at_no_value(method: str, startup: int | None) -> None:
+    """A sampler's random start-up trials are asked before anything is told (the API creates them
+    all at submit, packed like a grid's), and they are the same points whatever the values: asking
+    them one by one in index order only idled a device while an earlier trial ran."""
+    free = startup if startup is not None else 10  # Optuna's TPESampler default
+    ask = {"space": SPACE, "method": method, "seed": 5, "mode": "min", "parallel": 2}
+    first = suggest(values=[], total=16, startup_trials=startup, **ask)
+    assert len(first) == free
+    for values in ([3.0, 1.0, None], [0.1] * free, [float(i) for i in range(free + 3)]):
+        later = suggest(values=values, total=16, startup_trials=startup, **ask)
+        assert later[:free] == first
+        assert len(later) == min(16, max(free, len(values) + 2))
+    assert len(suggest(values=[], total=6, startup_trials=startup, **ask)) == min(6, free)
+
+
+def test_qmc_asks_every_trial_at_once() -> None:
+    """qmc never looks at a value: the whole batch is its sequence, asked at submit."""
+    ask = {"space": SPACE, "method": "qmc", "seed": 1, "mode": "min", "parallel": 2, "total": 12}
+    first = suggest(values=[], **ask)
+    assert len(first) == 12 and suggest(values=[5.0, 0.5, 2.0], **ask) == first
 
 
 @pytest.mark.parametrize(
@@ -171,13 +195,17 @@ def test_no_point_of_a_discrete_space_runs_twice() -> None:
     assert space_size(SMALL) == 8 and space_size(SPACE) is None
     value = lambda p: p["train.lr"] * p["model.layers"]  # noqa: E731
     for seed in range(3):
-        got = plan(space=SMALL, method="tpe", seed=seed, mode="min", parallel=2, values=[], total=8)
+        got = plan(
+            space=SMALL, method="tpe", seed=seed, mode="min", parallel=2, values=[], total=8, startup_trials=2
+        )
         params = run_async(seed=seed, total=8, parallel=2, space=SMALL, value=value, arrival_seed=seed)
         keys = {tuple(sorted(p.items())) for p in params}
         assert len(params) == 8 and len(keys) == 8
         assert params[:2] == [a.params for a in got.trials]
     values = [value(p) for p in params]
-    full = plan(space=SMALL, method="tpe", seed=2, mode="min", parallel=2, values=values, total=8)
+    full = plan(
+        space=SMALL, method="tpe", seed=2, mode="min", parallel=2, values=values, total=8, startup_trials=2
+    )
     assert any(a.repeats for a in full.trials)  # TPE did ask some point twice; that ask was skipped
     for k, a in enumerate(full.trials):
         assert all(j < k for j in a.repeats)

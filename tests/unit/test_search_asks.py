@@ -21,11 +21,23 @@ BASE = {
     "train": {"steps": 2, "batch_size": 2},
 }
 SPACE = {"train.lr": {"low": 1e-4, "high": 1e-1, "log": True}}
-REQ = {"method": "tpe", "space": SPACE, "base": BASE, "trials": 4, "parallel": 2, "devices": 2, "seed": 3}
+# one start-up trial: trials 2 and 3 are the model's, asked only once trial k-parallel has ended
+REQ = {
+    "method": "tpe",
+    "space": SPACE,
+    "base": BASE,
+    "trials": 4,
+    "parallel": 2,
+    "devices": 2,
+    "seed": 3,
+    "startup_trials": 1,
+}
 
 
 def replay(values: list[float]) -> list[dict]:
-    got = plan(space=SPACE, method="tpe", seed=3, mode="min", parallel=2, values=values, total=4)
+    got = plan(
+        space=SPACE, method="tpe", seed=3, mode="min", parallel=2, values=values, total=4, startup_trials=1
+    )
     return [a.params for a in got.trials]
 
 
