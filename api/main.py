@@ -25,6 +25,7 @@ from api.limits import RequestLimits, clip
 from api.metrics import LatencyMiddleware
 from api.retention import retention_loop
 from api.routes import events, health, jobs, queue, selections, users, webhooks, workspaces
+from api.stalls import StallWatch
 from api.streams import StreamSlots
 from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
@@ -97,9 +98,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # not a thread, which held the interpreter lock the requests need); one holds its lock
         sched = SchedulerProcess(settings).start() if settings.embedded_scheduler else None
         app.state.scheduler = sched
+        beat = asyncio.create_task(stalls.beat()) if stalls is not None else None
+        if stalls is not None:
+            stalls.start()
         try:
             yield
         finally:
+            if stalls is not None:
+                stalls.stop()
+            if beat is not None:
+                beat.cancel()
             if sched is not None:
                 sched.stop()
             process_exited()
@@ -108,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await cleanup
 
+    stalls = StallWatch(settings.stall_log_s) if settings.stall_log_s > 0 else None
     app = FastAPI(
         title="Shardyard",
         version="0.1.0",
@@ -137,7 +146,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     # outermost: every answer is timed, the refusals of the two above included
-    app.add_middleware(LatencyMiddleware, database_url=settings.database_url)
+    app.add_middleware(LatencyMiddleware, database_url=settings.database_url, stalls=stalls)
+    app.state.stalls = stalls
     app.include_router(users.router)
     app.include_router(health.router)
     app.include_router(events.router)

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import AdminUser
 from api.deps import SettingsDep
+from api.stalls import StallWatch
 from core.settings import Settings
 from core.telemetry import DB_POOL_IN_USE, DB_POOL_SIZE, HTTP_LATENCY, multiprocess, multiprocess_registry
 from db import webhooks as dbw
@@ -48,9 +49,10 @@ class LatencyMiddleware:
     """Times each HTTP request to its response's start (a stream is timed to its headers: how long
     it stays open is the open-streams gauge's business)."""
 
-    def __init__(self, app: ASGIApp, *, database_url: str) -> None:
+    def __init__(self, app: ASGIApp, *, database_url: str, stalls: StallWatch | None = None) -> None:
         self.app = app
         self.database_url = database_url
+        self.stalls = stalls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,11 +61,14 @@ class LatencyMiddleware:
         started = time.perf_counter()
         status = {"code": 500}
         observed = False
+        watched = None if self.stalls is None else self.stalls.begin(f"{scope['method']} {scope['path']}")
 
         def observe(code: int) -> None:
             nonlocal observed
             if not observed:
                 observed = True
+                if watched is not None:
+                    self.stalls.end(watched)  # type: ignore[union-attr]
                 HTTP_LATENCY.labels(scope["method"], _route_of(scope), str(code)).observe(
                     time.perf_counter() - started
                 )

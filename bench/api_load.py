@@ -89,6 +89,8 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
     lock = threading.Lock()
     local = threading.local()
     auth = {"Authorization": f"Bearer {stack.admin_token}"}
+    when: list[tuple[float, str, float]] = []  # (seconds after the first request, route, ms)
+    begun = time.perf_counter()
 
     def timed(route: str, method: str, url: str, **kw: object) -> None:
         if not hasattr(local, "client"):
@@ -98,6 +100,7 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
         dt = (time.perf_counter() - t0) * 1e3
         with lock:
             lat.setdefault(route, []).append(dt)
+            when.append((t0 - begun, route, dt))
             if r.status_code >= 400:
                 errors[f"{route} {r.status_code}"] = errors.get(f"{route} {r.status_code}", 0) + 1
 
@@ -172,6 +175,12 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
         "load_average_1m": load,
         "errors": errors,
         "routes": routes,
+        # where the tail sits in time: requests that started together and were slow together
+        # point at one stall of the API process, scattered ones at the machine's scheduling
+        "slowest": [
+            {"at_s": round(at, 3), "route": r, "ms": round(ms, 1)}
+            for at, r, ms in sorted(when, key=lambda w: -w[2])[:20]
+        ],
         "all": {
             "n": len(every),
             "p50_ms": pct(every, 0.5),
@@ -193,6 +202,12 @@ def main() -> None:
         env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10)}
         with Stack(root=Path(tmp), workers=1, extra_env=env, shutdown_s=60) as stack:
             res = run(stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds)
+            # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
+            api_log = (Path(tmp) / "api.log").read_text(errors="replace")
+            res["stall_reports"] = [
+                "request(s) waiting over" + part.split("\n\n\n")[0][:20000]
+                for part in api_log.split("request(s) waiting over")[1:]
+            ]
     rows = [
         {"route": r, "requests": v["n"], "p50 ms": v["p50_ms"], "p95 ms": v["p95_ms"], "p99 ms": v["p99_ms"]}
         for r, v in res["routes"].items()
@@ -217,6 +232,9 @@ def main() -> None:
         f"{min(res['load_average_1m']):.1f}-{max(res['load_average_1m']):.1f}; errors {res['errors'] or 'none'}"
     )
     print(table(rows, title=title))
+    slow = ", ".join(f"{w['route']} {w['ms']:.0f} ms at {w['at_s']:.1f} s" for w in res["slowest"][:8])
+    print(f"slowest: {slow}")
+    print(f"stall reports in the API's log: {len(res['stall_reports'])} (in the JSON's stall_reports)")
     goals = {"goal_p99_ms": GOAL_P99_MS, "goal_series_p95_ms": GOAL_SERIES_P95_MS, "met": met}
     print(f"wrote {write_results(args.name, {**goals, **res})}")
 

@@ -127,6 +127,9 @@ class Settings(BaseSettings):
     sse_max_per_client: int = 20
     """Open Server-Sent Event streams one user may hold; one more is
     answered 429."""
+    stall_log_s: float = 2.0
+    """A request still unanswered after this long makes the API log every one of its threads' stacks
+    once (api/stalls.py: where it waits, the database's lock or the pool); 0 turns it off."""
     checkpoint_keep: int = 3
     """The trainer keeps this many newest checkpoints per job (0 keeps all); it reads the same
     SHARDYARD_CHECKPOINT_KEEP variable, which the worker's environment passes on."""

@@ -6,6 +6,7 @@ hang or a 500; finished jobs are deleted on request and by the retention cleanup
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -161,6 +162,12 @@ def test_database_write_lock_answers_503_with_the_reason(api_stack: Stack) -> No
             assert r.headers["retry-after"]
             r = c.post(f"/api/jobs/{job_id}/cancel")
             assert r.status_code == 503 and "database is locked" in r.json()["detail"], r.text
+        # the waits were explained in the API's log as they happened (api/stalls.py): the waiting
+        # request, a loop that still turns, and the request thread's stack inside SQLite's execute
+        report = (st.root / "api.log").read_text(errors="replace").split("request(s) waiting over")
+        assert len(report) >= 2, "no stall report in the API's log"
+        assert "POST /api/jobs" in report[1] and "the event loop turns" in report[1]
+        assert re.search(r"sqlalchemy/engine/default\.py.*\n.*cursor\.execute", report[1]), report[1][:3000]
     finally:
         assert locker.stdin is not None
         locker.stdin.close()
