@@ -2,7 +2,7 @@
 
     python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
     (sides also: executor-threads)
-    python -m bench.peer --search [--reps 5] [--steps 60]
+    python -m bench.peer --search [--reps 5] [--steps 60] [--parallel 2] [--out peer_search]
 
 The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
 CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and with ASHA
@@ -26,7 +26,7 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 `--search`: model-based search on the same 8-point grid, where the answer is known (every point's
 best val_loss is the grid's, each point computed once per repetition by the REST grid run). One
 repetition per seed (0 .. reps-1), interleaved: `rest-grid` (the grid through REST, as above),
-`rest-tpe` (`method: tpe`, 8 trials, `parallel` 2, 4 random startup trials, the seed) and
+`rest-tpe` (`method: tpe`, 8 trials, `parallel` 2 or --parallel, 4 random startup trials, the seed) and
 `ray-optuna` (Ray Tune with `OptunaSearch` over the same two choices: Optuna's TPESampler with the
 same seed, startup trials and `constant_liar`, 8 samples, `ConcurrencyLimiter` 2, one CPU per trial;
 each trial reports its best val_loss so far, the value Shardyard's sampler is told). Each reports
@@ -287,9 +287,11 @@ def _point(params: dict[str, Any]) -> tuple[float, int]:
     return float(params["train.lr"]), int(params["model.layers"])
 
 
-def run_rest_search(client: httpx.Client, steps: int, *, method: str, seed: int) -> dict[str, Any]:
-    """The batch through REST: the grid, or TPE with `seed`; its trials' points and best val_loss
-    by trial index."""
+def run_rest_search(
+    client: httpx.Client, steps: int, *, method: str, seed: int, parallel: int = 2
+) -> dict[str, Any]:
+    """The batch through REST: the grid, or TPE with `seed` and `parallel`; its trials' points and
+    best val_loss by trial index."""
     body: dict[str, Any] = {
         "name": f"peer-{method}",
         "base": base_spec(steps),
@@ -300,7 +302,7 @@ def run_rest_search(client: httpx.Client, steps: int, *, method: str, seed: int)
         "seed": seed,
     }
     if method == "tpe":
-        body.update(trials=8, parallel=2, startup_trials=STARTUP)
+        body.update(trials=8, parallel=parallel, startup_trials=STARTUP)
     sel = run_selection(client, body)
     ts = sorted(sel["trials"], key=lambda t: t["index"])
     return {
@@ -417,16 +419,24 @@ def run_search(args: argparse.Namespace) -> None:
         stack, client = start_stack(tmp)
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20)
+        if "ray-optuna" in args.search_sides:
+            ray.init(
+                num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20
+            )
         try:
             for rep in range(args.reps):
                 seed = rep
-                for side in ("rest-grid", "rest-tpe", "ray-optuna"):
+                for side in args.search_sides.split(","):
                     before = load()
                     if side == "rest-grid":
                         out = run_rest_search(client, args.steps, method="grid", seed=seed)
-                    elif side == "rest-tpe":
-                        out = run_rest_search(client, args.steps, method="tpe", seed=seed)
+                    elif side.startswith("rest-tpe"):  # rest-tpe-p<N>: `parallel` N, else --parallel
+                        n = (
+                            int(side.removeprefix("rest-tpe-p"))
+                            if side.startswith("rest-tpe-p")
+                            else args.parallel
+                        )
+                        out = run_rest_search(client, args.steps, method="tpe", seed=seed, parallel=n)
                     else:
                         out = run_ray_optuna(args.steps, seed=seed, tmp=tmp)
                     out.update(side=side, seed=seed, rep=rep, load_before=before, load_after=load())
@@ -449,12 +459,12 @@ def run_search(args: argparse.Namespace) -> None:
         f"load average (1 min) around the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} cores"
     )
     path = write_results(
-        "peer_search",
+        args.out if args.out != "peer" else "peer_search",
         {
             "steps": args.steps,
             "space": SPACE,
             "trials": 8,
-            "parallel": 2,
+            "parallel": args.parallel,
             "startup_trials": STARTUP,
             "runs": [{**r, "points": [list(p) for p in r["points"]]} for r in runs],
             "truth": summary["truth"],
@@ -474,7 +484,7 @@ def summarize_search(runs: list[dict[str, Any]]) -> dict[str, Any]:
     best = min(truth.values())
     rows = []
     med: dict[str, float] = {}
-    for side in ("rest-grid", "rest-tpe", "ray-optuna"):
+    for side in dict.fromkeys(r["side"] for r in runs):
         rs = [r for r in runs if r["side"] == side]
         if not rs:
             continue
@@ -495,22 +505,26 @@ def summarize_search(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "points run twice (all seeds)": sum(r["points_run_twice"] for r in rs),
             }
         )
-    ratios = []
-    for rep in sorted({r["rep"] for r in runs}):
-        g = [r for r in runs if r["rep"] == rep and r["side"] == "rest-grid"]
-        t = [r for r in runs if r["rep"] == rep and r["side"] == "rest-tpe"]
-        if g and t:
-            ratios.append(t[0]["wall_s"] / g[0]["wall_s"])
     goals = []
-    if ratios:
-        goals.append(
-            f"REST tpe / REST grid wall, per repetition: {', '.join(f'{x:.3f}' for x in ratios)}; "
-            f"median {statistics.median(ratios):.3f} (goal <= 1.05)"
-        )
+    by_side: dict[str, list[float]] = {}
+    for side in [x for x in dict.fromkeys(r["side"] for r in runs) if x.startswith("rest-tpe")]:
+        ratios = by_side.setdefault(side, [])
+        for rep in sorted({r["rep"] for r in runs}):
+            g = [r for r in runs if r["rep"] == rep and r["side"] == "rest-grid"]
+            t = [r for r in runs if r["rep"] == rep and r["side"] == side]
+            if g and t:
+                ratios.append(t[0]["wall_s"] / g[0]["wall_s"])
+        if ratios:
+            goals.append(
+                f"REST {side.removeprefix('rest-')} / REST grid wall, per repetition: "
+                f"{', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f} (goal <= 1.05)"
+            )
+    ratios = by_side.get("rest-tpe", [])
     return {
         "rows": rows,
         "goals": goals,
         "tpe_over_grid": ratios,
+        "over_grid_by_side": by_side,
         "best_value": best,
         "medians": med,
         "truth": [{"lr": p[0], "layers": p[1], "best_val_loss": v} for p, v in sorted(truth.items())],
@@ -531,6 +545,13 @@ def main() -> None:
     ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
     ap.add_argument("--out", default="peer")
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
+    ap.add_argument("--search-sides", default="rest-grid,rest-tpe,ray-optuna", help="--search: the sides run")
+    ap.add_argument(
+        "--parallel",
+        type=int,
+        default=2,
+        help="--search: the REST TPE batch's `parallel` (Ray's concurrency stays 2)",
+    )
     args = ap.parse_args()
     if args.search:
         run_search(args)
