@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     GetCoreSchemaHandler,
     SerializerFunctionWrapHandler,
     model_serializer,
@@ -101,7 +102,8 @@ class ValidationRefusal(BaseModel):
     that cannot be sampled: `detail` names the field)."""
 
     detail: str
-    errors: list[FieldProblem] = []
+    errors: list[FieldProblem] = Field(default_factory=list)
+    """Absent when a route's own check refused the request."""
 
 
 class Progress(BaseModel):
