@@ -61,7 +61,8 @@ class Stored:
     """`Annotated[dict[str, Any], Stored(Model)]`: a request document as a row stores it, documented
     as the request model it was submitted as (the schema, and the dashboard's types, refer to
     `Model`), but sent unchanged and never validated again: a spec stored by an older version may
-    lack newer fields or break a rule added since, and must still read."""
+    lack newer fields or break a rule added since, and must still read. It leans on how pydantic
+    builds core schemas; tests/unit/test_api_types.py checks the result (the reference, the JSON)."""
 
     def __init__(self, model: type[BaseModel]) -> None:
         self.model = model
