@@ -4,6 +4,7 @@ SDK, shardyard/client.py), and run the service's processes.
     shardyard submit spec.json [--follow] [--workspace DIR]     shardyard jobs [--status running]
     shardyard show ID    shardyard cancel ID    shardyard logs ID    shardyard follow ID
     shardyard selection submit FILE|- [--follow]    shardyard selection show ID [--json]
+    shardyard selection list [--status running] [--name NAME] [--json]
     shardyard selection follow ID    shardyard selection cancel ID
     shardyard serve      shardyard worker       shardyard stack [--demo]    shardyard migrate
     shardyard scheduler [--metrics-port 9101]    shardyard healthcheck
@@ -377,6 +378,35 @@ def cmd_selection_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_selection_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        page = c.selections(status=args.status, name=args.name, owner=args.owner, limit=args.limit)
+    if args.json:
+        console.print_json(data={"items": [s.raw for s in page], "total": page.total})
+        return 0
+    table = Table(
+        "id", "name", "status", "trials", "method", "metric", "best", "best trial", "owner", "created"
+    )
+    for s in page:
+        ended = sum(t.status not in ("queued", "running") for t in s.trials)
+        best = s.best
+        table.add_row(
+            str(s.id),
+            shown(s.name),
+            s.status,
+            f"{ended}/{len(s.trials)}",
+            shown(s.request.get("method", "")),
+            f"{shown(s.metric)} ({s.mode})",
+            _value(best.best_metric) if best else "-",
+            shown(_params_text(best.params)) if best else "-",
+            shown(s.owner or ""),
+            s.raw["created_at"][:19],
+        )
+    console.print(table)
+    console.print(f"{len(page)} of {page.total} selection(s)")
+    return 0
+
+
 def cmd_selection_show(args: argparse.Namespace) -> int:
     with _client(args) as c:
         sel = c.get_selection(args.id)
@@ -609,12 +639,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("id", type=int)
         p.add_argument("--reason", default="", help="kept in the job's log")
         p.set_defaults(fn=fn)
-    p = sub.add_parser("selection", help="model-selection batches: submit, show, follow, cancel")
+    p = sub.add_parser("selection", help="model-selection batches: submit, list, show, follow, cancel")
     sel = p.add_subparsers(dest="selection_command", required=True)
     p = sel.add_parser("submit", help="submit a selection request (JSON file, or - for stdin)")
     p.add_argument("file", metavar="FILE|-")
     p.add_argument("--follow", "-f", action="store_true", help="follow the batch until it ends")
     p.set_defaults(fn=cmd_selection_submit)
+    p = sel.add_parser("list", help="list batches, newest first")
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--name", help="only batches whose name contains this (any case)")
+    p.add_argument("--owner", help="only this user's batches (admins)")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true", help="the API's JSON page instead of a table")
+    p.set_defaults(fn=cmd_selection_list)
     p = sel.add_parser("show", help="a batch's trials and leaderboard as tables")
     p.add_argument("id", type=int)
     p.add_argument("--json", action="store_true", help="the API's JSON instead of tables")

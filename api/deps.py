@@ -40,3 +40,12 @@ PageSize = Annotated[int, Query(ge=1, le=500)]
 """A list route's `limit` (default 50)."""
 PageStart = Annotated[int, Query(ge=0, le=DB_INT)]
 """A list route's `offset` (default 0)."""
+StatusFilter = Annotated[
+    str | None,
+    Query(
+        alias="status",
+        pattern="^(queued|running|succeeded|failed|cancelled)$",
+        description="only this status",
+    ),
+]
+"""A list route's `status` filter (jobs, selection batches)."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from kombu.exceptions import OperationalError as BrokerError
+from pydantic import TypeAdapter
 from redis.exceptions import RedisError
 from sqlalchemy.exc import OperationalError as DbError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -25,6 +28,7 @@ from api.limits import RequestLimits, clip
 from api.metrics import LatencyMiddleware
 from api.retention import retention_loop
 from api.routes import events, health, jobs, queue, selections, users, webhooks, workspaces
+from api.schemas import ValidationRefusal
 from api.stalls import StallWatch
 from api.streams import StreamSlots
 from core.scheduler_proc import SchedulerProcess
@@ -84,6 +88,32 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
     return JSONResponse(status_code=exc.status_code, content={"detail": detail}, headers=exc.headers)
 
 
+_REF = "#/components/schemas/"
+_FASTAPI_422 = {"$ref": f"{_REF}HTTPValidationError"}
+
+
+def declare_refusals(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI schema with the 422 that `_validation_error` really sends (ValidationRefusal)
+    wherever FastAPI declared its own list of {loc, msg}: on every route with a parameter or a
+    body, so a new route gets it too. FastAPI's two models leave the schema."""
+    parts = TypeAdapter(ValidationRefusal).json_schema(mode="serialization", ref_template=_REF + "{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(parts.pop("$defs", {}))
+    components[ValidationRefusal.__name__] = parts
+    for operations in schema.get("paths", {}).values():
+        for op in operations.values():
+            answer = op.get("responses", {}).get("422")
+            content = (answer or {}).get("content", {}).get("application/json", {})
+            if content.get("schema") == _FASTAPI_422:
+                answer["description"] = "Refused: each field named with the rule it breaks"
+                content["schema"] = {"$ref": _REF + ValidationRefusal.__name__}
+    for name in ("HTTPValidationError", "ValidationError"):  # the first refers to the second
+        held = components.pop(name, None)
+        if held is not None and f'"{_REF}{name}"' in json.dumps(schema):
+            components[name] = held  # a route declares it itself
+    return schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -123,6 +153,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Training orchestrator for models that do not fit.",
         lifespan=lifespan,
     )
+    build_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = declare_refusals(build_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.state.stream_slots = StreamSlots(settings.sse_max_per_client)
     app.state.settings = settings  # api/deps.py app_settings
     app.add_exception_handler(RequestValidationError, _validation_error)

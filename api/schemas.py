@@ -4,9 +4,17 @@ definition, which `python -m trainer` validates with too)."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+from pydantic_core import CoreSchema, core_schema
 
 import jobrules.spec
 from core.settings import get_settings
@@ -49,6 +57,56 @@ class PresentOnly(BaseModel):
         return {k: v for k, v in out.items() if k in keep}
 
 
+class Stored:
+    """`Annotated[dict[str, Any], Stored(Model)]`: a request document as a row stores it, documented
+    as the request model it was submitted as (the schema, and the dashboard's types, refer to
+    `Model`), but sent unchanged and never validated again: a spec stored by an older version may
+    lack newer fields or break a rule added since, and must still read. It leans on how pydantic
+    builds core schemas; tests/unit/test_api_types.py checks the result (the reference, the JSON)."""
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        self.model = model
+
+    def __get_pydantic_core_schema__(self, _source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        model = handler.generate_schema(self.model)
+        ref = model.get("ref") or model["schema_ref"]
+        # metadata on the reference keeps the model a definition of its own (pydantic inlines a
+        # definition used once), which the schema below refers to
+        where = core_schema.definition_reference_schema(ref, metadata={"stored_as": self.model.__name__})
+        return core_schema.any_schema(
+            # the value itself is sent: no model serializer, no check
+            serialization=core_schema.wrap_serializer_function_ser_schema(lambda v, _h: v, schema=where),
+            # an annotation function: pydantic_js_functions would inline the model's schema
+            metadata={"pydantic_js_annotation_functions": [lambda cs, h: h(cs["serialization"]["schema"])]},
+        )
+
+
+StoredJobSpec = Annotated[dict[str, Any], Stored(JobSpec)]
+StoredSelectionCreate = Annotated[dict[str, Any], Stored(SelectionCreate)]
+
+
+class FieldProblem(BaseModel):
+    """One problem of a refused request."""
+
+    field: str
+    """The field, dotted (`train.lr`, `base.model.layers`, `limit`); `body` for the body itself."""
+    message: str
+    """The rule it breaks, in words."""
+    type: str
+    """pydantic's error type (`greater_than`, `missing`, `value_error`, ...)."""
+
+
+class ValidationRefusal(BaseModel):
+    """A 422: the request can never be done as sent. `detail` says "field: rule" for each problem,
+    joined by "; "; `errors` lists them one by one (at most 20) when the request broke a declared
+    rule, and is absent when a route's own check refused it (a trial that cannot run, a space
+    that cannot be sampled: `detail` names the field)."""
+
+    detail: str
+    errors: list[FieldProblem] = Field(default_factory=list)
+    """Absent when a route's own check refused the request."""
+
+
 class Progress(BaseModel):
     step: int
     steps: int
@@ -81,7 +139,8 @@ class JobPublic(BaseModel):
     worker: str | None
     error: str | None
     result: dict[str, Any] | None
-    spec: dict[str, Any]
+    spec: StoredJobSpec
+    """The JobSpec as submitted and stored (with the defaults of its version filled in)."""
     cancel_requested: bool
     progress: Progress
     selection_id: int | None
@@ -294,8 +353,8 @@ class SelectionPublic(BaseModel):
     finished_at: datetime | None
     space: dict[str, SpaceRange | list[Any]]
     """Dotted JobSpec path -> a range, or a list of the values to choose from."""
-    request: dict[str, Any]
-    """The submitted request (a SelectionCreate)."""
+    request: StoredSelectionCreate
+    """The submitted request, as stored."""
     cancel_requested: bool
     error: str | None = None
     """Why the batch could not do all it was asked (a sampler that could not ask its next trials)."""

@@ -14,7 +14,18 @@ from sqlalchemy.orm import Session, selectinload
 
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, Selection, Trial, utcnow
+from db.models import (
+    TERMINAL,
+    Job,
+    JobEvent,
+    JobStatus,
+    MetricPoint,
+    Reservation,
+    Selection,
+    Trial,
+    User,
+    utcnow,
+)
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
 
@@ -134,10 +145,27 @@ def get_selection(session: Session, selection_id: int) -> Selection:
 
 
 def list_selections(
-    session: Session, *, owner_id: int | None = None, limit: int = 50, offset: int = 0
+    session: Session,
+    *,
+    owner_id: int | None = None,
+    status: str | None = None,
+    owner: str | None = None,
+    name: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
 ) -> tuple[Sequence[Selection], int]:
-    """A page, newest first; `owner_id` keeps one user's batches."""
-    where = [] if owner_id is None else [Selection.owner_id == owner_id]
+    """A page, newest first, and the count of all matches. `owner_id` keeps one user's batches (a
+    non-admin's view); `status` one status; `owner` filters by user name; `name` matches a
+    substring (any case)."""
+    where = []
+    if owner_id is not None:
+        where.append(Selection.owner_id == owner_id)
+    if status:
+        where.append(Selection.status == status)
+    if owner:
+        where.append(Selection.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
+    if name:
+        where.append(Selection.name.icontains(name, autoescape=True))
     total = session.scalar(select(func.count(Selection.id)).where(*where)) or 0
     rows = session.scalars(
         select(Selection)

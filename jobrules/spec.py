@@ -439,7 +439,15 @@ def problems(errors: list[Any]) -> list[dict[str, str]]:
     out = []
     for err in errors[:MAX_PROBLEMS]:
         msg = clip(err["msg"].removeprefix("Value error, "), MAX_MESSAGE)
-        out.append({"field": field_name(tuple(err["loc"])), "message": msg, "type": err["type"]})
+        field = field_name(tuple(err["loc"]))
+        if err["type"] == "json_invalid":
+            # FastAPI's loc is (body, the character's position): the body is the field
+            where, why = err["loc"][-1], (err.get("ctx") or {}).get("error")
+            field, msg = (
+                "body",
+                clip(f"not valid JSON at character {where}" + (f" ({why})" if why else ""), MAX_MESSAGE),
+            )
+        out.append({"field": field, "message": msg, "type": err["type"]})
     return out
 
 

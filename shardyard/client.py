@@ -268,8 +268,19 @@ class Client:
         body = _document(request, "request")
         return Selection.from_json(self._send("POST", "/api/selections", json=body), self)
 
-    def selections(self, *, limit: int = 50, offset: int = 0) -> Page[Selection]:
-        page = self._send("GET", "/api/selections", params={"limit": limit, "offset": offset})
+    def selections(
+        self,
+        *,
+        status: str | None = None,
+        name: str | None = None,
+        owner: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> Page[Selection]:
+        """Batches the caller may see, newest first; `name`: the name contains it (any case)."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        params.update({k: v for k, v in (("status", status), ("name", name), ("owner", owner)) if v})
+        page = self._send("GET", "/api/selections", params=params)
         return Page([Selection.from_json(s, self) for s in page["items"]], page["total"])
 
     def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
 from api.convert import event_public, job_public
-from api.deps import PageSize, PageStart, SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, SessionDep, SettingsDep, StatusFilter
 from api.publish import publish_job_status
 from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
@@ -40,15 +40,6 @@ from db import selections as db_sel
 from db.models import Job, User
 
 router = APIRouter(prefix="/api/jobs", tags=["jobs"])
-
-StatusFilter = Annotated[
-    str | None,
-    Query(
-        alias="status",
-        pattern="^(queued|running|succeeded|failed|cancelled)$",
-        description="only this status",
-    ),
-]
 
 JobId = Annotated[int, Path(ge=1, le=DB_INT, description="a job's id")]
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Request, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.admission import admission_problem, group_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
-from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep
+from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep, StatusFilter
 from api.limits import clip
 from api.queue import wake_scheduler
 from api.schemas import (
@@ -35,6 +35,7 @@ from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Selection, User
 from jobrules.space import SpaceError, apply_params, sample_params
+from jobrules.spec import explain
 
 router = APIRouter(prefix="/api/selections", tags=["selections"])
 
@@ -169,11 +170,22 @@ def submit_selection(
 def list_selections(
     session: SessionDep,
     user: CurrentUser,
+    status_: StatusFilter = None,
+    owner: str | None = Query(None, max_length=64, description="only this user's batches (admins)"),
+    name: str | None = Query(None, max_length=200, description="name contains this (any case)"),
     limit: PageSize = 50,
     offset: PageStart = 0,
 ) -> SelectionsPublic:
-    owner_id = None if user.is_admin else user.id
-    rows, total = db_sel.list_selections(session, owner_id=owner_id, limit=limit, offset=offset)
+    """Batches the caller may see, newest first, with the count of all that match."""
+    rows, total = db_sel.list_selections(
+        session,
+        owner_id=None if user.is_admin else user.id,
+        status=status_,
+        owner=owner,
+        name=name,
+        limit=limit,
+        offset=offset,
+    )
     return SelectionsPublic(items=[selection_public(s) for s in rows], total=total)
 
 
@@ -206,7 +218,16 @@ def add_trials(
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"selection {selection_id} was cancelled; submit a new one"
         )
-    req = SelectionCreate.model_validate(sel.request)
+    try:
+        req = SelectionCreate.model_validate(sel.request)
+    except ValidationError as e:
+        # a request stored by an older version that today's rules refuse: its batch reads, but
+        # cannot grow
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"selection {selection_id}'s stored request no longer passes today's rules "
+            f"({clip(explain(e.errors()), 500)}); submit a new batch",
+        ) from e
     if req.method not in ("grid", "random"):
         raise HTTPException(
             status.HTTP_409_CONFLICT,

@@ -32,24 +32,17 @@ export type Webhooks = Schemas["WebhooksPublic"];
 export type WebhookDelivery = Schemas["DeliveryPublic"];
 export type WebhookDeliveries = Schemas["DeliveriesPublic"];
 export type Workspace = Schemas["WorkspacePublic"];
-/** The submitted JobSpec, as stored (a job's `spec`, a batch's `request.base`). */
+/** A JobSpec (a job's `spec` and a batch's `request.base` are the ones submitted, as stored: one
+ * stored by an older version lacks the fields added since, so read them with `?.` and `??`). */
 export type JobSpec = Schemas["JobSpec"];
-/** A selection batch's request, as submitted. */
+/** A selection batch's request (a batch's `request`, as submitted). */
 export type SelectionRequest = Schemas["SelectionCreate"];
+/** A 422: `detail` names each field with its rule; `errors` lists them one by one. */
+export type ValidationRefusal = Schemas["ValidationRefusal"];
 /** The events of each Server-Sent Events stream, by name. */
 export type JobStreamEvents = Schemas["JobStreamEvents"];
 export type JobsStreamEvents = Schemas["JobsStreamEvents"];
 export type SelectionStreamEvents = Schemas["SelectionStreamEvents"];
-
-/** A job's spec seen as the JobSpec it was submitted as (the API sends it as a plain object). */
-export function specOf(job: Job): Partial<JobSpec> {
-  return job.spec as Partial<JobSpec>;
-}
-
-/** A batch's request seen as the SelectionCreate it was submitted as. */
-export function requestOf(sel: Selection): Partial<SelectionRequest> {
-  return sel.request as Partial<SelectionRequest>;
-}
 
 /** A trial's job's result is its trial report (null for any other job). */
 export function trialReportOf(job: Job): TrialReport | null {
@@ -76,18 +69,10 @@ export class ApiError extends Error {
   }
 }
 
-/** FastAPI answers 422 with a list of {loc, msg}; our own errors with a string. Name the field. */
+/** A refusal's `detail` as one readable text: the API sends a string (a 422's ValidationRefusal
+ * names each field with its rule, "field: rule; field: rule"); anything else is shown as JSON. */
 export function describeDetail(detail: unknown): string {
-  if (typeof detail === "string") return detail;
-  if (Array.isArray(detail)) {
-    return detail
-      .map((d: Partial<Schemas["ValidationError"]>) => {
-        const loc = (d.loc ?? []).filter((p) => p !== "body").join(".");
-        return loc ? `${loc}: ${d.msg ?? ""}` : String(d.msg ?? JSON.stringify(d));
-      })
-      .join("\n");
-  }
-  return JSON.stringify(detail);
+  return typeof detail === "string" ? detail : JSON.stringify(detail);
 }
 
 /** The session's CSRF token, from the readable cookie the sign-in set (the session cookie itself is

@@ -159,6 +159,45 @@ def test_cli_selection_submit_from_stdin_then_follow(sdk_stack: StackHandle) -> 
     assert "Traceback" not in followed.stderr
 
 
+def test_cli_selection_list_filters_like_the_route(sdk_stack: StackHandle, client: Client) -> None:
+    """`shardyard selection list`: a table of the batches with the route's filters (status, name,
+    owner, limit), and the API's page with --json; the SDK's selections() takes the same filters."""
+    done = client.submit_selection({**BATCH, "name": "listed-done"})
+    endless = {**SMALL, "name": "endless", "train": {**SMALL["train"], "steps": 100_000}}
+    stopped = client.submit_selection({**BATCH, "name": "Listed-Stopped", "base": endless})
+    stopped.cancel()
+    assert stopped.wait(timeout=120).status == "cancelled"
+    assert done.wait(timeout=240).status == "succeeded"
+
+    table = cli(sdk_stack, "selection", "list", "--name", "listed-")
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[1]: line for line in table.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {str(done.id), str(stopped.id)}, table.stdout
+    assert "listed-done" in rows[str(done.id)] and "succeeded" in rows[str(done.id)]
+    assert "2/2" in rows[str(done.id)] and "train.lr=" in rows[str(done.id)]  # its best trial
+    assert "cancelled" in rows[str(stopped.id)] and "Listed-Stopped" in rows[str(stopped.id)]
+    assert "2 of 2 selection(s)" in table.stdout
+
+    raw = cli(sdk_stack, "selection", "list", "--name", "LISTED", "--status", "cancelled", "--json")
+    assert raw.returncode == 0, raw.stderr
+    page = json.loads(raw.stdout)
+    assert page["total"] == 1 and [s["id"] for s in page["items"]] == [stopped.id]
+    assert page["items"][0]["request"]["base"]["name"] == "endless"  # the API's JSON, as sent
+
+    limited = json.loads(
+        cli(sdk_stack, "selection", "list", "--name", "listed-", "--limit", "1", "--json").stdout
+    )
+    assert [s["id"] for s in limited["items"]] == [stopped.id] and limited["total"] == 2  # newest first
+    assert [s.id for s in client.selections(status="succeeded", name="listed-")] == [done.id]
+    assert client.selections(owner="nobody-by-this-name", name="listed-").total == 0
+
+    bad = cli(sdk_stack, "selection", "list", "--status", "lost")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    with pytest.raises(ApiError) as e:
+        client.selections(status="lost")  # the API's 422 names the field
+    assert e.value.status == 422 and e.value.fields == ["status"]
+
+
 def test_cancel_a_job_and_a_batch(sdk_stack: StackHandle, client: Client) -> None:
     endless = {**SMALL, "name": "endless", "train": {**SMALL["train"], "steps": 100_000}}
     job = client.submit(endless)

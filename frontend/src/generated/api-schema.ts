@@ -357,7 +357,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List Selections */
+        /**
+         * List Selections
+         * @description Batches the caller may see, newest first, with the count of all that match.
+         */
         get: operations["list_selections_api_selections_get"];
         put?: never;
         /**
@@ -748,11 +751,6 @@ export interface components {
             /** Items */
             items: components["schemas"]["EventPublic"][];
         };
-        /** HTTPValidationError */
-        HTTPValidationError: {
-            /** Detail */
-            detail?: components["schemas"]["ValidationError"][];
-        };
         /** HealthPublic */
         HealthPublic: {
             /**
@@ -806,9 +804,7 @@ export interface components {
                 [key: string]: unknown;
             } | null;
             /** Spec */
-            spec: {
-                [key: string]: unknown;
-            };
+            spec: components["schemas"]["JobSpec"];
             /** Cancel Requested */
             cancel_requested: boolean;
             progress: components["schemas"]["Progress"];
@@ -1272,9 +1268,7 @@ export interface components {
                 [key: string]: components["schemas"]["SpaceRange"] | unknown[];
             };
             /** Request */
-            request: {
-                [key: string]: unknown;
-            };
+            request: components["schemas"]["SelectionCreate"];
             /** Cancel Requested */
             cancel_requested: boolean;
             /** Error */
@@ -1711,19 +1705,6 @@ export interface components {
             /** Items */
             items: components["schemas"]["UserPublic"][];
         };
-        /** ValidationError */
-        ValidationError: {
-            /** Location */
-            loc: (string | number)[];
-            /** Message */
-            msg: string;
-            /** Error Type */
-            type: string;
-            /** Input */
-            input?: unknown;
-            /** Context */
-            ctx?: Record<string, never>;
-        };
         /** WebhookCreate */
         WebhookCreate: {
             /**
@@ -1820,6 +1801,31 @@ export interface components {
             /** Total */
             total: number;
         };
+        /**
+         * FieldProblem
+         * @description One problem of a refused request.
+         */
+        FieldProblem: {
+            /** Field */
+            field: string;
+            /** Message */
+            message: string;
+            /** Type */
+            type: string;
+        };
+        /**
+         * ValidationRefusal
+         * @description A 422: the request can never be done as sent. `detail` says "field: rule" for each problem,
+         *     joined by "; "; `errors` lists them one by one (at most 20) when the request broke a declared
+         *     rule, and is absent when a route's own check refused it (a trial that cannot run, a space
+         *     that cannot be sampled: `detail` names the field).
+         */
+        ValidationRefusal: {
+            /** Detail */
+            detail: string;
+            /** Errors */
+            errors?: components["schemas"]["FieldProblem"][];
+        };
     };
     responses: never;
     parameters: never;
@@ -1871,13 +1877,13 @@ export interface operations {
                     "application/json": components["schemas"]["UserIssued"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -1906,13 +1912,13 @@ export interface operations {
                     "application/json": components["schemas"]["TokenIssued"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -1937,13 +1943,13 @@ export interface operations {
                     "application/json": components["schemas"]["TokensRevoked"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -1988,13 +1994,13 @@ export interface operations {
                     "application/json": components["schemas"]["TokenPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2041,13 +2047,13 @@ export interface operations {
                     "application/json": components["schemas"]["Me"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2137,13 +2143,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobsPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2170,13 +2176,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2202,13 +2208,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2232,13 +2238,13 @@ export interface operations {
                 };
                 content?: never;
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2264,13 +2270,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2300,13 +2306,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2336,13 +2342,13 @@ export interface operations {
                     "application/json": components["schemas"]["JobPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2374,13 +2380,13 @@ export interface operations {
                     "application/json": components["schemas"]["MetricsPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2409,13 +2415,13 @@ export interface operations {
                     "application/json": components["schemas"]["EventsPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2441,13 +2447,13 @@ export interface operations {
                     "application/json": components["schemas"]["TimelinePublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2475,13 +2481,13 @@ export interface operations {
                     "text/event-stream": components["schemas"]["JobStreamEvents"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2509,6 +2515,12 @@ export interface operations {
     list_selections_api_selections_get: {
         parameters: {
             query?: {
+                /** @description only this status */
+                status?: string | null;
+                /** @description only this user's batches (admins) */
+                owner?: string | null;
+                /** @description name contains this (any case) */
+                name?: string | null;
                 limit?: number;
                 offset?: number;
             };
@@ -2527,13 +2539,13 @@ export interface operations {
                     "application/json": components["schemas"]["SelectionsPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2560,13 +2572,13 @@ export interface operations {
                     "application/json": components["schemas"]["SelectionPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2591,13 +2603,13 @@ export interface operations {
                     "application/json": components["schemas"]["SelectionPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2622,13 +2634,13 @@ export interface operations {
                     "application/json": components["schemas"]["SelectionPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2657,13 +2669,13 @@ export interface operations {
                     "application/json": components["schemas"]["SelectionPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2689,13 +2701,13 @@ export interface operations {
                     "application/json": components["schemas"]["TrialPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2722,13 +2734,13 @@ export interface operations {
                     "text/event-stream": components["schemas"]["SelectionStreamEvents"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2754,13 +2766,13 @@ export interface operations {
                     "application/json": components["schemas"]["WorkspacesPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2786,13 +2798,13 @@ export interface operations {
                     "application/json": components["schemas"]["WorkspacePublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2817,13 +2829,13 @@ export interface operations {
                     "application/json": components["schemas"]["WorkspacePublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2846,13 +2858,13 @@ export interface operations {
                 };
                 content?: never;
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2899,13 +2911,13 @@ export interface operations {
                     "application/json": components["schemas"]["WebhookIssued"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2930,13 +2942,13 @@ export interface operations {
                     "application/json": components["schemas"]["WebhookPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };
@@ -2963,13 +2975,13 @@ export interface operations {
                     "application/json": components["schemas"]["DeliveriesPublic"];
                 };
             };
-            /** @description Validation Error */
+            /** @description Refused: each field named with the rule it breaks */
             422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPValidationError"];
+                    "application/json": components["schemas"]["ValidationRefusal"];
                 };
             };
         };

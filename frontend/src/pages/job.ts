@@ -10,7 +10,6 @@ import {
   type LogPage,
   type Metrics,
   post,
-  specOf,
   subscribe,
   TERMINAL,
   type Timeline,
@@ -270,7 +269,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   };
 
   const loadTimeline = async () => {
-    const p = job ? specOf(job).parallel?.pipeline : null;
+    const p = job?.spec.parallel?.pipeline;
     if (!p) return;
     pipeline.hidden = false;
     pipeline.className = "card";

@@ -5,7 +5,6 @@ import {
   lookup,
   type Metrics,
   post,
-  requestOf,
   type Selection,
   type SelectionsPage,
   type SelectionStreamEvents,
@@ -195,8 +194,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     const stop = t.stop_reason ?? r?.stop_reason ?? null;
     if (t.status === "stopped_early" && stop) {
       const worse = sel?.mode === "max" ? "≤" : "≥";
-      const bracket =
-        (sel ? requestOf(sel).early_stopping?.kind : null) === "hyperband" ? `, bracket ${stop.bracket}` : "";
+      const bracket = sel?.request.early_stopping?.kind === "hyperband" ? `, bracket ${stop.bracket}` : "";
       return `rung ${stop.rung}: ${fmtNum(stop.value)} ${worse} cut-off ${fmtNum(stop.cutoff)} (kept ${stop.kept} of ${stop.of}${bracket})`;
     }
     if (t.status === "stopped_early") return "stopped at a rung";
@@ -234,8 +232,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       ...keys.map((k) => ({
         key: `p:${k}`,
         label: k,
-        value: (t: Trial) =>
-          (t.params[k] ?? lookup(sel ? requestOf(sel).base : undefined, k) ?? null) as number | string | null,
+        value: (t: Trial) => (t.params[k] ?? lookup(sel?.request.base, k) ?? null) as number | string | null,
       })),
       { key: "steps", label: "steps", value: (t) => t.steps_done },
       { key: "last", label: `last ${metric()}`, value: (t) => t.last_metric },
@@ -337,7 +334,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         fact("metric", `${s.metric} (${s.mode})`),
         fact("search", searchText(s)),
         fact("early stopping", stoppingText(s)),
-        fact("checkpoints kept", requestOf(s).checkpoints ?? "—"),
+        fact("checkpoints kept", s.request.checkpoints ?? "—"),
         fact("scheduler", s.scheduler),
         fact("trials", trials.size),
         fact("created", fmtTime(s.created_at)),
@@ -356,7 +353,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         space: sel.space,
         metric: sel.metric,
         mode: sel.mode,
-        base: requestOf(sel).base,
+        base: sel.request.base,
         colour: trialColour,
         width: pcEl.clientWidth,
       }),
@@ -495,7 +492,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 }
 
 function searchText(s: Selection): string {
-  const r = requestOf(s);
+  const r = s.request;
   if (!r.method) return "—";
   const seed = r.seed !== undefined ? `, seed ${r.seed}` : "";
   if (r.method === "grid") return "grid";
@@ -504,7 +501,7 @@ function searchText(s: Selection): string {
 }
 
 function stoppingText(s: Selection): string {
-  const es = requestOf(s).early_stopping;
+  const es = s.request.early_stopping;
   if (!es) return "none";
   return `${es.kind}, reduction factor ${es.reduction_factor}, first rung at step ${es.min_steps}`;
 }
