@@ -51,6 +51,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -288,7 +289,13 @@ def _point(params: dict[str, Any]) -> tuple[float, int]:
 
 
 def run_rest_search(
-    client: httpx.Client, steps: int, *, method: str, seed: int, parallel: int = 2
+    client: httpx.Client,
+    steps: int,
+    *,
+    method: str,
+    seed: int,
+    parallel: int = 2,
+    scheduler: str = "shard-lrtf",
 ) -> dict[str, Any]:
     """The batch through REST: the grid, or TPE with `seed` and `parallel`; its trials' points and
     best val_loss by trial index."""
@@ -300,6 +307,7 @@ def run_rest_search(
         "devices": 2,
         "checkpoints": "none",
         "seed": seed,
+        "scheduler": scheduler,
     }
     if method == "tpe":
         body.update(trials=8, parallel=parallel, startup_trials=STARTUP)
@@ -430,13 +438,20 @@ def run_search(args: argparse.Namespace) -> None:
                     before = load()
                     if side == "rest-grid":
                         out = run_rest_search(client, args.steps, method="grid", seed=seed)
-                    elif side.startswith("rest-tpe"):  # rest-tpe-p<N>: `parallel` N, else --parallel
-                        n = (
-                            int(side.removeprefix("rest-tpe-p"))
-                            if side.startswith("rest-tpe-p")
-                            else args.parallel
+                    elif side.startswith("rest-tpe"):
+                        # rest-tpe[-p<N>][-<scheduler>]: `parallel` N (else --parallel), the batch's
+                        # device scheduler (else shard-lrtf)
+                        m = re.fullmatch(r"rest-tpe(?:-p(\d+))?(?:-([a-z-]+))?", side)
+                        if m is None:
+                            raise SystemExit(f"--search-sides: {side!r} is not rest-tpe[-p<N>][-<scheduler>]")
+                        out = run_rest_search(
+                            client,
+                            args.steps,
+                            method="tpe",
+                            seed=seed,
+                            parallel=int(m[1]) if m[1] else args.parallel,
+                            scheduler=m[2] or "shard-lrtf",
                         )
-                        out = run_rest_search(client, args.steps, method="tpe", seed=seed, parallel=n)
                     else:
                         out = run_ray_optuna(args.steps, seed=seed, tmp=tmp)
                     out.update(side=side, seed=seed, rep=rep, load_before=before, load_after=load())
