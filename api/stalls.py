@@ -35,7 +35,6 @@ class StallWatch:
         self.reported = False
         self.reports = 0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def begin(self, what: str) -> int:
         key = next(self.ids)
@@ -52,16 +51,17 @@ class StallWatch:
             await asyncio.sleep(CHECK_S)
 
     def start(self) -> StallWatch:
-        self._thread = threading.Thread(target=self._watch, daemon=True, name="stall-watch")
-        self._thread.start()
+        """Look every CHECK_S on a daemon thread of its own until `stop`."""
+
+        def watch() -> None:
+            while not self._stop.wait(CHECK_S):
+                self.check()
+
+        threading.Thread(target=watch, daemon=True, name="stall-watch").start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(CHECK_S):
-            self.check()
 
     def check(self) -> str | None:
         """Log a report if a request or the loop has been stuck past `after_s`; the report, or None."""

@@ -497,16 +497,23 @@ def test_a_send_that_fails_is_retried_next_tick_and_logged_once(db_url: str) -> 
     assert sent.calls == [(job, "node.w1@h", 0, 1)]
 
 
-def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
-    """A submit wakes the loop at once, but a stream of submits gets one tick per WAKE_GAP_S, not
-    one per submit (each tick orders the whole queue, in the API's process)."""
+def _counting(tmp_path: Any) -> tuple[Scheduler, list[float]]:
+    """A started scheduler loop (timed ticks every 5 s) whose ticks only note when they ran."""
     ticks: list[float] = []
 
     class Counting(Scheduler):
         def tick(self) -> None:  # type: ignore[override]
             ticks.append(time.monotonic())
 
-    sched = Counting(Settings(database_url=f"sqlite:///{tmp_path / 'none.db'}", scheduler_s=5.0)).start()
+    return Counting(
+        Settings(database_url=f"sqlite:///{tmp_path / 'none.db'}", scheduler_s=5.0)
+    ).start(), ticks
+
+
+def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
+    """A submit wakes the loop at once, but a stream of submits gets one tick per WAKE_GAP_S, not
+    one per submit (each tick orders the whole queue, in the API's process)."""
+    sched, ticks = _counting(tmp_path)
     try:
         _until = time.monotonic() + 1.0
         while time.monotonic() < _until:  # 100 submits a second for a second
@@ -522,13 +529,7 @@ def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
 def test_a_lone_wake_just_after_a_timed_tick_is_answered_at_once(tmp_path: Any) -> None:
     """The gap holds back woken ticks only: a submit that lands just after the timed tick is placed
     now, not up to WAKE_GAP_S later (what a lone selection batch waited in bench.peer)."""
-    ticks: list[float] = []
-
-    class Counting(Scheduler):
-        def tick(self) -> None:  # type: ignore[override]
-            ticks.append(time.monotonic())
-
-    sched = Counting(Settings(database_url=f"sqlite:///{tmp_path / 'none.db'}", scheduler_s=5.0)).start()
+    sched, ticks = _counting(tmp_path)
     try:
         while not ticks:
             time.sleep(0.001)
