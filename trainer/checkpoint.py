@@ -7,11 +7,11 @@ name. A file that is damaged anyway (truncated by a copy, corrupted on disk) fai
 and is never loaded: the loader takes the newest intact one and renames the bad one aside.
 
 After each save only the newest `keep` checkpoints stay (SHARDYARD_CHECKPOINT_KEEP, default 3; 0
-keeps all), plus the one a resume needs: the newest at or below the step the database has applied,
-which the worker writes into the folder's `applied-step` file (jobrules/applied.py); until some
-checkpoint is at or below it, the oldest, the first the database will apply. So a relay that lags
-any number of checkpoints behind the trainer never leaves an attempt that dies with nothing to
-resume from. Without the file (a trainer run by hand) the count alone decides. The temporary files of writers that died mid-write (kill -9, OOM) are removed once
+keeps all), and never one a resume may still need: every checkpoint from the newest at or below
+the step the database has applied on (the worker writes that step into the folder's `applied-step`
+file, jobrules/applied.py; all of them while none is at or below it). So a relay that lags any
+number of checkpoints behind the trainer never leaves an attempt that dies with nothing to resume
+from. Without the file (a trainer run by hand) the count alone decides. The temporary files of writers that died mid-write (kill -9, OOM) are removed once
 they are stale: their process is gone and the file has not changed for STALE_TMP_S.
 """
 
@@ -81,7 +81,7 @@ def save_checkpoint(
     applied_file: Path | None = None,
 ) -> Path:
     """Write `state` (plus the step) as the checkpoint of `step`, atomically, then prune to the
-    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP) and the one at the applied step (read from
+    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP) and those from the applied step on (read from
     `applied_file`, by default the folder's own; a rank's piece of a pipeline or tensor layout
     passes its job folder's). A write the filesystem refuses (a full disk:
     ENOSPC) raises CheckpointWriteError naming the cause, the path and the free bytes, after the
@@ -186,15 +186,22 @@ def _by_step(directory: Path) -> list[tuple[int, Path]]:
 
 def kept_steps(steps: list[int], *, keep: int, applied: int | None) -> set[int]:
     """The steps pruning leaves of `steps`: the newest `keep` (0: all) and, with an `applied` step,
-    the newest at or below it, or the oldest when none is (the database applies checkpoints in
-    the order they were written, so that one is the first a resume may use)."""
+    every one from the newest at or below it on (all of them while none is at or below it: the
+    database applies checkpoints in the order they were written).
+
+    Not only the one at the applied step: the ranks of a pipeline or tensor layout prune their
+    pieces each on its own and read the applied-step file at slightly different moments, so they
+    can name different steps; keeping everything from each one's step on leaves every piece of
+    the higher of those, a step a resume may use whole. While the relay keeps up this is the
+    newest `keep` alone; while it lags, what it has not applied yet stays."""
     ordered = sorted(steps)
     if keep <= 0:
         return set(ordered)
     kept = set(ordered[-keep:])
-    if applied is not None and ordered:
+    if applied is not None:
         at_or_below = [s for s in ordered if s <= applied]
-        kept.add(at_or_below[-1] if at_or_below else ordered[0])
+        floor = at_or_below[-1] if at_or_below else None
+        kept.update(s for s in ordered if floor is None or s >= floor)
     return kept
 
 

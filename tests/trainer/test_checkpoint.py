@@ -262,21 +262,20 @@ def _steps(directory: Path) -> list[int]:
 
 def test_pruning_never_removes_the_newest_checkpoint_at_or_below_the_applied_step(tmp_path: Path) -> None:
     """The relay lags the trainer by more than `keep` checkpoints: the worker's applied-step file
-    (jobrules/applied.py) names 0, then 16, 18 and 28. The count alone (keep=2) would have removed
-    step 4 at the third save, and with it every checkpoint a resume at an applied step of 4 to 15
-    may use; the rule keeps the oldest until one is at or below the applied step, then the newest
-    of those."""
+    (jobrules/applied.py) names 0, then 8, 18 and 28. The count alone (keep=2) removed step 4 at
+    the third save, and with it every checkpoint a resume at an applied step of 4 to 15 may use;
+    the rule keeps every checkpoint from the newest at or below the applied step on (all while
+    none is), and the newest 2 once the relay caught up."""
     write_applied_step(tmp_path, 0, create=True)
     for step in (4, 8, 12, 16, 20):
         save_checkpoint(tmp_path, step=step, state=_state(step), keep=2)
-    # nothing at or below 0: the oldest stays, the first the database will apply
-    assert _steps(tmp_path) == [4, 16, 20]
-    write_applied_step(tmp_path, 16)
+    assert _steps(tmp_path) == [4, 8, 12, 16, 20]  # nothing is applied yet: nothing is behind it
+    write_applied_step(tmp_path, 8)
     save_checkpoint(tmp_path, step=24, state=_state(24), keep=2)
-    assert _steps(tmp_path) == [16, 20, 24]
-    write_applied_step(tmp_path, 18)  # between two checkpoints: the one below it
+    assert _steps(tmp_path) == [8, 12, 16, 20, 24]
+    write_applied_step(tmp_path, 18)  # between two checkpoints: from the one below it on
     save_checkpoint(tmp_path, step=28, state=_state(28), keep=2)
-    assert _steps(tmp_path) == [16, 24, 28]
+    assert _steps(tmp_path) == [16, 20, 24, 28]
     write_applied_step(tmp_path, 28)  # the relay caught up: the newest 2 hold it
     save_checkpoint(tmp_path, step=32, state=_state(32), keep=2)
     assert _steps(tmp_path) == [28, 32]
@@ -289,9 +288,12 @@ def test_a_ranks_piece_reads_the_applied_step_of_the_job_folder(tmp_path: Path) 
     step into the job's folder above it, which save_checkpoint is pointed at."""
     piece = tmp_path / "pp1-tp0"
     write_applied_step(tmp_path, 2, create=True)
-    for step in (2, 4, 6, 8):
+    for step in (2, 4, 6):
         save_checkpoint(piece, step=step, state=_state(step), keep=1, applied_file=tmp_path / APPLIED_FILE)
-    assert _steps(piece) == [2, 8]
+    assert _steps(piece) == [2, 4, 6]
+    write_applied_step(tmp_path, 5)
+    save_checkpoint(piece, step=8, state=_state(8), keep=1, applied_file=tmp_path / APPLIED_FILE)
+    assert _steps(piece) == [4, 6, 8]
     # without the file (a trainer run by hand) the count alone decides, as before
     alone = tmp_path / "alone"
     for step in (2, 4, 6):
@@ -301,11 +303,16 @@ def test_a_ranks_piece_reads_the_applied_step_of_the_job_folder(tmp_path: Path) 
 
 def test_the_kept_steps_rule() -> None:
     assert kept_steps([1, 2, 3, 4], keep=2, applied=None) == {3, 4}
-    assert kept_steps([1, 2, 3, 4], keep=2, applied=0) == {1, 3, 4}
+    assert kept_steps([1, 2, 3, 4], keep=2, applied=0) == {1, 2, 3, 4}
     assert kept_steps([1, 2, 3, 4], keep=2, applied=2) == {2, 3, 4}
     assert kept_steps([1, 2, 3, 4], keep=2, applied=99) == {3, 4}
     assert kept_steps([1, 2, 3, 4], keep=0, applied=0) == {1, 2, 3, 4}
     assert kept_steps([], keep=2, applied=5) == set()
+    # two ranks' pieces pruned after reading the file at different moments (applied 5, then 9):
+    # both keep step 8, which is at or below the higher one, so a resume finds it whole
+    steps = [2, 4, 6, 8, 10, 12, 14]
+    both = kept_steps(steps, keep=2, applied=5) & kept_steps(steps, keep=2, applied=9)
+    assert max(s for s in both if s <= 9) == 8
 
 
 def test_the_applied_step_file_is_replaced_whole_and_a_gone_folder_stays_gone(tmp_path: Path) -> None:
