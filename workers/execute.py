@@ -293,10 +293,11 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 def restore_checkpoints(
     settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay
 ) -> Uploader | None:
-    """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past)
-    and its applied step for the trainer's pruning (mark_applied), from the store when it is not the data dir (workers/ckpt_sync.py), and the thread that uploads
-    the new ones (None with the default store: the trainer's folder is the store). StorageError
-    when the store cannot be read."""
+    """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
+    from the store when it is not the data dir (workers/ckpt_sync.py), its applied step for the
+    trainer's pruning (mark_applied), and the thread that uploads the new ones (None with the
+    default store: the trainer's folder is the store). StorageError when the store cannot be
+    read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         if ckpt_dir.is_dir():

@@ -74,7 +74,8 @@ class Target:
     checkpoints: Path | None = None
     """The attempt's checkpoint folder, whose `applied-step` file the relay keeps current."""
     marked: int | None = None
-    """The applied step last written there (by the worker at the start, then by the relay)."""
+    """The applied step this relay last wrote there (the worker writes the claim's before the
+    trainer starts: workers/execute.py mark_applied)."""
 
     def run_seconds(self) -> float:
         return self.run_base + time.monotonic() - self.started
