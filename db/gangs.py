@@ -214,7 +214,8 @@ def apply_gang_lines(
     fence = gang_fence(attempt, now=now)
     if lines.empty():
         # no applied_seq round trip: the node with the lines may be writing them right now
-        return Applied() if session.scalar(select(Job.id).where(fence)) is not None else None
+        applied_step = session.scalar(select(Job.applied_step).where(fence))
+        return Applied(applied_step=applied_step) if applied_step is not None else None
     return apply_lines(
         session, attempt=attempt, lines=lines, lease_s=lease_s, now=now, fence=fence, renew=False
     )

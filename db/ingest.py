@@ -43,6 +43,9 @@ class Applied:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
+    applied_step: int | None = None
+    """The job's applied_step after the batch (the newest checkpoint a resume may use): the
+    relay writes it into the checkpoint folder for the trainer's pruning (jobrules/applied.py)."""
 
 
 def _upsert_points(session: Session, rows: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
@@ -122,8 +125,13 @@ def apply_lines(
             ckpts.append(result[1]["steps"])
     if ckpts:
         values["applied_step"] = case((Job.applied_step < max(ckpts), max(ckpts)), else_=Job.applied_step)
-    res = session.execute(update(Job).where(fence, Job.applied_seq == seen).values(**values))
-    return out if res.rowcount == 1 else None
+    row = session.execute(
+        update(Job).where(fence, Job.applied_seq == seen).values(**values).returning(Job.applied_step)
+    ).first()
+    if row is None:
+        return None
+    out.applied_step = row[0]
+    return out
 
 
 def add_event(

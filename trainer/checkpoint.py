@@ -7,7 +7,11 @@ name. A file that is damaged anyway (truncated by a copy, corrupted on disk) fai
 and is never loaded: the loader takes the newest intact one and renames the bad one aside.
 
 After each save only the newest `keep` checkpoints stay (SHARDYARD_CHECKPOINT_KEEP, default 3; 0
-keeps all), and the temporary files of writers that died mid-write (kill -9, OOM) are removed once
+keeps all), and never one a resume may still need: every checkpoint from the newest at or below
+the step the database has applied on (the worker writes that step into the folder's `applied-step`
+file, jobrules/applied.py; all of them while none is at or below it). So a relay that lags any
+number of checkpoints behind the trainer never leaves an attempt that dies with nothing to resume
+from. Without the file (a trainer run by hand) the count alone decides. The temporary files of writers that died mid-write (kill -9, OOM) are removed once
 they are stale: their process is gone and the file has not changed for STALE_TMP_S.
 """
 
@@ -22,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from jobrules.applied import APPLIED_FILE, read_applied_step
 
 _PREFIX = "step-"
 _SUFFIX = ".pt"
@@ -66,9 +72,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: int | None = None) -> Path:
+def save_checkpoint(
+    directory: Path,
+    *,
+    step: int,
+    state: dict[str, Any],
+    keep: int | None = None,
+    applied_file: Path | None = None,
+) -> Path:
     """Write `state` (plus the step) as the checkpoint of `step`, atomically, then prune to the
-    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP). A write the filesystem refuses (a full disk:
+    newest `keep` (None: SHARDYARD_CHECKPOINT_KEEP) and those from the applied step on (read from
+    `applied_file`, by default the folder's own; a rank's piece of a pipeline or tensor layout
+    passes its job folder's). A write the filesystem refuses (a full disk:
     ENOSPC) raises CheckpointWriteError naming the cause, the path and the free bytes, after the
     temporary file is removed; no checkpoint of that step exists then."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -87,7 +102,7 @@ def save_checkpoint(directory: Path, *, step: int, state: dict[str, Any], keep: 
             raise _write_error(path, errno_=cause, written=written, error=e) from e
         raise
     _fsync_dir(directory)
-    prune_checkpoints(directory, keep=keep_from_env() if keep is None else keep)
+    prune_checkpoints(directory, keep=keep_from_env() if keep is None else keep, applied_file=applied_file)
     remove_stale_temporaries(directory)
     return path
 
@@ -169,11 +184,37 @@ def _by_step(directory: Path) -> list[tuple[int, Path]]:
     return sorted(steps)
 
 
-def prune_checkpoints(directory: Path, *, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` checkpoints (0 keeps all); returns what was removed."""
+def kept_steps(steps: list[int], *, keep: int, applied: int | None) -> set[int]:
+    """The steps pruning leaves of `steps`: the newest `keep` (0: all) and, with an `applied` step,
+    every one from the newest at or below it on (all of them while none is at or below it: the
+    database applies checkpoints in the order they were written).
+
+    Not only the one at the applied step: the ranks of a pipeline or tensor layout prune their
+    pieces each on its own and read the applied-step file at slightly different moments, so they
+    can name different steps; keeping everything from each one's step on leaves every piece of
+    the higher of those, a step a resume may use whole. While the relay keeps up this is the
+    newest `keep` alone; while it lags, what it has not applied yet stays."""
+    ordered = sorted(steps)
+    if keep <= 0:
+        return set(ordered)
+    kept = set(ordered[-keep:])
+    if applied is not None:
+        at_or_below = [s for s in ordered if s <= applied]
+        floor = at_or_below[-1] if at_or_below else None
+        kept.update(s for s in ordered if floor is None or s >= floor)
+    return kept
+
+
+def prune_checkpoints(directory: Path, *, keep: int, applied_file: Path | None = None) -> list[Path]:
+    """Remove all but the checkpoints `kept_steps` leaves (0 keeps all), the applied step read from
+    `applied_file` (default: the folder's `applied-step`; missing: the count alone); returns what
+    was removed."""
     if keep <= 0 or not directory.is_dir():
         return []
-    old = [path for _, path in _by_step(directory)[:-keep]]
+    applied = read_applied_step(applied_file or directory / APPLIED_FILE)
+    found = _by_step(directory)
+    kept = kept_steps([s for s, _ in found], keep=keep, applied=applied)
+    old = [path for s, path in found if s not in kept]
     for p in old:
         p.unlink(missing_ok=True)
     return old

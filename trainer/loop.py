@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from jobrules.applied import APPLIED_FILE
 from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint, set_aside
 from trainer.config import JobConfig, TrainConfig
@@ -250,7 +251,13 @@ def run_steps(
         loop_state: dict[str, Any] = {"final_loss": loss_value, "val_loss": val_loss}
         if result is not None:
             loop_state["result"] = result
-        return save_checkpoint(my_dir, step=step, state={**engine.state_dict(), "loop": loop_state})
+        # the worker writes the applied step into the job's folder, above a rank's piece
+        return save_checkpoint(
+            my_dir,
+            step=step,
+            state={**engine.state_dict(), "loop": loop_state},
+            applied_file=checkpoint_dir / APPLIED_FILE if checkpoint_dir is not None else None,
+        )
 
     tokens_per_step = cfg.batch_size * job.model.seq_len
     after = AfterStep.of(job)

@@ -43,6 +43,7 @@ from db.jobs import (
 )
 from db.models import JobStatus
 from db.quotas import quota_gate
+from jobrules.applied import write_applied_step
 from jobrules.restarts import max_restarts
 from workers import pyenv
 from workers.ckpt_sync import (
@@ -123,6 +124,17 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
             p.unlink(missing_ok=True)
             dropped.append(p)
     return dropped
+
+
+def mark_applied(ckpt_dir: Path, step: int) -> None:
+    """Before the trainer starts: the job's applied step into its checkpoint folder, which the
+    trainer's pruning reads (jobrules/applied.py; the relay rewrites it as the step moves). A
+    write that fails only warns: the trainer then prunes by the file an earlier attempt left (a
+    step at or below this one, still one a resume may use) or, without one, by count alone."""
+    try:
+        write_applied_step(ckpt_dir, step, create=True)
+    except OSError as e:
+        log.warning("could not write the applied step to %s: %s", ckpt_dir, e)
 
 
 class QuotaWait(Exception):
@@ -219,7 +231,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     stop_file = workdir / "stop"
     cmd = trainer_command(world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
 
-    target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s)
+    target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s, checkpoints=ckpt_dir)
     relay = Relay(
         settings,
         targets={None: target},
@@ -282,16 +294,19 @@ def restore_checkpoints(
     settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay
 ) -> Uploader | None:
     """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
-    from the store when it is not the data dir (workers/ckpt_sync.py), and the thread that uploads
-    the new ones (None with the default store: the trainer's folder is the store). StorageError
-    when the store cannot be read."""
+    from the store when it is not the data dir (workers/ckpt_sync.py), its applied step for the
+    trainer's pruning (mark_applied), and the thread that uploads the new ones (None with the
+    default store: the trainer's folder is the store). StorageError when the store cannot be
+    read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         if ckpt_dir.is_dir():
             drop_checkpoints_past(ckpt_dir, applied_step)
+        mark_applied(ckpt_dir, applied_step)
         return None
     mirror = Mirror(storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id))
     restored = mirror.restore(applied_step=applied_step)
+    mark_applied(ckpt_dir, applied_step)
     report = job_reporter(settings.database_url, [job_id])
     if restored.step is not None:
         report(

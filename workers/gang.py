@@ -222,7 +222,13 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     spec_path.write_text(json.dumps(spec, indent=2))
     stop_file = node_dir / "stop"
     args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
-    target = Target(attempt=attempt, channels=(job_channel(job_id),), node_rank=node_rank, run_base=used_s)
+    target = Target(
+        attempt=attempt,
+        channels=(job_channel(job_id),),
+        node_rank=node_rank,
+        run_base=used_s,
+        checkpoints=ckpt_dir,
+    )
     relay = Relay(
         settings,
         targets={None: target},

@@ -10,7 +10,9 @@ fenced by (job id, attempt, owner): a stale attempt writes nothing and is report
 failing for `db_retry_s` marks the relay broken and the supervisor kills the trainer (the lease then
 runs out and the job runs again from its checkpoint). Redis gets the rows after the commit, with
 their ids (the dashboard's streams resume by id) through a publisher thread that never holds up
-this one; losing Redis, or Redis hanging, loses nothing.
+this one; losing Redis, or Redis hanging, loses nothing. After each commit that moved a job's
+applied_step it rewrites the `applied-step` file of the attempt's checkpoint folder
+(jobrules/applied.py), so the trainer's pruning keeps the checkpoint a resume needs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from core.broker import JOBS_CHANNEL
@@ -31,6 +34,7 @@ from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
+from jobrules.applied import write_applied_step
 from workers.publisher import live_publisher
 from workers.supervise import DRAIN
 
@@ -67,6 +71,11 @@ class Target:
     """Seconds the job's earlier attempts ran (jobs.run_seconds at the claim)."""
     started: float = field(default_factory=time.monotonic)
     """When this attempt started (this process's monotonic clock)."""
+    checkpoints: Path | None = None
+    """The attempt's checkpoint folder, whose `applied-step` file the relay keeps current."""
+    marked: int | None = None
+    """The applied step this relay last wrote there (the worker writes the claim's before the
+    trainer starts: workers/execute.py mark_applied)."""
 
     def run_seconds(self) -> float:
         return self.run_base + time.monotonic() - self.started
@@ -198,7 +207,23 @@ class Relay:
             for key in fenced:
                 self.fenced.add(key)
                 self.on_fenced(key)
+            self._mark_applied(applied)
             self._publish(applied, progress)
+
+    def _mark_applied(self, applied: dict[int | None, Applied]) -> None:
+        """Write each job's new applied_step into its checkpoint folder (after the commit: the file
+        may lag the database, never lead it). A folder that is gone stays gone; a write that fails
+        is logged and tried again after the next commit (until then the trainer keeps the older
+        step's checkpoint, which a resume may use as well)."""
+        for key, got in applied.items():
+            target = self.targets[key]
+            if target.checkpoints is None or got.applied_step is None or got.applied_step == target.marked:
+                continue
+            try:
+                if write_applied_step(target.checkpoints, got.applied_step):
+                    target.marked = got.applied_step
+            except OSError as e:
+                log.warning("could not write the applied step to %s: %s", target.checkpoints, e)
 
     def _apply(self, lines: dict, progress: dict) -> tuple[dict[int | None, Applied], list[int | None]]:
         applied: dict[int | None, Applied] = {}

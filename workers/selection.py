@@ -42,7 +42,7 @@ from db.selections import (
 from jobrules.spec import SelectionCreate
 from workers import pyenv
 from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
-from workers.execute import QuotaWait, drop_checkpoints_past, owner_id, publish_status
+from workers.execute import QuotaWait, drop_checkpoints_past, mark_applied, owner_id, publish_status
 from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
@@ -179,7 +179,11 @@ def execute_selection(
         settings,
         targets={
             t.index: Target(
-                attempt=a, channels=(job_channel(t.job_id), channel), trial_id=t.id, run_base=used_s[t.index]
+                attempt=a,
+                channels=(job_channel(t.job_id), channel),
+                trial_id=t.id,
+                run_base=used_s[t.index],
+                checkpoints=root / f"trial-{t.index}",
             )
             for t, a in won
         },
@@ -279,8 +283,15 @@ def execute_selection(
         if new is not None:
             t, i = new.trial, new.trial.index
             relay.add_target(
-                i, Target(attempt=new.attempt, channels=(job_channel(t.job_id), channel), trial_id=t.id)
+                i,
+                Target(
+                    attempt=new.attempt,
+                    channels=(job_channel(t.job_id), channel),
+                    trial_id=t.id,
+                    checkpoints=root / f"trial-{i}",
+                ),
             )
+            mark_applied(root / f"trial-{i}", 0)  # a new trial: nothing applied yet
             specs[i], used_s[i] = new.spec, 0.0
             limits[i] = runtime_limit_s(new.spec, service_max_s=settings.max_job_runtime_s)
             won.append((t, new.attempt))
@@ -376,15 +387,16 @@ def restore_trials(
     relay: Relay,
 ) -> Uploader | None:
     """Before the executor starts: each trial of the group's checkpoints as the rule allows
-    (workers/execute.py drop_checkpoints_past), from the store when it is not the data dir, and
-    the newest checkpoint of each ended trial a warm start reads (`sources`, left as they are in
-    the store). Returns the thread that uploads the group's trials' checkpoints (None with the
+    (workers/execute.py drop_checkpoints_past), from the store when it is not the data dir, with
+    its applied step for the pruning (mark_applied), and the newest checkpoint of each ended trial
+    a warm start reads (`sources`, left as they are in the store). Returns the thread that uploads the group's trials' checkpoints (None with the
     default store). StorageError when the store cannot be read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         for index, step in applied_steps.items():
             if (root / f"trial-{index}").is_dir():
                 drop_checkpoints_past(root / f"trial-{index}", step)
+            mark_applied(root / f"trial-{index}", step)
         return None
 
     def mirror(index: int) -> Mirror:
@@ -398,6 +410,7 @@ def restore_trials(
     for index, step in sorted(applied_steps.items()):
         mirrors.append(mirror(index))
         mirrors[-1].restore(applied_step=step)
+        mark_applied(root / f"trial-{index}", step)
     for index in sorted(sources):
         mirror(index).restore(applied_step=None, prune=False)
     fenced_all = set(applied_steps)

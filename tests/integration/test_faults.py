@@ -30,13 +30,12 @@ pytestmark = pytest.mark.integration
 FAST = {
     **LOST_WORKER_WINDOWS,
     "SHARDYARD_SHUTDOWN_GRACE_S": "20",
-    # every checkpoint stays: this tiny model runs 100 steps in under a second on an idle machine,
-    # faster than the relay applies their lines, and the trainer's own pruning (newest 3) could
-    # delete the last checkpoint whose lines are applied before a kill; the attempt after it then
-    # starts from step 0 (exactly once still holds, the resume these tests check does not). A
-    # known limit, in the README's "Faults" notes.
-    "SHARDYARD_CHECKPOINT_KEEP": "0",
+    # SHARDYARD_CHECKPOINT_KEEP is the default (3): this tiny model runs 100 steps in under a
+    # second on an idle machine, faster than the relay applies their lines, and the pruning keeps
+    # the checkpoint at the applied step however far behind the relay is
+    # (test_a_relay_behind_by_more_than_keep_checkpoints_still_resumes_from_the_applied_step)
 }
+KEEP = 3
 # long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
 # of this model takes a few milliseconds there, and the warm trainer starts it in under a second)
 STEPS = 100
@@ -215,6 +214,55 @@ def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
     db.rollback()
     db.close()
     assert_exactly_once(faults, job_id)
+
+
+def _checkpoint_steps(folder: Path) -> list[int]:
+    return sorted(int(p.name[len("step-") : -len(".pt")]) for p in folder.glob("step-*.pt"))
+
+
+def test_a_relay_behind_by_more_than_keep_checkpoints_still_resumes_from_the_applied_step(
+    faults: StackHandle,
+) -> None:
+    """The test holds the SQLite write lock, so the relay applies nothing, while the trainer writes
+    more than `keep` checkpoints past the job's applied_step; then the worker and its trainer are
+    killed (SIGKILL). Pruning by count alone left only checkpoints past the applied step, which a
+    resume may not use (their metric lines were never stored), and the next attempt started from
+    step 0; the pruning keeps every checkpoint from the newest at or below the applied step on
+    (the worker's applied-step file), and the next attempt resumes from it with every metric step
+    once."""
+    steps = 300  # the trainer is far from its end when the lock is taken
+    spec = {**SPEC, "name": "lagging-relay", "train": {**SPEC["train"], "steps": steps}}
+    _ensure_worker(faults.stack)
+    job_id = faults.submit(spec)["id"]
+    folder = faults.stack.root / "jobs" / str(job_id) / "checkpoints"
+    db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
+    try:
+        deadline = time.monotonic() + 180
+        while db.execute("SELECT applied_step FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] < 8:
+            assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+            time.sleep(0.02)
+        db.execute("BEGIN IMMEDIATE")  # nothing more is applied while it is held
+        (applied,) = db.execute("SELECT applied_step FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        ahead = applied + SPEC["checkpoint_every"] * (KEEP + 1)
+        assert ahead < steps, f"the relay applied step {applied} before the lock was taken"
+        while not _checkpoint_steps(folder) or _checkpoint_steps(folder)[-1] < ahead:
+            assert time.monotonic() < deadline, f"the trainer wrote no checkpoint past {ahead}"
+            time.sleep(0.02)
+        _kill_worker(faults.stack)
+        held = _checkpoint_steps(folder)
+    finally:
+        db.rollback()
+        db.close()
+    # more than KEEP past the applied step, and the newest at or below it
+    past = [s for s in held if s > applied]
+    assert len(past) > KEEP and [s for s in held if s <= applied], (applied, held)
+    faults.stack.start_worker(1)
+    done = assert_exactly_once(faults, job_id, steps=steps)
+    assert done["attempts"] == 2
+    resumed = [m for m in _logs(faults, job_id) if m.startswith("resumed from step-")]
+    assert len(resumed) == 1, resumed
+    at = int(re.search(r"at step (\d+)", resumed[0])[1])
+    assert 0 < at <= applied, (at, applied, held)
 
 
 def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: StackHandle) -> None:

@@ -76,7 +76,6 @@ class Gang:
                 "SHARDYARD_LEASE_S": "8",
                 "SHARDYARD_RECONCILE_S": "2",
                 "SHARDYARD_GANG_JOIN_S": "120",
-                "SHARDYARD_CHECKPOINT_KEEP": "0",
                 "SHARDYARD_WORKER_ALIVE_S": "5",
                 "SHARDYARD_PREEMPTION": "1",
             },

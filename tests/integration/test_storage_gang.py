@@ -68,8 +68,8 @@ def gang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StackHandle
             "SHARDYARD_RECONCILE_S": "2",
             "SHARDYARD_GANG_JOIN_S": "120",
             "SHARDYARD_WORKER_ALIVE_S": "5",
-            # every checkpoint stays (the reason is at tests/integration/test_faults.py FAST)
-            "SHARDYARD_CHECKPOINT_KEEP": "0",
+            # SHARDYARD_CHECKPOINT_KEEP is the default (3): each node's pruning keeps its piece of
+            # every checkpoint from the applied one on, and the store follows its folder
         },
         worker_env={
             i: {"SHARDYARD_DATA_DIR": str(d), "SHARDYARD_NODE_ADDR": ADDRS[i], "LOGLEVEL": "INFO"}

@@ -1,5 +1,6 @@
-"""Checkpoints are written atomically, pruned to the newest K, and a damaged file is never loaded;
-a full disk fails the trainer with the reason and leaves no partial checkpoint."""
+"""Checkpoints are written atomically, pruned to the newest K (and the newest at or below the
+applied step the worker names), and a damaged file is never loaded; a full disk fails the trainer
+with the reason and leaves no partial checkpoint."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobrules.applied import APPLIED_FILE, read_applied_step, write_applied_step
 from tests.fullfs import full_disk
 from trainer.checkpoint import (
     CheckpointError,
     checkpoint_path,
     checkpoint_steps,
+    kept_steps,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -251,3 +254,73 @@ def test_a_checkpoint_bigger_than_the_free_space_names_the_cause_path_and_free_b
         free = int(message.split(" bytes are free there")[0].rsplit(" ", 1)[1].replace(",", ""))
         assert 0 < free <= 256 * 1024, message
     assert left == []
+
+
+def _steps(directory: Path) -> list[int]:
+    return [step for step, _ in checkpoint_steps(directory)][::-1]
+
+
+def test_pruning_never_removes_the_newest_checkpoint_at_or_below_the_applied_step(tmp_path: Path) -> None:
+    """The relay lags the trainer by more than `keep` checkpoints: the worker's applied-step file
+    (jobrules/applied.py) names 0, then 8, 18 and 28. The count alone (keep=2) removed step 4 at
+    the third save, and with it every checkpoint a resume at an applied step of 4 to 15 may use;
+    the rule keeps every checkpoint from the newest at or below the applied step on (all while
+    none is), and the newest 2 once the relay caught up."""
+    write_applied_step(tmp_path, 0, create=True)
+    for step in (4, 8, 12, 16, 20):
+        save_checkpoint(tmp_path, step=step, state=_state(step), keep=2)
+    assert _steps(tmp_path) == [4, 8, 12, 16, 20]  # nothing is applied yet: nothing is behind it
+    write_applied_step(tmp_path, 8)
+    save_checkpoint(tmp_path, step=24, state=_state(24), keep=2)
+    assert _steps(tmp_path) == [8, 12, 16, 20, 24]
+    write_applied_step(tmp_path, 18)  # between two checkpoints: from the one below it on
+    save_checkpoint(tmp_path, step=28, state=_state(28), keep=2)
+    assert _steps(tmp_path) == [16, 20, 24, 28]
+    write_applied_step(tmp_path, 28)  # the relay caught up: the newest 2 hold it
+    save_checkpoint(tmp_path, step=32, state=_state(32), keep=2)
+    assert _steps(tmp_path) == [28, 32]
+    assert (tmp_path / APPLIED_FILE).read_text() == "28\n"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_ranks_piece_reads_the_applied_step_of_the_job_folder(tmp_path: Path) -> None:
+    """A pipeline or tensor rank writes its piece in a sub-folder; the worker writes the applied
+    step into the job's folder above it, which save_checkpoint is pointed at."""
+    piece = tmp_path / "pp1-tp0"
+    write_applied_step(tmp_path, 2, create=True)
+    for step in (2, 4, 6):
+        save_checkpoint(piece, step=step, state=_state(step), keep=1, applied_file=tmp_path / APPLIED_FILE)
+    assert _steps(piece) == [2, 4, 6]
+    write_applied_step(tmp_path, 5)
+    save_checkpoint(piece, step=8, state=_state(8), keep=1, applied_file=tmp_path / APPLIED_FILE)
+    assert _steps(piece) == [4, 6, 8]
+    # without the file (a trainer run by hand) the count alone decides, as before
+    alone = tmp_path / "alone"
+    for step in (2, 4, 6):
+        save_checkpoint(alone, step=step, state=_state(step), keep=1)
+    assert _steps(alone) == [6]
+
+
+def test_the_kept_steps_rule() -> None:
+    assert kept_steps([1, 2, 3, 4], keep=2, applied=None) == {3, 4}
+    assert kept_steps([1, 2, 3, 4], keep=2, applied=0) == {1, 2, 3, 4}
+    assert kept_steps([1, 2, 3, 4], keep=2, applied=2) == {2, 3, 4}
+    assert kept_steps([1, 2, 3, 4], keep=2, applied=99) == {3, 4}
+    assert kept_steps([1, 2, 3, 4], keep=0, applied=0) == {1, 2, 3, 4}
+    assert kept_steps([], keep=2, applied=5) == set()
+    # two ranks' pieces pruned after reading the file at different moments (applied 5, then 9):
+    # both keep step 8, which is at or below the higher one, so a resume finds it whole
+    steps = [2, 4, 6, 8, 10, 12, 14]
+    both = kept_steps(steps, keep=2, applied=5) & kept_steps(steps, keep=2, applied=9)
+    assert max(s for s in both if s <= 9) == 8
+
+
+def test_the_applied_step_file_is_replaced_whole_and_a_gone_folder_stays_gone(tmp_path: Path) -> None:
+    assert read_applied_step(tmp_path / APPLIED_FILE) is None
+    assert write_applied_step(tmp_path / "gone", 4) is False
+    assert not (tmp_path / "gone").exists()
+    assert write_applied_step(tmp_path / "new", 4, create=True) is True
+    assert read_applied_step(tmp_path / "new" / APPLIED_FILE) == 4
+    (tmp_path / "new" / APPLIED_FILE).write_text("not a number")
+    assert read_applied_step(tmp_path / "new" / APPLIED_FILE) is None
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [APPLIED_FILE]
