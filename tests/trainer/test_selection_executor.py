@@ -657,3 +657,148 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
         assert "killed by signal 9 (SIGKILL)" in results[i]["error"]
     assert 0 < results[2]["steps"] < 400
     assert results[2]["error"] == f"DeviceDied: no device left ({ex.dead[0]}; {ex.dead[1]})"
+
+
+# -- a lone trial's tasks go to its device process in chunks; ended trials' memory goes -----------
+
+
+def test_a_lone_trial_runs_in_chunks_with_the_same_results(tmp_path: Path) -> None:
+    """One trial on two device processes: nothing else could use a device, so an order carries the
+    tasks up to the next point where the parent acts (an evaluation, a checkpoint, the last step):
+    8 steps of 5 tasks, evaluating every 4, take 2 orders instead of 40. The metrics, checkpoints,
+    slots and weights are those of one task an order, and of the job run alone."""
+    spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 8, "eval_every": 4}}
+    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    alone = ListSink()
+    run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
+    out = {}
+    for chunk_tasks in (1, 256):
+        sink = ListSink()
+        entry = TrialEntry(index=0, job=make(), sink=sink, checkpoint_dir=tmp_path / f"c{chunk_tasks}")
+        cfg = ExecutorConfig(checkpoints="all", device_processes=True, chunk_tasks=chunk_tasks)
+        ex = Executor([entry], devices=CPU2, cfg=cfg)
+        assert ex.run()[0]["status"] == "succeeded"
+        slots = sorted(ex.trace, key=lambda s: s.start)
+        out[chunk_tasks] = (ex.runs[0].orders, sink, [(s.kind, s.shard) for s in slots])
+        check_no_overlap(ex)
+    (one, one_sink, one_slots), (chunked, sink, slots) = out[1], out[256]
+    assert one == 40 and chunked == 2
+    assert slots == one_slots and len(slots) == 40
+    for name in ("loss", "val_loss", "peak_mem_mb"):
+        assert sink.series(name) == one_sink.series(name), name
+        if name != "peak_mem_mb":
+            assert sink.series(name) == alone.series(name), name
+    assert [s for s, n, _ in sink.metrics] == [s for s, n, _ in one_sink.metrics]
+    assert [d["status"] for e, d in sink.events if e == "trial"] == ["running", "succeeded"]
+    want = load_checkpoint(latest_checkpoint(tmp_path / "alone"))["model"]
+    for d in ("c1", "c256"):
+        got = load_checkpoint(latest_checkpoint(tmp_path / d))["model"]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_two_trials_on_two_devices_chunk_and_train_as_alone(tmp_path: Path, reference) -> None:  # noqa: ANN001
+    """Two trials, two device processes: each device is all its trial's (neither waits for one), so
+    both chunk, and each trains exactly as alone."""
+    sinks = {i: ListSink() for i in (0, 1)}
+    entries = [
+        TrialEntry(index=i, job=job(i), sink=sinks[i], checkpoint_dir=tmp_path / f"trial-{i}") for i in (0, 1)
+    ]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(checkpoints="all", device_processes=True))
+    results = ex.run()
+    assert all(r["status"] == "succeeded" for r in results.values())
+    check_no_overlap(ex)
+    tasks = {i: sum(1 for s in ex.trace if s.trial == i) for i in (0, 1)}
+    assert all(ex.runs[i].orders < tasks[i] for i in (0, 1)), (tasks, [ex.runs[i].orders for i in (0, 1)])
+    for i in (0, 1):
+        want, ref_sink = reference[i]
+        got = load_checkpoint(latest_checkpoint(tmp_path / f"trial-{i}"))["model"]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+        assert sinks[i].series("loss") == ref_sink.series("loss")
+        assert sinks[i].series("val_loss") == ref_sink.series("val_loss")
+
+
+@pytest.mark.parametrize("whole_batch", [True, False])
+def test_a_stop_cuts_a_lone_trials_chunk_at_the_next_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_batch: bool
+) -> None:
+    """A lone one-task-a-step trial of 3000 steps evaluating only at its end: its orders carry 256
+    tasks (steps 1-256, 257-512, 513-768, ...). From step 600 each task is slowed to 50 ms, and the
+    stop comes then: the parent, which polls the stop signals while the chunk runs, cuts it at the
+    next task, so the trial stops well before the chunk's end (step 768), with whole steps only."""
+    import trainer.selection.devices as devices
+
+    marker = tmp_path / "at-600"
+    real = devices.execute
+
+    def slow_after_600(t, place, *, evaluate):  # noqa: ANN001, ANN202
+        if t.step >= 600:
+            if t.step == 600:
+                marker.write_text("1")
+            time.sleep(0.05)
+        return real(t, place, evaluate=evaluate)
+
+    monkeypatch.setattr(devices, "execute", slow_after_600)  # the forked processes inherit it
+    spec = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 3000, "eval_every": 3000}}
+    flag: dict = {}
+    sink = ListSink()
+    entry = TrialEntry(index=0, job=JobConfig.from_dict({"name": "long", "data": DATA, **spec}), sink=sink)
+    kw = {"stop": FlagStop(flag)} if whole_batch else {"stop_trials": lambda: {0} if flag else set()}
+    ex = Executor([entry], devices=CPU2, cfg=ExecutorConfig(device_processes=True), **kw)
+
+    def stop_at_marker() -> None:
+        for _ in range(2400):
+            if marker.exists():
+                break
+            time.sleep(0.05)
+        flag["stop"] = True
+
+    stopper = threading.Thread(target=stop_at_marker)
+    stopper.start()
+    results = _run_with_deadline(ex)
+    stopper.join()
+    r = results[0]
+    assert r["status"] == "stopped" and 600 < r["steps"] < 768, r
+    assert ex.runs[0].orders == 3  # 1-256, 257-512, then the one cut short
+    assert len(sink.series("loss")) == r["steps"] == sum(1 for s in ex.trace if s.trial == 0)
+
+
+def _shm_maps(pid: int) -> int:
+    """The shared-memory blocks process `pid` has mapped (torch's, one per trial)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if "/dev/shm/torch_" in line)
+
+
+def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here() -> None:
+    """A growing batch of 10 short trials on two device processes: each ended trial's shared block is
+    released here and in the device processes, so the blocks mapped stay at about the trials in
+    flight however many have ended (before, every trial a process had seen stayed mapped)."""
+    queue = list(range(2, 10))
+    lock = threading.Lock()
+    seen: list[tuple[int, int, int, int]] = []  # (trials ended, parent's, device 0's, device 1's blocks)
+
+    class Watch(ListSink):
+        def event(self, kind: str, data: dict) -> None:
+            super().event(kind, data)
+            if kind == "trial" and data["status"] == "running" and ex._procs is not None:
+                ended = sum(r.status in ("succeeded", "failed", "stopped") for r in ex.runs.values())
+                pids = [p.pid for p in ex._procs.procs]
+                seen.append((ended, _shm_maps(os.getpid()), *(_shm_maps(p) for p in pids)))
+
+    def more() -> TrialEntry | None:
+        with lock:
+            if not queue:
+                return None
+            i = queue.pop(0)
+        return TrialEntry(index=i, job=job(i % 3), sink=Watch())
+
+    entries = [TrialEntry(index=i, job=job(i), sink=Watch()) for i in (0, 1)]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(device_processes=True), more=more)
+    results = ex.run()
+    assert sorted(results) == list(range(10)) and all(r["status"] == "succeeded" for r in results.values())
+    late = [s for s in seen if s[0] >= 6]
+    assert late, seen
+    # at most the trials in flight (two, and the one being handed over) are mapped anywhere
+    assert all(max(s[1:]) <= 3 for s in seen), seen
+    assert all(r.block is None and r.trial.shards == [] for r in ex.runs.values())
