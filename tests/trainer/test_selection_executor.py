@@ -516,7 +516,8 @@ def test_a_trial_added_while_the_batch_runs_is_handed_to_the_device_processes(
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(checkpoints="all", device_processes=True))
     results = ex.run()
     assert results[9]["status"] == "succeeded" and results[9]["steps"] == job(0).train.steps
-    assert ex.runs[9].block is not None and any(s.trial == 9 for s in ex.trace)
+    assert ex.runs[9].orders > 0 and any(s.trial == 9 for s in ex.trace)
+    assert ex.runs[9].released and ex.runs[9].block is None  # ended: its shared block went
     want, ref_sink = reference[0]
     got = load_checkpoint(latest_checkpoint(tmp_path / "trial-9"))["model"]
     for name in want:
@@ -591,15 +592,20 @@ def _run_with_deadline(ex: Executor, deadline_s: float = 120.0) -> dict[int, dic
 
 
 def _kill_when_written(paths: list[Path]) -> list[int]:
-    pids = []
-    for path in paths:
-        for _ in range(600):
-            if path.exists() and path.read_text():
-                break
-            time.sleep(0.05)
-        pid = int(path.read_text())
-        os.kill(pid, signal.SIGKILL)
-        pids.append(pid)
+    """Kill each process as its id appears in one of `paths`, in the order they appear (a trial
+    may wait for the device whose process hangs in another trial's task: reserved as its next)."""
+    pids: list[int] = []
+    left = list(paths)
+    for _ in range(1200):
+        for path in [p for p in left if p.exists() and p.read_text()]:
+            pid = int(path.read_text())
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+            left.remove(path)
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, f"never written: {left}"
     return pids
 
 
@@ -641,9 +647,10 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # one-shard trials: none is ever held mid-mini-batch by a process, so the third one fails only
-    # because no device is left; it has steps enough to outlast the kills
+    # because no device is left; it has steps enough to outlast the kills (alone on a device, its
+    # tasks go in chunks)
     _hang_in_task(monkeypatch, tmp_path / "pid", {0, 1})
-    long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 400}}
+    long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 100_000}}
     jobs = {0: job(2), 1: job(4), 2: JobConfig.from_dict({"name": "long", "data": DATA, **long})}
     entries = [TrialEntry(index=i, job=j, sink=ListSink()) for i, j in jobs.items()]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", device_processes=True))
@@ -655,7 +662,7 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
     assert all(r["status"] == "failed" for r in results.values()), results
     for i in (0, 1):
         assert "killed by signal 9 (SIGKILL)" in results[i]["error"]
-    assert 0 < results[2]["steps"] < 400
+    assert 0 < results[2]["steps"] < 100_000
     assert results[2]["error"] == f"DeviceDied: no device left ({ex.dead[0]}; {ex.dead[1]})"
 
 
@@ -795,10 +802,11 @@ def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here
 
     entries = [TrialEntry(index=i, job=job(i), sink=Watch()) for i in (0, 1)]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(device_processes=True), more=more)
+    base = _shm_maps(os.getpid())  # blocks other tests left here; the device processes inherit them
     results = ex.run()
     assert sorted(results) == list(range(10)) and all(r["status"] == "succeeded" for r in results.values())
     late = [s for s in seen if s[0] >= 6]
     assert late, seen
     # at most the trials in flight (two, and the one being handed over) are mapped anywhere
-    assert all(max(s[1:]) <= 3 for s in seen), seen
+    assert all(max(s[1:]) - base <= 3 for s in seen), (base, seen)
     assert all(r.block is None and r.trial.shards == [] for r in ex.runs.values())
