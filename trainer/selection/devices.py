@@ -8,8 +8,11 @@ executor, with its own torch threads (the cores shared out, one each on a 2-core
 
 Every decision stays in the parent (trainer/selection/executor.py): its per-device dispatch thread
 chooses the task as before, sends it down the device's pipe (an `Order`), waits, and applies the
-reply (a `Done`: timings, the trial's step and loss, a val_loss) to the metric sinks, the rungs and
-the checkpoints. `execute` is the task itself, the same for a device thread and a device process.
+reply (a `Done` per task: timings, the trial's step and loss, a val_loss) to the metric sinks, the
+rungs and the checkpoints. `execute` is the task itself, the same for a device thread and a device
+process. A lone trial's order carries a chunk of tasks (up to the next point where the parent acts
+on the trial); the process runs them back to back, and stops after the running task once the parent
+sets the device's cut flag (a stop was asked, or another trial waits for a device).
 
 Memory: before the fork, every trial's tensors that outlive a mini-batch (weights, optimizer state,
 step counts, buffers) move into one block of shared memory per trial (`ShardedTrial.share`). A
@@ -17,6 +20,7 @@ forked process inherits the trials and trains them in place, and a trial runs on
 nothing copied (host and device are the same memory: a shard is bound by alias, never copied). A
 trial added after the start is built and shared in the parent and handed over with its first task:
 its block travels as a file descriptor, the process builds the same model and adopts the block.
+An ended trial is forgotten (`Forget`): the process drops it, and with it the mapping of its block.
 What lives only within a mini-batch (boundary activations, parked gradients) stays in the process
 that ran the mini-batch's first task, so the executor moves a trial between processes only between
 mini-batches; a trial whose data is the user's own iterable keeps its process for good (the
