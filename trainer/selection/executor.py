@@ -160,6 +160,7 @@ class TrialRun:
     orders: int = 0
     """Device processes: orders sent for this trial (one task each, or a chunk of a lone trial's)."""
     released: bool = False
+    """The trial has ended and its tensors (and, with device processes, its block) were let go."""
 
     @property
     def index(self) -> int:
