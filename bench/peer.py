@@ -1,6 +1,6 @@
 """Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
 
-    python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
+    python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse] [--modes fifo,asha]
     (sides also: executor-threads, executor-nochunk)
     python -m bench.peer --search [--reps 5] [--steps 60]
 
@@ -542,12 +542,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
     ap.add_argument("--out", default="peer")
+    ap.add_argument("--modes", default=",".join(MODES), help="fifo, asha or both (fifo,asha)")
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     args = ap.parse_args()
     if args.search:
         run_search(args)
         return
     sides = args.sides.split(",")
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        ap.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     ts = trials(args.steps)
     params = {t["index"]: t["params"] for t in ts}
     runs: list[dict[str, Any]] = []
@@ -566,7 +570,7 @@ def main() -> None:
         try:
             for rep in range(args.reps):
                 for side in sides:
-                    for mode in MODES:
+                    for mode in modes:
                         if side == "bare" and mode == "asha":
                             continue
                         before = load()
