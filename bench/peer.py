@@ -1,7 +1,7 @@
 """Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
 
-    python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse]
-    (sides also: executor-threads)
+    python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse] [--modes fifo,asha]
+    (sides also: executor-threads, executor-nochunk)
     python -m bench.peer --search [--reps 5] [--steps 60] [--parallel 2] [--out peer_search]
 
 The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
@@ -15,6 +15,8 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
   its two CPU devices are forked device processes.
 - executor-threads: the same with `--device-threads` (the two devices as threads of one process,
   the executor before device processes), to compare on the same machine in the same run.
+- executor-nochunk: device processes with `--chunk-tasks 1` (one task an order: the executor before
+  a lone trial's tasks went in chunks), to compare in the same run.
 - rest: the same batch through `POST /api/selections` on a warm embedded stack (redis-server,
   uvicorn, one Celery worker, SQLite, the worker's warm trainer on: each group is forked from a
   process that imported torch once); timed from the submit to the batch's end (server clock),
@@ -160,10 +162,20 @@ def batch_doc(ts: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     }
 
 
-def run_executor(ts: list[dict[str, Any]], mode: str, tmp: Path, *, threads: bool = False) -> dict[str, Any]:
+EXECUTOR_SIDES = {
+    "executor": (),
+    "executor-threads": ("--device-threads",),
+    "executor-nochunk": ("--chunk-tasks", "1"),
+}
+"""The executor sides: `python -m trainer.selection`'s extra arguments."""
+
+
+def run_executor(
+    ts: list[dict[str, Any]], mode: str, tmp: Path, *, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     path = tmp / f"batch-{mode}.json"
     path.write_text(json.dumps(batch_doc(ts, mode)))
-    cmd = selection_command(path, 2, "--device", "cpu", *(["--device-threads"] if threads else []))
+    cmd = selection_command(path, 2, "--device", "cpu", *extra)
     t0, c0 = time.perf_counter(), children_cpu_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
     wall = time.perf_counter() - t0
@@ -559,6 +571,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
     ap.add_argument("--out", default="peer")
+    ap.add_argument("--modes", default=",".join(MODES), help="fifo, asha or both (fifo,asha)")
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     ap.add_argument("--search-sides", default="rest-grid,rest-tpe,ray-optuna", help="--search: the sides run")
     ap.add_argument(
@@ -572,6 +585,9 @@ def main() -> None:
         run_search(args)
         return
     sides = args.sides.split(",")
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        ap.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     ts = trials(args.steps)
     params = {t["index"]: t["params"] for t in ts}
     runs: list[dict[str, Any]] = []
@@ -590,14 +606,14 @@ def main() -> None:
         try:
             for rep in range(args.reps):
                 for side in sides:
-                    for mode in MODES:
+                    for mode in modes:
                         if side == "bare" and mode == "asha":
                             continue
                         before = load()
                         if side == "bare":
                             out = run_bare(ts)
-                        elif side in ("executor", "executor-threads"):
-                            out = run_executor(ts, mode, tmp, threads=side == "executor-threads")
+                        elif side in EXECUTOR_SIDES:
+                            out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
                         elif side == "rest":
                             assert client is not None
                             out = run_rest(client, args.steps, mode)

@@ -516,7 +516,8 @@ def test_a_trial_added_while_the_batch_runs_is_handed_to_the_device_processes(
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(checkpoints="all", device_processes=True))
     results = ex.run()
     assert results[9]["status"] == "succeeded" and results[9]["steps"] == job(0).train.steps
-    assert ex.runs[9].block is not None and any(s.trial == 9 for s in ex.trace)
+    assert ex.runs[9].orders > 0 and any(s.trial == 9 for s in ex.trace)
+    assert ex.runs[9].released and ex.runs[9].block is None  # ended: its shared block went
     want, ref_sink = reference[0]
     got = load_checkpoint(latest_checkpoint(tmp_path / "trial-9"))["model"]
     for name in want:
@@ -591,15 +592,20 @@ def _run_with_deadline(ex: Executor, deadline_s: float = 120.0) -> dict[int, dic
 
 
 def _kill_when_written(paths: list[Path]) -> list[int]:
-    pids = []
-    for path in paths:
-        for _ in range(600):
-            if path.exists() and path.read_text():
-                break
-            time.sleep(0.05)
-        pid = int(path.read_text())
-        os.kill(pid, signal.SIGKILL)
-        pids.append(pid)
+    """Kill each process as its id appears in one of `paths`, in the order they appear (a trial
+    may wait for the device whose process hangs in another trial's task: reserved as its next)."""
+    pids: list[int] = []
+    left = list(paths)
+    for _ in range(1200):
+        for path in [p for p in left if p.exists() and p.read_text()]:
+            pid = int(path.read_text())
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+            left.remove(path)
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, f"never written: {left}"
     return pids
 
 
@@ -641,9 +647,10 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # one-shard trials: none is ever held mid-mini-batch by a process, so the third one fails only
-    # because no device is left; it has steps enough to outlast the kills
+    # because no device is left; it has steps enough to outlast the kills (alone on a device, its
+    # tasks go in chunks)
     _hang_in_task(monkeypatch, tmp_path / "pid", {0, 1})
-    long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 400}}
+    long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 100_000}}
     jobs = {0: job(2), 1: job(4), 2: JobConfig.from_dict({"name": "long", "data": DATA, **long})}
     entries = [TrialEntry(index=i, job=j, sink=ListSink()) for i, j in jobs.items()]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", device_processes=True))
@@ -655,5 +662,151 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
     assert all(r["status"] == "failed" for r in results.values()), results
     for i in (0, 1):
         assert "killed by signal 9 (SIGKILL)" in results[i]["error"]
-    assert 0 < results[2]["steps"] < 400
+    assert 0 < results[2]["steps"] < 100_000
     assert results[2]["error"] == f"DeviceDied: no device left ({ex.dead[0]}; {ex.dead[1]})"
+
+
+# -- a lone trial's tasks go to its device process in chunks; ended trials' memory goes -----------
+
+
+def test_a_lone_trial_runs_in_chunks_with_the_same_results(tmp_path: Path) -> None:
+    """One trial on two device processes: nothing else could use a device, so an order carries the
+    tasks up to the next point where the parent acts (an evaluation, a checkpoint, the last step):
+    8 steps of 5 tasks, evaluating every 4, take 2 orders instead of 40. The metrics, checkpoints,
+    slots and weights are those of one task an order, and of the job run alone."""
+    spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 8, "eval_every": 4}}
+    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    alone = ListSink()
+    run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
+    out = {}
+    for chunk_tasks in (1, 256):
+        sink = ListSink()
+        entry = TrialEntry(index=0, job=make(), sink=sink, checkpoint_dir=tmp_path / f"c{chunk_tasks}")
+        cfg = ExecutorConfig(checkpoints="all", device_processes=True, chunk_tasks=chunk_tasks)
+        ex = Executor([entry], devices=CPU2, cfg=cfg)
+        assert ex.run()[0]["status"] == "succeeded"
+        slots = sorted(ex.trace, key=lambda s: s.start)
+        out[chunk_tasks] = (ex.runs[0].orders, sink, [(s.kind, s.shard) for s in slots])
+        check_no_overlap(ex)
+    (one, one_sink, one_slots), (chunked, sink, slots) = out[1], out[256]
+    assert one == 40 and chunked == 2
+    assert slots == one_slots and len(slots) == 40
+    for name in ("loss", "val_loss", "peak_mem_mb"):
+        assert sink.series(name) == one_sink.series(name), name
+        if name != "peak_mem_mb":
+            assert sink.series(name) == alone.series(name), name
+    assert [s for s, n, _ in sink.metrics] == [s for s, n, _ in one_sink.metrics]
+    assert [d["status"] for e, d in sink.events if e == "trial"] == ["running", "succeeded"]
+    want = load_checkpoint(latest_checkpoint(tmp_path / "alone"))["model"]
+    for d in ("c1", "c256"):
+        got = load_checkpoint(latest_checkpoint(tmp_path / d))["model"]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_two_trials_on_two_devices_chunk_and_train_as_alone(tmp_path: Path, reference) -> None:  # noqa: ANN001
+    """Two trials, two device processes: each device is all its trial's (neither waits for one), so
+    both chunk, and each trains exactly as alone."""
+    sinks = {i: ListSink() for i in (0, 1)}
+    entries = [
+        TrialEntry(index=i, job=job(i), sink=sinks[i], checkpoint_dir=tmp_path / f"trial-{i}") for i in (0, 1)
+    ]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(checkpoints="all", device_processes=True))
+    results = ex.run()
+    assert all(r["status"] == "succeeded" for r in results.values())
+    check_no_overlap(ex)
+    tasks = {i: sum(1 for s in ex.trace if s.trial == i) for i in (0, 1)}
+    assert all(ex.runs[i].orders < tasks[i] for i in (0, 1)), (tasks, [ex.runs[i].orders for i in (0, 1)])
+    for i in (0, 1):
+        want, ref_sink = reference[i]
+        got = load_checkpoint(latest_checkpoint(tmp_path / f"trial-{i}"))["model"]
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+        assert sinks[i].series("loss") == ref_sink.series("loss")
+        assert sinks[i].series("val_loss") == ref_sink.series("val_loss")
+
+
+@pytest.mark.parametrize("whole_batch", [True, False])
+def test_a_stop_cuts_a_lone_trials_chunk_at_the_next_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_batch: bool
+) -> None:
+    """A lone one-task-a-step trial of 3000 steps evaluating only at its end: its orders carry 256
+    tasks (steps 1-256, 257-512, 513-768, ...). From step 600 each task is slowed to 50 ms, and the
+    stop comes then: the parent, which polls the stop signals while the chunk runs, cuts it at the
+    next task, so the trial stops well before the chunk's end (step 768), with whole steps only."""
+    import trainer.selection.devices as devices
+
+    marker = tmp_path / "at-600"
+    real = devices.execute
+
+    def slow_after_600(t, place, *, evaluate):  # noqa: ANN001, ANN202
+        if t.step >= 600:
+            if t.step == 600:
+                marker.write_text("1")
+            time.sleep(0.05)
+        return real(t, place, evaluate=evaluate)
+
+    monkeypatch.setattr(devices, "execute", slow_after_600)  # the forked processes inherit it
+    spec = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 3000, "eval_every": 3000}}
+    flag: dict = {}
+    sink = ListSink()
+    entry = TrialEntry(index=0, job=JobConfig.from_dict({"name": "long", "data": DATA, **spec}), sink=sink)
+    kw = {"stop": FlagStop(flag)} if whole_batch else {"stop_trials": lambda: {0} if flag else set()}
+    ex = Executor([entry], devices=CPU2, cfg=ExecutorConfig(device_processes=True), **kw)
+
+    def stop_at_marker() -> None:
+        for _ in range(2400):
+            if marker.exists():
+                break
+            time.sleep(0.05)
+        flag["stop"] = True
+
+    stopper = threading.Thread(target=stop_at_marker)
+    stopper.start()
+    results = _run_with_deadline(ex)
+    stopper.join()
+    r = results[0]
+    assert r["status"] == "stopped" and 600 < r["steps"] < 768, r
+    assert ex.runs[0].orders == 3  # 1-256, 257-512, then the one cut short
+    assert len(sink.series("loss")) == r["steps"] == sum(1 for s in ex.trace if s.trial == 0)
+
+
+def _shm_maps(pid: int) -> int:
+    """The shared-memory blocks process `pid` has mapped (torch's, one per trial)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if "/dev/shm/torch_" in line)
+
+
+def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here() -> None:
+    """A growing batch of 10 short trials on two device processes: each ended trial's shared block is
+    released here and in the device processes, so the blocks mapped stay at about the trials in
+    flight however many have ended (before, every trial a process had seen stayed mapped)."""
+    queue = list(range(2, 10))
+    lock = threading.Lock()
+    seen: list[tuple[int, int, int, int]] = []  # (trials ended, parent's, device 0's, device 1's blocks)
+
+    class Watch(ListSink):
+        def event(self, kind: str, data: dict) -> None:
+            super().event(kind, data)
+            if kind == "trial" and data["status"] == "running" and ex._procs is not None:
+                ended = sum(r.status in ("succeeded", "failed", "stopped") for r in ex.runs.values())
+                pids = [p.pid for p in ex._procs.procs]
+                seen.append((ended, _shm_maps(os.getpid()), *(_shm_maps(p) for p in pids)))
+
+    def more() -> TrialEntry | None:
+        with lock:
+            if not queue:
+                return None
+            i = queue.pop(0)
+        return TrialEntry(index=i, job=job(i % 3), sink=Watch())
+
+    entries = [TrialEntry(index=i, job=job(i), sink=Watch()) for i in (0, 1)]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(device_processes=True), more=more)
+    base = _shm_maps(os.getpid())  # blocks other tests left here; the device processes inherit them
+    results = ex.run()
+    assert sorted(results) == list(range(10)) and all(r["status"] == "succeeded" for r in results.values())
+    late = [s for s in seen if s[0] >= 6]
+    assert late, seen
+    # at most the trials in flight (two, and the one being handed over) are mapped anywhere
+    assert all(max(s[1:]) - base <= 3 for s in seen), (base, seen)
+    assert all(r.block is None and r.trial.shards == [] for r in ex.runs.values())

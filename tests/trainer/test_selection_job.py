@@ -160,15 +160,18 @@ def test_cli_stop_file_and_bad_batch(tmp_path: Path) -> None:
 
 
 def test_cli_device_processes_and_device_threads_print_the_same_numbers(tmp_path: Path) -> None:
-    """Two CPU devices run as forked processes by default and as threads with --device-threads;
-    every trial's metrics are the same, value for value."""
+    """Two CPU devices run as forked processes by default and as threads with --device-threads
+    (and as processes with one task an order, --chunk-tasks 1); every trial's metrics are the
+    same, value for value."""
 
     def metrics(lines: list[dict]) -> dict:
         return {(x["trial"], x["step"], x["name"]): x["value"] for x in lines if x["kind"] == "metric"}
 
     runs = {}
-    for extra in ((), ("--device-threads",)):
+    for extra in ((), ("--device-threads",), ("--chunk-tasks", "1")):
         rc, lines = cli(tmp_path, batch(), *extra)
         assert rc == 0 and lines[-1]["kind"] == "batch_result"
         runs[extra] = {k: v for k, v in metrics(lines).items() if k[2] in ("loss", "val_loss")}
-    assert runs[()] and runs[()] == runs[("--device-threads",)]
+    assert runs[()] and runs[()] == runs[("--device-threads",)] == runs[("--chunk-tasks", "1")]
+    rc, lines = cli(tmp_path, batch(), "--chunk-tasks", "0")
+    assert rc == 2 and lines[-1]["message"] == "bad batch: --chunk-tasks must be >= 1, got 0"

@@ -148,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run several CPU devices as threads of this process, not forked processes (to compare)",
     )
+    ap.add_argument(
+        "--chunk-tasks",
+        type=int,
+        default=None,
+        help="device processes: the most tasks of a lone trial one order carries (default 256; 1: one "
+        "task an order, as before chunks, to compare)",
+    )
     args = ap.parse_args(argv)
 
     numbering = Numbering()
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+        if args.chunk_tasks is not None and args.chunk_tasks < 1:
+            raise ConfigError(f"--chunk-tasks must be >= 1, got {args.chunk_tasks}")
         raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
         devices = pick_devices(args.device, args.devices)
         set_workspace(args.workspace)
@@ -179,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_trials=StopTrialsFile(args.stop_trials_file),
             more=AskFile(args.ask_file, lines=batch_lines, stop=stop) if args.ask_file else None,
             device_threads=args.device_threads,
+            chunk_tasks=args.chunk_tasks,
         )
     except ConfigError as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})

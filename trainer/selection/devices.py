@@ -8,8 +8,11 @@ executor, with its own torch threads (the cores shared out, one each on a 2-core
 
 Every decision stays in the parent (trainer/selection/executor.py): its per-device dispatch thread
 chooses the task as before, sends it down the device's pipe (an `Order`), waits, and applies the
-reply (a `Done`: timings, the trial's step and loss, a val_loss) to the metric sinks, the rungs and
-the checkpoints. `execute` is the task itself, the same for a device thread and a device process.
+reply (a `Done` per task: timings, the trial's step and loss, a val_loss) to the metric sinks, the
+rungs and the checkpoints. `execute` is the task itself, the same for a device thread and a device
+process. A lone trial's order carries a chunk of tasks (up to the next point where the parent acts
+on the trial); the process runs them back to back, and stops after the running task once the parent
+sets the device's cut flag (a stop was asked, or another trial waits for a device).
 
 Memory: before the fork, every trial's tensors that outlive a mini-batch (weights, optimizer state,
 step counts, buffers) move into one block of shared memory per trial (`ShardedTrial.share`). A
@@ -17,6 +20,7 @@ forked process inherits the trials and trains them in place, and a trial runs on
 nothing copied (host and device are the same memory: a shard is bound by alias, never copied). A
 trial added after the start is built and shared in the parent and handed over with its first task:
 its block travels as a file descriptor, the process builds the same model and adopts the block.
+An ended trial is forgotten (`Forget`): the process drops it, and with it the mapping of its block.
 What lives only within a mini-batch (boundary activations, parked gradients) stays in the process
 that ran the mini-batch's first task, so the executor moves a trial between processes only between
 mini-batches; a trial whose data is the user's own iterable keeps its process for good (the
@@ -37,6 +41,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -67,16 +72,26 @@ class Adoption:
 
 @dataclass(kw_only=True, slots=True)
 class Order:
-    """Run trial `trial`'s next task. `step`, `pos` and `loss` are the parent's record of the trial,
-    which a process that last saw it before its latest mini-batches takes over."""
+    """Run trial `trial`'s next tasks, one per entry of `evaluates` (a chunk: several when nothing
+    else could use the device meanwhile). `step`, `pos` and `loss` are the parent's record of the
+    trial, which a process that last saw it before its latest mini-batches takes over."""
 
     trial: int
     step: int
     pos: int
     loss: float
-    evaluate: bool
-    """The task ends a mini-batch after which the trial evaluates (the parent's rule)."""
+    evaluates: list[bool]
+    """Per task of the chunk: it ends a mini-batch after which the trial evaluates (the parent's
+    rule). The process runs them in order and stops early at a failure or when the parent raises
+    the device's cut flag (checked between tasks)."""
     adopt: Adoption | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Forget:
+    """These trials have ended and nothing will run them again: drop them and their shared blocks."""
+
+    trials: list[int]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,10 +154,14 @@ def _serve(
     trials: dict[int, ShardedTrial],
     budget_bytes: int | None,
     threads: int,
+    cut: Any,
+    after_fork: Callable[[], None] | None,
 ) -> None:
     """A device process: run the orders that come down the pipe until told to stop or orphaned."""
     for c in others:  # the other devices' ends: a sibling must not keep a dead pipe open
         c.close()
+    if after_fork is not None:  # drop the parent's own references to the trials (see Forget)
+        after_fork()
     # Ctrl-C reaches the whole process group; the parent decides how the batch stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):
@@ -153,27 +172,36 @@ def _serve(
     )
     while True:
         try:
-            order: Order | None = conn.recv()
+            msg: Order | Forget | None = conn.recv()
         except (EOFError, OSError):  # the parent is gone
             return
-        if order is None:
+        if msg is None:
             return
-        try:
-            if order.adopt is not None:
-                a = order.adopt
-                t = ShardedTrial.build(
-                    a.job, index=order.trial, budget_bytes=a.budget_bytes, prefetch=a.prefetch
-                )
-                t.adopt(a.block)
-                trials[order.trial] = t
-            t = trials[order.trial]
-            assert order.pos == 0 or t.pos == order.pos, (
-                f"trial {order.trial} came to device {d} in the middle of a mini-batch another ran"
-            )
-            t.step, t.pos, t.loss = order.step, order.pos, order.loss
-        except Exception as exc:  # noqa: BLE001 - reported as the task's failure
-            now = time.perf_counter()
-            done = Done(
+        if isinstance(msg, Forget):
+            for i in msg.trials:
+                trials.pop(i, None)
+        else:
+            conn.send(_chunk(d, msg, trials, place, cut))
+        msg = None  # an adoption's block goes with its trial, not with the last message
+
+
+def _chunk(d: int, order: Order, trials: dict[int, ShardedTrial], place: Place, cut: Any) -> list[Done]:
+    """Run an order's tasks in order; stop after a failure, or between tasks once `cut` is set."""
+    try:
+        if order.adopt is not None:
+            a = order.adopt
+            t = ShardedTrial.build(a.job, index=order.trial, budget_bytes=a.budget_bytes, prefetch=a.prefetch)
+            t.adopt(a.block)
+            trials[order.trial] = t
+        t = trials[order.trial]
+        assert order.pos == 0 or t.pos == order.pos, (
+            f"trial {order.trial} came to device {d} in the middle of a mini-batch another ran"
+        )
+        t.step, t.pos, t.loss = order.step, order.pos, order.loss
+    except Exception as exc:  # noqa: BLE001 - reported as the task's failure
+        now = time.perf_counter()
+        return [
+            Done(
                 start=now,
                 end=now,
                 step=order.step,
@@ -182,20 +210,37 @@ def _serve(
                 error=f"{type(exc).__name__}: {exc}",
                 trace=traceback.format_exc(),
             )
-        else:
-            done = execute(t, place, evaluate=order.evaluate)
-        conn.send(done)
+        ]
+    dones: list[Done] = []
+    for n, evaluate in enumerate(order.evaluates):
+        if n and cut.value:
+            break
+        dones.append(execute(t, place, evaluate=evaluate))
+        if dones[-1].error is not None:
+            break
+    return dones
 
 
 class DeviceProcesses:
     """One forked process per CPU device, started once the trials are built and shared."""
 
     def __init__(
-        self, labels: list[str], *, trials: dict[int, ShardedTrial], budget_bytes: int | None
+        self,
+        labels: list[str],
+        *,
+        trials: dict[int, ShardedTrial],
+        budget_bytes: int | None,
+        after_fork: Callable[[], None] | None = None,
     ) -> None:
+        """`after_fork` runs first in each child: it drops the parent's references to the trials
+        (the child inherits the parent's objects), so that `trials` alone holds them there."""
         ctx = mp.get_context("fork")  # CPU only: the children inherit the trials, nothing is pickled
         self.labels = labels
         pipes = [ctx.Pipe() for _ in labels]
+        self.cuts = [ctx.RawValue("b", 0) for _ in labels]
+        """Per device: set by the parent to end the running chunk at its next task boundary."""
+        self.orders = [0] * len(labels)
+        """Per device: orders sent (a chunk of tasks each)."""
         threads = threads_per_device(len(labels))
         self.procs: list[Any] = []
         for d, (_, child) in enumerate(pipes):
@@ -209,6 +254,8 @@ class DeviceProcesses:
                     "trials": trials,
                     "budget_bytes": budget_bytes,
                     "threads": threads,
+                    "cut": self.cuts[d],
+                    "after_fork": after_fork,
                 },
                 name=f"selection-{labels[d]}",
                 daemon=True,
@@ -224,20 +271,37 @@ class DeviceProcesses:
     def knows(self, d: int, trial: int) -> bool:
         return trial in self.known[d]
 
-    def run(self, d: int, order: Order) -> Done:
-        """Send the order to device d's process and wait for its reply or its end."""
+    def run(
+        self, d: int, order: Order, *, cut: Callable[[], bool] | None = None, poll_s: float = 0.05
+    ) -> list[Done]:
+        """Send the order to device d's process and wait for its reply (a Done per task it ran) or
+        its end. While a chunk of several tasks runs, `cut` is asked every `poll_s`: once it says
+        so, the process stops the chunk after the task it is running."""
         conn, proc = self.conns[d], self.procs[d]
+        self.cuts[d].value = 0  # only this thread writes it, and only while its order runs
         try:
             conn.send(order)
         except OSError:
             raise self._died(d) from None
+        self.orders[d] += 1
         if order.adopt is not None:
             self.known[d].add(order.trial)
-        ready = wait([conn, proc.sentinel])
+        chunk = len(order.evaluates) > 1 and cut is not None
+        while not (ready := wait([conn, proc.sentinel], timeout=poll_s if chunk else None)):
+            if cut is not None and cut():
+                self.cuts[d].value = 1
+                chunk = False
         if conn in ready:
             with contextlib.suppress(EOFError, OSError):
                 return conn.recv()
         raise self._died(d)
+
+    def forget(self, d: int, trials: list[int]) -> None:
+        """Device d's process drops these ended trials (no reply). From device d's dispatch thread
+        only, between its orders."""
+        self.known[d].difference_update(trials)
+        with contextlib.suppress(OSError):  # a dead process is reported by the next order
+            self.conns[d].send(Forget(trials=trials))
 
     def _died(self, d: int) -> DeviceDied:
         proc = self.procs[d]

@@ -86,6 +86,9 @@ class ExecutorConfig:
     """Run each CPU device as a forked process (trainer/selection/devices.py) rather than a thread
     of this one; None: processes when there are several CPU devices, threads otherwise (one
     device, or CUDA, which cannot be forked once initialised)."""
+    chunk_tasks: int = 256
+    """Device processes: the most tasks one order may carry when no other trial could use the
+    device meanwhile (a lone trial); 1: one task an order, always."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -99,6 +102,8 @@ class ExecutorConfig:
             )
         if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
             raise ValueError(f"device budget must be > 0 bytes, got {self.device_budget_bytes}")
+        if self.chunk_tasks < 1:
+            raise ValueError(f"chunk_tasks must be >= 1, got {self.chunk_tasks}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,7 +155,12 @@ class TrialRun:
     """Device processes: the device whose process holds the trial's mini-batch in progress (or, for a
     trial whose data carries state, the trial for good); only it may take the trial's next task."""
     block: torch.Tensor | None = None
-    """Device processes: the trial's shared-memory block (ShardedTrial.share)."""
+    """Device processes: the trial's shared-memory block (ShardedTrial.share); None once the
+    trial has ended (released)."""
+    orders: int = 0
+    """Device processes: orders sent for this trial (one task each, or a chunk of a lone trial's)."""
+    released: bool = False
+    """The trial has ended and its tensors (and, with device processes, its block) were let go."""
 
     @property
     def index(self) -> int:
@@ -217,6 +227,8 @@ class Executor:
         self.idle_s = [0.0] * len(devices)
         """Per device: time spent waiting for an idle trial."""
         self._procs: DeviceProcesses | None = None
+        self._forget: list[list[int]] = [[] for _ in devices]
+        """Device processes, per device: ended trials its process still holds, to drop (Forget)."""
         self._started = False
         self.dead: list[str | None] = [None] * len(devices)
         """Per device: why its process died (device processes only), or None while it serves."""
@@ -396,17 +408,32 @@ class Executor:
             self._apply(self.rungs.finished(run.index, step=steps))
 
     def _release(self, run: TrialRun) -> None:
-        """A growing batch's process lives as long as the batch: an ended trial's weights and
-        optimizer state go (its result keeps its step and loss), so the process holds about
-        `parallel` trials however many the batch asks. No device holds an ended trial."""
+        """Under the lock: an ended trial's weights and optimizer state go (its result keeps its
+        step and loss), in this process and, with device processes, in every device process that
+        holds it (its shared block is unmapped there at the device's next dispatch), so memory
+        follows the trials that run, however many the batch asks or ends. Nothing runs an ended
+        trial again (rungs promote only paused trials). A trial still held by a device (its task
+        running) is released when the device hands it back. With device threads, only a growing
+        batch releases (its process lives as long as the batch)."""
         t = run.trial
-        if self.more is None or t is None:
+        if t is None or run.released or run.holder is not None or not (self.more or self.processes):
             return
+        run.released = True
         t.shards, t.model = [], torch.nn.Sequential()
         t._inputs.clear()
         t._y = t._grad = t._coef = None
         t._norms.clear()
-        run.block = None  # the parent's hold on the shared memory (a device process keeps its map)
+        run.block = None
+        if self._procs is not None:
+            for d in range(len(self.devices)):
+                if self._procs.knows(d, run.index):
+                    self._forget[d].append(run.index)
+
+    def _flush_forgets(self, d: int) -> None:
+        """Device d's dispatch thread, between its orders: its process drops the ended trials."""
+        if self._procs is not None and self._forget[d] and self.dead[d] is None:
+            self._procs.forget(d, self._forget[d])
+            self._forget[d] = []
 
     def _fail(self, run: TrialRun, error: str, trace: str = "") -> None:
         """The trial ends failed with `error` ("Type: message"); `trace` goes to its log."""
@@ -527,6 +554,7 @@ class Executor:
                         if self._fatal is not None:
                             return
                         self._poll_stops()
+                        self._flush_forgets(d)
                         if reserved is not None:
                             run, reserved = reserved, None
                             booked.release((run.index, "prefetch"))
@@ -629,15 +657,36 @@ class Executor:
             return
         self._join(run, exc)
 
-    def _order(self, d: int, run: TrialRun) -> Order:
-        """The task for device d, with whether the trial evaluates once it ends its mini-batch."""
+    def _order(self, d: int, run: TrialRun, *, chunk: bool = False) -> Order:
+        """The task for device d, with whether the trial evaluates once it ends its mini-batch; with
+        `chunk`, the tasks after it too, up to the next point where this process must act on the
+        trial: an evaluation, a rung, a checkpoint, its last step, a stop it was asked for (or
+        `chunk_tasks`). Between those points the parent only reports (the same metrics, in the same
+        order, from each task's Done)."""
         t = run.trial
-        step = t.step + 1
-        ends = t.pos == len(t.tasks) - 1
-        # an ASHA rung ranked by val_loss needs one at that step too
-        rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
-        evaluate = ends and (AfterStep.of(t.job).evaluates(step) or (rung and self.cfg.metric == "val_loss"))
-        order = Order(trial=run.index, step=t.step, pos=t.pos, loss=t.loss, evaluate=evaluate)
+        after = AfterStep.of(t.job)
+        ckpt = run.entry.checkpoint_dir
+        limit = self.cfg.chunk_tasks if chunk else 1
+        evaluates: list[bool] = []
+        step, pos = t.step, t.pos
+        while len(evaluates) < limit:
+            if pos < len(t.tasks) - 1:
+                evaluates.append(False)
+                pos += 1
+                continue
+            step, pos = step + 1, 0
+            # an ASHA rung ranked by val_loss needs one at that step too
+            rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
+            evaluates.append(after.evaluates(step) or (rung and self.cfg.metric == "val_loss"))
+            if (
+                evaluates[-1]
+                or rung
+                or step >= t.steps_total
+                or run.stop_requested
+                or (ckpt is not None and after.checkpoints(step))
+            ):
+                break
+        order = Order(trial=run.index, step=t.step, pos=t.pos, loss=t.loss, evaluates=evaluates)
         if self._procs is not None and not self._procs.knows(d, run.index):
             assert run.block is not None
             order.adopt = Adoption(
@@ -648,24 +697,55 @@ class Executor:
             )
         return order
 
+    def _lone(self, d: int, run: TrialRun) -> bool:
+        """Under the lock: nothing but `run` could use device d now (no other trial waits for a
+        device, `more` is not due), so its next tasks may go in one order."""
+        return (
+            self._fatal is None
+            and not self._stopping
+            and not run.stop_requested
+            and not any(r is not run for r in self._idle(d))
+            and not self._may_ask()
+        )
+
+    def _should_cut(self, d: int, run: TrialRun) -> bool:
+        """While `run`'s chunk runs on device d (asked every poll_s): end it at the next task, since
+        a stop was asked or another trial now waits for a device."""
+        with self._cond:
+            self._poll_stops()
+            return not self._lone(d, run)
+
     def _run_task(self, d: int, run: TrialRun) -> None:
         t = run.trial
-        task = t.next_task
-        order = self._order(d, run)
         if self._procs is None:
-            done = execute(t, self.places[d], evaluate=order.evaluate)
-        else:
-            try:
-                done = self._procs.run(d, order)
-            except DeviceDied as exc:
-                self._device_died(d, run, f"{exc} while running the trial's task {task.kind}{task.shard}")
-                return
+            task = t.next_task
+            order = self._order(d, run)
+            self._apply_done(d, run, task, execute(t, self.places[d], evaluate=order.evaluates[0]))
+            return
+        with self._cond:
+            order = self._order(d, run, chunk=self.cfg.chunk_tasks > 1 and self._lone(d, run))
+        run.orders += 1
+        try:
+            dones = self._procs.run(d, order, cut=lambda: self._should_cut(d, run), poll_s=self.cfg.poll_s)
+        except DeviceDied as exc:
+            task = t.next_task
+            self._device_died(d, run, f"{exc} while running the trial's task {task.kind}{task.shard}")
+            return
+        stateful = run.entry.job.data.kind == "python"  # the data iterator lives in that process
+        for done in dones:  # in order, each as if it had been its own order
+            task = t.next_task
             # the parent's record of the trial follows the device's (its tensors are shared)
             t.step, t.pos, t.loss = done.step, done.pos, done.loss
             ledger = self.places[d].ledger
             ledger.peak, ledger.held = max(ledger.peak, done.peak_bytes), done.held_bytes
-            stateful = run.entry.job.data.kind == "python"  # the data iterator lives in that process
             run.pinned = d if (t.pos != 0 or stateful) else None
+            if not self._apply_done(d, run, task, done):
+                break
+
+    def _apply_done(self, d: int, run: TrialRun, task: Any, done: Done) -> bool:
+        """Book one task's Done: its timings and slot, at a mini-batch end the metrics, evaluation
+        and checkpoint; a failure fails the trial. Returns whether the trial goes on."""
+        t = run.trial
         if done.ran:
             run.compute_s += done.compute_s
             run.copy_s += done.copy_s
@@ -692,6 +772,8 @@ class Executor:
         if done.error is not None:
             with self._cond:
                 self._fail(run, done.error, done.trace)
+            return False
+        return True
 
     def _device_died(self, d: int, run: TrialRun, error: str) -> None:
         """Device d's process is gone: fail its trial and every trial whose mini-batch (or data)
@@ -746,7 +828,8 @@ class Executor:
     def _after_task(self, run: TrialRun) -> None:
         """Under the lock: hand the trial back, take ASHA's decision at a mini-batch end."""
         run.holder = None
-        if run.status in FINAL:  # failed inside the task
+        if run.status in FINAL:  # failed inside the task, or ended while it ran
+            self._release(run)
             return
         t = run.trial
         if t.pos != 0:
@@ -779,7 +862,12 @@ class Executor:
                 i: r.trial for i, r in self.runs.items() if r.trial is not None and r.status not in FINAL
             }
             labels = [f"{d}#{i}" for i, d in enumerate(self.devices)]
-            self._procs = DeviceProcesses(labels, trials=trials, budget_bytes=self.cfg.device_budget_bytes)
+            self._procs = DeviceProcesses(
+                labels,
+                trials=trials,
+                budget_bytes=self.cfg.device_budget_bytes,
+                after_fork=self.runs.clear,  # in a child: only `trials` holds them there
+            )
         threads = [
             threading.Thread(target=self._worker, args=(d,), name=f"selection-dev{d}", daemon=True)
             for d in range(len(self.devices))

@@ -95,6 +95,7 @@ def run_selection(
     stop_trials: Callable[[], set[int]] | None = None,
     more: Callable[[], dict[str, Any] | None] | None = None,
     device_threads: bool = False,
+    chunk_tasks: int | None = None,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
@@ -105,6 +106,8 @@ def run_selection(
     spec = parse_batch(batch)
     if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
         spec.executor.device_processes = False
+    if chunk_tasks is not None:  # a lone trial's tasks an order (ExecutorConfig.chunk_tasks)
+        spec.executor.chunk_tasks = chunk_tasks
     failed: dict[int, dict[str, Any]] = {}
 
     def entry(t: TrialSpec) -> TrialEntry | None:
