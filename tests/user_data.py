@@ -3,6 +3,8 @@ sequence, so a model learns it fast and its loss falls."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,21 @@ def upload_held(handle: Any) -> str:
     resp = upload(handle, targz({"held.py": HELD_BATCHES_PY}), name="held")
     assert resp.status_code == 201, resp.text
     return resp.json()["ref"]
+
+
+def let_go_when_asked(gate: Path, stop: Path, timeout: float = 120) -> threading.Thread:
+    """On a thread of its own (started, returned): delete `gate` once `stop` exists, the stop file
+    the worker writes to ask the job's trainer to stop at its next step (warm shutdown,
+    preemption, cancel), or after `timeout` s whatever happened (the test's own checks then
+    fail). A held trainer reaches no step boundary, so it is let go only once asked: let go
+    earlier, it could run to its end first."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not stop.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gate.unlink(missing_ok=True)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
