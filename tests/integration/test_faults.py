@@ -138,8 +138,8 @@ def _gone(root: Path, job_id: int, timeout: float = 10) -> list[int]:
     return left
 
 
-def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle, tmp_path: Path) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     _kill_worker(faults.stack)
     assert _gone(faults.stack.root, job_id) == [], "the trainer must die with its worker"
     assert faults.job(job_id)["status"] == "running"
@@ -150,8 +150,8 @@ def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHand
     assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
 
 
-def test_kill_only_the_pool_child(faults: StackHandle, tmp_path: Path) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+def test_kill_only_the_pool_child(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     (trainer,) = _trainer_pids(faults.stack.root, job_id)
     pool_child = _ppid(trainer)
     assert pool_child != faults.stack.procs["worker1"].pid
@@ -227,8 +227,8 @@ def test_max_runtime_counts_every_attempt(faults: StackHandle) -> None:
     assert _trainer_pids(faults.stack.root, job["id"]) == []
 
 
-def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle, tmp_path: Path) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
     db.execute("BEGIN IMMEDIATE")  # longer than the 10 s busy timeout of every writer
     gate.unlink()  # the trainer goes on while every writer waits
@@ -239,9 +239,9 @@ def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle, tmp_path: Pa
 
 
 def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(
-    faults: StackHandle, tmp_path: Path
+    faults: StackHandle, gate: Path
 ) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+    job_id = _started(faults, gate)
     # hold the write lock so nothing more reaches the database, let the trainer finish, and kill
     # the worker while it still has the trainer's last lines and the final status to write. The
     # lock is taken while the trainer is held (the progress a GET shows trails the trainer by a
@@ -266,9 +266,9 @@ def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(
 
 
 def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(
-    faults: StackHandle, tmp_path: Path
+    faults: StackHandle, gate: Path
 ) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+    job_id = _started(faults, gate)
     proc = faults.stack.procs.pop("worker1")
     os.kill(proc.pid, signal.SIGTERM)  # Celery's warm shutdown, to the main process only
     # the worker asks the trainer to stop (its stop file); the trainer stops at its next step, so
@@ -291,9 +291,9 @@ def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(
 
 
 def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_requeue(
-    faults: StackHandle, tmp_path: Path
+    faults: StackHandle, gate: Path
 ) -> None:
-    job_id = _started(faults, gate := tmp_path / "gate")
+    job_id = _started(faults, gate)
     _kill_worker(faults.stack)
     deadline = time.monotonic() + 30  # one lease period at most
     while faults.client.post(f"/api/jobs/{job_id}/cancel").json()["status"] != "cancelled":

@@ -315,13 +315,11 @@ LOW_STEPS = 300
 LOW = long_job("low", LOW_STEPS)
 
 
-def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang, tmp_path: Path) -> None:
+def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang, gate: Path) -> None:
     g = gang
     # one 1-rank job on each worker (each runs one task): neither worker has a free task left.
     # Each waits at its 20th batch until the gate goes (tests/user_data.py), so the preemption
     # lands mid-job whatever the machine's speed
-    gate = tmp_path / "gate"
-    gate.touch()
     with httpx.Client(
         base_url=g.stack.base_url, headers={"Authorization": f"Bearer {g.stack.admin_token}"}
     ) as c:

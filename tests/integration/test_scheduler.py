@@ -147,13 +147,9 @@ def test_two_users_get_alternating_slots(two: StackHandle) -> None:
     assert owners == ["ann", "bob", "ann", "bob"], order
 
 
-def test_preemption_requeues_and_the_job_still_finishes_exactly_once(
-    two: StackHandle, tmp_path: Path
-) -> None:
+def test_preemption_requeues_and_the_job_still_finishes_exactly_once(two: StackHandle, gate: Path) -> None:
     blocker = two.submit(BLOCKER)["id"]
     two.wait(blocker, statuses=("running",), timeout=180)
-    gate = tmp_path / "gate"
-    gate.touch()
     victim = two.submit({**PREEMPTIBLE, **held_data(upload_held(two), gate, hold_at=20)})["id"]
     two.wait_until(victim, lambda j: j["progress"]["step"] >= 6, timeout=180)
     urgent = _submit(two.client, {**SHORT, "name": "urgent", "priority": 10})

@@ -132,13 +132,11 @@ def test_cancel_a_running_batch_and_stop_one_trial(stack: StackHandle) -> None:
     assert stack.client.post(f"/api/selections/{sel['id']}/cancel").status_code == 409
 
 
-def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle, tmp_path: Path) -> None:
+def test_stream_resumes_mid_batch_with_last_event_id(stack: StackHandle, gate: Path) -> None:
     """The selection stream cut mid-batch and reopened with the last id it gave: the two parts
     together carry every point of every trial once, the same points a fresh stream replays."""
     # each trial waits at its 20th batch until the gate goes, so the cut lands mid-batch whatever
     # the machine's speed (the unheld batch could end between the cut and the check below)
-    gate = tmp_path / "gate"
-    gate.touch()
     base = {**BASE, **held_data(upload_held(stack), gate, hold_at=20)}
     body = {
         "name": "resume",

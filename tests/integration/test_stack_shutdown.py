@@ -30,15 +30,13 @@ the SIGTERM lands mid-job whatever the machine's speed (a job long enough on one
 a faster one)."""
 
 
-def test_sigterm_stops_the_stack_warm_and_the_job_resumes(tmp_path: Path) -> None:
+def test_sigterm_stops_the_stack_warm_and_the_job_resumes(tmp_path: Path, gate: Path) -> None:
     root = tmp_path / "root"
     port = free_port()
     log = tmp_path / "stack.log"
     proc, auth = start_stack_cli(root, port, log)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=auth, timeout=30)
     try:
-        gate = tmp_path / "gate"
-        gate.touch()
         held = {**SPEC, **held_data(upload_held(SimpleNamespace(client=api)), gate, hold_at=HOLD_AT)}
         job_id = api.post("/api/jobs", json=held).json()["id"]
         deadline = time.monotonic() + 180

@@ -54,7 +54,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path) -> None:
+def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path, gate: Path) -> None:
     root = tmp_path / "root"
     port = free_port()
     log = tmp_path / "stack.log"
@@ -65,8 +65,6 @@ def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path
         (uvicorn,) = _children(proc.pid, "uvicorn")
         # held at its 20th batch until its second attempt has claimed it (tests/user_data.py): the
         # kill lands mid-job whatever the machine's speed
-        gate = tmp_path / "gate"
-        gate.touch()
         spec = {
             **long_job("supervised", STEPS, checkpoint_every=10),
             **held_data(upload_held(SimpleNamespace(client=api)), gate, hold_at=20),
