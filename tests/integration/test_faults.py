@@ -38,8 +38,9 @@ FAST = {
     # known limit, in the README's "Faults" notes.
     "SHARDYARD_CHECKPOINT_KEEP": "0",
 }
-# long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
-# of this model takes a few milliseconds there, and the warm trainer starts it in under a second)
+# a step of this model takes a few milliseconds on an idle machine, and the warm trainer starts it
+# in under a second: no step count makes a fault land mid-job for sure, so the tests whose fault
+# must land mid-job hold the job (_started) until it has
 STEPS = 100
 SPEC = {
     **TINY_SPEC,

@@ -37,7 +37,7 @@ from tests.user_data import held_data, upload_held
 pytestmark = pytest.mark.integration
 
 URL = "s3://shardyard/it"
-# test_faults.py's windows and job (a fault aimed at step 6 lands before its end), stored
+# test_faults.py's windows and job, stored (a test whose fault must land mid-run holds the job)
 FAST = {**FAULT_ENV, "SHARDYARD_STORAGE_SYNC_S": "0.5"}
 SPEC = {**FAULT_SPEC, "name": "stored"}
 
