@@ -318,13 +318,13 @@ LOW = long_job("low", LOW_STEPS)
 def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang, gate: Path) -> None:
     g = gang
     # one 1-rank job on each worker (each runs one task): neither worker has a free task left.
-    # Each waits at its 20th batch until the gate goes (tests/user_data.py), so the preemption
-    # lands mid-job whatever the machine's speed
+    # Each waits at its 30th batch (past its checkpoint of step 25) until the gate goes
+    # (tests/user_data.py), so the preemption lands mid-job whatever the machine's speed
     with httpx.Client(
         base_url=g.stack.base_url, headers={"Authorization": f"Bearer {g.stack.admin_token}"}
     ) as c:
         ws = upload_held(SimpleNamespace(client=c))
-    held_low = {**LOW, **held_data(ws, gate, hold_at=20)}
+    held_low = {**LOW, **held_data(ws, gate, hold_at=30)}
     low = [g.submit(held_low), g.submit(held_low)]
     for j in low:
         g.wait(j, lambda job: job.status == "running" and job.applied_step >= 10, "running")
