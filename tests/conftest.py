@@ -181,6 +181,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
 
 
 @pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Path]:
+    """The gate file of a job held mid-run (tests/user_data.py, HELD_BATCHES_PY): there while the
+    test runs (it deletes it to let the job go on), and gone at the test's end whatever happened,
+    so that no held job outlives its test on a stack other tests share."""
+    path = tmp_path / "gate"
+    path.touch()
+    yield path
+    path.unlink(missing_ok=True)
+
+
+@pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Stack]:
     """A real redis-server of its own (no API, no worker), stopped after the test."""
     stack = Stack(root=tmp_path)

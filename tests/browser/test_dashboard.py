@@ -17,7 +17,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.integration.test_job_output import chatty_spec, upload_chatty
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.browser
 
@@ -113,12 +113,13 @@ def test_job_page_draws_charts_and_logs(stack, page: Page) -> None:
     page.screenshot(path=str(SCREENSHOT), full_page=True)
 
 
-def test_job_page_charts_fill_live(stack, page: Page) -> None:
+def test_job_page_charts_fill_live(stack, page: Page, gate: Path) -> None:
     """Opened before the job runs: points reach the chart over EventSource while it is running."""
-    # ~0.1 s a step (the data source sleeps): the run outlasts the page's load by seconds. The stdlib
-    # spec's 100 steps once finished before the page had drawn (CI: one draw, at "succeeded")
-    live = chatty_spec(upload_chatty(stack), name="live-chart", steps=100, pause=0.1)
-    live["train"]["eval_every"] = 25
+    # the job waits at its 5th batch until the page watches its chart (the gate goes), then takes
+    # ~0.1 s a step (tests/user_data.py): it runs on for seconds after the page's load however
+    # slow that load is. The stdlib spec's 100 steps once finished before the page had drawn (CI:
+    # one draw, at "succeeded"), and a run made long enough can still lose to a slow page
+    live = {**spec(steps=100, eval_every=25), **held_data(upload_held(stack), gate, hold_at=5, pause=0.1)}
     job = stack.submit(live)
     page.goto(f"{stack.base_url}/#/jobs/{job['id']}")
     # the page draws once the session is confirmed (GET /api/auth/me)
@@ -134,6 +135,7 @@ def test_job_page_charts_fill_live(stack, page: Page) -> None:
             ])).observe(chart, {attributes: true, attributeFilter: ['data-points']});
         }"""
     )
+    gate.unlink()
     expect(page.locator("#job-header .badge")).to_have_text("succeeded", timeout=120_000)
     seen = page.evaluate("window.__seen")
     assert any(n > 0 and status == "running" for n, status in seen), seen

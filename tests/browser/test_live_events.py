@@ -30,6 +30,19 @@ def events_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
+TRACK_STREAMS = """(() => {
+    const Base = window.EventSource;
+    window.__streams = [];
+    window.EventSource = class extends Base {
+        constructor(...args) {
+            super(...args);
+            window.__streams.push(this);
+        }
+    };
+})()"""
+EVENTS_OPEN = "() => window.__streams.some((es) => es.url.endsWith('/api/events') && es.readyState === 1)"
+
+
 def _job(st: Stack, name: str, *, finished: bool) -> int:
     """A job written to the database only: nothing about it is published."""
     with session_for(st.database_url) as s:
@@ -49,6 +62,9 @@ def test_deleted_drops_the_row_and_marks_the_page_and_resync_reloads(
     assert ctx.request.post(f"{st.base_url}/api/auth/session", data={"token": st.admin_token}).ok
     errors: list[str] = []
     table, detail = ctx.new_page(), ctx.new_page()
+    # the job page shows no state of its jobs-wide stream (the table shows "live"): keep its
+    # EventSources where the test can see whether that stream is open
+    detail.add_init_script(TRACK_STREAMS)
     for pg in (table, detail):
         pg.on("pageerror", lambda e: errors.append(str(e)))
     try:
@@ -59,6 +75,9 @@ def test_deleted_drops_the_row_and_marks_the_page_and_resync_reloads(
         expect(rows).to_have_count(2, timeout=15_000)
         detail.goto(f"{st.base_url}/#/jobs/{gone}")
         expect(detail.locator("#job-header .badge")).to_have_text("succeeded", timeout=15_000)
+        # its jobs-wide stream is open before the delete: a delete published before it had
+        # subscribed would never reach it (the badge comes from a GET, the stream on its own)
+        detail.wait_for_function(EVENTS_OPEN, timeout=15_000)
         table.evaluate("window.__noReload = true")
 
         headers = {"Authorization": f"Bearer {st.admin_token}"}

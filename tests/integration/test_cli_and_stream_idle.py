@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -129,14 +131,20 @@ def test_cli_follow_stops_when_its_token_is_revoked(stack: StackHandle) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert proc.stdout is not None and proc.stderr is not None
+    printed: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [printed.put(line) for line in proc.stdout], daemon=True).start()
     try:
-        stack.wait_until(job["id"], lambda j: j["status"] == "running", timeout=120)
-        time.sleep(1)  # the CLI has opened its stream
+        # the CLI prints the job's log lines as its stream brings them: once it has printed one, its
+        # stream is open. (A fixed 1 s wait stood here; a CLI slower to start, on a loaded machine,
+        # then met the revoked token at its first request, which is refused outright: another path)
+        printed.get(timeout=120)
         first = next(
             t for t in stack.client.get("/api/tokens").json()["items"] if t["user_id"] == made["user"]["id"]
         )
         assert stack.client.delete(f"/api/tokens/{first['id']}").status_code == 200
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        stderr = proc.stderr.read()
         assert proc.returncode == 2 and "the token was revoked; the stream is closed" in stderr, stderr
     finally:
         if proc.poll() is None:

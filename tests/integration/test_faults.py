@@ -24,6 +24,7 @@ from api.stack import Stack
 from db.engine import session_for
 from db.models import Job
 from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +37,9 @@ FAST = {
     # (test_a_relay_behind_by_more_than_keep_checkpoints_still_resumes_from_the_applied_step)
 }
 KEEP = 3
-# long enough that a fault aimed at step 6 lands before the end on an idle machine too (a step
-# of this model takes a few milliseconds there, and the warm trainer starts it in under a second)
+# a step of this model takes a few milliseconds on an idle machine, and the warm trainer starts it
+# in under a second: no step count makes a fault land mid-job for sure, so the tests whose fault
+# must land mid-job hold the job (_started) until it has
 STEPS = 100
 SPEC = {
     **TINY_SPEC,
@@ -104,11 +106,19 @@ def _logs(h: StackHandle, job_id: int) -> list[str]:
     return [e["message"] for e in h.client.get(f"/api/jobs/{job_id}/logs").json()["items"]]
 
 
-def _started(h: StackHandle, step: int = 6) -> int:
+HOLD_AT = 20
+"""The held jobs of these tests wait at their 20th batch while the test's gate file exists: past
+step 6 and the checkpoints of steps 4 to 16, and never done before the fault lands."""
+
+
+def _started(h: StackHandle, gate: Path, step: int = 6) -> int:
     """A job past `step` whose first checkpoint's lines are applied (Job.applied_step), so that an
-    attempt after a fault has a checkpoint it may resume from."""
+    attempt after a fault has a checkpoint it may resume from, held mid-run (at batch HOLD_AT)
+    until the test deletes `gate`: the fault lands mid-job however fast the machine (an unheld
+    100-step job of this tiny model had ended before its kill on an idle machine, CI)."""
     _ensure_worker(h.stack)
-    job = h.submit(SPEC)
+    gate.touch()
+    job = h.submit({**SPEC, **held_data(upload_held(h), gate, hold_at=HOLD_AT)})
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= step, timeout=180)
     deadline = time.monotonic() + 60
     while True:
@@ -119,24 +129,35 @@ def _started(h: StackHandle, step: int = 6) -> int:
         time.sleep(0.05)
 
 
-def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle) -> None:
-    job_id = _started(faults)
+def _gone(root: Path, job_id: int, timeout: float = 10) -> list[int]:
+    """The job's trainer processes once they are gone, or those left after `timeout` s (a killed
+    process leaves /proc when the kernel has run its exit, which a loaded machine delays)."""
+    deadline = time.monotonic() + timeout
+    while (left := _trainer_pids(root, job_id)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     _kill_worker(faults.stack)
-    time.sleep(0.5)
-    assert _trainer_pids(faults.stack.root, job_id) == [], "the trainer must die with its worker"
+    assert _gone(faults.stack.root, job_id) == [], "the trainer must die with its worker"
     assert faults.job(job_id)["status"] == "running"
+    gate.unlink()
     faults.stack.start_worker(1)  # same name: worker1@host; a new process start, a new owner id
     done = assert_exactly_once(faults, job_id)
     assert done["attempts"] == 2
     assert any(m.startswith("resumed from step-") for m in _logs(faults, job_id))
 
 
-def test_kill_only_the_pool_child(faults: StackHandle) -> None:
-    job_id = _started(faults)
+def test_kill_only_the_pool_child(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     (trainer,) = _trainer_pids(faults.stack.root, job_id)
     pool_child = _ppid(trainer)
     assert pool_child != faults.stack.procs["worker1"].pid
     os.kill(pool_child, signal.SIGKILL)
+    assert _gone(faults.stack.root, job_id) == [], "the trainer must die with its pool process"
+    gate.unlink()
     # Celery gives the message back and starts a new pool process; it waits out the dead one's
     # lease, then takes the job and resumes it
     done = assert_exactly_once(faults, job_id)
@@ -206,10 +227,11 @@ def test_max_runtime_counts_every_attempt(faults: StackHandle) -> None:
     assert _trainer_pids(faults.stack.root, job["id"]) == []
 
 
-def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle) -> None:
-    job_id = _started(faults)
+def test_sqlite_write_lock_held_for_15_seconds(faults: StackHandle, gate: Path) -> None:
+    job_id = _started(faults, gate)
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
     db.execute("BEGIN IMMEDIATE")  # longer than the 10 s busy timeout of every writer
+    gate.unlink()  # the trainer goes on while every writer waits
     time.sleep(15)
     db.rollback()
     db.close()
@@ -265,16 +287,19 @@ def test_a_relay_behind_by_more_than_keep_checkpoints_still_resumes_from_the_app
     assert 0 < at <= applied, (at, applied, held)
 
 
-def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: StackHandle) -> None:
-    job_id = _started(faults)
+def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(
+    faults: StackHandle, gate: Path
+) -> None:
+    job_id = _started(faults, gate)
     # hold the write lock so nothing more reaches the database, let the trainer finish, and kill
     # the worker while it still has the trainer's last lines and the final status to write. The
-    # lock is taken early (step 6 of 100): the progress a GET shows trails the trainer by a relay
-    # batch, and the warm trainer ran the last 12 steps and had the status written before a lock
-    # taken at step 88 landed (CI, 1ab4be8)
+    # lock is taken while the trainer is held (the progress a GET shows trails the trainer by a
+    # relay batch, and the warm trainer had run the last 12 steps and had the status written
+    # before a lock taken at step 88 landed, CI at 1ab4be8); then the trainer is let go
     db = sqlite3.connect(str(faults.stack.root / "shardyard.db"), timeout=30)
     db.execute("BEGIN IMMEDIATE")
     try:
+        gate.unlink()
         deadline = time.monotonic() + 120
         while _trainer_pids(faults.stack.root, job_id) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -289,10 +314,21 @@ def test_kill_the_worker_between_the_trainers_exit_and_the_final_status(faults: 
     assert done["attempts"] == 2
 
 
-def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(faults: StackHandle) -> None:
-    job_id = _started(faults)
+def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(
+    faults: StackHandle, gate: Path
+) -> None:
+    job_id = _started(faults, gate)
     proc = faults.stack.procs.pop("worker1")
     os.kill(proc.pid, signal.SIGTERM)  # Celery's warm shutdown, to the main process only
+    # the worker asks the trainer to stop (its stop file); the trainer stops at its next step, so
+    # let it go on only then: held, it would be killed after the grace instead of checkpointing,
+    # and let go before the ask, it could run to its end first
+    stop = faults.stack.root / "jobs" / str(job_id) / "stop"
+    deadline = time.monotonic() + 60
+    while not stop.exists():
+        assert time.monotonic() < deadline, "the warm shutdown did not ask the trainer to stop"
+        time.sleep(0.05)
+    gate.unlink()
     proc.wait(timeout=60)
     job = faults.job(job_id)
     assert job["status"] == "queued", job
@@ -304,9 +340,9 @@ def test_warm_shutdown_gives_the_job_back_and_the_next_start_resumes_it(faults: 
 
 
 def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_requeue(
-    faults: StackHandle,
+    faults: StackHandle, gate: Path
 ) -> None:
-    job_id = _started(faults)
+    job_id = _started(faults, gate)
     _kill_worker(faults.stack)
     deadline = time.monotonic() + 30  # one lease period at most
     while faults.client.post(f"/api/jobs/{job_id}/cancel").json()["status"] != "cancelled":
@@ -315,12 +351,14 @@ def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_reque
     # an operator re-queues the cancelled job: it resumes and ends with every step once
     resp = faults.client.post(f"/api/jobs/{job_id}/requeue", json={"reason": "retry after cancel"})
     assert resp.status_code == 200 and resp.json()["status"] == "queued", resp.text
+    gate.unlink()
     faults.stack.start_worker(1)
     assert_exactly_once(faults, job_id)
     # and fails a running one: the trainer is stopped, the job ends failed with the reason
-    other = _started(faults, step=3)
+    other = _started(faults, gate, step=3)
     resp = faults.client.post(f"/api/jobs/{other}/fail", json={"reason": "bad data"})
     assert resp.status_code == 200 and resp.json()["status"] == "failed", resp.text
+    gate.unlink()  # the trainer stops at its next step
     deadline = time.monotonic() + 30
     while _trainer_pids(faults.stack.root, other):
         assert time.monotonic() < deadline, "the fenced-off attempt's trainer kept running"

@@ -30,6 +30,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -44,6 +45,7 @@ from db import workers as dbw
 from db.engine import session_for
 from db.models import Job, Reservation
 from tests.conftest import long_job
+from tests.user_data import held_data, upload_held
 from workers.execute import trainer_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -312,17 +314,30 @@ LOW_STEPS = 300
 LOW = long_job("low", LOW_STEPS)
 
 
-def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang) -> None:
+def test_a_waiting_gang_preempts_the_lower_priority_jobs_on_both_workers(gang: Gang, gate: Path) -> None:
     g = gang
-    # one 1-rank job on each worker (each runs one task): neither worker has a free task left
-    low = [g.submit(LOW), g.submit(LOW)]
+    # one 1-rank job on each worker (each runs one task): neither worker has a free task left.
+    # Each waits at its 30th batch (past its checkpoint of step 25) until the gate goes
+    # (tests/user_data.py), so the preemption lands mid-job whatever the machine's speed
+    with httpx.Client(
+        base_url=g.stack.base_url, headers={"Authorization": f"Bearer {g.stack.admin_token}"}
+    ) as c:
+        ws = upload_held(SimpleNamespace(client=c))
+    held_low = {**LOW, **held_data(ws, gate, hold_at=30)}
+    low = [g.submit(held_low), g.submit(held_low)]
     for j in low:
         g.wait(j, lambda job: job.status == "running" and job.applied_step >= 10, "running")
     with session_for(g.url) as s:
         held = {r.worker for r in s.query(Reservation).filter(Reservation.job_id.in_(low)).all()}
     assert len(held) == 2, "the two low jobs must hold both workers"
     urgent = g.submit({**SPEC, "name": "urgent-gang", "priority": 10})
-    # the gang asks both workers' jobs to checkpoint and go back to the queue, then runs
+    # the gang asks both workers' jobs to checkpoint and go back to the queue (their stop files),
+    # then runs; the held jobs stop at their next step once let go
+    deadline = time.monotonic() + 120
+    while not all((g.stack.root / "jobs" / str(j) / "stop").exists() for j in low):
+        assert time.monotonic() < deadline, "the gang did not ask the low jobs to stop"
+        time.sleep(0.2)
+    gate.unlink()
     g.placement(urgent)
     job = g.wait(urgent, lambda j: j.status == "succeeded", "succeeded")
     assert job.attempts == 1

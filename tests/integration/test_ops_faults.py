@@ -27,6 +27,7 @@ from db.users import create_user
 from tests.conftest import StackHandle, long_job, running
 from tests.fullfs import full_disk
 from tests.sse import read_sse
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
 
@@ -81,11 +82,12 @@ def _loss_steps(frames: list) -> list[int]:
     return [d["step"] for _, ev, d in frames if ev == "metric" and d["name"] == "loss"]
 
 
-def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None:
+def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle, gate: Path) -> None:
     h = ops_stack
-    # long enough that the restart lands mid-job on an idle machine too (100 steps of FAST had
-    # ended before the restart in one run)
-    spec = long_job("redis-restart", 300)
+    # held at its 20th batch until the restart is done (tests/user_data.py), so the restart lands
+    # mid-job whatever the machine's speed (100 steps of FAST had ended before it in one run), and
+    # every step after the 19th reaches the stream after the restart
+    spec = {**long_job("redis-restart", 300), **held_data(upload_held(h), gate, hold_at=20)}
     job = h.submit(spec)
     frames: list = []
     reader = threading.Thread(
@@ -97,6 +99,7 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
     h.stack.restart_redis()
     # the restart happened mid-job, or this test would prove nothing
     assert h.job(job["id"])["status"] == "running"
+    gate.unlink()
     done = h.wait(job["id"], timeout=300)
     reader.join(timeout=60)
     assert not reader.is_alive(), "the stream did not close after the job ended"
@@ -111,16 +114,18 @@ def test_streams_survive_a_redis_restart_mid_job(ops_stack: StackHandle) -> None
     assert done["result"]["steps"] == spec["train"]["steps"]
 
 
-def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle) -> None:
+def test_follow_reconnects_when_the_api_restarts(ops_stack: StackHandle, gate: Path) -> None:
     h = ops_stack
-    # long enough to outlast the restart on an idle machine
-    job = h.submit(long_job("api-restart", 300))
+    # held at its 20th batch until the restart is done (tests/user_data.py): it outlasts the
+    # restart whatever the machine's speed
+    job = h.submit({**long_job("api-restart", 300), **held_data(upload_held(h), gate, hold_at=20)})
     follow = _follow(h, job["id"])
     _connected(h)
     h.wait_until(job["id"], lambda j: j["progress"]["step"] >= 10, timeout=120)
     h.stack.restart_api()
     # the restart happened mid-job, or this test would prove nothing
     assert h.job(job["id"])["status"] == "running"
+    gate.unlink()
     h.wait(job["id"], timeout=300)
     out, err = follow.communicate(timeout=120)
     assert follow.returncode == 0, err

@@ -96,7 +96,9 @@ def test_metrics_are_for_admins_only(ops: StackHandle) -> None:
 
 def test_a_scrape_during_a_job_and_a_batch_shows_states_and_latency_moving(ops: StackHandle) -> None:
     before = scrape(ops)
-    job = ops.submit(long_job("scraped", 300))
+    # it runs until the test cancels it: a job of a set length could end before the scrape below
+    # sees it running, or before the cancel (then it ends succeeded)
+    job = ops.submit(long_job("scraped", 1_000_000))
     ops.wait(job["id"], ("running",), timeout=180)
     sel = ops.client.post("/api/selections", json=BATCH)
     assert sel.status_code == 201, sel.text

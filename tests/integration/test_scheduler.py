@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from api.stack import Stack
 from db.engine import session_for
 from db.models import JobEvent
 from tests.conftest import TERMINAL, TINY_SPEC, StackHandle, long_job, running
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +39,9 @@ BLOCKER = {
     "priority": 50,
     "train": {**TINY_SPEC["train"], "steps": 100_000, "eval_every": 50_000},
 }
-# long enough that the preemption lands mid-job (20 steps of TINY_SPEC had ended before it in one
-# CI run)
+# the victim of the preemption test is held at its 20th batch until the preemption has asked it to
+# stop (tests/user_data.py), so the preemption lands mid-job whatever the machine's speed (20 steps
+# of TINY_SPEC had ended before it in one CI run; 300 of long_job last ~15 s on an idle machine)
 STEPS = 300
 _LONG = long_job("preemptible", STEPS)
 PREEMPTIBLE = {**_LONG, "train": {**_LONG["train"], "eval_every": 100}}
@@ -144,12 +147,16 @@ def test_two_users_get_alternating_slots(two: StackHandle) -> None:
     assert owners == ["ann", "bob", "ann", "bob"], order
 
 
-def test_preemption_requeues_and_the_job_still_finishes_exactly_once(two: StackHandle) -> None:
+def test_preemption_requeues_and_the_job_still_finishes_exactly_once(two: StackHandle, gate: Path) -> None:
     blocker = two.submit(BLOCKER)["id"]
     two.wait(blocker, statuses=("running",), timeout=180)
-    victim = two.submit(PREEMPTIBLE)["id"]
+    victim = two.submit({**PREEMPTIBLE, **held_data(upload_held(two), gate, hold_at=20)})["id"]
     two.wait_until(victim, lambda j: j["progress"]["step"] >= 6, timeout=180)
     urgent = _submit(two.client, {**SHORT, "name": "urgent", "priority": 10})
+    # the preemption asks the held victim to stop (its stop file); it stops at its next step
+    stop = two.stack.root / "jobs" / str(victim) / "stop"
+    _until(stop.exists, timeout=120)
+    gate.unlink()
     two.wait(urgent, timeout=240)
     done = two.wait(victim, timeout=240)
     _cancel_all(two, [blocker])

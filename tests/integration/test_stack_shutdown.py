@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,26 +18,32 @@ from db.engine import session_for
 from db.models import Job
 from tests.conftest import long_job
 from tests.stack_cli import left_behind, sigterm_and_wait, start_stack_cli
+from tests.user_data import held_data, let_go_when_asked, upload_held
 
 pytestmark = pytest.mark.integration
 
-# long enough that the job is still running when the SIGTERM lands, on an idle machine too
 STEPS = 300
 SPEC = long_job("warm", STEPS)
+HOLD_AT = 40
+"""The job waits at its 40th batch (tests/user_data.py) until the SIGTERM has asked it to stop, so
+the SIGTERM lands mid-job whatever the machine's speed (a job long enough on one machine is not on
+a faster one)."""
 
 
-def test_sigterm_stops_the_stack_warm_and_the_job_resumes(tmp_path: Path) -> None:
+def test_sigterm_stops_the_stack_warm_and_the_job_resumes(tmp_path: Path, gate: Path) -> None:
     root = tmp_path / "root"
     port = free_port()
     log = tmp_path / "stack.log"
     proc, auth = start_stack_cli(root, port, log)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=auth, timeout=30)
     try:
-        job_id = api.post("/api/jobs", json=SPEC).json()["id"]
+        held = {**SPEC, **held_data(upload_held(SimpleNamespace(client=api)), gate, hold_at=HOLD_AT)}
+        job_id = api.post("/api/jobs", json=held).json()["id"]
         deadline = time.monotonic() + 180
         while api.get(f"/api/jobs/{job_id}").json()["progress"]["step"] < 25:
             assert time.monotonic() < deadline, "the job did not reach step 25"
             time.sleep(0.2)
+        let_go_when_asked(gate, root / "jobs" / str(job_id) / "stop")
         rc = sigterm_and_wait(proc, root)
     finally:
         if proc.poll() is None:

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ import redis
 from api.stack import CrashLoop, RestartPolicy, Stack, free_port
 from tests.conftest import LOST_WORKER_WINDOWS, TINY_SPEC, StackHandle, long_job
 from tests.stack_cli import left_behind, proc_info, sigterm_and_wait, start_stack_cli
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +54,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path) -> None:
+def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path, gate: Path) -> None:
     root = tmp_path / "root"
     port = free_port()
     log = tmp_path / "stack.log"
@@ -61,7 +63,13 @@ def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path
     try:
         (worker,) = _children(proc.pid, "worker1@")
         (uvicorn,) = _children(proc.pid, "uvicorn")
-        job_id = api.post("/api/jobs", json=long_job("supervised", STEPS, checkpoint_every=10)).json()["id"]
+        # held at its 20th batch until its second attempt has claimed it (tests/user_data.py): the
+        # kill lands mid-job whatever the machine's speed
+        spec = {
+            **long_job("supervised", STEPS, checkpoint_every=10),
+            **held_data(upload_held(SimpleNamespace(client=api)), gate, hold_at=20),
+        }
+        job_id = api.post("/api/jobs", json=spec).json()["id"]
         deadline = time.monotonic() + 180
         while api.get(f"/api/jobs/{job_id}").json()["progress"]["step"] < 15:
             assert time.monotonic() < deadline, "the job did not reach step 15"
@@ -70,6 +78,8 @@ def test_sigkill_of_the_worker_is_restarted_and_the_job_ends_once(tmp_path: Path
 
         deadline = time.monotonic() + 300
         while (job := api.get(f"/api/jobs/{job_id}").json())["status"] != "succeeded":
+            if job["attempts"] >= 2:
+                gate.unlink(missing_ok=True)
             # the stack and its API carry on while the worker is restarted and the job resumes
             assert proc.poll() is None, log.read_text()[-3000:]
             assert api.get("/api/health").status_code == 200

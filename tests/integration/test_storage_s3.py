@@ -32,11 +32,12 @@ from tests.integration.test_faults import SPEC as FAULT_SPEC
 from tests.integration.test_faults import STEPS
 from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
 from tests.s3 import S3Server
+from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
 
 URL = "s3://shardyard/it"
-# test_faults.py's windows and job (a fault aimed at step 6 lands before its end), stored
+# test_faults.py's windows and job, stored (a test whose fault must land mid-run holds the job)
 FAST = {**FAULT_ENV, "SHARDYARD_STORAGE_SYNC_S": "0.5"}
 SPEC = {**FAULT_SPEC, "name": "stored"}
 
@@ -125,16 +126,19 @@ def _kill(st: Stack, name: str) -> None:
     proc.wait()
 
 
-def test_sigkill_mid_run_resumes_on_another_host_from_the_store(hosts: Hosts) -> None:
+def test_sigkill_mid_run_resumes_on_another_host_from_the_store(hosts: Hosts, gate: Path) -> None:
     h = hosts.h
     hosts.only(1)
-    job_id = h.submit(SPEC)["id"]
+    # held at its 20th batch until the gate goes (tests/user_data.py): the kill lands mid-run
+    # whatever the machine's speed (this 100-step job takes about a second on an idle machine)
+    job_id = h.submit({**SPEC, **held_data(upload_held(h), gate, hold_at=20)})["id"]
     prefix = f"jobs/{job_id}/checkpoints"
     # mid-run, with a checkpoint in the store and its lines applied (applied_step >= 8)
     h.wait_until(job_id, lambda j: j["progress"]["step"] >= 12, timeout=180)
     deadline_step = h.wait_until(job_id, lambda _j: len(hosts.store.list(prefix)) > 0, timeout=60)
     assert deadline_step["status"] == "running" and deadline_step["progress"]["step"] < STEPS
     _kill(hosts.stack, "worker1")
+    gate.unlink()
     hosts.only(2)  # another host: its data dir has never held this job
     assert not (hosts.dirs[2] / "jobs" / str(job_id)).exists()
 
@@ -155,15 +159,22 @@ def test_sigkill_mid_run_resumes_on_another_host_from_the_store(hosts: Hosts) ->
     assert hosts.store.list(f"jobs/{job_id}") == [], "DELETE removed the job's objects from the store"
 
 
-def test_the_store_going_down(hosts: Hosts) -> None:
+def test_the_store_going_down(hosts: Hosts, gate: Path) -> None:
     """Mid-run: the failed uploads are reported in the job's log and retried; the trainer goes on
     and the job ends. At an attempt's start: the job fails naming the store (it is not started
     from step 0). An operator's requeue, once the store is back, runs it."""
     h = hosts.h
     hosts.only(1)
-    job_id = h.submit({**SPEC, "name": "store-down", "train": {**SPEC["train"], "steps": 300}})["id"]
-    h.wait_until(job_id, lambda _j: len(hosts.store.list(f"jobs/{job_id}/checkpoints")) > 0, timeout=180)
+    # held at its 20th batch (tests/user_data.py) until the store is down, then 0.05 s a batch: the
+    # next checkpoint's upload fails seconds before the end whatever the machine's speed (300
+    # steps of this model took about 3 s on an idle machine)
+    held = {**SPEC, **held_data(upload_held(h), gate, hold_at=20, pause=0.05)}
+    job_id = h.submit({**held, "name": "store-down", "train": {**SPEC["train"], "steps": 300}})["id"]
+    # the held trainer's last checkpoint (step 16) is in the store: what fails next is a new one
+    last = f"jobs/{job_id}/checkpoints/step-{16:08d}.pt"
+    h.wait_until(job_id, lambda _j: last in hosts.store.list(f"jobs/{job_id}/checkpoints"), timeout=180)
     hosts.s3.stop()
+    gate.unlink()
     reported = h.wait_until(
         job_id,
         lambda j: (
