@@ -704,6 +704,35 @@ def test_a_lone_trial_runs_in_chunks_with_the_same_results(tmp_path: Path) -> No
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
 
+def test_a_chunks_steps_reach_the_sink_while_the_chunk_runs() -> None:
+    """A chunk's steps are booked as each ends, not when the order is done: a lone trial whose one
+    evaluation is at its last step runs as one chunk, yet its first steps' losses reach the sink
+    before the device process has started its last step (the dashboard's progress moves; CI once saw
+    a running trial stay at 0/40 until it ended). Before, every loss came after the chunk's last task.
+    The margin is the whole run less a step or two: a parent thread would have to lag tens of
+    steps behind its device process to fail it."""
+    steps = 40
+    spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": steps, "eval_every": steps}}
+    seen: list[tuple[int, float]] = []
+
+    class Timed(ListSink):
+        def metric(self, step: int, name: str, value: float) -> None:
+            super().metric(step, name, value)
+            if name == "loss":
+                seen.append((step, time.perf_counter()))
+
+    entry = TrialEntry(index=0, job=JobConfig.from_dict({"name": "t", "data": DATA, **spec}), sink=Timed())
+    ex = Executor([entry], devices=CPU2, cfg=ExecutorConfig(device_processes=True))
+    assert ex.run()[0]["status"] == "succeeded"
+    assert ex.runs[0].orders == 1  # one chunk: the whole trial
+    # the first task of each step (the device's clock is the parent's: perf_counter, one machine)
+    first = {}
+    for n, s in enumerate(sorted(ex.trace, key=lambda s: s.start)):
+        first.setdefault(n // (len(ex.trace) // steps) + 1, s.start)
+    assert [st for st, _ in seen] == list(range(1, steps + 1))
+    assert seen[0][1] < first[steps - 1], (seen[0][1], first[steps - 1])
+
+
 def test_two_trials_on_two_devices_chunk_and_train_as_alone(tmp_path: Path, reference) -> None:  # noqa: ANN001
     """Two trials, two device processes: each device is all its trial's (neither waits for one), so
     both chunk, and each trains exactly as alone."""

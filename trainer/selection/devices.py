@@ -11,8 +11,10 @@ chooses the task as before, sends it down the device's pipe (an `Order`), waits,
 reply (a `Done` per task: timings, the trial's step and loss, a val_loss) to the metric sinks, the
 rungs and the checkpoints. `execute` is the task itself, the same for a device thread and a device
 process. A lone trial's order carries a chunk of tasks (up to the next point where the parent acts
-on the trial); the process runs them back to back, and stops after the running task once the parent
-sets the device's cut flag (a stop was asked, or another trial waits for a device).
+on the trial); the process runs them back to back, sends each task's `Done` as it ends (so the
+parent books the steps live, and those of a process that dies mid-chunk), and stops after the
+running task once the parent sets the device's cut flag (a stop was asked, or another trial waits
+for a device).
 
 Memory: before the fork, every trial's tensors that outlive a mini-batch (weights, optimizer state,
 step counts, buffers) move into one block of shared memory per trial (`ShardedTrial.share`). A
@@ -41,7 +43,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -181,12 +183,15 @@ def _serve(
             for i in msg.trials:
                 trials.pop(i, None)
         else:
-            conn.send(_chunk(d, msg, trials, place, cut))
+            for done in _chunk(d, msg, trials, place, cut):
+                conn.send(done)  # as each task ends: the parent books it while the next one runs
+            conn.send(None)  # the order is done
         msg = None  # an adoption's block goes with its trial, not with the last message
 
 
-def _chunk(d: int, order: Order, trials: dict[int, ShardedTrial], place: Place, cut: Any) -> list[Done]:
-    """Run an order's tasks in order; stop after a failure, or between tasks once `cut` is set."""
+def _chunk(d: int, order: Order, trials: dict[int, ShardedTrial], place: Place, cut: Any) -> Iterator[Done]:
+    """Run an order's tasks in order, yielding each one's Done as it ends; stop after a failure,
+    or between tasks once `cut` is set."""
     try:
         if order.adopt is not None:
             a = order.adopt
@@ -200,25 +205,23 @@ def _chunk(d: int, order: Order, trials: dict[int, ShardedTrial], place: Place, 
         t.step, t.pos, t.loss = order.step, order.pos, order.loss
     except Exception as exc:  # noqa: BLE001 - reported as the task's failure
         now = time.perf_counter()
-        return [
-            Done(
-                start=now,
-                end=now,
-                step=order.step,
-                pos=order.pos,
-                loss=order.loss,
-                error=f"{type(exc).__name__}: {exc}",
-                trace=traceback.format_exc(),
-            )
-        ]
-    dones: list[Done] = []
+        yield Done(
+            start=now,
+            end=now,
+            step=order.step,
+            pos=order.pos,
+            loss=order.loss,
+            error=f"{type(exc).__name__}: {exc}",
+            trace=traceback.format_exc(),
+        )
+        return
     for n, evaluate in enumerate(order.evaluates):
         if n and cut.value:
-            break
-        dones.append(execute(t, place, evaluate=evaluate))
-        if dones[-1].error is not None:
-            break
-    return dones
+            return
+        done = execute(t, place, evaluate=evaluate)
+        yield done
+        if done.error is not None:
+            return
 
 
 class DeviceProcesses:
@@ -273,10 +276,13 @@ class DeviceProcesses:
 
     def run(
         self, d: int, order: Order, *, cut: Callable[[], bool] | None = None, poll_s: float = 0.05
-    ) -> list[Done]:
-        """Send the order to device d's process and wait for its reply (a Done per task it ran) or
-        its end. While a chunk of several tasks runs, `cut` is asked every `poll_s`: once it says
-        so, the process stops the chunk after the task it is running."""
+    ) -> Iterator[Done]:
+        """Send the order to device d's process and yield the Done of each task it runs, as each
+        ends (a chunk's metrics reach the parent step by step, and the steps a process finished
+        before it died are booked), until the order is done; raises DeviceDied if the process
+        ends first. While a chunk of several tasks runs, `cut` is asked every `poll_s`: once it
+        says so, the process stops the chunk after the task it is running. The caller reads to
+        the end (a Done it will not book still comes off the pipe)."""
         conn, proc = self.conns[d], self.procs[d]
         self.cuts[d].value = 0  # only this thread writes it, and only while its order runs
         try:
@@ -287,14 +293,26 @@ class DeviceProcesses:
         if order.adopt is not None:
             self.known[d].add(order.trial)
         chunk = len(order.evaluates) > 1 and cut is not None
-        while not (ready := wait([conn, proc.sentinel], timeout=poll_s if chunk else None)):
-            if cut is not None and cut():
-                self.cuts[d].value = 1
-                chunk = False
-        if conn in ready:
-            with contextlib.suppress(EOFError, OSError):
-                return conn.recv()
-        raise self._died(d)
+        while True:
+            ready = wait([conn, proc.sentinel], timeout=poll_s if chunk else None)
+            if not ready:
+                if cut is not None and cut():
+                    self.cuts[d].value = 1
+                    chunk = False
+                continue
+            if conn not in ready:  # what it sent before it ended is read first
+                raise self._died(d)
+            try:
+                done = conn.recv()
+            except (EOFError, OSError):
+                raise self._died(d) from None
+            if done is None:
+                return
+            yield done
+
+    def cut(self, d: int) -> None:
+        """End device d's running chunk after the task it is running."""
+        self.cuts[d].value = 1
 
     def forget(self, d: int, trials: list[int]) -> None:
         """Device d's process drops these ended trials (no reply). From device d's dispatch thread

@@ -725,22 +725,29 @@ class Executor:
         with self._cond:
             order = self._order(d, run, chunk=self.cfg.chunk_tasks > 1 and self._lone(d, run))
         run.orders += 1
+        stateful = run.entry.job.data.kind == "python"  # the data iterator lives in that process
+        going = True
         try:
-            dones = self._procs.run(d, order, cut=lambda: self._should_cut(d, run), poll_s=self.cfg.poll_s)
+            # each task's Done as it ends, in order, booked as if it had been its own order: a
+            # chunk's metrics go out step by step, and a process that dies mid-chunk has had the
+            # steps it finished booked
+            for done in self._procs.run(
+                d, order, cut=lambda: self._should_cut(d, run), poll_s=self.cfg.poll_s
+            ):
+                if not going:
+                    continue  # the trial failed here: the rest of the chunk comes off the pipe unbooked
+                task = t.next_task
+                # the parent's record of the trial follows the device's (its tensors are shared)
+                t.step, t.pos, t.loss = done.step, done.pos, done.loss
+                ledger = self.places[d].ledger
+                ledger.peak, ledger.held = max(ledger.peak, done.peak_bytes), done.held_bytes
+                run.pinned = d if (t.pos != 0 or stateful) else None
+                if not self._apply_done(d, run, task, done):
+                    going = False
+                    self._procs.cut(d)
         except DeviceDied as exc:
             task = t.next_task
             self._device_died(d, run, f"{exc} while running the trial's task {task.kind}{task.shard}")
-            return
-        stateful = run.entry.job.data.kind == "python"  # the data iterator lives in that process
-        for done in dones:  # in order, each as if it had been its own order
-            task = t.next_task
-            # the parent's record of the trial follows the device's (its tensors are shared)
-            t.step, t.pos, t.loss = done.step, done.pos, done.loss
-            ledger = self.places[d].ledger
-            ledger.peak, ledger.held = max(ledger.peak, done.peak_bytes), done.held_bytes
-            run.pinned = d if (t.pos != 0 or stateful) else None
-            if not self._apply_done(d, run, task, done):
-                break
 
     def _apply_done(self, d: int, run: TrialRun, task: Any, done: Done) -> bool:
         """Book one task's Done: its timings and slot, at a mini-batch end the metrics, evaluation
