@@ -199,7 +199,9 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them
-        env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10)}
+        # a request waiting 0.5 s has the API log every thread's stack (api/stalls.py): the runs'
+        # worst stalls were 1.2-4.7 s, under the service's default of 2 s for some
+        env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10), "SHARDYARD_STALL_LOG_S": "0.5"}
         with Stack(root=Path(tmp), workers=1, extra_env=env, shutdown_s=60) as stack:
             res = run(stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds)
             # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
