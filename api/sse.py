@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
 from collections import deque
@@ -309,7 +310,12 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             terminal = over
         if terminal:
             return
-        last_sent = last_check = time.monotonic()
+        last_sent = time.monotonic()
+        # each stream's periodic read of the database keeps a phase of its own: streams opened
+        # together (a page many people watch, reconnects after an API restart) read at the same
+        # moment otherwise, and 50 such reads at once held every request of the process for 0.4-1.6
+        # s every 15 s (bench/api_load.py: the slowest requests all started 16-18 s into a run)
+        last_check = last_sent - random.uniform(0.0, min(_DB_RECHECK_S, settings.sse_keepalive_s))
         behind = False
         while True:
             msg = await live.next(timeout=1.0)
