@@ -128,16 +128,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # not a thread, which held the interpreter lock the requests need); one holds its lock
         sched = SchedulerProcess(settings).start() if settings.embedded_scheduler else None
         app.state.scheduler = sched
-        beat = asyncio.create_task(stalls.beat()) if stalls is not None else None
-        if stalls is not None:
-            stalls.start()
+        beat = asyncio.create_task(stalls.start().beat()) if stalls is not None else None
         try:
             yield
         finally:
-            if stalls is not None:
-                stalls.stop()
             if beat is not None:
                 beat.cancel()
+                stalls.stop()  # type: ignore[union-attr]
             if sched is not None:
                 sched.stop()
             process_exited()

@@ -98,11 +98,11 @@ def free_asks(method: str, startup_trials: int | None) -> int:
     """How many first trials the sampler asks without looking at any told value: tpe's and cmaes's
     random start-up trials (`startup_trials`, else the sampler's own default), and every one of
     qmc's. Asked before any value is told, they are the same points whenever they are asked."""
-    optuna = _optuna()
     if method == "qmc":
         return sys.maxsize
     if startup_trials is not None:
         return startup_trials
+    optuna = _optuna()
     cls = {"tpe": optuna.samplers.TPESampler, "cmaes": optuna.samplers.CmaEsSampler}[method]
     return int(inspect.signature(cls).parameters["n_startup_trials"].default)
 
@@ -176,8 +176,9 @@ def plan(
     startup_trials: int | None = None,
 ) -> Plan:
     """Trials 0 .. askable(...) - 1: those that may be asked once trials 0 .. len(values) - 1 have
-    ended (the value-free start-up asks at any time, before anything is told). `values[i]` is trial i's metric (None: it failed or has none);
-    the values are a prefix: a trial that ended after a running one waits for it to be told."""
+    ended (the value-free start-up asks at any time, before anything is told). `values[i]` is
+    trial i's metric (None: it failed or has none); the values are a prefix: a trial that ended
+    after a running one waits for it to be told."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
     optuna = _optuna()

@@ -81,6 +81,24 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
+def listing_filters(
+    model: Any, *, owner_id: int | None, status: str | None, owner: str | None, name: str | None
+) -> list[Any]:
+    """The WHERE terms of a listing of `model` (jobs, selection batches: both have owner_id,
+    status and name): `owner_id` one user's rows (a non-admin's view), `status` one status,
+    `owner` a user by name, `name` a substring in any case."""
+    where = []
+    if owner_id is not None:
+        where.append(model.owner_id == owner_id)
+    if status:
+        where.append(model.status == status)
+    if owner:
+        where.append(model.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
+    if name:
+        where.append(model.name.icontains(name, autoescape=True))
+    return where
+
+
 def list_jobs(
     session: Session,
     *,
@@ -94,17 +112,9 @@ def list_jobs(
 ) -> tuple[Sequence[Job], int]:
     """One page, newest first, and the count of all matches. `owner_id` restricts to one user's
     jobs (a non-admin's view); `owner` filters by user name; `name` matches a substring."""
-    where = []
-    if status:
-        where.append(Job.status == status)
+    where = listing_filters(Job, owner_id=owner_id, status=status, owner=owner, name=name)
     if kind:
         where.append(Job.kind == kind)
-    if owner_id is not None:
-        where.append(Job.owner_id == owner_id)
-    if owner:
-        where.append(Job.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
-    if name:
-        where.append(Job.name.icontains(name, autoescape=True))
     total = session.scalar(select(func.count(Job.id)).where(*where)) or 0
     rows = session.scalars(
         select(Job).where(*where).order_by(Job.id.desc()).limit(limit).offset(offset)

@@ -13,7 +13,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from db.ingest import Applied, JobLines, apply_lines
-from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now
+from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now, listing_filters
 from db.models import (
     TERMINAL,
     Job,
@@ -23,7 +23,6 @@ from db.models import (
     Reservation,
     Selection,
     Trial,
-    User,
     utcnow,
 )
 
@@ -157,15 +156,7 @@ def list_selections(
     """A page, newest first, and the count of all matches. `owner_id` keeps one user's batches (a
     non-admin's view); `status` one status; `owner` filters by user name; `name` matches a
     substring (any case)."""
-    where = []
-    if owner_id is not None:
-        where.append(Selection.owner_id == owner_id)
-    if status:
-        where.append(Selection.status == status)
-    if owner:
-        where.append(Selection.owner_id == select(User.id).where(User.name == owner).scalar_subquery())
-    if name:
-        where.append(Selection.name.icontains(name, autoescape=True))
+    where = listing_filters(Selection, owner_id=owner_id, status=status, owner=owner, name=name)
     total = session.scalar(select(func.count(Selection.id)).where(*where)) or 0
     rows = session.scalars(
         select(Selection)

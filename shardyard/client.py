@@ -148,10 +148,7 @@ class Client:
         offset: int = 0,
     ) -> Page[Job]:
         """Jobs the caller may see, newest first; `name`: the name contains it (any case)."""
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        params.update({k: v for k, v in (("status", status), ("name", name), ("owner", owner)) if v})
-        page = self._send("GET", "/api/jobs", params=params)
-        return Page([Job.from_json(j, self) for j in page["items"]], page["total"])
+        return self._page("/api/jobs", Job, status=status, name=name, owner=owner, limit=limit, offset=offset)
 
     list_jobs = jobs
 
@@ -278,10 +275,15 @@ class Client:
         offset: int = 0,
     ) -> Page[Selection]:
         """Batches the caller may see, newest first; `name`: the name contains it (any case)."""
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        params.update({k: v for k, v in (("status", status), ("name", name), ("owner", owner)) if v})
-        page = self._send("GET", "/api/selections", params=params)
-        return Page([Selection.from_json(s, self) for s in page["items"]], page["total"])
+        return self._page(
+            "/api/selections", Selection, status=status, name=name, owner=owner, limit=limit, offset=offset
+        )
+
+    def _page(self, path: str, cls: Any, *, limit: int, offset: int, **filters: str | None) -> Page[Any]:
+        """One page of a listing route, its items made `cls` (the filters that are set only)."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset, **{k: v for k, v in filters.items() if v}}
+        page = self._send("GET", path, params=params)
+        return Page([cls.from_json(x, self) for x in page["items"]], page["total"])
 
     def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection:
         data = self._send("GET", f"/api/selections/{selection_id}", patience_s=patience_s)

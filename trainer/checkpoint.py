@@ -11,8 +11,9 @@ keeps all), and never one a resume may still need: every checkpoint from the new
 the step the database has applied on (the worker writes that step into the folder's `applied-step`
 file, jobrules/applied.py; all of them while none is at or below it). So a relay that lags any
 number of checkpoints behind the trainer never leaves an attempt that dies with nothing to resume
-from. Without the file (a trainer run by hand) the count alone decides. The temporary files of writers that died mid-write (kill -9, OOM) are removed once
-they are stale: their process is gone and the file has not changed for STALE_TMP_S.
+from. Without the file (a trainer run by hand) the count alone decides. The temporary files of
+writers that died mid-write (kill -9, OOM) are removed once they are stale: their process is gone
+and the file has not changed for STALE_TMP_S.
 """
 
 from __future__ import annotations

@@ -389,8 +389,9 @@ def restore_trials(
     """Before the executor starts: each trial of the group's checkpoints as the rule allows
     (workers/execute.py drop_checkpoints_past), from the store when it is not the data dir, with
     its applied step for the pruning (mark_applied), and the newest checkpoint of each ended trial
-    a warm start reads (`sources`, left as they are in the store). Returns the thread that uploads the group's trials' checkpoints (None with the
-    default store). StorageError when the store cannot be read."""
+    a warm start reads (`sources`, left as they are in the store). Returns the thread that uploads
+    the group's trials' checkpoints (None with the default store). StorageError when the store
+    cannot be read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         for index, step in applied_steps.items():

@@ -242,8 +242,6 @@ class DeviceProcesses:
         pipes = [ctx.Pipe() for _ in labels]
         self.cuts = [ctx.RawValue("b", 0) for _ in labels]
         """Per device: set by the parent to end the running chunk at its next task boundary."""
-        self.orders = [0] * len(labels)
-        """Per device: orders sent (a chunk of tasks each)."""
         threads = threads_per_device(len(labels))
         self.procs: list[Any] = []
         for d, (_, child) in enumerate(pipes):
@@ -289,7 +287,6 @@ class DeviceProcesses:
             conn.send(order)
         except OSError:
             raise self._died(d) from None
-        self.orders[d] += 1
         if order.adopt is not None:
             self.known[d].add(order.trial)
         chunk = len(order.evaluates) > 1 and cut is not None
