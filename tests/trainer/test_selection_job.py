@@ -175,3 +175,18 @@ def test_cli_device_processes_and_device_threads_print_the_same_numbers(tmp_path
     assert runs[()] and runs[()] == runs[("--device-threads",)] == runs[("--chunk-tasks", "1")]
     rc, lines = cli(tmp_path, batch(), "--chunk-tasks", "0")
     assert rc == 2 and lines[-1]["message"] == "bad batch: --chunk-tasks must be >= 1, got 0"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--device-threads", "--chunk-tasks", "4"), ("--devices", "1", "--chunk-tasks", "4")],
+    ids=["device-threads", "one-device"],
+)
+def test_cli_refuses_chunk_tasks_where_devices_are_threads(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    # chunks are for CPU device processes: asked for where the devices are threads, the batch is
+    # refused with the reason, not run without them
+    rc, lines = cli(tmp_path, batch(), *extra)
+    assert rc == 2
+    assert lines[-1]["kind"] == "error"
+    assert "chunk_tasks: applies to CPU device processes only" in lines[-1]["message"]
+    assert not [x for x in lines if x["kind"] == "metric"]

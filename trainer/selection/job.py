@@ -107,6 +107,16 @@ def run_selection(
     if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
         spec.executor.device_processes = False
     if chunk_tasks is not None:  # a lone trial's tasks an order (ExecutorConfig.chunk_tasks)
+        processes = spec.executor.device_processes
+        if processes is None:
+            processes = devices[0].type == "cpu" and len(devices) > 1
+        if not processes:
+            # chunks exist only where a device is a process of its own: refused, not ignored
+            raise ConfigError(
+                "chunk_tasks: applies to CPU device processes only (two or more CPU devices, "
+                f"without device threads); this batch runs its {len(devices)} {devices[0].type} "
+                "device(s) as threads"
+            )
         spec.executor.chunk_tasks = chunk_tasks
     failed: dict[int, dict[str, Any]] = {}
 
