@@ -53,6 +53,7 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
+from jobrules.parallel import checkpoint_pieces
 from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
@@ -242,7 +243,12 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         # gets is known only after the rendezvous) and uploads its own ranks' pieces.
         if node_rank == 0 or not get_storage(settings).is_data_dir:
             uploader = restore_checkpoints(
-                settings, ckpt_dir=ckpt_dir, job_id=job_id, applied_step=applied_step, relay=relay
+                settings,
+                ckpt_dir=ckpt_dir,
+                job_id=job_id,
+                applied_step=applied_step,
+                relay=relay,
+                pieces=checkpoint_pieces(spec.get("parallel") or {}),
             )
         args += workspace_args(spec, settings=settings, workdir=node_dir)
     except StorageError as e:
