@@ -38,7 +38,7 @@ from pathlib import Path
 from core.storage import Storage, StorageError
 from db.engine import session_for
 from db.ingest import add_event
-from jobrules.applied import APPLIED_FILE, read_applied_step
+from jobrules.applied import APPLIED_FILE, kept_steps, read_applied_step
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,25 @@ def local_checkpoints(root: Path) -> dict[str, Path]:
         for p in root.rglob(f"{PREFIX}*{SUFFIX}")
         if parse_step(p.name) is not None
     }
+
+
+def prune_local(root: Path, *, keep: int, applied: int | None) -> list[Path]:
+    """The trainer's pruning (jobrules/applied.py kept_steps) of the checkpoint folder `root` and
+    each rank piece in it, by `applied`: what the worker does once the job has ended, since no
+    trainer prunes after its last save (whose applied-step file lagged the last lines). Returns
+    what was removed."""
+    by_folder: dict[str, list[tuple[int, Path]]] = {}
+    for rel, path in local_checkpoints(root).items():
+        folder, _, name = rel.rpartition("/")
+        by_folder.setdefault(folder, []).append((parse_step(name) or 0, path))
+    removed = []
+    for items in by_folder.values():
+        kept = kept_steps([s for s, _ in items], keep=keep, applied=applied)
+        for step, path in items:
+            if step not in kept:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return sorted(removed)
 
 
 def _by_folder(rels: Iterable[str]) -> dict[str, set[int]]:
@@ -212,6 +231,34 @@ class Mirror:
             del self.known[rel]
             changed += 1
         return changed
+
+    def prune_store(self, *, keep: int, applied: int | None) -> int:
+        """Once the job has ended: the store's copies pruned as a folder is (kept_steps), from
+        the store's own listing, so copies no attempt's folder holds any more (older usable steps
+        a restore left there, deletions held back) go too. A checkpoint that is one file keeps
+        kept_steps' steps; rank pieces keep the newest `keep` steps every piece holds and every
+        step from store_floor on (nothing while none is whole: another node's last upload may
+        still be on its way, and the node that ends last prunes what this one left). Returns how
+        many objects were deleted (0 with `keep` 0: all stay)."""
+        if keep <= 0:
+            return 0
+        found = _by_folder(self._remote())
+        drop: list[str] = []
+        for folder, steps in found.items():
+            if not _is_piece(folder):
+                drop += [_rel(folder, s) for s in steps - kept_steps(list(steps), keep=keep, applied=applied)]
+        held = [set(steps) for folder, steps in found.items() if _is_piece(folder)]
+        floor = store_floor(found, applied=applied, pieces=self.pieces)
+        if held and floor is not None:
+            whole = sorted(set.intersection(*held))
+            kept = set(whole[-keep:])
+            for folder, steps in found.items():
+                if _is_piece(folder):
+                    drop += [_rel(folder, s) for s in sorted(steps) if s < floor and s not in kept]
+        for rel in drop:
+            self.storage.delete(self.key(rel))
+            self.known.pop(rel, None)
+        return len(drop)
 
     def _deletable(self, gone: list[str]) -> list[str]:
         """Of the copies whose local file is gone, those the store may lose now: a rank piece's

@@ -58,6 +58,7 @@ from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
     owner_id,
+    prune_at_end,
     publish_status,
     restore_checkpoints,
     run_in_job_env,
@@ -329,7 +330,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         relay=relay,
         oom_before=oom_before,
     )
-    return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+    status = retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+    # every node prunes its own folder and the store (the one that ends last sees every piece)
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, uploader=uploader)
+    return status
 
 
 class GangEnd:

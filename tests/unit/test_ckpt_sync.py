@@ -15,7 +15,7 @@ from core.storage import Storage, open_storage
 from jobrules.applied import APPLIED_FILE, write_applied_step
 from tests.s3 import S3Server
 from trainer.checkpoint import prune_checkpoints
-from workers.ckpt_sync import Mirror, Uploader
+from workers.ckpt_sync import Mirror, Uploader, prune_local
 
 PREFIX = "jobs/9/checkpoints"
 
@@ -209,3 +209,55 @@ def test_a_pieces_copies_go_once_the_other_pieces_reach_the_store(store: Storage
     # a removed folder goes whole (a selection's trial)
     shutil.rmtree(b)
     assert mb.sync() == 1 and _stored(store) == [f"pp0-tp0/{_name(s)}" for s in (5, 10)]
+
+
+def test_at_the_jobs_end_the_folder_and_the_store_keep_the_newest_whole_steps(
+    store: Storage, tmp_path: Path
+) -> None:
+    # a finished two-node gang: the trainers' last saves read an applied step of 10 (the relay
+    # was behind), so their folders kept 10..30; the store also holds 5, an older usable copy a
+    # restore left there, and node a's deletions of 10 and 15 were held back (b's copies lagged)
+    a, b = tmp_path / "a", tmp_path / "b"
+    ma, mb = (Mirror(storage=store, local=h, prefix=PREFIX, pieces=2) for h in (a, b))
+    _write(a, {"pp0-tp0": (5, 10, 15, 20, 25, 30)})
+    _write(b, {"pp1-tp0": (5, 10, 15, 20, 25)})
+    ma.sync()
+    mb.sync()
+    for host in (a, b):
+        (host / APPLIED_FILE).write_text("10\n")
+    # node a ends first, before b's last piece (30) reached the store: 25 is the newest whole step
+    assert prune_local(a, keep=3, applied=30) == [a / "pp0-tp0" / _name(s) for s in (5, 10, 15)]
+    assert _local(a) == [f"pp0-tp0/{_name(s)}" for s in (20, 25, 30)]
+    # 25 is the newest whole step at or below 30: of the steps below it, the newest 3 whole ones
+    # stay (15, 20 and 25), so each piece's 5 and 10 go
+    assert ma.prune_store(keep=3, applied=30) == 4
+    assert _stored(store) == [
+        *(f"pp0-tp0/{_name(s)}" for s in (15, 20, 25, 30)),
+        *(f"pp1-tp0/{_name(s)}" for s in (15, 20, 25)),
+    ]
+    # node b ends last, after its final upload: 30 is whole, the newest 3 whole steps stay
+    _write(b, {"pp1-tp0": (30,)})
+    mb.sync()
+    prune_local(b, keep=3, applied=30)
+    mb.prune_store(keep=3, applied=30)
+    assert _stored(store) == [f"{piece}/{_name(s)}" for piece in ("pp0-tp0", "pp1-tp0") for s in (20, 25, 30)]
+    ma.sync()
+    mb.sync()
+    assert len(_stored(store)) == 6, "nothing is uploaded again"
+
+
+def test_at_the_jobs_end_one_file_checkpoints_keep_what_kept_steps_leaves(
+    store: Storage, tmp_path: Path
+) -> None:
+    host = tmp_path / "host"
+    m = Mirror(storage=store, local=host, prefix=PREFIX)
+    _write(host, {"": (4, 8, 12, 16, 20)})
+    m.sync()
+    prune_local(host, keep=2, applied=20)
+    assert m.prune_store(keep=2, applied=20) == 3
+    assert _local(host) == _stored(store) == [_name(16), _name(20)]
+    # keep 0 keeps all; a failed job's applied step keeps its floor and what came after it
+    _write(host, {"": (24, 28)})
+    m.sync()
+    assert m.prune_store(keep=0, applied=28) == 0
+    assert m.prune_store(keep=1, applied=20) == 1 and _stored(store) == [_name(s) for s in (20, 24, 28)]
