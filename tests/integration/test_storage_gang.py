@@ -68,11 +68,9 @@ def gang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StackHandle
             "SHARDYARD_RECONCILE_S": "2",
             "SHARDYARD_GANG_JOIN_S": "120",
             "SHARDYARD_WORKER_ALIVE_S": "5",
-            # every checkpoint stays: with the default keep (3) a CI run (2026-11-27) restarted
-            # this gang from step 0 on both nodes although a whole checkpoint at or below the
-            # applied step had been in the store before the kill (README, Retention: not yet
-            # explained for a gang whose pieces live in a store)
-            "SHARDYARD_CHECKPOINT_KEEP": "0",
+            # the default SHARDYARD_CHECKPOINT_KEEP (3): the frozen node's copies in the store lag
+            # its folder, and the store keeps a step both pieces hold (workers/ckpt_sync.py
+            # store_floor; it restarted from step 0 when each node mirrored its own pruning)
         },
         worker_env={
             i: {"SHARDYARD_DATA_DIR": str(d), "SHARDYARD_NODE_ADDR": ADDRS[i], "LOGLEVEL": "INFO"}
