@@ -164,3 +164,9 @@ def test_a_gang_that_lost_a_node_resumes_from_the_store_on_a_new_host(gang) -> N
         p.parent.name for p in (dirs[3] / "jobs" / str(job_id) / "checkpoints").rglob("step-*.pt")
     )
     assert set(restored) == {"pp0-tp0", "pp1-tp0"}, restored
+    # once the job has ended, each node prunes the store (workers/execute.py prune_at_end): the
+    # newest 3 steps of both pieces stay, whatever the trainers' last saves had kept
+    deadline = time.monotonic() + 60
+    while (got := pieces()) != {p: {STEPS - 10, STEPS - 5, STEPS} for p in ("pp0-tp0", "pp1-tp0")}:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)
