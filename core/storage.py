@@ -174,19 +174,7 @@ class Storage:
 
     def list(self, prefix: str) -> list[str]:
         """Every key under the folder `prefix` (recursive), sorted; [] when there is none."""
-        prefix = _check_key(prefix.rstrip("/"))
-        base = self.path(prefix)
-
-        def find() -> list[str]:
-            self.fs.invalidate_cache()
-            try:
-                found = self.fs.find(base, **self._deadline())
-            except FileNotFoundError:
-                return []
-            start = len(self.root.rstrip("/")) + 1
-            return sorted(p[start:] if p.startswith(self.root) else p for p in map(self._strip, found))
-
-        return self._call("list", prefix + "/", find)
+        return sorted(self.sizes(prefix))
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """Every key under the folder `prefix` with its size in bytes."""
@@ -200,7 +188,15 @@ class Storage:
             except FileNotFoundError:
                 return {}
             start = len(self.root.rstrip("/")) + 1
-            return {self._strip(p)[start:]: int(info.get("size") or 0) for p, info in found.items()}
+            # objects only: s3fs's find answers the folder itself when its listing came back empty
+            # and its own look-up of the path then found objects written meanwhile (a node's first
+            # upload), and a store may hold "folder/" marker objects (written by consoles and
+            # some tools); neither is a key
+            return {
+                self._strip(p)[start:]: int(info.get("size") or 0)
+                for p, info in found.items()
+                if info.get("type") == "file" and not p.endswith("/")
+            }
 
         return self._call("list", prefix + "/", find)
 

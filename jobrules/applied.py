@@ -53,3 +53,24 @@ def read_applied_step(path: Path) -> int | None:
         return int(text.strip())
     except ValueError:
         return None
+
+
+def kept_steps(steps: list[int], *, keep: int, applied: int | None) -> set[int]:
+    """The steps pruning leaves of `steps`: the newest `keep` (0: all) and, with an `applied` step,
+    every one from the newest at or below it on (all of them while none is at or below it: the
+    database applies checkpoints in the order they were written).
+
+    Not only the one at the applied step: the ranks of a pipeline or tensor layout prune their
+    pieces each on its own and read the applied-step file at slightly different moments, so they
+    can name different steps; keeping everything from each one's step on leaves every piece of
+    the higher of those, a step a resume may use whole. While the relay keeps up this is the
+    newest `keep` alone; while it lags, what it has not applied yet stays."""
+    ordered = sorted(steps)
+    if keep <= 0:
+        return set(ordered)
+    kept = set(ordered[-keep:])
+    if applied is not None:
+        at_or_below = [s for s in ordered if s <= applied]
+        floor = at_or_below[-1] if at_or_below else None
+        kept.update(s for s in ordered if floor is None or s >= floor)
+    return kept

@@ -42,6 +42,13 @@ def axis_sizes(parallel: dict[str, Any]) -> tuple[int, int, int]:
     return pp, int(parallel.get("data_parallel", 1)), tensor_world_size(parallel.get("tensor"))
 
 
+def checkpoint_pieces(parallel: dict[str, Any]) -> int:
+    """Files one checkpoint of the job is written as: a piece per pipeline stage and tensor rank
+    (data-parallel replicas write none of their own), 1 when it is one file."""
+    pp, _, tp = axis_sizes(parallel)
+    return pp * tp
+
+
 def world_size(parallel: dict[str, Any]) -> int:
     """Processes the job needs: pipeline stages x data-parallel replicas x tensor ranks."""
     pp, dp, tp = axis_sizes(parallel)

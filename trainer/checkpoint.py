@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from jobrules.applied import APPLIED_FILE, read_applied_step
+from jobrules.applied import APPLIED_FILE, kept_steps, read_applied_step
 
 _PREFIX = "step-"
 _SUFFIX = ".pt"
@@ -185,29 +185,8 @@ def _by_step(directory: Path) -> list[tuple[int, Path]]:
     return sorted(steps)
 
 
-def kept_steps(steps: list[int], *, keep: int, applied: int | None) -> set[int]:
-    """The steps pruning leaves of `steps`: the newest `keep` (0: all) and, with an `applied` step,
-    every one from the newest at or below it on (all of them while none is at or below it: the
-    database applies checkpoints in the order they were written).
-
-    Not only the one at the applied step: the ranks of a pipeline or tensor layout prune their
-    pieces each on its own and read the applied-step file at slightly different moments, so they
-    can name different steps; keeping everything from each one's step on leaves every piece of
-    the higher of those, a step a resume may use whole. While the relay keeps up this is the
-    newest `keep` alone; while it lags, what it has not applied yet stays."""
-    ordered = sorted(steps)
-    if keep <= 0:
-        return set(ordered)
-    kept = set(ordered[-keep:])
-    if applied is not None:
-        at_or_below = [s for s in ordered if s <= applied]
-        floor = at_or_below[-1] if at_or_below else None
-        kept.update(s for s in ordered if floor is None or s >= floor)
-    return kept
-
-
 def prune_checkpoints(directory: Path, *, keep: int, applied_file: Path | None = None) -> list[Path]:
-    """Remove all but the checkpoints `kept_steps` leaves (0 keeps all), the applied step read from
+    """Remove all but the checkpoints `kept_steps` (jobrules/applied.py) leaves (0 keeps all), the applied step read from
     `applied_file` (default: the folder's `applied-step`; missing: the count alone); returns what
     was removed."""
     if keep <= 0 or not directory.is_dir():

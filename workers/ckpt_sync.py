@@ -12,7 +12,14 @@ The trainer only ever reads and writes local files (it stays pure PyTorch). Arou
 - uploads what the trainer writes while it runs (`Uploader`, a thread): every `storage_sync_s`,
   and at once when the trainer reports a checkpoint, newest first; a file the trainer prunes
   (SHARDYARD_CHECKPOINT_KEEP) or a selection executor removes is deleted in the store too. A
-  failed upload is reported in the job's log and tried again; it never stops the trainer.
+  rank's piece of a pipeline or tensor layout is deleted there only below the store's floor
+  (`store_floor`): the newest step at or below the applied step that every piece holds IN THE
+  STORE. Each node prunes and uploads its own pieces on its own schedule, so one node's copies in
+  the store can lag its folder by several checkpoints (a slow upload, a node frozen or killed
+  before its next sync) while another node's follow its folder closely; mirroring each folder's
+  pruning alone then left the two nodes' copies with no step in common, and the next attempt of
+  the gang started from step 0 on every node. A deletion held back is tried again at each sync.
+  A failed upload is reported in the job's log and tried again; it never stops the trainer.
 - syncs once more when the trainer has exited, unless the attempt was fenced off (a newer attempt
   owns the store's copies then).
 
@@ -31,6 +38,7 @@ from pathlib import Path
 from core.storage import Storage, StorageError
 from db.engine import session_for
 from db.ingest import add_event
+from jobrules.applied import APPLIED_FILE, kept_steps, read_applied_step
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +70,24 @@ def past_or_partial(found: dict[str, set[int]], step: int) -> set[tuple[str, int
     }
 
 
+def _is_piece(folder: str) -> bool:
+    return bool(folder) and "/" not in folder
+
+
+def store_floor(found: dict[str, set[int]], *, applied: int | None, pieces: int = 0) -> int | None:
+    """The newest step at or below `applied` (None: any step) that every rank piece in `found`
+    holds (found: folder -> steps, as in past_or_partial), or None when there is none. `pieces` is
+    how many pieces the job's layout has (0: those in `found`); while fewer are there, no step is
+    whole. A piece's copy below this step may go: a resume (past_or_partial) keeps this step or a
+    newer whole one, whatever another node deletes meanwhile (each deletes only below its own
+    floor, so the highest floor any node saw stays whole)."""
+    held = [set(steps) for folder, steps in found.items() if _is_piece(folder)]
+    if not held or len(held) < pieces:
+        return None
+    whole = set.intersection(*held)
+    return max((s for s in whole if applied is None or s <= applied), default=None)
+
+
 def local_checkpoints(root: Path) -> dict[str, Path]:
     """Checkpoint files under `root` by their path relative to it."""
     if not root.is_dir():
@@ -71,6 +97,25 @@ def local_checkpoints(root: Path) -> dict[str, Path]:
         for p in root.rglob(f"{PREFIX}*{SUFFIX}")
         if parse_step(p.name) is not None
     }
+
+
+def prune_local(root: Path, *, keep: int, applied: int | None) -> list[Path]:
+    """The trainer's pruning (jobrules/applied.py kept_steps) of the checkpoint folder `root` and
+    each rank piece in it, by `applied`: what the worker does once the job has ended, since no
+    trainer prunes after its last save (whose applied-step file lagged the last lines). Returns
+    what was removed."""
+    by_folder: dict[str, list[tuple[int, Path]]] = {}
+    for rel, path in local_checkpoints(root).items():
+        folder, _, name = rel.rpartition("/")
+        by_folder.setdefault(folder, []).append((parse_step(name) or 0, path))
+    removed = []
+    for items in by_folder.values():
+        kept = kept_steps([s for s, _ in items], keep=keep, applied=applied)
+        for step, path in items:
+            if step not in kept:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return sorted(removed)
 
 
 def _by_folder(rels: Iterable[str]) -> dict[str, set[int]]:
@@ -105,6 +150,9 @@ class Mirror:
     prefix: str
     known: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Files the store holds as they are here: relative path -> (size, mtime_ns)."""
+    pieces: int = 0
+    """How many rank pieces a checkpoint of the job has (pipeline stages x tensor ranks; 0: a
+    checkpoint is one file, or count the pieces in the store): see store_floor."""
 
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
@@ -178,11 +226,52 @@ class Mirror:
             self.known[rel] = sig
             changed += 1
         gone = [rel for rel in self.known if not (self.local / rel).is_file()]
-        for rel in gone:
+        for rel in self._deletable(gone):
             self.storage.delete(self.key(rel))
             del self.known[rel]
             changed += 1
         return changed
+
+    def prune_store(self, *, keep: int, applied: int | None) -> int:
+        """Once the job has ended: the store's copies pruned as a folder is (kept_steps), from
+        the store's own listing, so copies no attempt's folder holds any more (older usable steps
+        a restore left there, deletions held back) go too. A checkpoint that is one file keeps
+        kept_steps' steps; rank pieces keep the newest `keep` steps every piece holds and every
+        step from store_floor on (nothing while none is whole: another node's last upload may
+        still be on its way, and the node that ends last prunes what this one left). Returns how
+        many objects were deleted (0 with `keep` 0: all stay)."""
+        if keep <= 0:
+            return 0
+        found = _by_folder(self._remote())
+        drop: list[str] = []
+        for folder, steps in found.items():
+            if not _is_piece(folder):
+                drop += [_rel(folder, s) for s in steps - kept_steps(list(steps), keep=keep, applied=applied)]
+        held = [set(steps) for folder, steps in found.items() if _is_piece(folder)]
+        floor = store_floor(found, applied=applied, pieces=self.pieces)
+        if held and floor is not None:
+            whole = sorted(set.intersection(*held))
+            kept = set(whole[-keep:])
+            for folder, steps in found.items():
+                if _is_piece(folder):
+                    drop += [_rel(folder, s) for s in sorted(steps) if s < floor and s not in kept]
+        for rel in drop:
+            self.storage.delete(self.key(rel))
+            self.known.pop(rel, None)
+        return len(drop)
+
+    def _deletable(self, gone: list[str]) -> list[str]:
+        """Of the copies whose local file is gone, those the store may lose now: a rank piece's
+        only below store_floor (read from the store's listing and the folder's applied-step
+        file); anything else at once (a checkpoint that is one file, whose newer steps this sync
+        uploaded first; a folder that was removed whole)."""
+        pieces = [rel for rel in gone if _is_piece(rel.rpartition("/")[0])]
+        if not pieces or not self.local.is_dir():
+            return gone
+        applied = read_applied_step(self.local / APPLIED_FILE)
+        floor = store_floor(_by_folder(self._remote()), applied=applied, pieces=self.pieces)
+        held = {rel for rel in pieces if floor is None or (parse_step(rel.rpartition("/")[2]) or 0) >= floor}
+        return [rel for rel in gone if rel not in held]
 
 
 class Uploader:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from core.broker import JOBS_CHANNEL, job_channel
 from core.messages import Message
 from core.settings import Settings
@@ -31,6 +33,7 @@ from db.engine import session_for
 from db.ingest import last_status_event
 from db.jobs import (
     Attempt,
+    NotFound,
     claim_job,
     finish_job,
     free_job_reservations,
@@ -41,9 +44,10 @@ from db.jobs import (
     restart_job,
     stop_flags,
 )
-from db.models import JobStatus
+from db.models import TERMINAL, JobStatus
 from db.quotas import quota_gate
 from jobrules.applied import write_applied_step
+from jobrules.parallel import checkpoint_pieces
 from jobrules.restarts import max_restarts
 from workers import pyenv
 from workers.ckpt_sync import (
@@ -53,6 +57,7 @@ from workers.ckpt_sync import (
     local_checkpoints,
     parse_step,
     past_or_partial,
+    prune_local,
     storage_failure,
 )
 from workers.failures import infrastructure_failure, oom_kill_count
@@ -239,7 +244,12 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     )
     try:
         uploader = restore_checkpoints(
-            settings, ckpt_dir=ckpt_dir, job_id=job_id, applied_step=applied_step, relay=relay
+            settings,
+            ckpt_dir=ckpt_dir,
+            job_id=job_id,
+            applied_step=applied_step,
+            relay=relay,
+            pieces=checkpoint_pieces(spec.get("parallel") or {}),
         )
         cmd += workspace_args(spec, settings=settings, workdir=workdir)
     except StorageError as e:
@@ -287,24 +297,26 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit, oom_before=oom_before
     )
     relay.drain_live()
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, uploader=uploader)
     return status
 
 
 def restore_checkpoints(
-    settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay
+    settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay, pieces: int = 0
 ) -> Uploader | None:
     """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
     from the store when it is not the data dir (workers/ckpt_sync.py), its applied step for the
     trainer's pruning (mark_applied), and the thread that uploads the new ones (None with the
-    default store: the trainer's folder is the store). StorageError when the store cannot be
-    read."""
+    default store: the trainer's folder is the store). `pieces`: the files one checkpoint is
+    written as (jobrules/parallel.py checkpoint_pieces), which the uploads' deletions in the store
+    wait for (ckpt_sync.store_floor). StorageError when the store cannot be read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         if ckpt_dir.is_dir():
             drop_checkpoints_past(ckpt_dir, applied_step)
         mark_applied(ckpt_dir, applied_step)
         return None
-    mirror = Mirror(storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id))
+    mirror = Mirror(storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id), pieces=pieces)
     restored = mirror.restore(applied_step=applied_step)
     mark_applied(ckpt_dir, applied_step)
     report = job_reporter(settings.database_url, [job_id])
@@ -315,6 +327,29 @@ def restore_checkpoints(
     return Uploader(
         [mirror], interval_s=settings.storage_sync_s, report=report, allowed=lambda: not relay.fenced
     ).start()
+
+
+def prune_at_end(settings: Settings, *, attempt: Attempt, ckpt_dir: Path, uploader: Uploader | None) -> None:
+    """Once this attempt ended the job (succeeded, failed or cancelled, every line applied): the
+    pruning the trainer no longer does. Its last save read an applied-step file that lagged the
+    last lines, so up to every checkpoint the relay had not applied then was still there. The
+    folder (ckpt_sync.prune_local) and, with a store, the store's copies (Mirror.prune_store) keep
+    what `checkpoint_keep` leaves at the job's final applied step. Never fails the attempt: a
+    store or disk error only warns (the copies stay, as before)."""
+    keep = settings.checkpoint_keep
+    if keep <= 0:
+        return
+    try:
+        with session_for(settings.database_url) as s:
+            job = get_job(s, attempt.job_id)
+            if job.status not in TERMINAL or job.attempts != attempt.attempt:
+                return
+            applied = job.applied_step
+        prune_local(ckpt_dir, keep=keep, applied=applied)
+        for mirror in uploader.mirrors if uploader is not None else []:
+            mirror.prune_store(keep=keep, applied=applied)
+    except (OSError, StorageError, SQLAlchemyError, NotFound) as e:  # NotFound: deleted meanwhile
+        log.warning("job %s: checkpoints not pruned at its end: %s", attempt.job_id, e)
 
 
 def fail_unstarted(settings: Settings, *, attempt: Attempt, relay: Relay, error: str) -> str:

@@ -53,10 +53,12 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
+from jobrules.parallel import checkpoint_pieces
 from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
     owner_id,
+    prune_at_end,
     publish_status,
     restore_checkpoints,
     run_in_job_env,
@@ -242,7 +244,12 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         # gets is known only after the rendezvous) and uploads its own ranks' pieces.
         if node_rank == 0 or not get_storage(settings).is_data_dir:
             uploader = restore_checkpoints(
-                settings, ckpt_dir=ckpt_dir, job_id=job_id, applied_step=applied_step, relay=relay
+                settings,
+                ckpt_dir=ckpt_dir,
+                job_id=job_id,
+                applied_step=applied_step,
+                relay=relay,
+                pieces=checkpoint_pieces(spec.get("parallel") or {}),
             )
         args += workspace_args(spec, settings=settings, workdir=node_dir)
     except StorageError as e:
@@ -323,7 +330,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         relay=relay,
         oom_before=oom_before,
     )
-    return retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+    status = retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+    # every node prunes its own folder and the store (the one that ends last sees every piece)
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, uploader=uploader)
+    return status
 
 
 class GangEnd:

@@ -68,11 +68,9 @@ def gang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StackHandle
             "SHARDYARD_RECONCILE_S": "2",
             "SHARDYARD_GANG_JOIN_S": "120",
             "SHARDYARD_WORKER_ALIVE_S": "5",
-            # every checkpoint stays: with the default keep (3) a CI run (2026-11-27) restarted
-            # this gang from step 0 on both nodes although a whole checkpoint at or below the
-            # applied step had been in the store before the kill (README, Retention: not yet
-            # explained for a gang whose pieces live in a store)
-            "SHARDYARD_CHECKPOINT_KEEP": "0",
+            # the default SHARDYARD_CHECKPOINT_KEEP (3): the frozen node's copies in the store lag
+            # its folder, and the store keeps a step both pieces hold (workers/ckpt_sync.py
+            # store_floor; it restarted from step 0 when each node mirrored its own pruning)
         },
         worker_env={
             i: {"SHARDYARD_DATA_DIR": str(d), "SHARDYARD_NODE_ADDR": ADDRS[i], "LOGLEVEL": "INFO"}
@@ -166,3 +164,9 @@ def test_a_gang_that_lost_a_node_resumes_from_the_store_on_a_new_host(gang) -> N
         p.parent.name for p in (dirs[3] / "jobs" / str(job_id) / "checkpoints").rglob("step-*.pt")
     )
     assert set(restored) == {"pp0-tp0", "pp1-tp0"}, restored
+    # once the job has ended, each node prunes the store (workers/execute.py prune_at_end): the
+    # newest 3 steps of both pieces stay, whatever the trainers' last saves had kept
+    deadline = time.monotonic() + 60
+    while (got := pieces()) != {p: {STEPS - 10, STEPS - 5, STEPS} for p in ("pp0-tp0", "pp1-tp0")}:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)

@@ -131,3 +131,16 @@ def test_a_missing_bucket_is_named(s3: S3Server, tmp_path: Path) -> None:
         StorageError, match="s3://no-such-bucket/p: reach the store failed: .*bucket does not exist"
     ):
         store.check()
+
+
+def test_a_listing_holds_objects_only(s3: S3Server, tmp_path: Path) -> None:
+    """A "folder/" marker object (an S3 console's "create folder", some sync tools) is not a key:
+    a checkpoint listing that took it in named a folder as a file (and the store gang test's own
+    listing failed to parse it; s3fs's find answers the folder itself the same way when its
+    listing races a first upload)."""
+    store = open_storage(url="s3://shardyard/markers", data_dir=tmp_path, endpoint_url=s3.endpoint)
+    store.fs.pipe_file("shardyard/markers/jobs/5/checkpoints/", b"")
+    assert store.list("jobs/5/checkpoints") == [] and store.sizes("jobs/5") == {}
+    store.put_bytes("jobs/5/checkpoints/pp0-tp0/step-00000005.pt", b"piece")
+    assert store.list("jobs/5") == ["jobs/5/checkpoints/pp0-tp0/step-00000005.pt"]
+    assert store.sizes("jobs/5/checkpoints") == {"jobs/5/checkpoints/pp0-tp0/step-00000005.pt": 5}
