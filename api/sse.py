@@ -253,6 +253,22 @@ def _metric_entry(msg: dict[str, Any]) -> tuple[_Bodies, _Written]:
     return bodies, _BODIES[id(msg)][2]
 
 
+_JOINED: dict[int, tuple[list[str], str]] = {}
+"""id(frames) -> (the frames, joined): the streams that share a message's list of frames
+(`_metric_entry`) share its one string too, instead of joining hundreds of frames each."""
+
+
+def _joined(frames: list[str]) -> str:
+    hit = _JOINED.get(id(frames))
+    if hit is not None and hit[0] is frames:
+        return hit[1]
+    text = "".join(frames)
+    if len(_JOINED) >= 64:
+        del _JOINED[next(iter(_JOINED))]
+    _JOINED[id(frames)] = (frames, text)  # holds the list, so its id stays its own
+    return text
+
+
 def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     """Frames for one channel message not already replayed; True when it ends the job."""
     out: list[str] = []
@@ -402,7 +418,7 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             if msg is not None:
                 frames, ended = _live_frames(msg, cur)
                 if frames:
-                    yield "".join(frames)  # one write for a message's frames, not one each
+                    yield _joined(frames)  # one write for a message's frames, not one each
                     last_sent = now
                 if ended:
                     return

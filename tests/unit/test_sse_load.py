@@ -158,3 +158,30 @@ def test_a_stream_that_fell_behind_reads_everything_it_missed(
         return got
 
     assert asyncio.run(main()) == [1, 2, 3]
+
+
+def test_streams_at_the_same_cursor_share_one_string_per_message(broker: Stack, tmp_path: Path) -> None:
+    """A message's frames are encoded and joined once for all the streams that follow live, not
+    once per stream (50 streams of a fast job joined 20 MB/s of frames each their own)."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+
+    async def main() -> tuple[str, str]:
+        streams = [job_events(settings, job_id=job_id, last_event_id=None) for _ in range(2)]
+        for s in streams:
+            assert (await anext(s)).startswith("retry:")
+            assert "queued" in await anext(s)
+        points = await asyncio.to_thread(_points, url, job_id, range(1, 50))
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": points}))
+        chunks = []
+        for s in streams:
+            chunk = await anext(s)
+            while '"step"' not in chunk:
+                chunk = await anext(s)
+            chunks.append(chunk)
+            await s.aclose()
+        return chunks[0], chunks[1]
+
+    a, b = asyncio.run(main())
+    assert _steps(a) == list(range(1, 50))
+    assert a is b
