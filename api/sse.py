@@ -21,7 +21,7 @@ reconnects, is not replayed. And the stream of a finished job always sends the j
 even when the client had it already, so a client never waits for a status that passed it.
 
 A stream holds no database connection while it waits: each read is its own short session, in the
-streams' own threads (api/stream_threads.py), so a request never waits behind them. When the
+streams' own thread limiter (api/stream_threads.py), so a request never waits behind them. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
 redis-server restart costs the client latency, never a point.
 """
@@ -316,7 +316,7 @@ async def _reads(
 ) -> AsyncIterator[tuple[list[str], bool]]:
     """Everything after `cur` from the database, a chunk at a time: (frames, whether the job is
     over). A finished job's last chunk ends with its final status if this stream has not sent it.
-    The reads run in the streams' own threads (api/stream_threads.py), never in the requests'."""
+    The reads run under the streams' own thread limiter (api/stream_threads.py), not the requests'."""
     after: int | None = None
     SSE_READS.labels(how.why).inc()
     while True:

@@ -1,5 +1,5 @@
-"""The threads open streams do their database work in (catch-up reads, periodic rechecks,
-credential checks), apart from the request handlers'.
+"""The thread limiter open streams do their database work under (catch-up reads, periodic
+rechecks, credential checks), apart from the request handlers'.
 
 Starlette runs sync handlers and `run_in_threadpool` calls in one shared pool behind one limiter
 (anyio's default: 40 tokens). Streams on the same limiter take tokens the requests need: 50 streams
