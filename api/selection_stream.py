@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.concurrency import run_in_threadpool
 
 from api.convert import selection_public
 from api.live import LiveChannel
 from api.sse import frame
+from api.stream_threads import in_stream_thread
 from core.broker import selection_channel
 from core.settings import Settings
 from db.engine import session_for
@@ -63,7 +63,7 @@ class _Reader:
         out: list[str] = []
         self.last_read = time.monotonic()
         while True:
-            rows = await run_in_threadpool(_points, self.settings, self.selection_id, self.cursor)
+            rows = await in_stream_thread(_points, self.settings, self.selection_id, self.cursor)
             for pid, job_id, step, name, value, t, trial_id in rows:
                 self.cursor = pid
                 data = {
@@ -88,7 +88,7 @@ async def selection_events(
         # subscribe before the first read, so nothing published in between is missed
         await live.connect()
         yield "retry: 2000\n\n"
-        status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+        status, trials = await in_stream_thread(_snapshot, settings, selection_id)
         for t in trials:
             yield frame(event="trial", data=t)
         yield frame(event="status", data={"status": status})
@@ -110,7 +110,7 @@ async def selection_events(
             if again or (not live.up and now - last_state >= 1.0):
                 live.resubscribed, last_state = False, now
                 try:
-                    now_status, trials = await run_in_threadpool(_snapshot, settings, selection_id)
+                    now_status, trials = await in_stream_thread(_snapshot, settings, selection_id)
                 except SQLAlchemyError:
                     live.resubscribed = again  # try again on the next round
                 else:

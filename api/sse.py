@@ -20,7 +20,8 @@ it had not seen, and not again the ones it had. What remains: an event published
 reconnects, is not replayed. And the stream of a finished job always sends the job's final status,
 even when the client had it already, so a client never waits for a status that passed it.
 
-A stream holds no database connection while it waits: each read is its own short session. When the
+A stream holds no database connection while it waits: each read is its own short session, in the
+streams' own thread limiter (api/stream_threads.py), so a request never waits behind them. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
 redis-server restart costs the client latency, never a point.
 """
@@ -38,13 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.concurrency import run_in_threadpool
 
 from api.live import LiveChannel
+from api.stream_threads import in_stream_thread
 from core.broker import job_channel
 from core.settings import Settings
+from core.telemetry import SSE_READS, SSE_ROWS
 from db.engine import session_for
-from db.ingest import events_after, last_status_event, metrics_after
+from db.ingest import events_after, last_status_event, metrics_after, newest_metric_id
 from db.jobs import get_job
 from db.models import TERMINAL, JobEvent
 
@@ -171,18 +173,32 @@ class _Read:
     """The job is over (read before its events, so its final status is among them)."""
     after: int
     """The last event id read."""
+    newest: int = 0
+    """The job's newest metric id when read (`want_newest`: a recheck asks for it)."""
 
 
-def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None = None) -> _Read:
-    """Frames for the rows after `cur` (advancing it): metric points after its metric id, events
-    after its horizon (or `after`, the last id a previous chunk read) that it has not sent."""
+def _replay(
+    settings: Settings,
+    job_id: int,
+    cur: Cursor,
+    *,
+    after: int | None = None,
+    upto: int | None = None,
+    want_newest: bool = False,
+) -> _Read:
+    """Frames for the rows after `cur` (advancing it): metric points after its metric id (up to
+    `upto`, unless the job is over), events after its horizon (or `after`, the last id a previous
+    chunk read) that it has not sent. `want_newest`: also read the job's newest metric id."""
     out: list[str] = []
     cur.settle()
     after = cur.horizon if after is None else after
     with session_for(settings.database_url) as s:
         terminal = get_job(s, job_id).status in TERMINAL
+        newest = newest_metric_id(s, job_id=job_id) if want_newest else 0
         events = events_after(s, job_id=job_id, after_id=after, limit=_REPLAY_CHUNK)
-        points = metrics_after(s, job_id=job_id, after_id=cur.metric, limit=_REPLAY_CHUNK)
+        # a finished job's stream ends with this read: every point goes, whatever the bound
+        bound = None if terminal else upto
+        points = metrics_after(s, job_id=job_id, after_id=cur.metric, upto_id=bound, limit=_REPLAY_CHUNK)
         for p in points:
             cur.metric = p.id
             out.append(
@@ -198,7 +214,7 @@ def _replay(settings: Settings, job_id: int, cur: Cursor, *, after: int | None =
                 continue
             out.append(event_frame(_row(ev), cur))
     more = len(points) == _REPLAY_CHUNK or len(events) == _REPLAY_CHUNK
-    return _Read(frames=out, more=more, terminal=terminal, after=after)
+    return _Read(frames=out, more=more, terminal=terminal, after=after, newest=newest)
 
 
 def _final_status(settings: Settings, job_id: int, cur: Cursor) -> list[str]:
@@ -237,6 +253,22 @@ def _metric_entry(msg: dict[str, Any]) -> tuple[_Bodies, _Written]:
     return bodies, _BODIES[id(msg)][2]
 
 
+_JOINED: dict[int, tuple[list[str], str]] = {}
+"""id(frames) -> (the frames, joined): the streams that share a message's list of frames
+(`_metric_entry`) share its one string too, instead of joining hundreds of frames each."""
+
+
+def _joined(frames: list[str]) -> str:
+    hit = _JOINED.get(id(frames))
+    if hit is not None and hit[0] is frames:
+        return hit[1]
+    text = "".join(frames)
+    if len(_JOINED) >= 64:
+        del _JOINED[next(iter(_JOINED))]
+    _JOINED[id(frames)] = (frames, text)  # holds the list, so its id stays its own
+    return text
+
+
 def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     """Frames for one channel message not already replayed; True when it ends the job."""
     out: list[str] = []
@@ -266,34 +298,64 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     return out, ended
 
 
-async def _reads(settings: Settings, job_id: int, cur: Cursor) -> AsyncIterator[tuple[list[str], bool]]:
+@dataclass(slots=True)
+class _Reads:
+    """What one read of the database (all its chunks) gave a stream, beside its frames."""
+
+    why: str
+    """`open`, `catch_up` or `recheck` (the streams' read counters, core/telemetry.py)."""
+    upto: int | None = None
+    """Read metric points up to this id only (a recheck: see job_events)."""
+    terminal: bool = False
+    newest: int = 0
+    """The job's newest metric id, read by a recheck."""
+
+
+async def _reads(
+    settings: Settings, job_id: int, cur: Cursor, how: _Reads
+) -> AsyncIterator[tuple[list[str], bool]]:
     """Everything after `cur` from the database, a chunk at a time: (frames, whether the job is
-    over). A finished job's last chunk ends with its final status if this stream has not sent it."""
+    over). A finished job's last chunk ends with its final status if this stream has not sent it.
+    The reads run under the streams' own thread limiter (api/stream_threads.py), not the requests'."""
     after: int | None = None
+    SSE_READS.labels(how.why).inc()
     while True:
-        read = await run_in_threadpool(_replay, settings, job_id, cur, after=after)
+        read = await in_stream_thread(
+            _replay,
+            settings,
+            job_id,
+            cur,
+            after=after,
+            upto=how.upto,
+            want_newest=how.why == "recheck" and after is None,
+        )
         frames = read.frames
+        if after is None:
+            how.newest = read.newest
         if not read.more and read.terminal and not cur.final:
-            frames = frames + await run_in_threadpool(_final_status, settings, job_id, cur)
+            frames = frames + await in_stream_thread(_final_status, settings, job_id, cur)
+        if frames:
+            SSE_ROWS.labels(how.why).inc(len(frames))
+        how.terminal = read.terminal
         yield frames, read.terminal
         if not read.more:
             return
         after = read.after
 
 
-async def _catch_up(settings: Settings, job_id: int, cur: Cursor) -> tuple[list[str], bool, bool]:
-    """Everything after `cur` from the database: (frames, whether the job is over, whether the
-    read went through). A read that failed (locked, restarting) leaves the rest to the next poll."""
+async def _catch_up(settings: Settings, job_id: int, cur: Cursor, how: _Reads) -> tuple[list[str], bool]:
+    """Everything after `cur` from the database: (frames, whether the read went through); `how`
+    gets whether the job is over. A read that failed (locked, restarting) leaves the rest to the
+    next poll."""
     out: list[str] = []
-    terminal = False
     try:
-        async for frames, over in _reads(settings, job_id, cur):
+        async for frames, _ in _reads(settings, job_id, cur, how):
             out.extend(frames)
-            terminal = over
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
-        return out, False, False
-    return out, terminal, True
+        how.terminal = False
+        return out, False
+    return out, True
 
 
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
@@ -303,13 +365,15 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         # subscribe before the replay, so nothing published in between is missed
         await live.connect()
         yield "retry: 2000\n\n"
-        terminal = False
-        async for frames, over in _reads(settings, job_id, cur):
+        opened = _Reads("open")
+        async for frames, _ in _reads(settings, job_id, cur, opened):
             if frames:
                 yield "".join(frames)
-            terminal = over
-        if terminal:
+        if opened.terminal:
             return
+        # the newest metric id the stream knows to be in the database and published (or lost)
+        # by its next recheck: the replay's last point
+        mark = cur.metric
         last_sent = time.monotonic()
         # each stream's periodic read of the database keeps a phase of its own: streams opened
         # together (a page many people watch, reconnects after an API restart) read at the same
@@ -331,19 +395,30 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up and not behind else 1.0
             if now - last_check > recheck:
                 last_check = now
-                frames, terminal, ok = await _catch_up(settings, job_id, cur)
+                # Following live, a recheck reads points only up to the newest id the previous
+                # recheck saw (`mark`): those were committed and published at least one interval
+                # ago, so the live path has sent them unless their publish was lost. Points
+                # newer than that are on their way on the channel; read here, each stream would
+                # frame again, from the database, what every stream gets live a moment later
+                # (bench/api_load.py: a fifth of the API's CPU with a fast job). A lost publish
+                # is sent one to two intervals late instead of up to one.
+                following = live.up and not behind
+                how = _Reads("recheck", upto=mark) if following else _Reads("catch_up")
+                frames, ok = await _catch_up(settings, job_id, cur, how)
                 if frames:
                     yield "".join(frames)
                     last_sent = now
-                if terminal:
+                if how.terminal:
                     return
                 behind = behind and not ok
+                if ok:
+                    mark = how.newest if following else cur.metric
             if behind:
                 msg = None  # its rows come with the next read of the database
             if msg is not None:
                 frames, ended = _live_frames(msg, cur)
                 if frames:
-                    yield "".join(frames)  # one write for a message's frames, not one each
+                    yield _joined(frames)  # one write for a message's frames, not one each
                     last_sent = now
                 if ended:
                     return

@@ -24,13 +24,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import HTTPException, Request, status
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.auth import Credential, credential_problem_by_id
 from api.deps import app_settings
 from api.sse import frame
+from api.stream_threads import in_stream_thread
 from core.settings import Settings
 from core.telemetry import OPEN_STREAMS
 
@@ -109,7 +109,7 @@ class SseResponse(StreamingResponse):
 
 async def _ask(settings: Settings, cred: Credential) -> str | None:
     try:
-        why = await run_in_threadpool(credential_problem_by_id, settings, cred)
+        why = await in_stream_thread(credential_problem_by_id, settings, cred)
     except SQLAlchemyError as e:
         # the database is busy or away: the stream goes on and the next round asks again (a
         # revocation needs the database too, so it cannot have happened unseen)

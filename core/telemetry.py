@@ -32,6 +32,18 @@ OPEN_STREAMS = Gauge(
     "Server-Sent Event streams open now, over all API processes",
     multiprocess_mode="livesum",
 )
+SSE_READS = Counter(
+    "shardyard_sse_database_reads",
+    "Reads of the database by job streams, by why: open (a stream starts or resumes), catch_up "
+    "(live messages were dropped or lost, or the broker is down), recheck (the periodic look for a "
+    "publish lost without a trace)",
+    ["why"],
+)
+SSE_ROWS = Counter(
+    "shardyard_sse_database_rows",
+    "Metric points and events job streams read from the database and framed, by why (as above)",
+    ["why"],
+)
 DB_POOL_IN_USE = Gauge(
     "shardyard_db_pool_connections_in_use",
     "Database connections the API processes have checked out of their pools now",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, case, insert, select, update
+from sqlalchemy import Row, case, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -189,17 +189,24 @@ def metric_rows(session: Session, *, job_id: int, after_id: int = 0) -> list[tup
         result.close()
 
 
-def metrics_after(session: Session, *, job_id: int, after_id: int, limit: int = 5000) -> Sequence[Row]:
-    """The job's metric points after `after_id`, as plain rows (id, step, name, value, time): a
-    stream that fell behind reads thousands of them, and ORM objects cost several times the CPU
-    of the rows (bench/api_load.py's stalls were streams' replays building them)."""
-    q = (
-        select(MetricPoint.id, MetricPoint.step, MetricPoint.name, MetricPoint.value, MetricPoint.time)
-        .where(MetricPoint.job_id == job_id, MetricPoint.id > after_id)
-        .order_by(MetricPoint.id)
-        .limit(limit)
+def metrics_after(
+    session: Session, *, job_id: int, after_id: int, upto_id: int | None = None, limit: int = 5000
+) -> Sequence[Row]:
+    """The job's metric points after `after_id` (and up to `upto_id`, when given), as plain rows
+    (id, step, name, value, time): a stream that fell behind reads thousands of them, and ORM
+    objects cost several times the CPU of the rows (bench/api_load.py's stalls were streams'
+    replays building them)."""
+    q = select(MetricPoint.id, MetricPoint.step, MetricPoint.name, MetricPoint.value, MetricPoint.time).where(
+        MetricPoint.job_id == job_id, MetricPoint.id > after_id
     )
-    return session.execute(q).all()
+    if upto_id is not None:
+        q = q.where(MetricPoint.id <= upto_id)
+    return session.execute(q.order_by(MetricPoint.id).limit(limit)).all()
+
+
+def newest_metric_id(session: Session, *, job_id: int) -> int:
+    """The id of the job's newest metric point (0 when none): one step down its index."""
+    return session.scalar(select(func.max(MetricPoint.id)).where(MetricPoint.job_id == job_id)) or 0
 
 
 def events_after(

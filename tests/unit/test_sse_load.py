@@ -1,0 +1,187 @@
+"""What many open streams may cost the rest of the API process: their database reads run in
+threads of their own (api/stream_threads.py), so a request handler never waits behind them, and a
+stream that follows its channel live does not read again from the database the points on their way
+to it (api/sse.py's recheck), while a publish that was lost is still sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import redis
+from starlette.concurrency import run_in_threadpool
+
+import api.sse
+from api.sse import job_events
+from api.stack import Stack
+from api.stream_threads import STREAM_THREADS
+from core.broker import job_channel
+from core.settings import Settings
+from db.engine import session_for
+from db.jobs import create_job
+from db.migrate import upgrade
+from db.models import MetricPoint
+
+STREAMS = 45
+"""More streams than anyio's default thread limiter has tokens (40): on one limiter they took them all."""
+
+
+def _one_job(broker: Stack, tmp_path: Path) -> tuple[str, Settings, int]:
+    url = f"sqlite:///{tmp_path / 'test.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
+    with session_for(url) as s:
+        return url, settings, create_job(s, name="j", spec={}).id
+
+
+def test_streams_stuck_in_database_reads_do_not_hold_up_a_request(
+    broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, settings, job_id = _one_job(broker, tmp_path)
+    release = threading.Event()
+    reading = 0
+    lock = threading.Lock()
+    real_replay = api.sse._replay
+
+    def stuck_replay(*args: object, **kwargs: object) -> object:
+        # a read that does not come back (a database that hangs) until the test lets it
+        nonlocal reading
+        with lock:
+            reading += 1
+        release.wait(timeout=60)
+        return real_replay(*args, **kwargs)
+
+    monkeypatch.setattr(api.sse, "_replay", stuck_replay)
+
+    async def main() -> tuple[bool, int]:
+        streams = [job_events(settings, job_id=job_id, last_event_id=None) for _ in range(STREAMS)]
+        for s in streams:
+            assert (await anext(s)).startswith("retry:")
+        replays = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0.5)  # every stream is in its replay, or waits for a thread to do it
+        # what a sync route does (FastAPI runs it in starlette's thread pool)
+        answered = asyncio.ensure_future(run_in_threadpool(lambda: not release.is_set()))
+        done, _ = await asyncio.wait({answered}, timeout=20)
+        stuck = reading
+        release.set()
+        ok = answered in done and answered.result()
+        if not done:
+            await answered
+        await asyncio.gather(*replays)
+        for s in streams:
+            await s.aclose()
+        return ok, stuck
+
+    answered_while_stuck, stuck_at_once = asyncio.run(main())
+    assert answered_while_stuck, "the request waited for the streams' reads"
+    assert stuck_at_once <= STREAM_THREADS  # the streams queued among themselves
+
+
+def _points(url: str, job_id: int, steps: range) -> list[dict]:
+    with session_for(url) as s:
+        rows = [
+            MetricPoint(job_id=job_id, step=i, name="loss", value=1.0 / i, time=time.time()) for i in steps
+        ]
+        s.add_all(rows)
+        s.commit()
+        return [{"id": p.id, "step": p.step, "name": p.name, "value": p.value, "time": p.time} for p in rows]
+
+
+def _steps(chunk: str) -> list[int]:
+    return [json.loads(line[6:])["step"] for line in chunk.splitlines() if line.startswith('data: {"step"')]
+
+
+def test_a_recheck_reads_only_points_whose_publish_is_overdue(
+    broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, settings, job_id = _one_job(broker, tmp_path)
+    settings = settings.model_copy(update={"sse_keepalive_s": 1.0})  # a recheck every second
+    # the stream's first recheck comes at once (its phase is otherwise random)
+    monkeypatch.setattr(api.sse, "random", SimpleNamespace(uniform=lambda lo, hi: hi))
+    read_rows: list[int] = []
+    real_replay = api.sse._replay
+
+    def counted(*args: object, **kwargs: object) -> api.sse._Read:
+        read = real_replay(*args, **kwargs)
+        read_rows.append(sum('"step"' in f for f in read.frames))
+        return read
+
+    monkeypatch.setattr(api.sse, "_replay", counted)
+
+    async def main() -> list[int]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)  # the replay
+        # while the client reads nothing: points committed and published (they wait in the
+        # stream's queue when its recheck comes), then points committed and never published
+        points = await asyncio.to_thread(_points, url, job_id, range(1, 6))
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": points}))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(_points, url, job_id, range(6, 9))
+        got: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 8 and time.monotonic() < deadline:
+            got += _steps(await anext(stream))
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert got == list(range(1, 9))  # each point once, in order
+    # steps 1-5 went live; the reads of the database framed only the lost ones (6-8)
+    assert sum(read_rows) == 3, read_rows
+
+
+def test_a_stream_that_fell_behind_reads_everything_it_missed(
+    broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound is for rechecks only: with the broker gone (no live messages at all) the stream
+    polls the database for everything, up to the newest point."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+    settings = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0", "sse_keepalive_s": 0.3})
+
+    async def main() -> list[int]:
+        stream = job_events(settings, job_id=job_id, last_event_id=None)
+        assert (await anext(stream)).startswith("retry:")
+        assert "queued" in await anext(stream)
+        await asyncio.to_thread(_points, url, job_id, range(1, 4))
+        got: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += _steps(await anext(stream))
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(main()) == [1, 2, 3]
+
+
+def test_streams_at_the_same_cursor_share_one_string_per_message(broker: Stack, tmp_path: Path) -> None:
+    """A message's frames are encoded and joined once for all the streams that follow live, not
+    once per stream (50 streams of a fast job joined 20 MB/s of frames each their own)."""
+    url, settings, job_id = _one_job(broker, tmp_path)
+
+    async def main() -> tuple[str, str]:
+        streams = [job_events(settings, job_id=job_id, last_event_id=None) for _ in range(2)]
+        for s in streams:
+            assert (await anext(s)).startswith("retry:")
+            assert "queued" in await anext(s)
+        points = await asyncio.to_thread(_points, url, job_id, range(1, 50))
+        with redis.Redis.from_url(broker.broker_url) as r:
+            r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": points}))
+        chunks = []
+        for s in streams:
+            chunk = await anext(s)
+            while '"step"' not in chunk:
+                chunk = await anext(s)
+            chunks.append(chunk)
+            await s.aclose()
+        return chunks[0], chunks[1]
+
+    a, b = asyncio.run(main())
+    assert _steps(a) == list(range(1, 50))
+    assert a is b
