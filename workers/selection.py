@@ -312,6 +312,12 @@ def execute_selection(
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is None and msg.kind == "event" and msg.message == "ask":
             answer(int(msg.data.get("ask", 0)))
+        if msg.trial is None and msg.kind == "batch_result":
+            # the group's summary (its devices' idle seconds among it), kept beside its batch file
+            try:
+                batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
+            except OSError as e:
+                log.warning("selection %s %s: could not keep the summary: %s", selection_id, group, e)
         if msg.trial is not None:
             if msg.kind == "metric":
                 steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)

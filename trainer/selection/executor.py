@@ -225,7 +225,10 @@ class Executor:
         self._flops_rate: float | None = None
         self._fatal: BaseException | None = None
         self.idle_s = [0.0] * len(devices)
-        """Per device: time spent waiting for an idle trial."""
+        """Per device: time it had no trial to run before the batch's end (waiting for one, or
+        asking `more` for one)."""
+        self.ask_s = [0.0] * len(devices)
+        """Per device: of idle_s, the time spent asking `more` (a growing batch)."""
         self._procs: DeviceProcesses | None = None
         self._forget: list[list[int]] = [[] for _ in devices]
         """Device processes, per device: ended trials its process still holds, to drop (Forget)."""
@@ -568,10 +571,15 @@ class Executor:
                         else:
                             run = self._pick(d)
                         if run is None and self._may_ask():
+                            a0 = time.perf_counter()
                             self._ask_more()
+                            asked = time.perf_counter() - a0
+                            self.ask_s[d] += asked
+                            waited += asked
                             continue
                         if run is None:
                             if all(r.status in FINAL for r in self.runs.values()) and not self._growing():
+                                self.idle_s[d] += waited  # the tail: waiting for the last trials
                                 self._cond.notify_all()
                                 return
                             self._waiting += 1

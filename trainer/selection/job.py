@@ -155,6 +155,7 @@ def run_selection(
                 ).run()
             )
     fused = set(results)
+    ex = None
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -191,6 +192,11 @@ def run_selection(
         "scheduler": spec.executor.scheduler,
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
+        # per device: seconds with no trial to run before the batch's end, and of those the ones
+        # spent asking the worker for a trial (a sampler's batch); what a growing batch's ask rule
+        # costs shows here (bench.peer --search reads it)
+        "idle_s": list(ex.idle_s) if ex is not None else None,
+        "ask_s": list(ex.ask_s) if ex is not None else None,
     }
 
 
