@@ -11,7 +11,9 @@ free their device at once.
 
 A batch that grows as it runs (a sampler's: workers/search.py) gives `more`: at the dispatch point,
 once a trial has ended since it was last consulted, one free device asks it (outside the lock; the
-other devices go on) for a new trial, and adds the trial it returns to the run; None means none now.
+other devices go on) for the trials due now, and adds those it returns to the run (usually one;
+two where the sampler's clock asks two at once, the batch's last trial beside the one before it, so
+the devices can share the last three); none means none now.
 The run ends when every trial has ended and `more`, asked after the last end, had none.
 
 Threading: every piece of shared state (trial status, holders, ledgers, ASHA) changes under
@@ -181,7 +183,7 @@ class Executor:
         stop: StopSignal | None = None,
         stop_trials: Callable[[], set[int]] | None = None,
         scheduler: Scheduler | None = None,
-        more: Callable[[], TrialEntry | None] | None = None,
+        more: Callable[[], list[TrialEntry] | TrialEntry | None] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a selection batch needs at least one device")
@@ -645,25 +647,27 @@ class Executor:
         return self._asking or (not self._stopping and self._asked_at != self._ended())
 
     def _ask_more(self) -> None:
-        """Under the lock (released while `more` answers and the trial is built): ask for a trial."""
+        """Under the lock (released while `more` answers and the trials are built): ask for the
+        trials due now (a list; a lone TrialEntry or None read as one or none)."""
         assert self.more is not None
         self._asking = True
         ended = self._ended()
         self._cond.release()
-        run, exc = None, None
+        built: list[tuple[TrialRun, tuple[Exception, str] | None]] = []
         try:
-            entry = self.more()
-            if entry is not None:
+            got = self.more()
+            for entry in [got] if isinstance(got, TrialEntry) else got or []:
                 run = TrialRun(entry=entry)
-                exc = self._cut(run)
+                built.append((run, self._cut(run)))
         finally:
             self._cond.acquire()
             self._asking = False
             self._cond.notify_all()
-        if run is None:
+        if not built:
             self._asked_at = ended
             return
-        self._join(run, exc)
+        for run, exc in built:
+            self._join(run, exc)
 
     def _order(self, d: int, run: TrialRun, *, chunk: bool = False) -> Order:
         """The task for device d, with whether the trial evaluates once it ends its mini-batch; with

@@ -93,16 +93,16 @@ def run_selection(
     devices: list[torch.device],
     checkpoint_root: Path | None,
     stop_trials: Callable[[], set[int]] | None = None,
-    more: Callable[[], dict[str, Any] | None] | None = None,
+    more: Callable[[], list[dict[str, Any]]] | None = None,
     device_threads: bool = False,
     chunk_tasks: int | None = None,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
     checkpoint_root/trial-<index>/ holds each trial's checkpoints; a trial that finds one there
-    resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for a new
-    trial (a BatchTrial dict, or None: none now) when a device frees and no trial waits for one
-    (trainer/selection/executor.py)."""
+    resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for the
+    trials due now (BatchTrial dicts; none: an empty list) when a device frees and no trial waits
+    for one (trainer/selection/executor.py)."""
     spec = parse_batch(batch)
     if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
         spec.executor.device_processes = False
@@ -129,15 +129,19 @@ def run_selection(
             warm_start=t.warm_start,
         )
 
-    def next_entry() -> TrialEntry | None:
+    def next_entries() -> list[TrialEntry]:
         assert more is not None
-        while (got := more()) is not None:
-            t = BatchTrial.model_validate(got)
-            ws = Path(t.warm_start) if t.warm_start else None
-            if (e := entry(TrialSpec(index=t.index, spec=t.spec, warm_start=ws))) is not None:
-                return e
-            # a bad spec failed alone (its lines are out before the next ask): ask again
-        return None
+        while got := more():
+            out = []
+            for raw in got:
+                t = BatchTrial.model_validate(raw)
+                ws = Path(t.warm_start) if t.warm_start else None
+                if (e := entry(TrialSpec(index=t.index, spec=t.spec, warm_start=ws))) is not None:
+                    out.append(e)
+            if out:
+                return out
+            # bad specs failed alone (their lines are out before the next ask): ask again
+        return []
 
     entries = [e for t in spec.trials if (e := entry(t)) is not None]
     t0 = time.perf_counter()
@@ -163,7 +167,7 @@ def run_selection(
             cfg=spec.executor,
             stop=stop,
             stop_trials=stop_trials,
-            more=next_entry if more is not None else None,
+            more=next_entries if more is not None else None,
         )
         results.update(ex.run())
     results.update(failed)
