@@ -1,12 +1,23 @@
 """Model-based search for selection batches: Optuna's samplers through its ask-and-tell interface.
 
 A batch with `method` tpe, cmaes or qmc keeps `parallel` trials in flight and asks a new one as soon
-as one ends, never waiting for a generation. The order is logical, not the clock's: trial k is asked
-once trials 0 .. k-parallel have ended, after the sampler has been told their values in index order,
-with trials k-parallel+1 .. k-1 still running (TPE's constant liar treats them as pessimistically
-done, so it looks elsewhere). Nothing depends on which trial finished first, so a fixed seed gives
-the same suggestions whenever the trials report the same values. A trial that ends before an earlier
-one cannot hand its device to a new trial until the earlier one has ended too.
+as one ends, never waiting for a generation. The order is logical, never the wall's: which trials
+trial k is told comes from a `Clock` that runs the batch on paper, with each trial's work estimated
+from its spec (jobrules/sizing.py `trial_flops`, the executor's own estimate before it measures) and
+scheduled as the executor schedules it (longest work left first over the devices). Trial k is asked
+at the first moment on paper that fewer than `parallel` trials are in flight, told exactly the
+trials that have ended there (in the order they ended there), with the others still running (TPE's
+constant liar treats those as pessimistically done, so it looks elsewhere). The real run asks trial
+k once those trials have really ended: where the estimate was right that is when a device frees, and
+where it was wrong the device waits, for the trial the clock said would end first. Nothing depends on
+which trial really finished first, so a fixed seed gives the same suggestions whenever the trials
+report the same values. With equal costs the clock is the index order (trial k told trials
+0 .. k-parallel), which is what every sampler batch did before: there a short trial that ended
+before a longer, earlier one could not hand its device on until the earlier one had ended too.
+
+The batch's last trial is asked with the one before it (`TAIL`): the last trial asked when a device
+frees runs alone while the other devices run out of work; asked one trial earlier, the executor
+shares the three trials left over two devices. It is told one trial less than it would have been.
 
 Except for the asks that look at no value (`free_asks`): the random start-up trials of tpe and
 cmaes, and every trial of qmc (a low-discrepancy sequence). Those are asked at once, before any
@@ -22,8 +33,9 @@ is), and the sampler is asked again, up to MAX_REPEATS times; the trial finally 
 trials it repeated first (`Asked.repeats`). When every point of a finite space has a trial, the
 search ends there (`Plan.exhausted`), fewer trials than asked for.
 
-The study is not kept anywhere: `plan` replays the whole ask-and-tell sequence from the seed and
-the values so far, and returns every trial's parameters up to the last one that may be asked now.
+The study is not kept anywhere: `plan` replays the whole ask-and-tell sequence (and the clock) from
+the seed, the trials' parameters and the values so far, and returns every trial's parameters up to
+the last one that may be asked now (`request_plan`: the same for the API and every worker).
 The replay reproduces the parameters already stored for the earlier trials (the caller checks), which
 is what makes any worker, or the API at submit, able to ask the next trial. Replaying is cheap next
 to training (milliseconds per trial).

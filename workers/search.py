@@ -1,18 +1,21 @@
 """Grows a sampler batch (method tpe, cmaes or qmc) one trial at a time, as trials end.
 
-Two paths ask the next trial, both from the same replay (core/search.py `plan`: the batch's seed
-and its trials' values in index order), so whichever asks, and whenever, the same trials come out:
+Two paths ask the next trials, both from the same replay (core/search.py `request_plan`: the batch's
+seed, its trials' values, and the logical clock that says which trials each ask is told), so
+whichever asks, and whenever, the same trials come out:
 
-- `ask_next`: a running group's executor asks for a trial when a device of it frees (the worker
-  answers from workers/selection.py); the new trial joins that group, claimed by it in the same
-  transaction that adds it, so it never waits for the scheduler or a new process.
+- `ask_due` (`ask_next`: one): a running group's executor asks when a device of it frees (the worker
+  answers from workers/selection.py); every trial due now (one, or two: the batch's last trial is
+  due with the one before it) joins that group, claimed by it in the same transaction that adds
+  it, so it never waits for the scheduler or a new process.
 - `grow`: when no trial of the batch is running or queued (the group ended without asking, or a
   worker died between its group's end and the ask), the worker that ends a group and the reconciler
   (workers/tasks.py) add every trial that may be asked now; the scheduler (core/scheduler.py)
   places them in groups like the batch's first ones.
 
-Trial k may be asked once trials 0 .. k-parallel have ended. Two processes that ask at the same
-moment both compute the same trial: the unique (selection, index) index lets one add it.
+Trial k may be asked once the trials its ask is told (the clock's) have ended. Two processes that
+ask at the same moment both compute the same trial: the unique (selection, index) index lets one
+add it.
 """
 
 from __future__ import annotations

@@ -598,8 +598,12 @@ class Executor:
                         run.sink.event("trial", {"status": "running", "steps_done": t.step})
                     nxt = None
                     # reserve the next trial only when no device is waiting for work, so a
-                    # reservation never keeps a free device idle
-                    if self.cfg.prefetch and self._waiting == 0:
+                    # reservation never keeps a free device idle; and not for a growing batch on
+                    # device processes: there a reservation copies nothing ahead (one memory), and
+                    # with the few trials a sampler keeps in flight it pins two of them to this
+                    # device while another has one to itself, so the trial with the least work left
+                    # runs on and the batch's last trials end apart (longest first, they end together)
+                    if self.cfg.prefetch and self._waiting == 0 and not (self.processes and self.more):
                         nxt = self._pick(d, exclude=run)
                         if nxt is not None:
                             nt = nxt.trial
