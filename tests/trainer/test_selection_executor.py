@@ -865,3 +865,24 @@ def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here
     # at most the trials in flight (two, and the one being handed over) are mapped anywhere
     assert all(max(s[1:]) - base <= 3 for s in seen), (base, seen)
     assert all(r.block is None and r.trial.shards == [] for r in ex.runs.values())
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_samplers_trial_cost_is_the_executors_own_estimate(layers: int) -> None:
+    """core/search.py's clock costs a trial by jobrules/sizing.py trial_flops, which must be the
+    executor's estimate before it measures (flops per step x steps; evaluations on top)."""
+    from jobrules.sizing import trial_flops
+    from jobrules.spec import JobSpec
+
+    raw = {
+        "name": "cost",
+        "data": DATA,
+        "model": {"kind": "gpt", "layers": layers, "d_model": 16, "heads": 2, "seq_len": 8},
+        "train": {"steps": 6, "batch_size": 4, "eval_every": 3, "eval_batches": 2},
+    }
+    spec = JobSpec.model_validate(raw).model_dump()
+    t = ShardedTrial.build(JobConfig.from_dict(raw), index=0, budget_bytes=None, prefetch=False)
+    no_evals = {**spec, "train": {**spec["train"], "eval_every": 100}}
+    assert trial_flops(no_evals) == t.flops_per_step * 6
+    evals = 6 // 3 * 2  # two evaluations of two batches, 2 flops per parameter per token
+    assert trial_flops(spec) == pytest.approx(t.flops_per_step * 6 * (1 + 2 * evals / (8 * 6)), rel=1e-12)
