@@ -308,9 +308,11 @@ def run_rest_search(
     seed: int,
     parallel: int = 2,
     scheduler: str = "shard-lrtf",
+    data_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The batch through REST: the grid, or TPE with `seed` and `parallel`; its trials' points and
-    best val_loss by trial index."""
+    best val_loss by trial index, and (from the stack's `data_dir`) its groups' device idle
+    seconds: time a device had no trial to run before its group's end (asking included)."""
     body: dict[str, Any] = {
         "name": f"peer-{method}",
         "base": base_spec(steps),
@@ -325,12 +327,22 @@ def run_rest_search(
         body.update(trials=8, parallel=parallel, startup_trials=STARTUP)
     sel = run_selection(client, body)
     ts = sorted(sel["trials"], key=lambda t: t["index"])
+    groups = [
+        json.loads(f.read_text())
+        for f in sorted((data_dir / "selections" / str(sel["id"])).glob("group-*.summary.json"))
+        if data_dir is not None
+    ]
     return {
         "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),
         "points": [_point(t["params"]) for t in ts],
         "values": [t["best_metric"] for t in ts],
         "repeats_skipped": {t["index"]: t.get("repeats_skipped") for t in ts if t.get("repeats_skipped")},
         "error": sel.get("error"),
+        "busy_s": [(t.get("result") or {}).get("busy_s") for t in ts],
+        "groups": len(groups),
+        "makespan_s": sum(g["makespan_s"] for g in groups),
+        "idle_s": [x for g in groups for x in g.get("idle_s") or []],
+        "ask_s": [x for g in groups for x in g.get("ask_s") or []],
     }
 
 
@@ -437,9 +449,10 @@ def run_search(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-search-") as tmpdir:
         tmp = Path(tmpdir)
         stack, client = start_stack(tmp)
-        import ray
-
+        ray = None  # the peer extra, needed only for the ray-optuna side
         if "ray-optuna" in args.search_sides:
+            import ray
+
             ray.init(
                 num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=200 * 2**20
             )
@@ -449,7 +462,9 @@ def run_search(args: argparse.Namespace) -> None:
                 for side in args.search_sides.split(","):
                     before = load()
                     if side == "rest-grid":
-                        out = run_rest_search(client, args.steps, method="grid", seed=seed)
+                        out = run_rest_search(
+                            client, args.steps, method="grid", seed=seed, data_dir=stack.root
+                        )
                     elif side.startswith("rest-tpe"):
                         # rest-tpe[-p<N>][-<scheduler>]: `parallel` N (else --parallel), the batch's
                         # device scheduler (else shard-lrtf)
@@ -463,20 +478,23 @@ def run_search(args: argparse.Namespace) -> None:
                             seed=seed,
                             parallel=int(m[1]) if m[1] else args.parallel,
                             scheduler=m[2] or "shard-lrtf",
+                            data_dir=stack.root,
                         )
                     else:
                         out = run_ray_optuna(args.steps, seed=seed, tmp=tmp)
                     out.update(side=side, seed=seed, rep=rep, load_before=before, load_after=load())
                     runs.append(out)
+                    idle = f"  idle device-s {sum(out['idle_s']):.2f}" if out.get("idle_s") else ""
                     print(
                         f"rep {rep} {side:10s} seed {seed}: {out['wall_s']:7.2f} s  load {before:.1f}->"
-                        f"{out['load_after']:.1f}",
+                        f"{out['load_after']:.1f}{idle}",
                         flush=True,
                     )
         finally:
             client.close()
             stack.stop()
-            ray.shutdown()
+            if ray is not None:
+                ray.shutdown()
     summary = summarize_search(runs)
     loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
     print(table(summary["rows"], title=f"\nover {args.reps} seeds, interleaved"))
@@ -530,6 +548,12 @@ def summarize_search(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "found the best": f"{sum(f == best for f in found)} of {len(rs)}",
                 "best after each trial (mean over seeds)": " ".join(f"{v:.3f}" for v in mean_curve),
                 "points run twice (all seeds)": sum(r["points_run_twice"] for r in rs),
+                # devices with no trial to run before their group's end (REST sides)
+                "idle device-s (median)": (
+                    statistics.median(sum(r["idle_s"]) for r in rs)
+                    if all(r.get("idle_s") for r in rs)
+                    else ""
+                ),
             }
         )
     goals = []

@@ -1,12 +1,23 @@
 """Model-based search for selection batches: Optuna's samplers through its ask-and-tell interface.
 
 A batch with `method` tpe, cmaes or qmc keeps `parallel` trials in flight and asks a new one as soon
-as one ends, never waiting for a generation. The order is logical, not the clock's: trial k is asked
-once trials 0 .. k-parallel have ended, after the sampler has been told their values in index order,
-with trials k-parallel+1 .. k-1 still running (TPE's constant liar treats them as pessimistically
-done, so it looks elsewhere). Nothing depends on which trial finished first, so a fixed seed gives
-the same suggestions whenever the trials report the same values. A trial that ends before an earlier
-one cannot hand its device to a new trial until the earlier one has ended too.
+as one ends, never waiting for a generation. The order is logical, never the wall's: which trials
+trial k is told comes from a `Clock` that runs the batch on paper, with each trial's work estimated
+from its spec (jobrules/sizing.py `trial_flops`, the executor's own estimate before it measures) and
+scheduled as the executor schedules it (longest work left first over the devices). Trial k is asked
+at the first moment on paper that fewer than `parallel` trials are in flight, told exactly the
+trials that have ended there (in the order they ended there), with the others still running (TPE's
+constant liar treats those as pessimistically done, so it looks elsewhere). The real run asks trial
+k once those trials have really ended: where the estimate was right that is when a device frees, and
+where it was wrong the device waits, for the trial the clock said would end first. Nothing depends on
+which trial really finished first, so a fixed seed gives the same suggestions whenever the trials
+report the same values. With equal costs the clock is the index order (trial k told trials
+0 .. k-parallel), which is what every sampler batch did before: there a short trial that ended
+before a longer, earlier one could not hand its device on until the earlier one had ended too.
+
+The batch's last trial is asked with the one before it (`TAIL`): the last trial asked when a device
+frees runs alone while the other devices run out of work; asked one trial earlier, the executor
+shares the three trials left over two devices. It is told one trial less than it would have been.
 
 Except for the asks that look at no value (`free_asks`): the random start-up trials of tpe and
 cmaes, and every trial of qmc (a low-discrepancy sequence). Those are asked at once, before any
@@ -22,8 +33,9 @@ is), and the sampler is asked again, up to MAX_REPEATS times; the trial finally 
 trials it repeated first (`Asked.repeats`). When every point of a finite space has a trial, the
 search ends there (`Plan.exhausted`), fewer trials than asked for.
 
-The study is not kept anywhere: `plan` replays the whole ask-and-tell sequence from the seed and
-the values so far, and returns every trial's parameters up to the last one that may be asked now.
+The study is not kept anywhere: `plan` replays the whole ask-and-tell sequence (and the clock) from
+the seed, the trials' parameters and the values so far, and returns every trial's parameters up to
+the last one that may be asked now (`request_plan`: the same for the API and every worker).
 The replay reproduces the parameters already stored for the earlier trials (the caller checks), which
 is what makes any worker, or the API at submit, able to ask the next trial. Replaying is cheap next
 to training (milliseconds per trial).
@@ -39,13 +51,17 @@ import inspect
 import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from jobrules.space import Choice, Range, SpaceError, parse_space
-from jobrules.spec import SAMPLERS  # `method` values a sampler serves (grid and random: jobrules/space.py)
+from jobrules.sizing import trial_flops
+from jobrules.space import Choice, Range, SpaceError, apply_params, parse_space
+from jobrules.spec import (
+    SAMPLERS,  # `method` values a sampler serves (grid and random: jobrules/space.py)
+    BatchRules,
+)
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -107,12 +123,6 @@ def free_asks(method: str, startup_trials: int | None) -> int:
     return int(inspect.signature(cls).parameters["n_startup_trials"].default)
 
 
-def askable(*, told: int, parallel: int, free: int, total: int) -> int:
-    """How many trials may have been asked once trials 0 .. told-1 have ended: the `free` ones at
-    any time, and trial k >= free once trial k-parallel has ended."""
-    return min(total, max(free, told + parallel))
-
-
 def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseSampler:
     optuna = _optuna()
     startup = {} if startup_trials is None else {"n_startup_trials": startup_trials}
@@ -127,6 +137,78 @@ def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseS
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.samplers.QMCSampler(seed=seed, scramble=True, warn_independent_sampling=False)
     raise SpaceError(f"method must be one of {', '.join(SAMPLERS)} for a sampler, got {method!r}")
+
+
+class Clock:
+    """The logical clock that says which trials a sampler has been told when it asks trial k: the
+    batch run on paper, with each trial's estimated cost (`plan`'s `cost`), by the executor's own
+    rule (trainer/selection/scheduler.py, Sharded-LRTF: the trials with the most work left take the
+    devices, so trials of equal work left share them, as fluid processor sharing here). The
+    value-free trials start at time 0; every later trial is asked at the first moment fewer than
+    `slots` trials are in flight, and is told exactly the trials that ended by then. Trials that end
+    at the same moment end in index order, one at a time (the executor breaks ties to the lower
+    index), so with equal costs trial k is told trials 0 .. k-slots: the index order.
+
+    Nothing here reads a clock: the same costs give the same schedule, so the same told sets and
+    the same suggestions on any machine. The real run asks trial k once the trials it is told have
+    ended; where the estimate was right, they have when a device frees."""
+
+    def __init__(self, *, devices: int, slots: int) -> None:
+        if devices < 1 or slots < 1:
+            raise ValueError(f"devices and slots must be >= 1, got {devices} and {slots}")
+        self.devices, self.slots = devices, slots
+        self.time = 0.0
+        self.left: dict[int, float] = {}
+        """Work left of each trial in flight, in device-seconds of the cost's unit."""
+        self.ended: list[int] = []
+        """Trials in the order they ended on paper."""
+        self._scale = 0.0
+
+    def start(self, k: int, cost: float) -> None:
+        cost = max(float(cost), 0.0)
+        self._scale = max(self._scale, cost)
+        self.left[k] = cost
+
+    def ask(self, extra: int = 0) -> list[int]:
+        """Run the schedule until a trial may be asked (fewer than `slots` + `extra` in flight);
+        the trials ended by then, in the order they ended."""
+        while len(self.left) >= self.slots + extra:
+            self._step()
+        return self.ended
+
+    def _close(self, a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-9 * self._scale
+
+    def _step(self) -> None:
+        """Advance to the next moment a trial ends (one trial: ties end in index order) or two
+        levels of work left meet."""
+        done = sorted(i for i, x in self.left.items() if self._close(x, 0.0))
+        if done:
+            self.ended.append(done[0])
+            del self.left[done[0]]
+            return
+        # levels of equal work left, most first; each level shares the devices the levels above
+        # it left over, at most one device a trial
+        order = sorted(self.left, key=lambda i: (-self.left[i], i))
+        levels: list[list[int]] = []
+        for i in order:
+            if levels and self._close(self.left[levels[-1][0]], self.left[i]):
+                levels[-1].append(i)
+            else:
+                levels.append([i])
+        free, rates, tops = float(self.devices), [], []
+        for lv in levels:
+            rates.append(min(1.0, free / len(lv)) if free > 0 else 0.0)
+            tops.append(self.left[lv[0]])
+            free = max(0.0, free - len(lv))
+        dt = min(top / r for top, r in zip(tops, rates, strict=True) if r > 0)
+        for a in range(len(levels) - 1):
+            if rates[a] > rates[a + 1]:
+                dt = min(dt, (tops[a] - tops[a + 1]) / (rates[a] - rates[a + 1]))
+        self.time += dt
+        for lv, top, r in zip(levels, tops, rates, strict=True):
+            for i in lv:  # one value a level: levels that meet stay one
+                self.left[i] = max(0.0, top - r * dt)
 
 
 MAX_REPEATS = 64
@@ -171,16 +253,28 @@ def plan(
     seed: int,
     mode: str,
     parallel: int,
-    values: Sequence[float | None],
+    values: Sequence[float | None] | Mapping[int, float | None],
     total: int,
     startup_trials: int | None = None,
+    devices: int | None = None,
+    cost: Callable[[dict[str, Any]], float | None] | None = None,
+    tail: int = 0,
+    upto: int | None = None,
 ) -> Plan:
-    """Trials 0 .. askable(...) - 1: those that may be asked once trials 0 .. len(values) - 1 have
-    ended (the value-free start-up asks at any time, before anything is told). `values[i]` is
-    trial i's metric (None: it failed or has none); the values are a prefix: a trial that ended
-    after a running one waits for it to be told."""
+    """The trials that may be asked once the trials in `values` have ended (at most `upto`).
+
+    Trial k is asked once the trials its ask is told have ended: those the `Clock` has ended when it
+    asks k, running the batch on paper on `devices` (default `parallel`) with `cost(params)` each
+    trial's estimated work (no cost, or None: 1 a trial, which gives the index order: trial k is
+    told trials 0 .. k-parallel). The value-free start-up asks come first, told nothing. The last
+    `tail` trials are asked with one trial more in flight, so the executor can pack the batch's end
+    (the last trial asked when a device frees runs alone while the other devices have no trial).
+    `values` maps an ended trial's index to its metric (None: it failed or has none); a sequence is
+    trials 0 .. len - 1. A trial that ended before the clock says waits to be told: the order of
+    asks and tells never depends on which trial really ended first."""
     if parallel < 1:
         raise ValueError(f"parallel must be >= 1, got {parallel}")
+    ended = dict(values) if isinstance(values, Mapping) else dict(enumerate(values))
     optuna = _optuna()
     dists = distributions(space)
     size = space_size(space)
@@ -199,16 +293,20 @@ def plan(
     asked: list[Any] = []
     shadows: dict[int, list[Any]] = {}  # skipped repeats of trial j, told when j is
     seen: dict[tuple, int] = {}
-    told = 0
+    told: set[int] = set()
     free = free_asks(method, startup_trials)
-    end = askable(told=len(values), parallel=parallel, free=free, total=total)
-    while len(out.trials) < end:
+    clock = Clock(devices=devices or parallel, slots=parallel)
+    while len(out.trials) < min(total, total if upto is None else upto):
         k = len(out.trials)
-        # told in index order, never in the order the trials ended; a free ask is told nothing
-        while k >= free and told <= k - parallel:
-            for t in [asked[told], *shadows.pop(told, [])]:
-                tell(t, values[told])
-            told += 1
+        if k >= free:  # a free ask is told nothing
+            due = clock.ask(1 if k >= total - tail else 0)
+            if any(j not in ended for j in due):
+                break  # trial k waits for a trial the clock has ended: the order is logical
+            for j in due:  # in the order they ended on paper, never in the order they really did
+                if j not in told:
+                    for t in [asked[j], *shadows.pop(j, [])]:
+                        tell(t, ended[j])
+                    told.add(j)
         if size is not None and len(seen) >= size:
             out.exhausted = True
             break
@@ -221,8 +319,8 @@ def plan(
             if j is None:
                 break
             repeats.append(j)
-            if j < told:
-                tell(t, values[j])  # the same point's value, known already
+            if j in told:
+                tell(t, ended[j])  # the same point's value, known already
             else:
                 shadows.setdefault(j, []).append(t)  # still running: told with it
         else:
@@ -231,7 +329,56 @@ def plan(
         seen[key] = k
         asked.append(t)
         out.trials.append(Asked(params=params, repeats=tuple(repeats)))
+        work = cost(params) if cost is not None else None
+        clock.start(k, 1.0 if work is None else work)
     return out
+
+
+TAIL = 1
+"""A batch's last trial is asked together with the one before it (`plan`'s `tail`): on paper, the
+executor then packs the three trials left over two devices where the last one would run alone. One
+more trial was worse (everything left ends together and the last ask runs alone again)."""
+
+
+def trial_cost(base: dict[str, Any]) -> Callable[[dict[str, Any]], float | None]:
+    """A trial's estimated work from its parameters over the stored request's `base` (a full
+    JobSpec dump): jobrules/sizing.py `trial_flops`, the executor's own estimate before it measures.
+    A pure function of the request: the API and every worker replay the same clock."""
+
+    def cost(params: dict[str, Any]) -> float | None:
+        try:
+            return trial_flops(apply_params(base, params))
+        except (KeyError, TypeError, ValueError, SpaceError):
+            return None  # a partial base (tests) or an unsized field: 1, the index order
+
+    return cost
+
+
+def request_plan(
+    req: dict[str, Any],
+    *,
+    values: Sequence[float | None] | Mapping[int, float | None],
+    upto: int | None = None,
+) -> Plan:
+    """`plan` for a stored selection request (SelectionCreate's dump): its space, method, seed,
+    mode, parallel (default: devices), devices, start-up trials and trials, each trial's cost from
+    its spec, the tail rule. The API asks the first trials with it, the workers the next ones."""
+    rules = BatchRules(**BatchRules.rules_of(req))
+    devices = int(req.get("devices") or 1)
+    return plan(
+        space=req["space"],
+        method=req["method"],
+        seed=rules.seed,
+        mode=rules.mode,
+        parallel=int(req.get("parallel") or devices),
+        devices=devices,
+        values=values,
+        total=int(req.get("trials") or 0),
+        startup_trials=req.get("startup_trials"),
+        cost=trial_cost(req["base"]),
+        tail=TAIL,
+        upto=upto,
+    )
 
 
 def suggest(**plan_args: Any) -> list[dict[str, Any]]:

@@ -274,7 +274,7 @@ def add_group_trial(
     lease_s: float,
     result: dict[str, Any] | None = None,
 ) -> tuple[Trial, Attempt] | None:
-    """A sampler's next trial, added to a running group (workers/search.py ask_next) in ONE
+    """A sampler's next trial, added to a running group (workers/search.py ask_due) in ONE
     transaction: its Job row already claimed by `owner` and its id in the group's reservation, so
     the scheduler never sees it queued and places it elsewhere. None, writing nothing, when the
     group's reservation is gone or another process holds it, or the index is taken (IntegrityError

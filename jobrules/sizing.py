@@ -199,3 +199,26 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
                 f"parallel.spill.cuts ({cuts}) must be strictly increasing layer indices in [1, {n_layers - 1}]"
             )
     return problems
+
+
+# ---- a trial's work, for a sampler's logical clock (core/search.py) --------------------------
+
+NOMINAL_VOCAB = 256
+"""The vocabulary counted when only the data files know it (a tokenizer file): the same for every
+trial of a batch, so it shifts all costs alike."""
+
+
+def trial_flops(spec: dict[str, Any]) -> float | None:
+    """A trial's training work in flops, as the selection executor estimates a trial before it
+    has measured one (trainer/selection/shards.py: 8 flops per parameter per token of a step, for
+    the forward, the backward and the recompute), plus its evaluations (2 per parameter per token).
+    None for a model the registry does not size (its size is known only once it is built)."""
+    model, train = spec["model"], spec["train"]
+    if model.get("kind") not in SIZED_KINDS:
+        return None
+    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data", {})) or NOMINAL_VOCAB
+    params = sum(layer_param_counts(**_shape(model, vocab)))
+    tokens = train["batch_size"] * model["seq_len"]
+    steps = train["steps"]
+    evals = steps // train.get("eval_every", steps) * train.get("eval_batches", 1)
+    return float(params * tokens * (8 * steps + 2 * evals))

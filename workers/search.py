@@ -1,18 +1,21 @@
 """Grows a sampler batch (method tpe, cmaes or qmc) one trial at a time, as trials end.
 
-Two paths ask the next trial, both from the same replay (core/search.py `plan`: the batch's seed
-and its trials' values in index order), so whichever asks, and whenever, the same trials come out:
+Two paths ask the next trials, both from the same replay (core/search.py `request_plan`: the batch's
+seed, its trials' values, and the logical clock that says which trials each ask is told), so
+whichever asks, and whenever, the same trials come out:
 
-- `ask_next`: a running group's executor asks for a trial when a device of it frees (the worker
-  answers from workers/selection.py); the new trial joins that group, claimed by it in the same
-  transaction that adds it, so it never waits for the scheduler or a new process.
+- `ask_due` (`ask_next`: one): a running group's executor asks when a device of it frees (the worker
+  answers from workers/selection.py); every trial due now (one, or two: the batch's last trial is
+  due with the one before it) joins that group, claimed by it in the same transaction that adds
+  it, so it never waits for the scheduler or a new process.
 - `grow`: when no trial of the batch is running or queued (the group ended without asking, or a
   worker died between its group's end and the ask), the worker that ends a group and the reconciler
   (workers/tasks.py) add every trial that may be asked now; the scheduler (core/scheduler.py)
   places them in groups like the batch's first ones.
 
-Trial k may be asked once trials 0 .. k-parallel have ended. Two processes that ask at the same
-moment both compute the same trial: the unique (selection, index) index lets one add it.
+Trial k may be asked once the trials its ask is told (the clock's) have ended. Two processes that
+ask at the same moment both compute the same trial: the unique (selection, index) index lets one
+add it.
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from core.search import SAMPLERS, Plan, askable, free_asks, plan
+from core.search import SAMPLERS, Plan, request_plan
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt
 from db.models import Job, Reservation, Selection, Trial
 from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection
 from jobrules.space import apply_params
-from jobrules.spec import BatchRules
 
 log = logging.getLogger(__name__)
 
@@ -63,41 +65,66 @@ def ask_next(
     settings: Settings, *, selection_id: int, reservation_id: int, worker: str, owner: str
 ) -> NewTrial | None:
     """The batch's next trial, added to the running group `reservation_id` and claimed by `owner`,
-    when it may be asked now (trials 0 .. k-parallel ended); else None. Never raises: a failure
-    answers None, and the group's end (`grow`) asks again."""
+    when it may be asked now; else None (`ask_due`, one trial)."""
+    got = ask_due(
+        settings,
+        selection_id=selection_id,
+        reservation_id=reservation_id,
+        worker=worker,
+        owner=owner,
+        limit=1,
+    )
+    return got[0] if got else None
+
+
+def ask_due(
+    settings: Settings,
+    *,
+    selection_id: int,
+    reservation_id: int,
+    worker: str,
+    owner: str,
+    limit: int | None = None,
+) -> list[NewTrial]:
+    """Every trial of the batch that may be asked now (at most `limit`), in index order, each added
+    to the running group `reservation_id` and claimed by `owner`: usually one, two where the clock
+    asks two at once (the batch's last trial with the one before it: core/search.py TAIL). Never
+    raises: a failure answers what was added so far, and the group's end (`grow`) asks again."""
+    out: list[NewTrial] = []
     try:
         with session_for(settings.database_url) as s:
             sel, req, trials = _batch(s, selection_id)
             if sel is None:
-                return None
-            got = _replay(s, sel=sel, req=req, trials=trials, upto=len(trials) + 1)
-            if got is None or len(got.trials) <= len(trials):
-                return None
-            k = len(trials)
-            asked = got.trials[k]
-            spec = apply_params(req["base"], asked.params)
-            try:
-                new = add_group_trial(
-                    s,
-                    selection_id=selection_id,
-                    index=k,
-                    params=asked.params,
-                    spec=spec,
-                    reservation_id=reservation_id,
-                    worker=worker,
-                    owner=owner,
-                    lease_s=settings.lease_s,
-                    result=_note(asked.repeats),
-                )
-            except IntegrityError:
-                s.rollback()  # another process asked it first
-                return None
-            if new is None:
-                return None
-            return NewTrial(trial=new[0], attempt=new[1], spec=spec)
+                return out
+            k0 = len(trials)
+            got = _replay(s, sel=sel, req=req, trials=trials, upto=None if limit is None else k0 + limit)
+            if got is None:
+                return out
+            for k, asked in enumerate(got.trials[k0:], start=k0):
+                spec = apply_params(req["base"], asked.params)
+                try:
+                    new = add_group_trial(
+                        s,
+                        selection_id=selection_id,
+                        index=k,
+                        params=asked.params,
+                        spec=spec,
+                        reservation_id=reservation_id,
+                        worker=worker,
+                        owner=owner,
+                        lease_s=settings.lease_s,
+                        result=_note(asked.repeats),
+                    )
+                except IntegrityError:
+                    s.rollback()  # another process asked it first
+                    return out
+                if new is None:
+                    return out
+                out.append(NewTrial(trial=new[0], attempt=new[1], spec=spec))
+            return out
     except Exception:  # noqa: BLE001 - the running trials go on; the group's end asks again
         log.exception("selection %d: the search could not ask its next trial", selection_id)
-        return None
+        return out
 
 
 def _note(repeats: tuple[int, ...]) -> dict[str, Any] | None:
@@ -126,32 +153,18 @@ def _batch(s: Session, selection_id: int) -> tuple[Selection | None, dict[str, A
 
 
 def _replay(
-    s: Session, *, sel: Selection, req: dict[str, Any], trials: list[Trial], upto: int
+    s: Session, *, sel: Selection, req: dict[str, Any], trials: list[Trial], upto: int | None
 ) -> Plan | None:
-    """The sampler's replay from the ended prefix of the batch's trials, checked against the stored
-    trials; None when no new trial may be asked yet. A space every point of which has a trial ends
-    the search here (the selection's `error` says so)."""
-    parallel = int(req.get("parallel") or req.get("devices") or 1)
-    rules = BatchRules(**BatchRules.rules_of(req))  # the request's, or its defaults
-    values: list[float | None] = []
-    for t in trials:  # a trial's value is its best metric; failed, or none: a failure
-        if t.status not in TRIAL_DONE:
-            break
-        values.append(None if t.status == "failed" else t.best_metric)
-    total = min(int(req.get("trials") or 0), upto)
-    free = free_asks(req["method"], req.get("startup_trials"))
-    if askable(told=len(values), parallel=parallel, free=free, total=total) <= len(trials):
-        return None  # trial k waits for trial k-parallel to end (past the value-free asks)
-    got = plan(
-        space=req["space"],
-        method=req["method"],
-        seed=rules.seed,
-        mode=rules.mode,
-        parallel=parallel,
-        values=values,
-        total=total,
-        startup_trials=req.get("startup_trials"),
-    )
+    """The sampler's replay from the batch's ended trials (core/search.py `request_plan`), checked
+    against the stored trials; None when no new trial may be asked yet. A space every point of
+    which has a trial ends the search here (the selection's `error` says so)."""
+    # a trial's value is its best metric; failed, or none: a failure
+    values = {
+        t.index: None if t.status == "failed" else t.best_metric for t in trials if t.status in TRIAL_DONE
+    }
+    got = request_plan(req, values=values, upto=upto)
+    if len(got.trials) <= len(trials) and not got.exhausted:
+        return None  # trial k waits for a trial its ask is told
     if [a.params for a in got.trials[: len(trials)]] != [t.params for t in trials]:
         # the replay must ask what was asked: anything else means a different sampler version
         # or a batch edited by hand, and the search cannot go on reproducibly
@@ -186,7 +199,7 @@ def _grow(settings: Settings, *, selection_id: int) -> list[int]:
             return []
         if any(t.status not in TRIAL_DONE for t in trials) or _held(s, {t.id for t in trials}):
             return []  # a group runs: it asks its own next trials as its devices free
-        got = _replay(s, sel=sel, req=req, trials=trials, upto=int(req.get("trials") or 0))
+        got = _replay(s, sel=sel, req=req, trials=trials, upto=None)
         if got is None:
             return []
         queue = s.get(Job, trials[0].job_id).queue

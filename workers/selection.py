@@ -47,7 +47,7 @@ from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.search import ask_next, grow
+from workers.search import ask_due, grow
 from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
 
@@ -267,20 +267,21 @@ def execute_selection(
     steps: dict[int, int] = {}
 
     def answer(n: int) -> None:
-        """The executor's ask `n` (a device freed): the batch's next trial joins this group, or none."""
+        """The executor's ask `n` (a device freed): the batch's trials due now join this group (one,
+        or two where the clock asks two at once), or none."""
         try:
             relay.flush()  # the trials that ended before the ask are told to the sampler
         except Exception:  # noqa: BLE001 - the sampler then sees fewer ended trials: it may ask none
             log.warning("selection %s %s: could not apply lines before an ask", selection_id, group)
-        new = ask_next(
+        added = ask_due(
             settings,
             selection_id=selection_id,
             reservation_id=reservation_id,
             worker=worker,
             owner=owner_id(),
         )
-        trial = None
-        if new is not None:
+        trials = []
+        for new in added:
             t, i = new.trial, new.trial.index
             relay.add_target(
                 i,
@@ -304,14 +305,20 @@ def execute_selection(
                 )
                 uploader.mirrors = [*uploader.mirrors, m]  # a new list: the upload thread keeps its own
             publish_status(relay, job_id=t.job_id)
-            trial = BatchTrial(index=i, spec=new.spec).model_dump()
+            trials.append(BatchTrial(index=i, spec=new.spec).model_dump())
         tmp = ask_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"ask": n, "trial": trial}))
+        tmp.write_text(json.dumps({"ask": n, "trials": trials}))
         tmp.replace(ask_file)  # whole, never half-written
 
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is None and msg.kind == "event" and msg.message == "ask":
             answer(int(msg.data.get("ask", 0)))
+        if msg.trial is None and msg.kind == "batch_result":
+            # the group's summary (its devices' idle seconds among it), kept beside its batch file
+            try:
+                batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
+            except OSError as e:
+                log.warning("selection %s %s: could not keep the summary: %s", selection_id, group, e)
         if msg.trial is not None:
             if msg.kind == "metric":
                 steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)

@@ -116,16 +116,8 @@ def _first_params(body: SelectionCreate) -> tuple[list[dict[str, Any]], list[tup
         params = sample_params(body.space, method=body.method, trials=body.trials, seed=body.seed)
         return params, [()] * len(params)
     search.check_fits(body.method, body.space)
-    got = search.plan(
-        space=body.space,
-        method=body.method,
-        seed=body.seed,
-        mode=body.mode,
-        parallel=body.generation,
-        values=[],
-        total=body.trials or 0,
-        startup_trials=body.startup_trials,
-    )
+    # the same replay the workers run (the request as it is stored), told nothing yet
+    got = search.request_plan(body.model_dump(), values=[])
     return [a.params for a in got.trials], [a.repeats for a in got.trials]
 
 

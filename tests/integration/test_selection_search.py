@@ -1,12 +1,14 @@
 """A TPE batch over HTTP on the real stack: it asks its next trial as soon as a device frees (no
 generation barrier), every trial is exactly what the seeded sampler asks from the earlier trials'
-values, a rerun with the same seed asks the same trials, and no point of a discrete space runs twice."""
+values (those its logical clock has ended when it asks: core/search.py), a rerun with the same seed
+asks the same trials, and no point of a discrete space runs twice."""
 
 from __future__ import annotations
 
 import pytest
 
-from core.search import suggest
+from core.search import request_plan
+from jobrules.spec import SelectionCreate
 from tests.conftest import TINY_SPEC, StackHandle
 
 pytestmark = pytest.mark.integration
@@ -39,7 +41,7 @@ def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
     trials = sorted(done["trials"], key=lambda t: t["index"])
     assert [t["index"] for t in trials] == [0, 1, 2, 3]
     assert all(t["status"] == "succeeded" and t["best_metric"] is not None for t in trials)
-    # trials 2 and 3 are what the sampler asks after being told trials 0 and 1's values in index order
+    # trials 2 and 3 are what the sampler asks once told the trials its clock ended before them
     want = replay(body, [t["best_metric"] for t in trials[:2]])
     assert [t["params"] for t in trials] == want
     # the submit's first trials are the same replay with no values
@@ -47,7 +49,8 @@ def test_tpe_batch_grows_reproducibly(stack: StackHandle) -> None:
 
 
 # seed 6 asks trial 0 with 3 steps and trial 1 with 24 (core.search.plan, checked below): trial 0 ends
-# first, and trial 2 (asked once trial 0 has ended) must start while trial 1 still runs
+# first, and trial 2 (asked once trial 0 has ended) must start while trial 1 still runs; trial 3, the
+# batch's last, is asked with it (core/search.py TAIL)
 STEPS_SPACE = {"train.steps": [3, 24], "train.lr": {"low": 1e-3, "high": 3e-2, "log": True}}
 ASYNC = {
     "name": "tpe-async",
@@ -64,18 +67,10 @@ ASYNC = {
 
 
 def replay(body: dict, values: list[float | None]) -> list[dict]:
-    """The params the sampler asks for `body`'s trials (metric minimized) once told `values`, in
-    index order: what core.search.suggest gives the API."""
-    return suggest(
-        space=body["space"],
-        method=body["method"],
-        seed=body["seed"],
-        mode="min",
-        parallel=body["parallel"],
-        values=values,
-        total=body["trials"],
-        startup_trials=body["startup_trials"],
-    )
+    """The params the sampler asks for `body`'s trials (metric minimized) once trials 0 ..
+    len(values) - 1 have ended: the replay the API and the workers run, on the request as stored."""
+    req = SelectionCreate.model_validate(body).model_dump()
+    return [a.params for a in request_plan(req, values=values).trials]
 
 
 def run_batch(stack: StackHandle, body: dict) -> dict:
@@ -96,6 +91,8 @@ def test_tpe_asks_as_devices_free_and_a_rerun_asks_the_same(stack: StackHandle) 
     # no generation barrier: trial 2 started before trial 1 (asked with it) ended
     assert jobs[2]["started_at"] < jobs[1]["finished_at"]
     assert jobs[0]["finished_at"] <= jobs[2]["started_at"]  # and only once trial 0 had ended
+    # the batch's last trial came with it (the clock asks it with the one before it)
+    assert jobs[3]["started_at"] < jobs[1]["finished_at"]
     want = replay(ASYNC, [t["best_metric"] for t in trials[:2]])
     assert [t["params"] for t in trials] == want
     # the same seed again: the same trials, whichever finished first this time

@@ -448,6 +448,32 @@ def test_more_adds_a_trial_when_a_device_frees_without_waiting_for_the_others() 
     assert all(r.trial.shards == [] for r in ex.runs.values())
 
 
+def test_more_may_add_several_trials_in_one_answer() -> None:
+    """A sampler's clock may ask two trials at once (the batch's last with the one before it): both
+    join from one answer, and the devices share the three trials left."""
+    answers = [[2, 3]]
+    asked: list[list[int]] = []
+    sinks = {i: ListSink() for i in range(4)}
+
+    def more() -> list[TrialEntry]:
+        got = answers.pop(0) if answers else []
+        asked.append(got)
+        return [TrialEntry(index=i, job=job(2), sink=sinks[i]) for i in got]
+
+    long = JobConfig.from_dict(
+        {"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 12}}
+    )
+    entries = [TrialEntry(index=0, job=job(2), sink=sinks[0]), TrialEntry(index=1, job=long, sink=sinks[1])]
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(), more=more)
+    results = ex.run()
+    assert sorted(results) == [0, 1, 2, 3] and all(r["status"] == "succeeded" for r in results.values())
+    assert asked[0] == [2, 3] and asked[-1] == []
+    first = {t: min(s.start for s in ex.trace if s.trial == t) for t in results}
+    last1 = max(s.end for s in ex.trace if s.trial == 1)
+    assert first[2] < last1 and first[3] < last1  # both ran beside trial 1, not after it
+    assert len(ex.idle_s) == 2 and all(x >= a >= 0 for x, a in zip(ex.idle_s, ex.ask_s, strict=True))
+
+
 def test_more_cannot_grow_a_batch_with_rungs() -> None:
     cfg = ExecutorConfig(early_stopping=HalvingConfig(kind="asha", reduction_factor=2, min_steps=1))
     with pytest.raises(ValueError, match="cannot have early stopping"):
@@ -839,3 +865,24 @@ def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here
     # at most the trials in flight (two, and the one being handed over) are mapped anywhere
     assert all(max(s[1:]) - base <= 3 for s in seen), (base, seen)
     assert all(r.block is None and r.trial.shards == [] for r in ex.runs.values())
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_samplers_trial_cost_is_the_executors_own_estimate(layers: int) -> None:
+    """core/search.py's clock costs a trial by jobrules/sizing.py trial_flops, which must be the
+    executor's estimate before it measures (flops per step x steps; evaluations on top)."""
+    from jobrules.sizing import trial_flops
+    from jobrules.spec import JobSpec
+
+    raw = {
+        "name": "cost",
+        "data": DATA,
+        "model": {"kind": "gpt", "layers": layers, "d_model": 16, "heads": 2, "seq_len": 8},
+        "train": {"steps": 6, "batch_size": 4, "eval_every": 3, "eval_batches": 2},
+    }
+    spec = JobSpec.model_validate(raw).model_dump()
+    t = ShardedTrial.build(JobConfig.from_dict(raw), index=0, budget_bytes=None, prefetch=False)
+    no_evals = {**spec, "train": {**spec["train"], "eval_every": 100}}
+    assert trial_flops(no_evals) == t.flops_per_step * 6
+    evals = 6 // 3 * 2  # two evaluations of two batches, 2 flops per parameter per token
+    assert trial_flops(spec) == pytest.approx(t.flops_per_step * 6 * (1 + 2 * evals / (8 * 6)), rel=1e-12)

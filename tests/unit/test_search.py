@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from core.search import SAMPLERS, check_fits, plan, space_size, suggest
+from core.search import SAMPLERS, Clock, check_fits, plan, space_size, suggest
 from jobrules.space import SpaceError
 
 SPACE = {
@@ -219,3 +219,94 @@ def test_a_spent_discrete_space_ends_the_search() -> None:
         space=SMALL, method="tpe", seed=0, mode="min", parallel=2, values=[value(p) for p in params], total=12
     )
     assert got.exhausted and len(got.trials) == 8
+
+
+# -- the logical clock: trial k is told what ended first on paper, from the trials' costs ----------
+
+STEPS = {"train.steps": [10, 40], "train.lr": {"low": 1e-4, "high": 1e-1, "log": True}}
+
+
+def steps_cost(p: dict) -> float:
+    return float(p["train.steps"])
+
+
+def test_the_clock_runs_the_batch_on_paper_longest_first() -> None:
+    one = Clock(devices=2, slots=1)
+    one.start(0, 3.0)
+    one.start(1, 1.0)
+    assert one.ask() == [1, 0] and one.time == 3.0  # the shorter trial ends first
+    # Sharded-LRTF: the longest runs alone until the others' work left meets it, then all share;
+    # trials ending together end in index order
+    three = Clock(devices=2, slots=1)
+    for i, c in enumerate([2.0, 1.0, 1.0]):
+        three.start(i, c)
+    assert three.ask() == [0, 1, 2] and three.time == 2.0
+
+
+def test_with_equal_costs_the_clock_is_the_index_order() -> None:
+    """Every trial costing the same: trial k is told trials 0 .. k-parallel, whatever the devices."""
+    ask = {"space": SPACE, "method": "tpe", "seed": 2, "mode": "min", "total": 12, "startup_trials": 2}
+    for parallel, devices in [(2, 2), (3, 2), (2, 3)]:
+        full = suggest(values=[1.0] * 6, parallel=parallel, devices=devices, cost=lambda p: 7.0, **ask)
+        assert full == suggest(values=[1.0] * 6, parallel=parallel, **ask)
+        for m in range(6):
+            some = suggest(values=[1.0] * m, parallel=parallel, devices=devices, cost=lambda p: 7.0, **ask)
+            assert some == full[: m + parallel]
+
+
+def test_a_trial_is_asked_once_the_trials_that_end_first_on_paper_have_ended() -> None:
+    """Seed 0's start-up trials: trial 0 trains 40 steps, trial 1 10. Trial 2 is asked once trial 1
+    has ended, told trial 1 alone, while trial 0 still runs; trial 0 ending first changes nothing
+    (trial 2 still waits for trial 1: the order is the clock's, never the wall's)."""
+    ask = {"space": STEPS, "method": "tpe", "seed": 0, "mode": "min", "parallel": 2, "total": 6}
+    ask.update(startup_trials=2, cost=steps_cost)
+    first = suggest(values={}, **ask)
+    assert [p["train.steps"] for p in first] == [40, 10]
+    assert suggest(values={0: 1.0}, **ask) == first  # trial 0 ended first for real: trial 2 waits
+    got = suggest(values={1: 2.0}, **ask)
+    assert len(got) == 3 and got[:2] == first
+    assert suggest(values={0: 1.0, 1: 2.0}, **ask)[:3] == got  # trial 0's value was not told to it
+    # the index order (no costs) would have trial 2 wait for trial 0, a device idle meanwhile
+    assert len(suggest(values={1: 2.0}, **{**ask, "cost": None})) == 2
+
+
+def run_clocked(*, seed: int, total: int, arrival_seed: int, tail: int) -> list:
+    """A batch driven as the service drives it: trials in flight end in a shuffled order, each ask
+    a fresh replay from the trials that ended (a mapping, not a prefix)."""
+    import random
+
+    rng = random.Random(arrival_seed)
+    ask = {"space": STEPS, "method": "tpe", "seed": seed, "mode": "min", "parallel": 2, "total": total}
+    ask.update(startup_trials=2, cost=steps_cost, tail=tail)
+    params: list[dict] = []
+    ended: dict[int, float] = {}
+    running: list[int] = []
+    while len(ended) < total:
+        got = suggest(values=ended, **ask)
+        assert got[: len(params)] == params  # the replay asks what was asked
+        for p in got[len(params) :]:
+            running.append(len(params))
+            params.append(p)
+        done = running.pop(rng.randrange(len(running)))
+        ended[done] = objective({**params[done], "model.layers": 4, "train.optimizer": "adamw"})
+    return params
+
+
+@pytest.mark.parametrize("tail", [0, 1])
+def test_the_clock_gives_the_same_suggestions_whatever_the_arrival_order(tail: int) -> None:
+    a = run_clocked(seed=3, total=10, arrival_seed=0, tail=tail)
+    assert a == run_clocked(seed=3, total=10, arrival_seed=9, tail=tail) and len(a) == 10
+    assert run_clocked(seed=4, total=10, arrival_seed=0, tail=tail) != a
+
+
+def test_the_last_trial_is_asked_with_the_one_before_it() -> None:
+    """TAIL: the batch's last trial is due with the one before it, told the same trials (the
+    executor then shares the devices among the three trials left instead of one running alone)."""
+    ask = {"space": SPACE, "method": "tpe", "seed": 1, "mode": "min", "parallel": 2, "total": 6}
+    ask.update(startup_trials=2, cost=lambda p: 1.0)
+    assert len(suggest(values=[1.0, 2.0, 3.0], tail=0, **ask)) == 5
+    with_tail = suggest(values=[1.0, 2.0, 3.0], tail=1, **ask)
+    assert len(with_tail) == 6
+    assert with_tail[:5] == suggest(values=[1.0, 2.0, 3.0], tail=0, **ask)
+    # only the last trial: the upto-limited replay of a worker's single ask agrees
+    assert suggest(values=[1.0, 2.0, 3.0], tail=1, upto=5, **ask) == with_tail[:5]

@@ -1,19 +1,20 @@
-"""A sampler batch's next trial, asked by a running group (workers/search.py ask_next) on a real
-database (SQLite and Postgres, migrated by Alembic): asked only once trial k-parallel has ended,
-added to that group already claimed (the scheduler never sees it queued), exactly the trial the
-seeded replay asks; `grow` leaves a batch alone while a group of it runs."""
+"""A sampler batch's next trial, asked by a running group (workers/search.py ask_next, ask_due)
+on a real database (SQLite and Postgres, migrated by Alembic): asked only once the trials its ask
+is told have ended (trial k-parallel here: every trial costs the same), the batch's last trial
+with the one before it, added to that group already claimed (the scheduler never sees it queued),
+exactly the trial the seeded replay asks; `grow` leaves a batch alone while a group of it runs."""
 
 from __future__ import annotations
 
 from sqlalchemy import update
 
-from core.search import plan
+from core.search import request_plan
 from core.settings import Settings
 from db import scheduling as dbs
 from db import selections as dbsel
 from db.engine import session_for
 from db.models import Job, JobStatus, Reservation, Trial
-from workers.search import ask_next, grow
+from workers.search import ask_due, ask_next, grow
 
 BASE = {
     "name": "tpe",
@@ -21,7 +22,8 @@ BASE = {
     "train": {"steps": 2, "batch_size": 2},
 }
 SPACE = {"train.lr": {"low": 1e-4, "high": 1e-1, "log": True}}
-# one start-up trial: trials 2 and 3 are the model's, asked only once trial k-parallel has ended
+# one start-up trial: trial 2 is the model's, asked once trial 0 has ended, and trial 3, the
+# batch's last, is asked with it (core/search.py TAIL)
 REQ = {
     "method": "tpe",
     "space": SPACE,
@@ -35,10 +37,7 @@ REQ = {
 
 
 def replay(values: list[float]) -> list[dict]:
-    got = plan(
-        space=SPACE, method="tpe", seed=3, mode="min", parallel=2, values=values, total=4, startup_trials=1
-    )
-    return [a.params for a in got.trials]
+    return [a.params for a in request_plan(REQ, values=values).trials]
 
 
 def running_group(url: str) -> tuple[int, int, list[int]]:
@@ -94,10 +93,27 @@ def test_a_running_group_asks_its_next_trial_once_it_is_due(db_url: str) -> None
         assert s.get(Reservation, res).trial_ids == [*ids, new.trial.id]
         assert s.get(Trial, new.trial.id).status == "running"
         assert dbs.queued_groups(s) == []  # never queued: nothing for the scheduler to place
-    assert ask() is None  # trial 3 waits for trial 1
-    end(db_url, ids[1], 2.0)
-    assert ask().trial.index == 3
+    # trial 3, the batch's last, is due with trial 2 (told what trial 2 was told), trial 1 running
+    last = ask()
+    assert last is not None and last.trial.index == 3
+    assert last.trial.params == replay([2.5])[3]
     assert ask() is None  # the batch has all its trials
+
+
+def test_the_trials_due_together_join_the_group_in_one_ask(db_url: str) -> None:
+    settings = Settings(database_url=db_url)
+    sel, res, ids = running_group(db_url)
+
+    def due() -> list[int]:
+        got = ask_due(settings, selection_id=sel, reservation_id=res, worker="w", owner="p1")
+        return [n.trial.index for n in got]
+
+    assert due() == []  # trial 2 waits for trial 0
+    end(db_url, ids[0], 2.5)
+    assert due() == [2, 3]
+    with session_for(db_url) as s:
+        assert s.get(Reservation, res).trial_ids[2:] == [t.id for t in dbsel.get_selection(s, sel).trials[2:]]
+    assert due() == []
 
 
 def test_grow_asks_when_no_group_runs(db_url: str) -> None:

@@ -84,10 +84,10 @@ class StopTrialsFile:
 
 
 class AskFile:
-    """Asks the worker for the batch's next trial (workers/selection.py answers): writes a batch
+    """Asks the worker for the batch's next trials (workers/selection.py answers): writes a batch
     line {"kind": "event", "event": "ask", "data": {"ask": n}} and waits for the worker's answer,
-    {"ask": n, "trial": <BatchTrial> | null}, in the file (written whole: tmp file and rename).
-    A stop, or no answer within `timeout_s`, is no trial."""
+    {"ask": n, "trials": [<BatchTrial>, ...]} (the trials due now, usually one or none), in the
+    file (written whole: tmp file and rename). A stop, or no answer within `timeout_s`, is none."""
 
     def __init__(
         self, path: Path, *, lines: TrialLines, stop: FileStopSignal, timeout_s: float = 120.0
@@ -95,7 +95,7 @@ class AskFile:
         self._path, self._lines, self._stop, self._timeout_s = path, lines, stop, timeout_s
         self._n = 0
 
-    def __call__(self) -> dict[str, Any] | None:
+    def __call__(self) -> list[dict[str, Any]]:
         self._n += 1
         self._lines.event("ask", {"ask": self._n})
         deadline = time.monotonic() + self._timeout_s
@@ -105,9 +105,9 @@ class AskFile:
             except (OSError, ValueError):
                 got = None
             if isinstance(got, dict) and got.get("ask") == self._n:
-                return got.get("trial")
+                return list(got.get("trials") or [])
             time.sleep(0.01)
-        return None
+        return []
 
 
 def pick_devices(kind: str, n: int) -> list[torch.device]:

@@ -11,7 +11,9 @@ free their device at once.
 
 A batch that grows as it runs (a sampler's: workers/search.py) gives `more`: at the dispatch point,
 once a trial has ended since it was last consulted, one free device asks it (outside the lock; the
-other devices go on) for a new trial, and adds the trial it returns to the run; None means none now.
+other devices go on) for the trials due now, and adds those it returns to the run (usually one;
+two where the sampler's clock asks two at once, the batch's last trial beside the one before it, so
+the devices can share the last three); none means none now.
 The run ends when every trial has ended and `more`, asked after the last end, had none.
 
 Threading: every piece of shared state (trial status, holders, ledgers, ASHA) changes under
@@ -181,7 +183,7 @@ class Executor:
         stop: StopSignal | None = None,
         stop_trials: Callable[[], set[int]] | None = None,
         scheduler: Scheduler | None = None,
-        more: Callable[[], TrialEntry | None] | None = None,
+        more: Callable[[], list[TrialEntry] | TrialEntry | None] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a selection batch needs at least one device")
@@ -225,7 +227,10 @@ class Executor:
         self._flops_rate: float | None = None
         self._fatal: BaseException | None = None
         self.idle_s = [0.0] * len(devices)
-        """Per device: time spent waiting for an idle trial."""
+        """Per device: time it had no trial to run before the batch's end (waiting for one, or
+        asking `more` for one)."""
+        self.ask_s = [0.0] * len(devices)
+        """Per device: of idle_s, the time spent asking `more` (a growing batch)."""
         self._procs: DeviceProcesses | None = None
         self._forget: list[list[int]] = [[] for _ in devices]
         """Device processes, per device: ended trials its process still holds, to drop (Forget)."""
@@ -568,10 +573,15 @@ class Executor:
                         else:
                             run = self._pick(d)
                         if run is None and self._may_ask():
+                            a0 = time.perf_counter()
                             self._ask_more()
+                            asked = time.perf_counter() - a0
+                            self.ask_s[d] += asked
+                            waited += asked
                             continue
                         if run is None:
                             if all(r.status in FINAL for r in self.runs.values()) and not self._growing():
+                                self.idle_s[d] += waited  # the tail: waiting for the last trials
                                 self._cond.notify_all()
                                 return
                             self._waiting += 1
@@ -588,8 +598,12 @@ class Executor:
                         run.sink.event("trial", {"status": "running", "steps_done": t.step})
                     nxt = None
                     # reserve the next trial only when no device is waiting for work, so a
-                    # reservation never keeps a free device idle
-                    if self.cfg.prefetch and self._waiting == 0:
+                    # reservation never keeps a free device idle; and not for a growing batch on
+                    # device processes: there a reservation copies nothing ahead (one memory), and
+                    # with the few trials a sampler keeps in flight it pins two of them to this
+                    # device while another has one to itself, so the trial with the least work left
+                    # runs on and the batch's last trials end apart (longest first, they end together)
+                    if self.cfg.prefetch and self._waiting == 0 and not (self.processes and self.more):
                         nxt = self._pick(d, exclude=run)
                         if nxt is not None:
                             nt = nxt.trial
@@ -637,25 +651,27 @@ class Executor:
         return self._asking or (not self._stopping and self._asked_at != self._ended())
 
     def _ask_more(self) -> None:
-        """Under the lock (released while `more` answers and the trial is built): ask for a trial."""
+        """Under the lock (released while `more` answers and the trials are built): ask for the
+        trials due now (a list; a lone TrialEntry or None read as one or none)."""
         assert self.more is not None
         self._asking = True
         ended = self._ended()
         self._cond.release()
-        run, exc = None, None
+        built: list[tuple[TrialRun, tuple[Exception, str] | None]] = []
         try:
-            entry = self.more()
-            if entry is not None:
+            got = self.more()
+            for entry in [got] if isinstance(got, TrialEntry) else got or []:
                 run = TrialRun(entry=entry)
-                exc = self._cut(run)
+                built.append((run, self._cut(run)))
         finally:
             self._cond.acquire()
             self._asking = False
             self._cond.notify_all()
-        if run is None:
+        if not built:
             self._asked_at = ended
             return
-        self._join(run, exc)
+        for run, exc in built:
+            self._join(run, exc)
 
     def _order(self, d: int, run: TrialRun, *, chunk: bool = False) -> Order:
         """The task for device d, with whether the trial evaluates once it ends its mini-batch; with

@@ -93,16 +93,16 @@ def run_selection(
     devices: list[torch.device],
     checkpoint_root: Path | None,
     stop_trials: Callable[[], set[int]] | None = None,
-    more: Callable[[], dict[str, Any] | None] | None = None,
+    more: Callable[[], list[dict[str, Any]]] | None = None,
     device_threads: bool = False,
     chunk_tasks: int | None = None,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
     checkpoint_root/trial-<index>/ holds each trial's checkpoints; a trial that finds one there
-    resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for a new
-    trial (a BatchTrial dict, or None: none now) when a device frees and no trial waits for one
-    (trainer/selection/executor.py)."""
+    resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for the
+    trials due now (BatchTrial dicts; none: an empty list) when a device frees and no trial waits
+    for one (trainer/selection/executor.py)."""
     spec = parse_batch(batch)
     if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
         spec.executor.device_processes = False
@@ -139,15 +139,19 @@ def run_selection(
             warm_start=t.warm_start,
         )
 
-    def next_entry() -> TrialEntry | None:
+    def next_entries() -> list[TrialEntry]:
         assert more is not None
-        while (got := more()) is not None:
-            t = BatchTrial.model_validate(got)
-            ws = Path(t.warm_start) if t.warm_start else None
-            if (e := entry(TrialSpec(index=t.index, spec=t.spec, warm_start=ws))) is not None:
-                return e
-            # a bad spec failed alone (its lines are out before the next ask): ask again
-        return None
+        while got := more():
+            out = []
+            for raw in got:
+                t = BatchTrial.model_validate(raw)
+                ws = Path(t.warm_start) if t.warm_start else None
+                if (e := entry(TrialSpec(index=t.index, spec=t.spec, warm_start=ws))) is not None:
+                    out.append(e)
+            if out:
+                return out
+            # bad specs failed alone (their lines are out before the next ask): ask again
+        return []
 
     entries = [e for t in spec.trials if (e := entry(t)) is not None]
     t0 = time.perf_counter()
@@ -165,6 +169,7 @@ def run_selection(
                 ).run()
             )
     fused = set(results)
+    ex = None
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -172,7 +177,7 @@ def run_selection(
             cfg=spec.executor,
             stop=stop,
             stop_trials=stop_trials,
-            more=next_entry if more is not None else None,
+            more=next_entries if more is not None else None,
         )
         results.update(ex.run())
     results.update(failed)
@@ -201,6 +206,11 @@ def run_selection(
         "scheduler": spec.executor.scheduler,
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
+        # per device: seconds with no trial to run before the batch's end, and of those the ones
+        # spent asking the worker for a trial (a sampler's batch); what a growing batch's ask rule
+        # costs shows here (bench.peer --search reads it)
+        "idle_s": list(ex.idle_s) if ex is not None else None,
+        "ask_s": list(ex.ask_s) if ex is not None else None,
     }
 
 
