@@ -26,6 +26,11 @@ from trainer.config import ConfigError
 from trainer.protocol import FileStopSignal
 from trainer.workspace import add_environment, set_workspace
 
+MARKS = "executor marks:"
+"""The stderr line, at the end of a batch, with when the run reached each phase: `main` (this
+module began), the executor's (Executor.marks: `prepare`, `built`, `devices`, `ended`) and
+`summary` (the batch's result written)."""
+
 
 class Numbering:
     """The process's line numbers (protocol `seq`) and the lock that keeps lines whole."""
@@ -122,6 +127,7 @@ def pick_devices(kind: str, n: int) -> list[torch.device]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    began = time.time()
     ap = argparse.ArgumentParser(prog="python -m trainer.selection", description=__doc__)
     ap.add_argument("--batch", required=True, help="batch JSON file ('-' for stdin)")
     ap.add_argument("--devices", type=int, default=1, help="devices to alternate the trials over")
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_lines.write({"kind": "error", "message": f"{type(e).__name__}: {e}"})
         return 1
     batch_lines.write({"kind": "batch_result", "data": summary})
+    # when each phase began (Unix seconds; the worker keeps this in the group's stderr.log)
+    marks = {"main": began, **summary["marks"], "summary": time.time()}
+    print(f"{MARKS} {json.dumps(marks)}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -232,6 +232,10 @@ class Executor:
         self._started = False
         self.dead: list[str | None] = [None] * len(devices)
         """Per device: why its process died (device processes only), or None while it serves."""
+        self.marks: dict[str, float] = {}
+        """When `run` reached each phase (Unix seconds): `prepare` (it began building the trials on
+        the host), `built`, `devices` (the device processes forked; with threads, when they start),
+        `ended` (every device done, the device processes closed)."""
         budget = cfg.device_budget_bytes
         # the real bytes on each device (the spilling engine's ledger; strict: passing the budget
         # raises), beside `self.reservations`, the scheduler's plan
@@ -861,7 +865,9 @@ class Executor:
     def run(self) -> dict[int, dict[str, Any]]:
         """Train every trial to its end (or its stop); returns each trial's result by index."""
         self._started = True
+        self.marks["prepare"] = time.time()
         self._prepare()
+        self.marks["built"] = time.time()
         if self.processes:
             # forked now, before any thread of ours runs: the processes inherit the built trials
             # (their tensors already in shared memory) and the trials added later are handed over
@@ -879,6 +885,7 @@ class Executor:
             threading.Thread(target=self._worker, args=(d,), name=f"selection-dev{d}", daemon=True)
             for d in range(len(self.devices))
         ]
+        self.marks["devices"] = time.time()
         try:
             for th in threads:
                 th.start()
@@ -887,6 +894,7 @@ class Executor:
         finally:
             if self._procs is not None:
                 self._procs.close()
+            self.marks["ended"] = time.time()
         if self._fatal is not None:
             raise RuntimeError(f"selection executor failed: {self._fatal!r}") from self._fatal
         return {i: self._result(r) for i, r in sorted(self.runs.items())}

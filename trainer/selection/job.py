@@ -155,6 +155,7 @@ def run_selection(
                 ).run()
             )
     fused = set(results)
+    marks: dict[str, float] = {}
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -165,6 +166,7 @@ def run_selection(
             more=next_entry if more is not None else None,
         )
         results.update(ex.run())
+        marks = ex.marks
     results.update(failed)
     makespan = time.perf_counter() - t0
     sign = 1.0 if spec.executor.mode == "min" else -1.0
@@ -191,6 +193,7 @@ def run_selection(
         "scheduler": spec.executor.scheduler,
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
+        "marks": marks,
     }
 
 
