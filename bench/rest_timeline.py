@@ -12,11 +12,14 @@ timestamps and the trainer's line times):
 - submit: the batch row's `created_at` (the API's commit of the POST).
 - placed / sent / claimed: the group's reservation (`created_at`, `sent_at`, `claimed_at`): the
   scheduler's tick that placed it, the Celery message, the worker task's claim.
-- executor: the trainer lines the group's executor writes with their time: `batch` events
-  "started" (the process runs the batch), "built" (every trial built on the host), "devices"
-  (the device processes forked); each trial's first step (its first `loss` point), its last
-  metric point (its end in the executor), and its job's `finished_at` (the relay's commit of its
-  end); `exited` (the executor's process ended, from the worker's log of the group).
+- task / launch / exited / relay closed: the worker's log line at the group's end
+  (workers/selection.py GROUP_MARKS): its task began, the executor about to start, its process
+  ended, every line of it in the database.
+- main / prepare / built / devices / executor ended / summary: the executor's own phases (its
+  batch_result's `marks`: the module began, building the trials on the host, built, the device
+  processes forked, every device done, the result line written).
+- each trial's first step (its first `loss` point, the trainer's time), its last metric point (its
+  end in the executor) and its job's `finished_at` (the relay's commit of its end).
 - ended: the batch row's `finished_at` (the wall bench.peer reports is finished_at - created_at).
 
 Prints each repetition's timeline as offsets from the submit, and the median of each latency:
@@ -126,7 +129,7 @@ def timeline(db: Path, selection_id: int, watch: ReservationWatch, stack_root: P
         con.close()
     res = next(iter(watch.rows.values()), {})
     worker = _worker_marks(stack_root, selection_id)
-    executor = _executor_marks(stack_root, selection_id)
+    executor = worker.get("executor", {})
     marks: dict[str, float | None] = {
         "submit": t0,
         "placed": _utc(res.get("placed")),
@@ -180,15 +183,6 @@ def timeline(db: Path, selection_id: int, watch: ReservationWatch, stack_root: P
 def _d(marks: dict[str, float | None], a: str, b: str) -> float | None:
     x, y = marks.get(a), marks.get(b)
     return None if x is None or y is None else y - x
-
-
-def _executor_marks(stack_root: Path, selection_id: int) -> dict[str, float]:
-    """The executor's phases (trainer/selection/__main__.py MARKS, in the group's stderr.log)."""
-    from trainer.selection.__main__ import MARKS
-
-    log = stack_root / "selections" / str(selection_id) / "group-0.stderr.log"
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith(MARKS)]
-    return json.loads(lines[-1].removeprefix(MARKS)) if lines else {}
 
 
 def _worker_marks(stack_root: Path, selection_id: int) -> dict[str, float]:

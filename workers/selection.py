@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 
@@ -56,7 +57,8 @@ GROUP_MARKS = "marks"
 """The worker's log line at a group's end: when it reached each phase (Unix seconds): `task` (the
 task began), `claimed`, `launch` (the executor about to start), `exited` (the executor's process
 ended), `relay_closed` (every line of it in the database), `ended` (the trials and the batch
-settled)."""
+settled), and `executor`: the executor's own (its batch_result's `marks`: `main`, `prepare`,
+`built`, `devices`, `ended`, and `summary`, the line's time)."""
 MAX_ATTEMPTS = 3
 """A trial whose executor keeps ending without its result is re-run this many times, then failed."""
 
@@ -130,7 +132,7 @@ def execute_selection(
     if reservation_id is None:
         log.warning("selection %s: a group message without a reservation is skipped", selection_id)
         return "skipped"
-    marks = {"task": time.time()}  # when the group reached each phase (logged at its end)
+    marks: dict[str, Any] = {"task": time.time()}  # when the group reached each phase (logged at its end)
     try:
         won = retry_db(
             settings,
@@ -319,6 +321,8 @@ def execute_selection(
     def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
         if msg.trial is None and msg.kind == "event" and msg.message == "ask":
             answer(int(msg.data.get("ask", 0)))
+        if msg.trial is None and msg.kind == "batch_result":
+            marks["executor"] = {**(msg.data or {}).get("marks", {}), "summary": msg.time}
         if msg.trial is not None:
             if msg.kind == "metric":
                 steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)

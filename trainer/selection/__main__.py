@@ -26,11 +26,6 @@ from trainer.config import ConfigError
 from trainer.protocol import FileStopSignal
 from trainer.workspace import add_environment, set_workspace
 
-MARKS = "executor marks:"
-"""The stderr line, at the end of a batch, with when the run reached each phase: `main` (this
-module began), the executor's (Executor.marks: `prepare`, `built`, `devices`, `ended`) and
-`summary` (the batch's result written)."""
-
 
 class Numbering:
     """The process's line numbers (protocol `seq`) and the lock that keeps lines whole."""
@@ -203,10 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         batch_lines.write({"kind": "error", "message": f"{type(e).__name__}: {e}"})
         return 1
+    summary["marks"] = {"main": began, **summary["marks"]}  # the batch_result line's time ends them
     batch_lines.write({"kind": "batch_result", "data": summary})
-    # when each phase began (Unix seconds; the worker keeps this in the group's stderr.log)
-    marks = {"main": began, **summary["marks"], "summary": time.time()}
-    print(f"{MARKS} {json.dumps(marks)}", file=sys.stderr, flush=True)
     return 0
 
 

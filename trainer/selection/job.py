@@ -194,6 +194,8 @@ def run_selection(
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
         "marks": marks,
+        # when the run reached each phase (Unix seconds; Executor.marks, and `main` when run as
+        # `python -m trainer.selection`): the worker logs them with its own at the group's end
     }
 
 
