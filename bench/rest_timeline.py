@@ -27,6 +27,13 @@ placement, dispatch (sent to claimed), start (claimed to the executor's first li
 device fork, first step, tail (last trial's end in the executor to the batch's end), and the
 packing (how long one device was idle while the other trained the batch's last trials).
 Writes bench/results/<out>.json with the machine and the load average.
+
+    python -m bench.rest_timeline --gaps [--reps 3] [--steps 100] [--out rest_gaps]
+
+The executor alone on the same batch (in this process, device processes, the trace of every
+task), with the next order sent ahead (`ExecutorConfig.send_ahead`, the default) and without,
+interleaved: per device the gaps between one task's end and the next one's start (the dispatch
+round trip, evaluations included), their median, and the devices' busy share of the run.
 """
 
 from __future__ import annotations
@@ -107,12 +114,14 @@ def timeline(db: Path, selection_id: int, watch: ReservationWatch, stack_root: P
         ).fetchone()
         t0 = _utc(created)
         trials = con.execute(
-            "select t.`index`, t.job_id, j.started_at, j.finished_at from trials t join jobs j on j.id = t.job_id"
-            " where t.selection_id = ? order by t.`index`",
+            "select t.`index`, t.job_id, j.started_at, j.finished_at, t.result from trials t"
+            " join jobs j on j.id = t.job_id where t.selection_id = ? order by t.`index`",
             (selection_id,),
         ).fetchall()
         per: dict[int, dict[str, float | None]] = {}
-        for index, job_id, started, ended in trials:
+        busy = 0.0
+        for index, job_id, started, ended, result in trials:
+            busy += float(json.loads(result or "{}").get("compute_s") or 0.0)
             first = con.execute(
                 "select min(time) from metric_points where job_id = ? and name = 'loss'", (job_id,)
             ).fetchone()[0]
@@ -170,6 +179,11 @@ def timeline(db: Path, selection_id: int, watch: ReservationWatch, stack_root: P
         "last end to batch end (tail)": _d(marks, "last trial ends (executor)", "ended"),
         "wall (finished - created)": _d(marks, "submit", "ended"),
     }
+    # the trials' own compute (tasks and evaluations, the executor's results) over what the two
+    # devices had from the first step's end to the last trial's end (times every checkout
+    # records): the rest is dispatch, waiting and the first steps' warm-up
+    span = _d(marks, "first step (any trial)", "last trial ends (executor)")
+    lat["device busy share"] = busy / (2 * span) if span else None
     return {
         "selection": selection_id,
         "marks_s": {k: v - t0 for k, v in ordered.items()},
@@ -187,8 +201,10 @@ def _d(marks: dict[str, float | None], a: str, b: str) -> float | None:
 
 def _worker_marks(stack_root: Path, selection_id: int) -> dict[str, float]:
     """The worker's phases of the group (workers/selection.py GROUP_MARKS, in the worker's log)."""
-    from workers.selection import GROUP_MARKS
-
+    try:
+        from workers.selection import GROUP_MARKS
+    except ImportError:  # a checkout from before the marks (its times come from the database only)
+        return {}
     head = f"selection {selection_id} group-0: {GROUP_MARKS} "
     found: dict[str, float] = {}
     for path in stack_root.glob("worker*.log"):
@@ -198,13 +214,93 @@ def _worker_marks(stack_root: Path, selection_id: int) -> dict[str, float]:
     return found
 
 
+def run_gaps(steps: int, *, send_ahead: bool) -> dict[str, Any]:
+    """The peer FIFO batch through the executor in this process; the devices' gaps between tasks."""
+    import torch
+
+    from bench.peer import batch_doc, trials
+    from trainer.config import JobConfig
+    from trainer.protocol import NullSink
+    from trainer.selection.executor import Executor, TrialEntry
+    from trainer.selection.job import parse_batch
+
+    spec = parse_batch(batch_doc(trials(steps), "fifo"))
+    spec.executor.send_ahead = send_ahead
+    entries = [
+        TrialEntry(index=t.index, job=JobConfig.from_dict(t.spec), sink=NullSink()) for t in spec.trials
+    ]
+    ex = Executor(entries, devices=[torch.device("cpu")] * 2, cfg=spec.executor)
+    t0 = time.perf_counter()
+    res = ex.run()
+    wall = time.perf_counter() - t0
+    gaps, busy, spans = [], 0.0, []
+    for d in range(2):
+        sl = sorted((x for x in ex.trace if x.device == d), key=lambda x: x.start)
+        gaps += [b.start - a.end for a, b in zip(sl, sl[1:], strict=False)]
+        busy += sum(x.end - x.start for x in sl)
+        spans.append(sl[-1].end - sl[0].start)
+    return {
+        "send_ahead": send_ahead,
+        "wall_s": wall,
+        "tasks": len(ex.trace),
+        "orders": sum(r.orders for r in ex.runs.values()),
+        "orders_ahead": ex.orders_ahead,
+        "gap_median_ms": 1e3 * statistics.median(gaps),
+        "gaps_s": sum(gaps),
+        "busy_share": busy / sum(spans),
+        "val_loss": {i: r["val_loss"] for i, r in res.items()},
+    }
+
+
+def gaps_main(args: argparse.Namespace) -> None:
+    runs = []
+    for rep in range(args.reps):
+        for ahead in (False, True):
+            before = os.getloadavg()[0]
+            r = run_gaps(args.steps, send_ahead=ahead)
+            r.update(rep=rep, load_before=before, load_after=os.getloadavg()[0])
+            runs.append(r)
+            print(
+                f"rep {rep} send_ahead={ahead!s:5}: wall {r['wall_s']:6.2f} s, {r['tasks']} tasks in "
+                f"{r['orders']} orders ({r['orders_ahead']} ahead), gap median {r['gap_median_ms']:.2f} ms, "
+                f"gaps {r['gaps_s']:.2f} s, busy {r['busy_share']:.3f}, load {before:.1f}->{r['load_after']:.1f}",
+                flush=True,
+            )
+    assert len({json.dumps(r["val_loss"], sort_keys=True) for r in runs}) == 1, "the runs' numbers differ"
+    med = {
+        str(ahead): {
+            k: statistics.median(r[k] for r in runs if r["send_ahead"] is ahead)
+            for k in ("wall_s", "gap_median_ms", "gaps_s", "busy_share")
+        }
+        for ahead in (False, True)
+    }
+    print(f"medians: {json.dumps(med)}; every run the same val_loss of every trial")
+    loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
+    path = write_results(
+        args.out,
+        {
+            "steps": args.steps,
+            "runs": runs,
+            "medians": med,
+            "load_average_1min": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)},
+        },
+    )
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.rest_timeline", description=__doc__)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--mode", choices=["fifo", "asha"], default="fifo")
-    ap.add_argument("--out", default="rest_timeline")
+    ap.add_argument("--out", default=None, help="rest_timeline, or rest_gaps with --gaps")
+    ap.add_argument("--gaps", action="store_true", help="the executor alone, orders sent ahead or not")
     args = ap.parse_args()
+    if args.gaps:
+        args.out = args.out or "rest_gaps"
+        gaps_main(args)
+        return
+    args.out = args.out or "rest_timeline"
     reps = []
     with tempfile.TemporaryDirectory(prefix="bench-restlat-") as tmpdir:
         tmp = Path(tmpdir)
@@ -223,7 +319,7 @@ def main() -> None:
                     print(f"  {v:8.3f} s  {k}")
                 for k, v in tl["latencies_s"].items():
                     if v is not None:
-                        print(f"  {k:32s} {v:7.3f} s")
+                        print(f"  {k:32s} {v:7.3f}{'' if k.endswith('share') else ' s'}")
         finally:
             client.close()
             stack.stop()
@@ -235,7 +331,7 @@ def main() -> None:
     }
     print(f"\nmedians over {len(reps)} batches:")
     for k, v in med.items():
-        print(f"  {k:32s} {v:7.3f} s")
+        print(f"  {k:32s} {v:7.3f}{'' if k.endswith('share') else ' s'}")
     loads = [x for r in reps for x in (r["load_before"], r["load_after"])]
     path = write_results(
         args.out,
