@@ -294,6 +294,7 @@ class DeviceProcesses:
         cut: Callable[[], bool] | None = None,
         poll_s: float = 0.05,
         sent: bool = False,
+        on_sent: Callable[[], None] | None = None,
         on_last: Callable[[], None] | None = None,
     ) -> Iterator[Done]:
         """Send the order to device d's process (unless `sent` by `send` already) and yield the
@@ -301,12 +302,14 @@ class DeviceProcesses:
         and the steps a process finished before it died are booked), until the order is done;
         raises DeviceDied if the process ends first. While a chunk of several tasks runs, `cut` is
         asked every `poll_s`: once it says so, the process stops the chunk after the task it is
-        running. `on_last` is called when the order's last task's Done arrives, before it is
-        yielded (the caller may `send` the next order then). The caller reads to the end (a Done
-        it will not book still comes off the pipe)."""
+        running. `on_sent` is called once the order is on the pipe, `on_last` when its last
+        task's Done arrives, before it is yielded (the caller may `send` the next order then).
+        The caller reads to the end (a Done it will not book still comes off the pipe)."""
         conn, proc = self.conns[d], self.procs[d]
         if not sent and not self.send(d, order):
             raise self._died(d)
+        if on_sent is not None:
+            on_sent()
         chunk = len(order.evaluates) > 1 and cut is not None
         got = 0
         while True:

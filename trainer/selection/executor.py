@@ -570,7 +570,7 @@ class Executor:
                         if reserved is not None:
                             run, reserved = reserved, None
                             booked.release((run.index, "prefetch"))
-                            # an order sent ahead is on its way to the device: it runs as sent
+                            # an order sent ahead is in the device's pipe: it runs as sent
                             if ahead is None and run.stop_requested and run.trial.pos == 0:
                                 if self._procs is None:
                                     run.trial.shards[run.trial.next_task.shard].spill()
@@ -627,7 +627,7 @@ class Executor:
                     run.busy_s += time.perf_counter() - t_slot - t_pf
                     if self.dead[d] is not None:
                         # its reservation goes back; the trial itself is whole (an order sent
-                        # ahead never started: the process died before it ended this one)
+                        # ahead never started: the process died before it ended the one before)
                         if nxt is not None:
                             booked.release((nxt.index, "prefetch"))
                             nxt.holder = None
@@ -737,13 +737,14 @@ class Executor:
             return not self._lone(d, run)
 
     def _send_ahead(self, d: int, nxt: TrialRun | None) -> Order | None:
-        """Device processes, as device d's running order ends (its last Done has come, not yet
-        booked): send the order of `nxt`, the trial this device reserved to run next, at once, so
-        the process starts it without waiting for this process to book the one that ended (a
-        round trip of the dispatch thread per task, ~5 ms of each ~25 ms step on 2 busy cores).
-        The same order as it would get once booked: one task, from `nxt`'s own state (which
-        nothing else changes while this device holds it; rung decisions only stop paused trials).
-        None (sent the usual way later) for no `nxt`, a stop asked, or a gone pipe."""
+        """Device processes, once device d's one-task order is on its pipe (or as a chunk's last
+        task ends): send the order of `nxt`, the trial this device reserved to run next, behind
+        it, so the process starts it the moment the running one ends instead of waiting for this
+        process to wake, book that one and choose (a round trip per task: a median 5 ms of each
+        ~25 ms step on 2 busy cores, and a wait for a core on a loaded machine). The same order
+        as it would get later: one task, from `nxt`'s own state (which nothing else changes while
+        this device holds it; rung decisions only stop paused trials). None (sent the usual way
+        later) for no `nxt`, a stop asked, or a gone pipe."""
         if nxt is None or self._procs is None or not self.cfg.send_ahead:
             return None
         with self._cond:
@@ -767,7 +768,8 @@ class Executor:
         then: Callable[[], None] | None = None,
     ) -> None:
         """Run `run`'s next task (or chunk) on device d and book it. Device processes: `sent` is
-        its order when it was sent ahead (_send_ahead); `then` is called as the order's last task
+        its order when it was sent ahead (_send_ahead); `then` is called once a one-task order is
+        on the pipe (so the next one waits behind it in the pipe), or as a chunk's last task
         ends, before it is booked."""
         t = run.trial
         if self._procs is None:
@@ -793,7 +795,8 @@ class Executor:
                 cut=lambda: self._should_cut(d, run),
                 poll_s=self.cfg.poll_s,
                 sent=sent is not None,
-                on_last=then,
+                on_sent=then if len(order.evaluates) == 1 else None,
+                on_last=then if len(order.evaluates) > 1 else None,
             ):
                 if not going:
                     continue  # the trial failed here: the rest of the chunk comes off the pipe unbooked
