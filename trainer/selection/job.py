@@ -193,9 +193,9 @@ def run_selection(
         "scheduler": spec.executor.scheduler,
         "devices": [str(d) for d in devices],
         "makespan_s": makespan,
-        "marks": marks,
         # when the run reached each phase (Unix seconds; Executor.marks, and `main` when run as
         # `python -m trainer.selection`): the worker logs them with its own at the group's end
+        "marks": marks,
     }
 
 
