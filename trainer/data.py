@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -114,7 +115,12 @@ def stdlib_files() -> list[Path]:
     """The standard library's top-level and package .py files, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-    files = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    files = []
+    # the skipped folders are pruned, not walked and then filtered: site-packages alone can hold
+    # tens of thousands of files, and walking them was most of a selection batch's set-up
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 
@@ -52,6 +53,12 @@ from workers.supervise import Ask, Outcome, supervise
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
+GROUP_MARKS = "marks"
+"""The worker's log line at a group's end: when it reached each phase (Unix seconds): `task` (the
+task began), `claimed`, `launch` (the executor about to start), `exited` (the executor's process
+ended), `relay_closed` (every line of it in the database), `ended` (the trials and the batch
+settled), and `executor`: the executor's own (its batch_result's `marks`: `main`, `prepare`,
+`built`, `devices`, `ended`, and `summary`, the line's time)."""
 MAX_ATTEMPTS = 3
 """A trial whose executor keeps ending without its result is re-run this many times, then failed."""
 
@@ -125,6 +132,7 @@ def execute_selection(
     if reservation_id is None:
         log.warning("selection %s: a group message without a reservation is skipped", selection_id)
         return "skipped"
+    marks: dict[str, Any] = {"task": time.time()}  # when the group reached each phase (logged at its end)
     try:
         won = retry_db(
             settings,
@@ -137,6 +145,7 @@ def execute_selection(
         retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
     selection_id = won[0][0].selection_id  # the reservation's group (`trial_ids` is the message's)
+    marks["claimed"] = time.time()
     with session_for(settings.database_url) as s:
         sel = get_selection(s, selection_id)
         req = dict(sel.request)
@@ -319,6 +328,7 @@ def execute_selection(
                 batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
             except OSError as e:
                 log.warning("selection %s %s: could not keep the summary: %s", selection_id, group, e)
+            marks["executor"] = {**(msg.data or {}).get("marks", {}), "summary": msg.time}
         if msg.trial is not None:
             if msg.kind == "metric":
                 steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)
@@ -342,6 +352,7 @@ def execute_selection(
         specs[won[0][0].index], settings=settings, root=root, relay=relay, keys=sorted(mine)
     )
     out.error = env.error
+    marks["launch"] = time.time()
     rc = (
         1
         if env.error
@@ -360,6 +371,7 @@ def execute_selection(
             ),
         )
     )
+    marks["exited"] = time.time()
     env.release()
     for sm in samplers:
         sm.stop()
@@ -372,6 +384,7 @@ def execute_selection(
     if not relay.close():
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
+    marks["relay_closed"] = time.time()
     status = retry_db(
         settings,
         "trial ends",
@@ -379,7 +392,9 @@ def execute_selection(
             settings, selection_id, won, relay=relay, rc=rc, out=out, group=(reservation_id, worker)
         ),
     )
+    marks["ended"] = time.time()
     relay.drain_live()
+    log.info("selection %s %s: %s %s", selection_id, group, GROUP_MARKS, json.dumps(marks))
     return status
 
 

@@ -170,3 +170,16 @@ def test_python_data_entry_point(tmp_path: Path) -> None:
     with pytest.raises(UserCodeError, match="no module 'nothere'"):
         train(job({"kind": "python", "entry": "nothere:x", "vocab_size": 11}))
     sys.modules.pop("mydata", None)
+
+
+def test_stdlib_files_are_the_filtered_tree_in_order():
+    """The pruned walk lists exactly the .py files a full walk keeps (no skipped folder at any
+    depth), in the same order: the stdlib corpus, and so every default job's data, is unchanged."""
+    import sysconfig
+
+    from trainer.data import stdlib_files
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    full = [p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)]
+    assert stdlib_files() == sorted(full, key=lambda p: p.relative_to(root).as_posix())

@@ -331,11 +331,11 @@ class Jittery(Executor):
         self._rng = random.Random(jitter_seed)
         self._rng_lock = threading.Lock()
 
-    def _run_task(self, d: int, run) -> None:  # noqa: ANN001
+    def _run_task(self, d: int, run, **kw) -> None:  # noqa: ANN001, ANN003
         with self._rng_lock:
             delay = self._rng.uniform(0.0, 0.004)
         time.sleep(delay)
-        super()._run_task(d, run)
+        super()._run_task(d, run, **kw)
 
 
 @pytest.mark.parametrize("kind", ["asha", "hyperband"])
@@ -503,6 +503,33 @@ def test_device_processes_give_the_threads_results_exactly() -> None:
         )
     assert out[True] == out[False]
     assert any(st == "stopped_early" for st, _, _, _ in out[True][0].values())
+
+
+def test_orders_sent_ahead_change_no_number() -> None:
+    """Device processes with each next order sent as the running one ends (before it is booked)
+    and without: the same trials stop at the same rungs with the same values, every series is
+    bit-identical, and most orders did go ahead."""
+    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min", seed=3)
+    out, ahead = {}, {}
+    for send_ahead in (False, True):
+        sinks = {i: ListSink() for i in range(len(SPECS))}
+        entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
+        cfg = ExecutorConfig(
+            metric="val_loss", early_stopping=asha, checkpoints="none", send_ahead=send_ahead
+        )
+        ex = Executor(entries, devices=CPU2, cfg=cfg)
+        results = ex.run()
+        assert ex.processes
+        ahead[send_ahead] = (ex.orders_ahead, sum(r.orders for r in ex.runs.values()))
+        out[send_ahead] = (
+            {i: (r["status"], r["steps"], r["stop_reason"], r["final_loss"]) for i, r in results.items()},
+            {i: (sinks[i].series("loss"), sinks[i].series("val_loss"), sinks[i].events) for i in sinks},
+        )
+    assert out[True] == out[False]
+    assert any(st == "stopped_early" for st, _, _, _ in out[True][0].values())
+    assert ahead[False][0] == 0
+    sent, orders = ahead[True]
+    assert sent > orders // 3, ahead
 
 
 def test_a_trial_moves_between_device_processes_only_between_mini_batches(tmp_path: Path) -> None:

@@ -122,6 +122,7 @@ def pick_devices(kind: str, n: int) -> list[torch.device]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    began = time.time()
     ap = argparse.ArgumentParser(prog="python -m trainer.selection", description=__doc__)
     ap.add_argument("--batch", required=True, help="batch JSON file ('-' for stdin)")
     ap.add_argument("--devices", type=int, default=1, help="devices to alternate the trials over")
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         batch_lines.write({"kind": "error", "message": f"{type(e).__name__}: {e}"})
         return 1
+    summary["marks"] = {"main": began, **summary["marks"]}  # the batch_result line's time ends them
     batch_lines.write({"kind": "batch_result", "data": summary})
     return 0
 

@@ -272,24 +272,46 @@ class DeviceProcesses:
     def knows(self, d: int, trial: int) -> bool:
         return trial in self.known[d]
 
-    def run(
-        self, d: int, order: Order, *, cut: Callable[[], bool] | None = None, poll_s: float = 0.05
-    ) -> Iterator[Done]:
-        """Send the order to device d's process and yield the Done of each task it runs, as each
-        ends (a chunk's metrics reach the parent step by step, and the steps a process finished
-        before it died are booked), until the order is done; raises DeviceDied if the process
-        ends first. While a chunk of several tasks runs, `cut` is asked every `poll_s`: once it
-        says so, the process stops the chunk after the task it is running. The caller reads to
-        the end (a Done it will not book still comes off the pipe)."""
-        conn, proc = self.conns[d], self.procs[d]
-        self.cuts[d].value = 0  # only this thread writes it, and only while its order runs
+    def send(self, d: int, order: Order) -> bool:
+        """Queue `order` on device d's pipe without waiting: sent while the process runs another
+        order, it starts the moment that one ends, with no round trip to this process between
+        them. Its Dones are read by `run(d, order, sent=True)`. False when the pipe is gone (the
+        process died: the next `run` says how)."""
+        self.cuts[d].value = 0  # only device d's thread writes it, between chunks
         try:
-            conn.send(order)
+            self.conns[d].send(order)
         except OSError:
-            raise self._died(d) from None
+            return False
         if order.adopt is not None:
             self.known[d].add(order.trial)
+        return True
+
+    def run(
+        self,
+        d: int,
+        order: Order,
+        *,
+        cut: Callable[[], bool] | None = None,
+        poll_s: float = 0.05,
+        sent: bool = False,
+        on_sent: Callable[[], None] | None = None,
+        on_last: Callable[[], None] | None = None,
+    ) -> Iterator[Done]:
+        """Send the order to device d's process (unless `sent` by `send` already) and yield the
+        Done of each task it runs, as each ends (a chunk's metrics reach the parent step by step,
+        and the steps a process finished before it died are booked), until the order is done;
+        raises DeviceDied if the process ends first. While a chunk of several tasks runs, `cut` is
+        asked every `poll_s`: once it says so, the process stops the chunk after the task it is
+        running. `on_sent` is called once the order is on the pipe, `on_last` when its last
+        task's Done arrives, before it is yielded (the caller may `send` the next order then).
+        The caller reads to the end (a Done it will not book still comes off the pipe)."""
+        conn, proc = self.conns[d], self.procs[d]
+        if not sent and not self.send(d, order):
+            raise self._died(d)
+        if on_sent is not None:
+            on_sent()
         chunk = len(order.evaluates) > 1 and cut is not None
+        got = 0
         while True:
             ready = wait([conn, proc.sentinel], timeout=poll_s if chunk else None)
             if not ready:
@@ -305,6 +327,9 @@ class DeviceProcesses:
                 raise self._died(d) from None
             if done is None:
                 return
+            got += 1
+            if on_last is not None and got == len(order.evaluates):
+                on_last()
             yield done
 
     def cut(self, d: int) -> None:

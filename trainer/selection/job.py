@@ -170,6 +170,7 @@ def run_selection(
             )
     fused = set(results)
     ex = None
+    marks: dict[str, float] = {}
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -180,6 +181,7 @@ def run_selection(
             more=next_entries if more is not None else None,
         )
         results.update(ex.run())
+        marks = ex.marks
     results.update(failed)
     makespan = time.perf_counter() - t0
     sign = 1.0 if spec.executor.mode == "min" else -1.0
@@ -211,6 +213,9 @@ def run_selection(
         # costs shows here (bench.peer --search reads it)
         "idle_s": list(ex.idle_s) if ex is not None else None,
         "ask_s": list(ex.ask_s) if ex is not None else None,
+        # when the run reached each phase (Unix seconds; Executor.marks, and `main` when run as
+        # `python -m trainer.selection`): the worker logs them with its own at the group's end
+        "marks": marks,
     }
 
 

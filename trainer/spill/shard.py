@@ -100,10 +100,11 @@ class Shard:
         give the same first step as torch's lazy init)."""
         self.opt = opt
         self.state_host = {k: _host_empty(self.numel, torch.float32) for k in state_keys}
+        views = {k: self.views(self.state_host[k]) for k in state_keys}  # once per key, not per param
         for i, p in enumerate(self.params):
             st = opt.state[p]
             for k in state_keys:
-                st[k] = self.views(self.state_host[k])[i]
+                st[k] = views[k][i]
             if isinstance(opt, torch.optim.AdamW):
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
 
