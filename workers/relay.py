@@ -49,6 +49,20 @@ FLUSH_MAX_S = 2.0
 """The longest wait between flushes, whatever they cost (the dashboard's live latency)."""
 
 
+FLUSH_SLICE_LINES = 400
+"""The most lines one transaction applies. SQLite has one writer at a time, and a writer that
+finds the lock taken sleeps in SQLite's busy handler in growing steps (1, 2, 5 ... 25, 50, 100 ms):
+a flush of a fast job's few thousand points held the lock 110-150 ms, and a submit that arrived
+meanwhile answered 150-250 ms late (bench.api_load's POST p99). A bigger backlog goes in slices of
+this many lines (about 15 ms of lock each), each its own commit, with FLUSH_SLICE_GAP_S between
+them. The lines are in arrival order, and each job's lines in sequence order, so a slice applies a
+prefix of every job's lines: a crash between slices leaves each job's applied sequence number at
+what it holds, and the rest is applied once on the next try."""
+FLUSH_SLICE_GAP_S = 0.02
+"""The pause between slices: long enough for a writer waiting in SQLite's busy handler to find
+the lock free at its next try (its tries come 1-25 ms apart in the first 100 ms)."""
+
+
 def flush_wait(cpu_s: float, *, floor_s: float) -> float:
     """Seconds to wait before the next flush after one that cost `cpu_s` of CPU."""
     return min(max(floor_s, cpu_s / FLUSH_DUTY), max(floor_s, FLUSH_MAX_S))
@@ -185,30 +199,39 @@ class Relay:
         return lines, progress
 
     def flush(self, *, renew: bool = False) -> None:
-        """Apply everything pending in one transaction (and renew the leases). Raises on a
-        database error, keeping the batch for the next try."""
+        """Apply everything pending (and renew the leases): in one transaction, or a big backlog
+        in slices of FLUSH_SLICE_LINES, each committed and published before the next. Raises on a
+        database error, keeping what was not applied for the next try."""
         with self._flush_lock:
             with self._lock:
                 batch, self._pending = self._pending, []
             due = renew or time.monotonic() - self._renewed > self.settings.lease_s / 3
             if not batch and not due:
                 return
-            try:
-                lines, progress = self._route(batch)
-                applied, fenced = self._apply(lines, progress)
-            except Exception:
-                with self._lock:
-                    self._pending = batch + self._pending
-                raise
-            self._renewed = time.monotonic()
-            for key, p in progress.items():
-                if p.finish is not None and key in applied:
-                    self.finished.add(key)
-            for key in fenced:
-                self.fenced.add(key)
-                self.on_fenced(key)
-            self._mark_applied(applied)
-            self._publish(applied, progress)
+            for i in range(0, max(len(batch), 1), FLUSH_SLICE_LINES):
+                if i:
+                    time.sleep(FLUSH_SLICE_GAP_S)  # other writers take the lock in between
+                self._flush_slice(batch[i : i + FLUSH_SLICE_LINES], rest=batch[i + FLUSH_SLICE_LINES :])
+
+    def _flush_slice(self, batch: list[tuple[int | None, Message]], *, rest: list) -> None:
+        """Apply `batch` in one transaction; on a database error put it and `rest` (the slices
+        after it, not applied yet) back in front of what is pending, and raise."""
+        try:
+            lines, progress = self._route(batch)
+            applied, fenced = self._apply(lines, progress)
+        except Exception:
+            with self._lock:
+                self._pending = batch + rest + self._pending
+            raise
+        self._renewed = time.monotonic()
+        for key, p in progress.items():
+            if p.finish is not None and key in applied:
+                self.finished.add(key)
+        for key in fenced:
+            self.fenced.add(key)
+            self.on_fenced(key)
+        self._mark_applied(applied)
+        self._publish(applied, progress)
 
     def _mark_applied(self, applied: dict[int | None, Applied]) -> None:
         """Write each job's new applied_step into its checkpoint folder (after the commit: the file
