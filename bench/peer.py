@@ -215,8 +215,10 @@ def run_selection(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     return sel
 
 
-def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
-    body = {
+def rest_batch(steps: int, mode: str) -> dict[str, Any]:
+    """The REST side's selection request: the grid over 2 devices, FIFO or ASHA, no checkpoints
+    (bench/rest_timeline.py submits the same one)."""
+    return {
         "name": f"peer-{mode}",
         "base": base_spec(steps),
         "space": SPACE,
@@ -226,6 +228,10 @@ def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
         "early_stopping": ASHA if mode == "asha" else None,
         "checkpoints": "none",
     }
+
+
+def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
+    body = rest_batch(steps, mode)
     t0 = time.perf_counter()
     sel = run_selection(client, body)
     client_wall = time.perf_counter() - t0

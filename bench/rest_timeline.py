@@ -53,7 +53,7 @@ from typing import Any
 import httpx
 
 from bench.common import write_results
-from bench.peer import ASHA, SPACE, base_spec, start_stack
+from bench.peer import rest_batch, start_stack
 
 
 def _utc(s: str | None) -> float | None:
@@ -347,17 +347,7 @@ def main() -> None:
 
 
 def _run_batch(client: httpx.Client, steps: int, mode: str) -> int:
-    body = {
-        "name": f"peer-{mode}",
-        "base": base_spec(steps),
-        "space": SPACE,
-        "method": "grid",
-        "devices": 2,
-        "scheduler": "shard-lrtf",
-        "early_stopping": ASHA if mode == "asha" else None,
-        "checkpoints": "none",
-    }
-    r = client.post("/api/selections", json=body)
+    r = client.post("/api/selections", json=rest_batch(steps, mode))
     r.raise_for_status()
     sid = r.json()["id"]
     while client.get(f"/api/selections/{sid}").json()["status"] not in ("succeeded", "failed", "cancelled"):

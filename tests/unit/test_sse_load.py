@@ -21,22 +21,12 @@ from api.sse import job_events
 from api.stack import Stack
 from api.stream_threads import STREAM_THREADS
 from core.broker import job_channel
-from core.settings import Settings
 from db.engine import session_for
-from db.jobs import create_job
-from db.migrate import upgrade
 from db.models import MetricPoint
+from tests.unit.test_sse_catch_up import _one_job
 
 STREAMS = 45
 """More streams than anyio's default thread limiter has tokens (40): on one limiter they took them all."""
-
-
-def _one_job(broker: Stack, tmp_path: Path) -> tuple[str, Settings, int]:
-    url = f"sqlite:///{tmp_path / 'test.db'}"
-    upgrade(url)
-    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
-    with session_for(url) as s:
-        return url, settings, create_job(s, name="j", spec={}).id
 
 
 def test_streams_stuck_in_database_reads_do_not_hold_up_a_request(
