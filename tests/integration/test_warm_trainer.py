@@ -203,7 +203,7 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
     assert len(stored) == SPEC["train"]["steps"]
     torch.testing.assert_close(stored, _losses(msgs))
 
-    (group_doc,) = sel_dir.glob("group-*.json")
+    (group_doc,) = sel_dir.glob("group-*[0-9].json")
     cold_cmd = [
         sys.executable,
         "-m",
@@ -246,7 +246,7 @@ def test_checkpoints_best_keeps_one_trial_across_a_batch_of_two_groups(stack: St
     assert None not in metrics.values() and len(metrics) == 2
     best = min(metrics, key=lambda i: (metrics[i], i))
     root = stack.stack.root / "selections" / str(sid)
-    assert len(list(root.glob("group-*.json"))) == 2, "the batch ran as two groups"
+    assert len(list(root.glob("group-*[0-9].json"))) == 2, "the batch ran as two groups"
     # the worker removes the others before it settles the batch; a batch the reconciler happened
     # to settle first shows as ended a moment before that
     deadline = time.monotonic() + 60
