@@ -249,7 +249,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
             job_id=job_id,
             applied_step=applied_step,
             relay=relay,
-            pieces=checkpoint_pieces(spec.get("parallel") or {}),
+            parallel=spec.get("parallel") or {},
         )
         cmd += workspace_args(spec, settings=settings, workdir=workdir)
     except StorageError as e:
@@ -302,21 +302,29 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
 
 def restore_checkpoints(
-    settings: Settings, *, ckpt_dir: Path, job_id: int, applied_step: int, relay: Relay, pieces: int = 0
+    settings: Settings,
+    *,
+    ckpt_dir: Path,
+    job_id: int,
+    applied_step: int,
+    relay: Relay,
+    parallel: dict[str, Any],
 ) -> Uploader | None:
     """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
     from the store when it is not the data dir (workers/ckpt_sync.py), its applied step for the
     trainer's pruning (mark_applied), and the thread that uploads the new ones (None with the
-    default store: the trainer's folder is the store). `pieces`: the files one checkpoint is
-    written as (jobrules/parallel.py checkpoint_pieces), which the uploads' deletions in the store
-    wait for (ckpt_sync.store_floor). StorageError when the store cannot be read."""
+    default store: the trainer's folder is the store). `parallel`: the spec's layout, which sets the
+    files one checkpoint is written as (jobrules/parallel.py checkpoint_pieces), which the uploads'
+    deletions in the store wait for (ckpt_sync.store_floor). StorageError when the store cannot be read."""
     storage = get_storage(settings)
     if storage.is_data_dir:
         if ckpt_dir.is_dir():
             drop_checkpoints_past(ckpt_dir, applied_step)
         mark_applied(ckpt_dir, applied_step)
         return None
-    mirror = Mirror(storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id), pieces=pieces)
+    mirror = Mirror(
+        storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id), pieces=checkpoint_pieces(parallel)
+    )
     restored = mirror.restore(applied_step=applied_step)
     mark_applied(ckpt_dir, applied_step)
     report = job_reporter(settings.database_url, [job_id])

@@ -53,7 +53,6 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
-from jobrules.parallel import checkpoint_pieces
 from workers.ckpt_sync import storage_failure
 from workers.execute import (
     QuotaWait,
@@ -249,7 +248,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
                 job_id=job_id,
                 applied_step=applied_step,
                 relay=relay,
-                pieces=checkpoint_pieces(spec.get("parallel") or {}),
+                parallel=spec.get("parallel") or {},
             )
         args += workspace_args(spec, settings=settings, workdir=node_dir)
     except StorageError as e:
