@@ -182,7 +182,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
     # outermost: every answer is timed, the refusals of the two above included
     app.add_middleware(LatencyMiddleware, database_url=settings.database_url, stalls=stalls)
-    app.state.stalls = stalls
     app.include_router(users.router)
     app.include_router(health.router)
     app.include_router(events.router)

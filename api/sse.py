@@ -311,11 +311,10 @@ class _Reads:
     """The job's newest metric id, read by a recheck."""
 
 
-async def _reads(
-    settings: Settings, job_id: int, cur: Cursor, how: _Reads
-) -> AsyncIterator[tuple[list[str], bool]]:
-    """Everything after `cur` from the database, a chunk at a time: (frames, whether the job is
-    over). A finished job's last chunk ends with its final status if this stream has not sent it.
+async def _reads(settings: Settings, job_id: int, cur: Cursor, how: _Reads) -> AsyncIterator[list[str]]:
+    """Everything after `cur` from the database, a chunk at a time (`how.terminal`: whether the
+    job is over). A finished job's last chunk ends with its final status if this stream has not
+    sent it.
     The reads run under the streams' own thread limiter (api/stream_threads.py), not the requests'."""
     after: int | None = None
     SSE_READS.labels(how.why).inc()
@@ -337,7 +336,7 @@ async def _reads(
         if frames:
             SSE_ROWS.labels(how.why).inc(len(frames))
         how.terminal = read.terminal
-        yield frames, read.terminal
+        yield frames
         if not read.more:
             return
         after = read.after
@@ -349,7 +348,7 @@ async def _catch_up(settings: Settings, job_id: int, cur: Cursor, how: _Reads) -
     next poll."""
     out: list[str] = []
     try:
-        async for frames, _ in _reads(settings, job_id, cur, how):
+        async for frames in _reads(settings, job_id, cur, how):
             out.extend(frames)
     except SQLAlchemyError as e:
         log.warning("stream of job %s: database read failed (%s); retrying", job_id, e)
@@ -366,7 +365,7 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         await live.connect()
         yield "retry: 2000\n\n"
         opened = _Reads("open")
-        async for frames, _ in _reads(settings, job_id, cur, opened):
+        async for frames in _reads(settings, job_id, cur, opened):
             if frames:
                 yield "".join(frames)
         if opened.terminal:

@@ -70,12 +70,12 @@ class StallWatch:
             ((now - t, what) for t, what in list(self.inflight.values()) if now - t > self.after_s),
             reverse=True,
         )
-        loop_late = now - self.loop_beat
         if not slow:
             self.reported = False
             return None
         if self.reported:
             return None
+        loop_late = now - self.loop_beat
         self.reported = True
         self.reports += 1
         head = ", ".join(f"{what} {age:.1f} s" for age, what in slow[:5])

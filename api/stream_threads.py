@@ -11,30 +11,30 @@ the streams' behalf."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 import anyio.to_thread
 from anyio import CapacityLimiter
+from anyio.lowlevel import RunVar
 
 T = TypeVar("T")
 
 STREAM_THREADS = 4
 """Database reads of streams at once, per API process (each a short session of its own)."""
 
-_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CapacityLimiter] = weakref.WeakKeyDictionary()
+_limiter: RunVar[CapacityLimiter] = RunVar("stream_limiter")
 
 
 def stream_limiter() -> CapacityLimiter:
     """This event loop's limiter for streams' threads (a limiter belongs to one loop)."""
-    loop = asyncio.get_running_loop()
-    limiter = _limiters.get(loop)
-    if limiter is None:
-        limiter = _limiters[loop] = CapacityLimiter(STREAM_THREADS)
-    return limiter
+    try:
+        return _limiter.get()
+    except LookupError:
+        limiter = CapacityLimiter(STREAM_THREADS)
+        _limiter.set(limiter)
+        return limiter
 
 
 async def in_stream_thread(fn: Callable[..., T], *args: object, **kwargs: object) -> T:

@@ -53,6 +53,15 @@ def parse_step(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+def _is_piece(folder: str) -> bool:
+    return bool(folder) and "/" not in folder
+
+
+def _piece_steps(found: dict[str, set[int]]) -> list[set[int]]:
+    """The steps each rank piece (a direct sub-folder) in `found` holds."""
+    return [set(steps) for folder, steps in found.items() if _is_piece(folder)]
+
+
 def past_or_partial(found: dict[str, set[int]], step: int) -> set[tuple[str, int]]:
     """(folder, step) of the checkpoints a resume at or below `step` must not use. `found` maps a
     folder relative to the checkpoint folder ("" itself, "pp0-tp1" a rank's piece) to the steps
@@ -60,18 +69,14 @@ def past_or_partial(found: dict[str, set[int]], step: int) -> set[tuple[str, int
     so is a step whose pieces are not all there (a rank died between the writes). Pieces are the
     direct sub-folders; with a checkpoint on top, or fewer than two pieces, there is nothing to
     match up."""
-    pieces = [steps for folder, steps in found.items() if folder and "/" not in folder]
-    whole = None if "" in found or len(pieces) < 2 else set.intersection(*(set(s) for s in pieces))
+    pieces = _piece_steps(found)
+    whole = None if "" in found or len(pieces) < 2 else set.intersection(*pieces)
     return {
         (folder, at)
         for folder, steps in found.items()
         for at in steps
         if at > step or (whole is not None and at not in whole)
     }
-
-
-def _is_piece(folder: str) -> bool:
-    return bool(folder) and "/" not in folder
 
 
 def store_floor(found: dict[str, set[int]], *, applied: int | None, pieces: int = 0) -> int | None:
@@ -81,7 +86,7 @@ def store_floor(found: dict[str, set[int]], *, applied: int | None, pieces: int 
     whole. A piece's copy below this step may go: a resume (past_or_partial) keeps this step or a
     newer whole one, whatever another node deletes meanwhile (each deletes only below its own
     floor, so the highest floor any node saw stays whole)."""
-    held = [set(steps) for folder, steps in found.items() if _is_piece(folder)]
+    held = _piece_steps(found)
     if not held or len(held) < pieces:
         return None
     whole = set.intersection(*held)
@@ -247,10 +252,9 @@ class Mirror:
         for folder, steps in found.items():
             if not _is_piece(folder):
                 drop += [_rel(folder, s) for s in steps - kept_steps(list(steps), keep=keep, applied=applied)]
-        held = [set(steps) for folder, steps in found.items() if _is_piece(folder)]
         floor = store_floor(found, applied=applied, pieces=self.pieces)
-        if held and floor is not None:
-            whole = sorted(set.intersection(*held))
+        if floor is not None:  # (so every piece is there)
+            whole = sorted(set.intersection(*_piece_steps(found)))
             kept = set(whole[-keep:])
             for folder, steps in found.items():
                 if _is_piece(folder):

@@ -211,18 +211,17 @@ class Relay:
             for i in range(0, max(len(batch), 1), FLUSH_SLICE_LINES):
                 if i:
                     time.sleep(FLUSH_SLICE_GAP_S)  # other writers take the lock in between
-                self._flush_slice(batch[i : i + FLUSH_SLICE_LINES], rest=batch[i + FLUSH_SLICE_LINES :])
+                try:
+                    lines, progress = self._route(batch[i : i + FLUSH_SLICE_LINES])
+                    applied, fenced = self._apply(lines, progress)
+                except Exception:
+                    with self._lock:  # this slice and the ones after it, for the next try
+                        self._pending = batch[i:] + self._pending
+                    raise
+                self._applied(applied, fenced, progress)
 
-    def _flush_slice(self, batch: list[tuple[int | None, Message]], *, rest: list) -> None:
-        """Apply `batch` in one transaction; on a database error put it and `rest` (the slices
-        after it, not applied yet) back in front of what is pending, and raise."""
-        try:
-            lines, progress = self._route(batch)
-            applied, fenced = self._apply(lines, progress)
-        except Exception:
-            with self._lock:
-                self._pending = batch + rest + self._pending
-            raise
+    def _applied(self, applied: dict[int | None, Applied], fenced: list[int | None], progress: dict) -> None:
+        """After a slice's commit: trials ended or fenced off, applied steps, the live messages."""
         self._renewed = time.monotonic()
         for key, p in progress.items():
             if p.finish is not None and key in applied:

@@ -4,7 +4,7 @@ Two paths ask the next trials, both from the same replay (core/search.py `reques
 seed, its trials' values, and the logical clock that says which trials each ask is told), so
 whichever asks, and whenever, the same trials come out:
 
-- `ask_due` (`ask_next`: one): a running group's executor asks when a device of it frees (the worker
+- `ask_due`: a running group's executor asks when a device of it frees (the worker
   answers from workers/selection.py); every trial due now (one, or two: the batch's last trial is
   due with the one before it) joins that group, claimed by it in the same transaction that adds
   it, so it never waits for the scheduler or a new process.
@@ -59,22 +59,6 @@ def grow(settings: Settings, *, selection_id: int) -> list[int]:
         log.exception("selection %d: the search could not ask its next trials", selection_id)
         _give_up(settings, selection_id=selection_id, reason=f"{type(e).__name__}: {e}")
         return []
-
-
-def ask_next(
-    settings: Settings, *, selection_id: int, reservation_id: int, worker: str, owner: str
-) -> NewTrial | None:
-    """The batch's next trial, added to the running group `reservation_id` and claimed by `owner`,
-    when it may be asked now; else None (`ask_due`, one trial)."""
-    got = ask_due(
-        settings,
-        selection_id=selection_id,
-        reservation_id=reservation_id,
-        worker=worker,
-        owner=owner,
-        limit=1,
-    )
-    return got[0] if got else None
 
 
 def ask_due(

@@ -204,7 +204,7 @@ def test_the_store_going_down(hosts: Hosts, gate: Path) -> None:
 
 
 def test_a_sampler_trial_asked_mid_group_uploads_its_checkpoints(hosts: Hosts) -> None:
-    """A TPE batch's trials 2 and 3 join the running group (workers/search.py ask_next): their
+    """A TPE batch's trials 2 and 3 join the running group (workers/search.py ask_due): their
     checkpoints reach the store like the group's first trials'."""
     h = hosts.h
     hosts.only(1)

@@ -418,14 +418,14 @@ def test_more_adds_a_trial_when_a_device_frees_without_waiting_for_the_others() 
     queue = [2, 3]
     lock = threading.Lock()
 
-    def more() -> TrialEntry | None:
+    def more() -> list[TrialEntry]:
         with lock:
             if not queue:
                 order.append(("none", -1))
-                return None
+                return []
             i = queue.pop(0)
             order.append(("ask", i))
-            return TrialEntry(index=i, job=job(i % 3), sink=sinks[i])
+            return [TrialEntry(index=i, job=job(i % 3), sink=sinks[i])]
 
     sinks = {i: ListSink() for i in range(4)}
     # trials 0 and 2 (one shard, 3 steps) and 3 (3 shards, 4 steps) end long before trial 1
@@ -477,7 +477,7 @@ def test_more_may_add_several_trials_in_one_answer() -> None:
 def test_more_cannot_grow_a_batch_with_rungs() -> None:
     cfg = ExecutorConfig(early_stopping=HalvingConfig(kind="asha", reduction_factor=2, min_steps=1))
     with pytest.raises(ValueError, match="cannot have early stopping"):
-        Executor([TrialEntry(index=0, job=job(2), sink=ListSink())], devices=CPU2, cfg=cfg, more=lambda: None)
+        Executor([TrialEntry(index=0, job=job(2), sink=ListSink())], devices=CPU2, cfg=cfg, more=lambda: [])
 
 
 # -- CPU devices as processes (trainer/selection/devices.py) --------------------------------------
@@ -875,12 +875,12 @@ def test_ended_trials_shared_memory_is_unmapped_in_the_device_processes_and_here
                 pids = [p.pid for p in ex._procs.procs]
                 seen.append((ended, _shm_maps(os.getpid()), *(_shm_maps(p) for p in pids)))
 
-    def more() -> TrialEntry | None:
+    def more() -> list[TrialEntry]:
         with lock:
             if not queue:
-                return None
+                return []
             i = queue.pop(0)
-        return TrialEntry(index=i, job=job(i % 3), sink=Watch())
+        return [TrialEntry(index=i, job=job(i % 3), sink=Watch())]
 
     entries = [TrialEntry(index=i, job=job(i), sink=Watch()) for i in (0, 1)]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(device_processes=True), more=more)

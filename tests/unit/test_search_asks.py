@@ -1,4 +1,4 @@
-"""A sampler batch's next trial, asked by a running group (workers/search.py ask_next, ask_due)
+"""A sampler batch's next trial, asked by a running group (workers/search.py ask_due)
 on a real database (SQLite and Postgres, migrated by Alembic): asked only once the trials its ask
 is told have ended (trial k-parallel here: every trial costs the same), the batch's last trial
 with the one before it, added to that group already claimed (the scheduler never sees it queued),
@@ -14,7 +14,7 @@ from db import scheduling as dbs
 from db import selections as dbsel
 from db.engine import session_for
 from db.models import Job, JobStatus, Reservation, Trial
-from workers.search import ask_due, ask_next, grow
+from workers.search import ask_due, grow
 
 BASE = {
     "name": "tpe",
@@ -77,7 +77,8 @@ def test_a_running_group_asks_its_next_trial_once_it_is_due(db_url: str) -> None
     sel, res, ids = running_group(db_url)
 
     def ask(owner: str = "p1"):  # noqa: ANN202
-        return ask_next(settings, selection_id=sel, reservation_id=res, worker="w", owner=owner)
+        got = ask_due(settings, selection_id=sel, reservation_id=res, worker="w", owner=owner, limit=1)
+        return got[0] if got else None
 
     assert ask() is None  # trial 2 waits for trial 0
     end(db_url, ids[0], 2.5)

@@ -13,17 +13,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import redis
 from starlette.concurrency import run_in_threadpool
 
 import api.sse
 from api.sse import job_events
 from api.stack import Stack
 from api.stream_threads import STREAM_THREADS
-from core.broker import job_channel
 from db.engine import session_for
 from db.models import MetricPoint
-from tests.unit.test_sse_catch_up import _one_job
+from tests.unit.test_sse_catch_up import _one_job, _publish
 
 STREAMS = 45
 """More streams than anyio's default thread limiter has tokens (40): on one limiter they took them all."""
@@ -110,8 +108,7 @@ def test_a_recheck_reads_only_points_whose_publish_is_overdue(
         # while the client reads nothing: points committed and published (they wait in the
         # stream's queue when its recheck comes), then points committed and never published
         points = await asyncio.to_thread(_points, url, job_id, range(1, 6))
-        with redis.Redis.from_url(broker.broker_url) as r:
-            r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": points}))
+        _publish(broker, job_id, {"type": "metrics", "points": points})
         await asyncio.sleep(0.5)
         await asyncio.to_thread(_points, url, job_id, range(6, 9))
         got: list[int] = []
@@ -161,8 +158,7 @@ def test_streams_at_the_same_cursor_share_one_string_per_message(broker: Stack, 
             assert (await anext(s)).startswith("retry:")
             assert "queued" in await anext(s)
         points = await asyncio.to_thread(_points, url, job_id, range(1, 50))
-        with redis.Redis.from_url(broker.broker_url) as r:
-            r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": points}))
+        _publish(broker, job_id, {"type": "metrics", "points": points})
         chunks = []
         for s in streams:
             chunk = await anext(s)

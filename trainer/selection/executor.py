@@ -112,6 +112,14 @@ class ExecutorConfig:
             raise ValueError(f"chunk_tasks must be >= 1, got {self.chunk_tasks}")
 
 
+def uses_processes(cfg: ExecutorConfig, devices: list[torch.device]) -> bool:
+    """Whether the devices run as forked device processes: as `cfg.device_processes` says, and
+    by default when there are several CPU devices (one device, or CUDA: threads)."""
+    if cfg.device_processes is not None:
+        return cfg.device_processes
+    return all(d.type == "cpu" for d in devices) and len(devices) > 1
+
+
 @dataclass(kw_only=True, slots=True)
 class Slot:
     """One task as it ran, for tests and the benchmark."""
@@ -187,7 +195,7 @@ class Executor:
         stop: StopSignal | None = None,
         stop_trials: Callable[[], set[int]] | None = None,
         scheduler: Scheduler | None = None,
-        more: Callable[[], list[TrialEntry] | TrialEntry | None] | None = None,
+        more: Callable[[], list[TrialEntry]] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a selection batch needs at least one device")
@@ -197,9 +205,7 @@ class Executor:
                 f"device processes are for CPU devices only (CUDA cannot be forked once initialised), "
                 f"got {', '.join(map(str, devices))}"
             )
-        self.processes = (
-            cfg.device_processes if cfg.device_processes is not None else cpu and len(devices) > 1
-        )
+        self.processes = uses_processes(cfg, devices)
         """CPU devices run as processes (trainer/selection/devices.py)."""
         if len({e.index for e in entries}) != len(entries):
             raise ValueError("trial indices must be unique")
@@ -681,7 +687,7 @@ class Executor:
         built: list[tuple[TrialRun, tuple[Exception, str] | None]] = []
         try:
             got = self.more()
-            for entry in [got] if isinstance(got, TrialEntry) else got or []:
+            for entry in got:
                 run = TrialRun(entry=entry)
                 built.append((run, self._cut(run)))
         finally:

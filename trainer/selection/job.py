@@ -28,7 +28,7 @@ from jobrules.spec import BatchTrial, SelectionBatch, parse
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, JobConfig
 from trainer.protocol import MetricsSink, StopSignal
-from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry, uses_processes
 from trainer.selection.fused import fusable
 from trainer.selection.fused_batch import FusedGroups
 from trainer.selection.halving import HalvingConfig
@@ -107,10 +107,7 @@ def run_selection(
     if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
         spec.executor.device_processes = False
     if chunk_tasks is not None:  # a lone trial's tasks an order (ExecutorConfig.chunk_tasks)
-        processes = spec.executor.device_processes
-        if processes is None:
-            processes = devices[0].type == "cpu" and len(devices) > 1
-        if not processes:
+        if not uses_processes(spec.executor, devices):
             # chunks exist only where a device is a process of its own: refused, not ignored
             raise ConfigError(
                 "chunk_tasks: applies to CPU device processes only (two or more CPU devices, "
