@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +297,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         settings, attempt=attempt, rc=rc, out=out, relay=relay, memory_limit=mem_limit, oom_before=oom_before
     )
     relay.drain_live()
-    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, uploader=uploader)
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=uploader.mirrors if uploader else ())
     return status
 
 
@@ -337,13 +337,14 @@ def restore_checkpoints(
     ).start()
 
 
-def prune_at_end(settings: Settings, *, attempt: Attempt, ckpt_dir: Path, uploader: Uploader | None) -> None:
+def prune_at_end(settings: Settings, *, attempt: Attempt, ckpt_dir: Path, mirrors: Sequence[Mirror]) -> None:
     """Once this attempt ended the job (succeeded, failed or cancelled, every line applied): the
     pruning the trainer no longer does. Its last save read an applied-step file that lagged the
     last lines, so up to every checkpoint the relay had not applied then was still there. The
-    folder (ckpt_sync.prune_local) and, with a store, the store's copies (Mirror.prune_store) keep
-    what `checkpoint_keep` leaves at the job's final applied step. Never fails the attempt: a
-    store or disk error only warns (the copies stay, as before)."""
+    folder (ckpt_sync.prune_local) and, with a store, the store's copies of it (`mirrors`,
+    Mirror.prune_store) keep what `checkpoint_keep` leaves at the job's final applied step. A
+    selection's trial is a job: its folder and its mirror (workers/selection.py). Never fails the
+    attempt: a store or disk error only warns (the copies stay, as before)."""
     keep = settings.checkpoint_keep
     if keep <= 0:
         return
@@ -354,7 +355,7 @@ def prune_at_end(settings: Settings, *, attempt: Attempt, ckpt_dir: Path, upload
                 return
             applied = job.applied_step
         prune_local(ckpt_dir, keep=keep, applied=applied)
-        for mirror in uploader.mirrors if uploader is not None else []:
+        for mirror in mirrors:
             mirror.prune_store(keep=keep, applied=applied)
     except (OSError, StorageError, SQLAlchemyError, NotFound) as e:  # NotFound: deleted meanwhile
         log.warning("job %s: checkpoints not pruned at its end: %s", attempt.job_id, e)

@@ -331,7 +331,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     )
     status = retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
     # every node prunes its own folder and the store (the one that ends last sees every piece)
-    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, uploader=uploader)
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=uploader.mirrors if uploader else ())
     return status
 
 

@@ -43,7 +43,14 @@ from db.selections import (
 from jobrules.spec import SelectionCreate
 from workers import pyenv
 from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
-from workers.execute import QuotaWait, drop_checkpoints_past, mark_applied, owner_id, publish_status
+from workers.execute import (
+    QuotaWait,
+    drop_checkpoints_past,
+    mark_applied,
+    owner_id,
+    prune_at_end,
+    publish_status,
+)
 from workers.hardware import HardwareSampler
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
@@ -385,6 +392,9 @@ def execute_selection(
         log.warning("selection %s %s: %s", selection_id, group, relay.broken)
         return "lost"
     marks["relay_closed"] = time.time()
+    # the trials that ended in the executor are pruned before the batch can show as ended, the
+    # ones _end_group ends just after it (a trial given back to run again is not: it has not ended)
+    _prune_ended(settings, root, [w for w in won if w[0].index in relay.finished], uploader)
     status = retry_db(
         settings,
         "trial ends",
@@ -392,10 +402,24 @@ def execute_selection(
             settings, selection_id, won, relay=relay, rc=rc, out=out, group=(reservation_id, worker)
         ),
     )
+    _prune_ended(settings, root, [w for w in won if w[0].index not in relay.finished], uploader)
     marks["ended"] = time.time()
     relay.drain_live()
     log.info("selection %s %s: %s %s", selection_id, group, GROUP_MARKS, json.dumps(marks))
     return status
+
+
+def _prune_ended(
+    settings: Settings, root: Path, trials: list[tuple[Trial, Attempt]], uploader: Uploader | None
+) -> None:
+    """Each ended trial's folder and its copies in the store, pruned as an ended job's are
+    (workers/execute.py prune_at_end): the executor's last saves read an applied step that lagged."""
+    mirrors = uploader.mirrors if uploader is not None else []
+    for t, attempt in trials:
+        folder = root / f"trial-{t.index}"
+        prune_at_end(
+            settings, attempt=attempt, ckpt_dir=folder, mirrors=[m for m in mirrors if m.local == folder]
+        )
 
 
 def restore_trials(

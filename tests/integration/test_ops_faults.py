@@ -158,6 +158,28 @@ def test_checkpoints_are_pruned_and_a_finished_job_is_deleted(ops_stack: StackHa
     assert h.client.get(f"/api/jobs/{job['id']}/metrics").status_code == 404
 
 
+def test_a_selection_s_trials_are_pruned_when_they_end(ops_stack: StackHandle) -> None:
+    h = ops_stack
+    base = {**FAST, "name": "pruned", "train": {**FAST["train"], "steps": 12}, "checkpoint_every": 2}
+    body = {
+        "name": "pruned",
+        "base": base,
+        "space": {"train.lr": [1e-3, 3e-3]},
+        "method": "grid",
+        "devices": 2,
+        "checkpoints": "all",
+    }
+    done = h.wait_selection(h.submit_selection(body)["id"], timeout=300)
+    assert done["status"] == "succeeded" and len(done["trials"]) == 2
+    root = h.stack.root / "selections" / str(done["id"])
+    # as a job's folder: the newest 3 of the 6 saved stay (SHARDYARD_CHECKPOINT_KEEP unset). The
+    # executor's last saves read an applied step that lagged; the worker prunes each trial of the
+    # group once it has ended (workers/selection.py), before the batch shows as ended
+    for i in range(2):
+        kept = sorted(int(p.name[5:-3]) for p in (root / f"trial-{i}").glob("step-*.pt"))
+        assert kept == [8, 10, 12], (i, kept)
+
+
 def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
     ops_stack: StackHandle, tmp_path: Path
 ) -> None:
