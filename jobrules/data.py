@@ -76,6 +76,12 @@ def data_vocab_size(data: dict[str, Any]) -> int | None:
     return data.get("vocab_size")
 
 
+def spec_vocab_size(spec: dict[str, Any]) -> int | None:
+    """The vocabulary a JobSpec dict's model embeds: model.vocab_size, else the data's when the spec
+    alone tells it (data_vocab_size); None when only the data files on the worker can."""
+    return (spec.get("model") or {}).get("vocab_size") or data_vocab_size(spec.get("data") or {})
+
+
 def vocab_problem(*, model_vocab: int | None, data_vocab: int | None) -> str | None:
     """The model must embed every token id the data holds."""
     if model_vocab is not None and data_vocab is not None and data_vocab > model_vocab:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobrules.data import BUILTIN_TOKENIZERS, data_vocab_size
+from jobrules.data import BUILTIN_TOKENIZERS, spec_vocab_size
 from jobrules.parallel import world_size
 from jobrules.sizing import FP32, layer_activation_bytes, layer_param_counts, state_bytes_per_param
 
@@ -36,7 +36,7 @@ def host_memory_bytes(spec: dict[str, Any]) -> dict[str, int]:
     shape = {k: model[k] for k in keys if k in model}
     # the vocabulary follows the data when the spec leaves it out; unknown until the worker reads
     # the files (a tokenizer file, tokens without vocab_size): count the model's other layers only
-    shape["vocab_size"] = model.get("vocab_size") or data_vocab_size(data) or 0
+    shape["vocab_size"] = spec_vocab_size(spec) or 0
     try:
         params = sum(layer_param_counts(**shape))
         activations = sum(layer_activation_bytes(batch_size=train["batch_size"], **shape))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobrules.data import data_vocab_size
+from jobrules.data import spec_vocab_size
 from jobrules.models import tensor_kind_problems
 
 SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
@@ -129,7 +129,7 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
             # (a Llama's SwiGLU width is checked by tensor_kind_problems)
             ("the MLP width (mlp_ratio * d_model)", ffn if model.get("kind", "gpt") == "gpt" else None),
             # the vocabulary, where the API can know it (else the trainer checks it from the data)
-            ("the vocabulary", model.get("vocab_size") or data_vocab_size(spec.get("data") or {})),
+            ("the vocabulary", spec_vocab_size(spec)),
         ):
             if value is not None and value % split:
                 problems.append(

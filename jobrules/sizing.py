@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobrules.data import data_vocab_size
+from jobrules.data import spec_vocab_size
 from jobrules.parallel import parallel_problems
 
 INT64 = 8
@@ -164,7 +164,7 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
     spill, offload = par.get("spill"), par.get("offload")
     # None: the vocabulary is only known from the data files on the worker (a tokenizer file,
     # tokens without data.vocab_size), so the rules that need it run in the trainer
-    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data", {}))
+    vocab = spec_vocab_size(spec)
 
     # world size, schedules, tensor layouts, divisibility and combinations: one function, the
     # same rules and words wherever the spec is checked (jobrules/spec.py)
@@ -216,7 +216,7 @@ def trial_flops(spec: dict[str, Any]) -> float | None:
     model, train = spec["model"], spec["train"]
     if model.get("kind") not in SIZED_KINDS:
         return None
-    vocab = model.get("vocab_size") or data_vocab_size(spec.get("data", {})) or NOMINAL_VOCAB
+    vocab = spec_vocab_size(spec) or NOMINAL_VOCAB
     params = sum(layer_param_counts(**_shape(model, vocab)))
     tokens = train["batch_size"] * model["seq_len"]
     steps = train["steps"]
