@@ -232,12 +232,12 @@ def _row(ev: JobEvent) -> dict[str, Any]:
 
 
 _Bodies = list[tuple[int, str]]
-_Written = dict[tuple[int, str], tuple[list[str], int]]
+_Written = dict[tuple[int, str], tuple[str, int]]
 _BODIES: dict[int, tuple[dict[str, Any], _Bodies, _Written]] = {}
-"""id(message) -> (the message, its points' ids and `data:` JSON, the frames written for each
-cursor seen). Every stream of a job gets the same decoded message object (api/live.py decodes
-each payload once), so its points are encoded once per process, not once per open stream, and
-the streams that stood at the same cursor (all those following live) share one list of frames;
+"""id(message) -> (the message, its points' ids and `data:` JSON, the text written for each cursor
+seen). Every stream of a job gets the same decoded message object (api/live.py decodes each
+payload once), so its points are encoded once per process, not once per open stream, and the
+streams that stood at the same cursor (all those following live) share one string of frames;
 the entry holds the message, so its id stays its own."""
 
 
@@ -253,24 +253,9 @@ def _metric_entry(msg: dict[str, Any]) -> tuple[_Bodies, _Written]:
     return bodies, _BODIES[id(msg)][2]
 
 
-_JOINED: dict[int, tuple[list[str], str]] = {}
-"""id(frames) -> (the frames, joined): the streams that share a message's list of frames
-(`_metric_entry`) share its one string too, instead of joining hundreds of frames each."""
-
-
-def _joined(frames: list[str]) -> str:
-    hit = _JOINED.get(id(frames))
-    if hit is not None and hit[0] is frames:
-        return hit[1]
-    text = "".join(frames)
-    if len(_JOINED) >= 64:
-        del _JOINED[next(iter(_JOINED))]
-    _JOINED[id(frames)] = (frames, text)  # holds the list, so its id stays its own
-    return text
-
-
-def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
-    """Frames for one channel message not already replayed; True when it ends the job."""
+def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[str, bool]:
+    """The frames, as one string (one write), for one channel message not already replayed; True
+    when it ends the job."""
     out: list[str] = []
     ended = False
     if msg.get("type") == "metrics":
@@ -278,16 +263,17 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
         cur.settle()
         hit = written.get((cur.metric, cur.token))
         if hit is not None:
-            out, cur.metric = hit
-            return out, False  # (read-only, like the message)
+            text, cur.metric = hit
+            return text, False
         start = (cur.metric, cur.token)
         for point_id, body in bodies:
             if point_id > cur.metric:
                 cur.metric = point_id
                 out.append(f"id: {cur}\nevent: metric\ndata: {body}\n\n")  # as frame() writes it
+        text = "".join(out)
         if len(written) < 8:
-            written[start] = (out, cur.metric)
-        return out, False
+            written[start] = (text, cur.metric)
+        return text, False
     elif msg.get("type") == "live_log":
         # output past the job's stored head (workers/logcap.py): live only, so no id to resume by
         data = {k: msg.get(k) for k in ("message", "time", "rank", "stream")}
@@ -295,7 +281,7 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[list[str], bool]:
     elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
         out.append(event_frame(msg, cur))
         ended = msg["kind"] == "status" and cur.final
-    return out, ended
+    return "".join(out), ended
 
 
 @dataclass(slots=True)
@@ -415,9 +401,9 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             if behind:
                 msg = None  # its rows come with the next read of the database
             if msg is not None:
-                frames, ended = _live_frames(msg, cur)
-                if frames:
-                    yield _joined(frames)  # one write for a message's frames, not one each
+                text, ended = _live_frames(msg, cur)
+                if text:
+                    yield text  # one write for a message's frames, not one each
                     last_sent = now
                 if ended:
                     return

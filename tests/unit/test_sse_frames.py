@@ -30,18 +30,18 @@ def test_streams_share_one_decoded_message_and_write_frame_text() -> None:
         cur.metric = p["id"]
         data = {k: p[k] for k in ("step", "name", "value", "time")}
         expected.append(frame(event="metric", data=data, cursor=cur))
-    assert frames_behind == expected
-    assert 'data: {"step":3,"name":"train_loss","value":-0.0' in frames_behind[2]
-    assert "NaN" in frames_behind[1]
+    assert frames_behind == "".join(expected)  # one string: one write for the message
+    assert 'data: {"step":3,"name":"train_loss","value":-0.0' in expected[2]
+    assert "NaN" in expected[1]
     # a stream already past point 8 gets only point 9, with its own cursor in the id
-    assert frames_ahead == [expected[2]]
+    assert frames_ahead == expected[2]
     assert (behind.metric, ahead.metric) == (9, 9)
 
 
 def test_a_changed_message_is_encoded_afresh() -> None:
     first = _live_frames(_decode(_payload([(20, 5, 1.0)])), Cursor())[0]
     second = _live_frames(_decode(_payload([(20, 5, 2.0)])), Cursor())[0]
-    assert '"value":1.0' in first[0] and '"value":2.0' in second[0]
+    assert '"value":1.0' in first and '"value":2.0' in second
 
 
 def test_terminal_event_ends_the_stream() -> None:
@@ -50,7 +50,7 @@ def test_terminal_event_ends_the_stream() -> None:
     )
     frames, ended = _live_frames(msg, Cursor.parse("m0e2"))
     # the id keeps the horizon (2) and lists 3 above it, until 3 has settled
-    assert ended and frames[0].startswith("id: m0e2s3\nevent: status\n")
+    assert ended and frames.startswith("id: m0e2s3\nevent: status\n")
 
 
 def test_the_horizon_settles_and_a_reconnect_gets_the_late_lower_id_once() -> None:
@@ -81,15 +81,15 @@ def test_streams_at_one_cursor_share_the_frames_and_advance_alike() -> None:
     first, second, behind = Cursor.parse("m29e2"), Cursor.parse("m29e2"), Cursor.parse("m0e2")
     a, _ = _live_frames(msg, first)
     b, _ = _live_frames(msg, second)
-    assert a is b and (first.metric, second.metric) == (31, 31)
-    assert a[0].startswith("id: m30e2\n") and a[1].startswith("id: m31e2\n")
+    assert a is b and (first.metric, second.metric) == (31, 31)  # one string, joined once
+    assert a.startswith("id: m30e2\n") and "\n\nid: m31e2\n" in a
     # another cursor (another event id in it) writes its own ids
     c, _ = _live_frames(msg, Cursor.parse("m29e5"))
-    assert c[0].startswith("id: m30e5\n")
+    assert c.startswith("id: m30e5\n")
     assert _live_frames(msg, behind)[0] == a and behind.metric == 31
     # a stream already past the message gets nothing, and its cursor stays
     done = Cursor.parse("m31e2")
-    assert _live_frames(msg, done) == ([], False) and done.metric == 31
+    assert _live_frames(msg, done) == ("", False) and done.metric == 31
 
 
 def test_a_live_log_line_goes_out_without_an_id() -> None:
@@ -98,7 +98,7 @@ def test_a_live_log_line_goes_out_without_an_id() -> None:
     cur = Cursor.parse("m3e4")
     msg = {"type": "live_log", "message": "epoch 9", "time": 1.5, "rank": 1, "stream": "stdout"}
     frames, ended = _live_frames(msg, cur)
-    assert not ended and frames == [
+    assert not ended and frames == (
         'event: log\ndata: {"message":"epoch 9","time":1.5,"rank":1,"stream":"stdout"}\n\n'
-    ]
+    )
     assert str(cur) == "m3e4"
