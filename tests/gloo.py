@@ -52,6 +52,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # every rank has joined before fn runs: a rank whose fn ends at once (no collective) could
+        # otherwise exit while a peer was still connecting, failing that peer inside init
+        dist.barrier()
         value = fn(rank, world_size, *args)
         out.write_bytes(pickle.dumps(("ok", value)))
     except BaseException:  # noqa: BLE001 - reported to the parent through the file
