@@ -185,9 +185,8 @@ class Client:
         on_resume: Callable[[], None] | None = None,
     ) -> Iterator[JobEvent]:
         """The job's events from its start (its stored history first, then live) until it ends
-        and the API closes the stream: MetricEvent, LogEvent, StatusEvent, NoticeEvent; one
-        StatusEvent is terminal (a live job's is the last event; a finished job's replay may send
-        it before its last points). A dropped stream
+        and the API closes the stream: MetricEvent, LogEvent, StatusEvent, NoticeEvent; the
+        terminal StatusEvent is always the last event, after every point. A dropped stream
         (the API or the broker restarted) is picked up again with Last-Event-ID, so each point
         comes exactly once; `on_interrupt(reason)` and `on_resume()` are told (default: the
         `shardyard` logger), and after `patience_s` (the client's) without getting through,
@@ -224,14 +223,17 @@ class Client:
 
     def _until_end(self, path: str, event: Callable[[Frame], Any], **kwargs: Any) -> Iterator[Any]:
         """`event(frame)` of each frame of the stream at `path` (None: skipped) until the server
-        closes it after a terminal StatusEvent. The terminal status can come before the last points
-        (a finished job's replay sends its rows a chunk at a time, an ended batch's stream sends
-        its status before its points), so we read on to the end; a stream resumed after the end
-        sends the final status again, which is not yielded twice."""
+        closes it after a terminal StatusEvent, which is yielded last. The server can send the
+        terminal status before the last points (a finished job's replay sends its rows a chunk at
+        a time, an ended batch's stream sends its status before its points), so the status is held
+        until the stream's end; a stream resumed after the end sends the final status again, which
+        is not yielded twice. A status after a terminal one (a job requeued) lets the held one go
+        first, in the order they came."""
         final: StatusEvent | None = None
         for f in self._frames(path, **kwargs):
             if f.event == END:
                 if final is not None:
+                    yield final
                     return
                 continue
             ev = event(f)
@@ -240,7 +242,12 @@ class Client:
             if isinstance(ev, StatusEvent):
                 if final is not None and ev.status == final.status:
                     continue
-                final = ev if ev.done else None
+                if final is not None:
+                    yield final
+                    final = None
+                if ev.done:
+                    final = ev
+                    continue
             yield ev
 
     def wait(self, job_id: int, *, timeout: float | None = None) -> Job:
@@ -323,9 +330,10 @@ class Client:
         on_resume: Callable[[], None] | None = None,
     ) -> Iterator[SelectionEvent]:
         """The batch's events until it ends and the API closes the stream: every trial's state
-        first (TrialEvent), the batch's StatusEvent, then each trial's metric points (MetricEvent,
-        with trial_id) and trial changes live, up to a terminal StatusEvent (for a batch that had
-        ended already, its points come after it). Reconnects like `follow`: after a drop,
+        first (TrialEvent), the batch's StatusEvent while it runs, then each trial's metric points
+        (MetricEvent, with trial_id) and trial changes live, and last the terminal StatusEvent
+        (for a batch that had ended already too, after all its points). Reconnects like
+        `follow`: after a drop,
         the trials' states come again and then exactly the points not yet seen."""
         return self._selection_events(
             selection_id, patience_s=patience_s, on_interrupt=on_interrupt, on_resume=on_resume

@@ -128,10 +128,12 @@ def test_a_selection_followed_to_its_end_and_ranked(sdk_stack: StackHandle, clie
         assert [s for (tid, name, s) in sorted(points) if tid == t.id and name == "loss"] == list(
             range(1, 13)
         )
-    # the stream of a batch that has ended sends its status before its points: all of them come
+    # the stream of a batch that has ended sends its status before its points: all of them come,
+    # and the SDK yields the terminal status last, as for a live batch
     replay = list(client.follow_selection(sel.id))
     assert Counter((e.trial_id, e.name, e.step) for e in replay if isinstance(e, MetricEvent)) == points
     assert [e.status for e in replay if isinstance(e, StatusEvent)] == ["succeeded"]
+    assert isinstance(replay[-1], StatusEvent)
     done = client.get_selection(sel.id)
     assert done.status == "succeeded"
     board = client.leaderboard(sel.id)
