@@ -761,7 +761,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if ("rest", mode) in med and ("ray-reuse", mode) in med:
             s = med["ray-reuse", mode] / med["rest", mode]
             goals.append(
-                f"Ray reuse_actors / Shardyard REST ({mode}): {s:.2f}x (goal >= 1.4x; an earlier issue asked 1.5x)"
+                f"Ray reuse_actors / Shardyard REST ({mode}): {s:.3f}x (goal >= 1.4x; an earlier issue asked 1.5x)"
             )
     return {
         "rows": rows,
