@@ -86,11 +86,17 @@ def store_floor(found: dict[str, set[int]], *, applied: int | None, pieces: int 
     whole. A piece's copy below this step may go: a resume (past_or_partial) keeps this step or a
     newer whole one, whatever another node deletes meanwhile (each deletes only below its own
     floor, so the highest floor any node saw stays whole)."""
+    whole = _whole_steps(found, pieces=pieces)
+    return max((s for s in whole or () if applied is None or s <= applied), default=None)
+
+
+def _whole_steps(found: dict[str, set[int]], *, pieces: int = 0) -> set[int] | None:
+    """The steps every rank piece in `found` holds; None while fewer than `pieces` (or no piece)
+    are there."""
     held = _piece_steps(found)
     if not held or len(held) < pieces:
         return None
-    whole = set.intersection(*held)
-    return max((s for s in whole if applied is None or s <= applied), default=None)
+    return set.intersection(*held)
 
 
 def local_checkpoints(root: Path) -> dict[str, Path]:
@@ -254,8 +260,7 @@ class Mirror:
                 drop += [_rel(folder, s) for s in steps - kept_steps(list(steps), keep=keep, applied=applied)]
         floor = store_floor(found, applied=applied, pieces=self.pieces)
         if floor is not None:  # (so every piece is there)
-            whole = sorted(set.intersection(*_piece_steps(found)))
-            kept = set(whole[-keep:])
+            kept = set(sorted(_whole_steps(found) or ())[-keep:])
             for folder, steps in found.items():
                 if _is_piece(folder):
                     drop += [_rel(folder, s) for s in sorted(steps) if s < floor and s not in kept]

@@ -213,7 +213,7 @@ class Relay:
                     time.sleep(FLUSH_SLICE_GAP_S)  # other writers take the lock in between
                 try:
                     lines, progress = self._route(batch[i : i + FLUSH_SLICE_LINES])
-                    applied, fenced = self._apply(lines, progress)
+                    applied, fenced = self._apply(lines, progress, renew_all=not i)
                 except Exception:
                     with self._lock:  # this slice and the ones after it, for the next try
                         self._pending = batch[i:] + self._pending
@@ -247,7 +247,12 @@ class Relay:
             except OSError as e:
                 log.warning("could not write the applied step to %s: %s", target.checkpoints, e)
 
-    def _apply(self, lines: dict, progress: dict) -> tuple[dict[int | None, Applied], list[int | None]]:
+    def _apply(
+        self, lines: dict, progress: dict, *, renew_all: bool = True
+    ) -> tuple[dict[int | None, Applied], list[int | None]]:
+        """One transaction: each target's lines and its lease. `renew_all` False (a flush's later
+        slices): only the targets with lines or progress in this slice, the first slice having
+        renewed (and fence-checked) every lease moments before."""
         applied: dict[int | None, Applied] = {}
         fenced: list[int | None] = []
         with session_for(self.settings.database_url) as s:
@@ -258,6 +263,8 @@ class Relay:
                 if key in self.fenced or key in self.finished:
                     continue
                 jl = lines.get(key) or JobLines()
+                if not renew_all and jl.empty() and key not in progress:
+                    continue
                 if target.node_rank is not None:
                     got = apply_gang_lines(
                         s,

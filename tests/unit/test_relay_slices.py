@@ -79,11 +79,11 @@ def test_a_slice_that_fails_keeps_the_earlier_slices_and_the_rest_lands_once(
     real = relay_mod.Relay._apply
     calls = {"n": 0}
 
-    def second_fails(self, lines, progress):  # noqa: ANN001, ANN202
+    def second_fails(self, lines, progress, **kw):  # noqa: ANN001, ANN003, ANN202
         calls["n"] += 1
         if calls["n"] == 2:  # the database goes away after the first slice's commit
             raise OperationalError("INSERT", {}, Exception("database is locked"))
-        return real(self, lines, progress)
+        return real(self, lines, progress, **kw)
 
     monkeypatch.setattr(relay_mod.Relay, "_apply", second_fails)
     with pytest.raises(OperationalError):
