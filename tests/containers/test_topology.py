@@ -163,6 +163,12 @@ def test_a_selection_batch_spans_both_workers(topo: Topology) -> None:
         "devices": 1,
         "group_size": 1,
     }
+    # the test before this one ran a gang on both workers (one slot each): while a node of it
+    # still holds its slot, group 0 goes to the free worker, ends there first, and group 1 follows
+    deadline = time.monotonic() + 60
+    while any(j["reservation"] for j in topo.client.get("/api/jobs", params={"limit": 100}).json()["items"]):
+        assert time.monotonic() < deadline, "an earlier job still holds a worker's slot"
+        time.sleep(0.2)
     resp = topo.client.post("/api/selections", json=body)
     assert resp.status_code == 201, resp.text
     sel = resp.json()
