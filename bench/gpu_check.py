@@ -46,7 +46,7 @@ MIN_STEP_S = 20.0
 # Every test marked `gpu`. tests/unit/test_gpu_check.py fails when this list and pytest's
 # collection of `-m gpu` differ, so a renamed or new GPU test must be listed here.
 GPU_TESTS: tuple[str, ...] = (
-    # issue 9's last item first: the allocator's real peak against the ledger's budget
+    # first: the allocator's real peak against the ledger's budget
     "tests/trainer/test_spill_gpu.py::test_real_peak_within_budget_plus_allowance",
     "tests/trainer/test_spill_gpu.py::test_spilled_equals_resident_on_gpu",
     "tests/trainer/test_spill_gpu.py::test_prefetch_copy_overlaps_compute",
@@ -78,8 +78,8 @@ class Bench:
 
 
 # In order of what matters most when time runs short. Reps and steps are cut from the defaults
-# so the whole fits the budget (session 18's H100: the tests took ~55 s;
-# session 24's H200: tests 52 s, memory 117 s, split 58 s, selection ~127 s, warm 3 reps > 90 s).
+# so the whole fits the budget (on an H100 the tests took ~55 s; on an H200: tests 52 s,
+# memory 117 s, split 58 s, selection ~127 s, warm 3 reps > 90 s).
 BENCHES: tuple[Bench, ...] = (
     Bench(
         name="memory",

@@ -1,4 +1,4 @@
-"""Memory benchmark for HYDRA spilling and the AxoNN offloaded optimizer (issue 3).
+"""Memory benchmark for HYDRA spilling and the AxoNN offloaded optimizer.
 
     .venv/bin/python -m bench.memory [--budget-mb 16] [--steps 8]
 

@@ -1,4 +1,4 @@
-"""Scheduler benchmark (issue 13).
+"""Scheduler benchmark.
 
 1. Decision latency: 1,000 queued jobs (20 users, priorities 0-3, 1-8 ranks) and 50 workers
    (8 slots, 4 tasks each) simulated in a real database (SQLite file, or Postgres with

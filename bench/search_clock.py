@@ -24,7 +24,7 @@ from bench.common import table, write_results
 from core.search import Clock, plan
 
 SPACE = {"train.lr": [1e-3, 3e-3, 1e-2, 3e-2], "model.layers": [2, 4]}
-# bench.peer --search's grid, 100 steps: each point's best val_loss (bench/results/peer_search_s25.json)
+# bench.peer --search's grid, 100 steps: each point's best val_loss (bench/results/peer_search.json)
 VALUE = {
     (0.001, 2): 2.5146,
     (0.001, 4): 2.5347,

@@ -445,7 +445,7 @@ def main() -> None:
     title = f"Orchestration overhead, 4 trials of ~{target:.0f} s compute each on 2 devices (LRTF)"
     print(table(longs, title=title))
     print(table([summary], title="Summary"))
-    print("GPU rows: pending (no GPU lent to this session).")
+    print("GPU rows: pending (no GPU on this machine; `--gpu` on a CUDA machine).")
     path = write_results(
         "selection",
         {
@@ -456,7 +456,7 @@ def main() -> None:
             "overhead_long_trials": longs,
             "summary": summary,
             "load_average_at_start": load,
-            "gpu": "pending: no GPU lent to this session",
+            "gpu": "pending: no GPU on this machine (`--gpu` writes selection_gpu.json)",
         },
     )
     print(f"wrote {path}")

@@ -1,5 +1,5 @@
 """chimera-zb's split backward on a GPU: time of B (input gradient) + W (weight gradients) against
-one plain backward of the same pipeline stage, with real kernels (issue 9).
+one plain backward of the same pipeline stage, with real kernels.
 
     python -m bench.split_gpu [--steps 30]
 
