@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.egress import EgressAllow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,6 +22,11 @@ class Settings(BaseSettings):
     """SQLAlchemy URL: sqlite:///path (embedded default) or postgresql+psycopg2://user:pw@host/db."""
     broker_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL used as the Celery broker and for the live metric channels."""
+    broker_signing_key: SecretStr | None = None
+    """The key (32+ random bytes, e.g. `openssl rand -hex 32`) the workers and the API sign their
+    live messages with and the API verifies them by (core/broker.py): every process but the
+    trainers gets it. Unset, live messages are only cues to read the database (slower streams,
+    and no live output past a job's stored head)."""
     data_dir: Path = ROOT / ".shardyard"
     """This host's folder: job specs, trainer logs and the checkpoints a trainer writes (one
     folder per job), and the local copies of what comes from the store (storage_url)."""
@@ -119,8 +128,27 @@ class Settings(BaseSettings):
     requirements. Off: such a line is refused, naming it."""
 
     @property
+    def sandbox_paths(self) -> list[Path]:
+        return [Path(p) for p in self.sandbox_read_only.split(os.pathsep) if p]
+
+    @property
     def pyenv_root(self) -> Path:
         return self.pyenv_dir or self.data_dir / "envs"
+
+    # ---- the sandbox each attempt's trainer runs in (workers/sandbox.py, docs/security.md) ----
+    sandbox: Literal["on", "off"] = "on"
+    """on: every trainer runs in a bubblewrap sandbox, and a worker that cannot make one refuses
+    jobs with users' code; off (an operator's choice, shown by /api/health and the dashboard):
+    trainers run as the worker's children (still without the worker's credentials)."""
+    sandbox_bwrap: str = ""
+    """The bubblewrap executable; empty: `bwrap` on PATH."""
+    sandbox_read_only: str = ""
+    """Host folders (os.pathsep-separated, e.g. shared datasets) every sandbox sees read-only,
+    at the same path: a spec's absolute data paths must lie in one of them."""
+    sandbox_nofile: int = 8192
+    """Open files one trainer process may hold (RLIMIT_NOFILE)."""
+    sandbox_nproc: int = 2048
+    """Processes and threads the sandbox may hold at once (RLIMIT_NPROC of its own user)."""
 
     frontend_dist: Path = ROOT / "frontend" / "dist"
     sse_keepalive_s: float = 15.0
@@ -177,7 +205,9 @@ class Settings(BaseSettings):
 
     # ---- webhooks (core/webhooks.py) and metrics (api/metrics.py) ----
     webhook_timeout_s: float = 10.0
-    """A webhook receiver must answer within this long; a slower one counts as a failed attempt."""
+    """The deadline of one delivery as a whole: connecting (through the proxy, if one is set),
+    sending, and the receiver's status line and headers must all fit in it. A receiver that is
+    slower, or drips its answer a byte at a time, fails the attempt at the deadline."""
     webhook_attempts: int = 8
     """Attempts per delivery before it is given up (`failed` in the delivery log)."""
     webhook_backoff_s: float = 5.0
@@ -187,10 +217,27 @@ class Settings(BaseSettings):
     webhook_timeout_s, never the others."""
     webhook_poll_s: float = 1.0
     """How often the deliverer looks for due deliveries."""
-    webhook_allow_private: bool = False
-    """Allow webhook URLs whose host is (or resolves to) a loopback, private, link-local or
-    otherwise non-public address. Off, a user cannot make the service POST into its own network
-    (server-side request forgery); tests and single-machine setups turn it on."""
+    webhook_allow: list[str] = []
+    """Operator allow-list (JSON list) of networks in CIDR form (`"10.20.0.0/16"`, `"127.0.0.1/32"`,
+    `"fd00::/8"`) and host names (`"hooks.internal"`) webhooks may reach although they are not
+    public. Every other loopback, private, link-local, unspecified, multicast or reserved address,
+    in any spelling (IPv4-mapped, IPv4-compatible, NAT64, 6to4, Teredo), is refused: server-side
+    request forgery into the service's own network. Tests and single-machine setups list
+    127.0.0.1/32 to reach receivers on loopback."""
+    webhook_proxy: str = ""
+    """`http://[user:password@]host:port` of an HTTP CONNECT proxy every delivery goes through
+    (the proxy itself is the operator's and is not checked); the target's address is still
+    checked here and the tunnel asked for by that address, never by name. Empty: direct. (Checked
+    when the deliverer starts, not here: a settings error would print the URL, password and all.)"""
+    webhook_max_per_user: int = 20
+    """Most webhooks one user may have; one more is refused (409) until one is deleted. 0: no limit."""
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _webhook_allow_parses(cls, value: list[str]) -> list[str]:
+        # a typo refuses to start rather than silently allowing nothing (or too much)
+        EgressAllow.parse(value)
+        return value
 
     @property
     def quota_defaults(self) -> dict[str, int]:

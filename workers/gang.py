@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from core.broker import job_channel
 from core.settings import Settings
-from core.storage import StorageError, get_storage
+from core.storage import get_storage
 from db.engine import session_for
 from db.gangs import (
     GangView,
@@ -53,20 +53,23 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
-from workers.ckpt_sync import storage_failure
-from workers.execute import (
+from workers import pyenv
+from workers.attempt import (
+    AttemptRun,
+    OneTarget,
     QuotaWait,
     owner_id,
     prune_at_end,
     publish_status,
     restore_checkpoints,
-    run_in_job_env,
     take_lease,
-    trainer_args,
 )
-from workers.failures import JOB_OWN_FAILURES, infrastructure_failure, oom_kill_count
+from workers.ckpt_sync import Uploader
+from workers.execute import job_sandbox, trainer_args
+from workers.failures import JOB_OWN_FAILURES, infrastructure_failure
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
+from workers.sandbox import SandboxUnavailable
 from workers.supervise import Ask, Outcome
 from workers.workspace import workspace_args
 
@@ -221,8 +224,6 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     node_dir.mkdir(parents=True, exist_ok=True)
     spec_path = node_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    stop_file = node_dir / "stop"
-    args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=stop_file)
     target = Target(
         attempt=attempt,
         channels=(job_channel(job_id),),
@@ -235,7 +236,20 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         targets={None: target},
         on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
     )
-    try:
+    # the node's ranks reach the other nodes' rendezvous and collective ports: the host's network
+    sandbox = job_sandbox(settings, spec, workdir=node_dir, network=True)
+    sandbox.read_write.append(ckpt_dir)
+    run = AttemptRun(
+        settings=settings,
+        relay=relay,
+        folder=node_dir,
+        what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
+        memory_limit=memory_limit_bytes(spec),
+        sandbox=sandbox,
+    )
+    args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file)
+
+    def fetch() -> Uploader | None:
         uploader = None
         # with the default store every node shares one folder: node 0 applies the rule there,
         # before any rank reads it (the other nodes' ranks cannot start before node 0's torchrun).
@@ -250,10 +264,17 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
                 relay=relay,
                 parallel=spec.get("parallel") or {},
             )
-        args += workspace_args(spec, settings=settings, workdir=node_dir)
-    except StorageError as e:
+        args.extend(workspace_args(spec, settings=settings, workdir=node_dir))
+        return uploader
+
+    try:
+        sandbox.check()
+        failure = run.restore(fetch)
+    except SandboxUnavailable as e:
+        failure = str(e)
+    if failure is not None:
         ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
-        why = f"node {node_rank} on {worker}: {storage_failure(e)}"
+        why = f"node {node_rank} on {worker}: {failure}"
         log.error("job %s: %s", job_id, why)
         status = retry_db(settings, "gang end", lambda: ender.give_back(why, restart=False, fail=True))
         relay.close()
@@ -271,7 +292,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     )
     if node_rank == 0:
         publish_status(relay, job_id=job_id)
-    out = Outcome()
+    out = run.out
     # the limit counts every attempt, as for a one-node job (workers/execute.py)
     runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
 
@@ -299,27 +320,14 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
             return Ask.kill
         return Ask.stop if view.cancel or view.preempt else Ask.none
 
-    mem_limit = memory_limit_bytes(spec)
-    oom_before = oom_kill_count()
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
     # each node builds (or finds) the job's own requirements before its torchrun
-    rc = run_in_job_env(
-        settings,
-        cmd,
-        spec,
-        job_id=job_id,
-        relay=relay,
-        poll=poll,
-        stop_file=stop_file,
-        workdir=node_dir,
-        out=out,
-        memory_limit=mem_limit,
-        what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
-        uploader=uploader,
-        # once the gang was given back, a newer attempt may already be restoring from the store
-        still_ours=lambda: _view(settings, attempt, node_rank).intact,
-    )
-    if rc is None:
+    run.prepare(pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id))
+    rc = OneTarget(run, torchrun=True).launch(cmd, poll=poll)
+    # once the gang was given back, a newer attempt may already be restoring from the store
+    if not run.settle(final_upload=lambda: not relay.fenced and _view(settings, attempt, node_rank).intact):
+        return "lost"
+    if relay.fenced:
         return "lost"
     ender = GangEnd(
         settings=settings,
@@ -327,11 +335,13 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         node_rank=node_rank,
         worker=worker,
         relay=relay,
-        oom_before=oom_before,
+        oom_before=run.oom_before,
     )
-    status = retry_db(settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=mem_limit))
+    status = retry_db(
+        settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=run.memory_limit)
+    )
     # every node prunes its own folder and the store (the one that ends last sees every piece)
-    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=uploader.mirrors if uploader else ())
+    prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=run.mirrors)
     return status
 
 

@@ -25,7 +25,7 @@ from core.broker import job_channel, selection_channel
 from core.messages import BatchTrial, Message, SelectionBatch
 from core.search import SAMPLERS
 from core.settings import Settings
-from core.storage import StorageError, get_storage, selection_prefix
+from core.storage import get_storage, selection_prefix
 from db.engine import session_for
 from db.jobs import Attempt, lease_left_s, release_job
 from db.models import Job, Trial
@@ -42,8 +42,8 @@ from db.selections import (
 )
 from jobrules.spec import SelectionCreate
 from workers import pyenv
-from workers.ckpt_sync import Mirror, Uploader, job_reporter, storage_failure
-from workers.execute import (
+from workers.attempt import (
+    AttemptRun,
     QuotaWait,
     drop_checkpoints_past,
     mark_applied,
@@ -51,12 +51,14 @@ from workers.execute import (
     prune_at_end,
     publish_status,
 )
-from workers.hardware import HardwareSampler
+from workers.ckpt_sync import Mirror, Uploader, job_reporter
+from workers.execute import uses_own_code
 from workers.keep_best import keep_best_checkpoints
-from workers.limits import group_memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
+from workers.limits import group_memory_limit_bytes, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
+from workers.sandbox import Sandbox, SandboxUnavailable
 from workers.search import ask_due, grow
-from workers.supervise import Ask, Outcome, supervise
+from workers.supervise import Ask, Outcome
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -151,262 +153,290 @@ def execute_selection(
     if not won:
         retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
-    selection_id = won[0][0].selection_id  # the reservation's group (`trial_ids` is the message's)
     marks["claimed"] = time.time()
-    with session_for(settings.database_url) as s:
-        sel = get_selection(s, selection_id)
-        req = dict(sel.request)
-        by_id = {t.id: t for t in sel.trials}
-        jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
-        specs = {i: j.spec for i, j in jobs.items()}
-        applied_steps = {i: j.applied_step for i, j in jobs.items()}
-        used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
+    return Group(settings, won=won, worker=worker, reservation_id=reservation_id, marks=marks).run()
 
-    root = settings.data_dir / "selections" / str(selection_id)
-    root.mkdir(parents=True, exist_ok=True)
-    group = f"group-{won[0][0].index}"
-    batch = SelectionBatch(
-        trials=[
-            BatchTrial(
-                index=t.index,
-                spec=specs[t.index],
-                warm_start=(
-                    str(root / f"trial-{by_id[t.warm_start_from].index}")
-                    if t.warm_start_from in by_id
-                    else None
-                ),
-            )
-            for t, _ in won
-        ],
-        **SelectionBatch.rules_of(req),
-    )
-    batch_path = root / f"{group}.json"
-    batch_path.write_text(batch.model_dump_json(indent=2))
-    stop_file, stop_trials = root / f"{group}.stop", root / f"{group}.stop-trials"
-    stop_trials.unlink(missing_ok=True)
-    # a sampler's batch asks its next trial whenever a device of the group frees (workers/search.py);
-    # rungs (early_stopping) decide over a fixed set of trials, so such a batch grows between groups
-    ask_file = root / f"{group}.ask.json"
-    ask_file.unlink(missing_ok=True)
-    grows = req.get("method") in SAMPLERS and not req.get("early_stopping")
 
-    channel = selection_channel(selection_id)
-    relay = Relay(
-        settings,
-        targets={
-            t.index: Target(
-                attempt=a,
-                channels=(job_channel(t.job_id), channel),
-                trial_id=t.id,
-                run_base=used_s[t.index],
-                checkpoints=root / f"trial-{t.index}",
-            )
-            for t, a in won
-        },
-        on_fenced=lambda _key: None,  # the poll below stops fenced trials
-        metric=batch.metric,
-        mode=batch.mode,
-        selection_channel=channel,
-        selection_id=selection_id,
-    )
-    mine = {t.index for t, _ in won}
-    sources = {by_id[t.warm_start_from].index for t, _ in won if t.warm_start_from in by_id} - mine
-    try:
-        uploader = restore_trials(
+class Group:
+    """One claimed group of a batch: its trials' documents, its relay (one target per trial), its
+    executor's run (workers/attempt.py), the asks of a sampler, and the trials' ends."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        won: list[tuple[Trial, Attempt]],
+        worker: str,
+        reservation_id: int,
+        marks: dict[str, Any],
+    ) -> None:
+        self.settings, self.won, self.worker, self.reservation_id, self.marks = (
             settings,
-            selection_id=selection_id,
-            root=root,
-            applied_steps=applied_steps,
-            sources=sources,
-            job_ids=[t.job_id for t, _ in won],
-            relay=relay,
+            won,
+            worker,
+            reservation_id,
+            marks,
         )
-        ws_args = workspace_args(
-            specs[won[0][0].index], settings=settings, workdir=root
-        )  # one base, one workspace
-    except StorageError as e:
-        # every trial of the group fails with the reason (an operator's requeue runs it again)
-        log.error("selection %s %s: %s", selection_id, group, e)
-        relay.close()
-        out = Outcome(error=storage_failure(e))
-        return retry_db(
+        self.selection_id = selection_id = won[0][0].selection_id  # the reservation's group
+        with session_for(settings.database_url) as s:
+            sel = get_selection(s, selection_id)
+            self.req = dict(sel.request)
+            self.by_id = {t.id: t for t in sel.trials}
+            jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
+            self.specs = {i: j.spec for i, j in jobs.items()}
+            self.applied_steps = {i: j.applied_step for i, j in jobs.items()}
+            self.used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
+        self.root = root = settings.data_dir / "selections" / str(selection_id)
+        root.mkdir(parents=True, exist_ok=True)
+        self.group = group = f"group-{won[0][0].index}"
+        self.batch = self._batch()
+        self.batch_path = root / f"{group}.json"
+        self.batch_path.write_text(self.batch.model_dump_json(indent=2))
+        self.stop_trials = root / f"{group}.stop-trials"
+        self.stop_trials.unlink(missing_ok=True)
+        # a sampler's batch asks its next trial whenever a device of the group frees
+        # (workers/search.py); rungs (early_stopping) decide over a fixed set of trials, so such a
+        # batch grows between groups
+        self.ask_file = root / f"{group}.ask.json"
+        self.ask_file.unlink(missing_ok=True)
+        self.grows = self.req.get("method") in SAMPLERS and not self.req.get("early_stopping")
+        self.channel = selection_channel(selection_id)
+        self.relay = Relay(
             settings,
-            "trial ends",
-            lambda: _end_group(
-                settings, selection_id, won, relay=relay, rc=1, out=out, group=(reservation_id, worker)
+            targets={t.index: self._target(t, a, run_base=self.used_s[t.index]) for t, a in won},
+            on_fenced=lambda _key: None,  # the poll stops fenced trials
+            metric=self.batch.metric,
+            mode=self.batch.mode,
+            selection_channel=self.channel,
+            selection_id=selection_id,
+        )
+        self.mine = {t.index for t, _ in won}
+        base = self.specs[won[0][0].index]  # one base, one workspace, one environment
+        self.run_ = AttemptRun(
+            settings=settings,
+            relay=self.relay,
+            folder=root,
+            stem=f"{group}.",
+            what=f"selection {selection_id} {group}",
+            # every trial of the group lives in this one process (idle ones in host memory)
+            memory_limit=group_memory_limit_bytes([self.specs[i] for i in sorted(self.mine)]),
+            sandbox=Sandbox(
+                settings=settings,
+                read_write=[root],
+                read_only=[root / "workspace"] if base.get("workspace") else [],
+                user_code=uses_own_code(base),
             ),
         )
-    for t, _ in won:
-        publish_status(relay, job_id=t.job_id)
-    relay.publish({"type": "selection", "status": "running"}, channels=(channel,))
-    out = Outcome()
-    # a trial's max_runtime_s (its spec's, within the service's) counts the time its groups ran
-    # while it was in them, over all its attempts; the group runs until the first of its trials
-    # still running reaches its limit, then stops, and the unfinished trials fail with the reason
-    limits = {i: runtime_limit_s(specs[i], service_max_s=settings.max_job_runtime_s) for i in mine}
+        # a trial's max_runtime_s (its spec's, within the service's) counts the time its groups
+        # ran while it was in them, over all its attempts; the group runs until the first of its
+        # trials still running reaches its limit, then stops, and the unfinished trials fail
+        self.limits = {
+            i: runtime_limit_s(self.specs[i], service_max_s=settings.max_job_runtime_s) for i in self.mine
+        }
+        self.steps: dict[int, int] = {}
 
-    def over_time() -> str | None:
-        for i in sorted(mine - relay.finished - relay.fenced):
-            if relay.targets[i].run_seconds() > limits[i]:
-                return f"trial {i}: " + runtime_error(limits[i], used_s[i])
+    def _batch(self) -> SelectionBatch:
+        root, by_id = self.root, self.by_id
+        return SelectionBatch(
+            trials=[
+                BatchTrial(
+                    index=t.index,
+                    spec=self.specs[t.index],
+                    warm_start=(
+                        str(root / f"trial-{by_id[t.warm_start_from].index}")
+                        if t.warm_start_from in by_id
+                        else None
+                    ),
+                )
+                for t, _ in self.won
+            ],
+            **SelectionBatch.rules_of(self.req),
+        )
+
+    def _target(self, t: Trial, attempt: Attempt, *, run_base: float = 0.0) -> Target:
+        return Target(
+            attempt=attempt,
+            channels=(job_channel(t.job_id), self.channel),
+            trial_id=t.id,
+            run_base=run_base,
+            checkpoints=self.root / f"trial-{t.index}",
+        )
+
+    def run(self) -> str:
+        settings, relay, run = self.settings, self.relay, self.run_
+        sources = {
+            self.by_id[t.warm_start_from].index for t, _ in self.won if t.warm_start_from in self.by_id
+        }
+        ws_args: list[str] = []
+
+        def fetch() -> Uploader | None:
+            uploader = restore_trials(
+                settings,
+                selection_id=self.selection_id,
+                root=self.root,
+                applied_steps=self.applied_steps,
+                sources=sources - self.mine,
+                job_ids=[t.job_id for t, _ in self.won],
+                relay=relay,
+            )
+            ws_args.extend(
+                workspace_args(self.specs[self.won[0][0].index], settings=settings, workdir=self.root)
+            )
+            return uploader
+
+        try:
+            run.sandbox.check()
+            failure = run.restore(fetch)
+        except SandboxUnavailable as e:
+            failure = str(e)
+        if failure is not None:
+            # every trial of the group fails with the reason (an operator's requeue runs it again)
+            log.error("selection %s %s: %s", self.selection_id, self.group, failure)
+            relay.close()
+            run.out.error = failure
+            return retry_db(settings, "trial ends", lambda: self._end(rc=1))
+        for t, _ in self.won:
+            publish_status(relay, job_id=t.job_id)
+        relay.publish({"type": "selection", "status": "running"}, channels=(self.channel,))
+        cmd = selection_command(
+            self.batch_path,
+            self.req.get("devices", SelectionCreate.model_fields["devices"].default),
+            "--checkpoint-root",
+            str(self.root),
+            "--stop-file",
+            str(run.stop_file),
+            "--stop-trials-file",
+            str(self.stop_trials),
+            *(["--ask-file", str(self.ask_file)] if self.grows else []),
+            *ws_args,
+        )
+        # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
+        run.prepare(
+            pyenv.for_group(
+                self.specs[self.won[0][0].index],
+                settings=settings,
+                root=self.root,
+                relay=relay,
+                keys=sorted(self.mine),
+            )
+        )
+        self.marks["launch"] = time.time()
+        rc = run.launch(cmd, poll=self.poll, on_message=self.route, on_sample=self.on_sample)
+        self.marks["exited"] = run.marks["exited"]
+        if oom := run.oom():
+            run.out.error = oom
+        # before the relay closes (its thread keeps the leases alive) and the trials end:
+        # keep_best and a later warm start read the store's copies
+        if not run.settle(final_upload=lambda: relay.fenced < self.mine):
+            return "lost"
+        self.marks["relay_closed"] = time.time()
+        # the trials that ended in the executor are pruned before the batch can show as ended,
+        # the ones _end ends just after it (a trial given back to run again is not: it has not ended)
+        _prune_ended(settings, self.root, [w for w in self.won if w[0].index in relay.finished], run.uploader)
+        status = retry_db(settings, "trial ends", lambda: self._end(rc=rc))
+        _prune_ended(
+            settings, self.root, [w for w in self.won if w[0].index not in relay.finished], run.uploader
+        )
+        self.marks["ended"] = time.time()
+        relay.drain_live()
+        log.info("selection %s %s: %s %s", self.selection_id, self.group, GROUP_MARKS, json.dumps(self.marks))
+        return status
+
+    def _end(self, *, rc: int) -> str:
+        return _end_group(
+            self.settings,
+            self.selection_id,
+            self.won,
+            relay=self.relay,
+            rc=rc,
+            out=self.run_.out,
+            group=(self.reservation_id, self.worker),
+        )
+
+    def over_time(self) -> str | None:
+        for i in sorted(self.mine - self.relay.finished - self.relay.fenced):
+            if self.relay.targets[i].run_seconds() > self.limits[i]:
+                return f"trial {i}: " + runtime_error(self.limits[i], self.used_s[i])
         return None
 
-    def poll() -> Ask:
-        if relay.broken or relay.fenced >= mine:
+    def poll(self) -> Ask:
+        relay, out = self.relay, self.run_.out
+        if relay.broken or relay.fenced >= self.mine:
             return Ask.kill
-        if why := over_time():
+        if why := self.over_time():
             out.error = out.error or why
             return Ask.kill
-        with session_for(settings.database_url) as s:
-            cancel, indices = stop_requests(s, selection_id=selection_id)
-        stop = (indices & mine) | {k for k in relay.fenced if k is not None}
+        with session_for(self.settings.database_url) as s:
+            cancel, indices = stop_requests(s, selection_id=self.selection_id)
+        stop = (indices & self.mine) | {k for k in relay.fenced if k is not None}
         if stop:
-            stop_trials.write_text(json.dumps(sorted(stop)))
+            self.stop_trials.write_text(json.dumps(sorted(stop)))
         return Ask.stop if cancel else Ask.none
 
-    cmd = selection_command(
-        batch_path,
-        req.get("devices", SelectionCreate.model_fields["devices"].default),
-        "--checkpoint-root",
-        str(root),
-        "--stop-file",
-        str(stop_file),
-        "--stop-trials-file",
-        str(stop_trials),
-        *(["--ask-file", str(ask_file)] if grows else []),
-        *ws_args,
-    )
-
-    # every trial of the group lives in this one process (idle ones in host memory)
-    mem_limit = group_memory_limit_bytes([specs[i] for i in sorted(mine)])
-
-    steps: dict[int, int] = {}
-
-    def answer(n: int) -> None:
+    def answer(self, n: int) -> None:
         """The executor's ask `n` (a device freed): the batch's trials due now join this group (one,
         or two where the clock asks two at once), or none."""
+        relay, uploader = self.relay, self.run_.uploader
         try:
             relay.flush()  # the trials that ended before the ask are told to the sampler
         except Exception:  # noqa: BLE001 - the sampler then sees fewer ended trials: it may ask none
-            log.warning("selection %s %s: could not apply lines before an ask", selection_id, group)
+            log.warning("selection %s %s: could not apply lines before an ask", self.selection_id, self.group)
         added = ask_due(
-            settings,
-            selection_id=selection_id,
-            reservation_id=reservation_id,
-            worker=worker,
+            self.settings,
+            selection_id=self.selection_id,
+            reservation_id=self.reservation_id,
+            worker=self.worker,
             owner=owner_id(),
         )
         trials = []
         for new in added:
             t, i = new.trial, new.trial.index
-            relay.add_target(
-                i,
-                Target(
-                    attempt=new.attempt,
-                    channels=(job_channel(t.job_id), channel),
-                    trial_id=t.id,
-                    checkpoints=root / f"trial-{i}",
-                ),
-            )
-            mark_applied(root / f"trial-{i}", 0)  # a new trial: nothing applied yet
-            specs[i], used_s[i] = new.spec, 0.0
-            limits[i] = runtime_limit_s(new.spec, service_max_s=settings.max_job_runtime_s)
-            won.append((t, new.attempt))
-            mine.add(i)
+            relay.add_target(i, self._target(t, new.attempt))
+            mark_applied(self.root / f"trial-{i}", 0)  # a new trial: nothing applied yet
+            self.specs[i], self.used_s[i] = new.spec, 0.0
+            self.limits[i] = runtime_limit_s(new.spec, service_max_s=self.settings.max_job_runtime_s)
+            self.won.append((t, new.attempt))
+            self.mine.add(i)
             if uploader is not None:  # its checkpoints go to the store like the group's first trials'
                 m = Mirror(
                     storage=uploader.mirrors[0].storage,
-                    local=root / f"trial-{i}",
-                    prefix=f"{selection_prefix(selection_id)}/trial-{i}",
+                    local=self.root / f"trial-{i}",
+                    prefix=f"{selection_prefix(self.selection_id)}/trial-{i}",
                 )
                 uploader.mirrors = [*uploader.mirrors, m]  # a new list: the upload thread keeps its own
             publish_status(relay, job_id=t.job_id)
             trials.append(BatchTrial(index=i, spec=new.spec).model_dump())
-        tmp = ask_file.with_suffix(".tmp")
+        tmp = self.ask_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"ask": n, "trials": trials}))
-        tmp.replace(ask_file)  # whole, never half-written
+        tmp.replace(self.ask_file)  # whole, never half-written
 
-    def route(msg) -> None:  # noqa: ANN001 - core.messages.Message
+    def route(self, msg: Message) -> None:
         if msg.trial is None and msg.kind == "event" and msg.message == "ask":
-            answer(int(msg.data.get("ask", 0)))
+            self.answer(int(msg.data.get("ask", 0)))
         if msg.trial is None and msg.kind == "batch_result":
             # the group's summary (its devices' idle seconds among it), kept beside its batch file
             try:
-                batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
+                self.batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
             except OSError as e:
-                log.warning("selection %s %s: could not keep the summary: %s", selection_id, group, e)
-            marks["executor"] = {**(msg.data or {}).get("marks", {}), "summary": msg.time}
+                log.warning(
+                    "selection %s %s: could not keep the summary: %s", self.selection_id, self.group, e
+                )
+            self.marks["executor"] = {**(msg.data or {}).get("marks", {}), "summary": msg.time}
         if msg.trial is not None:
             if msg.kind == "metric":
-                steps[msg.trial] = max(steps.get(msg.trial, 0), msg.step)
-            relay.add(msg.trial, msg)
-            if uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
-                uploader.wake()
+                self.steps[msg.trial] = max(self.steps.get(msg.trial, 0), msg.step)
+            self.relay.add(msg.trial, msg)
+            if self.run_.uploader is not None and msg.kind == "event" and msg.message == "checkpoint":
+                self.run_.uploader.wake()
 
-    def emit_hw(name: str, value: float) -> None:
+    def on_sample(self, name: str, value: float) -> None:
         # the group is one process on this worker's devices: each sample belongs to every trial
         # still in it (at that trial's step, one time for all, so the selection page draws it once)
         at = time.time()
-        for i in sorted(mine - relay.finished - relay.fenced):
-            relay.add(
-                i, Message(kind="metric", trial=i, step=steps.get(i, 0), name=name, value=value, time=at)
+        for i in sorted(self.mine - self.relay.finished - self.relay.fenced):
+            self.relay.add(
+                i, Message(kind="metric", trial=i, step=self.steps.get(i, 0), name=name, value=value, time=at)
             )
-
-    samplers: list[HardwareSampler] = []
-
-    # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
-    env = pyenv.for_group(
-        specs[won[0][0].index], settings=settings, root=root, relay=relay, keys=sorted(mine)
-    )
-    out.error = env.error
-    marks["launch"] = time.time()
-    rc = (
-        1
-        if env.error
-        else supervise(
-            cmd + env.args,
-            on_message=route,
-            poll=poll,
-            stop_file=stop_file,
-            stderr_log=root / f"{group}.stderr.log",
-            grace_s=settings.cancel_grace_s,
-            shutdown_grace_s=settings.shutdown_grace_s,
-            out=out,
-            memory_limit=mem_limit,
-            on_start=lambda pid: samplers.append(
-                HardwareSampler(pid, emit=emit_hw, every_s=settings.hw_sample_s).start()
-            ),
-        )
-    )
-    marks["exited"] = time.time()
-    env.release()
-    for sm in samplers:
-        sm.stop()
-    if oom := out_of_memory_error(error=out.error, stderr_tail=list(out.stderr_tail), limit=mem_limit):
-        out.error = oom
-    if uploader is not None:
-        # before the relay closes (its thread keeps the leases alive) and the trials end:
-        # keep_best and a later warm start read the store's copies
-        uploader.stop(final=not relay.broken and relay.fenced < mine)
-    if not relay.close():
-        log.warning("selection %s %s: %s", selection_id, group, relay.broken)
-        return "lost"
-    marks["relay_closed"] = time.time()
-    # the trials that ended in the executor are pruned before the batch can show as ended, the
-    # ones _end_group ends just after it (a trial given back to run again is not: it has not ended)
-    _prune_ended(settings, root, [w for w in won if w[0].index in relay.finished], uploader)
-    status = retry_db(
-        settings,
-        "trial ends",
-        lambda: _end_group(
-            settings, selection_id, won, relay=relay, rc=rc, out=out, group=(reservation_id, worker)
-        ),
-    )
-    _prune_ended(settings, root, [w for w in won if w[0].index not in relay.finished], uploader)
-    marks["ended"] = time.time()
-    relay.drain_live()
-    log.info("selection %s %s: %s %s", selection_id, group, GROUP_MARKS, json.dumps(marks))
-    return status
 
 
 def _prune_ended(

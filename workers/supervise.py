@@ -25,6 +25,7 @@ from typing import Any
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
 from workers.logcap import Emit, split_rank
+from workers.sandbox import Sandbox, allowed_environment, apply_limits, sandbox_limits
 from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
@@ -139,23 +140,32 @@ def supervise(
     memory_limit: int | None = None,
     on_output: Emit | None = None,
     on_start: Callable[[int], None] | None = None,
+    sandbox: Sandbox | None = None,
 ) -> int:
     """Run `cmd` to its end; every stdout line goes to `on_message` in order (this thread), the
     first `error` line is kept in `out`. Returns the exit code; the process group never outlives
     this call. `memory_limit`: the process's address-space limit (workers/limits.py).
     `on_output(rank, stream, text)`, when given, gets the process's own output: stderr lines and
     stdout lines that are no protocol line (else those go to `on_message` as log lines);
-    `on_start(pid)` the process (group) id once it runs."""
+    `on_start(pid)` the process (group) id once it runs. `sandbox`: where it runs
+    (workers/sandbox.py); without one, as the worker's child with the allow-listed environment."""
     stop_file.unlink(missing_ok=True)
+
+    limits = sandbox_limits(sandbox)
 
     def preexec() -> None:
         _die_with_parent()
         apply_memory_limit(memory_limit)
+        apply_limits(limits)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # a single-process trainer forks from this process's warm trainer (workers/warm.py), else or
-    # when that fails it starts fresh; both are this process's child in their own session
-    proc = launch(cmd, env=env, memory_limit=memory_limit) or subprocess.Popen(
+    env = sandbox.environment() if sandbox is not None else allowed_environment()
+    # a single-process trainer forks from this process's warm trainer (workers/warm.py) unless
+    # it must enter bubblewrap (a fork cannot), else or when that fails it starts fresh; both are
+    # this process's child in their own session
+    warm = None if sandbox is not None and sandbox.cold else launch(cmd, env=env, memory_limit=memory_limit)
+    if sandbox is not None:
+        cmd = sandbox.command(cmd)
+    proc = warm or subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

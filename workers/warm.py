@@ -34,6 +34,7 @@ from typing import IO
 
 from core.settings import get_settings
 from workers.limits import apply_memory_limit
+from workers.sandbox import allowed_environment
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class Zygote:
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
+                # the runs it forks inherit its memory and its /proc/<pid>/environ: nothing of the
+                # worker's credentials (workers/sandbox.py)
+                env=allowed_environment(),
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl
             )
         except BaseException:
