@@ -7,7 +7,14 @@ parses and wake-ups of the event loop per published message (bench/api_load.py).
 
 When redis-server goes away (restart, network) the streams keep going on database polls and the
 hub subscribes again once the broker answers. Live messages are only a fast path; the database has
-everything they carried."""
+everything they carried.
+
+The broker carries wake-ups, not truth: whoever reaches Redis can publish on any channel. With a
+signing key (SHARDYARD_BROKER_SIGNING_KEY) the hub verifies each message once (core/broker.py
+open_live) and hands the streams only those the service's own processes signed for that channel;
+the rest are dropped, counted (shardyard_live_messages_rejected) and logged. Without a key nothing
+can be verified, and every message reaches the streams as a `Wake`: a cue to read the database,
+whose content no stream shows."""
 
 from __future__ import annotations
 
@@ -17,12 +24,16 @@ import json
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from core.broker import open_live, split_live
+from core.telemetry import LIVE_REJECTED
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +45,18 @@ answers must not hang a stream)."""
 _BACKLOG = 2000
 """Messages a stream may have waiting; a stream further behind (its client reads slowly) drops
 them and catches up from the database instead of holding up the others or growing without end."""
+_REJECT_LOG_S = 60.0
+"""Dropped (unverified) messages are logged at most once this often per hub, with their count: a
+flood of forgeries must not flood the log too."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """A message nobody vouches for (the API has no signing key): something changed on the
+    channel, maybe. Streams read the database on it; `hint` is the message as decoded (a dict, or
+    None), good for choosing which row to read and never for what a client is shown."""
+
+    hint: dict[str, Any] | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -44,15 +67,17 @@ def _decode(payload: bytes) -> Any:
 
 
 class LiveChannel:
-    """One stream's subscription to `channel`. `await next(timeout)` gives the next decoded message
-    or None (nothing within `timeout`, or the broker is down). `resubscribed` turns True after a
+    """One stream's subscription to `channel`. `await next(timeout)` gives the next message or None
+    (nothing within `timeout`, or the broker is down): a decoded dict that `signing_key` verified,
+    or a `Wake` when there is no key. `resubscribed` turns True after a
     lost subscription came back, or when messages were dropped: the caller must catch up from the
     database, since whatever was published meanwhile is gone, and do so before it relays a newer
     message (whose ids would otherwise move its cursor past the gap: api/sse.py)."""
 
-    def __init__(self, broker_url: str, channel: str) -> None:
+    def __init__(self, broker_url: str, channel: str, *, signing_key: bytes | None = None) -> None:
         self.url = broker_url
         self.channel = channel
+        self.signing_key = signing_key
         self.resubscribed = False
         self.up = False
         """The channel is subscribed on a live connection."""
@@ -64,11 +89,11 @@ class LiveChannel:
     async def connect(self) -> bool:
         """Subscribe (once); False when the broker does not answer (the hub tries again)."""
         if self._hub is None:
-            self._hub = _Hub.of(self.url)
+            self._hub = _Hub.of(self.url, self.signing_key)
             await self._hub.add(self)
         return self.up
 
-    async def next(self, timeout: float) -> dict[str, Any] | None:
+    async def next(self, timeout: float) -> dict[str, Any] | Wake | None:
         if self._hub is None:
             await self.connect()
         if not self._queue:
@@ -120,21 +145,25 @@ class _Hub:
     one task reading every message and handing it to the channel's streams. It goes away with its
     last stream."""
 
-    _hubs: dict[tuple[int, str], _Hub] = {}
+    _hubs: dict[tuple[int, str, bytes | None], _Hub] = {}
 
     @classmethod
-    def of(cls, url: str) -> _Hub:
+    def of(cls, url: str, signing_key: bytes | None = None) -> _Hub:
         loop = asyncio.get_running_loop()
-        key = (id(loop), url)
+        key = (id(loop), url, signing_key)
         hub = cls._hubs.get(key)
         if hub is None or hub.loop is not loop:  # (a loop that ended with streams open)
             hub = cls._hubs[key] = _Hub(url, key, loop)
         return hub
 
-    def __init__(self, url: str, key: tuple[int, str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, url: str, key: tuple[int, str, bytes | None], loop: asyncio.AbstractEventLoop) -> None:
         self.url = url
         self.key = key
+        self.signing_key = key[2]
         self.loop = loop
+        self.rejected = 0
+        """Messages dropped unverified since the last log line about them."""
+        self.rejected_logged = float("-inf")
         self.subs: dict[str, set[LiveChannel]] = {}
         self.client: aioredis.Redis | None = None
         self.pubsub: aioredis.client.PubSub | None = None
@@ -273,12 +302,12 @@ class _Hub:
         channel = msg["channel"]
         channel = channel.decode() if isinstance(channel, bytes) else channel
         if kind == "message":
-            try:
-                body = _decode(msg["data"])
-            except (ValueError, RecursionError):  # not ours (published by hand): the streams go on
-                log.warning("streams: a message on %s is not JSON; skipped", channel)
+            if channel not in self.subs:
                 return
-            for sub in self.subs.get(channel, ()):
+            body = self._open(channel, msg["data"])
+            if body is None:
+                return
+            for sub in self.subs[channel]:
                 sub._deliver(body)
         elif kind == "subscribe" and channel in self.subs:
             self.confirmed.add(channel)
@@ -296,6 +325,44 @@ class _Hub:
             self.resubscribe.add(channel)
             for sub in self.subs[channel]:
                 sub._lost()
+
+    def _open(self, channel: str, data: bytes) -> dict[str, Any] | Wake | None:
+        """What the streams get of one payload: its body when the hub's key verifies it for
+        `channel`, a Wake when the hub has no key, None (dropped) otherwise. Verified once here,
+        however many streams follow the channel."""
+        if self.signing_key is None:
+            parts = split_live(data)
+            try:
+                hint = _decode(parts[2] if parts else data)
+            except (ValueError, RecursionError):
+                hint = None
+            return Wake(hint if isinstance(hint, dict) else None)
+        body = open_live(self.signing_key, channel=channel, payload=data)
+        if body is None:
+            self._reject(channel, "unsigned" if split_live(data) is None else "bad_signature")
+            return None
+        try:
+            decoded = _decode(body)
+        except (ValueError, RecursionError):
+            decoded = None
+        if not isinstance(decoded, dict):
+            self._reject(channel, "not_json")
+            return None
+        return decoded
+
+    def _reject(self, channel: str, why: str) -> None:
+        LIVE_REJECTED.labels(why).inc()
+        self.rejected += 1
+        now = time.monotonic()
+        if now - self.rejected_logged >= _REJECT_LOG_S:
+            log.warning(
+                "streams: dropped %d live message(s) that did not verify (the last on %s: %s); "
+                "someone without the signing key publishes on the broker",
+                self.rejected,
+                channel,
+                why,
+            )
+            self.rejected, self.rejected_logged = 0, now
 
     def _drop(self, e: BaseException) -> None:
         """The connection failed: every stream follows the database until the hub is back."""

@@ -10,6 +10,11 @@ a batch's groups (on different workers) commit one after the other under the bat
 in id order and one cursor is exact; their live messages, though, may arrive in another order.
 A `metrics` message on the channel only wakes the stream, which then reads what is new (at most
 every `_READ_EVERY_S`); while the broker is down the stream polls the database once a second.
+
+A `trial` message the service signed (api/live.py verifies it) is sent as it is; the batch's status
+only ever comes from the database: a `selection` message, or any unverified one (a `Wake`, when
+the API has no signing key), has the stream read the batch's state and points, and the stream
+ends when that read says the batch is over.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.convert import selection_public
-from api.live import LiveChannel
+from api.live import LiveChannel, Wake
 from api.sse import frame
 from api.stream_threads import in_stream_thread
-from core.broker import selection_channel
+from core.broker import broker_signing_key, selection_channel
 from core.settings import Settings
 from db.engine import session_for
 from db.models import TERMINAL
@@ -83,7 +88,9 @@ async def selection_events(
     settings: Settings, *, selection_id: int, last_event_id: str | None = None
 ) -> AsyncIterator[str]:
     reader = _Reader(settings, selection_id, parse_cursor(last_event_id))
-    live = LiveChannel(settings.broker_url, selection_channel(selection_id))
+    live = LiveChannel(
+        settings.broker_url, selection_channel(selection_id), signing_key=broker_signing_key(settings)
+    )
     try:
         # subscribe before the first read, so nothing published in between is missed
         await live.connect()
@@ -99,21 +106,29 @@ async def selection_events(
         last_sent = last_state = time.monotonic()
         shown = {t["id"]: t for t in trials}  # each trial as the client last saw it while polling
         dirty = False
+        state_due = False
+        """A message asked for the batch's state from the database (read at most every
+        _READ_EVERY_S)."""
         while True:
-            body = await live.next(timeout=_READ_EVERY_S if dirty else 1.0)
+            body = await live.next(timeout=_READ_EVERY_S if dirty or state_due else 1.0)
             now = time.monotonic()
             out: list[str] = []
             ended = False
+            if isinstance(body, Wake) or (body is not None and body.get("type") == "selection"):
+                # unverified, or the batch's status: either way the database says what it is
+                body, dirty, state_due = None, True, True
             # resubscribed: what was published while the broker was down is gone, so send the
             # state again; the broker down: no message tells of a change, so poll for one
             again = live.resubscribed
-            if again or (not live.up and now - last_state >= 1.0):
+            polled = not live.up and now - last_state >= 1.0
+            if again or polled or (state_due and now - last_state >= _READ_EVERY_S):
                 live.resubscribed, last_state = False, now
                 try:
                     now_status, trials = await in_stream_thread(_snapshot, settings, selection_id)
                 except SQLAlchemyError:
                     live.resubscribed = again  # try again on the next round
                 else:
+                    state_due = False
                     out += [frame(event="trial", data=t) for t in trials if again or shown.get(t["id"]) != t]
                     if again or now_status != status:
                         out.append(frame(event="status", data={"status": now_status}))
@@ -125,9 +140,6 @@ async def selection_events(
                     dirty = True
                 elif body.get("type") == "trial":
                     out.append(frame(event="trial", data=body["trial"]))
-                elif body.get("type") == "selection":
-                    out.append(frame(event="status", data={"status": body["status"]}))
-                    dirty, ended = True, body["status"] in TERMINAL
             if not live.up:
                 dirty = True  # no wake-ups while the broker is away: poll the database
             if dirty and (ended or now - reader.last_read >= (_READ_EVERY_S if live.up else 1.0)):

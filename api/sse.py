@@ -20,6 +20,13 @@ it had not seen, and not again the ones it had. What remains: an event published
 reconnects, is not replayed. And the stream of a finished job always sends the job's final status,
 even when the client had it already, so a client never waits for a status that passed it.
 
+What the stream shows comes from the database, or from a channel message the service signed
+(api/live.py verifies it; an unverified one never gets here). A job's end is the database's word
+alone: a terminal status on the channel only makes the stream read the database at once, and the
+stream sends the final status and closes when that read says the job is over. Without a signing
+key every message is a `Wake` and the stream reads the database on it (at most every
+`_WAKE_READ_S`).
+
 A stream holds no database connection while it waits: each read is its own short session, in the
 streams' own thread limiter (api/stream_threads.py), so a request never waits behind them. When the
 broker goes away the stream polls the database instead and subscribes again once it is back, so a
@@ -40,9 +47,9 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from api.live import LiveChannel
+from api.live import LiveChannel, Wake
 from api.stream_threads import in_stream_thread
-from core.broker import job_channel
+from core.broker import broker_signing_key, job_channel
 from core.settings import Settings
 from core.telemetry import SSE_READS, SSE_ROWS
 from db.engine import session_for
@@ -54,6 +61,9 @@ log = logging.getLogger(__name__)
 _CURSOR = re.compile(r"^m(\d+)e(\d+)(?:s(\d+(?:\.\d+)*))?$")
 _REPLAY_CHUNK = 5000
 _DB_RECHECK_S = 15.0
+_WAKE_READ_S = 0.25
+"""The shortest time between two reads a stream makes on wake-ups (unverified messages): a burst of
+them, or a flood someone publishes, costs each stream at most four reads a second."""
 
 
 _SENT_KEPT = 4096
@@ -254,8 +264,9 @@ def _metric_entry(msg: dict[str, Any]) -> tuple[_Bodies, _Written]:
 
 
 def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[str, bool]:
-    """The frames, as one string (one write), for one channel message not already replayed; True
-    when it ends the job."""
+    """The frames, as one string (one write), for one (verified) channel message not already
+    replayed; True when the message says the job ended: the caller reads the database now, and
+    the final status goes out from there once the database says so."""
     out: list[str] = []
     ended = False
     if msg.get("type") == "metrics":
@@ -278,9 +289,13 @@ def _live_frames(msg: dict[str, Any], cur: Cursor) -> tuple[str, bool]:
         # output past the job's stored head (workers/logcap.py): live only, so no id to resume by
         data = {k: msg.get(k) for k in ("message", "time", "rank", "stream")}
         out.append(frame(event="log", data=data))
-    elif msg.get("type") == "event" and cur.takes_event(msg["id"]):
-        out.append(event_frame(msg, cur))
-        ended = msg["kind"] == "status" and cur.final
+    elif msg.get("type") == "event":
+        if msg.get("kind") == "status" and msg.get("message") in TERMINAL:
+            # not taken: the database read it brings sends this event, and ends the stream, once
+            # the job's row agrees (a message is a claim; the row is the job's state)
+            ended = True
+        elif cur.takes_event(msg["id"]):
+            out.append(event_frame(msg, cur))
     return "".join(out), ended
 
 
@@ -345,7 +360,7 @@ async def _catch_up(settings: Settings, job_id: int, cur: Cursor, how: _Reads) -
 
 async def job_events(settings: Settings, *, job_id: int, last_event_id: str | None) -> AsyncIterator[str]:
     cur = Cursor.parse(last_event_id)
-    live = LiveChannel(settings.broker_url, job_channel(job_id))
+    live = LiveChannel(settings.broker_url, job_channel(job_id), signing_key=broker_signing_key(settings))
     try:
         # subscribe before the replay, so nothing published in between is missed
         await live.connect()
@@ -366,9 +381,16 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         # s every 15 s (bench/api_load.py: the slowest requests all started 16-18 s into a run)
         last_check = last_sent - random.uniform(0.0, min(_DB_RECHECK_S, settings.sse_keepalive_s))
         behind = False
+        wake_at: float | None = None
+        """When a wake-up (or a terminal status on the channel) has the database read next."""
         while True:
-            msg = await live.next(timeout=1.0)
+            wait = 1.0 if wake_at is None else min(1.0, max(0.0, wake_at - time.monotonic()))
+            msg = await live.next(timeout=wait)
             now = time.monotonic()
+            if isinstance(msg, Wake):
+                msg = None  # unverified: it says nothing but "look"
+                if wake_at is None:
+                    wake_at = max(now, last_check + _WAKE_READ_S)
             # a lost publish (the broker restarted, or is down: then poll every second) must not
             # stall the client: catch up from the database, at least once per keep-alive interval
             # (rarely: with many open streams these reads cost every other request latency).
@@ -378,7 +400,7 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
             if live.resubscribed:
                 live.resubscribed, behind, last_check = False, True, float("-inf")
             recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up and not behind else 1.0
-            if now - last_check > recheck:
+            if now - last_check > recheck or (wake_at is not None and now >= wake_at):
                 last_check = now
                 # Following live, a recheck reads points only up to the newest id the previous
                 # recheck saw (`mark`): those were committed and published at least one interval
@@ -387,7 +409,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 # frame again, from the database, what every stream gets live a moment later
                 # (bench/api_load.py: a fifth of the API's CPU with a fast job). A lost publish
                 # is sent one to two intervals late instead of up to one.
-                following = live.up and not behind
+                # a wake-up reads everything there is (its rows are what it announced)
+                following = live.up and not behind and wake_at is None
                 how = _Reads("recheck", upto=mark) if following else _Reads("catch_up")
                 frames, ok = await _catch_up(settings, job_id, cur, how)
                 if frames:
@@ -398,6 +421,7 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 behind = behind and not ok
                 if ok:
                     mark = how.newest if following else cur.metric
+                    wake_at = None
             if behind:
                 msg = None  # its rows come with the next read of the database
             if msg is not None:
@@ -405,8 +429,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 if text:
                     yield text  # one write for a message's frames, not one each
                     last_sent = now
-                if ended:
-                    return
+                if ended and wake_at is None:
+                    wake_at = now  # the job may be over: the database says, at once
             if now - last_sent > settings.sse_keepalive_s:
                 last_sent = now
                 yield ": keep-alive\n\n"

@@ -151,6 +151,12 @@ class Stack:
     admin_token: str = ""
     """The local admin's API token (made up when empty), given to the API process alone as
     SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
+    redis_password: str = ""
+    """redis-server's password (requirepass; made up when empty), in the broker URL of the stack's
+    processes: a client that does not know it (another user's process on the machine) is refused."""
+    broker_signing_key: str = ""
+    """The key the workers and the API sign and verify live messages with (made up when empty),
+    given to them as SHARDYARD_BROKER_SIGNING_KEY (core/broker.py)."""
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
     """How `supervise` restarts a process that died, and when it gives up."""
     worker_env: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -164,6 +170,8 @@ class Stack:
         self.redis_port = self.redis_port or free_port()
         self.database_url = self.database_url or f"sqlite:///{self.root / 'shardyard.db'}"
         self.admin_token = self.admin_token or "sy_" + secrets.token_urlsafe(32)
+        self.redis_password = self.redis_password or secrets.token_hex(24)  # URL-safe as it is
+        self.broker_signing_key = self.broker_signing_key or secrets.token_hex(32)
 
     @property
     def base_url(self) -> str:
@@ -171,7 +179,7 @@ class Stack:
 
     @property
     def broker_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
     @property
     def env(self) -> dict[str, str]:
@@ -183,6 +191,7 @@ class Stack:
             **inherited,
             "SHARDYARD_DATABASE_URL": self.database_url,
             "SHARDYARD_BROKER_URL": self.broker_url,
+            "SHARDYARD_BROKER_SIGNING_KEY": self.broker_signing_key,
             "SHARDYARD_DATA_DIR": str(self.root),
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
@@ -204,10 +213,18 @@ class Stack:
     def start_redis(self) -> None:
         redis_dir = self.root / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
+        # the password goes in a file only this user reads, not on the command line (which every
+        # user of the machine can read in ps)
+        conf = redis_dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.redis_password}\n")
         proc = self._spawn(
             "redis",
             [
                 find_redis_server(),
+                str(conf),
                 "--port",
                 str(self.redis_port),
                 "--bind",
@@ -223,8 +240,11 @@ class Stack:
 
         def ping() -> bool:
             with socket.create_connection(("127.0.0.1", self.redis_port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                s.sendall(f"AUTH {self.redis_password}\r\nPING\r\n".encode())
+                got = b""
+                while got.count(b"\r\n") < 2 and (chunk := s.recv(64)):
+                    got += chunk
+                return got == b"+OK\r\n+PONG\r\n"
 
         _wait(ping, timeout_s=20, what="redis-server", proc=proc)
 

@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, text
 import bench.api_load as api_load
 from api.stack import Stack
 from bench.common import table, write_results
-from core.broker import job_channel
+from core.broker import job_channel, sign_live
 
 NAMES = ("train/loss", "train/lr", "train/step_s", "train/tokens_per_s")
 BATCH_S = 0.2
@@ -43,6 +43,7 @@ def cpu_s(pid: int) -> float:
 def play_worker(stack: Stack, *, job_id: int, points_per_s: float, stop: threading.Event, out: dict) -> None:
     engine = create_engine(stack.database_url)
     broker = redis.Redis.from_url(stack.broker_url)
+    key = stack.broker_signing_key.encode()
     while not stop.is_set():  # bench.api_load submits the streamed job first
         with engine.begin() as cx:
             if cx.execute(text("SELECT count(*) FROM jobs WHERE id = :j"), {"j": job_id}).scalar():
@@ -78,7 +79,9 @@ def play_worker(stack: Stack, *, job_id: int, points_per_s: float, stop: threadi
                 rows,
             )
             cx.execute(text("UPDATE jobs SET step = :s WHERE id = :j"), {"s": step, "j": job_id})
-        broker.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": rows}))
+        # signed as the worker's publisher does: the API shows no message it cannot verify
+        body = json.dumps({"type": "metrics", "points": rows}).encode()
+        broker.publish(job_channel(job_id), sign_live(key, channel=job_channel(job_id), body=body))
         out["messages"] = out.get("messages", 0) + 1
         out["points"] = out.get("points", 0) + len(rows)
         time.sleep(max(0.0, BATCH_S - (time.monotonic() - t0)))

@@ -200,7 +200,10 @@ def main() -> None:
         stack = Stack(root=Path(tmp), workers=0)
         with stack:
             settings = Settings(
-                database_url=stack.database_url, broker_url=stack.broker_url, data_dir=Path(tmp)
+                database_url=stack.database_url,
+                broker_url=stack.broker_url,
+                broker_signing_key=stack.broker_signing_key,  # its relay publishes as a worker's
+                data_dir=Path(tmp),
             )
             submit = bench_submits(stack, args.submits, args.clients)
             ingest = bench_ingest(settings, args.points)

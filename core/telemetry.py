@@ -44,6 +44,13 @@ SSE_ROWS = Counter(
     "Metric points and events job streams read from the database and framed, by why (as above)",
     ["why"],
 )
+LIVE_REJECTED = Counter(
+    "shardyard_live_messages_rejected",
+    "Live messages the API dropped unshown, by why: unsigned (no signature while the API has a "
+    "key), bad_signature (another key or channel, altered, or outside the age window), "
+    "not_json (signed, yet not a JSON object)",
+    ["why"],
+)
 DB_POOL_IN_USE = Gauge(
     "shardyard_db_pool_connections_in_use",
     "Database connections the API processes have checked out of their pools now",

@@ -313,11 +313,11 @@ class Relay:
     def publish(self, msg: dict[str, Any], *, channels: tuple[str, ...]) -> None:
         """Hand `msg` to this process's publisher thread (workers/publisher.py): a broker that is
         down or hung never holds up the database writes and lease renewals of this relay."""
-        live_publisher(self.settings.broker_url).send(msg, channels=channels)
+        live_publisher(self.settings).send(msg, channels=channels)
 
     def drain_live(self, timeout_s: float = 5.0) -> None:
         """Let what was published go out before the task returns (best effort, bounded)."""
-        live_publisher(self.settings.broker_url).drain(timeout_s)
+        live_publisher(self.settings).drain(timeout_s)
 
     def _publish(self, applied: dict[int | None, Applied], progress: dict) -> None:
         for key, got in applied.items():

@@ -1,4 +1,9 @@
-"""/api/events: one Server-Sent Events stream of every job's status changes (the live jobs table)."""
+"""/api/events: one Server-Sent Events stream of every job's status changes (the live jobs table).
+
+A message on the channel names a job; what the stream sends of it is the job's row, read from the
+database and only for a user who may see it. A `deleted` job has no row left: its frame goes out
+only for a message the service signed (api/live.py verifies it), since the owner it names is the
+message's word alone."""
 
 from __future__ import annotations
 
@@ -12,11 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import CurrentUser, may_see
 from api.convert import job_public
 from api.deps import SessionDep, SettingsDep
-from api.live import LiveChannel
+from api.live import LiveChannel, Wake
 from api.schemas import JobsStreamEvents, sse_doc
 from api.sse import frame
 from api.streams import SseResponse, open_stream
-from core.broker import JOBS_CHANNEL
+from core.broker import JOBS_CHANNEL, broker_signing_key
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import NotFound, get_job
@@ -36,7 +41,7 @@ def _job_json(settings: Settings, job_id: int, user: User) -> dict | None:
 
 
 async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
-    live = LiveChannel(settings.broker_url, JOBS_CHANNEL)
+    live = LiveChannel(settings.broker_url, JOBS_CHANNEL, signing_key=broker_signing_key(settings))
     try:
         await live.connect()
         yield "retry: 2000\n\n"
@@ -47,17 +52,21 @@ async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:
                 # changes published while the broker was down are gone: have the table reload
                 live.resubscribed = False
                 yield frame(event="resync", data={})
-            if msg is not None:
+            # unverified (no signing key): the job it names is a hint of which row to read
+            signed = msg is not None and not isinstance(msg, Wake)
+            body = msg.hint if isinstance(msg, Wake) else msg
+            job_id = body.get("job_id") if body is not None else None
+            if isinstance(job_id, int) and not isinstance(job_id, bool):
                 try:
-                    job = await run_in_threadpool(_job_json, settings, msg["job_id"], user)
+                    job = await run_in_threadpool(_job_json, settings, job_id, user)
                 except SQLAlchemyError:
                     job = None  # the database is busy; the next change of this job shows it
                 if job is not None:
                     last = time.monotonic()
                     yield frame(event="job", data=job)
-                elif msg.get("status") == "deleted" and may_see(user, msg.get("owner_id")):
+                elif signed and body.get("status") == "deleted" and may_see(user, body.get("owner_id")):
                     # only its owner and admins learned it existed (a job from before users: admins)
-                    yield frame(event="deleted", data={"job_id": msg["job_id"]})
+                    yield frame(event="deleted", data={"job_id": job_id})
             elif time.monotonic() - last > settings.sse_keepalive_s:
                 last = time.monotonic()
                 yield ": keep-alive\n\n"

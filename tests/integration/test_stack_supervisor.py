@@ -125,7 +125,7 @@ def test_redis_server_is_restarted_and_unclaimed_tasks_are_sent_again(tmp_path: 
         # no consumer: a stopped (SIGSTOP) worker may already hold the message in its socket
         os.killpg(st.procs["worker1"].pid, signal.SIGKILL)
         job = h.submit({**TINY_SPEC, "train": {**TINY_SPEC["train"], "steps": 10}})
-        broker = redis.Redis(port=st.redis_port)
+        broker = redis.Redis.from_url(st.broker_url)  # (its password with it)
         deadline = time.monotonic() + 60
         while not any(broker.type(k) == b"list" and broker.llen(k) for k in broker.keys()):
             assert time.monotonic() < deadline, f"no task in redis-server: {broker.keys()}"

@@ -14,6 +14,10 @@ import redis
 
 from api.live import _BACKLOG, LiveChannel, _Hub
 from api.stack import Stack
+from core.broker import sign_live
+
+KEY = b"test-hub-key"
+"""The streams verify what they are handed (api/live.py); these tests publish as the service does."""
 
 
 def _numsub(url: str, channel: str) -> int:
@@ -28,7 +32,7 @@ def _pubsub_clients(url: str) -> int:
 
 def _publish(url: str, channel: str, body: dict) -> None:
     with redis.Redis.from_url(url) as r:
-        r.publish(channel, json.dumps(body))
+        r.publish(channel, sign_live(KEY, channel=channel, body=json.dumps(body).encode()))
 
 
 async def _until(check, timeout: float = 15.0) -> None:  # noqa: ANN001
@@ -42,8 +46,8 @@ def test_streams_on_one_channel_share_one_subscription_and_the_last_unsubscribes
     url = broker.broker_url
 
     async def main() -> None:
-        streams = [LiveChannel(url, "job:1") for _ in range(20)]
-        other = LiveChannel(url, "job:2")
+        streams = [LiveChannel(url, "job:1", signing_key=KEY) for _ in range(20)]
+        other = LiveChannel(url, "job:2", signing_key=KEY)
         for s in [*streams, other]:
             assert await s.connect()
         assert _numsub(url, "job:1") == 1 and _numsub(url, "job:2") == 1
@@ -71,7 +75,7 @@ def test_a_broker_restart_resubscribes_every_stream_and_says_so(broker: Stack) -
     url = broker.broker_url
 
     async def main() -> None:
-        streams = [LiveChannel(url, "job:7") for _ in range(5)]
+        streams = [LiveChannel(url, "job:7", signing_key=KEY) for _ in range(5)]
         for s in streams:
             assert await s.connect()
         await asyncio.to_thread(broker.stop_process, "redis")
@@ -104,7 +108,7 @@ def test_a_stream_opened_while_the_broker_is_down_subscribes_once_it_is_back(bro
     broker.stop_process("redis")
 
     async def main() -> None:
-        s = LiveChannel(url, "job:9")
+        s = LiveChannel(url, "job:9", signing_key=KEY)
         assert not await s.connect()
         assert await s.next(timeout=0.2) is None
         await asyncio.to_thread(broker.start_redis)
@@ -131,9 +135,13 @@ def test_a_message_that_is_not_json_is_skipped_and_the_stream_goes_on(broker: St
     url = broker.broker_url
 
     async def main() -> None:
-        s = LiveChannel(url, "job:4")
+        s = LiveChannel(url, "job:4", signing_key=KEY)
         assert await s.connect()
-        await asyncio.to_thread(lambda: redis.Redis.from_url(url).publish("job:4", b"not json"))
+        await asyncio.to_thread(
+            lambda: redis.Redis.from_url(url).publish(
+                "job:4", sign_live(KEY, channel="job:4", body=b"not json")
+            )
+        )
         await asyncio.to_thread(_publish, url, "job:4", {"type": "event", "id": 1})
         assert await s.next(timeout=5) == {"type": "event", "id": 1}
         await s.close()
@@ -145,10 +153,10 @@ def test_a_stream_that_opens_while_the_last_one_on_its_channel_closes_still_hear
     url = broker.broker_url
 
     async def main() -> None:
-        keep = LiveChannel(url, "job:2")  # keeps the hub (and its connection) alive
-        first = LiveChannel(url, "job:1")
+        keep = LiveChannel(url, "job:2", signing_key=KEY)  # keeps the hub (and its connection) alive
+        first = LiveChannel(url, "job:1", signing_key=KEY)
         assert await keep.connect() and await first.connect()
-        second = LiveChannel(url, "job:1")
+        second = LiveChannel(url, "job:1", signing_key=KEY)
         # the last stream on job:1 leaves as a new one comes: the channel must end up subscribed
         await asyncio.gather(first.close(), second.connect())
         await _until(lambda: second.up and _numsub(url, "job:1") == 1, timeout=5)
@@ -164,11 +172,13 @@ def test_a_message_that_breaks_the_decoder_does_not_silence_the_channel(broker: 
     url = broker.broker_url
 
     async def main() -> None:
-        s = LiveChannel(url, "job:6")
+        s = LiveChannel(url, "job:6", signing_key=KEY)
         assert await s.connect()
         # valid JSON too deep for json.loads: RecursionError, not ValueError
         deep = b"[" * 200_000 + b"]" * 200_000
-        await asyncio.to_thread(lambda: redis.Redis.from_url(url).publish("job:6", deep))
+        await asyncio.to_thread(
+            lambda: redis.Redis.from_url(url).publish("job:6", sign_live(KEY, channel="job:6", body=deep))
+        )
         await asyncio.to_thread(_publish, url, "job:6", {"type": "event", "id": 2})
         assert await s.next(timeout=5) == {"type": "event", "id": 2}
         await s.close()
@@ -196,7 +206,7 @@ def test_a_connection_lost_just_after_the_subscription_leaves_the_stream_down(
     monkeypatch.setattr(_Hub, "_dispatch", confirm_then_fail)
 
     async def main() -> None:
-        s = LiveChannel(url, "job:11")
+        s = LiveChannel(url, "job:11", signing_key=KEY)
         assert not await s.connect() and not s.up and injected
         while not s.resubscribed:  # the hub subscribes again and the stream catches up
             await asyncio.wait_for(s.next(timeout=0.5), timeout=20)

@@ -17,19 +17,24 @@ import api.live
 import api.sse
 from api.sse import job_events
 from api.stack import Stack
-from core.broker import job_channel
+from core.broker import job_channel, sign_live
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import create_job, fail_job
 from db.migrate import upgrade
 from db.models import JobEvent, MetricPoint
 
+KEY = "test-signing-key"
+"""The streams show only what the service signed (api/live.py): these tests publish as it does."""
+
 
 def _one_job(broker: Stack, tmp_path: Path) -> tuple[str, Settings, int]:
     """A migrated SQLite database holding one queued job, and settings pointing at `broker`."""
     url = f"sqlite:///{tmp_path / 'test.db'}"
     upgrade(url)
-    settings = Settings(database_url=url, broker_url=broker.broker_url, data_dir=tmp_path)
+    settings = Settings(
+        database_url=url, broker_url=broker.broker_url, data_dir=tmp_path, broker_signing_key=KEY
+    )
     with session_for(url) as s:
         return url, settings, create_job(s, name="j", spec={}).id
 
@@ -47,7 +52,10 @@ def test_a_stream_that_dropped_its_backlog_still_sends_every_point(
                 s.add(p)
                 s.commit()
                 point = {"id": p.id, "step": step, "name": "loss", "value": p.value, "time": p.time}
-                r.publish(job_channel(job_id), json.dumps({"type": "metrics", "points": [point]}))
+                body = json.dumps({"type": "metrics", "points": [point]}).encode()
+                r.publish(
+                    job_channel(job_id), sign_live(KEY.encode(), channel=job_channel(job_id), body=body)
+                )
 
     async def main() -> set[int]:
         stream = job_events(settings, job_id=job_id, last_event_id=None)
@@ -87,7 +95,8 @@ def _log(url: str, job_id: int, message: str) -> dict:
 def _publish(broker: Stack, job_id: int, *msgs: dict) -> None:
     with redis.Redis.from_url(broker.broker_url) as r:
         for m in msgs:
-            r.publish(job_channel(job_id), json.dumps(m))
+            body = json.dumps(m).encode()
+            r.publish(job_channel(job_id), sign_live(KEY.encode(), channel=job_channel(job_id), body=body))
 
 
 def test_events_of_two_writers_published_out_of_order_are_both_sent_once(

@@ -44,13 +44,21 @@ def test_a_changed_message_is_encoded_afresh() -> None:
     assert '"value":1.0' in first and '"value":2.0' in second
 
 
-def test_terminal_event_ends_the_stream() -> None:
+def test_a_terminal_status_on_the_channel_only_asks_the_database() -> None:
+    """The job's end is the database's word: a terminal status on the channel (even a signed one)
+    writes nothing itself and leaves the event unsent, so the read it asks for sends it, once the
+    job's row says the job is over."""
     msg = _decode(
         json.dumps({"type": "event", "id": 3, "kind": "status", "message": "succeeded", "time": 1.0}).encode()
     )
-    frames, ended = _live_frames(msg, Cursor.parse("m0e2"))
-    # the id keeps the horizon (2) and lists 3 above it, until 3 has settled
-    assert ended and frames.startswith("id: m0e2s3\nevent: status\n")
+    cur = Cursor.parse("m0e2")
+    frames, ended = _live_frames(msg, cur)
+    assert ended and frames == ""
+    assert cur.takes_event(3)  # still new to the stream: the database read sends it
+    running = {"type": "event", "id": 4, "kind": "status", "message": "running", "time": 1.0}
+    frames, ended = _live_frames(running, Cursor.parse("m0e2"))
+    # the id keeps the horizon (2) and lists 4 above it, until 4 has settled
+    assert not ended and frames.startswith("id: m0e2s4\nevent: status\n")
 
 
 def test_the_horizon_settles_and_a_reconnect_gets_the_late_lower_id_once() -> None:
