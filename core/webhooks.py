@@ -8,26 +8,35 @@ retried with the same body and `Shardyard-Delivery` id, so a receiver can drop r
 The deliverer runs in the scheduler process (core/scheduler_proc.py, `shardyard scheduler`). It
 claims due rows with a lease, so several deliverers (one per API process's scheduler child) never
 POST one delivery at once, and a deliverer that dies mid-POST leaves its rows to the others once the
-lease runs out. POSTs run on a bounded thread pool with a timeout: a receiver that hangs holds one
-thread for webhook_timeout_s and delays no other delivery, and nothing that ends a job waits on it.
+lease runs out. POSTs run on a bounded thread pool, each within one deadline (webhook_timeout_s for
+connect, send and read together): a receiver that hangs or drips its answer holds one thread until
+the deadline and delays no other delivery, and nothing that ends a job waits on it.
+
+Where a POST may go is core/egress.py's business: the URL is checked when the webhook is made and
+again before every POST, and the POST connects to exactly the addresses that check resolved.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
-import httpx
-
+from core.egress import (
+    ANSWER_MAX_BYTES,
+    DeliveryFailed,
+    EgressAllow,
+    Proxy,
+    UnsafeUrl,
+    check_url,
+    egress_allow,
+    post,
+)
 from core.settings import Settings
 from core.telemetry import WEBHOOK_ATTEMPTS
 from db import webhooks as dbw
@@ -41,6 +50,17 @@ EVENT_HEADER = "Shardyard-Event"
 REPLAY_WINDOW_S = 300
 """The window `verify` allows between the signed time and the receiver's clock, either way."""
 MAX_BACKOFF_S = 3600.0
+
+__all__ = [
+    "ANSWER_MAX_BYTES",
+    "Deliverer",
+    "UnsafeUrl",
+    "backoff_s",
+    "check_url",
+    "new_secret",
+    "sign",
+    "verify",
+]
 
 
 def new_secret() -> str:
@@ -67,51 +87,6 @@ def verify(
     return hmac.compare_digest(want, parts.get("v1", ""))
 
 
-class UnsafeUrl(ValueError):
-    pass
-
-
-def _non_public(host: str) -> str | None:
-    """The first address of `host` that is not a public one, if any (unresolvable: None)."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError, ValueError):
-        return None
-    for info in infos:
-        addr = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if not addr.is_global:
-            return str(addr)
-    return None
-
-
-def check_url(url: str, *, allow_private: bool) -> None:
-    """http(s) with a host; and unless allowed, no host on a loopback, private or link-local
-    address. Checked at creation and again before every POST (a name may change what it resolves
-    to); a name that resolves to a private address only between the check and the connect is not
-    caught here, which is why production should also send through an egress proxy or firewall."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname
-    except ValueError as e:  # an unclosed [ of an IPv6 literal, and the like
-        raise UnsafeUrl(f"the URL cannot be parsed: {e}") from e
-    if any(ord(ch) < 0x21 for ch in url):
-        raise UnsafeUrl("the URL must not contain spaces or control characters")
-    if parts.scheme not in ("http", "https"):
-        raise UnsafeUrl(f"the URL's scheme must be http or https, not {parts.scheme!r}")
-    if not host:
-        raise UnsafeUrl("the URL has no host")
-    if parts.username or parts.password:
-        raise UnsafeUrl("the URL must not carry a user name or password")
-    if allow_private:
-        return
-    bad = _non_public(host)
-    if bad is not None:
-        raise UnsafeUrl(
-            f"the host {host} is a non-public address ({bad}); an admin may allow such "
-            "hosts with SHARDYARD_WEBHOOK_ALLOW_PRIVATE=1"
-        )
-
-
 def backoff_s(settings: Settings, attempts_done: int) -> float:
     """Wait before the next attempt after `attempts_done` failed ones: doubling, capped."""
     return min(MAX_BACKOFF_S, settings.webhook_backoff_s * 2 ** max(0, attempts_done - 1))
@@ -122,6 +97,8 @@ class Deliverer:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.allow: EgressAllow = egress_allow(tuple(settings.webhook_allow))
+        self.proxy: Proxy | None = Proxy.parse(settings.webhook_proxy)
         self.pool = ThreadPoolExecutor(max_workers=settings.webhook_concurrency, thread_name_prefix="webhook")
         self.busy = 0
         self._lock = threading.Lock()
@@ -130,8 +107,8 @@ class Deliverer:
 
     @property
     def lease_s(self) -> float:
-        # past the POST's own timeouts (connect, write and read each get webhook_timeout_s)
-        return 3 * self.settings.webhook_timeout_s + 30.0
+        # past the POST's deadline, with room for the name's resolution before it
+        return self.settings.webhook_timeout_s + 60.0
 
     def poll(self) -> int:
         """Claim as many due deliveries as there are free threads; returns how many."""
@@ -165,11 +142,12 @@ class Deliverer:
         error: str | None = None
         started = time.monotonic()
         try:
-            check_url(c.url, allow_private=s.webhook_allow_private)
+            # checked again: the name may resolve elsewhere now, or the allow-list have changed
+            target = check_url(c.url, allow=self.allow)
             ts = int(time.time())
-            resp = httpx.post(
-                c.url,
-                content=body.encode(),
+            answer = post(
+                target,
+                body=body.encode(),
                 headers={
                     "Content-Type": "application/json",
                     "User-Agent": "shardyard-webhook",
@@ -177,16 +155,17 @@ class Deliverer:
                     DELIVERY_HEADER: str(c.id),
                     EVENT_HEADER: c.event,
                 },
-                timeout=s.webhook_timeout_s,
-                follow_redirects=False,  # a redirect could point anywhere, private hosts included
+                timeout_s=s.webhook_timeout_s,
+                proxy=self.proxy,
             )
-            status_code = resp.status_code
+            # redirects are not followed (they count as failures): one could point anywhere
+            status_code = answer.status
             if not 200 <= status_code < 300:
                 error = f"answered {status_code}"
-        except UnsafeUrl as e:
-            error = str(e)
-        except (httpx.HTTPError, httpx.InvalidURL) as e:
-            error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
+        except (UnsafeUrl, DeliveryFailed) as e:
+            error = str(e)[:500]
+        except OSError as e:  # refused, unreachable, reset, a TLS certificate that does not match
+            error = f"{type(e).__name__}: {e}"[:500]
         delivered = error is None
         done = c.attempts + 1
         retry = None if delivered or done >= s.webhook_attempts else backoff_s(s, done)

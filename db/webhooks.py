@@ -11,12 +11,33 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from db.jobs import NotFound, aware, db_now
-from db.models import Job, Selection, Webhook, WebhookAttempt, WebhookDelivery
+from db.models import Job, Selection, User, Webhook, WebhookAttempt, WebhookDelivery
 
 
-def create_webhook(session: Session, *, user_id: int, url: str, events: str, secret: str) -> Webhook:
+class TooManyWebhooks(Exception):
+    pass
+
+
+def create_webhook(
+    session: Session, *, user_id: int, url: str, events: str, secret: str, max_per_user: int = 0
+) -> Webhook:
+    """A new webhook of `user_id`; TooManyWebhooks when the user has `max_per_user` already (0: no
+    limit). Counted after the insert, in its transaction, with the user's row locked first on
+    PostgreSQL: two creates at once cannot both pass the count (SQLite's writer lock, taken by
+    the insert, does the same there)."""
+    if max_per_user > 0:
+        session.execute(select(User.id).where(User.id == user_id).with_for_update())
     hook = Webhook(user_id=user_id, url=url, events=events, secret=secret)
     session.add(hook)
+    session.flush()
+    if max_per_user > 0:
+        have = session.scalar(select(func.count()).select_from(Webhook).where(Webhook.user_id == user_id))
+        if (have or 0) > max_per_user:
+            session.rollback()
+            raise TooManyWebhooks(
+                f"a user may have at most {max_per_user} webhooks (SHARDYARD_WEBHOOK_MAX_PER_USER) and "
+                f"this one has {max_per_user} already; delete one first"
+            )
     session.commit()
     return hook
 
@@ -184,6 +205,7 @@ def outbox_counts(session: Session) -> dict[str, int]:
 __all__ = [
     "Claimed",
     "NotFound",
+    "TooManyWebhooks",
     "claim_due",
     "create_webhook",
     "delete_webhook",

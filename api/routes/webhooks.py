@@ -18,7 +18,8 @@ from api.webhook_schemas import (
     WebhookPublic,
     WebhooksPublic,
 )
-from core.webhooks import UnsafeUrl, check_url, new_secret
+from core.egress import UnsafeUrl, check_url, egress_allow
+from core.webhooks import new_secret
 from db import webhooks as dbw
 from db.jobs import NotFound, aware
 from db.models import User, Webhook
@@ -40,12 +41,25 @@ def _scope(user: User) -> int | None:
 def create_webhook(
     body: WebhookCreate, session: SessionDep, settings: SettingsDep, user: CurrentUser
 ) -> WebhookIssued:
+    """Refused with 422 naming `url` and its rule when the service may not send there (a host that
+    does not resolve, or is or resolves to a non-public address the operator has not allowed);
+    409 past the per-user cap."""
     try:
-        check_url(body.url, allow_private=settings.webhook_allow_private)
+        check_url(body.url, allow=egress_allow(tuple(settings.webhook_allow)))
     except UnsafeUrl as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, f"url: {e}") from e
     secret = new_secret()
-    hook = dbw.create_webhook(session, user_id=user.id, url=body.url, events=body.events, secret=secret)
+    try:
+        hook = dbw.create_webhook(
+            session,
+            user_id=user.id,
+            url=body.url,
+            events=body.events,
+            secret=secret,
+            max_per_user=settings.webhook_max_per_user,
+        )
+    except dbw.TooManyWebhooks as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"webhooks: {e}") from e
     return WebhookIssued(webhook=webhook_public(hook), secret=secret)
 
 

@@ -31,7 +31,7 @@ BATCH = {
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
-    """A stack of its own: webhooks to loopback receivers need the private-address setting, and
+    """A stack of its own: webhooks to loopback receivers need the operator's allow-list, and
     short backoffs keep the retries inside the test."""
     root = tmp_path_factory.mktemp("ops")
     st = Stack(
@@ -39,7 +39,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
         workers=1,
         concurrency=2,
         extra_env={
-            "SHARDYARD_WEBHOOK_ALLOW_PRIVATE": "1",
+            "SHARDYARD_WEBHOOK_ALLOW": '["127.0.0.1/32"]',
             "SHARDYARD_WEBHOOK_BACKOFF_S": "0.3",
             "SHARDYARD_WEBHOOK_POLL_S": "0.2",
             # far past the test's length: a receiver that hangs must not be waited for

@@ -52,7 +52,7 @@ def test_standalone_scheduler_serves_metrics_and_delivers_webhooks(tmp_path: Pat
         SHARDYARD_DATA_DIR=str(tmp_path),
         # nothing is placed (no workers), so no task is ever sent to this unused port
         SHARDYARD_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0",
-        SHARDYARD_WEBHOOK_ALLOW_PRIVATE="1",
+        SHARDYARD_WEBHOOK_ALLOW='["127.0.0.1/32"]',  # the receiver is on loopback
         SHARDYARD_WEBHOOK_POLL_S="0.2",
         SHARDYARD_SCHEDULER_S="0.2",
     )

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from core.egress import EgressAllow
 from core.settings import Settings
 from core.webhooks import Deliverer, UnsafeUrl, check_url, sign, verify
 from db import jobs as dbj
@@ -86,7 +87,8 @@ def test_every_end_of_a_job_or_batch_queues_one_delivery_per_matching_webhook(db
 
 
 def _settings(url: str, **over: object) -> Settings:
-    base = {"webhook_backoff_s": 0.05, "webhook_allow_private": True, "webhook_timeout_s": 5.0}
+    # the receivers listen on loopback: the operator's allow-list names it
+    base = {"webhook_backoff_s": 0.05, "webhook_allow": ["127.0.0.1/32"], "webhook_timeout_s": 5.0}
     return Settings(database_url=url, **{**base, **over})
 
 
@@ -219,9 +221,9 @@ def test_signatures_outside_the_replay_window_or_over_other_bytes_fail() -> None
 )
 def test_webhook_urls_that_are_refused(url: str, rule: str) -> None:
     with pytest.raises(UnsafeUrl, match=rule):
-        check_url(url, allow_private=False)
+        check_url(url, allow=EgressAllow())
 
 
 def test_private_hosts_are_allowed_only_when_the_setting_says_so() -> None:
-    check_url("http://127.0.0.1:8000/h", allow_private=True)
-    check_url("https://93.184.215.14/h", allow_private=False)
+    check_url("http://127.0.0.1:8000/h", allow=EgressAllow.parse(["127.0.0.1/32"]))
+    check_url("https://93.184.215.14/h", allow=EgressAllow())
