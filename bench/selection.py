@@ -269,7 +269,7 @@ def real(
 
 
 def long_trials(*, target_s: float, n: int = 4) -> list[dict[str, Any]]:
-    """Orchestration overhead of `n` trials of about `target_s` seconds of compute each (the issue's
+    """Orchestration overhead of `n` trials of about `target_s` seconds of compute each (the overhead
     goal is stated for 10-second trials), on 2 devices: calibrate the step count, then run."""
     spec = real_batch(n_trials=1, scale=1.0)[0].to_dict()
     spec["model"].update(layers=4, d_model=128)

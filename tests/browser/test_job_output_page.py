@@ -2,7 +2,7 @@
 stack (redis-server, a Celery worker training real tiny models): a failed job's traceback on its
 page, a line the trainer printed reaching the Log panel while the job runs, the pace and the
 hardware charts filling, and a running selection trial's steps moving before it ends. The
-screenshots go to docs/ (the README shows them)."""
+screenshots go to docs/ (docs/dashboard.md shows them)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_a_running_trials_steps_move_and_the_selection_shows_device_use(stack, p
     running = page.locator("#leaderboard tr[data-status='running'] .progress .label")
     seen: set[str] = set()
     deadline = time.monotonic() + 180
-    # before this change a running trial's bar read 0/40 until the trial ended
+    # a running trial's bar moves while it runs, not only once the trial has ended (0/40 until then)
     while time.monotonic() < deadline and not any(0 < int(s.split("/")[0]) < 40 for s in seen):
         seen.update(t for t in running.all_inner_texts() if "/" in t)
         time.sleep(0.2)

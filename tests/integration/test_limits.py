@@ -141,7 +141,7 @@ def _user(stack: StackHandle, **quota: int) -> httpx.Client:
 def test_jobs_no_worker_could_run_are_refused_with_the_numbers(stack: StackHandle) -> None:
     host = stack.client.get("/api/health").json()["workers"][0]["host"]
     assert host["slots"] >= 1 and host["ram_bytes"] > 2**30
-    # the 262,144-rank layout: beyond any quota and any worker
+    # a 262,144-rank layout: beyond any quota and any worker
     layout = with_(
         model={"kind": "gpt", "layers": 4, "d_model": 4096, "heads": 64, "seq_len": 64},
         train={**TINY_SPEC["train"], "batch_size": 4096},

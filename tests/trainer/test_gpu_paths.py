@@ -1,4 +1,4 @@
-"""What one CUDA device can prove about the composed trainer and the warm trainer (issues 9 and 15).
+"""What one CUDA device can prove about the composed trainer and the warm trainer.
 
 The development machine and CI have no GPU, so these are skipped there; they ran on the lent
 single-GPU machine (docs/gpu.md has the run). `SHARDYARD_GPU_PATHS_DEVICE=cpu` runs the same checks

@@ -2,7 +2,7 @@
 session's idle expiry)
 
 Revoking a token revokes what was made from it, so a session or a minted token cannot outlive
-the token that made it (issue 29).
+the token that made it.
 
 Revision ID: 0012
 Revises: 0011
