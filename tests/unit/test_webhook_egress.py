@@ -7,7 +7,11 @@ nothing here connects anywhere else (a stubbed resolver stands in for names of o
 from __future__ import annotations
 
 import base64
+import shutil
 import socket
+import ssl
+import subprocess
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -451,3 +455,67 @@ def test_a_user_may_have_so_many_webhooks(api: Callable[..., TestClient]) -> Non
     assert c.delete(f"/api/webhooks/{first}").status_code == 200
     assert c.post("/api/webhooks", json={"url": target}).status_code == 201
     assert Settings().webhook_max_per_user == 20
+
+
+def test_https_connects_to_the_checked_address_and_verifies_the_name(
+    tmp_path: Path, names: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=hooks.example",
+        ]
+        + ["-addext", "subjectAltName=DNS:hooks.example", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    seen: list[str | None] = []
+    server_ctx.sni_callback = lambda _sock, name, _ctx: seen.append(name)  # type: ignore[assignment,misc,func-returns-value]
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                raw, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with server_ctx.wrap_socket(raw, server_side=True) as conn:
+                    head = b""
+                    while b"\r\n\r\n" not in head:
+                        head += conn.recv(4096)
+                    seen.append(head.split(b"\r\n")[0].decode())
+                    conn.sendall(b"HTTP/1.1 204 No Content\r\n\r\n")
+            except OSError:
+                pass  # the client refused our certificate
+
+    threading.Thread(target=serve, daemon=True).start()
+    client_ctx = ssl.create_default_context(cafile=str(cert))  # trusts this certificate only
+    monkeypatch.setattr(egress, "_tls", lambda: client_ctx)
+    allow = EgressAllow.parse(LOOPBACK)
+    try:
+        names["hooks.example"] = ["127.0.0.1"]
+        target = check_url(f"https://hooks.example:{port}/h", allow=allow)
+        assert egress.post(target, body=b"{}", headers={}, timeout_s=10).status == 204
+        assert seen == ["hooks.example", "POST /h HTTP/1.1"]  # SNI carried the name
+        names["other.example"] = ["127.0.0.1"]  # the same address, a name the certificate lacks
+        with pytest.raises(ssl.SSLCertVerificationError, match="other.example"):
+            egress.post(
+                check_url(f"https://other.example:{port}/h", allow=allow), body=b"", headers={}, timeout_s=10
+            )
+    finally:
+        listener.close()
