@@ -31,15 +31,23 @@ def visible_workspace(session: Session, ref: str, *, user: User) -> Workspace:
 
 
 def pin_workspace(
-    session: Session, spec: dict[str, Any], *, user: User, field: str = "workspace"
+    session: Session, spec: dict[str, Any], *, owner_id: int | None, field: str = "workspace"
 ) -> dict[str, Any]:
     """The spec with its workspace reference pinned to `sha256:<digest>`, so the job runs on
-    exactly the bytes it was submitted with; WorkspaceRefError when `user` has no such workspace."""
+    exactly the bytes it was submitted with. The workspace must be one `owner_id` (the job's owner)
+    uploaded, an admin's job too: the worker runs a workspace only for its owner
+    (workers/workspace.py), so anything else is refused here rather than failing there.
+    WorkspaceRefError names `field` otherwise."""
     ref = spec.get("workspace")
     if ref is None:
         return spec
     try:
-        row = visible_workspace(session, ref, user=user)
+        if str(ref).isdigit() and int(ref) > DB_INT:  # beyond any id the database holds
+            raise NotFound(f"workspace {str(ref)[:20]}... not found")
+        row = db_ws.owned_workspace(session, ref, owner_id=owner_id)
     except NotFound as e:
-        raise WorkspaceRefError(f"{field}: {e} (upload it with POST /api/workspaces)") from e
+        raise WorkspaceRefError(
+            f"{field}: {e} among the workspaces of the job's owner (a job runs only its owner's "
+            f"workspaces; upload it with POST /api/workspaces)"
+        ) from e
     return {**spec, "workspace": f"sha256:{row.digest}"}

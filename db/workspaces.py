@@ -50,6 +50,22 @@ def get_workspace(session: Session, ref: int | str, *, owner_id: int | None = No
     return row
 
 
+def owned_workspace(session: Session, ref: int | str, *, owner_id: int | None) -> Workspace:
+    """`owner_id`'s own workspace that `ref` names (its id, or `sha256:<digest>`); NotFound when
+    that owner has none. Another owner's row never answers, whatever the id or the bytes: a job runs
+    only its owner's code (an admin's too). `owner_id` None: rows from before users."""
+    query = select(Workspace)
+    if isinstance(ref, str) and ref.startswith("sha256:"):
+        query = query.where(Workspace.digest == ref.removeprefix("sha256:"))
+    else:
+        query = query.where(Workspace.id == int(ref))
+    owner = Workspace.owner_id.is_(None) if owner_id is None else Workspace.owner_id == owner_id
+    row = session.scalars(query.where(owner).order_by(Workspace.id).limit(1)).first()
+    if row is None:
+        raise NotFound(f"workspace {ref} not found")
+    return row
+
+
 def delete_workspace(session: Session, *, workspace_id: int) -> bool:
     """Delete the row; True when no other row shares its digest (the stored file may go too)."""
     row = get_workspace(session, workspace_id)

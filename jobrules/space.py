@@ -26,8 +26,10 @@ from jobrules.spec import JobSpec
 
 Method = Literal["grid", "random"]
 
-NOT_SEARCHED = ("env",)
-"""Sections a search may not vary: a group's trials run in one environment."""
+NOT_SEARCHED = ("env", "workspace")
+"""Fields a search may not vary: a batch's trials run its base's code (the workspace, pinned to its
+digest and checked to be the submitter's own at submit) in one environment (env, checked at
+submit). A searched workspace would name code nobody checked the submitter may run."""
 
 
 def _sections(model: Any, prefix: str = "") -> dict[str, tuple[str, ...]]:
@@ -39,9 +41,11 @@ def _sections(model: Any, prefix: str = "") -> dict[str, tuple[str, ...]]:
             (a for a in (info.annotation, *get_args(info.annotation)) if hasattr(a, "model_fields")),
             None,
         )
+        if path in NOT_SEARCHED:
+            continue
         if sub is None:
             out[prefix] += (name,)
-        elif path not in NOT_SEARCHED:
+        else:
             out.update(_sections(sub, path))
     return {k: v for k, v in out.items() if v}
 
@@ -135,6 +139,12 @@ def parse_space(space: dict[str, Any], *, known_paths: frozenset[str] = KNOWN_PA
         raise SpaceError("space must be a non-empty object of dotted JobSpec paths")
     dims: list[Dimension] = []
     for path, raw in space.items():
+        fixed = path.partition(".")[0]
+        if fixed in NOT_SEARCHED:
+            raise SpaceError(
+                f"space path {path!r} may not be searched: {fixed} is fixed for the whole batch "
+                f"(set it in base; every trial runs the base's workspace in one environment)"
+            )
         if path.startswith(ENTRY_ARGS) and path.rpartition(".")[2].isidentifier():
             pass  # the recipe's own hyper-parameters: the entry point checks them
         elif path not in known_paths:

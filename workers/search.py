@@ -35,6 +35,7 @@ from db.jobs import Attempt
 from db.models import Job, Reservation, Selection, Trial
 from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection
 from jobrules.space import apply_params
+from workers.workspace import owned_row
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ def ask_due(
             got = _replay(s, sel=sel, req=req, trials=trials, upto=None if limit is None else k0 + limit)
             if got is None:
                 return out
+            base = _owned_base(s, sel=sel, req=req)
             for k, asked in enumerate(got.trials[k0:], start=k0):
-                spec = apply_params(req["base"], asked.params)
+                spec = apply_params(base, asked.params)
                 try:
                     new = add_group_trial(
                         s,
@@ -109,6 +111,17 @@ def ask_due(
     except Exception:  # noqa: BLE001 - the running trials go on; the group's end asks again
         log.exception("selection %d: the search could not ask its next trial", selection_id)
         return out
+
+
+def _owned_base(s: Session, *, sel: Selection, req: dict[str, Any]) -> dict[str, Any]:
+    """The batch's base spec, checked as the worker checks a job's workspace before it runs: the
+    API stored it pinned to a digest, and the batch's owner must hold a workspace of those bytes
+    (a request written past the API, or stored before bases were pinned, names one by id or
+    another user's). WorkspaceRefused otherwise, which stops the search with the reason."""
+    base: dict[str, Any] = req["base"]
+    if base.get("workspace") is not None:
+        owned_row(s, base["workspace"], owner_id=sel.owner_id)
+    return base
 
 
 def _note(repeats: tuple[int, ...]) -> dict[str, Any] | None:
@@ -188,7 +201,8 @@ def _grow(settings: Settings, *, selection_id: int) -> list[int]:
             return []
         queue = s.get(Job, trials[0].job_id).queue
         new = got.trials[len(trials) :]
-        plans = [(len(trials) + i, a.params, apply_params(req["base"], a.params)) for i, a in enumerate(new)]
+        base = _owned_base(s, sel=sel, req=req)
+        plans = [(len(trials) + i, a.params, apply_params(base, a.params)) for i, a in enumerate(new)]
         try:
             added = add_trials(s, selection_id=selection_id, plans=plans, queue=queue)
         except IntegrityError:

@@ -10,20 +10,66 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from core.archive import ArchiveError, extract_archive
 from core.settings import Settings
 from core.storage import KeyMissing, get_storage, workspace_key
 from db.engine import session_for
 from db.jobs import NotFound
-from db.workspaces import get_workspace
+from db.models import Job, Selection, Workspace
+from db.workspaces import owned_workspace
 
 log = logging.getLogger(__name__)
 
 
+class WorkspaceRefused(ValueError):
+    """A spec names a workspace its job may not run: by id rather than digest, or bytes its owner
+    never uploaded (a spec written past the API's pinning); the message says which."""
+
+
+def owned_row(session: Session, ref: str, *, owner_id: int | None) -> Workspace:
+    """`owner_id`'s workspace of the bytes `ref` (`sha256:<digest>`) names; WorkspaceRefused
+    otherwise. Only a digest is resolved: an id is a row number anyone can count up to, and the
+    API pins every spec to its digest at submit."""
+    if not str(ref).startswith("sha256:"):
+        raise WorkspaceRefused(
+            f"the spec names workspace {str(ref)[:40]} by id; a worker runs a workspace named by its "
+            f"digest only (the API pins each job and trial at submit: submit it again)"
+        )
+    try:
+        return owned_workspace(session, ref, owner_id=owner_id)
+    except NotFound:
+        who = "rows from before users" if owner_id is None else f"user {owner_id}"
+        raise WorkspaceRefused(
+            f"refused: the job's owner ({who}) has no workspace of these bytes; a job runs only "
+            f"its owner's workspaces"
+        ) from None
+
+
+def folder_owner(session: Session, *, settings: Settings, workdir: Path) -> int | None:
+    """The owner of the job or batch whose folder `workdir` is: data_dir/jobs/<job id>[/node-k]
+    (a job, a node of a gang) or data_dir/selections/<selection id> (a group of trials, all the
+    batch owner's). WorkspaceRefused for any other folder: whose code it may run is unknown."""
+    try:
+        parts = workdir.resolve().relative_to(settings.data_dir.resolve()).parts
+    except ValueError:
+        parts = ()
+    kinds = {"jobs": Job, "selections": Selection}
+    if len(parts) >= 2 and parts[0] in kinds and parts[1].isdigit():
+        row = session.get(kinds[parts[0]], int(parts[1]))
+        if row is not None:
+            return row.owner_id
+    raise WorkspaceRefused(
+        f"{workdir} is not the folder of a known job or batch: whose workspace it may run is unknown"
+    )
+
+
 def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path) -> Path | None:
     """The unpacked workspace folder of the job in `workdir` (None when the spec names none).
-    Unpacking is atomic and skipped when a previous attempt of the job already did it. When the
-    workspace is gone, the folder is left missing and the trainer fails the job naming it. A store
+    Unpacking is atomic and skipped when a previous attempt of the job already did it. The
+    workspace is resolved by its digest among the job owner's own (`owned_row`). When it is gone or
+    refused, the folder is left missing and the trainer fails the job naming the reason. A store
     that cannot be reached raises StorageError (the attempt fails with it)."""
     ref = spec.get("workspace")
     if ref is None:
@@ -33,11 +79,12 @@ def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path)
         return dest
     try:
         with session_for(settings.database_url) as s:
-            row = get_workspace(s, ref)
+            owner_id = folder_owner(s, settings=settings, workdir=workdir)
+            row = owned_row(s, ref, owner_id=owner_id)
             digest, fmt = row.digest, row.format
         blob = fetch_archive(settings, digest=digest, fmt=fmt)
         extract_archive(blob, dest, max_unpacked=int(settings.workspace_max_unpacked_mb * 2**20))
-    except (NotFound, KeyMissing, ArchiveError, OSError) as e:
+    except (WorkspaceRefused, NotFound, KeyMissing, ArchiveError, OSError) as e:
         log.error("workspace %s of %s: %s", ref, workdir.name, e)
         (workdir / "workspace.error").write_text(f"workspace {ref}: {e}\n")
     return dest

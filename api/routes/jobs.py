@@ -78,7 +78,7 @@ def submit_job(
     if (reason := admission_problem(session, spec, settings=settings, user=user)) is not None:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, reason)
     try:
-        pinned = pin_workspace(session, spec.model_dump(), user=user)
+        pinned = pin_workspace(session, spec.model_dump(), owner_id=user.id)
     except WorkspaceRefError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
     job = db_jobs.create_job(

@@ -59,9 +59,12 @@ def _trial_specs(
     session: Session,
     settings: Settings,
     user: User,
+    owner_id: int | None,
 ) -> list[tuple[int, dict, dict]]:
-    """Each trial's full spec, validated like a submitted job: a trial that could never run
-    (bad value, too small a budget, indivisible shapes) refuses the whole request, naming it."""
+    """Each trial's full spec, validated and pinned like a submitted job: a trial that could never
+    run (bad value, too small a budget, indivisible shapes, a workspace that is not the batch
+    owner's) refuses the whole request, naming it. `owner_id`: the batch's owner, whose trials
+    they are (an admin may add trials to another user's batch)."""
     plans = []
     for i, p in enumerate(params):
         try:
@@ -82,7 +85,15 @@ def _trial_specs(
                 status.HTTP_422_UNPROCESSABLE_CONTENT,
                 f"trial {first + i} with params {clip(str(p), 200)} cannot run: {reason}",
             )
-        plans.append((first + i, p, job.model_dump()))
+        try:
+            # the base is pinned already; each trial is checked again as a job is, so a spec that
+            # reaches a worker never names a workspace by id or another user's bytes
+            spec = pin_workspace(
+                session, job.model_dump(), owner_id=owner_id, field=f"trial {first + i}: workspace"
+            )
+        except WorkspaceRefError as e:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
+        plans.append((first + i, p, spec))
     return plans
 
 
@@ -129,19 +140,21 @@ def submit_selection(
     groups of `group_size`, each group on one worker with room for `devices` slots, so a batch
     spreads over the workers that have room."""
     try:
-        base = pin_workspace(session, body.base.model_dump(), field="base.workspace", user=user)
+        base = pin_workspace(session, body.base.model_dump(), field="base.workspace", owner_id=user.id)
     except WorkspaceRefError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from e
     try:
         params, repeats = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
-    plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user)
+    plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user, owner_id=user.id)
     _refuse_groups(plans, body, session=session, settings=settings, user=user)
     sel = db_sel.create_selection(
         session,
         name=body.name,
-        request=body.model_dump(),
+        # stored with the pinned base: added trials and a sampler's later trials (workers/search.py)
+        # are made from it, and run the bytes checked now
+        request={**body.model_dump(), "base": base},
         metric=body.metric,
         mode=body.mode,
         scheduler=body.scheduler,
@@ -246,7 +259,15 @@ def add_trials(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
             f"params: {unknown} are not dimensions of this batch's space ({sorted(req.space)}) nor train.steps",
         )
-    plans = _trial_specs(req.base.model_dump(), params, first, session=session, settings=settings, user=user)
+    plans = _trial_specs(
+        req.base.model_dump(),
+        params,
+        first,
+        session=session,
+        settings=settings,
+        user=user,
+        owner_id=sel.owner_id,
+    )
     _refuse_groups(plans, req, session=session, settings=settings, user=user)
     db_sel.add_trials(
         session,

@@ -45,7 +45,7 @@ def test_known_paths_are_the_jobspecs_own_fields() -> None:
 
     def walk(node: dict, prefix: str) -> None:
         for k, v in node.items():
-            if k == "env":
+            if k in ("env", "workspace"):
                 continue
             if isinstance(v, dict) and k != "args":
                 walk(v, f"{prefix}{k}.")
@@ -54,7 +54,7 @@ def test_known_paths_are_the_jobspecs_own_fields() -> None:
 
     walk(spec, "")
     assert leaves == set(KNOWN_PATHS)
-    assert "env.pip" not in KNOWN_PATHS and "max_restarts" in KNOWN_PATHS
+    assert "env.pip" not in KNOWN_PATHS and "workspace" not in KNOWN_PATHS and "max_restarts" in KNOWN_PATHS
 
 
 def test_grid_is_the_cartesian_product_in_key_order() -> None:
