@@ -157,6 +157,25 @@ def inspect_archive(path: Path, *, max_unpacked: int) -> ArchiveInfo:
     return _walk(path, max_unpacked=max_unpacked, dest=None)
 
 
+def read_member(path: Path, name: str, *, max_bytes: int) -> bytes | None:
+    """The bytes of the file `name` (a path inside the archive) as unpacking would leave it, or
+    None when the archive has no such file; ArchiveError past `max_bytes`. A later member of the
+    same name replaces an earlier one when unpacked, so the last one is read."""
+    want = PurePosixPath(name)
+    found: bytes | None = None
+    for m in _members(path):
+        if m.is_dir or m.name != want:
+            continue
+        src = m.open()  # type: ignore[operator]
+        try:
+            found = src.read(max_bytes + 1)
+        finally:
+            src.close()
+        if len(found) > max_bytes:
+            raise ArchiveError(f"member {name!r} is larger than {max_bytes} bytes")
+    return found
+
+
 def extract_archive(path: Path, dest: Path, *, max_unpacked: int) -> ArchiveInfo:
     """Unpack into `dest` atomically: into a sibling temporary folder, renamed into place, so a
     concurrent or half-finished unpack never leaves a partial workspace behind."""

@@ -1,6 +1,7 @@
 """The rules for a job's own Python requirements (`env.pip` in the JobSpec, or the lines of a
-workspace's requirements.txt), shared by the API (422 at submit) and the worker (refused before any
-install). Standard library only.
+workspace's requirements.txt), shared by the API (422 at submit and at a workspace's upload) and the
+worker (refused before any install). The standard library, and `packaging` (the PEP 508 grammar pip
+itself parses requirements with; a dependency of the pinned optuna, so every process has it).
 
 A requirement is a PEP 508 name with optional extras, version specifiers and an environment marker:
 `einops==0.8.2`, `timm[hub]>=1.0; python_version >= "3.10"`. Anything else is refused unless an
@@ -8,6 +9,11 @@ admin allows it (`pyenv_allow_options`): pip options (`--index-url`, `--extra-in
 `-r`, ...) because they would point a shared worker at an index or file nobody vetted, and direct
 references (URLs, `name @ url`, local paths and archives) because their content is not named by
 the requirement's text, so the environment's hash would not name what it holds.
+
+Every named requirement is parsed whole by that grammar, its environment marker included: a marker
+is only ever a comparison of the environment's variables with quoted strings (`python_version >=
+"3.10"`), so `einops; __import__('os').system('id')` is refused at submit, naming the line, rather
+than handed to an installer.
 
 A requirement that would replace a package the worker runs (another torch, numpy 2 where the
 worker has 1.26) is refused here when its specifiers alone exclude the installed version; the
@@ -21,6 +27,9 @@ import hashlib
 import importlib.metadata
 import re
 from dataclasses import dataclass
+
+from packaging.requirements import InvalidRequirement
+from packaging.requirements import Requirement as Pep508
 
 MAX_LINES = 200
 MAX_LINE_CHARS = 400
@@ -36,6 +45,12 @@ _REQUIREMENT = re.compile(
 )
 _ONE_SPEC = re.compile(rf"({_VERSION_OP})\s*([A-Za-z0-9.*+!_-]+)")
 _ARCHIVE = (".whl", ".tar.gz", ".tgz", ".zip", ".tar.bz2", ".tar")
+REQUIREMENTS_FILE = "requirements.txt"
+"""A workspace's own requirements, at the root of its archive (the worker reads the same name)."""
+MARKER_RULE = (
+    "a marker compares environment variables (python_version, sys_platform, platform_machine, "
+    "implementation_name, ...) with quoted strings, e.g. '; python_version >= \"3.10\"'"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +119,9 @@ def parse_requirement(line: str, *, allow_options: bool = False) -> Requirement 
     )
     if direct:
         if allow_options:
+            named = re.match(rf"^{_NAME}\s*(\[[^\]]*\])?\s*@", line) is not None
+            if named and (why := _pep508_problem(line, has_marker=";" in line)) is not None:
+                return why  # `name @ url; marker`: the installer parses its marker too
             return Requirement(text=line, name="", specs=(), option=True)
         return (
             "is a URL or a local path; only named requirements (name, extras, versions) are "
@@ -124,7 +142,23 @@ def parse_requirement(line: str, *, allow_options: bool = False) -> Requirement 
         if not marker:
             return "has an empty environment marker after ';'"
         text += f"; {marker}"
+    if (why := _pep508_problem(line, has_marker=m.group("marker") is not None)) is not None:
+        return why
     return Requirement(text=text, name=name, specs=specs)
+
+
+def _pep508_problem(line: str, *, has_marker: bool) -> str | None:
+    """Why the PEP 508 grammar refuses `line` (the pattern above only splits a line into its parts;
+    a marker's text is anything after ';' to it), or None."""
+    try:
+        Pep508(line)
+    except InvalidRequirement as e:
+        # packaging's message is the reason, then the line with a caret under the spot: keep the reason
+        reason = str(e).splitlines()[0] if str(e) else "unparsable"
+        if has_marker:
+            return f"has an environment marker that is not PEP 508 ({reason}); {MARKER_RULE}"
+        return f"is not a PEP 508 requirement ({reason})"
+    return None
 
 
 @functools.cache

@@ -22,17 +22,22 @@ from api.auth import CurrentUser
 from api.deps import PageSize, PageStart, SessionDep, SettingsDep
 from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
 from api.workspaces import visible_workspace
-from core.archive import ArchiveError, inspect_archive
+from core.archive import ArchiveError, inspect_archive, read_member
 from core.settings import Settings
 from core.storage import StorageError, get_storage, workspace_key
 from db import workspaces as db_ws
 from db.engine import session_for
 from db.jobs import NotFound, aware
 from db.models import TERMINAL, Job, User, Workspace
+from jobrules.pyenv import REQUIREMENTS_FILE, requirement_lines, requirement_problems
+from jobrules.spec import MAX_PROBLEMS
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/workspaces", tags=["workspaces"])
 MiB = 2**20
+MAX_REQUIREMENTS_BYTES = MiB
+"""A workspace's requirements.txt is read at upload up to this size (its lines are few and short:
+jobrules/pyenv.py MAX_LINES); a larger one is refused."""
 
 
 def workspace_public(row: Workspace) -> WorkspacePublic:
@@ -102,12 +107,33 @@ async def upload_workspace(
             )
         except ArchiveError as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"body: {e}") from e
+        await run_in_threadpool(_check_requirements, tmp)
         await run_in_threadpool(_store, settings, tmp, key=workspace_key(digest, info.format))
     finally:
         tmp.unlink(missing_ok=True)
     return await run_in_threadpool(
         _record, settings, digest=digest, size=size, name=name, format=info.format, owner_id=user.id
     )
+
+
+def _check_requirements(tmp: Path) -> None:
+    """422 naming each line of the archive's requirements.txt that the PEP 508 grammar refuses (a
+    marker that is not one, above all), as env.pip is checked at submit. The grammar alone: whether
+    pip options may be used and which versions the workers run are the worker's to say when it
+    installs (an admin's setting and the workers change after an upload)."""
+    try:
+        raw = read_member(tmp, REQUIREMENTS_FILE, max_bytes=MAX_REQUIREMENTS_BYTES)
+    except ArchiveError as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"body: {e}") from e
+    if raw is None:
+        return
+    text = raw.decode(errors="replace")  # as the worker reads it
+    lines = [(f"{REQUIREMENTS_FILE} line {n}", line) for n, line in requirement_lines(text)]
+    if problems := requirement_problems(lines, allow_options=True):
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            f"body: the workspace's {'; '.join(problems[:MAX_PROBLEMS])}",
+        )
 
 
 def _store(settings: Settings, tmp: Path, *, key: str) -> None:
