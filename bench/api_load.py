@@ -211,7 +211,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--submits-per-s", type=float, default=20.0)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--name", default="api_load", help="results file: bench/results/<name>.json")
+    ap.add_argument(
+        "--name",
+        default="api_load",
+        help="results file: bench/results/<name>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them

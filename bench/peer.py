@@ -600,7 +600,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--sides", default="bare,executor,rest,ray,ray-reuse")
-    ap.add_argument("--out", default="peer")
+    ap.add_argument(
+        "--out",
+        default="peer",
+        help="results file: bench/results/<out>.json; peer_search.json with --search (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="fifo, asha or both (fifo,asha)")
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     ap.add_argument("--search-sides", default="rest-grid,rest-tpe,ray-optuna", help="--search: the sides run")

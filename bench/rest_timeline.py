@@ -293,7 +293,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--mode", choices=["fifo", "asha"], default="fifo")
-    ap.add_argument("--out", default=None, help="rest_timeline, or rest_gaps with --gaps")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="rest_timeline, or rest_gaps with --gaps (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+    )
     ap.add_argument("--gaps", action="store_true", help="the executor alone, orders sent ahead or not")
     args = ap.parse_args()
     if args.gaps:

@@ -92,7 +92,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.search_clock", description=__doc__)
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--ratio", type=float, default=1.85, help="a 4-layer trial's work over a 2-layer one's")
-    ap.add_argument("--out", default="search_clock")
+    ap.add_argument(
+        "--out",
+        default="search_clock",
+        help="results file: bench/results/<out>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+    )
     args = ap.parse_args()
     rows, per_seed = [], {}
     for name, rule in RULES.items():
