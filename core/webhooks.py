@@ -98,7 +98,15 @@ class Deliverer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.allow: EgressAllow = egress_allow(tuple(settings.webhook_allow))
-        self.proxy: Proxy | None = Proxy.parse(settings.webhook_proxy)
+        self.proxy: Proxy | None = None
+        self.misconfigured: str | None = None
+        """Why no delivery may go out (a proxy setting that does not parse): every attempt fails
+        with it rather than going direct, and the scheduler this runs beside keeps placing jobs."""
+        try:
+            self.proxy = Proxy.parse(settings.webhook_proxy)
+        except ValueError as e:
+            self.misconfigured = str(e)
+            log.error("webhooks will not be delivered: %s", e)
         self.pool = ThreadPoolExecutor(max_workers=settings.webhook_concurrency, thread_name_prefix="webhook")
         self.busy = 0
         self._lock = threading.Lock()
@@ -142,6 +150,8 @@ class Deliverer:
         error: str | None = None
         started = time.monotonic()
         try:
+            if self.misconfigured is not None:
+                raise DeliveryFailed(self.misconfigured)
             # checked again: the name may resolve elsewhere now, or the allow-list have changed
             target = check_url(c.url, allow=self.allow)
             ts = int(time.time())

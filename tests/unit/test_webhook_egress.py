@@ -206,8 +206,6 @@ def test_the_allow_list_and_proxy_settings_are_checked(monkeypatch: pytest.Monke
         with pytest.raises(ValueError, match="SHARDYARD_WEBHOOK_PROXY") as e:
             Proxy.parse(bad)
         assert "hunter2" not in str(e.value)  # the message never repeats the URL
-    with pytest.raises(ValueError, match="SHARDYARD_WEBHOOK_PROXY"):
-        Deliverer(Settings(webhook_proxy="ftp://proxy:21"))
 
 
 # ---- deliveries against real receivers on loopback ----
@@ -356,6 +354,20 @@ def test_deliveries_go_through_the_operators_proxy(db_url: str, receivers: list)
     assert head.startswith(f"CONNECT 127.0.0.1:{rx.port} HTTP/1.1\r\n"), head
     assert "Proxy-Authorization: Basic " + base64.b64encode(b"relay:s3cret").decode() in head
     assert rx.requests[0].headers["Host"] == f"localhost:{rx.port}"
+
+
+def test_a_proxy_setting_that_does_not_parse_stops_every_delivery(
+    db_url: str, receivers: list, no_connect: list[object]
+) -> None:
+    rx = Receiver()
+    receivers.append(rx)
+    hook = _ended_job_told_to(db_url, rx.url)
+    # not sent direct for want of a proxy: the operator asked for one
+    deliverer = Deliverer(_settings(db_url, webhook_proxy="socks5://relay:hunter2@127.0.0.1:1080"))
+    state, attempts = _settle(db_url, deliverer, hook)
+    assert state == "failed" and (attempts[0].error or "").startswith("SHARDYARD_WEBHOOK_PROXY must be")
+    assert "hunter2" not in (attempts[0].error or "")
+    assert not no_connect and not rx.requests
 
 
 def test_a_proxy_does_not_lift_the_check_and_its_refusal_fails_the_attempt(
