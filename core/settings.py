@@ -227,8 +227,9 @@ class Settings(BaseSettings):
     webhook_proxy: str = ""
     """`http://[user:password@]host:port` of an HTTP CONNECT proxy every delivery goes through
     (the proxy itself is the operator's and is not checked); the target's address is still
-    checked here and the tunnel asked for by that address, never by name. Empty: direct. (Checked
-    when the deliverer starts, not here: a settings error would print the URL, password and all.)"""
+    checked here and the tunnel asked for by that address, never by name. Empty: direct. A value
+    that does not parse fails every delivery with the reason (never sending direct instead); it is
+    checked by the deliverer, not here, where the error would print the URL, password and all."""
     webhook_max_per_user: int = 20
     """Most webhooks one user may have; one more is refused (409) until one is deleted. 0: no limit."""
 
