@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, JobConfig
 from trainer.distributed import env_rank, env_world_size, teardown
-from trainer.protocol import FileStopSignal, JsonlSink
+from trainer.protocol import FileStopSignal, JsonlSink, protocol_channel
 from trainer.workspace import UserCodeError, add_environment, set_workspace
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     rank = env_rank()
-    sink = JsonlSink(sys.stdout, enabled=rank == 0)
+    sink = JsonlSink(protocol_channel(), enabled=rank == 0)
     try:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
         # relative paths and user code need the workspace folder, when the spec names none

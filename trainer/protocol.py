@@ -1,7 +1,8 @@
 """How the trainer talks to whoever runs it, without knowing who that is.
 
 The worker launches `python -m trainer` (or torchrun) and reads one JSON object per line from the
-trainer's stdout:
+stdout the trainer was started with, which the trainer keeps for these lines alone
+(`protocol_channel`: users' prints go to stderr, the job's log):
 
     {"seq": 0, "kind": "metric", "step": 12, "name": "loss", "value": 3.91, "time": 1732.1}
     {"seq": 1, "kind": "log", "message": "...", "time": ...}
@@ -35,6 +36,18 @@ class MetricsSink(Protocol):
 
 class StopSignal(Protocol):
     def requested(self) -> bool: ...
+
+
+def protocol_channel() -> TextIO:
+    """The protocol's own channel: the stdout this process was started with, taken before any
+    users' code loads, while fd 1 (and with it `print`, C libraries, subprocesses) is pointed at
+    stderr. Whatever users' code prints, with or without a newline, JSON or not, then lands in the
+    job's log and never among the protocol lines the worker reads (it changes no metric and no
+    status). Every rank takes it, so what any rank prints is a log line of that rank."""
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    return open(fd, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's own, to its end
 
 
 class JsonlSink:

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import torch
 
 from trainer.config import ConfigError
-from trainer.protocol import FileStopSignal
+from trainer.protocol import FileStopSignal, protocol_channel
 from trainer.workspace import add_environment, set_workspace
 
 
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     numbering = Numbering()
-    batch_lines = TrialLines(sys.stdout, trial=None, numbering=numbering)
+    channel = protocol_channel()  # before any users' code loads (trainer/protocol.py)
+    batch_lines = TrialLines(channel, trial=None, numbering=numbering)
     try:
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = FileStopSignal(args.stop_file)
         summary = run_selection(
             raw,
-            sink_for_trial=lambda i: TrialLines(sys.stdout, trial=i, numbering=numbering),
+            sink_for_trial=lambda i: TrialLines(channel, trial=i, numbering=numbering),
             stop=stop,
             devices=devices,
             checkpoint_root=args.checkpoint_root,
