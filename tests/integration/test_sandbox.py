@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.archives import targz, upload
+from tests.archives import targz
 from tests.conftest import StackHandle
 from tests.hostile_src import HOSTILE
 from tests.integration.test_auth import new_user
@@ -41,7 +41,9 @@ def report_of(stack: StackHandle, job_id: int) -> dict[str, str]:
     for line in (e["message"] for e in logs):
         if "HOSTILE-REPORT " in line:
             return json.loads(line.split("HOSTILE-REPORT ", 1)[1])
-    raise AssertionError("the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:])
+    raise AssertionError(
+        "the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:]
+    )
 
 
 def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> None:
@@ -79,12 +81,15 @@ def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> N
     assert len(report) == 15, report
 
     # the dots and the fake protocol lines are its log, nothing more: every real loss step once
-    loss = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()["series"]["loss"]
+    loss = stack.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()["series"][
+        "loss"
+    ]
     assert loss["steps"] == list(range(1, STEPS + 1))
     assert min(loss["values"]) > 0, "a printed fake loss became a metric"
     assert done["result"]["final_loss"] > 0
     logs = "\n".join(
-        e["message"] for e in stack.client.get(f"/api/jobs/{job['id']}/logs", params={"limit": 1000}).json()["items"]
+        e["message"]
+        for e in stack.client.get(f"/api/jobs/{job['id']}/logs", params={"limit": 1000}).json()["items"]
     )
     assert '"value": -124.0' in logs and "..." in logs  # what it printed is in its log
 
