@@ -7,8 +7,20 @@ from db.jobs import aware
 from db.models import Job, JobEvent, Selection, Trial
 from db.selections import trial_fields
 
+LIST_ERROR_CHARS = 500
+"""The most characters of a job's or a batch's `error` a listing page carries (brief_error)."""
 
-def job_public(job: Job) -> JobPublic:
+
+def brief_error(error: str | None, *, whole_at: str) -> str | None:
+    """`error` as a listing shows it: its first LIST_ERROR_CHARS characters, and where the whole
+    error is (`whole_at`) when it is longer."""
+    if error is None or len(error) <= LIST_ERROR_CHARS:
+        return error
+    return f"{error[:LIST_ERROR_CHARS]} [... {len(error)} characters in all: {whole_at} has the whole error]"
+
+
+def job_public(job: Job, *, brief: bool = False) -> JobPublic:
+    """`brief`: a listing's entry, with a long error cut short (brief_error)."""
     return JobPublic(
         id=job.id,
         name=job.name,
@@ -22,7 +34,7 @@ def job_public(job: Job) -> JobPublic:
         started_at=aware(job.started_at),
         finished_at=aware(job.finished_at),
         worker=job.worker,
-        error=job.error,
+        error=brief_error(job.error, whole_at=f"GET /api/jobs/{job.id}") if brief else job.error,
         result=job.result,
         spec=job.spec,
         cancel_requested=job.cancel_requested,
@@ -49,7 +61,8 @@ def trial_public(t: Trial) -> TrialPublic:
     return TrialPublic(**trial_fields(t))
 
 
-def selection_public(sel: Selection) -> SelectionPublic:
+def selection_public(sel: Selection, *, brief: bool = False) -> SelectionPublic:
+    """`brief`: a listing's entry, with a long error cut short (brief_error)."""
     return SelectionPublic(
         id=sel.id,
         name=sel.name,
@@ -63,7 +76,7 @@ def selection_public(sel: Selection) -> SelectionPublic:
         space=sel.request.get("space", {}),
         request=sel.request,
         cancel_requested=sel.cancel_requested,
-        error=sel.error,
+        error=brief_error(sel.error, whole_at=f"GET /api/selections/{sel.id}") if brief else sel.error,
         trials=[trial_public(t) for t in sel.trials],
         leaderboard=_leaderboard(sel),
         owner=sel.user.name if sel.user else None,

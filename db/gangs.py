@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, attempt_fence, aware, db_now, free_job_reservations
-from db.models import Job, JobEvent, JobStatus, Reservation, utcnow
+from db.models import Job, JobEvent, JobStatus, Reservation, cap_error, utcnow
 
 
 def gang_fence(attempt: Attempt, *, now: datetime) -> Any:
@@ -269,7 +269,9 @@ def give_back_gang(
         status, error = JobStatus.cancelled, None
     elif fail or (restart and used >= limit):
         status = JobStatus.failed
-        error = reason if fail else f"the gang failed {used + 1} times ({named}={limit}); last: {reason}"
+        error = cap_error(
+            reason if fail else f"the gang failed {used + 1} times ({named}={limit}); last: {reason}"
+        )
         data = {"error": error}
     else:
         status, error = JobStatus.queued, None

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import delete, exists, func, select, text, update
 from sqlalchemy.orm import Session
 
-from db.models import TERMINAL, Job, JobEvent, JobStatus, Reservation, User, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, Reservation, User, cap_error, utcnow
 
 
 class NotFound(LookupError):
@@ -270,8 +270,10 @@ def finish_job(
 ) -> int | None:
     """running -> terminal for this attempt only, with its status event, in one transaction.
     `result` None keeps the one already stored when it arrived. Returns the event's id, or None
-    when the attempt was fenced off (then nothing changes)."""
+    when the attempt was fenced off (then nothing changes). A long `error` is stored cut to
+    its head and tail (db/models.py cap_error), in the row and in the event."""
     assert status in TERMINAL, status
+    error = cap_error(error)
     values: dict[str, Any] = {
         "status": status,
         "error": error,
@@ -361,8 +363,10 @@ def _restart_values(
         values.update(status=JobStatus.queued, restarts=used + 1)
         data = {"reason": reason, "restart": used + 1, "max_restarts": max_restarts, "attempt": job.attempts}
         return values, JobStatus.queued, data
-    error = restarts_spent_error(
-        session, job_id=job.id, attempt=job.attempts, reason=reason, max_restarts=max_restarts
+    error = cap_error(
+        restarts_spent_error(
+            session, job_id=job.id, attempt=job.attempts, reason=reason, max_restarts=max_restarts
+        )
     )
     values.update(status=JobStatus.failed, error=error, finished_at=utcnow())
     return values, JobStatus.failed, {"error": error}
@@ -467,6 +471,7 @@ def fail_job(session: Session, *, job_id: int, reason: str, actor: str | None = 
     job = get_job(session, job_id)
     if job.status in TERMINAL:
         raise Conflict(f"job {job_id} is already {job.status}")
+    reason = cap_error(reason) or ""
     values = {
         "status": JobStatus.failed,
         "error": reason,

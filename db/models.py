@@ -17,6 +17,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -27,6 +28,34 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+ERROR_MAX_CHARS = 8192
+"""The most characters a job's or a selection batch's stored `error` holds (cap_error)."""
+
+
+def cap_error(error: str | None, limit: int = ERROR_MAX_CHARS) -> str | None:
+    """`error` cut to at most `limit` characters: its head and its tail (where a build log or a
+    traceback says what went wrong) with a marker naming how much was cut between them. A
+    requirements.txt of thousands of refused lines otherwise stores megabytes that every page of
+    the job listing carries."""
+    if error is None or len(error) <= limit:
+        return error
+    marker = f"\n[... {len(error)} characters in all; {{}} cut here ...]\n"
+    keep = max(limit - len(marker.format(len(error))), 0)
+    head = keep // 2
+    tail = keep - head
+    return error[:head] + marker.format(len(error) - keep) + (error[-tail:] if tail else "")
+
+
+class ErrorText(TypeDecorator[str]):
+    """Text cut by cap_error on every write: an ORM attribute, an UPDATE's values or an INSERT."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return cap_error(value)
 
 
 class Base(DeclarativeBase):
@@ -132,7 +161,7 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     """Attempts that failed for the infrastructure (a rank killed by a signal, a lost worker) and
     went back to the queue; the spec's max_restarts bounds it (db/jobs.py restart_job)."""
-    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error: Mapped[str | None] = mapped_column(ErrorText, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     selection_id: Mapped[int | None] = mapped_column(
@@ -252,7 +281,7 @@ class Selection(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
-    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error: Mapped[str | None] = mapped_column(ErrorText, default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     owner_id: Mapped[int | None] = mapped_column(
         ForeignKey("users.id", ondelete="SET NULL"), default=None, index=True

@@ -23,6 +23,7 @@ from db.models import (
     Reservation,
     Selection,
     Trial,
+    cap_error,
     utcnow,
 )
 
@@ -366,7 +367,7 @@ def apply_trial_lines(
         note = {k: v for k, v in (trial.result or {}).items() if k == "repeats_skipped"}
         trial.result = {**note, **applied.result}
     if progress.finish is not None:
-        status, error = progress.finish
+        status, error = progress.finish[0], cap_error(progress.finish[1])
         trial.status = status
         trial.stopped_early = status == "stopped_early"
         session.execute(

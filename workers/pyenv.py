@@ -353,6 +353,17 @@ def _lock(path: Path, *, mode: int, deadline: float, report: Report, waiting: st
         raise
 
 
+MAX_REFUSALS_NAMED = 20
+
+
+def refused_error(problems: list[str]) -> str:
+    """A refused requirements.txt's error: its first MAX_REFUSALS_NAMED problems and how many
+    more there are (a file of thousands of refused lines makes an error of a few lines)."""
+    named = "; ".join(problems[:MAX_REFUSALS_NAMED])
+    more = len(problems) - MAX_REFUSALS_NAMED
+    return f"environment refused: {named}" + (f"; and {more} more problem(s)" if more > 0 else "")
+
+
 def prepare(
     spec: dict[str, Any], *, settings: Settings, workspace: Path | None, report: Report
 ) -> PreparedEnv:
@@ -367,7 +378,7 @@ def prepare(
         return PreparedEnv()
     allow = settings.pyenv_allow_options
     if problems := requirement_problems(lines, installed=installed_versions(), allow_options=allow):
-        return PreparedEnv(error="environment refused: " + "; ".join(problems))
+        return PreparedEnv(error=refused_error(problems))
     reqs = accepted(lines, allow_options=allow)
     key = requirements_digest(reqs, platform=platform_tag())
     root = settings.pyenv_root

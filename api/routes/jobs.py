@@ -119,7 +119,7 @@ def list_jobs(
         limit=limit,
         offset=offset,
     )
-    items = [job_public(j) for j in rows]
+    items = [job_public(j, brief=True) for j in rows]
     with_placement(session, settings, list(rows), items)
     return JobsPublic(items=items, total=total)
 

@@ -191,7 +191,7 @@ def list_selections(
         limit=limit,
         offset=offset,
     )
-    return SelectionsPublic(items=[selection_public(s) for s in rows], total=total)
+    return SelectionsPublic(items=[selection_public(s, brief=True) for s in rows], total=total)
 
 
 @router.get("/{selection_id}", response_model=SelectionPublic)

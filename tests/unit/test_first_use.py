@@ -1,0 +1,96 @@
+"""What a new user runs into in the first hour: a job's error that grew to megabytes, names and
+labels that print as nothing, a selection batch without a bound, and the wording of the answers.
+In-process (TestClient over a migrated SQLite file): no Redis, no worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from api.main import create_app
+from core.settings import Settings
+from db import jobs as dbj
+from db.engine import session_for
+from db.migrate import upgrade
+from db.models import ERROR_MAX_CHARS, JobEvent
+from tests.conftest import TINY_SPEC
+from workers.pyenv import refused_error
+
+ADMIN = "admin-token-for-the-first-use-tests"
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'api.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def api(db: str, tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
+    """A client of a new app on `db` (settings overridden by keyword), signed in as the admin."""
+    opened: list[TestClient] = []
+
+    def make(**over: object) -> TestClient:
+        settings = Settings(
+            database_url=db,
+            data_dir=tmp_path,
+            embedded_scheduler=False,
+            stall_log_s=0,
+            trusted_hosts=["testserver"],
+            admin_token=SecretStr(ADMIN),
+            **over,  # type: ignore[arg-type]
+        )
+        client = TestClient(create_app(settings)).__enter__()
+        opened.append(client)
+        client.headers["Authorization"] = f"Bearer {ADMIN}"
+        return client
+
+    yield make
+    for c in opened:
+        c.__exit__(None, None, None)
+
+
+# ---- a job's error is capped where it is stored, and cut short in listings ----
+
+
+def test_a_huge_error_is_stored_cut_to_its_head_and_tail(db: str, api: Callable[..., TestClient]) -> None:
+    problems = [f"line {i}: 'pkg{i}==1.0' is not installed and may not be" for i in range(10_000)]
+    summary = refused_error(problems)
+    assert len(summary) < 2_000 and summary.endswith("and 9980 more problem(s)")
+    huge = "environment refused: " + "; ".join(problems)  # 0.6 MB, as the worker once wrote it
+    with session_for(db) as s:
+        job_id = dbj.create_job(s, name="j", spec={}, steps=1).id
+        attempt = dbj.claim_job(s, job_id=job_id, owner="w", worker="w", lease_s=30)
+        assert attempt is not None
+        assert dbj.finish_job(s, attempt=attempt, status=dbj.JobStatus.failed, error=huge)
+        s.expire_all()
+        stored = dbj.get_job(s, job_id).error
+        event = s.query(JobEvent).filter_by(job_id=job_id, message="failed").one()
+    assert stored is not None and len(stored) <= ERROR_MAX_CHARS
+    assert stored.startswith("environment refused: line 0:") and stored.endswith(problems[-1])
+    assert f"{len(huge)} characters in all" in stored
+    assert event.data["error"] == stored
+    c = api()
+    whole = c.get(f"/api/jobs/{job_id}").json()["error"]
+    assert whole == stored
+    listed = c.get("/api/jobs").json()["items"][0]["error"]
+    assert len(listed) < 700 and listed.startswith("environment refused: line 0:")
+    assert f"GET /api/jobs/{job_id} has the whole error" in listed
+
+
+def test_any_write_of_an_error_is_capped(db: str) -> None:
+    """An operator's reason, and an UPDATE that names the column (a search giving up), too."""
+    with session_for(db) as s:
+        job_id = dbj.create_job(s, name="j", spec={}, steps=1).id
+        dbj.fail_job(s, job_id=job_id, reason="x" * 100_000)
+        s.expire_all()
+        assert len(dbj.get_job(s, job_id).error or "") <= ERROR_MAX_CHARS
+        short = dbj.create_job(s, name="k", spec=dict(TINY_SPEC), steps=1).id
+        dbj.fail_job(s, job_id=short, reason="a short reason stays whole")
+        s.expire_all()
+        assert dbj.get_job(s, short).error == "a short reason stays whole"
