@@ -14,8 +14,9 @@ it) and `pip_options` (the admin lets env.pip hold pip options; the API reads th
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -29,8 +30,8 @@ from pydantic import (
 )
 
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
-from jobrules.models import MODEL_KINDS, model_problems
-from jobrules.parallel import SCHEDULES, TENSOR_MODES, axis_sizes, tensor_world_size, world_size
+from jobrules.models import ModelKind, model_problems
+from jobrules.parallel import Schedule, TensorMode, axis_sizes, tensor_world_size, world_size
 from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 from jobrules.sizing import spec_problems
@@ -64,9 +65,23 @@ NO_CONTROLS = r"^[^\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\u202
 and tables, or make a name print as another."""
 
 
+INVISIBLE_CATEGORIES = frozenset({"Cf", "Zs", "Cc"})
+"""Unicode categories that print as nothing: format characters (zero-width spaces and joiners, a
+byte order mark), space separators (the no-break and ideographic spaces among them), controls."""
+
+
+def blank(value: str) -> bool:
+    """`value` prints as nothing: empty once whitespace and the INVISIBLE_CATEGORIES are taken out
+    (a name of zero-width spaces could be neither read nor told from another)."""
+    return all(c.isspace() or unicodedata.category(c) in INVISIBLE_CATEGORIES for c in value)
+
+
 def _not_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must hold a character other than spaces")
+    if blank(value):
+        raise ValueError(
+            "must hold a visible character: it is empty once spaces and invisible characters "
+            "(Unicode categories Cf, Zs, Cc: zero-width spaces, no-break spaces, controls) are taken out"
+        )
     return value
 
 
@@ -81,7 +96,7 @@ DB_BIGINT = 2**63 - 1
 
 
 class ModelSpec(Strict):
-    kind: Literal[MODEL_KINDS] = "gpt"
+    kind: ModelKind = "gpt"
     """`gpt` (decoder-only transformer), `mlp` (position-wise MLP), `llama` (RMSNorm, rotary
     positions, SwiGLU, grouped-query attention) or `python` (a recipe from the workspace)."""
     layers: int = Field(4, ge=1, le=256)
@@ -158,11 +173,11 @@ class OffloadSpec(Strict):
 class PipelineSpec(Strict):
     stages: int = Field(2, ge=1, le=64)
     microbatches: int = Field(4, ge=1, le=4096)
-    schedule: Literal[SCHEDULES] = "1f1b"
+    schedule: Schedule = "1f1b"
 
 
 class TensorSpec(Strict):
-    mode: Literal[TENSOR_MODES] = "1d"
+    mode: TensorMode = "1d"
     size: int = Field(1, ge=1, le=512)
     q: int = Field(1, ge=1, le=64)
     d: int = Field(1, ge=1, le=64)
@@ -268,12 +283,16 @@ class JobSpec(Strict):
 
 # ---- selections -------------------------------------------------------------------------------
 
-SCHEDULERS = ("shard-lrtf", "fifo", "round-robin", "sequential")
+SchedulerName = Literal["shard-lrtf", "fifo", "round-robin", "sequential"]
+SCHEDULERS: tuple[SchedulerName, ...] = get_args(SchedulerName)
 """How a node's devices pick the next trial shard (trainer/selection/scheduler.py)."""
-STOPPING_KINDS = ("asha", "sha", "hyperband")
-CHECKPOINT_POLICIES = ("best", "all", "none")
+StoppingKind = Literal["asha", "sha", "hyperband"]
+STOPPING_KINDS: tuple[StoppingKind, ...] = get_args(StoppingKind)
+CheckpointPolicy = Literal["best", "all", "none"]
+CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = get_args(CheckpointPolicy)
 METRICS = ("val_loss", "loss")
-METHODS = ("grid", "random", "tpe", "cmaes", "qmc")
+Method = Literal["grid", "random", "tpe", "cmaes", "qmc"]
+METHODS: tuple[Method, ...] = get_args(Method)
 SAMPLERS = ("tpe", "cmaes", "qmc")
 """`method` values an Optuna sampler serves (core/search.py); grid and random expand at submit."""
 
@@ -283,7 +302,7 @@ class EarlyStoppingSpec(Strict):
     promotes as results come in, `sha` decides each rung once it is full, `hyperband` runs SHA
     brackets that start at different rungs. Decisions follow the batch's seed, never timing."""
 
-    kind: Literal[STOPPING_KINDS] = "asha"
+    kind: StoppingKind = "asha"
     reduction_factor: int = Field(3, ge=2, le=16)
     min_steps: int = Field(1, ge=1, le=10_000_000)
 
@@ -293,12 +312,12 @@ class BatchRules(Strict):
     hands on to the trainer's executor unchanged (SelectionCreate and SelectionBatch share them)."""
 
     seed: int = Field(0, ge=0, le=DB_INT)
-    checkpoints: Literal[CHECKPOINT_POLICIES] = Field(
+    checkpoints: CheckpointPolicy = Field(
         "best", description="end-of-trial checkpoints kept: the best trial's, every trial's, or none"
     )
     metric: str = Field("val_loss", pattern=f"^({'|'.join(METRICS)})$")
     mode: Literal["min", "max"] = "min"
-    scheduler: Literal[SCHEDULERS] = "shard-lrtf"
+    scheduler: SchedulerName = "shard-lrtf"
     early_stopping: EarlyStoppingSpec | None = None
     fuse: bool = Field(
         False,
@@ -331,7 +350,7 @@ class SelectionCreate(BatchRules):
     space: dict[str, Any] = Field(
         min_length=1, description="dotted JobSpec path -> list or {low, high, log, int, num}"
     )
-    method: Literal[METHODS] = Field(
+    method: Method = Field(
         "random",
         description="grid or random expand the space at submit; tpe, cmaes and qmc are Optuna "
         "samplers that keep `parallel` trials in flight, asking a new one as each ends",
@@ -471,7 +490,11 @@ def parse(model: type[M], raw: Any, *, context: dict[str, Any] | None = None) ->
 
 
 def parse_job(
-    raw: Any, *, model: type[J] = JobSpec, workspace: bool = False, pip_options: bool | None = None
+    raw: Any,
+    *,
+    model: type[J] = JobSpec,  # type: ignore[assignment]  # J is JobSpec then
+    workspace: bool = False,
+    pip_options: bool | None = None,
 ) -> J:
     """Validate a JobSpec document. `workspace`: a workspace folder is given (relative paths and
     user code resolve there); `pip_options`: None asks `pip_options_allowed`."""

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from api.auth import CurrentUser
 from api.deps import PageSize, PageStart, SessionDep, SettingsDep
-from api.schemas import DB_INT, NO_CONTROLS, WorkspacePublic, WorkspacesPublic
+from api.schemas import DB_INT, Name, WorkspacePublic, WorkspacesPublic
 from api.workspaces import visible_workspace
 from core.archive import ArchiveError, inspect_archive, read_member
 from core.settings import Settings
@@ -91,9 +91,9 @@ async def upload_workspace(
     request: Request,
     settings: SettingsDep,
     user: CurrentUser,
-    name: str = Query(
-        "workspace", min_length=1, max_length=200, pattern=NO_CONTROLS, description="a label for the upload"
-    ),
+    name: Annotated[
+        Name, Query(description="a label for the upload: 1-200 characters, some visible")
+    ] = "workspace",
 ) -> WorkspacePublic:
     """The body is the archive itself (Content-Type application/gzip, application/zip or
     application/octet-stream); the format is read from its first bytes."""

@@ -306,7 +306,7 @@ def test_names_are_not_blank_and_long_numbers_name_their_field(stack: StackHandl
     for blank in ("   ", "\u3000"):
         resp = stack.client.post("/api/jobs", json=with_(name=blank))
         assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "name", resp.text
-        assert "other than spaces" in resp.json()["detail"]
+        assert "must hold a visible character" in resp.json()["detail"]
     for bad in ("a\u202egnp.exe", "c1\x85control"):  # a direction override, a C1 control
         resp = stack.client.post("/api/jobs", json=with_(name=bad))
         assert resp.status_code == 422 and resp.json()["errors"][0]["field"] == "name", resp.text

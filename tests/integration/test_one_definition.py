@@ -118,7 +118,7 @@ CROSS_FIELD = [
         {"model": {**TINY_SPEC["model"], "heads": 3}},
         "model.d_model (32) must be divisible by model.heads (3)",
     ),
-    ({"name": "   "}, "must hold a character other than spaces"),
+    ({"name": "   "}, "must hold a visible character"),
     ({"name": "a\x07b"}, "name: String should match pattern"),
     ({"train": {**TINY_SPEC["train"], "batch_size": 6}, "parallel": {"data_parallel": 4}}, "data_parallel"),
     ({"parallel": {"pipeline": {"stages": 2, "microbatches": 3}}}, "must divide train.batch_size (8)"),

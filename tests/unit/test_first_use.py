@@ -94,3 +94,45 @@ def test_any_write_of_an_error_is_capped(db: str) -> None:
         dbj.fail_job(s, job_id=short, reason="a short reason stays whole")
         s.expire_all()
         assert dbj.get_job(s, short).error == "a short reason stays whole"
+
+
+# ---- a name or label that prints as nothing is refused ----
+
+
+@pytest.mark.parametrize("blank", ["\u200b\u200b\u200b", "   ", "\u00a0\u3000", "\ufeff \u200d", "\u2060"])
+def test_a_job_name_that_prints_as_nothing_is_422_naming_the_field(
+    api: Callable[..., TestClient], blank: str
+) -> None:
+    c = api()
+    got = c.post("/api/jobs", json={**TINY_SPEC, "name": blank})
+    assert got.status_code == 422, got.text
+    detail = got.json()["detail"]
+    assert detail.startswith("name: ") and "must hold a visible character" in detail, detail
+    assert "Cf, Zs, Cc" in detail
+    got = c.post(
+        "/api/selections",
+        json={"name": blank, "base": TINY_SPEC, "space": {"train.lr": [1e-3]}},
+    )
+    assert got.status_code == 422 and "must hold a visible character" in got.json()["detail"], got.text
+    assert c.get("/api/jobs").json()["total"] == 0
+
+
+def test_a_workspace_label_of_spaces_is_422_naming_the_field(api: Callable[..., TestClient]) -> None:
+    c = api()
+    for blank in ("   ", "\u200b"):
+        got = c.post(
+            "/api/workspaces",
+            params={"name": blank},
+            content=b"\x1f\x8b" + b"\0" * 30,
+            headers={"Content-Type": "application/gzip"},
+        )
+        assert got.status_code == 422, got.text
+        detail = got.json()["detail"]
+        assert detail.startswith("name: ") and "must hold a visible character" in detail, detail
+    assert c.get("/api/workspaces").json()["total"] == 0
+
+
+def test_a_name_with_a_visible_character_among_invisible_ones_is_kept(api: Callable[..., TestClient]) -> None:
+    got = api().post("/api/jobs", json={**TINY_SPEC, "name": "\u200bé run 1\u00a0"})
+    assert got.status_code == 201, got.text
+    assert got.json()["name"] == "\u200bé run 1\u00a0"

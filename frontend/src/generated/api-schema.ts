@@ -536,7 +536,12 @@ export interface paths {
         /** List Webhooks */
         get: operations["list_webhooks_api_webhooks_get"];
         put?: never;
-        /** Create Webhook */
+        /**
+         * Create Webhook
+         * @description Refused with 422 naming `url` and its rule when the service may not send there (a host that
+         *     does not resolve, or is or resolves to a non-public address the operator has not allowed);
+         *     409 past the per-user cap.
+         */
         post: operations["create_webhook_api_webhooks_post"];
         delete?: never;
         options?: never;
@@ -2780,7 +2785,7 @@ export interface operations {
     upload_workspace_api_workspaces_post: {
         parameters: {
             query?: {
-                /** @description a label for the upload */
+                /** @description a label for the upload: 1-200 characters, some visible */
                 name?: string;
             };
             header?: never;
