@@ -18,6 +18,11 @@ before it reads a byte of a body, so an anonymous upload costs the server nothin
 
 Secrets are 256 random bits; only their SHA-256 is stored. A slow password hash buys nothing for a
 secret nobody can guess, and a fast one keeps the per-request lookup cheap.
+
+Guesses are limited all the same (`GuessLimit`): an address whose failed token checks (a Bearer
+token, a sign-in, a confirm_token) pass `auth_fail_limit` within `auth_fail_window_s` has each
+further failure answered 429 with Retry-After. A live token is always accepted: a guesser sharing
+an address with real users (a NAT, a proxy) cannot lock them out.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
+import math
+import os
 import secrets
+import threading
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from http.cookies import CookieError, SimpleCookie
@@ -35,6 +46,7 @@ from urllib.parse import urlsplit
 from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
+from starlette.types import Scope
 
 from api.deps import SessionDep, SettingsDep
 from core.settings import Settings
@@ -42,11 +54,76 @@ from db import users as db_users
 from db.engine import session_for
 from db.models import ApiToken, User, utcnow
 
+log = logging.getLogger(__name__)
+
 SESSION_COOKIE = "shardyard_session"
 CSRF_COOKIE = "shardyard_csrf"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BOOTSTRAP_LABEL = "SHARDYARD_ADMIN_TOKEN"
+ADMIN_VARIABLES = ("SHARDYARD_ADMIN_TOKEN", "SHARDYARD_ADMIN_TOKEN_FILE")
+"""The admin token's: the API reads them into its settings at start-up and then drops them from
+its environment (`forget_secret_variables`), which every child it starts inherits."""
+SECRET_VARIABLES = (*ADMIN_VARIABLES, "SHARDYARD_TOKEN")
+"""Credentials `shardyard stack` passes on to none of its processes (SHARDYARD_TOKEN is the CLI's)."""
+MAX_ADDRESSES = 10_000
+"""Client addresses `GuessLimit` remembers at once: its memory stays bounded whatever the number of
+addresses guessing."""
+
+
+class GuessLimit:
+    """Failed token checks per client address over a sliding window. Each address keeps the times of
+    its last `limit` failures; a failure when all of them are within the window is refused (429), and
+    recorded, so a guesser that keeps on stays refused until it pauses a whole window. Successes are
+    neither counted nor refused. One per API process (its own memory): with several API processes
+    behind a balancer, an address gets `limit` in each."""
+
+    def __init__(self, *, limit: int, window_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()  # request threads and the middleware's share it
+
+    def failed(self, address: str) -> int | None:
+        """Record a failure from `address`; the seconds until it may fail again without a 429
+        (Retry-After) when it is past the limit, else None."""
+        if self.limit <= 0:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            times = self._failures.pop(address, None) or deque(maxlen=self.limit)
+            self._failures[address] = times  # the most recent at the end: the oldest go first
+            over = len(times) == self.limit and now - times[0] < self.window_s
+            times.append(now)
+            while len(self._failures) > MAX_ADDRESSES:
+                self._failures.popitem(last=False)
+        if not over:
+            return None
+        return max(1, math.ceil(times[0] + self.window_s - now))
+
+
+def client_address(scope: Scope) -> str:
+    """The caller's address as the server saw it (uvicorn sets it from X-Forwarded-For only for
+    the proxies it trusts: FORWARDED_ALLOW_IPS, loopback by default)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def _guessing(guesses: GuessLimit | None, address: str, what: str) -> HTTPException:
+    """The refusal of a failed token check: 401 saying `what`, or 429 past the address's limit."""
+    if guesses is None or (wait := guesses.failed(address)) is None:
+        return _unauthorized(what)
+    log.warning("failed token checks from %s past the limit: refused for %d s", address, wait)
+    return HTTPException(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"too many failed token checks from this address (more than {guesses.limit} within "
+        f"{guesses.window_s:g} s); try again in {wait} s",
+        headers={"Retry-After": str(wait)},
+    )
+
+
+def guess_limit_of(request: Request) -> GuessLimit | None:
+    return getattr(request.app.state, "guesses", None)
 
 
 def new_secret() -> str:
@@ -142,14 +219,21 @@ def _touch_every(settings: Settings) -> float:
 
 
 def authenticate(
-    session: Session, settings: Settings, *, authorization: str | None, cookie: str | None
+    session: Session,
+    settings: Settings,
+    *,
+    authorization: str | None,
+    cookie: str | None,
+    address: str = "unknown",
+    guesses: GuessLimit | None = None,
 ) -> ApiToken:
     """The live token or session the request carries (a Bearer header wins over the cookie);
-    401 naming why when there is none. A session's use is recorded (its idle expiry)."""
+    401 naming why when there is none, 429 when a Bearer token fails past `address`'s limit
+    (`guesses`). A session's use is recorded (its idle expiry)."""
     if authorization is not None:
         tok = db_users.live_token(session, token_hash=hash_secret(_bearer_secret(authorization)), kind="api")
         if tok is None:
-            raise _unauthorized("the token is unknown or revoked")
+            raise _guessing(guesses, address, "the token is unknown or revoked")
         return tok
     if cookie:
         tok = db_users.token_by_hash(session, token_hash=hash_secret(cookie), kind="session")
@@ -165,9 +249,13 @@ def authenticate(
     raise _unauthorized("sign in: send 'Authorization: Bearer <token>' (see `shardyard admin create-user`)")
 
 
-def credential_problem(settings: Settings, headers: dict[bytes, bytes]) -> str | None:
-    """Why a request's raw headers carry no live credential, or None: the check the request-limit
-    middleware runs before it reads any body (its own short session; the route checks again)."""
+def credential_problem(
+    settings: Settings, scope: Scope, headers: dict[bytes, bytes], *, guesses: GuessLimit | None = None
+) -> HTTPException | None:
+    """The refusal (401, or 429 past the address's limit) of a request whose raw headers carry no
+    live credential, or None: the check the request-limit middleware runs before it reads any body
+    (its own short session; the route checks again, and a failure is counted once: only a request
+    that passes here reaches the route)."""
     authorization = headers.get(b"authorization")
     cookie = None
     if authorization is None:
@@ -182,9 +270,11 @@ def credential_problem(settings: Settings, headers: dict[bytes, bytes]) -> str |
                 settings,
                 authorization=authorization.decode("latin-1") if authorization is not None else None,
                 cookie=cookie,
+                address=client_address(scope),
+                guesses=guesses,
             )
     except HTTPException as e:
-        return str(e.detail)
+        return e
     except SQLAlchemyError:
         # the database is locked or away: the route's own check answers 503 with the reason (the
         # app's handlers do not reach a middleware); until then the body stays within its caps
@@ -207,7 +297,14 @@ def credential_problem_by_id(settings: Settings, cred: Credential) -> str | None
 
 def current_user(request: Request, session: SessionDep, settings: SettingsDep) -> User:
     cookie = request.cookies.get(SESSION_COOKIE)
-    tok = authenticate(session, settings, authorization=request.headers.get("authorization"), cookie=cookie)
+    tok = authenticate(
+        session,
+        settings,
+        authorization=request.headers.get("authorization"),
+        cookie=cookie,
+        address=client_address(request.scope),
+        guesses=guess_limit_of(request),
+    )
     if tok.kind == "session" and request.method not in SAFE_METHODS:
         _check_csrf(request, cookie or "")
     request.state.credential = Credential(token_id=tok.id, kind=tok.kind)
@@ -229,13 +326,47 @@ def may_see(user: User, owner_id: int | None) -> bool:
     return user.is_admin or owner_id == user.id
 
 
+def token_failure(
+    request: Request, what: str, *, status_code: int = status.HTTP_401_UNAUTHORIZED
+) -> HTTPException:
+    """A failed token check of a route (a sign-in, a confirm_token): counted against the caller's
+    address like a Bearer token's, so each path to the same guess shares one limit. `status_code`:
+    the route's own refusal below the limit."""
+    refusal = _guessing(guess_limit_of(request), client_address(request.scope), what)
+    if refusal.status_code == status.HTTP_401_UNAUTHORIZED and status_code != refusal.status_code:
+        return HTTPException(status_code, what)
+    return refusal
+
+
+def forget_secret_variables() -> None:
+    """Take the admin token's variables out of this process's environment once the settings hold
+    them: the scheduler child and anything else this process starts inherit it. (The kernel's copy
+    of a process's initial environment, /proc/<pid>/environ, cannot be changed: hand a process the
+    token in a file, SHARDYARD_ADMIN_TOKEN_FILE, to keep it out of there too.)"""
+    for name in ADMIN_VARIABLES:
+        os.environ.pop(name, None)
+
+
+def admin_secret(settings: Settings) -> str | None:
+    """The admin token: SHARDYARD_ADMIN_TOKEN, or the contents of SHARDYARD_ADMIN_TOKEN_FILE (read
+    each time: `shardyard stack` deletes its file once the API is up)."""
+    if settings.admin_token is not None:
+        return settings.admin_token.get_secret_value()
+    if settings.admin_token_file is None:
+        return None
+    secret = settings.admin_token_file.read_text().strip()
+    if not secret:
+        raise ValueError(f"SHARDYARD_ADMIN_TOKEN_FILE: {settings.admin_token_file} is empty")
+    return secret
+
+
 def bootstrap_admin(settings: Settings) -> None:
-    """Make `settings.admin_token` an admin's live token (idempotent; start-up of every API
-    process). Tokens from an earlier value of the variable are revoked, so a changed variable
+    """Make the admin token (`admin_secret`) an admin's live token (idempotent; start-up of every
+    API process). Tokens from an earlier value of the variable are revoked, so a changed variable
     takes the old secret out of service."""
-    if settings.admin_token is None:
+    secret = admin_secret(settings)
+    if secret is None:
         return
-    secret = settings.admin_token.get_secret_value()
     digest = hash_secret(secret)
     with session_for(settings.database_url) as s:
         if db_users.user_for_token(s, token_hash=digest, kind="api") is not None:

@@ -2,9 +2,9 @@
 
 Everything that can refuse a request without its body runs before a byte of the body is read: the
 declared size against the cap (413), the content type (415), and the caller's token or session
-(401, `authenticate`). So an anonymous client holds no memory of the API's however much it sends:
-its 95 MB upload is refused on its headers. Routes open to anonymous callers (the sign-in) read at
-most `ANONYMOUS_MAX_BYTES`.
+(401, or 429 past the address's limit of failed token checks: `authenticate`). So an anonymous
+client holds no memory of the API's however much it sends: its 95 MB upload is refused on its
+headers. Routes open to anonymous callers (the sign-in) read at most `ANONYMOUS_MAX_BYTES`.
 
 A plain HTML form on any web site can POST `text/plain`, `application/x-www-form-urlencoded` or
 `multipart/form-data` to this port without a CORS preflight; refusing every non-JSON body closes
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -87,17 +88,28 @@ def long_number(body: bytes) -> tuple[str, int] | None:
     return None
 
 
-async def _answer(send: Send, code: int, detail: str, *, extra: dict[str, Any] | None = None) -> None:
+async def _answer(
+    send: Send,
+    code: int,
+    detail: str,
+    *,
+    extra: dict[str, Any] | None = None,
+    more_headers: dict[str, str] | None = None,
+) -> None:
     body = json.dumps({"detail": detail, **(extra or {})}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if code == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    for name, value in (more_headers or {}).items():
+        if name.lower() != "www-authenticate" or code != 401:
+            headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
     await send({"type": "http.response.start", "status": code, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-Authenticate = Callable[[dict[bytes, bytes]], str | None]
-"""Why a request's headers carry no live credential, or None (api/auth.py credential_problem)."""
+Authenticate = Callable[[Scope, dict[bytes, bytes]], HTTPException | None]
+"""The refusal of a request whose headers carry no live credential (401, or 429 past its address's
+limit of failed token checks), or None (api/auth.py credential_problem)."""
 
 
 class RequestLimits:
@@ -122,10 +134,10 @@ class RequestLimits:
         self.authenticate = authenticate
         self.public = re.compile("|".join(public_paths)) if public_paths else None
 
-    async def _who(self, headers: dict[bytes, bytes]) -> str | None:
+    async def _who(self, scope: Scope, headers: dict[bytes, bytes]) -> HTTPException | None:
         if self.authenticate is None:
             return None
-        return await run_in_threadpool(self.authenticate, headers)
+        return await run_in_threadpool(self.authenticate, scope, headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
@@ -149,8 +161,8 @@ class RequestLimits:
             shown = clip(ctype or "none", 80)
             await _answer(send, 415, f"Content-Type must be application/json, got {shown}")
             return
-        if not public and (why := await self._who(headers)) is not None:
-            await _answer(send, 401, why)
+        if not public and (why := await self._who(scope, headers)) is not None:
+            await _answer(send, why.status_code, str(why.detail), more_headers=why.headers)
             return
         if raw:
             await self.app(scope, receive, send)

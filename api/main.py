@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from api import metrics
-from api.auth import bootstrap_admin, credential_problem
+from api.auth import GuessLimit, bootstrap_admin, credential_problem, forget_secret_variables
 from api.limits import RequestLimits, clip
 from api.metrics import LatencyMiddleware
 from api.retention import retention_loop
@@ -116,6 +116,8 @@ def declare_refusals(schema: dict[str, Any]) -> dict[str, Any]:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    # the settings hold the admin token now; the processes this one starts need not inherit it
+    forget_secret_variables()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -159,6 +161,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.stream_slots = StreamSlots(settings.sse_max_per_client)
+    # failed token checks per client address, shared by the middleware's check and the routes'
+    guesses = GuessLimit(limit=settings.auth_fail_limit, window_s=settings.auth_fail_window_s)
+    app.state.guesses = guesses
     app.state.settings = settings  # api/deps.py app_settings
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -176,7 +181,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         raw_paths=(r"^/api/workspaces/?$",),
         max_raw_bytes=int(settings.workspace_max_mb * 2**20),
-        authenticate=functools.partial(credential_problem, settings),
+        authenticate=functools.partial(credential_problem, settings, guesses=guesses),
         public_paths=(r"^/api/auth/session/?$",),
     )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from api.auth import SECRET_VARIABLES
 from core.multiproc import MULTIPROC_ENV, fresh_multiproc_dir
 from db.engine import session_for
 from db.migrate import upgrade
@@ -149,8 +150,8 @@ class Stack:
     shutdown_s: float = 120.0
     """How long `stop` waits for the workers' warm shutdown before it kills them."""
     admin_token: str = ""
-    """The local admin's API token (made up when empty), given to the API process alone as
-    SHARDYARD_ADMIN_TOKEN; `shardyard stack` prints it and the tests send it."""
+    """The local admin's API token (made up when empty), given to the API process alone, in a file
+    (`start_api`); `shardyard stack` prints it and the tests send it."""
     redis_password: str = ""
     """redis-server's password (requirepass; made up when empty), in the broker URL of the stack's
     processes: a client that does not know it (another user's process on the machine) is refused."""
@@ -183,10 +184,9 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
-        # no process but the API gets a token: a trainer running users' code must never see one
-        inherited = {
-            k: v for k, v in os.environ.items() if k not in ("SHARDYARD_ADMIN_TOKEN", "SHARDYARD_TOKEN")
-        }
+        # no process gets a token in its environment: a trainer running users' code must never
+        # see one, and the API reads its own from a file (start_api)
+        inherited = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
         return {
             **inherited,
             "SHARDYARD_DATABASE_URL": self.database_url,
@@ -248,7 +248,25 @@ class Stack:
 
         _wait(ping, timeout_s=20, what="redis-server", proc=proc)
 
+    def _admin_token_file(self) -> Path:
+        """A new 0600 file holding the admin token, for the API to read at start-up: a variable
+        would stay in /proc/<pid>/environ, readable by the user's processes, for the API's whole
+        life."""
+        path = self.root / f".admin-token.{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_token)
+        return path
+
     def start_api(self) -> None:
+        token_file = self._admin_token_file()
+        try:
+            self._start_api(token_file)
+        finally:
+            # the API read it while starting (it answers health only after): gone either way
+            token_file.unlink(missing_ok=True)
+
+    def _start_api(self, token_file: Path) -> None:
         proc = self._spawn(
             "api",
             [
@@ -267,7 +285,7 @@ class Stack:
             ],
             env={
                 **self.env,
-                "SHARDYARD_ADMIN_TOKEN": self.admin_token,
+                "SHARDYARD_ADMIN_TOKEN_FILE": str(token_file),
                 # the API's and its scheduler child's instruments meet here (core/telemetry.py)
                 MULTIPROC_ENV: os.environ.get(MULTIPROC_ENV)
                 or str(fresh_multiproc_dir(self.root / "prometheus")),

@@ -35,8 +35,9 @@ QUIT = b"q"
 
 
 def _settings_json(settings: Settings) -> str:
-    # the scheduler never needs the admin's token: it stays in the API process
-    return settings.model_dump_json(exclude={"admin_token"})
+    # the scheduler never needs the admin's token, nor where it was read from (the file is gone
+    # once the API is up): it stays in the API process
+    return settings.model_dump_json(exclude={"admin_token", "admin_token_file"})
 
 
 class SchedulerProcess:

@@ -174,6 +174,11 @@ class Settings(BaseSettings):
     """At API start-up, user `admin_name` (an admin, created if missing) holds this token: the first
     admin of a new deployment, and the token `shardyard stack` prints. No default: unset, no one is
     created and `shardyard admin create-user` makes the first admin."""
+    admin_token_file: Path | None = None
+    """A file holding the admin token (a compose secret: /run/secrets/admin_token), read at API
+    start-up in place of SHARDYARD_ADMIN_TOKEN, so the token is in no process's environment
+    (/proc/<pid>/environ keeps a variable for the process's whole life). `shardyard stack` hands its
+    API the token this way, in a 0600 file it deletes once the API is up."""
     admin_name: str = "admin"
     trusted_hosts: list[str] = ["127.0.0.1", "localhost"]
     """Host headers the API answers (JSON list); others get 400. Add the public name in production."""
@@ -188,12 +193,23 @@ class Settings(BaseSettings):
     and ends with an `error` frame once it is not (revoked, expired, idle)."""
     cookie_secure: bool = False
     """Mark the session cookies Secure (set it when the dashboard is served over HTTPS)."""
+    auth_fail_limit: int = 10
+    """Failed token checks (an unknown or revoked Bearer token, sign-in or confirm_token) one client
+    address may make within `auth_fail_window_s`; past it, each further failure is answered 429
+    with Retry-After. A live token is never refused by it. 0 turns the limit off."""
+    auth_fail_window_s: float = 60.0
+    """The sliding window `auth_fail_limit` counts failures in."""
     quota_running_jobs: int = 4
     """Default per-user limits (a user row may override each): jobs running at once, their ranks
     and their GPUs. A job over the limit waits queued with the reason; one that could never fit is
     refused at submit."""
     quota_ranks: int = 64
     quota_gpus: int = 8
+    selection_max_trials: int = 1000
+    """Most trials one selection batch may hold in all: a submit (a grid's points, `trials`) or an
+    add of trials that would pass it is refused with 422 naming the numbers. Each trial is checked
+    and stored like a job, so a thousand more cost the API seconds, and the batch's page, stream
+    and leaderboard carry every one. 0: no limit."""
 
     # ---- jobs wider than one node (workers/gang.py) ----
     node_addr: str = ""

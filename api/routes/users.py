@@ -21,6 +21,7 @@ from api.auth import (
     csrf_for,
     hash_secret,
     issue_token,
+    token_failure,
 )
 from api.deps import RowId, SessionDep, SettingsDep
 from api.user_schemas import (
@@ -96,8 +97,10 @@ def _minting_token(request: Request, session: SessionDep, user: User, confirm: s
         )
     tok = db_users.live_token(session, token_hash=hash_secret(confirm.strip()), kind="api")
     if tok is None or tok.user_id != user.id:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN, "confirm_token: not a live API token of yours (unknown or revoked)"
+        raise token_failure(
+            request,
+            "confirm_token: not a live API token of yours (unknown or revoked)",
+            status_code=status.HTTP_403_FORBIDDEN,
         )
     return tok.id
 
@@ -173,7 +176,7 @@ def sign_in(
     check_origin(request)
     tok = db_users.live_token(session, token_hash=hash_secret(body.token.strip()), kind="api")
     if tok is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "the token is unknown or revoked")
+        raise token_failure(request, "the token is unknown or revoked")
     user = tok.user
     # the session belongs to the token: revoking the token ends it
     secret, _ = issue_token(
