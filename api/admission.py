@@ -126,6 +126,24 @@ def group_problem(
     )
 
 
+def trial_count_problem(*, field: str, has: int, adding: int, settings: Settings) -> str | None:
+    """Why a selection batch may not grow to `has + adding` trials (`selection_max_trials`), naming
+    `field` and the numbers; checked before any trial is expanded or validated (a thousand trials
+    cost the API seconds)."""
+    cap = settings.selection_max_trials
+    if cap <= 0 or has + adding <= cap:
+        return None
+    now = (
+        f"the batch has {has} trial(s) and this adds {adding}"
+        if has
+        else f"the batch would start with {adding} trials"
+    )
+    return (
+        f"{field}: {now}, {has + adding} in all; a selection batch holds at most {cap} trials "
+        f"(SHARDYARD_SELECTION_MAX_TRIALS): submit another batch for the rest"
+    )
+
+
 def admission_problem(session: Session, spec: JobSpec, *, settings: Settings, user: User) -> str | None:
     return (
         quota_problem(spec, user=user, settings=settings)

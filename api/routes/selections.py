@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.admission import admission_problem, group_problem
+from api.admission import admission_problem, group_problem, trial_count_problem
 from api.auth import CurrentUser, may_see
 from api.convert import selection_public, trial_public
 from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep, StatusFilter
@@ -147,6 +147,9 @@ def submit_selection(
         params, repeats = _first_params(body)
     except SpaceError as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"space: {e}") from e
+    count, field = (len(params), "space") if body.method == "grid" else (body.trials or len(params), "trials")
+    if (why := trial_count_problem(field=field, has=0, adding=count, settings=settings)) is not None:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, why)
     plans = _trial_specs(base, params, 0, session=session, settings=settings, user=user, owner_id=user.id)
     _refuse_groups(plans, body, session=session, settings=settings, user=user)
     sel = db_sel.create_selection(
@@ -245,6 +248,9 @@ def add_trials(
         except db_jobs.NotFound as e:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"warm_start_from: {e}") from e
     first = db_sel.next_trial_index(session, selection_id=selection_id)
+    count, field = (len(body.params), "params") if body.params is not None else (body.trials or 0, "trials")
+    if (why := trial_count_problem(field=field, has=first, adding=count, settings=settings)) is not None:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, why)
     if body.params is not None:
         params = body.params
     else:

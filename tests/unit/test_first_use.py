@@ -136,3 +136,49 @@ def test_a_name_with_a_visible_character_among_invisible_ones_is_kept(api: Calla
     got = api().post("/api/jobs", json={**TINY_SPEC, "name": "\u200bé run 1\u00a0"})
     assert got.status_code == 201, got.text
     assert got.json()["name"] == "\u200bé run 1\u00a0"
+
+
+# ---- a selection batch holds so many trials ----
+
+
+def _batch(**over: object) -> dict[str, object]:
+    return {"name": "b", "base": TINY_SPEC, "space": {"train.lr": {"low": 1e-4, "high": 1e-2}}, **over}
+
+
+def test_a_batch_over_the_trial_cap_is_refused_before_its_trials_are_checked(
+    api: Callable[..., TestClient],
+) -> None:
+    c = api()  # the default cap, 1000
+    got = c.post("/api/selections", json=_batch(method="random", trials=1024))
+    assert got.status_code == 422, got.text
+    assert got.json()["detail"] == (
+        "trials: the batch would start with 1024 trials, 1024 in all; a selection batch holds at "
+        "most 1000 trials (SHARDYARD_SELECTION_MAX_TRIALS): submit another batch for the rest"
+    )
+    grid = {"train.lr": [1e-3, 2e-3, 3e-3], "train.seed": list(range(4))}
+    got = api(selection_max_trials=10).post("/api/selections", json=_batch(method="grid", space=grid))
+    assert got.status_code == 422 and got.json()["detail"].startswith("space: the batch would start with 12")
+    tpe = _batch(method="tpe", trials=11, space={"train.lr": {"low": 1e-4, "high": 1e-2, "log": True}})
+    got = api(selection_max_trials=10).post("/api/selections", json=tpe)
+    assert got.status_code == 422 and got.json()["detail"].startswith("trials: "), got.text
+    assert c.get("/api/selections").json()["total"] == 0
+
+
+def test_adding_trials_past_the_cap_is_refused_with_the_numbers(api: Callable[..., TestClient]) -> None:
+    c = api(selection_max_trials=6)
+    sel = c.post("/api/selections", json=_batch(method="random", trials=4))
+    assert sel.status_code == 201, sel.text
+    sid = sel.json()["id"]
+    assert c.post(f"/api/selections/{sid}/trials", json={"trials": 2}).status_code == 201
+    got = c.post(f"/api/selections/{sid}/trials", json={"params": [{"train.lr": 1e-3}]})
+    assert got.status_code == 422, got.text
+    assert got.json()["detail"].startswith(
+        "params: the batch has 6 trial(s) and this adds 1, 7 in all; a selection batch holds at most 6"
+    )
+    got = c.post(f"/api/selections/{sid}/trials", json={"trials": 3})
+    assert got.status_code == 422 and got.json()["detail"].startswith("trials: the batch has 6"), got.text
+    assert len(c.get(f"/api/selections/{sid}").json()["trials"]) == 6
+    assert (
+        api(selection_max_trials=0).post(f"/api/selections/{sid}/trials", json={"trials": 3}).status_code
+        == 201
+    )
