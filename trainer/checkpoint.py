@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import sys
 import time
 import zipfile
@@ -245,6 +246,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not is_intact(path):
         raise CheckpointError(f"checkpoint {path} is damaged (incomplete or failed its CRC check)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
+        # weights and plain containers only: a checkpoint folder is written by the job's own
+        # (untrusted) code, and a pickled callable in it must not run in the next attempt
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {e}") from e

@@ -21,6 +21,7 @@ from trainer.checkpoint import (
     CheckpointError,
     checkpoint_path,
     checkpoint_steps,
+    is_intact,
     kept_steps,
     latest_checkpoint,
     load_checkpoint,
@@ -324,3 +325,26 @@ def test_the_applied_step_file_is_replaced_whole_and_a_gone_folder_stays_gone(tm
     (tmp_path / "new" / APPLIED_FILE).write_text("not a number")
     assert read_applied_step(tmp_path / "new" / APPLIED_FILE) is None
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [APPLIED_FILE]
+
+
+class _Planted:
+    """What a hostile job could leave in its checkpoint folder: an object whose unpickling runs a
+    command (here it only writes a marker file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_a_checkpoint_with_code_in_it_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    # a checkpoint is read as weights and the trainer's own state types only (weights_only=True):
+    # a pickled callable is refused before it can run
+    marker = tmp_path / "ran.txt"
+    path = tmp_path / "step-00000002.pt"
+    torch.save({"step": 2, "model": {"w": torch.ones(2)}, "extra": _Planted(marker)}, path)
+    assert is_intact(path)
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        load_checkpoint(path)
+    assert not marker.exists()
