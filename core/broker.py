@@ -100,7 +100,7 @@ def open_live(key: bytes, *, channel: str, payload: bytes, now: float | None = N
     return body if hmac.compare_digest(want, mac) else None
 
 
-def transport_options(settings: Settings) -> dict[str, object]:
+def transport_options(settings: Settings) -> dict[str, int]:
     # the visibility timeout must outlast the longest job, or Redis re-delivers a running job's
     # unacknowledged message to another worker
     return {"visibility_timeout": settings.max_job_runtime_s + 3600}

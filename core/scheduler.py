@@ -397,7 +397,7 @@ class _Needs:
                 ram = int(host_memory_bytes(spec)["total"])
             except Exception:  # noqa: BLE001 - an old or odd spec: count no RAM rather than never place it
                 ram = 0
-            self.cache[job_id] = (job_gpus(spec), ram, aware(created).timestamp())  # type: ignore[union-attr]
+            self.cache[job_id] = (job_gpus(spec), ram, aware(created).timestamp())
         if len(self.cache) > 20000:
             keep = set(ids)
             self.cache = {k: v for k, v in self.cache.items() if k in keep}
@@ -697,7 +697,7 @@ class Scheduler:
         for h in held:
             if h.claimed or h.status != JobStatus.queued:
                 continue
-            if everything or h.sent_at is None or aware(h.sent_at).timestamp() < cutoff:  # type: ignore[union-attr]
+            if everything or h.sent_at is None or aware(h.sent_at).timestamp() < cutoff:
                 by_job.setdefault(h.job_id, []).append(h)
         for job_id, rows in by_job.items():
             self._send(session, job_id, rows, selection_id=rows[0].selection_id)

@@ -129,13 +129,16 @@ def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseS
     if method == "tpe":
         # constant_liar: a trial is asked while the `parallel - 1` before it still run, so each ask
         # treats those as (pessimistically) done and looks elsewhere
-        return optuna.samplers.TPESampler(seed=seed, constant_liar=True, **startup)
+        sampler: BaseSampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, **startup)
+        return sampler
     if method == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed, **startup, warn_independent_sampling=False)
+        sampler = optuna.samplers.CmaEsSampler(seed=seed, **startup, warn_independent_sampling=False)
+        return sampler
     if method == "qmc":
         with warnings.catch_warnings():  # "experimental": the interface, not the sampling
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.QMCSampler(seed=seed, scramble=True, warn_independent_sampling=False)
+            sampler = optuna.samplers.QMCSampler(seed=seed, scramble=True, warn_independent_sampling=False)
+        return sampler
     raise SpaceError(f"method must be one of {', '.join(SAMPLERS)} for a sampler, got {method!r}")
 
 
@@ -292,7 +295,7 @@ def plan(
     out = Plan()
     asked: list[Any] = []
     shadows: dict[int, list[Any]] = {}  # skipped repeats of trial j, told when j is
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple[tuple[str, str], ...], int] = {}
     told: set[int] = set()
     free = free_asks(method, startup_trials)
     clock = Clock(devices=devices or parallel, slots=parallel)
@@ -315,14 +318,14 @@ def plan(
             t = study.ask(dists)
             params = {path: _plain(v) for path, v in t.params.items()}
             key = tuple(sorted((p, repr(v)) for p, v in params.items()))
-            j = seen.get(key)
-            if j is None:
+            same = seen.get(key)
+            if same is None:
                 break
-            repeats.append(j)
-            if j in told:
-                tell(t, ended[j])  # the same point's value, known already
+            repeats.append(same)
+            if same in told:
+                tell(t, ended[same])  # the same point's value, known already
             else:
-                shadows.setdefault(j, []).append(t)  # still running: told with it
+                shadows.setdefault(same, []).append(t)  # still running: told with it
         else:
             out.exhausted = True
             break

@@ -165,10 +165,13 @@ class Storage:
         self._call("upload", key, put)
 
     def get_bytes(self, key: str) -> bytes:
-        return self._call("download", key, lambda: self.fs.cat_file(self.path(key), **self._deadline(2**30)))
+        data: bytes = self._call(
+            "download", key, lambda: self.fs.cat_file(self.path(key), **self._deadline(2**30))
+        )
+        return data
 
     def exists(self, key: str) -> bool:
-        return self._call("look up", key, lambda: self.fs.exists(self.path(key), **self._deadline()))
+        return bool(self._call("look up", key, lambda: self.fs.exists(self.path(key), **self._deadline())))
 
     # ---- listing and removal ------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ def process_exited(pid: int | None = None) -> None:
     if multiprocess():
         from prometheus_client import multiprocess as mp
 
-        mp.mark_process_dead(pid or os.getpid())
+        mp.mark_process_dead(pid or os.getpid())  # type: ignore[no-untyped-call]
 
 
 def multiprocess_registry() -> CollectorRegistry:
@@ -97,5 +97,5 @@ def multiprocess_registry() -> CollectorRegistry:
     from prometheus_client import multiprocess as mp
 
     registry = CollectorRegistry()
-    mp.MultiProcessCollector(registry)
+    mp.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     return registry

@@ -89,7 +89,7 @@ def verify(
 
 def backoff_s(settings: Settings, attempts_done: int) -> float:
     """Wait before the next attempt after `attempts_done` failed ones: doubling, capped."""
-    return min(MAX_BACKOFF_S, settings.webhook_backoff_s * 2 ** max(0, attempts_done - 1))
+    return min(MAX_BACKOFF_S, settings.webhook_backoff_s * 2.0 ** max(0, attempts_done - 1))
 
 
 class Deliverer:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine, Result, Row, create_engine, event
+from sqlalchemy.engine import CursorResult, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DB-API connection
+def _sqlite_pragmas(dbapi_conn: Any, _record: object) -> None:  # a DB-API connection
     cur = dbapi_conn.cursor()
     # WAL lets the API read while a worker writes; busy_timeout waits out the short write locks
     cur.execute("PRAGMA journal_mode=WAL")
@@ -53,3 +54,13 @@ def _factory(url: str) -> sessionmaker[Session]:
 
 def session_for(url: str) -> Session:
     return _factory(url)()
+
+
+AnyRow = Row[*tuple[Any, ...]]
+"""A result row of any columns (a query's own shape: read by position or by name)."""
+
+
+def rowcount(result: Result[*tuple[Any, ...]]) -> int:
+    """The rows an UPDATE or DELETE matched. `Session.execute` types its answer as a Result; a
+    statement's answer is a CursorResult, which counts them."""
+    return cast("CursorResult[*tuple[Any, ...]]", result).rowcount

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from db.engine import rowcount
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, attempt_fence, aware, db_now, free_job_reservations
 from db.models import Job, JobEvent, JobStatus, Reservation, cap_error, utcnow
@@ -72,16 +73,16 @@ def claim_node(
         and job.status in (JobStatus.queued, JobStatus.running)
         and job.attempts in (res.attempt, res.attempt + 1)
     )
-    if not fits:
+    if not fits or res is None:  # (fits says res is not None)
         session.commit()
         return None
     got = session.execute(
         update(Reservation)
-        .where(Reservation.id == res.id, Reservation.owner.is_(None) | (Reservation.owner == owner))  # type: ignore[union-attr]
+        .where(Reservation.id == res.id, Reservation.owner.is_(None) | (Reservation.owner == owner))
         .values(owner=owner, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
     )
     session.commit()
-    return Attempt(job_id=job_id, attempt=res.attempt + 1, owner=owner) if got.rowcount == 1 else None  # type: ignore[union-attr]
+    return Attempt(job_id=job_id, attempt=res.attempt + 1, owner=owner) if rowcount(got) == 1 else None
 
 
 def unclaim_node(session: Session, *, attempt: Attempt, node_rank: int, reason: str) -> None:
@@ -106,7 +107,7 @@ def set_rdzv_endpoint(session: Session, *, attempt: Attempt, endpoint: str, leas
         .values(rdzv_endpoint=endpoint, claimed_at=now, lease_until=now + timedelta(seconds=lease_s))
     )
     session.commit()
-    return res.rowcount == 1
+    return rowcount(res) == 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,18 +170,19 @@ def _renew_node(
     """Extend this node's reservation lease (node 0: the job's too, recording `run_seconds` when
     given) inside the caller's transaction. False when fenced off."""
     until = now + timedelta(seconds=lease_s)
-    if not session.execute(
+    leased = session.execute(
         update(Reservation)
         .where(_node(attempt, node_rank), Reservation.lease_until >= now)
         .values(lease_until=until)
-    ).rowcount:
+    )
+    if not rowcount(leased):
         return False
     if node_rank != 0:
         return True
     values: dict[str, Any] = {"lease_until": until}
     if run_seconds is not None:
         values["run_seconds"] = run_seconds
-    return bool(session.execute(update(Job).where(attempt_fence(attempt)).values(**values)).rowcount)
+    return bool(rowcount(session.execute(update(Job).where(attempt_fence(attempt)).values(**values))))
 
 
 def renew_node(session: Session, *, attempt: Attempt, node_rank: int, lease_s: float) -> bool:
@@ -293,7 +295,7 @@ def give_back_gang(
             **extra,
         )
     )
-    if res.rowcount != 1:
+    if rowcount(res) != 1:
         session.rollback()
         return None
     free_job_reservations(session, job_id=job_id)

@@ -10,13 +10,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Row, case, func, insert, select, update
+from sqlalchemy import case, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from db.engine import AnyRow
 from db.jobs import Attempt, attempt_fence
 from db.models import Job, JobEvent, MetricPoint
 
@@ -81,11 +82,15 @@ def apply_lines(
     if seen is None:
         return None
     out = Applied()
-    fresh = lambda seq: seq is None or seq > seen  # noqa: E731 - lines with no number always apply
+
+    def fresh(seq: int | None) -> bool:  # lines with no number always apply
+        return seq is None or seq > seen
+
     metrics = [m for m in lines.metrics if fresh(m[0])]
     events = [e for e in lines.events if fresh(e[0])]
     result = lines.result if lines.result and fresh(lines.result[0]) else None
-    seqs = [x[0] for x in (*metrics, *events, *([result] if result else [])) if x[0] is not None]
+    numbered = [m[0] for m in metrics] + [e[0] for e in events] + ([result[0]] if result else [])
+    seqs = [seq for seq in numbered if seq is not None]
     top_seq = max([seen, *seqs])
     ckpts: list[int] = []
     values: dict[str, Any] = {"applied_seq": top_seq}
@@ -95,7 +100,7 @@ def apply_lines(
         values["run_seconds"] = run_seconds
     if metrics:
         latest = {(n, st): (st, n, v, t) for _, st, n, v, t in metrics}  # one row per key per statement
-        rows = [
+        rows: list[dict[str, Any]] = [
             {"job_id": attempt.job_id, "step": st, "name": n, "value": v, "time": t}
             for st, n, v, t in latest.values()
         ]
@@ -110,10 +115,10 @@ def apply_lines(
             {"job_id": attempt.job_id, "time": t, "kind": k, "message": m, "data": d}
             for _, k, m, d, t in events
         ]
-        ids = session.scalars(
+        event_ids = session.scalars(
             insert(JobEvent).returning(JobEvent.id, sort_by_parameter_order=True), rows
         ).all()
-        out.events = [{"id": i, **r} for i, r in zip(ids, rows, strict=True)]
+        out.events = [{"id": i, **r} for i, r in zip(event_ids, rows, strict=True)]
         ckpts += [
             d["step"]
             for _, k, m, d, _ in events
@@ -184,14 +189,14 @@ def metric_rows(session: Session, *, job_id: int, after_id: int = 0) -> list[tup
     )
     result = session.connection().execute(q)
     try:
-        return result.cursor.fetchall()
+        return cast("list[tuple[int, str, int, float]]", result.cursor.fetchall())
     finally:
         result.close()
 
 
 def metrics_after(
     session: Session, *, job_id: int, after_id: int, upto_id: int | None = None, limit: int = 5000
-) -> Sequence[Row]:
+) -> Sequence[AnyRow]:
     """The job's metric points after `after_id` (and up to `upto_id`, when given), as plain rows
     (id, step, name, value, time): a stream that fell behind reads thousands of them, and ORM
     objects cost several times the CPU of the rows (bench/api_load.py's stalls were streams'

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy import delete, exists, func, select, text, update
 from sqlalchemy.orm import Session
 
+from db.engine import rowcount
 from db.models import TERMINAL, Job, JobEvent, JobStatus, Reservation, User, cap_error, utcnow
 
 
@@ -26,6 +27,14 @@ class NotFound(LookupError):
 
 class Conflict(RuntimeError):
     pass
+
+
+@overload
+def aware(dt: datetime) -> datetime: ...
+@overload
+def aware(dt: None) -> None: ...
+@overload
+def aware(dt: datetime | None) -> datetime | None: ...
 
 
 def aware(dt: datetime | None) -> datetime | None:
@@ -154,7 +163,8 @@ def db_now(session: Session) -> datetime:
     if session.get_bind().dialect.name == "sqlite":
         raw = session.scalar(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"))
         return datetime.fromisoformat(str(raw)).replace(tzinfo=UTC)
-    return aware(session.scalar(text("SELECT clock_timestamp()")))  # type: ignore[return-value]
+    now: datetime = session.scalar(text("SELECT clock_timestamp()"))
+    return aware(now)
 
 
 def attempt_fence(attempt: Attempt) -> Any:
@@ -247,7 +257,7 @@ def lease_left_s(session: Session, *, job_id: int) -> float | None:
     job = session.get(Job, job_id)
     if job is None or job.status != JobStatus.running or job.lease_until is None:
         return None
-    return (aware(job.lease_until) - db_now(session)).total_seconds()  # type: ignore[operator]
+    return (aware(job.lease_until) - db_now(session)).total_seconds()
 
 
 def renew_lease(session: Session, *, attempt: Attempt, lease_s: float) -> bool:
@@ -257,7 +267,7 @@ def renew_lease(session: Session, *, attempt: Attempt, lease_s: float) -> bool:
         update(Job).where(attempt_fence(attempt)).values(lease_until=now + timedelta(seconds=lease_s))
     )
     session.commit()
-    return res.rowcount == 1
+    return rowcount(res) == 1
 
 
 def finish_job(
@@ -284,7 +294,7 @@ def finish_job(
     if result is not None:
         values["result"] = result
     res = session.execute(update(Job).where(attempt_fence(attempt)).values(**values, preempt_requested=False))
-    if res.rowcount != 1:
+    if rowcount(res) != 1:
         session.rollback()
         return None
     free_job_reservations(session, job_id=attempt.job_id)
@@ -306,7 +316,7 @@ def release_job(session: Session, *, attempt: Attempt, reason: str) -> bool:
             status=JobStatus.queued, owner=None, lease_until=None, enqueued_at=None, preempt_requested=False
         )
     )
-    if res.rowcount != 1:
+    if rowcount(res) != 1:
         session.rollback()
         return False
     free_job_reservations(session, job_id=attempt.job_id)
@@ -384,7 +394,7 @@ def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts
     res = session.execute(
         update(Job).where(attempt_fence(attempt), Job.status == JobStatus.running).values(**values)
     )
-    if res.rowcount != 1:
+    if rowcount(res) != 1:
         session.rollback()
         return None
     free_job_reservations(session, job_id=attempt.job_id)
@@ -435,7 +445,7 @@ def expire_leases(
             .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)
             .values(**values)
         )
-        if res.rowcount != 1:
+        if rowcount(res) != 1:
             continue
         free_job_reservations(session, job_id=job.id)
         msg = str(values["status"])
@@ -524,7 +534,7 @@ def request_cancel(session: Session, *, job_id: int, actor: str | None = None) -
         )
         .execution_options(synchronize_session="fetch")
     )
-    if res.rowcount == 1:
+    if rowcount(res) == 1:
         free_job_reservations(session, job_id=job_id)
         session.add(JobEvent(job_id=job_id, time=time.time(), kind="status", message="cancelled", data=by))
     else:

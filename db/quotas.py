@@ -90,7 +90,7 @@ def _check(
     session: Session, user: User, defaults: dict[str, int], skip: Sequence[int], need: tuple[int, int]
 ) -> str | None:
     own = {"running_jobs": user.max_running_jobs, "ranks": user.max_ranks, "gpus": user.max_gpus}
-    limits = {k: v if own[k] is None else own[k] for k, v in defaults.items()}
+    limits = {k: v if (mine := own[k]) is None else mine for k, v in defaults.items()}
     running, ranks, gpus = _usage(session, user.id, skip)
     return quota_reason(
         user.name, limits, running=running, ranks=ranks, gpus=gpus, job_ranks=need[0], job_gpus=need[1]

@@ -7,16 +7,17 @@ Nothing is sent from here (db/ imports SQLAlchemy only); core/scheduler.py decid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, Row, Text, bindparam, cast, delete, func, insert, select, update
+from sqlalchemy import Integer, Text, bindparam, cast, delete, func, insert, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from db.engine import AnyRow, rowcount
 from db.jobs import aware, db_now
 from db.models import Job, JobStatus, Reservation, SchedulerLock, Selection, Trial, User, WorkerBeat, utcnow
 from db.quotas import job_gpus as spec_gpus
@@ -25,7 +26,7 @@ from db.quotas import quota_reason
 LOCK = "scheduler"
 
 
-def _rows(session: Session, stmt: Any) -> Sequence[Row[Any]]:
+def _rows(session: Session, stmt: Any) -> Sequence[AnyRow]:
     """Run a read through the session's connection: plain rows, without the ORM's per-row work
     (a tick reads every queued job; through Session.execute that cost 5 ms of 1,000 rows).
 
@@ -55,7 +56,7 @@ def acquire_lock(
         .where(SchedulerLock.name == name, free)
         .values(holder=holder, lease_until=now + timedelta(seconds=lease_s))
     )
-    if res.rowcount == 1:
+    if rowcount(res) == 1:
         session.commit()
         return True
     exists = session.scalar(select(SchedulerLock.name).where(SchedulerLock.name == name))
@@ -93,7 +94,7 @@ _QUEUED = select(Job.id, Job.owner_id, Job.priority, Job.world_size, Job.queue, 
 )
 
 
-def queued_jobs(session: Session) -> Sequence[Row[Any]]:
+def queued_jobs(session: Session) -> Sequence[AnyRow]:
     """Queued jobs with no reservation yet (trials run inside their batch's task, not here):
     rows of (id, owner_id, priority, world_size, queue, wait_reason), by name or position."""
     return _rows(session, _QUEUED)
@@ -176,7 +177,7 @@ def specs_of(session: Session, job_ids: Iterable[int]) -> list[tuple[int, dict[s
     out: list[tuple[int, dict[str, Any], datetime]] = []
     for i in range(0, len(ids), 500):
         q = select(Job.id, Job.spec, Job.created_at).where(Job.id.in_(ids[i : i + 500]))
-        out += [tuple(r) for r in session.execute(q)]  # type: ignore[misc]
+        out += [tuple(r) for r in session.execute(q)]
     return out
 
 
@@ -293,7 +294,7 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
     last: dict[int | None, float] = {}
     # a group's run, by (batch, worker, claim time): [owner, end of its last trial so far]
     runs: dict[tuple[int, str | None, datetime], list[Any]] = {}
-    rows = session.connection().execute(_RECENT, {"start": start})
+    rows: Iterable[AnyRow] = session.connection().execute(_RECENT, {"start": start})  # started_at is set
     for owner_id, ws, started, finished, status, kind, selection_id, worker in rows:
         began = _utc(started)
         last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())
@@ -341,7 +342,7 @@ _UNRESERVED = select(Job.id, Job.owner_id, Job.world_size, Job.worker, Job.spec)
 def running_unreserved(session: Session) -> list[tuple[int, int | None, int, str | None, dict[str, Any]]]:
     """Running jobs that hold no reservation (started before the scheduler, or their rows were
     freed): (id, owner_id, world_size, worker, spec); they still use their worker's slots."""
-    return [tuple(r) for r in _rows(session, _UNRESERVED)]  # type: ignore[misc]
+    return [tuple(r) for r in _rows(session, _UNRESERVED)]
 
 
 _LIMITS = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)
@@ -435,7 +436,7 @@ def mark_sent(session: Session, *, reservation_ids: Sequence[int]) -> None:
         session.commit()
 
 
-def set_wait_reasons(session: Session, reasons: dict[int, str | None]) -> None:
+def set_wait_reasons(session: Session, reasons: Mapping[int, str | None]) -> None:
     """Write the reasons that changed (the caller passes only those), queued jobs only. On
     PostgreSQL one UPDATE joined to the (id, reason) pairs sent as two arrays; on SQLite (no
     round trips: it runs in-process) one UPDATE per distinct reason."""
@@ -475,7 +476,7 @@ def request_preemption(session: Session, *, job_ids: Sequence[int], by_job: int)
             .where(Job.id == job_id, Job.status == JobStatus.running, Job.preempt_requested.is_(False))
             .values(preempt_requested=True, wait_reason=f"preempted by job {by_job}")
         )
-        if res.rowcount == 1:
+        if rowcount(res) == 1:
             asked.append(job_id)
     session.commit()
     return asked

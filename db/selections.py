@@ -7,11 +7,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
+from db.engine import rowcount
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now, listing_filters
 from db.models import (
@@ -97,7 +98,7 @@ def add_trials(
 
 
 def _add_trial(
-    session: Session, job: Job, *, selection_id: int, index: int, params: dict, **fields: Any
+    session: Session, job: Job, *, selection_id: int, index: int, params: dict[str, Any], **fields: Any
 ) -> Trial:
     """The trial row of `job` (a new row, its steps those of the job's spec), added to `session`."""
     trial = Trial(
@@ -236,7 +237,7 @@ def claim_trials(
             .where(_group_reservation(reservation_id, worker, owner))
             .values(claimed_at=utcnow(), owner=owner)
         )
-        if res.rowcount != 1:
+        if rowcount(res) != 1:
             session.rollback()
             return []
     won = []
@@ -285,7 +286,8 @@ def add_group_trial(
         return None
     sel = session.get(Selection, selection_id)
     assert sel is not None
-    group_job = session.get(Job, session.scalar(select(Trial.job_id).where(Trial.id.in_(res.trial_ids))))
+    held = res.trial_ids or []  # a group's reservation holds its trials
+    group_job = session.get(Job, session.scalar(select(Trial.job_id).where(Trial.id.in_(held))))
     now = db_now(session)
     job = Job(
         name=f"{spec.get('name', 'trial')}#{index}",
@@ -311,7 +313,7 @@ def add_group_trial(
         session, job, selection_id=selection_id, index=index, params=params, status="running", result=result
     )
     session.flush()
-    res.trial_ids = [*res.trial_ids, trial.id]
+    res.trial_ids = [*held, trial.id]
     t = time.time()
     session.add(JobEvent(job_id=job.id, time=t, kind="status", message="queued", data={"by": "search"}))
     session.add(
@@ -432,7 +434,7 @@ def finish_trial(
         .where(*cond)
         .values(status=job_status, error=error, finished_at=utcnow(), owner=None, lease_until=None)
     )
-    if attempt is not None and res.rowcount != 1:
+    if attempt is not None and rowcount(res) != 1:
         session.rollback()
         return False
     session.execute(
@@ -440,7 +442,7 @@ def finish_trial(
         .where(Trial.id == trial.id)
         .values(status=status, stopped_early=status == "stopped_early")
     )
-    if res.rowcount == 1:
+    if rowcount(res) == 1:
         session.add(
             JobEvent(
                 job_id=trial.job_id,
@@ -603,4 +605,4 @@ def selection_points_after(
         .order_by(MetricPoint.id)
         .limit(limit)
     )
-    return [tuple(r) for r in session.execute(q)]
+    return [cast("tuple[int, int, int, str, float, float, int]", tuple(r)) for r in session.execute(q)]

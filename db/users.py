@@ -10,6 +10,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
+from db.engine import rowcount
 from db.jobs import Conflict, NotFound, aware
 from db.models import ApiToken, User, utcnow
 
@@ -188,11 +189,13 @@ def revoke_token(session: Session, *, token_id: int, user_id: int | None = None)
 def revoke_user_tokens(session: Session, *, user_id: int) -> int:
     """Revoke every token and end every session of a user; how many were live."""
     now = utcnow()
-    n = session.execute(
-        update(ApiToken)
-        .where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
-        .values(revoked_at=now)
-    ).rowcount
+    n = rowcount(
+        session.execute(
+            update(ApiToken)
+            .where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
+            .values(revoked_at=now)
+        )
+    )
     session.commit()
     return n
 

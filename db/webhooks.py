@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from db.engine import rowcount
 from db.jobs import NotFound, aware, db_now
 from db.models import Job, Selection, User, Webhook, WebhookAttempt, WebhookDelivery
 
@@ -120,7 +121,7 @@ def claim_due(session: Session, *, limit: int, lease_s: float) -> list[Claimed]:
         got = session.execute(
             update(WebhookDelivery).where(WebhookDelivery.id == delivery_id, due).values(lease_until=until)
         )
-        if got.rowcount != 1:  # type: ignore[attr-defined]
+        if rowcount(got) != 1:
             continue
         row = session.get(WebhookDelivery, delivery_id)
         hook = session.get(Webhook, row.webhook_id) if row is not None else None
@@ -142,7 +143,7 @@ def claim_due(session: Session, *, limit: int, lease_s: float) -> list[Claimed]:
 
 
 def _iso(dt: datetime | None) -> str | None:
-    return aware(dt).isoformat() if dt is not None else None  # type: ignore[union-attr]
+    return aware(dt).isoformat() if dt is not None else None
 
 
 def _payload(session: Session, row: WebhookDelivery) -> dict[str, Any]:
@@ -151,7 +152,9 @@ def _payload(session: Session, row: WebhookDelivery) -> dict[str, Any]:
     base: dict[str, Any] = {"event": row.event, "delivery_id": row.id, "status": row.status}
     kind = "job" if row.event == "job.ended" else "selection"
     about = base[kind] = {"id": row.object_id, "status": row.status}
-    obj = session.get(Job if kind == "job" else Selection, row.object_id)
+    obj: Job | Selection | None = (
+        session.get(Job, row.object_id) if kind == "job" else session.get(Selection, row.object_id)
+    )
     if obj is None:
         return base
     about.update(name=obj.name, error=obj.error)

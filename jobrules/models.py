@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from jobrules.data import ENTRY_HINT, is_entry
 
-MODEL_KINDS = ("gpt", "mlp", "llama", "python")
+ModelKind = Literal["gpt", "mlp", "llama", "python"]
+"""The model kinds, named once: the request model's `model.kind` and MODEL_KINDS are this."""
+MODEL_KINDS: tuple[ModelKind, ...] = get_args(ModelKind)
 BUILTIN = ("gpt", "mlp", "llama")
 
 

@@ -14,14 +14,16 @@ micro-batch's rows over d*q row blocks. Each split must be exact.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from jobrules.data import spec_vocab_size
 from jobrules.models import tensor_kind_problems
 
-SCHEDULES = ("gpipe", "1f1b", "chimera", "chimera-zb", "async")
+Schedule = Literal["gpipe", "1f1b", "chimera", "chimera-zb", "async"]
+SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
 """Pipeline schedule names; chimera and chimera-zb need an even number of stages."""
-TENSOR_MODES = ("1d", "2d", "2.5d")
+TensorMode = Literal["1d", "2d", "2.5d"]
+TENSOR_MODES: tuple[TensorMode, ...] = get_args(TensorMode)
 """1d: Megatron (size ranks); 2d: SUMMA on a q x q grid; 2.5d: Tesseract on q x q x d."""
 
 
@@ -69,8 +71,9 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
     """Every `parallel` rule this spec breaks (empty when it runs as asked)."""
     problems: list[str] = []
     model, train = spec.get("model", {}), spec.get("train", {})
-    par = spec.get("parallel") or {}
-    pipe, tensor, spill, offload = (par.get(k) for k in ("pipeline", "tensor", "spill", "offload"))
+    par: dict[str, Any] = spec.get("parallel") or {}
+    sections: list[dict[str, Any]] = [par.get(k) or {} for k in ("pipeline", "tensor", "spill", "offload")]
+    pipe, tensor, spill, offload = sections  # an absent section is empty
     pp, dp, tp = axis_sizes(par)
     n_layers = int(model.get("layers", 4)) + 2  # embedding and head are layers too
     batch = int(train.get("batch_size", 16))

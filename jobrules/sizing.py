@@ -114,7 +114,7 @@ def layer_working_sets(
 ) -> list[int]:
     """W(layer) in bytes for each layer (see the module docstring). offload_dtype: None when the
     optimizer is not offloaded, else "bf16", "fp16" or "fp32"."""
-    shape = {
+    shape: dict[str, Any] = {
         "kind": kind,
         "layers": layers,
         "d_model": d_model,

@@ -54,7 +54,8 @@ def _document(spec: Any, what: str) -> dict[str, Any]:
     """A request body from a dict or a pydantic model (jobrules.spec's JobSpec, SelectionCreate):
     only the fields that were set, so the API fills its own defaults."""
     if hasattr(spec, "model_dump"):
-        return spec.model_dump(mode="json", exclude_unset=True)
+        document: dict[str, Any] = spec.model_dump(mode="json", exclude_unset=True)
+        return document
     if isinstance(spec, Mapping):
         return dict(spec)
     raise TypeError(f"{what}: a dict or a pydantic model, not {type(spec).__name__}")

@@ -52,7 +52,8 @@ def readable_detail(body: Any, fallback: str) -> tuple[str, list[dict[str, str]]
     if not isinstance(body, dict):
         return fallback, []
     detail = body.get("detail", fallback)
-    errors = body.get("errors") if isinstance(body.get("errors"), list) else []
+    given = body.get("errors")
+    errors: list[Any] = given if isinstance(given, list) else []
     if isinstance(detail, list):
         errors = errors or [
             {

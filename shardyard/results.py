@@ -6,13 +6,10 @@ A Job or Selection that came from a Client keeps it, so `job.follow()`, `job.wai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from shardyard.client import Client
+from typing import Any, Generic, Protocol, TypeVar
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 """The statuses a job or a batch ends in."""
@@ -63,10 +60,10 @@ class Job:
     restarts: int
     raw: dict[str, Any] = field(repr=False, compare=False)
     """The API's JSON as it came."""
-    _client: Client | None = field(default=None, repr=False, compare=False)
+    _client: _Client | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], client: Client | None = None) -> Job:
+    def from_json(cls, d: dict[str, Any], client: _Client | None = None) -> Job:
         p = d.get("progress") or {}
         return cls(
             id=d["id"],
@@ -99,7 +96,7 @@ class Job:
     def done(self) -> bool:
         return self.status in TERMINAL
 
-    def _c(self) -> Client:
+    def _c(self) -> _Client:
         if self._client is None:
             raise RuntimeError(f"job {self.id} was not read through a Client")
         return self._client
@@ -194,10 +191,10 @@ class Selection:
     """Trial ids with a metric, best first."""
     owner: str | None
     raw: dict[str, Any] = field(repr=False, compare=False)
-    _client: Client | None = field(default=None, repr=False, compare=False)
+    _client: _Client | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], client: Client | None = None) -> Selection:
+    def from_json(cls, d: dict[str, Any], client: _Client | None = None) -> Selection:
         return cls(
             id=d["id"],
             name=d["name"],
@@ -238,7 +235,7 @@ class Selection:
         board = self.leaderboard
         return board[0].trial if board else None
 
-    def _c(self) -> Client:
+    def _c(self) -> _Client:
         if self._client is None:
             raise RuntimeError(f"selection {self.id} was not read through a Client")
         return self._client
@@ -381,3 +378,31 @@ class TrialEvent:
 
 JobEvent = MetricEvent | LogEvent | StatusEvent | NoticeEvent
 SelectionEvent = MetricEvent | TrialEvent | StatusEvent
+
+
+class _Client(Protocol):
+    """What a Job or a Selection asks of the Client it came from (shardyard/client.py's Client): a
+    protocol, so that this module needs nothing of the client module, which imports it."""
+
+    def get(self, job_id: int, *, patience_s: float = 0.0) -> Job: ...
+    def follow(
+        self,
+        job_id: int,
+        *,
+        patience_s: float | None = None,
+        on_interrupt: Callable[[str], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> Iterator[JobEvent]: ...
+    def wait(self, job_id: int, *, timeout: float | None = None) -> Job: ...
+    def cancel(self, job_id: int) -> Job: ...
+    def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection: ...
+    def follow_selection(
+        self,
+        selection_id: int,
+        *,
+        patience_s: float | None = None,
+        on_interrupt: Callable[[str], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> Iterator[SelectionEvent]: ...
+    def wait_selection(self, selection_id: int, *, timeout: float | None = None) -> Selection: ...
+    def cancel_selection(self, selection_id: int) -> Selection: ...

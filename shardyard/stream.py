@@ -113,7 +113,8 @@ def frames(
 def _parse(lines: Iterator[str], *, deadline: float | None) -> Iterator[Frame]:
     """Frames as each one ends (comments and keep-alives skipped, but they let `deadline` be
     checked while a stream is quiet)."""
-    fid, event, data = None, "message", []
+    fid: str | None = None
+    event, data = "message", list[str]()
     for line in lines:
         if deadline is not None and time.monotonic() >= deadline:
             raise httpx.ReadTimeout("the wait ran out")
