@@ -546,7 +546,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from api.stack import CrashLoop, Stack
+    from api.stack import ADMIN_TOKEN_FILE, CrashLoop, Stack, kept_admin_token
     from core.settings import get_settings
 
     # SIGTERM (kill, timeout, a service manager) must stop the stack's processes like Ctrl-C does
@@ -555,7 +555,13 @@ def cmd_stack(args: argparse.Namespace) -> int:
     # the workers' warm shutdown kills trainers that have not checkpointed after the grace;
     # wait that long plus time for the worker to write the jobs back and exit
     shutdown_s = get_settings().shutdown_grace_s + 30
-    stack = Stack(root=root, api_port=args.port, workers=args.workers, shutdown_s=shutdown_s)
+    stack = Stack(
+        root=root,
+        api_port=args.port,
+        workers=args.workers,
+        shutdown_s=shutdown_s,
+        admin_token=kept_admin_token(root),
+    )
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"
     )
@@ -563,9 +569,15 @@ def cmd_stack(args: argparse.Namespace) -> int:
         stack.start()
         console.print(f"[bold green]dashboard:[/] {stack.base_url}/")
         console.print(
-            f"[bold]admin token[/] (sign in to the dashboard with it; CLI: export SHARDYARD_TOKEN=...):\n"
-            f"{stack.admin_token}",
+            f"[bold]admin token[/] (sign in to the dashboard with it; kept in {root / ADMIN_TOKEN_FILE}, "
+            f"the same after a restart of this --root):\n{stack.admin_token}",
             highlight=False,
+        )
+        console.print(
+            f"CLI and SDK, in your shell:\n  export SHARDYARD_API_URL={stack.base_url}\n"
+            f"  export SHARDYARD_TOKEN={stack.admin_token}",
+            highlight=False,
+            soft_wrap=True,
         )
         if args.demo:
             with Client(stack.base_url, stack.admin_token) as c:

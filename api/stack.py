@@ -60,6 +60,35 @@ def find_redis_server() -> str:
     )
 
 
+ADMIN_TOKEN_FILE = "admin.token"
+"""The file under a stack's root that keeps its admin token from one start to the next."""
+
+
+def kept_admin_token(root: Path) -> str:
+    """The admin token of the stack under `root`: the one in `root/admin.token` (0600, only its
+    owner reads it), made up and written there on the first start. A restart of the same root
+    keeps it, so the CLI's exported SHARDYARD_TOKEN and the dashboard's sign-in outlive the restart
+    (the database, in the root too, keeps the sessions). The API still gets it in a file of its own
+    that is deleted once it is up (`Stack.start_api`); the root is hidden from sandboxed trainers."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / ADMIN_TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        token = "sy_" + secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_mode & 0o077:
+            os.fchmod(f.fileno(), 0o600)  # copied or unpacked with looser bits: only its owner reads it
+        token = f.read().strip()
+    if not token.startswith("sy_") or len(token) < 20 or not token.isprintable() or " " in token:
+        raise RuntimeError(f"{path} does not hold an admin token (sy_...); delete it to make a new one")
+    return token
+
+
 def worker_command(*, queues: str, concurrency: int, name: str | None = None) -> list[str]:
     """The Celery worker process of workers/celery_app.py (`shardyard worker` and the stack)."""
     cmd = [

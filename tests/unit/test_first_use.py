@@ -182,3 +182,56 @@ def test_adding_trials_past_the_cap_is_refused_with_the_numbers(api: Callable[..
         api(selection_max_trials=0).post(f"/api/selections/{sid}/trials", json={"trials": 3}).status_code
         == 201
     )
+
+
+# ---- `shardyard stack`: what to export, and a token that outlives a restart ----
+
+
+def test_the_stack_keeps_its_admin_token_in_a_0600_file_under_its_root(tmp_path: Path) -> None:
+    from api.stack import ADMIN_TOKEN_FILE, kept_admin_token
+
+    root = tmp_path / "root"
+    token = kept_admin_token(root)
+    path = root / ADMIN_TOKEN_FILE
+    assert token.startswith("sy_") and path.read_text().strip() == token
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert kept_admin_token(root) == token  # a restart of the same root
+    path.chmod(0o644)
+    assert kept_admin_token(root) == token and path.stat().st_mode & 0o777 == 0o600
+    assert kept_admin_token(tmp_path / "other") != token
+    path.write_text("not a token\n")
+    with pytest.raises(RuntimeError, match="delete it to make a new one"):
+        kept_admin_token(root)
+
+
+def test_the_stack_prints_the_url_to_export_beside_the_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make demo PORT=8411`: the CLI must go to port 8411, not its default 8000."""
+    import api.stack
+    from api.cli import main
+
+    started: list[api.stack.Stack] = []
+
+    class Started(api.stack.Stack):
+        def start(self) -> api.stack.Stack:
+            started.append(self)
+            return self
+
+        def supervise(self, **_: object) -> None:
+            raise KeyboardInterrupt
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(api.stack, "Stack", Started)
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal wraps nothing of the exports
+    root = tmp_path / "root"
+    for _ in range(2):
+        assert main(["stack", "--root", str(root), "--port", "8411"]) == 0
+    out = capsys.readouterr().out
+    token = started[0].admin_token
+    assert started[1].admin_token == token
+    assert out.count("  export SHARDYARD_API_URL=http://127.0.0.1:8411\n") == 2
+    assert out.count(f"  export SHARDYARD_TOKEN={token}\n") == 2
+    assert out.count(f"\n{token}\n") == 2  # the bare token too, to paste into the sign-in
