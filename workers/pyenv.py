@@ -13,9 +13,10 @@ run.
 Content-addressed: the folder is named by the sha256 of the normalised requirements and the platform
 (interpreter, machine and the worker's installed versions; jobrules/pyenv.py). A build runs under an
 exclusive flock of that name (a second job with the same requirements waits for it and reuses it),
-into a temporary folder renamed into place once complete, made read-only and fingerprinted (every
-file's path, size and mtime): a job that changed it is not seen by the next, which finds the
-fingerprint wrong and rebuilds. Jobs using an environment hold a shared flock on it; the least
+into a temporary folder renamed into place once complete, made read-only and fingerprinted by its
+content (every file's bytes): one that was changed is not used by the next job, which finds the
+fingerprint wrong and rebuilds. Jobs never write it: the worker builds it outside any sandbox, and
+the sandbox (workers/sandbox.py) mounts it read-only. Jobs using an environment hold a shared flock on it; the least
 recently used environments nobody holds are deleted once the cache passes `pyenv_cache_mb`.
 """
 
@@ -51,6 +52,7 @@ from jobrules.pyenv import (
     requirement_problems,
     requirements_digest,
 )
+from workers.sandbox import allowed_environment
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +131,19 @@ def _size(path: Path) -> int:
 
 
 def fingerprint(site: Path) -> str:
-    """Every file's path, size and mtime (and every folder's): any write into the environment
-    changes it."""
+    """The environment's content: every entry's path, type and mode, each file's bytes and each
+    link's target. Any change to it changes this, whoever made it and whatever times it forged
+    (a path, size and mtime fingerprint is one the same uid can restore by hand)."""
     h = hashlib.sha256()
     for p in sorted(site.rglob("*")):
         st = p.lstat()
-        h.update(f"{p.relative_to(site)}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{p.relative_to(site)}\0{st.st_mode}\0".encode())
+        if stat.S_ISLNK(st.st_mode):
+            h.update(os.readlink(p).encode())
+        elif stat.S_ISREG(st.st_mode):
+            with p.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        h.update(b"\n")
     return h.hexdigest()
 
 
@@ -226,7 +235,9 @@ def _run(
         text=True,
         errors="replace",
         start_new_session=True,
-        env={**os.environ, "NO_COLOR": "1"},
+        # a source distribution runs its own code while it builds: it gets none of the worker's
+        # credentials (the allow-listed variables only, workers/sandbox.py)
+        env={**allowed_environment(build=True), "NO_COLOR": "1", "HOME": str(cwd)},
     )
 
     def pump() -> None:

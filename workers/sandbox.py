@@ -70,7 +70,29 @@ PASSED_ENV = (
     "SHARDYARD_PYENV_ALLOW_OPTIONS",
     # where the operator installed the project's code (read-only in the sandbox, code_roots)
     "PYTHONPATH",
+    # where the machine's certificate authorities are (paths, no secret)
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
 )
+
+BUILD_ENV = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "UV_INDEX_URL",
+    "UV_DEFAULT_INDEX",
+    "UV_EXTRA_INDEX_URL",
+    "UV_FIND_LINKS",
+    "UV_NATIVE_TLS",
+)
+"""What an environment build (workers/pyenv.py) inherits besides PASSED_ENV: the way to the
+package index the operator set up. A source distribution runs code while it builds, so an index
+URL with a password in it reaches that code (docs/security.md)."""
 """The worker's variables a trainer process inherits, by name; every other one stays behind.
 (A variable that only names a thread count or a device can carry no credential.)"""
 
@@ -93,10 +115,14 @@ _ETC = (
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/opt/conda")
 
 
-def allowed_environment(base: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
-    """The allow-listed variables of `base` (the worker's own environment by default)."""
+def allowed_environment(
+    base: dict[str, str] | os._Environ[str] | None = None, *, build: bool = False
+) -> dict[str, str]:
+    """The allow-listed variables of `base` (the worker's own environment by default); `build`:
+    an environment build's, with BUILD_ENV too."""
     base = os.environ if base is None else base
-    env = {k: base[k] for k in PASSED_ENV if k in base}
+    names = PASSED_ENV + BUILD_ENV if build else PASSED_ENV
+    env = {k: base[k] for k in names if k in base}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env["PYTHONUNBUFFERED"] = "1"
     return env

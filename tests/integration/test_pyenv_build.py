@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -87,6 +88,30 @@ def test_a_tampered_environment_is_rebuilt_for_the_next_job(tmp_path: Path) -> N
     env2.release()
     assert "was changed or left incomplete since it was built: rebuilt" in said.text()
     assert env2.path is not None and (env2.path / "einops" / "__init__.py").read_text() == original
+
+
+def test_a_forged_environment_is_rebuilt_even_with_its_size_mode_and_times_restored(tmp_path: Path) -> None:
+    # what a job running as the worker's uid could do before the sandbox: plant code in a cached
+    # environment and put back every stat field the old fingerprint read; the content hash sees it
+    settings = Settings(data_dir=tmp_path)
+    env = prepare(EINOPS, settings=settings, workspace=None, report=Said().report())
+    env.release()
+    assert env.path is not None
+    target = env.path / "einops" / "__init__.py"
+    original, st = target.read_bytes(), target.stat()
+    forged = b"import os  # planted" + b" " * max(0, len(original) - 21)
+    forged = forged[: len(original)].ljust(len(original), b" ")
+    assert len(forged) == len(original) and forged != original
+    target.chmod(0o644)
+    target.write_bytes(forged)
+    target.chmod(st.st_mode)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(target.parent, ns=(target.parent.stat().st_atime_ns, target.parent.stat().st_mtime_ns))
+    said = Said()
+    env2 = prepare(EINOPS, settings=settings, workspace=None, report=said.report())
+    env2.release()
+    assert "was changed or left incomplete since it was built: rebuilt" in said.text()
+    assert env2.path is not None and (env2.path / "einops" / "__init__.py").read_bytes() == original
 
 
 def _prepare_in_process(data_dir: str, start: float, q) -> None:  # noqa: ANN001

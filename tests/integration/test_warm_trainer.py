@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
+from api.stack import Stack
 from core.settings import get_settings
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import TINY_SPEC, StackHandle, running
 from trainer.zygote import WARM_MARK
 from workers import warm
 from workers.execute import trainer_command
@@ -166,9 +167,22 @@ def _stored_losses(stack: StackHandle, job_id: int) -> torch.Tensor:
     return torch.tensor(got["series"]["loss"]["values"], dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def unsandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
+    """A stack whose operator turned the sandbox off: a trainer in bubblewrap starts fresh (a fork
+    of the zygote cannot enter it, workers/sandbox.py), so warm runs are what an unsandboxed
+    worker does."""
+    st = Stack(
+        root=tmp_path_factory.mktemp("warm"), workers=1, concurrency=2, extra_env={"SHARDYARD_SANDBOX": "off"}
+    )
+    with running(st) as handle:
+        yield handle
+
+
 def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_process_metrics(
-    stack: StackHandle, tmp_path: Path, warm_switch: Any
+    unsandboxed: StackHandle, tmp_path: Path, warm_switch: Any
 ) -> None:
+    stack = unsandboxed
     job = stack.submit({**SPEC, "name": "warm-job"})
     body = {
         "name": "warm-batch",
