@@ -542,6 +542,11 @@ def _follow_demo(stack: Any, job_id: int) -> None:
         err.print(f"[yellow]stopped following job {job_id}: {e}[/]")
 
 
+STACK_CONCURRENCY = 4
+"""Jobs each worker of `shardyard stack` runs at once: the demo job (600 steps, minutes on a laptop)
+must not hold the only task while a new user's first job waits behind it."""
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -559,11 +564,13 @@ def cmd_stack(args: argparse.Namespace) -> int:
         root=root,
         api_port=args.port,
         workers=args.workers,
+        concurrency=args.concurrency,
         shutdown_s=shutdown_s,
         admin_token=kept_admin_token(root),
     )
     console.print(
-        f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s); logs in {root}/"
+        f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s) running up to "
+        f"{args.concurrency} job(s) each at once; logs in {root}/"
     )
     try:
         stack.start()
@@ -702,6 +709,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".shardyard")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=STACK_CONCURRENCY,
+        help=f"jobs each worker runs at once (default {STACK_CONCURRENCY}: a job of yours starts beside the demo's)",
+    )
     p.add_argument("--demo", action="store_true", help="submit the demo job and follow it")
     p.set_defaults(fn=cmd_stack)
     return ap

@@ -279,13 +279,43 @@ def _preemption(w: Want, n: int, boxes: Sequence[Box], running: Sequence[Running
     return asked
 
 
+def _short_of(b: Box, share: tuple[int, int, int]) -> list[str]:
+    """What of one node's `share` (slots, GPUs, host memory) and one more task worker `b` lacks now,
+    slots aside."""
+    short = []
+    if b.free_tasks < 1:
+        short.append(
+            f"it runs {b.tasks - b.free_tasks} job(s) already, the most it runs at once (its "
+            f"--concurrency is {b.tasks})"
+        )
+    if b.free_gpus < share[1]:
+        short.append(f"{b.free_gpus} of the {share[1]} GPU(s) needed are free")
+    if b.free_ram < share[2]:
+        short.append(
+            f"{b.free_ram / GiB:,.1f} of the {share[2] / GiB:,.1f} GiB of host memory needed are free"
+        )
+    return short
+
+
 def busy_reason(w: Want, n: int, boxes: list[Box]) -> str:
     """Why a job the fleet can hold waits: the workers that could are busy now (not too small,
-    which `plan` says apart). Names what is short, so a user can tell a full fleet from a big ask."""
+    which `plan` says apart). Names what is short, so a user can tell a full fleet from a big ask:
+    free slots, or, where a worker has the slots, what else it lacks (a task: the jobs it runs at
+    once; GPUs; host memory)."""
     each = f" on each of {n} workers" if n > 1 else ""
+    share = (w.ranks // n, w.gpus // n, -(-w.ram // n))
+    mine = [b for b in boxes if w.queue in b.queues and b.fits(*share, now=False)]
+    roomy = [(short, b) for b in mine if b.free_slots >= share[0] and (short := _short_of(b, share))]
+    if len([b for b in mine if b.free_slots >= share[0]]) >= n and roomy:
+        short, b = min(roomy, key=lambda sb: (len(sb[0]), -sb[1].free_slots, sb[1].name))
+        return (
+            f"workers busy: needs {share[0]} free slot(s){each} and a free task; worker {b.name} has "
+            f"{b.free_slots} free slot(s) but {'; '.join(short)} (the fleet can hold it once running "
+            f"jobs end)"
+        )
     most = max((b.free_slots for b in boxes if w.queue in b.queues), default=0)
     return (
-        f"workers busy: needs {w.ranks // n} free slot(s){each}; most free now: {most} "
+        f"workers busy: needs {share[0]} free slot(s){each}; most free now: {most} "
         f"(the fleet can hold it once running jobs end)"
     )
 

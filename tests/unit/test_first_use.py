@@ -232,6 +232,8 @@ def test_the_stack_prints_the_url_to_export_beside_the_token(
     out = capsys.readouterr().out
     token = started[0].admin_token
     assert started[1].admin_token == token
+    # a new user's first job runs beside the demo's: the worker runs several at once
+    assert started[0].concurrency == 4
     assert out.count("  export SHARDYARD_API_URL=http://127.0.0.1:8411\n") == 2
     assert out.count(f"  export SHARDYARD_TOKEN={token}\n") == 2
     assert out.count(f"\n{token}\n") == 2  # the bare token too, to paste into the sign-in

@@ -137,6 +137,31 @@ def test_wait_reasons_tell_busy_from_too_small_quota_and_no_worker() -> None:
     assert decide([want(4)], []).reasons[4] == "no live worker: waiting for one to start"
 
 
+def test_a_worker_with_free_slots_but_no_free_task_says_so() -> None:
+    """The demo's worker (8 slots, one task at once) running the demo job: the next job used to
+    read "needs 1 free slot(s); most free now: 7", which contradicts itself."""
+    boxes = [box("worker1@host", slots=8, tasks=1)]
+    boxes[0].take(1, 0, 0)
+    reason = decide([want(2)], boxes).reasons[2]
+    assert reason == (
+        "workers busy: needs 1 free slot(s) and a free task; worker worker1@host has 7 free slot(s) "
+        "but it runs 1 job(s) already, the most it runs at once (its --concurrency is 1) (the fleet "
+        "can hold it once running jobs end)"
+    )
+    assert "most free now" not in reason
+    # GPUs or host memory short on a worker with slots: named too
+    gpu = [box("g", slots=8, tasks=4, gpus=1)]
+    gpu[0].take(1, 1, 0)
+    w = Want(id=3, user=1, priority=0, created=3.0, ranks=1, gpus=1)
+    assert "0 of the 1 GPU(s) needed are free" in decide([w], gpu).reasons[3]
+    # slots short: the old words, which are true then
+    full = [box("w", slots=2, tasks=4)]
+    full[0].take(2, 0, 0)
+    assert (
+        decide([want(4)], full).reasons[4].startswith("workers busy: needs 1 free slot(s); most free now: 0")
+    )
+
+
 def test_equal_priority_jobs_fill_gaps_but_lower_ones_do_not() -> None:
     boxes = [box("w1", slots=2, tasks=4)]
     boxes[0].take(1, 0, 0)  # one slot free
