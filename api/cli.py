@@ -551,6 +551,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from api.hosts import own_hostnames
     from api.stack import ADMIN_TOKEN_FILE, CrashLoop, Stack, kept_admin_token
     from core.settings import get_settings
 
@@ -560,6 +561,12 @@ def cmd_stack(args: argparse.Namespace) -> int:
     # the workers' warm shutdown kills trainers that have not checkpointed after the grace;
     # wait that long plus time for the worker to write the jobs back and exit
     shutdown_s = get_settings().shutdown_grace_s + 30
+    # the dashboard opened by this machine's own name (a tunnel, /etc/hosts) is let in too, unless
+    # the operator listed the hosts themselves (api/hosts.py: why that name is safe to allow)
+    extra_env = {}
+    if "SHARDYARD_TRUSTED_HOSTS" not in os.environ:
+        hosts = [*get_settings().trusted_hosts, *own_hostnames()]
+        extra_env["SHARDYARD_TRUSTED_HOSTS"] = json.dumps(list(dict.fromkeys(hosts)))
     stack = Stack(
         root=root,
         api_port=args.port,
@@ -567,6 +574,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         shutdown_s=shutdown_s,
         admin_token=kept_admin_token(root),
+        extra_env=extra_env,
     )
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s) running up to "

@@ -20,10 +20,10 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import OperationalError as DbError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from api import metrics
 from api.auth import GuessLimit, bootstrap_admin, credential_problem, forget_secret_variables
+from api.hosts import TrustedHosts
 from api.limits import RequestLimits, clip
 from api.metrics import LatencyMiddleware
 from api.retention import retention_loop
@@ -184,7 +184,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         authenticate=functools.partial(credential_problem, settings, guesses=guesses),
         public_paths=(r"^/api/auth/session/?$",),
     )
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts)
+    app.add_middleware(TrustedHosts, allowed_hosts=settings.trusted_hosts)
     # outermost: every answer is timed, the refusals of the two above included
     app.add_middleware(LatencyMiddleware, database_url=settings.database_url, stalls=stalls)
     app.include_router(users.router)

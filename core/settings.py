@@ -181,7 +181,9 @@ class Settings(BaseSettings):
     API the token this way, in a 0600 file it deletes once the API is up."""
     admin_name: str = "admin"
     trusted_hosts: list[str] = ["127.0.0.1", "localhost"]
-    """Host headers the API answers (JSON list); others get 400. Add the public name in production."""
+    """Host headers the API answers (JSON list; `*.example.com` for any name below it); others get
+    400 naming the refused host and this setting. Add the public name in production. `shardyard
+    stack` adds the machine's own host name (unless this is set), so its dashboard opens by name."""
     max_body_bytes: int = 1_048_576
     """Largest request body (413 above)."""
     session_ttl_s: float = 12 * 3600

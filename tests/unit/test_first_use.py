@@ -4,6 +4,8 @@ In-process (TestClient over a migrated SQLite file): no Redis, no worker."""
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,14 +38,13 @@ def api(db: str, tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     opened: list[TestClient] = []
 
     def make(**over: object) -> TestClient:
+        base: dict[str, object] = {"trusted_hosts": ["testserver"], "stall_log_s": 0}
         settings = Settings(
             database_url=db,
             data_dir=tmp_path,
             embedded_scheduler=False,
-            stall_log_s=0,
-            trusted_hosts=["testserver"],
             admin_token=SecretStr(ADMIN),
-            **over,  # type: ignore[arg-type]
+            **{**base, **over},  # type: ignore[arg-type]
         )
         client = TestClient(create_app(settings)).__enter__()
         opened.append(client)
@@ -234,6 +235,27 @@ def test_the_stack_prints_the_url_to_export_beside_the_token(
     assert started[1].admin_token == token
     # a new user's first job runs beside the demo's: the worker runs several at once
     assert started[0].concurrency == 4
+    # the dashboard opened by this machine's name is let in
+    hosts = json.loads(started[0].extra_env["SHARDYARD_TRUSTED_HOSTS"])
+    assert hosts[:2] == ["127.0.0.1", "localhost"] and socket.gethostname().lower() in hosts + ["localhost"]
     assert out.count("  export SHARDYARD_API_URL=http://127.0.0.1:8411\n") == 2
     assert out.count(f"  export SHARDYARD_TOKEN={token}\n") == 2
     assert out.count(f"\n{token}\n") == 2  # the bare token too, to paste into the sign-in
+
+
+# ---- a refused Host says which, and what lets it in ----
+
+
+def test_a_refused_host_is_named_with_the_setting_that_allows_it(api: Callable[..., TestClient]) -> None:
+    c = api()
+    got = c.get("/", headers={"Host": "devbox:8000"})
+    assert got.status_code == 400 and got.headers["content-type"].startswith("text/plain")
+    assert "host 'devbox' is not one this API answers to" in got.text
+    assert 'SHARDYARD_TRUSTED_HOSTS is ["testserver"]' in got.text
+    assert """SHARDYARD_TRUSTED_HOSTS='["testserver", "devbox"]'""" in got.text
+    got = c.get("/api/jobs", headers={"Host": "evil.example"})
+    assert got.status_code == 400 and "host 'evil.example'" in got.json()["detail"]
+    assert got.headers["x-content-type-options"] == "nosniff"
+    assert c.get("/api/health").status_code == 200  # testserver is listed
+    ok = api(trusted_hosts=["testserver", "*.internal"]).get("/api/health", headers={"Host": "a.b.internal"})
+    assert ok.status_code == 200
