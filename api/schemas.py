@@ -251,6 +251,10 @@ class WorkerPublic(BaseModel):
     """What admission and the scheduler compare jobs with: ram_bytes, slots (rank slots), cpus,
     tasks (jobs at once: the Celery concurrency), and draining (1 while it shuts down warm)."""
     last_seen: datetime
+    sandbox: Literal["on", "off", "unavailable", "unknown"] = "unknown"
+    """Whether its trainers run in their sandbox: on; off (its operator's SHARDYARD_SANDBOX=off);
+    unavailable (it cannot make one, so it refuses jobs with users' code); unknown (an older worker)."""
+    sandbox_why: str | None = None
 
 
 class PoolUse(BaseModel):
@@ -277,6 +281,9 @@ class HealthPublic(BaseModel):
     db: DbHealth
     broker: BrokerHealth
     workers: list[WorkerPublic]
+    sandbox: Literal["on", "off", "unavailable", "unknown"] = "unknown"
+    """The live workers' sandbox, worst first: off when any runs users' code unsandboxed,
+    unavailable when any cannot make one, on when every one does (docs/security.md)."""
 
 
 # ---- selections -------------------------------------------------------------------------------

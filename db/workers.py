@@ -22,9 +22,13 @@ def record_heartbeat(
     queues: list[str],
     devices: list[dict[str, Any]],
     host: dict[str, int] | None = None,
+    sandbox: dict[str, Any] | None = None,
 ) -> None:
-    """`host` is the machine's inventory for admission ({ram_bytes, slots, cpus})."""
-    inventory = {"devices": devices, "host": host or {}}
+    """`host` is the machine's inventory for admission ({ram_bytes, slots, cpus}); `sandbox` the
+    state of its trainers' sandbox ({sandbox: on | off | unavailable, why})."""
+    inventory: dict[str, Any] = {"devices": devices, "host": host or {}}
+    if sandbox is not None:
+        inventory["sandbox"] = sandbox
     beat = session.get(WorkerBeat, name)
     if beat is None:
         session.add(WorkerBeat(name=name, hostname=hostname, queues={"queues": queues}, devices=inventory))

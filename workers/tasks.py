@@ -32,6 +32,7 @@ from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
 from workers.gang import execute_gang_node
+from workers.sandbox import describe as describe_sandbox
 from workers.search import grow
 from workers.selection import execute_selection
 from workers.supervise import DRAIN
@@ -117,6 +118,7 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
     settings = get_settings()
     devices = local_devices()
     host = host_inventory(slots=settings.worker_slots, tasks=tasks)
+    sandbox_state = describe_sandbox(settings)  # probed once: bwrap's rights do not change
     last_reconcile = 0.0
     while True:
         try:
@@ -129,6 +131,7 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
                     queues=queues,
                     devices=devices,
                     host=inventory,
+                    sandbox=sandbox_state,
                 )
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()

@@ -33,19 +33,21 @@ def health(session: SessionDep, settings: SettingsDep) -> HealthPublic:
         broker = {"ok": False, "error": str(e)}
     workers = live_workers(session, within_s=settings.worker_alive_s) if db["ok"] else []
     ok = db["ok"] and broker["ok"] and bool(workers)
+    public = [
+        WorkerPublic(
+            name=w.name,
+            hostname=w.hostname,
+            queues=w.queues.get("queues", []),
+            devices=w.devices.get("devices", []),
+            host=w.devices.get("host") or {},
+            last_seen=aware(w.last_seen),
+            sandbox=(w.devices.get("sandbox") or {}).get("sandbox", "unknown"),
+            sandbox_why=(w.devices.get("sandbox") or {}).get("why"),
+        )
+        for w in workers
+    ]
+    states = {w.sandbox for w in public}
+    worst = next((s for s in ("off", "unavailable", "unknown", "on") if s in states), "unknown")
     return HealthPublic(
-        status="ok" if ok else "degraded",
-        db=db,
-        broker=broker,
-        workers=[
-            WorkerPublic(
-                name=w.name,
-                hostname=w.hostname,
-                queues=w.queues.get("queues", []),
-                devices=w.devices.get("devices", []),
-                host=w.devices.get("host") or {},
-                last_seen=aware(w.last_seen),
-            )
-            for w in workers
-        ],
+        status="ok" if ok else "degraded", db=db, broker=broker, workers=public, sandbox=worst
     )

@@ -146,7 +146,16 @@ async function health(): Promise<void> {
         `● ${workers.length} worker${workers.length === 1 ? "" : "s"}`,
       ),
     );
+    // users' code runs unsandboxed (or jobs with it are refused) on some worker: say so
+    if (workers.length && hl.sandbox !== "on") {
+      const why = workers
+        .filter((w) => w.sandbox !== "on")
+        .map((w) => `${w.name}: sandbox ${w.sandbox}${w.sandbox_why ? ` (${w.sandbox_why})` : ""}`)
+        .join("\n");
+      el.append(h("span", { class: "bad", id: "sandbox-state", title: why }, `● sandbox ${hl.sandbox}`));
+    }
     el.dataset.status = hl.status;
+    el.dataset.sandbox = hl.sandbox ?? "unknown";
   } catch (err) {
     el.replaceChildren(h("span", { class: "bad" }, `● API unreachable (${errorText(err)})`));
     el.dataset.status = "down";

@@ -75,6 +75,7 @@ def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> N
         assert "id" in job, job
         done = stack.wait(job["id"], timeout=240)
 
+    assert stack.client.get("/api/health").json()["sandbox"] == "on"
     report = report_of(stack, job["id"])
     reached = {k: v for k, v in report.items() if not v.startswith("blocked")}
     assert not reached, f"the sandbox let users' code reach: {reached}"

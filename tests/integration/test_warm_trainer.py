@@ -183,6 +183,8 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
     unsandboxed: StackHandle, tmp_path: Path, warm_switch: Any
 ) -> None:
     stack = unsandboxed
+    health = stack.client.get("/api/health").json()
+    assert health["sandbox"] == "off" and health["workers"][0]["sandbox_why"] == "SHARDYARD_SANDBOX=off"
     job = stack.submit({**SPEC, "name": "warm-job"})
     body = {
         "name": "warm-batch",

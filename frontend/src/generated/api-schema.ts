@@ -767,6 +767,12 @@ export interface components {
             broker: components["schemas"]["BrokerHealth"];
             /** Workers */
             workers: components["schemas"]["WorkerPublic"][];
+            /**
+             * Sandbox
+             * @default unknown
+             * @enum {string}
+             */
+            sandbox: "on" | "off" | "unavailable" | "unknown";
         };
         /** JobDeleted */
         JobDeleted: {
@@ -1776,6 +1782,14 @@ export interface components {
              * Format: date-time
              */
             last_seen: string;
+            /**
+             * Sandbox
+             * @default unknown
+             * @enum {string}
+             */
+            sandbox: "on" | "off" | "unavailable" | "unknown";
+            /** Sandbox Why */
+            sandbox_why?: string | null;
         };
         /** WorkspacePublic */
         WorkspacePublic: {

@@ -1,0 +1,103 @@
+"""The sandbox's rules (workers/sandbox.py) on real processes: what a trainer inherits, what it
+sees of the file system in a real bubblewrap sandbox, and the refusal where none can be made."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.settings import Settings
+from workers.sandbox import Sandbox, SandboxUnavailable, allowed_environment, describe, probe
+
+SECRETS = {
+    "SHARDYARD_DATABASE_URL": "postgresql://api:pw@db/shardyard",
+    "SHARDYARD_BROKER_URL": "redis://:hunter2@127.0.0.1:6379/0",
+    "SHARDYARD_ADMIN_TOKEN": "sy_admin",
+    "SHARDYARD_BROKER_SIGNING_KEY": "k",
+    "AWS_ACCESS_KEY_ID": "AKIA",
+    "AWS_SECRET_ACCESS_KEY": "s3cret",
+    "HTTPS_PROXY": "http://user:pw@proxy:3128",
+}
+
+
+def test_a_trainer_inherits_no_credential() -> None:
+    base = {**SECRETS, "PATH": "/usr/bin", "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"}
+    env = allowed_environment(base)
+    assert env["OMP_NUM_THREADS"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "1" and env["PATH"] == "/usr/bin"
+    assert not set(SECRETS) & set(env)
+    # an environment build also gets the way to the index (a proxy), and still no service secret
+    build = allowed_environment(base, build=True)
+    assert build["HTTPS_PROXY"] and not (set(SECRETS) - {"HTTPS_PROXY"}) & set(build)
+
+
+def _in_sandbox(sandbox: Sandbox, code: str) -> subprocess.CompletedProcess[str]:
+    cmd = sandbox.command([sys.executable, "-c", code])
+    return subprocess.run(cmd, env=sandbox.environment(), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_the_sandbox_shows_its_own_folder_and_hides_the_data_dir(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    mine, other = data / "jobs" / "1", data / "jobs" / "2"
+    for d in (mine, other):
+        d.mkdir(parents=True)
+        (d / "spec.json").write_text("{}")
+    (data / "shardyard.db").write_text("db")
+    settings = Settings(data_dir=data, database_url=f"sqlite:///{data / 'shardyard.db'}")
+    sandbox = Sandbox(settings=settings, read_write=[mine], read_only=[])
+    code = (
+        "import os, pathlib, json\n"
+        f"print(json.dumps({{'jobs': sorted(os.listdir({str(data / 'jobs')!r})),"
+        f" 'db': os.path.exists({str(data / 'shardyard.db')!r}),"
+        f" 'uid': os.getuid(), 'procs': sum(d.isdigit() for d in os.listdir('/proc'))}}))\n"
+        f"pathlib.Path({str(mine / 'out.txt')!r}).write_text('ok')\n"
+    )
+    done = _in_sandbox(sandbox, code)
+    assert done.returncode == 0, done.stderr
+    seen = __import__("json").loads(done.stdout)
+    assert seen["jobs"] == ["1"] and seen["db"] is False
+    assert seen["uid"] == 10001
+    assert seen["procs"] <= 3  # its own PID namespace: bubblewrap's init and itself
+    assert (mine / "out.txt").read_text() == "ok"  # its own folder is writable
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_the_workspace_and_the_code_are_read_only_and_there_is_no_network(tmp_path: Path) -> None:
+    job = tmp_path / "jobs" / "3"
+    ws = job / "workspace"
+    ws.mkdir(parents=True)
+    settings = Settings(data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'x.db'}")
+    sandbox = Sandbox(settings=settings, read_write=[job], read_only=[ws])
+    code_dir = Path(__file__).resolve().parents[2] / "trainer"
+    code = (
+        "import socket, pathlib\n"
+        "out = []\n"
+        f"for p in ({str(ws / 'x.py')!r}, {str(code_dir / 'x.py')!r}):\n"
+        "    try:\n"
+        "        pathlib.Path(p).write_text('x'); out.append('wrote ' + p)\n"
+        "    except OSError as e:\n"
+        "        out.append(type(e).__name__)\n"
+        "try:\n"
+        "    socket.create_connection(('1.1.1.1', 53), timeout=2); out.append('net')\n"
+        "except OSError as e:\n"
+        "    out.append('no network')\n"
+        "print(out)\n"
+    )
+    done = _in_sandbox(sandbox, code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['OSError', 'OSError', 'no network']"
+    assert not (ws / "x.py").exists() and not (code_dir / "x.py").exists()
+
+
+def test_a_worker_that_cannot_sandbox_refuses_users_code_only(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, sandbox_bwrap="/nonexistent/bwrap")
+    with pytest.raises(SandboxUnavailable, match="SHARDYARD_SANDBOX=off"):
+        Sandbox(settings=settings, read_write=[tmp_path], user_code=True).check()
+    Sandbox(settings=settings, read_write=[tmp_path], user_code=False).check()  # built-in: runs
+    assert describe(settings)["sandbox"] == "unavailable"
+    off = Settings(data_dir=tmp_path, sandbox="off", sandbox_bwrap="/nonexistent/bwrap")
+    Sandbox(settings=off, read_write=[tmp_path], user_code=True).check()
+    assert describe(off) == {"sandbox": "off", "why": "SHARDYARD_SANDBOX=off"}
