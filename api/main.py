@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import metrics
 from api.auth import GuessLimit, bootstrap_admin, credential_problem, forget_secret_variables
+from api.docs_pages import add_docs_pages
 from api.hosts import TrustedHosts
 from api.limits import RequestLimits, clip
 from api.metrics import LatencyMiddleware
@@ -151,7 +152,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Training orchestrator for models that do not fit.",
         lifespan=lifespan,
+        docs_url=None,  # add_docs_pages: from this server's files, not a CDN
+        redoc_url=None,
     )
+    add_docs_pages(app, title=app.title)
     build_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -5,6 +5,7 @@ In-process (TestClient over a migrated SQLite file): no Redis, no worker."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -259,3 +260,26 @@ def test_a_refused_host_is_named_with_the_setting_that_allows_it(api: Callable[.
     assert c.get("/api/health").status_code == 200  # testserver is listed
     ok = api(trusted_hosts=["testserver", "*.internal"]).get("/api/health", headers={"Host": "a.b.internal"})
     assert ok.status_code == 200
+
+
+# ---- /docs renders without internet access ----
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_the_api_docs_load_every_asset_from_the_server_itself(
+    api: Callable[..., TestClient], page: str
+) -> None:
+    c = api()
+    got = c.get(page)
+    assert got.status_code == 200 and got.headers["content-type"].startswith("text/html")
+    assert not re.search(r"https?://|//cdn|fonts\.googleapis", got.text), got.text
+    urls = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", got.text)
+    assert len(urls) >= 2, got.text  # the script and the favicon, at least
+    for url in urls:
+        assert url.startswith("/") and not url.startswith("//"), url  # same origin
+        asset = c.get(url)
+        assert asset.status_code == 200 and len(asset.content) > 1000, url
+    assert c.get("/openapi.json").json()["openapi"].startswith("3.1")
+    if page == "/docs":
+        bundle = c.get("/docs-assets/swagger-ui-bundle.js").text
+        assert re.search(r'"5\.\d+\.\d+"', bundle)  # Swagger UI 5: renders OpenAPI 3.1
