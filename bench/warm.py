@@ -1,10 +1,11 @@
-"""Cold vs warm trainer start: time from the worker's `supervise` call to the trainer's first step.
+"""Cold vs warm vs sandboxed trainer start: time from the worker's `supervise` call to the first step.
 
 `python -m bench.warm [--reps 5]`. Cold: a fresh `python -m trainer` (imports torch, the trainer).
 Warm: the same command forked from this process's zygote (workers/warm.py), as a worker pool
 process does. Both go through workers/supervise.py exactly as the worker runs them, with a tiny GPT
 and 3 steps, for a plain job (`python -m trainer`) and a selection group of two trials
-(`python -m trainer.selection`). Reps are interleaved (cold/warm, then warm/cold) so that the load
+(`python -m trainer.selection`). Sandboxed: the cold run inside its bubblewrap sandbox
+(workers/sandbox.py; a fork of the zygote cannot enter one). Reps are interleaved (cold/warm, then warm/cold) so that the load
 of a shared machine falls on both; medians are reported with the load average before and after.
 The zygote is started and made ready before the first measured run, as a pool process's start
 does (worker_process_init); its own start is reported apart. Results: bench/results/warm_trainer.json;
@@ -27,6 +28,7 @@ from bench.common import table, write_results
 from core.settings import get_settings
 from workers import warm
 from workers.execute import trainer_command
+from workers.sandbox import Sandbox, probe
 from workers.supervise import Outcome, run_unattended
 
 SPEC: dict[str, Any] = {
@@ -56,8 +58,9 @@ def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
     return {"job": job, "selection group": group}
 
 
-def time_first_step(cmd: list[str], tmp: Path) -> dict[str, float]:
-    """Seconds from the supervise call to the first step's metric line, and to the process's end."""
+def time_first_step(cmd: list[str], tmp: Path, *, sandbox: Sandbox | None = None) -> dict[str, float]:
+    """Seconds from the supervise call to the first step's metric line, and to the process's end.
+    `sandbox`: the run starts fresh inside bubblewrap, as a worker with SHARDYARD_SANDBOX=on runs it."""
     first: list[float] = []
     t0 = time.perf_counter()
 
@@ -66,7 +69,7 @@ def time_first_step(cmd: list[str], tmp: Path) -> dict[str, float]:
             first.append(time.perf_counter() - t0)
 
     out = Outcome()
-    rc = run_unattended(cmd, tmp, grace_s=10, out=out, on_message=on_message)
+    rc = run_unattended(cmd, tmp, grace_s=10, out=out, on_message=on_message, sandbox=sandbox)
     if rc != 0 or not first:
         raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
     return {"first_step_s": first[0], "wall_s": time.perf_counter() - t0}
@@ -103,22 +106,24 @@ def main() -> None:
         zygote_ready_s = time.perf_counter() - t0
         assert warm._ZYGOTE.proc is not None
         zygote_rss = _rss_mib(warm._ZYGOTE.proc.pid)
+        sandbox = Sandbox(settings=get_settings(), read_write=[tmp]) if probe() is None else None
+        modes = ["cold", "warm", *(["sandboxed"] if sandbox is not None else [])]
         for rep in range(args.reps):
-            order = (False, True) if rep % 2 == 0 else (True, False)
+            order = modes if rep % 2 == 0 else modes[::-1]
             for kind in ("job", "selection group"):
-                for on in order:
-                    _set_warm(on)
-                    cmd = _commands(tmp, f"{rep}-{on}")[kind]
-                    samples.setdefault((kind, "warm" if on else "cold"), []).append(time_first_step(cmd, tmp))
+                for mode in order:
+                    _set_warm(mode == "warm")
+                    cmd = _commands(tmp, f"{rep}-{mode}")[kind]
+                    got = time_first_step(cmd, tmp, sandbox=sandbox if mode == "sandboxed" else None)
+                    samples.setdefault((kind, mode), []).append(got)
         warm.shutdown()
     load_after = os.getloadavg()
 
     rows = []
     for kind in ("job", "selection group"):
-        cold, hot = samples[(kind, "cold")], samples[(kind, "warm")]
         med = {
-            (side, k): statistics.median(s[k] for s in runs)
-            for side, runs in (("cold", cold), ("warm", hot))
+            (side, k): statistics.median(s[k] for s in samples[(kind, side)])
+            for side in modes
             for k in ("first_step_s", "wall_s")
         }
         rows.append(
@@ -129,6 +134,17 @@ def main() -> None:
                 "saved s": med[("cold", "first_step_s")] - med[("warm", "first_step_s")],
                 "cold wall s": med[("cold", "wall_s")],
                 "warm wall s": med[("warm", "wall_s")],
+                **(
+                    {
+                        "sandboxed first step s": med[("sandboxed", "first_step_s")],
+                        "sandboxed - warm s": med[("sandboxed", "first_step_s")]
+                        - med[("warm", "first_step_s")],
+                        "sandboxed - cold s": med[("sandboxed", "first_step_s")]
+                        - med[("cold", "first_step_s")],
+                    }
+                    if "sandboxed" in modes
+                    else {}
+                ),
             }
         )
     load = f"load average before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (1/5/15 min)"

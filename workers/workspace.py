@@ -6,6 +6,7 @@ this host's data dir, a cache) and is checked again with the API's own rules (co
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -92,16 +93,33 @@ def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path)
 
 def fetch_archive(settings: Settings, *, digest: str, fmt: str) -> Path:
     """The archive's file on this host: the store's own file with the default store, else a copy
-    in this host's data dir, fetched once (the name is its content's hash, so a cached copy is
-    never stale)."""
+    in this host's data dir, fetched once. Its bytes are checked against `digest` before every
+    unpack (a file named by a hash is only as good as its last check): a cached copy that does not
+    match is fetched again, and a store's file that does not match is refused (ArchiveError)."""
     storage = get_storage(settings)
     key = workspace_key(digest, fmt)
     if storage.is_data_dir:
-        return storage.local_path(key)
+        return _checked(storage.local_path(key), digest)
     cached = settings.workspaces_dir / f"{digest}.{fmt}"
+    if cached.is_file() and _sha256(cached) != digest:
+        log.warning("workspace archive %s changed in this host's cache: fetched again", cached.name)
+        cached.unlink()
     if not cached.is_file():
         storage.get_file(key, cached)
-    return cached
+    return _checked(cached, digest)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _checked(path: Path, digest: str) -> Path:
+    if (got := _sha256(path)) != digest:
+        raise ArchiveError(
+            f"the stored archive's bytes do not match its digest (sha256 {got[:12]}, not {digest[:12]})"
+        )
+    return path
 
 
 def workspace_args(spec: dict[str, Any], *, settings: Settings, workdir: Path) -> list[str]:

@@ -101,3 +101,22 @@ def test_the_project_code_and_service_files_are_untouched(stack: StackHandle) ->
     code = Path(__file__).resolve().parents[2]
     assert not (code / "trainer" / "planted.py").exists()
     assert not (root / "envs" / "planted.pth").exists()
+
+
+def test_a_stored_archive_changed_after_upload_is_refused(stack: StackHandle) -> None:
+    # the archive's bytes are checked against its digest before every unpack: a stored file
+    # swapped for other code (by whoever could write the store) never runs
+    from tests.user_data import PERIODIC_BATCHES_PY
+
+    body = targz({"mydata/__init__.py": b"", "mydata/source.py": PERIODIC_BATCHES_PY + b"\n# swap me\n"})
+    headers = {"content-type": "application/gzip"}
+    ws = stack.client.post(
+        "/api/workspaces", params={"name": "swapped"}, content=body, headers=headers
+    ).json()
+    stored = Path(stack.stack.root) / "workspaces" / f"{ws['digest']}.tar.gz"
+    assert stored.is_file()
+    stored.write_bytes(targz({"mydata/__init__.py": b"raise SystemExit('planted code ran')\n"}))
+    data = {"kind": "python", "entry": "mydata.source:batches", "args": {"period": 13}, "vocab_size": 13}
+    job = stack.submit(spec(name="swapped", data=data, workspace=ws["ref"]))
+    failed = stack.wait(job["id"], ("failed",), timeout=180)
+    assert "do not match its digest" in failed["error"], failed["error"]
