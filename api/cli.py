@@ -22,6 +22,8 @@ import os
 import re
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +89,91 @@ def _log_text(ev: LogEvent) -> str:
     return (escape(f"[rank {ev.rank}] ") if ev.rank is not None else "") + shown(ev.message)
 
 
+RATE_WINDOW_S = 30.0
+"""steps/s is the pace over the last this many seconds of the job's own clock (its points' times)."""
+
+
+@dataclass
+class FollowView:
+    """What `shardyard follow` shows of a job, from the job as it was when the view attached (its
+    status, the current attempt's start, the seconds its attempts have run) and the events that
+    follow. The stream replays the job's history first: its old status changes (queued, running)
+    must not become the status or restart the clock, and its points, arriving in a burst, must
+    not make the pace (20,000 steps/s): the pace comes from the points' own times."""
+
+    status: str
+    steps: int
+    since: float | None
+    """The current attempt's start (unix time, the server's clock); None when it never ran."""
+    run_s: float
+    """Seconds the job's attempts had run up to `mark` (the job's run_seconds at attach)."""
+    mark: float | None
+    """time.monotonic() when the clock last started (None while queued or ended: it stands)."""
+    points: deque[tuple[int, float]] = field(default_factory=deque)
+    step: int = 0
+
+    @classmethod
+    def attach(cls, job: Any, *, now: float) -> FollowView:
+        since = job.started_at.timestamp() if job.started_at is not None else None
+        running = job.status == "running"
+        return cls(
+            status=job.status,
+            steps=job.progress.steps or 1,
+            since=since,
+            run_s=job.run_seconds or 0.0,
+            mark=now if running else None,
+            step=job.progress.step or 0,
+        )
+
+    def history(self, ev: StatusEvent) -> bool:
+        """A replayed status change from before the current attempt started: a `queued` before its
+        start, any other a second or more before it (the attempt's own `running` is written at its
+        start, by the worker's clock rather than the database's)."""
+        if ev.time is None or self.since is None:
+            return False
+        return ev.time < self.since - (0.0 if ev.status == "queued" else 1.0)
+
+    def on_status(self, ev: StatusEvent, *, now: float) -> bool:
+        """Take a status event; True when the job went back to the queue (its wait is news)."""
+        if self.history(ev) or ev.status == self.status:
+            return False
+        back = ev.status == "queued" and self.status != "queued"
+        if self.mark is not None:  # the clock stands while queued or ended
+            self.run_s += now - self.mark
+            self.mark = None
+        if ev.status == "running":
+            self.mark = now
+            self.points.clear()  # a new attempt: its pace is its own
+        self.status = ev.status
+        return back
+
+    def on_loss(self, step: int, at: float) -> None:
+        """A loss point at `step`, recorded at `at` (unix time, the job's clock)."""
+        if self.points and step < self.points[-1][0]:
+            self.points.clear()  # resumed from an earlier checkpoint
+        self.points.append((step, at))
+        while len(self.points) > 2 and self.points[0][1] < at - RATE_WINDOW_S:
+            self.points.popleft()
+        self.step = step
+
+    def pace(self) -> tuple[float | None, float | None]:
+        """(steps/s over the last RATE_WINDOW_S of points, seconds left at it)."""
+        if len(self.points) < 2:
+            return None, None
+        (step0, t0), (step, t) = self.points[0], self.points[-1]
+        return pace(step0=step0, t0=t0, step=step, now=t, steps=self.steps)
+
+    def elapsed(self, now: float) -> float:
+        """Seconds the job has run: its attempts before, and this one so far."""
+        return self.run_s + (now - self.mark if self.mark is not None else 0.0)
+
+
 def follow(client: Client, job_id: int) -> str:
     # the reads around the stream ride out an API restart like the stream does
     job = client.get(job_id, patience_s=client.patience_s)
-    steps = job.progress.steps or 1
-    status = job.status
-    if status == "queued" and job.wait_reason:
+    view = FollowView.attach(job, now=time.monotonic())
+    if view.status == "queued" and job.wait_reason:
         err.print(f"[yellow]queued:[/] {shown(job.wait_reason)}")
-    first: tuple[int, float] | None = None
-    started = time.monotonic() - job.run_seconds
     with Progress(
         TextColumn("[bold]job {task.fields[job]}[/] {task.fields[status]}"),
         BarColumn(),
@@ -105,30 +183,35 @@ def follow(client: Client, job_id: int) -> str:
         console=console,
     ) as bar:
         task = bar.add_task(
-            "train", total=steps, job=job_id, status=status, loss="-", val="-", rate="-", elapsed="-", eta="-"
+            "train",
+            total=view.steps,
+            completed=view.step,
+            job=job_id,
+            status=view.status,
+            loss="-",
+            val="-",
+            rate="-",
+            elapsed=clock(view.elapsed(time.monotonic())) if job.run_seconds else "-",
+            eta="-",
         )
         for ev in client.follow(job_id, on_interrupt=_say_interrupted, on_resume=_say_resumed):
             if isinstance(ev, MetricEvent):
                 if ev.name == "loss":
-                    now = time.monotonic()
-                    first = first or (ev.step, now)
-                    rate, left = pace(step0=first[0], t0=first[1], step=ev.step, now=now, steps=steps)
+                    view.on_loss(ev.step, ev.time)
+                    rate, left = view.pace()
                     bar.update(
                         task,
                         completed=ev.step,
                         loss=f"{ev.value:.4f}",
                         rate=f"{rate:.2f}" if rate else "-",
-                        elapsed=clock(now - started),
-                        eta=clock(left),
+                        elapsed=clock(view.elapsed(time.monotonic())),
+                        eta=clock(left) if view.status == "running" else "-",
                     )
                 elif ev.name == "val_loss":
                     bar.update(task, val=f"{ev.value:.4f}")
             elif isinstance(ev, StatusEvent):
-                if status == "queued" and ev.status == "running":
-                    started = time.monotonic()
-                back = ev.status == "queued" and status != "queued"
-                status = ev.status
-                bar.update(task, status=status)
+                back = view.on_status(ev, now=time.monotonic())
+                bar.update(task, status=view.status, elapsed=clock(view.elapsed(time.monotonic())))
                 if back:  # requeued or preempted: say why it waits now (the first reason is printed above)
                     why = client.get(job_id, patience_s=client.patience_s).wait_reason
                     if why:
