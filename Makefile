@@ -22,7 +22,7 @@ NODE_PATH_PREFIX := $(abspath $(BIN)):
 NPM_DEP := $(BIN)/npm
 endif
 
-.PHONY: demo test setup frontend api-types lint format bench bench-service gpu-check clean image test-image test-containers docs
+.PHONY: demo test setup frontend api-types lint format bench bench-service gpu-check clean image test-image test-containers test-slurm docs
 
 demo: setup frontend
 	$(BIN)/shardyard stack --demo --port $(PORT) --root .shardyard
@@ -125,3 +125,10 @@ test-image:
 # the whole topology in containers of the image (tests/containers); .ci/run calls it where podman runs
 test-containers: setup test-image
 	SHARDYARD_IMAGE=$(IMAGE) $(BIN)/python -m pytest -q -n 0 -m containers --durations=10 tests/containers $(PYTEST_ARGS)
+
+# ---- Slurm (docs/slurm.md) ----
+# a two-node Slurm cluster on this machine (munged, slurmctld, two slurmd on 127.0.0.1, from
+# Debian's packages, installed when missing; needs root), the Slurm tests against it, and every
+# process it started stopped again (tests/slurm/cluster.sh)
+test-slurm: setup
+	tests/slurm/cluster.sh $(PYTEST_ARGS)
