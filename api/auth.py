@@ -109,7 +109,7 @@ def client_address(scope: Scope) -> str:
     return str(client[0]) if client else "unknown"
 
 
-def _guessing(guesses: GuessLimit | None, address: str, what: str) -> HTTPException:
+def _guessing(guesses: GuessLimit | None, *, address: str, what: str) -> HTTPException:
     """The refusal of a failed token check: 401 saying `what`, or 429 past the address's limit."""
     if guesses is None or (wait := guesses.failed(address)) is None:
         return _unauthorized(what)
@@ -233,7 +233,7 @@ def authenticate(
     if authorization is not None:
         tok = db_users.live_token(session, token_hash=hash_secret(_bearer_secret(authorization)), kind="api")
         if tok is None:
-            raise _guessing(guesses, address, "the token is unknown or revoked")
+            raise _guessing(guesses, address=address, what="the token is unknown or revoked")
         return tok
     if cookie:
         tok = db_users.token_by_hash(session, token_hash=hash_secret(cookie), kind="session")
@@ -250,7 +250,7 @@ def authenticate(
 
 
 def credential_problem(
-    settings: Settings, scope: Scope, headers: dict[bytes, bytes], *, guesses: GuessLimit | None = None
+    settings: Settings, *, scope: Scope, headers: dict[bytes, bytes], guesses: GuessLimit | None = None
 ) -> HTTPException | None:
     """The refusal (401, or 429 past the address's limit) of a request whose raw headers carry no
     live credential, or None: the check the request-limit middleware runs before it reads any body
@@ -332,7 +332,7 @@ def token_failure(
     """A failed token check of a route (a sign-in, a confirm_token): counted against the caller's
     address like a Bearer token's, so each path to the same guess shares one limit. `status_code`:
     the route's own refusal below the limit."""
-    refusal = _guessing(guess_limit_of(request), client_address(request.scope), what)
+    refusal = _guessing(guess_limit_of(request), address=client_address(request.scope), what=what)
     if refusal.status_code == status.HTTP_401_UNAUTHORIZED and status_code != refusal.status_code:
         return HTTPException(status_code, what)
     return refusal

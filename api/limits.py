@@ -107,9 +107,10 @@ async def _answer(
     await send({"type": "http.response.body", "body": body})
 
 
-Authenticate = Callable[[Scope, dict[bytes, bytes]], HTTPException | None]
-"""The refusal of a request whose headers carry no live credential (401, or 429 past its address's
-limit of failed token checks), or None (api/auth.py credential_problem)."""
+Authenticate = Callable[..., HTTPException | None]
+"""Called with `scope=` and `headers=` (the request's raw headers): the refusal of a request whose
+headers carry no live credential (401, or 429 past its address's limit of failed token checks), or
+None (api/auth.py credential_problem)."""
 
 
 class RequestLimits:
@@ -137,7 +138,7 @@ class RequestLimits:
     async def _who(self, scope: Scope, headers: dict[bytes, bytes]) -> HTTPException | None:
         if self.authenticate is None:
             return None
-        return await run_in_threadpool(self.authenticate, scope, headers)
+        return await run_in_threadpool(self.authenticate, scope=scope, headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
