@@ -326,6 +326,7 @@ class AttemptRun:
             if self.uploader is not None:
                 self.uploader.stop(final=False)  # no trainer ran: nothing new to upload
                 self.uploader = None
+            self.marks["exited"] = time.time()
             return 1
         samplers: list[HardwareSampler] = []
         full = cmd + (self.env.args if self.env is not None else [])
