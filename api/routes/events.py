@@ -37,7 +37,7 @@ def _job_json(settings: Settings, job_id: int, user: User) -> dict | None:
             job = get_job(s, job_id)
         except NotFound:
             return None
-        return job_public(job).model_dump(mode="json") if may_see(user, job.owner_id) else None
+        return job_public(job, brief=True).model_dump(mode="json") if may_see(user, job.owner_id) else None
 
 
 async def _all_jobs(settings: Settings, user: User) -> AsyncIterator[str]:

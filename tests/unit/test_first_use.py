@@ -83,6 +83,14 @@ def test_a_huge_error_is_stored_cut_to_its_head_and_tail(db: str, api: Callable[
     listed = c.get("/api/jobs").json()["items"][0]["error"]
     assert len(listed) < 700 and listed.startswith("environment refused: line 0:")
     assert f"GET /api/jobs/{job_id} has the whole error" in listed
+    # the jobs table's live rows (GET /api/jobs/stream) carry the short one too
+    from api.routes.events import _job_json
+    from db.users import user_by_name
+
+    with session_for(db) as s:
+        admin = user_by_name(s, "admin")
+    row = _job_json(Settings(database_url=db), job_id, admin)
+    assert row is not None and row["error"] == listed
 
 
 def test_any_write_of_an_error_is_capped(db: str) -> None:
