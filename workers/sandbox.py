@@ -30,6 +30,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -126,6 +127,19 @@ def allowed_environment(
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def die_with_parent() -> None:
+    """In the child before exec: own session (so a stop can kill torchrun and its ranks as one
+    group), and SIGKILL when the worker process that launched it dies (Linux), so a killed worker
+    never leaves a trainer running unsupervised; its job's lease then runs out."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def sandbox_limits(sandbox: Sandbox | None) -> dict[int, int]:

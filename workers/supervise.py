@@ -25,7 +25,7 @@ from typing import Any
 from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
 from workers.logcap import Emit, split_rank
-from workers.sandbox import Sandbox, allowed_environment, apply_limits, sandbox_limits
+from workers.sandbox import Sandbox, allowed_environment, apply_limits, die_with_parent, sandbox_limits
 from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
@@ -59,19 +59,6 @@ class Outcome:
     def failure(self, rc: int) -> str:
         tail = "\n".join(list(self.stderr_tail)[-5:])
         return self.error or f"trainer exited with code {rc}" + (f": {tail}" if tail else "")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: own session (so a stop can kill torchrun and its ranks as one
-    group), and SIGKILL when the worker process that launched it dies (Linux), so a killed worker
-    never leaves a trainer running unsupervised; its job's lease then runs out."""
-    os.setsid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
@@ -154,7 +141,7 @@ def supervise(
     limits = sandbox_limits(sandbox)
 
     def preexec() -> None:
-        _die_with_parent()
+        die_with_parent()
         apply_memory_limit(memory_limit)
         apply_limits(limits)
 

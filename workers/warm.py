@@ -34,7 +34,7 @@ from typing import IO
 
 from core.settings import get_settings
 from workers.limits import apply_memory_limit
-from workers.sandbox import allowed_environment
+from workers.sandbox import allowed_environment, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ class Zygote:
 
     def start(self) -> None:
         """Start the zygote (imports run in the background; the first request waits for them)."""
-        from workers.supervise import _die_with_parent  # (that module imports this one)
-
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
             raise OSError(ctypes.get_errno(), "PR_SET_CHILD_SUBREAPER failed")
@@ -108,7 +106,7 @@ class Zygote:
                 # the runs it forks inherit its memory and its /proc/<pid>/environ: nothing of the
                 # worker's credentials (workers/sandbox.py)
                 env=allowed_environment(),
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only setsid and prctl
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only setsid and prctl
             )
         except BaseException:
             mine.close()

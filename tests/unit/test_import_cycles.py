@@ -9,14 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("api", "core", "db", "jobrules", "shardyard", "trainer", "workers")
 """The packages pyproject.toml installs."""
-KNOWN = frozenset({"workers.supervise", "workers.warm"})
-"""The one circle left: workers/warm.py imports `_die_with_parent` from workers/supervise.py inside
-a function, and supervise.py imports warm.py."""
 
 
 def module_name(path: Path, *, root: Path) -> str:
@@ -96,13 +91,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_tree_has_no_import_circle() -> None:
     graph = import_graph(ROOT, PACKAGES)
     assert len(graph) > 150, f"only {len(graph)} modules found under {', '.join(PACKAGES)}"
-    found = [c for c in circles(graph) if not set(c) <= KNOWN]
-    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
-
-
-@pytest.mark.xfail(strict=True, reason="workers/warm.py and workers/supervise.py import each other")
-def test_the_known_circle_is_gone() -> None:
-    found = [c for c in circles(import_graph(ROOT, PACKAGES)) if set(c) <= KNOWN]
+    found = circles(graph)
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
