@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from core.broker import job_channel
 from core.settings import Settings
@@ -183,6 +184,133 @@ def _await_endpoint(settings: Settings, attempt: Attempt, node_rank: int) -> tup
     return None, f"waited {settings.gang_join_s:g} s (gang_join_s) for node 0's rendezvous endpoint"
 
 
+def _rendezvous(
+    settings: Settings, *, attempt: Attempt, node_rank: int, worker: str, addr: str
+) -> tuple[str | None, str]:
+    """Node 0 picks the endpoint and writes it on its reservation; a node > 0 waits for it.
+    Returns (the endpoint, "") or (None, this node's outcome: 'lost' or 'waited')."""
+    if node_rank == 0:
+        endpoint = f"{addr}:{free_port(addr)}"
+        with session_for(settings.database_url) as s:
+            if not set_rdzv_endpoint(s, attempt=attempt, endpoint=endpoint, lease_s=settings.lease_s):
+                return None, "lost"
+        return endpoint, ""
+    got, why = retry_db(settings, "rendezvous", lambda: _await_endpoint(settings, attempt, node_rank))
+    if got is None:
+        with session_for(settings.database_url) as s:
+            # the scheduler sends the node's task again (a lost or late node 0 message)
+            unclaim_node(
+                s, attempt=attempt, node_rank=node_rank, reason=f"node {node_rank} on {worker}: {why}"
+            )
+        return None, "waited"
+    return got, ""
+
+
+def _node_poll(
+    settings: Settings,
+    *,
+    attempt: Attempt,
+    node_rank: int,
+    worker: str,
+    run: AttemptRun,
+    runtime_s: float,
+    used_s: float,
+) -> Callable[[], Ask]:
+    """A node's stop poll: killed when fenced off, over its runtime (the gang then fails) or the
+    gang is over; stopped (checkpointing) on a cancel or a preemption."""
+    relay, out = run.relay, run.out
+    target = next(iter(relay.targets.values()))
+
+    def poll() -> Ask:
+        if relay.fenced or relay.broken:
+            return Ask.kill
+        if target.run_seconds() > runtime_s:
+            out.error = runtime_error(runtime_s, used_s)
+            # failed before any trainer dies: the other nodes then see the gang over, and none
+            # of them takes its peers' deaths for a lost node to restart from
+            with session_for(settings.database_url) as s:
+                give_back_gang(
+                    s,
+                    job_id=attempt.job_id,
+                    attempt=attempt.attempt,
+                    reason=f"node {node_rank} on {worker}: {out.error}",
+                    restart=False,
+                    gang_restarts=settings.gang_restarts,
+                    writer=attempt,
+                    fail=True,
+                )
+            return Ask.kill
+        view = _view(settings, attempt, node_rank)
+        if not view.intact:  # another node gave the gang back, or the reaper did
+            return Ask.kill
+        return Ask.stop if view.cancel or view.preempt else Ask.none
+
+    return poll
+
+
+def _node_run(
+    settings: Settings, *, attempt: Attempt, node_rank: int, spec: dict[str, Any], used_s: float
+) -> AttemptRun:
+    """The node's attempt: its folder (`node-<rank>` in the job's) with the spec, its relay (its
+    writes fenced by the gang's rule) and its sandbox."""
+    workdir = settings.data_dir / "jobs" / str(attempt.job_id)
+    node_dir = workdir / f"node-{node_rank}"
+    ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
+    node_dir.mkdir(parents=True, exist_ok=True)
+    (node_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    target = Target(
+        attempt=attempt,
+        channels=(job_channel(attempt.job_id),),
+        node_rank=node_rank,
+        run_base=used_s,
+        checkpoints=ckpt_dir,
+    )
+    relay = Relay(
+        settings,
+        targets={None: target},
+        on_fenced=lambda _key: None,  # the node's poll sees relay.fenced and kills the trainer
+    )
+    # the node's ranks reach the other nodes' rendezvous and collective ports: the host's network
+    sandbox = job_sandbox(settings, spec, workdir=node_dir, network=True)
+    sandbox.read_write.append(ckpt_dir)
+    return AttemptRun(
+        settings=settings,
+        relay=relay,
+        folder=node_dir,
+        what=f"job {attempt.job_id} node {node_rank} attempt {attempt.attempt}",
+        memory_limit=memory_limit_bytes(spec),
+        sandbox=sandbox,
+    )
+
+
+def _restore_node(
+    settings: Settings,
+    run: AttemptRun,
+    *,
+    node_rank: int,
+    spec: dict[str, Any],
+    applied_step: int,
+    args: list[str],
+) -> Uploader | None:
+    """The node's checkpoints and workspace before its torchrun (its arguments into `args`).
+    With the default store every node shares one folder: node 0 applies the rule there, before
+    any rank reads it (the other nodes' ranks cannot start before node 0's torchrun). With another
+    store each node restores every piece into its own folder (which ranks it gets is known only
+    after the rendezvous) and uploads its own ranks' pieces."""
+    uploader = None
+    if node_rank == 0 or not get_storage(settings).is_data_dir:
+        uploader = restore_checkpoints(
+            settings,
+            ckpt_dir=run.folder.parent / "checkpoints",
+            job_id=run.relay.targets[None].attempt.job_id,
+            applied_step=applied_step,
+            relay=run.relay,
+            parallel=spec.get("parallel") or {},
+        )
+    args.extend(workspace_args(spec, settings=settings, workdir=run.folder))
+    return uploader
+
+
 def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Settings, worker: str) -> str:
     """Run node `node_rank` of job `job_id` to the gang's end. Returns this node's outcome: the
     job's final status (node 0), 'done' (a node > 0 whose part ended cleanly), 'queued' (the gang
@@ -196,80 +324,28 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     if attempt is None:
         return "skipped"
     addr = node_addr(settings)
-    if node_rank == 0:
-        endpoint: str | None = f"{addr}:{free_port(addr)}"
-        with session_for(settings.database_url) as s:
-            if not set_rdzv_endpoint(s, attempt=attempt, endpoint=endpoint, lease_s=settings.lease_s):
-                return "lost"
-    else:
-        endpoint, why = retry_db(
-            settings, "rendezvous", lambda: _await_endpoint(settings, attempt, node_rank)
-        )
-        if endpoint is None:
-            with session_for(settings.database_url) as s:
-                # the scheduler sends the node's task again (a lost or late node 0 message)
-                unclaim_node(
-                    s, attempt=attempt, node_rank=node_rank, reason=f"node {node_rank} on {worker}: {why}"
-                )
-            return "waited"
+    endpoint, outcome = _rendezvous(settings, attempt=attempt, node_rank=node_rank, worker=worker, addr=addr)
+    if endpoint is None:
+        return outcome
 
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
         spec, applied_step = job.spec, job.applied_step
         used_s = job.run_seconds or 0.0  # node 0 records it (db/gangs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
-    workdir = settings.data_dir / "jobs" / str(job_id)
-    node_dir = workdir / f"node-{node_rank}"
-    ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
-    node_dir.mkdir(parents=True, exist_ok=True)
+    run = _node_run(settings, attempt=attempt, node_rank=node_rank, spec=spec, used_s=used_s)
+    relay, sandbox, node_dir = run.relay, run.sandbox, run.folder
+    ckpt_dir = node_dir.parent / "checkpoints"  # one folder for every node: shared storage
     spec_path = node_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
-    target = Target(
-        attempt=attempt,
-        channels=(job_channel(job_id),),
-        node_rank=node_rank,
-        run_base=used_s,
-        checkpoints=ckpt_dir,
-    )
-    relay = Relay(
-        settings,
-        targets={None: target},
-        on_fenced=lambda _key: None,  # the poll below sees relay.fenced and kills the trainer
-    )
-    # the node's ranks reach the other nodes' rendezvous and collective ports: the host's network
-    sandbox = job_sandbox(settings, spec, workdir=node_dir, network=True)
-    sandbox.read_write.append(ckpt_dir)
-    run = AttemptRun(
-        settings=settings,
-        relay=relay,
-        folder=node_dir,
-        what=f"job {job_id} node {node_rank} attempt {attempt.attempt}",
-        memory_limit=memory_limit_bytes(spec),
-        sandbox=sandbox,
-    )
     args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file)
-
-    def fetch() -> Uploader | None:
-        uploader = None
-        # with the default store every node shares one folder: node 0 applies the rule there,
-        # before any rank reads it (the other nodes' ranks cannot start before node 0's torchrun).
-        # With another store each node restores every piece into its own folder (which ranks it
-        # gets is known only after the rendezvous) and uploads its own ranks' pieces.
-        if node_rank == 0 or not get_storage(settings).is_data_dir:
-            uploader = restore_checkpoints(
-                settings,
-                ckpt_dir=ckpt_dir,
-                job_id=job_id,
-                applied_step=applied_step,
-                relay=relay,
-                parallel=spec.get("parallel") or {},
-            )
-        args.extend(workspace_args(spec, settings=settings, workdir=node_dir))
-        return uploader
 
     try:
         sandbox.check()
-        failure = run.restore(fetch)
+        failure = run.restore(
+            lambda: _restore_node(
+                settings, run, node_rank=node_rank, spec=spec, applied_step=applied_step, args=args
+            )
+        )
     except SandboxUnavailable as e:
         failure = str(e)
     if failure is not None:
@@ -294,32 +370,15 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         publish_status(relay, job_id=job_id)
     out = run.out
     # the limit counts every attempt, as for a one-node job (workers/execute.py)
-    runtime_s = runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s)
-
-    def poll() -> Ask:
-        if relay.fenced or relay.broken:
-            return Ask.kill
-        if target.run_seconds() > runtime_s:
-            out.error = runtime_error(runtime_s, used_s)
-            # failed before any trainer dies: the other nodes then see the gang over, and none
-            # of them takes its peers' deaths for a lost node to restart from
-            with session_for(settings.database_url) as s:
-                give_back_gang(
-                    s,
-                    job_id=job_id,
-                    attempt=attempt.attempt,
-                    reason=f"node {node_rank} on {worker}: {out.error}",
-                    restart=False,
-                    gang_restarts=settings.gang_restarts,
-                    writer=attempt,
-                    fail=True,
-                )
-            return Ask.kill
-        view = _view(settings, attempt, node_rank)
-        if not view.intact:  # another node gave the gang back, or the reaper did
-            return Ask.kill
-        return Ask.stop if view.cancel or view.preempt else Ask.none
-
+    poll = _node_poll(
+        settings,
+        attempt=attempt,
+        node_rank=node_rank,
+        worker=worker,
+        run=run,
+        runtime_s=runtime_limit_s(spec, service_max_s=settings.max_job_runtime_s),
+        used_s=used_s,
+    )
     log.info("job %s node %d/%d: %s", job_id, node_rank, nnodes, " ".join(cmd))
     # each node builds (or finds) the job's own requirements before its torchrun
     run.prepare(pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id))
