@@ -160,25 +160,12 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
         delivered = open_streams.bytes
         dropped = open_streams.closed
         open_streams.close()
-        # leave nothing behind for the stack's stop: cancel what queued up and the streamed job
-        while queued := c.get("/api/jobs", params={"status": "queued", "limit": 500}).json()["items"]:
-            for j in queued:
-                c.post(f"/api/jobs/{j['id']}/cancel")
-        c.post(f"/api/jobs/{job['id']}/cancel")
+        _cancel_all(c, streamed=job["id"])
         # what the streams read from the database (core/telemetry.py): counts the machine's load
         # does not move, beside the walls it does
         stream_db = _stream_reads(c.get("/metrics").text)
     every = [x for xs in lat.values() for x in xs]
-    routes = {
-        r: {
-            "n": len(xs),
-            "p50_ms": pct(xs, 0.5),
-            "p95_ms": pct(xs, 0.95),
-            "p99_ms": pct(xs, 0.99),
-            "max_ms": max(xs),
-        }
-        for r, xs in sorted(lat.items())
-    }
+    routes = {r: {**_percentiles(xs), "max_ms": max(xs)} for r, xs in sorted(lat.items())}
     return {
         "streams": streams,
         "stream_bytes": delivered,
@@ -197,13 +184,21 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
             {"at_s": round(at, 3), "route": r, "ms": round(ms, 1)}
             for at, r, ms in sorted(when, key=lambda w: -w[2])[:20]
         ],
-        "all": {
-            "n": len(every),
-            "p50_ms": pct(every, 0.5),
-            "p95_ms": pct(every, 0.95),
-            "p99_ms": pct(every, 0.99),
-        },
+        "all": _percentiles(every),
     }
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    """How many requests, and their median, 95th and 99th percentile times."""
+    return {"n": len(xs), "p50_ms": pct(xs, 0.5), "p95_ms": pct(xs, 0.95), "p99_ms": pct(xs, 0.99)}
+
+
+def _cancel_all(c: httpx.Client, *, streamed: int) -> None:
+    """Leave nothing behind for the stack's stop: cancel what queued up and the streamed job."""
+    while queued := c.get("/api/jobs", params={"status": "queued", "limit": 500}).json()["items"]:
+        for j in queued:
+            c.post(f"/api/jobs/{j['id']}/cancel")
+    c.post(f"/api/jobs/{streamed}/cancel")
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ LLAMA = {"kind": "llama", "layers": 4, "d_model": 128, "heads": 8, "kv_heads": 2
 
 
 def engines(steps: int) -> list[dict[str, Any]]:
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import ListSink, NeverStop
     from trainer.runner import run
 
@@ -51,7 +51,7 @@ def engines(steps: int) -> list[dict[str, Any]]:
             "resources": {"device": "cpu"},
         }
         sink = ListSink()
-        result = run(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
+        result = run(load_job(spec), sink=sink, stop=NeverStop())
         # the first steps warm up allocator and threads; report the steady state
         rates = sink.series("tokens_per_s")[steps // 4 :]
         rows.append(

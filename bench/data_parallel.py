@@ -39,13 +39,13 @@ TOKENS = 16 * 64
 def _steps(rank: int, world: int, dp: int, threads: int, steps: int) -> dict[str, list[float]]:
     import torch
 
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.data import BatchStream, data_for, with_data_vocab
     from trainer.protocol import ListSink
     from trainer.runner import build_engine
 
     torch.set_num_threads(threads)
-    job = with_data_vocab(JobConfig.from_dict({**SPEC, "parallel": {"data_parallel": dp}}))
+    job = with_data_vocab(load_job({**SPEC, "parallel": {"data_parallel": dp}}))
     engine, recipe, _ = build_engine(job, sink=ListSink())
     stream = BatchStream(data=data_for(job), batch_size=job.train.batch_size, seed=job.train.seed)
     wall, cpu, losses = [], [], []

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from bench.common import machine, table, write_results
-from trainer.config import JobConfig
+from jobrules.spec import JobSpec
+from trainer.config import load_job
 from trainer.data import BatchStream, data_for, with_data_vocab
 from trainer.models import build_model, count_params
 from trainer.protocol import NullSink
@@ -56,7 +57,7 @@ ATOL = RTOL = 1e-5
 step: torch.testing.assert_close's rule with the tolerances of tests/trainer/test_fused.py."""
 
 
-def trials(size: str, *, members: int, steps: int, device: str) -> list[JobConfig]:
+def trials(size: str, *, members: int, steps: int, device: str) -> list[JobSpec]:
     out = []
     for k in range(members):
         train = {
@@ -75,7 +76,7 @@ def trials(size: str, *, members: int, steps: int, device: str) -> list[JobConfi
             "train": train,
             "resources": {"device": device},
         }
-        out.append(with_data_vocab(JobConfig.from_dict(spec)))
+        out.append(with_data_vocab(load_job(spec)))
     return out
 
 
@@ -87,7 +88,7 @@ def _sync(dev: torch.device) -> None:
 class Separate:
     """The same trials, each on its own composed engine: K steps one after another."""
 
-    def __init__(self, jobs: list[JobConfig], *, dev: torch.device) -> None:
+    def __init__(self, jobs: list[JobSpec], *, dev: torch.device) -> None:
         self.engines = []
         for job in jobs:
             engine, recipe, _ = build_engine(job, sink=NullSink(), device=dev)

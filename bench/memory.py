@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from bench.common import RESULTS, machine, table, write_results
+from jobrules.spec import DataSpec, ModelSpec, OffloadSpec, TrainSpec
 from tests.device_census import DeviceCensus, Seen
-from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, load_data
 from trainer.models import build_model, count_params, lm_loss, recipe_for
 from trainer.optim import build_optimizer
@@ -52,20 +52,20 @@ SEARCH_LAYERS = 8
 SEARCH_HEADS = 4
 SEARCH_SEQ = 64
 SEARCH_BATCH = 2
-BF16 = OffloadConfig(optimizer=True, dtype="bf16")
+BF16 = OffloadSpec(optimizer=True, dtype="bf16")
 
 
-def stream_for(mcfg: ModelConfig, batch: int) -> BatchStream:
-    data = load_data(DataConfig(max_chars=400_000), seq_len=mcfg.seq_len)
+def stream_for(mcfg: ModelSpec, batch: int) -> BatchStream:
+    data = load_data(DataSpec(max_chars=400_000), seq_len=mcfg.seq_len)
     return BatchStream(data=data, batch_size=batch, seed=0)
 
 
-def gpt(d_model: int, *, layers: int = SEARCH_LAYERS, seq: int = SEARCH_SEQ) -> ModelConfig:
-    return ModelConfig(kind="gpt", layers=layers, d_model=d_model, heads=SEARCH_HEADS, seq_len=seq)
+def gpt(d_model: int, *, layers: int = SEARCH_LAYERS, seq: int = SEARCH_SEQ) -> ModelSpec:
+    return ModelSpec(kind="gpt", layers=layers, d_model=d_model, heads=SEARCH_HEADS, seq_len=seq)
 
 
 def plan_for(
-    mcfg: ModelConfig,
+    mcfg: ModelSpec,
     *,
     mode: str,
     budget: int | None,
@@ -112,7 +112,7 @@ def largest_width(*, mode: str, budget: int, step: int = 16, reserved: int = 0) 
 
 
 def train_under_ledger(
-    mcfg: ModelConfig, *, mode: str, budget: int, device: torch.device, reserved: int, steps: int = 2
+    mcfg: ModelSpec, *, mode: str, budget: int, device: torch.device, reserved: int, steps: int = 2
 ) -> dict[str, Any]:
     """Really train the model `steps` steps with a strict ledger (raises if the budget is passed).
     `reserved`: the library workspaces `largest_rows` measured, which this process holds from then
@@ -129,7 +129,7 @@ def train_under_ledger(
     engine = SpillEngine(
         model,
         plan=plan,
-        train=TrainConfig(steps=steps),
+        train=TrainSpec(steps=steps),
         device=device,
         ledger=ledger,
         prefetch=True,
@@ -177,7 +177,7 @@ def largest_rows(*, budget_mb: float, device: torch.device) -> list[dict[str, An
     return rows
 
 
-def _param_counts(mcfg: ModelConfig) -> list[int]:
+def _param_counts(mcfg: ModelSpec) -> list[int]:
     model = meta_layers(recipe_for(mcfg))
     return [sum(p.numel() for p in layer.parameters()) for layer in model]
 
@@ -220,7 +220,7 @@ def bytes_per_param_rows(*, device: torch.device) -> list[dict[str, Any]]:
             plan = partition(costs, budget_bytes=None, prefetch=True, cuts=cuts)
             ledger = DeviceLedger()
             engine = SpillEngine(
-                model, plan=plan, train=TrainConfig(steps=2), device=device, ledger=ledger, offload=BF16
+                model, plan=plan, train=TrainSpec(steps=2), device=device, ledger=ledger, offload=BF16
             )
             census, snaps = census_of_step(engine, stream_for(mcfg, SEARCH_BATCH))
             low = max(sum(s.nbytes for s in snap if s.dtype == torch.bfloat16) for snap in snaps)
@@ -241,7 +241,7 @@ def bytes_per_param_rows(*, device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def _plain_step(model: torch.nn.Module, tcfg: TrainConfig, device: torch.device):
+def _plain_step(model: torch.nn.Module, tcfg: TrainSpec, device: torch.device):
     """One ordinary forward/backward/optimizer step of `model` (already placed)."""
     opt = build_optimizer(model.parameters(), tcfg)
 
@@ -255,11 +255,11 @@ def _plain_step(model: torch.nn.Module, tcfg: TrainConfig, device: torch.device)
     return step
 
 
-def _resident_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
+def _resident_stepper(mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device):
     return _plain_step(build_model(mcfg, seed=0).to(device), tcfg, device)
 
 
-def _checkpointed_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, *, cuts: list[int]):
+def _checkpointed_stepper(mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device, *, cuts: list[int]):
     """Resident training that recomputes the same segments the engine recomputes (activation
     checkpointing at the shard cuts, the last segment kept): the like-for-like baseline that
     isolates the engine's own cost (copies, bookkeeping) from the recompute."""
@@ -284,7 +284,7 @@ def _checkpointed_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.de
 
 
 def _engine_stepper(
-    mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, *, cuts: list[int], prefetch: bool
+    mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device, *, cuts: list[int], prefetch: bool
 ):
     model = build_model(mcfg, seed=0)
     costs = measure_layers(model, batch_size=tcfg.batch_size, seq_len=mcfg.seq_len, state_bpp=8)
@@ -295,7 +295,7 @@ def _engine_stepper(
     return engine.train_step
 
 
-def _fsdp2_offload_stepper(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
+def _fsdp2_offload_stepper(mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device):
     """PyTorch FSDP2 with CPUOffloadPolicy on one GPU: what a user would pick instead."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -316,11 +316,11 @@ def throughput_rows(*, device: torch.device, steps: int, gpu: bool) -> list[dict
     """Round-robin over the variants (one step each per round) so load from other processes on a
     shared machine hits them all alike; the median step time of each is reported."""
     if gpu:
-        mcfg = ModelConfig(kind="gpt", layers=8, d_model=1024, heads=16, seq_len=256)
-        tcfg = TrainConfig(steps=steps, batch_size=8, lr=1e-4)
+        mcfg = ModelSpec(kind="gpt", layers=8, d_model=1024, heads=16, seq_len=256)
+        tcfg = TrainSpec(steps=steps, batch_size=8, lr=1e-4)
     else:
-        mcfg = ModelConfig(kind="gpt", layers=4, d_model=128, heads=4, seq_len=64)
-        tcfg = TrainConfig(steps=steps, batch_size=8, lr=1e-4)
+        mcfg = ModelSpec(kind="gpt", layers=4, d_model=128, heads=4, seq_len=64)
+        tcfg = TrainSpec(steps=steps, batch_size=8, lr=1e-4)
     n_layers = mcfg.layers + 2
     three = [n_layers // 3, 2 * n_layers // 3]
     each = list(range(1, n_layers))

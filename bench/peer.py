@@ -125,13 +125,13 @@ def children_cpu_s() -> float:
 def _bare_trial(t: dict[str, Any]) -> tuple[int, float, int, float]:
     import torch
 
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import NeverStop, NullSink
     from trainer.runner import run
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    res = run(JobConfig.from_dict(t["spec"]), sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
+    res = run(load_job(t["spec"]), sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))
     return t["index"], float(res["val_loss"]), int(res["steps"]), time.perf_counter() - t0
 
 
@@ -257,7 +257,7 @@ def _ray_trial(config: dict[str, Any], specs: list[dict[str, Any]]) -> None:
     import torch
     from ray import tune
 
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import NeverStop, NullSink
     from trainer.runner import run
 
@@ -268,7 +268,7 @@ def _ray_trial(config: dict[str, Any], specs: list[dict[str, Any]]) -> None:
 
     torch.set_num_threads(1)
     spec = specs[config["index"]]
-    run(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
+    run(load_job(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
 
 
 def run_ray(ts: list[dict[str, Any]], mode: str, *, reuse: bool, steps: int, tmp: Path) -> dict[str, Any]:
@@ -357,7 +357,7 @@ def _ray_point(config: dict[str, Any], base: dict[str, Any]) -> None:
     from ray import tune
 
     from jobrules.space import apply_params
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import NeverStop, NullSink
     from trainer.runner import run
 
@@ -372,7 +372,7 @@ def _ray_point(config: dict[str, Any], base: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     spec = apply_params(base, {"train.lr": config["lr"], "model.layers": config["layers"]})
-    run(JobConfig.from_dict(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
+    run(load_job(spec), sink=Report(), stop=NeverStop(), device=torch.device("cpu"))
 
 
 def run_ray_optuna(steps: int, *, seed: int, tmp: Path) -> dict[str, Any]:
@@ -623,7 +623,6 @@ def main() -> None:
     if set(modes) - set(MODES):
         ap.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     ts = trials(args.steps)
-    params = {t["index"]: t["params"] for t in ts}
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmpdir:
         tmp = Path(tmpdir)
@@ -643,31 +642,8 @@ def main() -> None:
                     for mode in modes:
                         if side == "bare" and mode == "asha":
                             continue
-                        before = load()
-                        if side == "bare":
-                            out = run_bare(ts)
-                        elif side in EXECUTOR_SIDES:
-                            out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
-                        elif side == "rest":
-                            assert client is not None
-                            out = run_rest(client, args.steps, mode)
-                        else:
-                            out = run_ray(ts, mode, reuse=side == "ray-reuse", steps=args.steps, tmp=tmp)
-                        out.update(
-                            side=side,
-                            mode=mode,
-                            rep=rep,
-                            load_before=before,
-                            load_after=load(),
-                            best=best_of(out["trials"], params),
-                        )
-                        runs.append(out)
-                        b = out["best"]
-                        cpu = f"  {out['cpu_s']:6.2f} CPU-s" if "cpu_s" in out else ""
-                        print(
-                            f"rep {rep} {side:9s} {mode}: {out['wall_s']:7.2f} s{cpu}  best trial {b['trial']} "
-                            f"{b['params']} val_loss {b['val_loss']:.6f}  load {before:.1f}->{out['load_after']:.1f}",
-                            flush=True,
+                        runs.append(
+                            _one_run(side, mode, rep=rep, ts=ts, steps=args.steps, client=client, tmp=tmp)
                         )
         finally:
             if client is not None:
@@ -704,6 +680,46 @@ def main() -> None:
         },
     )
     print(f"wrote {path}")
+
+
+def _one_run(
+    side: str,
+    mode: str,
+    *,
+    rep: int,
+    ts: list[dict[str, Any]],
+    steps: int,
+    client: httpx.Client | None,
+    tmp: Path,
+) -> dict[str, Any]:
+    """One side's run of the trials `ts` in one mode, with the load around it and its best trial
+    (printed as it ends)."""
+    before = load()
+    if side == "bare":
+        out = run_bare(ts)
+    elif side in EXECUTOR_SIDES:
+        out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
+    elif side == "rest":
+        assert client is not None
+        out = run_rest(client, steps, mode)
+    else:
+        out = run_ray(ts, mode, reuse=side == "ray-reuse", steps=steps, tmp=tmp)
+    out.update(
+        side=side,
+        mode=mode,
+        rep=rep,
+        load_before=before,
+        load_after=load(),
+        best=best_of(out["trials"], {t["index"]: t["params"] for t in ts}),
+    )
+    b = out["best"]
+    cpu = f"  {out['cpu_s']:6.2f} CPU-s" if "cpu_s" in out else ""
+    print(
+        f"rep {rep} {side:9s} {mode}: {out['wall_s']:7.2f} s{cpu}  best trial {b['trial']} "
+        f"{b['params']} val_loss {b['val_loss']:.6f}  load {before:.1f}->{out['load_after']:.1f}",
+        flush=True,
+    )
+    return out
 
 
 def _warm_groups(stack_root: Path) -> tuple[int, int]:

@@ -85,7 +85,7 @@ def _real_rank(rank: int, world: int, schedules: tuple[str, ...], Ns: tuple[int,
 
 
 def _real_one(rank: int, world: int, *, schedules: tuple[str, ...], microbatches: int, steps: int) -> dict:
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import ListSink, NeverStop
     from trainer.runner import run
 
@@ -100,7 +100,7 @@ def _real_one(rank: int, world: int, *, schedules: tuple[str, ...], microbatches
             "resources": {"device": "cpu"},
         }
         sink = ListSink()
-        run(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
+        run(load_job(spec), sink=sink, stop=NeverStop())
         if rank == 0:
             events = [d for e, d in sink.events if e == "timeline"][1:]  # the step-2 one is still warming up
             out[name] = {
@@ -155,13 +155,13 @@ def _jitter_one(rank: int, world: int, *, N: int, steps: int, base_s: float) -> 
 
     import torch.distributed as dist
 
-    from trainer.config import ModelConfig
+    from jobrules.spec import ModelSpec
     from trainer.models import build_model
     from trainer.pipeline.executor import PipelineExecutor
     from trainer.pipeline.simulate import summarize
     from trainer.pipeline.stage import build_stages
 
-    cfg = ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
+    cfg = ModelSpec(layers=2, d_model=32, heads=2, seq_len=16)
     g = torch.Generator().manual_seed(0)
     window = torch.randint(0, cfg.vocab_size or 128, (N, cfg.seq_len + 1), generator=g)
     x, y = window[:, :-1], window[:, 1:]
@@ -227,12 +227,12 @@ def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[
     micro-batches and data, interleaved step by step in one run so load changes hit both."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from trainer.config import ModelConfig
+    from jobrules.spec import ModelSpec
     from trainer.models import build_model, lm_loss
     from trainer.pipeline.executor import PipelineExecutor
     from trainer.pipeline.stage import build_stages
 
-    cfg = ModelConfig(**VS_CFG)
+    cfg = ModelSpec(**VS_CFG)
     g = torch.Generator().manual_seed(0)
     window = torch.randint(0, cfg.vocab_size, (VS_BATCH, cfg.seq_len + 1), generator=g)
     x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
@@ -292,12 +292,12 @@ def _split_rank(
     tiny real model underneath, so what is measured is the schedule and its messages."""
     from torch import nn
 
-    from trainer.config import ModelConfig
+    from jobrules.spec import ModelSpec
     from trainer.models import build_model
     from trainer.pipeline.executor import PipelineExecutor
     from trainer.pipeline.stage import build_stages
 
-    cfg = ModelConfig(**VS_CFG) if real else ModelConfig(layers=2, d_model=32, heads=2, seq_len=16)
+    cfg = ModelSpec(**VS_CFG) if real else ModelSpec(layers=2, d_model=32, heads=2, seq_len=16)
     batch = VS_BATCH if real else N
     g = torch.Generator().manual_seed(0)
     window = torch.randint(0, cfg.vocab_size or 128, (batch, cfg.seq_len + 1), generator=g)

@@ -219,16 +219,14 @@ def run_gaps(steps: int, *, send_ahead: bool) -> dict[str, Any]:
     import torch
 
     from bench.peer import batch_doc, trials
-    from trainer.config import JobConfig
+    from trainer.config import load_job
     from trainer.protocol import NullSink
     from trainer.selection.executor import Executor, TrialEntry
     from trainer.selection.job import parse_batch
 
     spec = parse_batch(batch_doc(trials(steps), "fifo"))
     spec.executor.send_ahead = send_ahead
-    entries = [
-        TrialEntry(index=t.index, job=JobConfig.from_dict(t.spec), sink=NullSink()) for t in spec.trials
-    ]
+    entries = [TrialEntry(index=t.index, job=load_job(t.spec), sink=NullSink()) for t in spec.trials]
     ex = Executor(entries, devices=[torch.device("cpu")] * 2, cfg=spec.executor)
     t0 = time.perf_counter()
     res = ex.run()

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from bench.common import table, write_results
-from trainer.config import JobConfig
+from jobrules.spec import JobSpec
+from trainer.config import load_job
 from trainer.protocol import NullSink
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
 from trainer.selection.scheduler import make_scheduler
@@ -82,7 +83,7 @@ def simulation(*, sizes: list[int], devices: list[int], seeds: int) -> list[dict
     return rows
 
 
-def real_batch(*, n_trials: int, scale: float) -> list[JobConfig]:
+def real_batch(*, n_trials: int, scale: float) -> list[JobSpec]:
     base = {
         "model": {"kind": "gpt", "heads": 4, "seq_len": 64},
         "data": {"max_chars": 1_000_000},
@@ -98,7 +99,7 @@ def real_batch(*, n_trials: int, scale: float) -> list[JobConfig]:
         "train.seed": [0, 1, 2, 3],
     }
     plans = expand(base=base, space=space, method="random", trials=n_trials, seed=7)
-    return [JobConfig.from_dict(p.spec) for p in plans]
+    return [load_job(p.spec) for p in plans]
 
 
 def cpu_s() -> float:
@@ -107,7 +108,7 @@ def cpu_s() -> float:
 
 
 def run_executor(
-    jobs: list[JobConfig], *, devices: int, scheduler: str
+    jobs: list[JobSpec], *, devices: int, scheduler: str
 ) -> tuple[float, float, dict[int, dict]]:
     """(wall seconds, cores used on average, per-trial results)."""
     entries = [TrialEntry(index=i, job=j, sink=NullSink()) for i, j in enumerate(jobs)]
@@ -144,11 +145,11 @@ def thread_ceiling(reps: int = 300) -> tuple[float, float]:
 
 _LOOP = """
 import json, os, sys, time, torch
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.runner import run
 from trainer.protocol import NeverStop, NullSink
 torch.set_num_threads(int(sys.argv[1]))
-jobs = [JobConfig.from_dict(s) for s in json.load(sys.stdin)]
+jobs = [load_job(s) for s in json.load(sys.stdin)]
 run(jobs[0], sink=NullSink(), stop=NeverStop(), device=torch.device("cpu"))  # warm-up
 t0, c0 = time.perf_counter(), sum(os.times()[:2])
 for j in jobs:
@@ -158,7 +159,7 @@ print(json.dumps([wall, (sum(os.times()[:2]) - c0) / wall]))
 """
 
 
-def loop_in_subprocess(jobs: list[JobConfig], *, threads: int) -> tuple[float, float]:
+def loop_in_subprocess(jobs: list[JobSpec], *, threads: int) -> tuple[float, float]:
     """(wall seconds, cores used) of trainer/loop.py over the jobs, one after another, in a fresh
     process: intra-op threads set after this process's worker threads ran behave badly (measured
     27 s instead of 3 s in-process), and a real job runs in its own process anyway."""
@@ -274,14 +275,14 @@ def long_trials(*, target_s: float, n: int = 4) -> list[dict[str, Any]]:
     spec = real_batch(n_trials=1, scale=1.0)[0].to_dict()
     spec["model"].update(layers=4, d_model=128)
     spec["train"].update(steps=5)
-    probe = JobConfig.from_dict(spec)
+    probe = load_job(spec)
     _, _, res = run_executor([probe], devices=1, scheduler="fifo")
     per_step = res[0]["compute_s"] / 5
     spec["train"]["steps"] = max(5, round(target_s / per_step))
     jobs = []
     for i in range(n):
         spec["train"]["seed"] = i
-        jobs.append(JobConfig.from_dict(spec))
+        jobs.append(load_job(spec))
     _, _, res = run_executor(jobs, devices=2, scheduler="shard-lrtf")
     rows = []
     for i, r in res.items():
@@ -302,7 +303,7 @@ def long_trials(*, target_s: float, n: int = 4) -> list[dict[str, Any]]:
 GPU_BUDGET_MIB = 3072
 
 
-def gpu_batch() -> list[JobConfig]:
+def gpu_batch() -> list[JobSpec]:
     """4 trials of 200-340 M parameters: each needs more than GPU_BUDGET_MIB resident (fp32 weights,
     gradients and Adam moments alone are 16 bytes a parameter), so each is cut into shards."""
     out = []
@@ -317,7 +318,7 @@ def gpu_batch() -> list[JobConfig]:
             "parallel": {"spill": {"device_budget_mb": GPU_BUDGET_MIB}},
             "resources": {"device": "cuda"},
         }
-        out.append(JobConfig.from_dict(spec))
+        out.append(load_job(spec))
     return out
 
 
@@ -327,7 +328,7 @@ def gpu_rows(*, reps: int) -> list[dict[str, Any]]:
 
     dev = torch.device("cuda", 0)
     jobs = gpu_batch()
-    resident = [JobConfig.from_dict(_plain_spec(j)) for j in jobs]
+    resident = [load_job(_plain_spec(j)) for j in jobs]
     configs = [
         ("one trial at a time (sequential), prefetch on", "sequential", True, jobs),
         ("shard alternation, Sharded-LRTF, prefetch on", "shard-lrtf", True, jobs),
@@ -335,7 +336,7 @@ def gpu_rows(*, reps: int) -> list[dict[str, Any]]:
         ("resident, no budget, one after another (floor)", "sequential", True, resident),
     ]
 
-    def once(policy: str, prefetch: bool, batch: list[JobConfig], budget: bool) -> tuple[float, dict]:
+    def once(policy: str, prefetch: bool, batch: list[JobSpec], budget: bool) -> tuple[float, dict]:
         entries = [TrialEntry(index=i, job=j, sink=NullSink()) for i, j in enumerate(batch)]
         cfg = ExecutorConfig(
             scheduler=policy,
@@ -395,7 +396,7 @@ def gpu_rows(*, reps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _plain_spec(job: JobConfig) -> dict[str, Any]:
+def _plain_spec(job: JobSpec) -> dict[str, Any]:
     spec = job.to_dict()
     spec.pop("parallel", None)
     return spec

@@ -22,7 +22,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.common import machine, table, write_results
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 from trainer.models import build_model
 from trainer.pipeline.executor import PipelineExecutor, _StepRun
 from trainer.pipeline.schedules import Action, build_schedule
@@ -52,7 +52,7 @@ def _flops(fn: Any) -> int:
 
 
 def measure(
-    schedule: str, cfg: ModelConfig, *, micro: int, steps: int, dtype: torch.dtype, dev: torch.device
+    schedule: str, cfg: ModelSpec, *, micro: int, steps: int, dtype: torch.dtype, dev: torch.device
 ) -> dict[str, Any]:
     sched = build_schedule(schedule, stages=D, microbatches=N)
     model = build_model(cfg, seed=0).to(dev, dtype)
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [
         (
             "gpt L16 d1024 T512 mb4",
-            ModelConfig(kind="gpt", layers=16, d_model=1024, heads=16, seq_len=512, vocab_size=256),
+            ModelSpec(kind="gpt", layers=16, d_model=1024, heads=16, seq_len=512, vocab_size=256),
             4,
         ),
         (
             "gpt L16 d2048 T512 mb4",
-            ModelConfig(kind="gpt", layers=16, d_model=2048, heads=16, seq_len=512, vocab_size=256),
+            ModelSpec(kind="gpt", layers=16, d_model=2048, heads=16, seq_len=512, vocab_size=256),
             4,
         ),
     ]
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         shapes = [
             (
                 "gpt L8 d64 T32 mb2",
-                ModelConfig(kind="gpt", layers=8, d_model=64, heads=4, seq_len=32, vocab_size=256),
+                ModelSpec(kind="gpt", layers=8, d_model=64, heads=4, seq_len=32, vocab_size=256),
                 2,
             )
         ]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench.common import table, write_results
-from trainer.config import TensorConfig
+from jobrules.spec import TensorSpec
 from trainer.tensor.accounting import (
     BlockShape,
     LayerCost,
@@ -43,22 +43,22 @@ SHAPE = BlockShape(N=B * T, D=D, F=RATIO * D)
 REGIME_H, REGIME_HEADS = 32, 16
 REGIME_BT = [(8, 16), (16, 16)]
 
-SPAWNED: dict[int, list[TensorConfig]] = {
-    4: [TensorConfig(mode="1d", size=4), TensorConfig(mode="2d", q=2)],
-    8: [TensorConfig(mode="1d", size=8), TensorConfig(mode="2.5d", q=2, d=2)],
-    16: [TensorConfig(mode="1d", size=16), TensorConfig(mode="2d", q=4), TensorConfig(mode="2.5d", q=2, d=4)],
+SPAWNED: dict[int, list[TensorSpec]] = {
+    4: [TensorSpec(mode="1d", size=4), TensorSpec(mode="2d", q=2)],
+    8: [TensorSpec(mode="1d", size=8), TensorSpec(mode="2.5d", q=2, d=2)],
+    16: [TensorSpec(mode="1d", size=16), TensorSpec(mode="2d", q=4), TensorSpec(mode="2.5d", q=2, d=4)],
 }
-DRY_RUN: dict[int, list[TensorConfig]] = {
+DRY_RUN: dict[int, list[TensorSpec]] = {
     64: [
-        TensorConfig(mode="1d", size=64),
-        TensorConfig(mode="2d", q=8),
-        TensorConfig(mode="2.5d", q=4, d=4),
-        TensorConfig(mode="2.5d", q=2, d=16),
+        TensorSpec(mode="1d", size=64),
+        TensorSpec(mode="2d", q=8),
+        TensorSpec(mode="2.5d", q=4, d=4),
+        TensorSpec(mode="2.5d", q=2, d=16),
     ],
 }
 
 
-def _key(t: TensorConfig) -> str:
+def _key(t: TensorSpec) -> str:
     return f"1d P={t.size}" if t.mode == "1d" else f"{t.mode} q={t.q} d={t.d}"
 
 
@@ -87,7 +87,7 @@ def _block_ledger(records: dict) -> dict[str, dict[str, tuple[int, int, Fraction
 
 
 def _measure(
-    rank: int, world_size: int, configs: list[TensorConfig], regime: list[tuple[int, int]] | None = None
+    rank: int, world_size: int, configs: list[TensorSpec], regime: list[tuple[int, int]] | None = None
 ) -> dict[str, Any]:
     """Per config: the main shape's block + one square linear (ledger), and, for each (B, T) of
     `regime`, a block of hidden size REGIME_H (ledger and socket bytes, fwd + bwd)."""
@@ -165,14 +165,14 @@ def _measure(
 
 
 def derived(
-    tensor: TensorConfig, *, shape: BlockShape = SHAPE, depth_allreduce: bool = True
+    tensor: TensorSpec, *, shape: BlockShape = SHAPE, depth_allreduce: bool = True
 ) -> dict[str, LayerCost]:
     if tensor.mode == "1d":
         return block_costs("1d", shape=shape, P=tensor.size)
     return block_costs(tensor.mode, shape=shape, q=tensor.q, d=tensor.d, depth_allreduce=depth_allreduce)
 
 
-def derived_linear(tensor: TensorConfig) -> LayerCost:
+def derived_linear(tensor: TensorSpec) -> LayerCost:
     if tensor.mode == "1d":
         return linear_1d(kind="row", P=tensor.size, N=SHAPE.N, n_in=D, n_out=D)
     return linear_grid(q=tensor.q, d=tensor.d, N=SHAPE.N, n_in=D, n_out=D, bias=False)
@@ -186,7 +186,7 @@ def _num(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def compare(tensor: TensorConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def compare(tensor: TensorSpec, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Every rank's ledger against the derivation, sub-layer by sub-layer and phase by phase."""
     want = derived(tensor)
     key = _key(tensor)
@@ -214,7 +214,7 @@ def compare(tensor: TensorConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]
 
 
 def block_row(
-    tensor: TensorConfig, *, P: int, measured: list[dict[str, Any]] | None, check: dict[str, Any] | None
+    tensor: TensorSpec, *, P: int, measured: list[dict[str, Any]] | None, check: dict[str, Any] | None
 ) -> dict[str, Any]:
     tot = block_total(derived(tensor))
     params, acts = dense_block_bytes(SHAPE)
@@ -279,7 +279,7 @@ def sublayer_rows(P: int, measured: list[dict[str, Any]] | None) -> list[dict[st
     return rows
 
 
-def model_row(tensor: TensorConfig, *, P: int, measured: list[dict[str, Any]] | None) -> dict[str, Any]:
+def model_row(tensor: TensorSpec, *, P: int, measured: list[dict[str, Any]] | None) -> dict[str, Any]:
     S = 4 * SHAPE.N * D  # one operand's bytes: N = D, so activation and weight are the same size
     lin = derived_linear(tensor).total.sent
     depth = Fraction(0)
@@ -312,7 +312,7 @@ def model_row(tensor: TensorConfig, *, P: int, measured: list[dict[str, Any]] | 
 # ---- regime: where 2.5d sends least ------------------------------------------------------------
 
 
-def _affine(tensor: TensorConfig, *, h: int, depth_allreduce: bool) -> tuple[Fraction, Fraction]:
+def _affine(tensor: TensorSpec, *, h: int, depth_allreduce: bool) -> tuple[Fraction, Fraction]:
     """Per-rank bytes per block = alpha + beta * N at hidden size h (every term is linear in N)."""
     unit = 4096 * 64  # divisible by every d*q used here
     c1 = block_total(derived(tensor, shape=BlockShape(N=unit, D=h, F=4 * h), depth_allreduce=depth_allreduce))
@@ -323,7 +323,7 @@ def _affine(tensor: TensorConfig, *, h: int, depth_allreduce: bool) -> tuple[Fra
     return c1.total.sent - beta * unit, beta
 
 
-def threshold(a: TensorConfig, b: TensorConfig, *, h: int, depth_allreduce: bool) -> Fraction | None:
+def threshold(a: TensorSpec, b: TensorSpec, *, h: int, depth_allreduce: bool) -> Fraction | None:
     """Smallest N/h above which `a` sends fewer bytes than `b` (None: never; 0: always)."""
     a0, a1 = _affine(a, h=h, depth_allreduce=depth_allreduce)
     b0, b1 = _affine(b, h=h, depth_allreduce=depth_allreduce)
@@ -336,11 +336,11 @@ def threshold(a: TensorConfig, b: TensorConfig, *, h: int, depth_allreduce: bool
 def regime_rows(h: int) -> list[dict[str, Any]]:
     rows = []
     for P, tess in ((8, [(2, 2)]), (16, [(2, 4)]), (64, [(4, 4), (2, 16)]), (256, [(8, 4), (4, 16)])):
-        one_d = TensorConfig(mode="1d", size=P)
+        one_d = TensorSpec(mode="1d", size=P)
         q2 = round(P**0.5)
-        two_d = TensorConfig(mode="2d", q=q2) if q2 * q2 == P else None
+        two_d = TensorSpec(mode="2d", q=q2) if q2 * q2 == P else None
         for q, d in tess:
-            t = TensorConfig(mode="2.5d", q=q, d=d)
+            t = TensorSpec(mode="2.5d", q=q, d=d)
             row: dict[str, Any] = {"P": P, "2.5d": f"q={q} d={d}"}
             for label, dar in (("", True), (" (no depth AR)", False)):
                 vs1 = threshold(t, one_d, h=h, depth_allreduce=dar)
@@ -356,11 +356,11 @@ def regime_rows(h: int) -> list[dict[str, Any]]:
 
 
 def sweep_rows(P: int, *, h: int) -> list[dict[str, Any]]:
-    modes = [TensorConfig(mode="1d", size=P)]
+    modes = [TensorSpec(mode="1d", size=P)]
     q2 = round(P**0.5)
     if q2 * q2 == P:
-        modes.append(TensorConfig(mode="2d", q=q2))
-    modes += {16: [TensorConfig(mode="2.5d", q=2, d=4)], 64: [TensorConfig(mode="2.5d", q=4, d=4)]}[P]
+        modes.append(TensorSpec(mode="2d", q=q2))
+    modes += {16: [TensorSpec(mode="2.5d", q=2, d=4)], 64: [TensorSpec(mode="2.5d", q=4, d=4)]}[P]
     rows = []
     for rho in (
         Fraction(1, 8),

@@ -77,7 +77,6 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
     pp, dp, tp = axis_sizes(par)
     n_layers = int(model.get("layers", 4)) + 2  # embedding and head are layers too
     batch = int(train.get("batch_size", 16))
-    offloaded = bool(offload and offload.get("optimizer"))
 
     if dp < 1:
         problems.append(f"parallel.data_parallel must be >= 1, got {dp}")
@@ -121,36 +120,54 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
             problems.append(f"parallel.pipeline.microbatches ({micro}) must divide {what} ({rows})")
         rows = max(1, rows // micro)
     if tensor and tp > 1:
-        split, row_blocks, field = tensor_split(tensor)
-        # which model kinds have a form in this mode, and their own divisibility rules
-        problems.extend(tensor_kind_problems(model, mode=tensor["mode"], split=split))
-        d_model, heads = int(model.get("d_model", 128)), int(model.get("heads", 4))
-        ffn = int(model.get("mlp_ratio", 4)) * d_model
-        for name, value in (
-            ("model.heads", heads),
-            ("model.d_model", d_model),
-            # (a Llama's SwiGLU width is checked by tensor_kind_problems)
-            ("the MLP width (mlp_ratio * d_model)", ffn if model.get("kind", "gpt") == "gpt" else None),
-            # the vocabulary, where the API can know it (else the trainer checks it from the data)
-            ("the vocabulary", spec_vocab_size(spec)),
-        ):
-            if value is not None and value % split:
-                problems.append(
-                    f"{name} ({value}) must be divisible by {field} ({split}) for {tensor['mode']}"
-                )
-        if rows % row_blocks:
-            if rows == batch:
-                what = "train.batch_size"
-            else:
-                what = "a replica's rows" if pp == 1 else "the rows of one micro-batch per replica"
-            formula = "q" if tensor["mode"] == "2d" else "d*q"
-            problems.append(
-                f"{what} ({rows}) must be divisible by {formula} ({row_blocks}) for {tensor['mode']}: "
-                "the grid splits the rows"
-            )
+        problems += _tensor_problems(spec, tensor, rows=rows, batch=batch, pp=pp)
+    problems += _combination_problems(train, spill=spill, offload=offload, several=pp > 1 or tp > 1 or dp > 1)
+    return problems
 
-    # combinations: each one either runs composed (trainer/parallelize.py) or is refused here
-    if spill and (pp > 1 or tp > 1 or dp > 1):
+
+def _tensor_problems(
+    spec: dict[str, Any], tensor: dict[str, Any], *, rows: int, batch: int, pp: int
+) -> list[str]:
+    """The tensor-parallel rules of a layout that splits by tensor: the widths the split divides,
+    and the `rows` of one micro-batch per replica, which the grid's row blocks divide."""
+    problems: list[str] = []
+    model = spec.get("model", {})
+    split, row_blocks, field = tensor_split(tensor)
+    # which model kinds have a form in this mode, and their own divisibility rules
+    problems.extend(tensor_kind_problems(model, mode=tensor["mode"], split=split))
+    d_model, heads = int(model.get("d_model", 128)), int(model.get("heads", 4))
+    ffn = int(model.get("mlp_ratio", 4)) * d_model
+    for name, value in (
+        ("model.heads", heads),
+        ("model.d_model", d_model),
+        # (a Llama's SwiGLU width is checked by tensor_kind_problems)
+        ("the MLP width (mlp_ratio * d_model)", ffn if model.get("kind", "gpt") == "gpt" else None),
+        # the vocabulary, where the API can know it (else the trainer checks it from the data)
+        ("the vocabulary", spec_vocab_size(spec)),
+    ):
+        if value is not None and value % split:
+            problems.append(f"{name} ({value}) must be divisible by {field} ({split}) for {tensor['mode']}")
+    if rows % row_blocks:
+        if rows == batch:
+            what = "train.batch_size"
+        else:
+            what = "a replica's rows" if pp == 1 else "the rows of one micro-batch per replica"
+        formula = "q" if tensor["mode"] == "2d" else "d*q"
+        problems.append(
+            f"{what} ({rows}) must be divisible by {formula} ({row_blocks}) for {tensor['mode']}: "
+            "the grid splits the rows"
+        )
+    return problems
+
+
+def _combination_problems(
+    train: dict[str, Any], *, spill: dict[str, Any], offload: dict[str, Any], several: bool
+) -> list[str]:
+    """Combinations: each one either runs composed (trainer/parallelize.py) or is refused here.
+    `several`: the layout has more than one process (pipeline, tensor or data parallelism)."""
+    problems: list[str] = []
+    offloaded = bool(offload and offload.get("optimizer"))
+    if spill and several:
         problems.append(
             "parallel.spill runs on one process only: spilling drives its own shard-by-shard forward "
             "and backward over the whole model, which a pipeline stage, a tensor-parallel layer or a "
@@ -162,7 +179,7 @@ def parallel_problems(spec: dict[str, Any]) -> list[str]:
             f"parallel.offload.optimizer streams AdamW state through the device; train.optimizer is "
             f"{train.get('optimizer')!r} (use adamw)"
         )
-    if offloaded and offload.get("dtype", "bf16") == "fp16" and (pp > 1 or tp > 1 or dp > 1):
+    if offloaded and offload.get("dtype", "bf16") == "fp16" and several:
         problems.append(
             "parallel.offload.dtype fp16 needs dynamic loss scaling, which only the single-process "
             "engine runs; use bf16 or fp32 with pipeline, tensor or data parallelism"

@@ -14,7 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import JobSpec, SpecError
+from trainer.config import load_job
 from trainer.distributed import env_rank, env_world_size, teardown
 from trainer.protocol import FileStopSignal, JsonlSink, protocol_channel
 from trainer.workspace import UserCodeError, add_environment, set_workspace
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
         # relative paths and user code need the workspace folder, when the spec names none
-        job = JobConfig.from_dict(raw, workspace=args.workspace is not None)
+        job = load_job(raw, workspace=args.workspace is not None)
         if args.check:
             return 0
         set_workspace(args.workspace)
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.runner import run
 
         run(job, sink=sink, stop=FileStopSignal(args.stop_file), checkpoint_dir=args.checkpoint_dir)
-    except ConfigError as e:
+    except SpecError as e:
         sink.error(f"bad spec: {e}")
         return 2
     except UserCodeError as e:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def uses_user_code(job: JobConfig) -> bool:
+def uses_user_code(job: JobSpec) -> bool:
     return job.model.kind == "python" or job.data.kind == "python"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import JobConfig
+from jobrules.spec import JobSpec
 from trainer.protocol import MetricsSink
 
 STEP_METRICS = ("loss", "step_time_ms", "tokens_per_s", "peak_mem_mb")
@@ -27,7 +27,7 @@ class AfterStep:
     """0: no checkpoint between steps."""
 
     @classmethod
-    def of(cls, job: JobConfig) -> AfterStep:
+    def of(cls, job: JobSpec) -> AfterStep:
         return cls(
             steps=job.train.steps, eval_every=job.train.eval_every, checkpoint_every=job.checkpoint_every
         )

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from jobrules.data import BYTE_VOCAB, CHAR_VOCAB, vocab_problem
-from trainer.config import ConfigError, DataConfig, JobConfig
+from jobrules.spec import DataSpec, JobSpec, SpecError
 from trainer.workspace import UserCodeError, call_entry, load_entry, resolve_path
 
 VOCAB_SIZE = CHAR_VOCAB
@@ -80,11 +80,11 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF
 
         if not path.is_file():
-            raise ConfigError(f"data.tokenizer: no tokenizer file at {path}")
+            raise SpecError(f"data.tokenizer: no tokenizer file at {path}")
         try:
             self._tok = _HF.from_file(str(path))
         except Exception as e:  # the library raises plain Exception subclasses for bad JSON
-            raise ConfigError(f"data.tokenizer: {path} is not a tokenizers JSON file ({e})") from e
+            raise SpecError(f"data.tokenizer: {path} is not a tokenizers JSON file ({e})") from e
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> np.ndarray:
@@ -129,16 +129,16 @@ def text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.exists():
-        raise ConfigError(f"data.path: {path} does not exist")
+        raise SpecError(f"data.path: {path} does not exist")
     if not path.is_dir():
-        raise ConfigError(f"data.path: {path} is neither a file nor a folder")
+        raise SpecError(f"data.path: {path} is neither a file nor a folder")
     files = [
         p
         for p in path.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     ]
     if not files:
-        raise ConfigError(f"data.path: the folder {path} holds no files")
+        raise SpecError(f"data.path: the folder {path} holds no files")
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
@@ -152,12 +152,12 @@ def read_text(files: list[Path], *, max_chars: int, strict: bool) -> str:
             raw = path.read_bytes()
         except OSError as e:
             if strict:
-                raise ConfigError(f"data.path: cannot read {path}: {e.strerror}") from e
+                raise SpecError(f"data.path: cannot read {path}: {e.strerror}") from e
             continue
         try:
             text = raw.decode("utf-8", errors="strict" if strict else "replace")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"data.path: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from e
+            raise SpecError(f"data.path: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from e
         chunks.append(text)
         total += len(text)
         if total >= max_chars:
@@ -182,7 +182,7 @@ def _load_text(path: str, tokenizer: str, max_chars: int, workspace_key: str) ->
     else:
         text = read_text(text_files(resolve_path(path, field="data.path")), max_chars=max_chars, strict=True)
     if not text.strip():
-        raise ConfigError(f"data.path: {path} holds no text")
+        raise SpecError(f"data.path: {path} holds no text")
     ids = tok.encode(text)
     # the smallest dtype that holds every id: a 4-million-token corpus is 8 MB, not 32
     dtype = np.uint8 if tok.vocab_size <= 256 else np.uint16 if tok.vocab_size <= 65536 else np.int32
@@ -199,7 +199,7 @@ class TextData:
     vocab_size: int = CHAR_VOCAB
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, seq_len: int) -> Dataset:
+    def from_config(cls, cfg: DataSpec, *, seq_len: int) -> Dataset:
         """The dataset of a text or tokens `cfg` (load_data; a job's engines use data_for)."""
         return load_data(cfg, seq_len=seq_len)
 
@@ -210,7 +210,7 @@ class TextData:
         codes = torch.from_numpy(ids)
         n_val = max(int(len(codes) * val_fraction), seq_len + 2)
         if len(codes) - n_val < seq_len + 2:
-            raise ConfigError(
+            raise SpecError(
                 f"{what} has {len(codes)} tokens: too few for model.seq_len {seq_len} with "
                 f"data.val_fraction {val_fraction} (needs at least {n_val + seq_len + 2})"
             )
@@ -250,24 +250,24 @@ class TokenFiles:
     vocab_size: int
 
     @classmethod
-    def open(cls, cfg: DataConfig, *, seq_len: int) -> TokenFiles:
+    def open(cls, cfg: DataSpec, *, seq_len: int) -> TokenFiles:
         folder = resolve_path(cfg.path or "", field="data.path")
         if not folder.is_dir():
-            raise ConfigError(f"data.path: {folder} is not a folder (it must hold train.bin and val.bin)")
+            raise SpecError(f"data.path: {folder} is not a folder (it must hold train.bin and val.bin)")
         dtype = np.dtype(cfg.dtype)
         maps = {}
         for split in ("train", "val"):
             f = folder / f"{split}.bin"
             if not f.is_file():
-                raise ConfigError(f"data.path: {f} does not exist")
+                raise SpecError(f"data.path: {f} does not exist")
             size = f.stat().st_size
             if size % dtype.itemsize:
-                raise ConfigError(
+                raise SpecError(
                     f"data.path: {f} is {size} bytes, not a whole number of {cfg.dtype} tokens "
                     f"(is data.dtype right?)"
                 )
             if size // dtype.itemsize < seq_len + 2:
-                raise ConfigError(
+                raise SpecError(
                     f"data.path: {f} holds {size // dtype.itemsize} tokens; model.seq_len {seq_len} "
                     f"needs at least {seq_len + 2}"
                 )
@@ -285,7 +285,7 @@ class TokenFiles:
         starts = torch.randint(0, hi, (batch_size,), generator=generator).tolist()
         window = np.stack([source[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         if self.vocab_size and window.max() >= self.vocab_size:
-            raise ConfigError(
+            raise SpecError(
                 f"data: token id {int(window.max())} in {split}.bin is >= data.vocab_size ({self.vocab_size})"
             )
         t = torch.from_numpy(window)
@@ -352,7 +352,7 @@ class PythonData:
         return self._val_pool[pick]
 
 
-def open_python(cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int) -> PythonData:
+def open_python(cfg: DataSpec, *, batch_size: int, seq_len: int, seed: int) -> PythonData:
     fn = load_entry(cfg.entry or "", field="data.entry")
     out = call_entry(fn, field="data.entry", batch_size=batch_size, seq_len=seq_len, seed=seed, **cfg.args)
     if not (isinstance(out, tuple | list) and len(out) == 2):
@@ -369,8 +369,8 @@ def open_python(cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int) ->
 # ---- the entry point the engines use ------------------------------------------------------------
 
 
-def load_data(cfg: DataConfig, *, seq_len: int, batch_size: int = 0, seed: int = 0) -> Dataset:
-    """The dataset `cfg` names. Bad paths, empty files and unreadable tokenizers raise ConfigError
+def load_data(cfg: DataSpec, *, seq_len: int, batch_size: int = 0, seed: int = 0) -> Dataset:
+    """The dataset `cfg` names. Bad paths, empty files and unreadable tokenizers raise SpecError
     naming the field."""
     if cfg.kind == "tokens":
         return TokenFiles.open(cfg, seq_len=seq_len)
@@ -394,7 +394,7 @@ def load_data(cfg: DataConfig, *, seq_len: int, batch_size: int = 0, seed: int =
 _OPEN: dict[tuple[Any, ...], Dataset] = {}
 
 
-def data_for(job: JobConfig) -> Dataset:
+def data_for(job: JobSpec) -> Dataset:
     """The job's dataset, opened once per process for the file kinds (the runner's vocabulary
     check and the engine share it, so tokenizing and vocabulary scans run once)."""
     from trainer.workspace import workspace
@@ -413,7 +413,7 @@ def data_for(job: JobConfig) -> Dataset:
     return _OPEN[key]
 
 
-def with_data_vocab(job: JobConfig) -> JobConfig:
+def with_data_vocab(job: JobSpec) -> JobSpec:
     """The job with model.vocab_size following the data (a built-in model's embedding and head are
     sized by it; a python model's entry point gets it when it takes `vocab_size`); refused when
     the data holds ids the model cannot embed."""
@@ -421,13 +421,13 @@ def with_data_vocab(job: JobConfig) -> JobConfig:
     if not data.vocab_size:
         if job.model.kind == "python":
             return job  # not token data (e.g. images): the user's recipe knows its inputs
-        raise ConfigError(
+        raise SpecError(
             f"data.vocab_size is required for data.kind {job.data.kind} with the built-in model "
             f"{job.model.kind} (it sizes the embedding)"
         )
     problem = vocab_problem(model_vocab=job.model.vocab_size, data_vocab=data.vocab_size)
     if problem:
-        raise ConfigError(problem)
+        raise SpecError(problem)
     vocab = job.model.vocab_size or data.vocab_size
     return job.model_copy(update={"model": job.model.model_copy(update={"vocab_size": vocab})})
 

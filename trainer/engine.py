@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import JobSpec, SpecError
 from trainer.grads import average_gradients, clip_coefficient, grad_norm, replica_rows
 from trainer.mesh import WorldMesh
 from trainer.parallelize import Parallelized, boundary_shape
@@ -36,7 +36,7 @@ class ComposedEngine:
         self,
         *,
         recipe: ModelRecipe,
-        job: JobConfig,
+        job: JobSpec,
         mesh: WorldMesh,
         parts: Parallelized,
         device: torch.device,
@@ -107,7 +107,7 @@ class ComposedEngine:
         x_mb = x_local.chunk(self.micro)[0]
         shapes = {self._act_shape(x_mb, s) for s in range(self.mesh.shape.pp - 1)}
         if len(shapes) != 1:
-            raise ConfigError(
+            raise SpecError(
                 f"model.kind {self.recipe.kind!r}: the activations between pipeline stages differ in shape "
                 f"({sorted(shapes)}); the pipeline executor passes one shape"
             )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobrules.models import swiglu_width
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 from trainer.recipe import StackRecipe
 
 ROPE_BASE = 10_000.0
@@ -136,7 +136,7 @@ class LlamaRecipe(StackRecipe):
 
     kind = "llama"
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         super().__init__(cfg)
         self.kv_heads = cfg.kv_heads or cfg.heads
         self.hidden = swiglu_width(cfg.d_model, cfg.mlp_ratio)

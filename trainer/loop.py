@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from jobrules.applied import APPLIED_FILE
+from jobrules.spec import JobSpec, TrainSpec
 from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint, set_aside
-from trainer.config import JobConfig, TrainConfig
 from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
 from trainer.protocol import MetricsSink, StopSignal, should_stop
@@ -79,13 +79,13 @@ VAL_SEED_OFFSET = 7919
 every evaluation, on every engine."""
 
 
-def val_batches(data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> Iterator[tuple[Any, Any]]:
+def val_batches(data: Dataset, *, recipe: ModelRecipe, cfg: TrainSpec) -> Iterator[tuple[Any, Any]]:
     g = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
     for _ in range(cfg.eval_batches):
         yield recipe.feed(data.batch(split="val", batch_size=cfg.batch_size, generator=g))
 
 
-def evaluate(engine: Engine, data: Dataset, *, recipe: ModelRecipe, cfg: TrainConfig) -> float:
+def evaluate(engine: Engine, data: Dataset, *, recipe: ModelRecipe, cfg: TrainSpec) -> float:
     """Mean loss over the fixed validation batches."""
     losses = [engine.eval_loss(x, y) for x, y in val_batches(data, recipe=recipe, cfg=cfg)]
     return sum(losses) / len(losses)
@@ -212,7 +212,7 @@ def resume(directory: Path | None, *, engine: Engine, sink: MetricsSink) -> tupl
 def run_steps(
     engine: Engine,
     *,
-    job: JobConfig,
+    job: JobSpec,
     recipe: ModelRecipe,
     data: Dataset,
     sink: MetricsSink,

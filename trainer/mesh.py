@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from trainer.config import ConfigError, JobConfig, TensorConfig
+from jobrules.spec import JobSpec, SpecError, TensorSpec
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -25,15 +25,15 @@ class MeshShape:
     """Pipeline stages."""
     dp: int = 1
     """Data-parallel replicas."""
-    tensor: TensorConfig | None = None
+    tensor: TensorSpec | None = None
     """The tensor layout (None: no tensor parallelism)."""
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.dp < 1 or self.tp < 1:
-            raise ConfigError(f"mesh axes must be >= 1, got pp={self.pp} dp={self.dp} tp={self.tp}")
+            raise SpecError(f"mesh axes must be >= 1, got pp={self.pp} dp={self.dp} tp={self.tp}")
 
     @classmethod
-    def from_job(cls, job: JobConfig) -> MeshShape:
+    def from_job(cls, job: JobSpec) -> MeshShape:
         pp, dp, tp = job.parallel.axes
         return cls(pp=pp, dp=dp, tensor=job.parallel.tensor if tp > 1 else None)
 
@@ -48,7 +48,7 @@ class MeshShape:
     def check(self, world_size: int) -> None:
         """Before any process group: the launch must have exactly the ranks the layout needs."""
         if self.world_size != world_size:
-            raise ConfigError(
+            raise SpecError(
                 f"the job needs pp*dp*tp = {self.pp}*{self.dp}*{self.tp} = {self.world_size} processes "
                 f"but WORLD_SIZE is {world_size}; launch it with torchrun --nproc-per-node {self.world_size}"
             )

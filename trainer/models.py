@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobrules.data import CHAR_VOCAB
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 from trainer.recipe import ModelRecipe, StackRecipe, build_dense, cross_entropy_loss
 
 
@@ -151,11 +151,11 @@ class MLPRecipe(StackRecipe):
         return Residual(d_model=c.d_model, hidden=c.mlp_ratio * c.d_model)
 
 
-RECIPES: dict[str, Callable[[ModelConfig], ModelRecipe]] = {"gpt": GPTRecipe, "mlp": MLPRecipe}
+RECIPES: dict[str, Callable[[ModelSpec], ModelRecipe]] = {"gpt": GPTRecipe, "mlp": MLPRecipe}
 """Built-in recipes by `model.kind`."""
 
 
-def recipe_for(cfg: ModelConfig) -> ModelRecipe:
+def recipe_for(cfg: ModelSpec) -> ModelRecipe:
     """The recipe `model.kind` names, starting from `model.init_from`'s weights when given."""
     recipe = _recipe(cfg)
     if cfg.init_from is not None:
@@ -165,7 +165,7 @@ def recipe_for(cfg: ModelConfig) -> ModelRecipe:
     return recipe
 
 
-def _recipe(cfg: ModelConfig) -> ModelRecipe:
+def _recipe(cfg: ModelSpec) -> ModelRecipe:
     if cfg.kind == "python":
         from trainer.user_model import user_recipe
 
@@ -181,7 +181,7 @@ def _recipe(cfg: ModelConfig) -> ModelRecipe:
     return RECIPES[cfg.kind](cfg)
 
 
-def build_model(cfg: ModelConfig, *, seed: int) -> nn.Sequential:
+def build_model(cfg: ModelSpec, *, seed: int) -> nn.Sequential:
     """The whole model from `seed` alone, on CPU (single-process runs and test references): the
     same weights any rank materialises for its own layers (trainer/recipe.py)."""
     return build_dense(recipe_for(cfg), seed=seed)

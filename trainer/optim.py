@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import OffloadConfig, TrainConfig
+from jobrules.spec import OffloadSpec, TrainSpec
 from trainer.grads import scale_grads_
 
 
-def build_optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Any, cfg: TrainSpec) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -25,7 +25,7 @@ class TorchOptimizer:
 
     offloaded = False
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], *, cfg: TrainConfig) -> None:
+    def __init__(self, named: list[tuple[str, nn.Parameter]], *, cfg: TrainSpec) -> None:
         self.named = named
         self.opt = build_optimizer([p for _, p in named], cfg)
 
@@ -63,8 +63,8 @@ class OffloadedOptimizer:
         self,
         named: list[tuple[str, nn.Parameter]],
         *,
-        cfg: TrainConfig,
-        offload: OffloadConfig,
+        cfg: TrainSpec,
+        offload: OffloadSpec,
         device: torch.device,
     ) -> None:
         from trainer.spill.ledger import DeviceLedger

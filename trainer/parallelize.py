@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import JobSpec, SpecError
 from trainer.mesh import WorldMesh
 from trainer.optim import OffloadedOptimizer, TorchOptimizer
 from trainer.recipe import ModelRecipe, layer_param_counts, materialize_layer, meta_layers
@@ -91,15 +91,13 @@ def _tp_layer(recipe: ModelRecipe, index: int, layer: nn.Module, mesh: WorldMesh
 
     hint = recipe.tp_hint(index)
     if hint is None:
-        raise ConfigError(
+        raise SpecError(
             f"model.kind {recipe.kind!r}: layer {index} has no tensor-parallel form (tp_hint None)"
         )
     return shard_layer(layer, mesh=mesh.tp_mesh, name=str(index))
 
 
-def parallelize(
-    recipe: ModelRecipe, job: JobConfig, *, mesh: WorldMesh, device: torch.device
-) -> Parallelized:
+def parallelize(recipe: ModelRecipe, job: JobSpec, *, mesh: WorldMesh, device: torch.device) -> Parallelized:
     cfg, par = job.train, job.parallel
     shape = mesh.shape
     n_params = sum(layer_param_counts(recipe))

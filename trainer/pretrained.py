@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import ConfigError
+from jobrules.spec import SpecError
 from trainer.recipe import ModelRecipe
 from trainer.workspace import resolve_path
 
@@ -25,11 +25,11 @@ def _torch_state(path: str) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
-        raise ConfigError(f"model.init_from: cannot read {path} as a torch state dict ({e})") from e
+        raise SpecError(f"model.init_from: cannot read {path} as a torch state dict ({e})") from e
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict):
-        raise ConfigError(f"model.init_from: {path} does not hold a state dict")
+        raise SpecError(f"model.init_from: {path} does not hold a state dict")
     return state
 
 
@@ -38,7 +38,7 @@ class WeightFile:
 
     def __init__(self, path: Path) -> None:
         if not path.is_file():
-            raise ConfigError(f"model.init_from: no file at {path}")
+            raise SpecError(f"model.init_from: no file at {path}")
         self.path = path
         if path.suffix == ".safetensors":
             from safetensors import SafetensorError, safe_open
@@ -47,7 +47,7 @@ class WeightFile:
                 with safe_open(str(path), framework="pt") as f:
                     self.keys = set(f.keys())
             except (SafetensorError, OSError) as e:
-                raise ConfigError(f"model.init_from: {path} is not a safetensors file ({e})") from e
+                raise SpecError(f"model.init_from: {path} is not a safetensors file ({e})") from e
         else:
             self.keys = set(_torch_state(str(path)))
 
@@ -70,7 +70,7 @@ class Pretrained(ModelRecipe):
         self.file = WeightFile(resolve_path(path, field="model.init_from"))
         expected = {f"{i}." for i in range(inner.n_layers)}
         if not any(k.split(".", 1)[0] + "." in expected for k in self.file.keys):
-            raise ConfigError(
+            raise SpecError(
                 f"model.init_from: {path} has no keys of this model's layers ('0.…' to "
                 f"'{inner.n_layers - 1}.…'); e.g. {sorted(self.file.keys)[:3]}"
             )
@@ -87,11 +87,11 @@ class Pretrained(ModelRecipe):
                 key = f"{index}.{name}"
                 if key not in self.file.keys:
                     if t.is_floating_point():
-                        raise ConfigError(f"model.init_from: {self.file.path} has no tensor {key!r}")
+                        raise SpecError(f"model.init_from: {self.file.path} has no tensor {key!r}")
                     continue
                 src = self.file.get(key)
                 if tuple(src.shape) != tuple(t.shape):
-                    raise ConfigError(
+                    raise SpecError(
                         f"model.init_from: {key!r} has shape {tuple(src.shape)} in the file, "
                         f"{tuple(t.shape)} in the model"
                     )

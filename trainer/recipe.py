@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 
 
 class RecipeError(RuntimeError):
@@ -82,7 +82,7 @@ class StackRecipe(ModelRecipe):
     """[input layer, block x cfg.layers, head], initialised as GPT-2's (gpt2_init): the built-in
     kinds; each says which layers in build_layer."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelSpec) -> None:
         self.cfg = cfg
         self.n_layers = cfg.layers + 2
 

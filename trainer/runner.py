@@ -1,6 +1,6 @@
 """Runs a job: checks the layout, builds the engine, hands it to the one step loop.
 
-Every spec JobConfig accepts runs as asked (jobrules/parallel.py refuses the rest, for the API and
+Every spec JobSpec accepts runs as asked (jobrules/parallel.py refuses the rest, for the API and
 `python -m trainer` alike). Two engines:
   - the spilling engine (trainer/spill/job.py) for `parallel.spill`, and for
     `parallel.offload.optimizer` on a single process (it runs fp16 loss scaling too);
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import JobConfig
+from jobrules.spec import JobSpec
 from trainer.data import data_for, with_data_vocab
 from trainer.device import pick_device
 from trainer.distributed import env_world_size, init_from_env
@@ -28,7 +28,7 @@ from trainer.user_model import check_user_model
 
 
 def run(
-    job: JobConfig,
+    job: JobSpec,
     *,
     sink: MetricsSink,
     stop: StopSignal,
@@ -46,7 +46,7 @@ def run(
 
 
 def build_engine(
-    job: JobConfig, *, sink: MetricsSink, device: torch.device | None = None
+    job: JobSpec, *, sink: MetricsSink, device: torch.device | None = None
 ) -> tuple[Engine, ModelRecipe, MetricsSink]:
     """The engine for `job` on this rank, its recipe, and the sink this rank reports to (silent
     on every rank but 0). Joins the process group torchrun described when the job has several."""
@@ -79,7 +79,7 @@ def _initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _join(job: JobConfig, shape: MeshShape) -> tuple[torch.device, Any]:
+def _join(job: JobSpec, shape: MeshShape) -> tuple[torch.device, Any]:
     want = job.resources.device
     cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     device_type = "cuda" if cuda else "cpu"

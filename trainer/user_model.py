@@ -12,13 +12,13 @@ import inspect
 
 import torch
 
-from trainer.config import JobConfig, ModelConfig
+from jobrules.spec import JobSpec, ModelSpec
 from trainer.data import data_for
 from trainer.recipe import ModelRecipe, meta_layers
 from trainer.workspace import UserCodeError, call_entry, load_entry
 
 
-def user_recipe(cfg: ModelConfig) -> ModelRecipe:
+def user_recipe(cfg: ModelSpec) -> ModelRecipe:
     fn = load_entry(cfg.entry or "", field="model.entry")
     kwargs = dict(cfg.args)
     try:
@@ -87,7 +87,7 @@ def check_recipe(recipe: ModelRecipe, batch: object, *, entry: str) -> None:
         )
 
 
-def check_user_model(job: JobConfig, *, recipe: ModelRecipe) -> None:
+def check_user_model(job: JobSpec, *, recipe: ModelRecipe) -> None:
     """Before any training: one validation batch of the job's data goes through every layer of the
     user's recipe (built by the caller: trainer/models.py's recipe_for imports this module) and the
     loss on the meta device (trainer/data.py's data_for shares the dataset)."""

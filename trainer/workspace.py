@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
+from jobrules.spec import SpecError
 
 _ROOT: list[Path] = []
 
@@ -36,7 +36,7 @@ def set_workspace(path: Path | None) -> None:
         reason = (
             why.read_text().strip() if why.is_file() else "the worker could not unpack the job's workspace"
         )
-        raise ConfigError(f"workspace folder {path} does not exist: {reason}")
+        raise SpecError(f"workspace folder {path} does not exist: {reason}")
     _ROOT.append(path)
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
@@ -50,7 +50,7 @@ def add_environment(path: Path | None) -> None:
     if path is None:
         return
     if not path.is_dir():
-        raise ConfigError(f"environment folder {path} does not exist (the worker's build left none)")
+        raise SpecError(f"environment folder {path} does not exist (the worker's build left none)")
     site.addsitedir(str(path))  # its .pth files too, as in any site-packages
     importlib.invalidate_caches()
 
@@ -66,10 +66,10 @@ def resolve_path(raw: str, *, field: str) -> Path:
         return p
     root = workspace()
     if root is None:
-        raise ConfigError(f"{field} ({raw!r}) is relative but the job has no workspace")
+        raise SpecError(f"{field} ({raw!r}) is relative but the job has no workspace")
     full = (root / p).resolve()
     if not full.is_relative_to(root):
-        raise ConfigError(f"{field} ({raw!r}) points outside the workspace")
+        raise SpecError(f"{field} ({raw!r}) points outside the workspace")
     return full
 
 
@@ -78,7 +78,7 @@ def load_entry(spec: str, *, field: str) -> Callable[..., Any]:
     come back as UserCodeError chained to the original exception, so its traceback is printed."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"{field} must look like 'package.module:function', got {spec!r}")
+        raise SpecError(f"{field} must look like 'package.module:function', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

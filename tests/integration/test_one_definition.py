@@ -23,10 +23,9 @@ import annotated_types as at
 import pytest
 from pydantic import BaseModel
 
-from jobrules.spec import BatchRules, JobSpec
+from jobrules.spec import BatchRules, JobSpec, SpecError
 from tests.conftest import TINY_SPEC, StackHandle
 from trainer.__main__ import main as trainer_main
-from trainer.config import ConfigError
 from trainer.selection.job import parse_batch
 
 pytestmark = pytest.mark.integration
@@ -189,7 +188,7 @@ def test_a_selection_rule_answers_the_same_at_the_api_and_the_batch(
     and refused in the same words in the batch message the trainer reads."""
     status, detail = api_answer(stack, "/api/selections", with_(SELECTION, path, value))
     batch = with_({"trials": [{"index": 0, "spec": TINY_SPEC}]}, path, value)
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(SpecError) as refused:
         parse_batch(batch)
     assert status == 422 and detail.startswith(f"{path}: ")
     assert str(refused.value) == detail

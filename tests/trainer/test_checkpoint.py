@@ -27,7 +27,7 @@ from trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 
@@ -87,13 +87,13 @@ def test_truncated_and_corrupt_files_beside_good_ones_are_never_loaded(tmp_path:
 
 
 def test_the_loop_resumes_from_the_newest_intact_checkpoint(tmp_path: Path) -> None:
-    job = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 4}})
+    job = load_job({**SPEC, "train": {**SPEC["train"], "steps": 4}})
     run(job, sink=ListSink(), stop=NeverStop(), checkpoint_dir=tmp_path)
     newest = latest_checkpoint(tmp_path)
     assert newest == checkpoint_path(tmp_path, 4)
     newest.write_bytes(newest.read_bytes()[:-100])  # the end of the archive is gone
     sink = ListSink()
-    job6 = JobConfig.from_dict({**SPEC, "train": {**SPEC["train"], "steps": 6}})
+    job6 = load_job({**SPEC, "train": {**SPEC["train"], "steps": 6}})
     result = run(job6, sink=sink, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert any("resumed from step-00000002.pt at step 2" in m for m in sink.logs), sink.logs
     assert [s for s, n, _ in sink.metrics if n == "loss"] == [3, 4, 5, 6]

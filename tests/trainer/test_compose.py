@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.spec import SpecError
 from tests.gloo import run_ranks
-from trainer.config import ConfigError, JobConfig
+from trainer.config import load_job
 from trainer.data import TextData
 from trainer.loop import run_steps
 from trainer.protocol import ListSink, NeverStop
@@ -85,7 +86,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
 
 
 def _reference(train: dict[str, Any]) -> dict[str, Any]:
-    job = JobConfig.from_dict(spec({}, **train))
+    job = load_job(spec({}, **train))
     sink = ListSink()
     engine, recipe, _ = build_engine(job, sink=sink)
     data = TextData.from_config(job.data, seq_len=job.model.seq_len)
@@ -102,7 +103,7 @@ def _rank(
 ) -> dict[str, Any]:
     from trainer.tensor.block import slicers
 
-    job = JobConfig.from_dict(raw)
+    job = load_job(raw)
     sink = ListSink()
     engine, recipe, report = build_engine(job, sink=sink)
     data = TextData.from_config(job.data, seq_len=job.model.seq_len)
@@ -150,7 +151,7 @@ def test_composed_layout_matches_the_single_process_reference(name: str) -> None
     n_params = sum(v.numel() for v in ref["state"].values())
     assert lead["result"]["params"] == n_params
     assert all(r["compared"] == r["local"] > 0 for r in ranks)
-    pp, dp, tp = JobConfig.from_dict(raw).parallel.axes
+    pp, dp, tp = load_job(raw).parallel.axes
     chimera = str(parallel.get("pipeline", {}).get("schedule", "")).startswith("chimera")
     if pp * tp > 1 and not chimera:  # (Chimera holds two stage copies per rank: all of it at D=2)
         assert all(r["local"] < n_params for r in ranks)
@@ -171,13 +172,13 @@ def test_spill_beside_any_parallel_axis_is_refused_with_the_reason() -> None:
         {"spill": {"device_budget_mb": 64}, "data_parallel": 2},
         {"spill": {"device_budget_mb": 64}, "tensor": {"mode": "1d", "size": 2}},
     ):
-        with pytest.raises(ConfigError, match="parallel.spill runs on one process only"):
-            JobConfig.from_dict(spec(parallel))
+        with pytest.raises(SpecError, match="parallel.spill runs on one process only"):
+            load_job(spec(parallel))
 
 
 def test_a_launch_with_the_wrong_world_size_fails_before_any_process_group() -> None:
-    job = JobConfig.from_dict(spec({"data_parallel": 2}))
-    with pytest.raises(ConfigError, match=r"pp\*dp\*tp = 1\*2\*1 = 2 processes but WORLD_SIZE is 1"):
+    job = load_job(spec({"data_parallel": 2}))
+    with pytest.raises(SpecError, match=r"pp\*dp\*tp = 1\*2\*1 = 2 processes but WORLD_SIZE is 1"):
         run(job, sink=ListSink(), stop=NeverStop())
     assert not torch.distributed.is_initialized()
 
@@ -194,7 +195,7 @@ class _StopAfter:
 def _resume_rank(rank: int, world: int, raw: dict[str, Any], ckpt: str) -> dict[str, Any]:
     """Two steps and a stop, then the same job again from the checkpoints: replica 1 resumes from
     the files replica 0 wrote."""
-    job = JobConfig.from_dict(raw)
+    job = load_job(raw)
     first, second = ListSink(), ListSink()
     run(job, sink=first, stop=_StopAfter(2), checkpoint_dir=Path(ckpt))
     files = sorted(p.name for p in Path(ckpt).rglob("step-*.pt"))
@@ -223,7 +224,7 @@ def test_data_parallel_run_resumes_from_the_first_replicas_checkpoint() -> None:
 def _resume_after_damage(rank: int, world: int, raw: dict[str, Any], ckpt: str) -> dict[str, Any]:
     """Four steps (checkpoints at 2 and 4), then rank 1's newest file is truncated; the same job
     again must fall back to step 2 on every rank."""
-    job = JobConfig.from_dict(raw)
+    job = load_job(raw)
     first, second = ListSink(), ListSink()
     run(job, sink=first, stop=_StopAfter(4), checkpoint_dir=Path(ckpt))
     torch.distributed.barrier()

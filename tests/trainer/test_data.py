@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from jobrules.spec import DataSpec, JobSpec, SpecError
 from tests.user_data import PERIODIC_BATCHES_PY
-from trainer.config import ConfigError, DataConfig, JobConfig
+from trainer.config import load_job
 from trainer.data import TokenFiles, data_for, load_data, with_data_vocab
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -31,8 +32,8 @@ def _no_workspace():
     set_workspace(None)
 
 
-def job(data: dict, *, steps: int = 30, model: dict | None = None) -> JobConfig:
-    return JobConfig.from_dict(
+def job(data: dict, *, steps: int = 30, model: dict | None = None) -> JobSpec:
+    return load_job(
         {
             "model": {"kind": "gpt", "layers": 1, "d_model": 32, "heads": 2, "seq_len": 16, **(model or {})},
             "data": data,
@@ -41,7 +42,7 @@ def job(data: dict, *, steps: int = 30, model: dict | None = None) -> JobConfig:
     )
 
 
-def train(spec: JobConfig) -> ListSink:
+def train(spec: JobSpec) -> ListSink:
     """`spec` trained to its end: the lines it wrote."""
     sink = ListSink()
     run(spec, sink=sink, stop=NeverStop())
@@ -86,7 +87,7 @@ def test_hf_tokenizer_trained_here_and_relative_to_the_workspace(tmp_path: Path)
     assert falls(train(spec))
     # a model vocabulary smaller than the tokenizer's is refused before training
     with pytest.raises(
-        ConfigError, match=rf"data's vocabulary \({vocab}\) is larger than model.vocab_size \(100\)"
+        SpecError, match=rf"data's vocabulary \({vocab}\) is larger than model.vocab_size \(100\)"
     ):
         train(job({"path": "corpus.txt", "tokenizer": "tokenizer.json"}, model={"vocab_size": 100}))
 
@@ -119,42 +120,42 @@ def test_tokens_bin_trains_through_memmap(tmp_path: Path, dtype: str) -> None:
 
 def test_tokens_with_ids_beyond_the_stated_vocabulary_fail_with_the_reason(tmp_path: Path) -> None:
     write_tokens(tmp_path, n=5_000, vocab=1000, dtype="uint16")
-    with pytest.raises(ConfigError, match=r"token id \d+ in train.bin is >= data.vocab_size \(10\)"):
+    with pytest.raises(SpecError, match=r"token id \d+ in train.bin is >= data.vocab_size \(10\)"):
         train(job({"kind": "tokens", "path": str(tmp_path), "vocab_size": 10}))
 
 
 def test_bad_paths_and_empty_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="data.path: .*nope does not exist"):
-        load_data(DataConfig(path=str(tmp_path / "nope")), seq_len=16)
+    with pytest.raises(SpecError, match="data.path: .*nope does not exist"):
+        load_data(DataSpec(path=str(tmp_path / "nope")), seq_len=16)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="holds no files"):
-        load_data(DataConfig(path=str(tmp_path / "empty")), seq_len=16)
+    with pytest.raises(SpecError, match="holds no files"):
+        load_data(DataSpec(path=str(tmp_path / "empty")), seq_len=16)
     (tmp_path / "blank.txt").write_text("   \n")
-    with pytest.raises(ConfigError, match="holds no text"):
-        load_data(DataConfig(path=str(tmp_path / "blank.txt")), seq_len=16)
+    with pytest.raises(SpecError, match="holds no text"):
+        load_data(DataSpec(path=str(tmp_path / "blank.txt")), seq_len=16)
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1") * 100)
-    with pytest.raises(ConfigError, match="latin1.txt is not UTF-8 text"):
-        load_data(DataConfig(path=str(tmp_path / "latin1.txt")), seq_len=16)
+    with pytest.raises(SpecError, match="latin1.txt is not UTF-8 text"):
+        load_data(DataSpec(path=str(tmp_path / "latin1.txt")), seq_len=16)
     (tmp_path / "short.txt").write_text("tiny")
-    with pytest.raises(ConfigError, match="too few for model.seq_len 16"):
-        load_data(DataConfig(path=str(tmp_path / "short.txt")), seq_len=16)
+    with pytest.raises(SpecError, match="too few for model.seq_len 16"):
+        load_data(DataSpec(path=str(tmp_path / "short.txt")), seq_len=16)
     tokens = tmp_path / "tok"
     tokens.mkdir()
     (tokens / "train.bin").write_bytes(b"\x00" * 1001)
     (tokens / "val.bin").write_bytes(b"\x00" * 1000)
-    with pytest.raises(ConfigError, match="1001 bytes, not a whole number of uint16 tokens"):
-        load_data(DataConfig(kind="tokens", path=str(tokens)), seq_len=16)
+    with pytest.raises(SpecError, match="1001 bytes, not a whole number of uint16 tokens"):
+        load_data(DataSpec(kind="tokens", path=str(tokens)), seq_len=16)
     (tokens / "train.bin").write_bytes(b"\x00" * 1000)
     (tokens / "val.bin").unlink()
-    with pytest.raises(ConfigError, match="val.bin does not exist"):
-        load_data(DataConfig(kind="tokens", path=str(tokens), dtype="uint16"), seq_len=16)
-    with pytest.raises(ConfigError, match="relative but the job has no workspace"):
-        load_data(DataConfig(path="data.txt"), seq_len=16)
+    with pytest.raises(SpecError, match="val.bin does not exist"):
+        load_data(DataSpec(kind="tokens", path=str(tokens), dtype="uint16"), seq_len=16)
+    with pytest.raises(SpecError, match="relative but the job has no workspace"):
+        load_data(DataSpec(path="data.txt"), seq_len=16)
     set_workspace(tmp_path)
-    with pytest.raises(ConfigError, match="points outside the workspace"):
-        load_data(DataConfig(path="../../etc/passwd"), seq_len=16)
-    with pytest.raises(ConfigError, match="no tokenizer file"):
-        load_data(DataConfig(path="blank.txt", tokenizer="missing.json"), seq_len=16)
+    with pytest.raises(SpecError, match="points outside the workspace"):
+        load_data(DataSpec(path="../../etc/passwd"), seq_len=16)
+    with pytest.raises(SpecError, match="no tokenizer file"):
+        load_data(DataSpec(path="blank.txt", tokenizer="missing.json"), seq_len=16)
 
 
 def test_python_data_entry_point(tmp_path: Path) -> None:

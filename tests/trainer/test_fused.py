@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.spec import JobSpec, SpecError
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import ConfigError, JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 from trainer.selection.fused import FusedTrials, check_fusable, fusable
@@ -53,10 +54,8 @@ SGD = [
 ]
 
 
-def _job(
-    train: dict[str, Any], *, device: str, model: dict[str, Any] | None = None, **more: Any
-) -> JobConfig:
-    return JobConfig.from_dict(
+def _job(train: dict[str, Any], *, device: str, model: dict[str, Any] | None = None, **more: Any) -> JobSpec:
+    return load_job(
         {
             "model": model or MODEL,
             "data": {"max_chars": 20_000},
@@ -70,7 +69,7 @@ def _job(
 _ALONE: dict[tuple[str, str], tuple[list[float], dict[str, torch.Tensor], float]] = {}
 
 
-def _alone(job: JobConfig, tmp: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
+def _alone(job: JobSpec, tmp: Path) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The trial's per-step losses, final weights and final validation loss, trained alone by the
     runner (cached per spec)."""
     key = (job.model_dump_json(), job.resources.device)
@@ -131,12 +130,12 @@ def test_an_unfusable_set_is_refused_naming_the_field() -> None:
     base = _job(ADAMW[0], device="cpu")
     wider = _job(ADAMW[1], device="cpu", model={**MODEL, "d_model": 64})
     sgd = _job(SGD[0], device="cpu")
-    with pytest.raises(ConfigError, match=r"trial 1 .*model\.d_model differs \(32 vs 64\)"):
+    with pytest.raises(SpecError, match=r"trial 1 .*model\.d_model differs \(32 vs 64\)"):
         check_fusable([base, wider])
-    with pytest.raises(ConfigError, match=r"train\.optimizer differs \('adamw' vs 'sgd'\)"):
+    with pytest.raises(SpecError, match=r"train\.optimizer differs \('adamw' vs 'sgd'\)"):
         FusedTrials([base, sgd])
     spilled = _job(ADAMW[2], device="cpu", parallel={"spill": {"device_budget_mb": 64}})
-    with pytest.raises(ConfigError, match=r"trial 1 cannot be fused: parallel\.spill"):
+    with pytest.raises(SpecError, match=r"trial 1 cannot be fused: parallel\.spill"):
         check_fusable([base, spilled])
 
     other_batch = _job({**ADAMW[1], "batch_size": 8}, device="cpu")

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.spec import SpecError
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.config import ConfigError
 from trainer.protocol import ListSink, NeverStop
 from trainer.selection.job import parse_batch, run_selection
 
@@ -164,6 +164,6 @@ def test_the_batch_stop_ends_every_member() -> None:
 
 def test_fuse_with_early_stopping_is_refused_naming_fuse() -> None:
     es = {"kind": "asha", "reduction_factor": 3, "min_steps": 2}
-    with pytest.raises(ConfigError, match="fuse cannot be combined with early_stopping"):
+    with pytest.raises(SpecError, match="fuse cannot be combined with early_stopping"):
         parse_batch(batch(fuse=True, early_stopping=es))
     assert parse_batch(batch(fuse=True)).fuse and not parse_batch(batch()).fuse

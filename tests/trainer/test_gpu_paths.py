@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 
@@ -58,7 +58,7 @@ def _spec(parallel: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def _train(parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     sink = ListSink()
-    result = run(JobConfig.from_dict(_spec(parallel)), sink=sink, stop=NeverStop())
+    result = run(load_job(_spec(parallel)), sink=sink, stop=NeverStop())
     return {"loss": sink.series("loss"), "val_loss": sink.series("val_loss"), "result": result}
 
 
@@ -190,7 +190,7 @@ def test_a_selection_batch_on_the_device_matches_each_trial_alone(tmp_path: Path
         if "parallel" in s:
             s["parallel"]["spill"]["device_budget_mb"] = budget_mb
     jobs = [
-        JobConfig.from_dict({**common, **s, "name": f"t{i}", "train": {**s["train"], **small}})
+        load_job({**common, **s, "name": f"t{i}", "train": {**s["train"], **small}})
         for i, s in enumerate(specs)
     ]
     refs = {}

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import DataConfig, JobConfig
+from jobrules.spec import DataSpec, JobSpec
+from trainer.config import load_job
 from trainer.data import TextData, decode
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 
 
-def tiny(**train) -> JobConfig:
-    return JobConfig.from_dict(
+def tiny(**train) -> JobSpec:
+    return load_job(
         {
             "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},
             "data": {"max_chars": 200_000},
@@ -31,7 +32,7 @@ class StopAfter:
 
 
 def test_the_corpus_is_real_python_source() -> None:
-    data = TextData.from_config(DataConfig(max_chars=200_000), seq_len=16)
+    data = TextData.from_config(DataSpec(max_chars=200_000), seq_len=16)
     text = decode(data.train[:20_000].tolist())
     assert "def " in text and "import " in text
     assert len(data.val) >= 0.09 * (len(data.train) + len(data.val))

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.spec import OffloadSpec
 from tests.device_census import DeviceCensus
 from tests.trainer.test_spill_engine import ADAMW, MODEL, make_engine, make_stream
-from trainer.config import OffloadConfig
 from trainer.spill.engine import SpillEngine
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.offload import NonFiniteGradient, OffloadedAdamW, bucket_bytes
@@ -95,7 +95,7 @@ def test_bf16_mode_matches_to_mixed_precision_tolerance() -> None:
 
 
 def _offloaded_engine(dtype: str, cuts: list[int]) -> SpillEngine:
-    engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=OffloadConfig(optimizer=True, dtype=dtype))
+    engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=OffloadSpec(optimizer=True, dtype=dtype))
     return engine
 
 
@@ -180,7 +180,7 @@ def test_engine_fp16_overflow_skips_step_and_backs_off() -> None:
     """Through the engine: a loss scale so large the fp16 gradients overflow -> the step is
     skipped (weights unchanged) and the scale drops; training then proceeds."""
     stream = make_stream()
-    engine, _, _ = make_engine(MODEL, ADAMW, cuts=[], offload=OffloadConfig(optimizer=True, dtype="fp16"))
+    engine, _, _ = make_engine(MODEL, ADAMW, cuts=[], offload=OffloadSpec(optimizer=True, dtype="fp16"))
     assert engine.opt is not None
     engine.opt.scaler.scale = 2.0**40
     before = engine.model_state()
@@ -229,7 +229,7 @@ def test_fp16_spilled_equals_fp16_resident_including_skips() -> None:
     """fp16 with several shards takes the deferred path (one global inf check before any step):
     it matches the one-shard run exactly, skipped steps and loss-scale changes included."""
     stream = make_stream()
-    fp16 = OffloadConfig(optimizer=True, dtype="fp16")
+    fp16 = OffloadSpec(optimizer=True, dtype="fp16")
     runs = []
     for cuts in ([], [2], [1, 2, 3, 4]):
         engine, _, _ = make_engine(MODEL, ADAMW, cuts=cuts, offload=fp16)

@@ -21,16 +21,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from jobrules.spec import ModelSpec
 from tests.gloo import run_ranks
-from trainer.config import ModelConfig
 from trainer.models import build_model, lm_loss
 from trainer.pipeline.executor import PipelineExecutor
 from trainer.pipeline.schedules import SCHEDULES, build_schedule
 from trainer.pipeline.stage import build_stages, global_param_names
 
 CFG = {
-    2: ModelConfig(layers=2, d_model=32, heads=2, seq_len=16),
-    4: ModelConfig(layers=2, d_model=32, heads=2, seq_len=16),
+    2: ModelSpec(layers=2, d_model=32, heads=2, seq_len=16),
+    4: ModelSpec(layers=2, d_model=32, heads=2, seq_len=16),
 }
 BATCH = 8
 TORCH = ("torch-gpipe", "torch-1f1b")
@@ -40,13 +40,13 @@ CASES = {
 }
 
 
-def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(cfg: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     window = torch.randint(0, cfg.vocab_size or 128, (BATCH, cfg.seq_len + 1), generator=g)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def _reference(cfg: ModelConfig) -> dict[str, object]:
+def _reference(cfg: ModelSpec) -> dict[str, object]:
     model = build_model(cfg, seed=0)
     x, y = _batch(cfg)
     loss = lm_loss(model(x), y)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobrules.spec import SpecError
 from tests.gloo import run_ranks
-from trainer.config import ConfigError, JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 
@@ -52,7 +53,7 @@ def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[s
     out = {}
     for name in schedules:
         sink = ListSink()
-        result = run(JobConfig.from_dict(_spec(name)), sink=sink, stop=NeverStop())
+        result = run(load_job(_spec(name)), sink=sink, stop=NeverStop())
         out[name] = {
             "metrics": sink.metrics,
             "events": sink.events,
@@ -63,13 +64,13 @@ def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[s
     spec = _spec("chimera")
     spec["train"]["steps"], spec["checkpoint_every"] = 2, 1
     first = ListSink()
-    run(JobConfig.from_dict(spec), sink=first, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    run(load_job(spec), sink=first, stop=NeverStop(), checkpoint_dir=Path(ckpt))
     spec["train"]["steps"] = 3
     second = ListSink()
-    run(JobConfig.from_dict(spec), sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
+    run(load_job(spec), sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
     out["resume"] = {"first": first.metrics, "second": second.metrics, "logs": second.logs}
     stopped = ListSink()
-    result = run(JobConfig.from_dict(_spec("async")), sink=stopped, stop=StopAfter(2))
+    result = run(load_job(_spec("async")), sink=stopped, stop=StopAfter(2))
     out["stop"] = {"metrics": stopped.metrics, "result": result}
     return out
 
@@ -85,7 +86,7 @@ def _reference() -> ListSink:
     sink = ListSink()
     spec = _spec("1f1b")
     del spec["parallel"]
-    run(JobConfig.from_dict(spec), sink=sink, stop=NeverStop())
+    run(load_job(spec), sink=sink, stop=NeverStop())
     return sink
 
 
@@ -155,6 +156,6 @@ def test_cuda_pipeline_jobs_are_no_longer_refused() -> None:
     not under torchrun with one rank per stage)."""
     spec = _spec("1f1b")
     spec["resources"]["device"] = "cuda"
-    job = JobConfig.from_dict(spec)
-    with pytest.raises(ConfigError, match=r"needs pp\*dp\*tp = 2\*1\*1 = 2 processes but WORLD_SIZE is 1"):
+    job = load_job(spec)
+    with pytest.raises(SpecError, match=r"needs pp\*dp\*tp = 2\*1\*1 = 2 processes but WORLD_SIZE is 1"):
         run(job, sink=ListSink(), stop=NeverStop())

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 from trainer.models import build_model
 from trainer.pipeline.executor import PipelineExecutor, _StepRun
 from trainer.pipeline.schedules import Action, build_schedule
 from trainer.pipeline.stage import build_stages
 
-CFG = ModelConfig(layers=4, d_model=64, heads=4, seq_len=16, vocab_size=128)
+CFG = ModelSpec(layers=4, d_model=64, heads=4, seq_len=16, vocab_size=128)
 D, N, BATCH = 4, 4, 8
 
 
@@ -172,11 +172,11 @@ def test_plain_linear_stages_skip_the_torch_function_mode() -> None:
     """A stage whose trainable parameters all sit in nn.Linear, norm or embedding modules swaps its
     linears' forwards (no per-op mode dispatch); one with any other parameter uses the mode.
     Both paths are checked against autograd above (_Offloaded: swap, _Tied: mode)."""
-    from trainer.config import ModelConfig
+    from jobrules.spec import ModelSpec
     from trainer.models import build_model
     from trainer.pipeline.split import plain_linears
 
-    gpt = build_model(ModelConfig(layers=2, d_model=32, heads=2, seq_len=16), seed=0)
+    gpt = build_model(ModelSpec(layers=2, d_model=32, heads=2, seq_len=16), seed=0)
     assert len(plain_linears(gpt)) == 2 * 4 + 1
     assert len(plain_linears(_Offloaded())) == 2
     assert plain_linears(_Tied()) is None

@@ -7,16 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import ModelConfig
+from jobrules.spec import ModelSpec
 from trainer.models import build_model, recipe_for
 from trainer.recipe import ModelRecipe, RecipeError, layer_param_counts, materialize_layer, meta_layers
 
-GPT = ModelConfig(kind="gpt", layers=3, d_model=32, heads=2, seq_len=16)
-MLP = ModelConfig(kind="mlp", layers=2, d_model=32, seq_len=16)
+GPT = ModelSpec(kind="gpt", layers=3, d_model=32, heads=2, seq_len=16)
+MLP = ModelSpec(kind="mlp", layers=2, d_model=32, seq_len=16)
 
 
 @pytest.mark.parametrize("cfg", [GPT, MLP], ids=["gpt", "mlp"])
-def test_a_layer_alone_equals_that_layer_of_the_whole_model(cfg: ModelConfig) -> None:
+def test_a_layer_alone_equals_that_layer_of_the_whole_model(cfg: ModelSpec) -> None:
     recipe = recipe_for(cfg)
     dense = build_model(cfg, seed=5)
     assert len(dense) == recipe.n_layers
@@ -39,7 +39,7 @@ def test_layers_differ_from_each_other_and_follow_gpt2_init() -> None:
 
 
 def test_meta_skeleton_holds_no_memory_and_counts_params() -> None:
-    recipe = recipe_for(ModelConfig(kind="gpt", layers=2, d_model=4096, heads=32, seq_len=2048))
+    recipe = recipe_for(ModelSpec(kind="gpt", layers=2, d_model=4096, heads=32, seq_len=2048))
     layers = meta_layers(recipe)
     assert all(p.is_meta for layer in layers for p in layer.parameters())
     counts = layer_param_counts(recipe)
@@ -99,9 +99,9 @@ def test_building_a_model_never_runs_an_initialiser_on_meta_or_imports_dynamo() 
 
     code = (
         "import sys, torch\n"
-        "from trainer.config import ModelConfig\n"
+        "from jobrules.spec import ModelSpec\n"
         "from trainer.models import build_model\n"
-        "m = build_model(ModelConfig(kind='gpt', layers=2, d_model=32, heads=2, seq_len=16), seed=0)\n"
+        "m = build_model(ModelSpec(kind='gpt', layers=2, d_model=32, heads=2, seq_len=16), seed=0)\n"
         "m(torch.randint(0, 50, (2, 16))).float().mean().backward()\n"
         "print('torch._dynamo' in sys.modules)\n"
     )

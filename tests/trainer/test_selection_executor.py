@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobrules.spec import JobSpec
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
@@ -75,8 +76,8 @@ SPECS = [
 CPU2 = [torch.device("cpu"), torch.device("cpu")]
 
 
-def job(i: int) -> JobConfig:
-    return JobConfig.from_dict({"name": f"t{i}", "data": DATA, **SPECS[i]})
+def job(i: int) -> JobSpec:
+    return load_job({"name": f"t{i}", "data": DATA, **SPECS[i]})
 
 
 class RandomChoice:
@@ -228,7 +229,7 @@ def test_stop_trials_between_mini_batches(tmp_path: Path) -> None:
 
 
 def test_a_trial_that_cannot_be_built_fails_alone() -> None:
-    bad = JobConfig.from_dict({"data": DATA, **SPECS[0], "name": "bad"})
+    bad = load_job({"data": DATA, **SPECS[0], "name": "bad"})
     bad.parallel.spill.cuts = [7]  # past the model's 4 layers
     sinks = {0: ListSink(), 1: ListSink()}
     entries = [TrialEntry(index=0, job=bad, sink=sinks[0]), TrialEntry(index=1, job=job(2), sink=sinks[1])]
@@ -392,7 +393,7 @@ def test_a_trial_reports_on_the_steps_a_job_does(tmp_path: Path) -> None:
     last step's checkpoint is the end-of-run one, written once (the executor used to write it
     twice when the last step was a multiple of checkpoint_every)."""
     spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 4}, "checkpoint_every": 2}
-    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    make = lambda: load_job({"name": "t", "data": DATA, **spec})  # noqa: E731
     alone = ListSink()
     run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
     trial = ListSink()
@@ -430,9 +431,7 @@ def test_more_adds_a_trial_when_a_device_frees_without_waiting_for_the_others() 
     sinks = {i: ListSink() for i in range(4)}
     # trials 0 and 2 (one shard, 3 steps) and 3 (3 shards, 4 steps) end long before trial 1
     # (3 shards, 20 steps)
-    long = JobConfig.from_dict(
-        {"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 20}}
-    )
+    long = load_job({"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 20}})
     entries = [TrialEntry(index=0, job=job(2), sink=sinks[0]), TrialEntry(index=1, job=long, sink=sinks[1])]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="fifo"), more=more)
     results = ex.run()
@@ -460,9 +459,7 @@ def test_more_may_add_several_trials_in_one_answer() -> None:
         asked.append(got)
         return [TrialEntry(index=i, job=job(2), sink=sinks[i]) for i in got]
 
-    long = JobConfig.from_dict(
-        {"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 12}}
-    )
+    long = load_job({"name": "long", "data": DATA, **SPECS[0], "train": {**SPECS[0]["train"], "steps": 12}})
     entries = [TrialEntry(index=0, job=job(2), sink=sinks[0]), TrialEntry(index=1, job=long, sink=sinks[1])]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(), more=more)
     results = ex.run()
@@ -603,10 +600,10 @@ def test_a_trial_with_a_users_data_iterable_keeps_its_device_process(tmp_path: P
             "train": {"steps": 6, "lr": 1e-2, "seed": 7, **SMALL},
         }
         alone = ListSink()
-        run(JobConfig.from_dict(spec), sink=alone, stop=NeverStop(), device=torch.device("cpu"))
+        run(load_job(spec), sink=alone, stop=NeverStop(), device=torch.device("cpu"))
         sinks = {0: ListSink(), 1: ListSink()}
         entries = [
-            TrialEntry(index=0, job=JobConfig.from_dict(spec), sink=sinks[0]),
+            TrialEntry(index=0, job=load_job(spec), sink=sinks[0]),
             TrialEntry(index=1, job=job(2), sink=sinks[1]),
         ]
         ex = Executor(
@@ -704,7 +701,7 @@ def test_with_every_device_process_killed_the_batch_ends_failed_not_hung(
     # tasks go in chunks)
     _hang_in_task(monkeypatch, tmp_path / "pid", {0, 1})
     long = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 100_000}}
-    jobs = {0: job(2), 1: job(4), 2: JobConfig.from_dict({"name": "long", "data": DATA, **long})}
+    jobs = {0: job(2), 1: job(4), 2: load_job({"name": "long", "data": DATA, **long})}
     entries = [TrialEntry(index=i, job=j, sink=ListSink()) for i, j in jobs.items()]
     ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler="round-robin", device_processes=True))
     killer = threading.Thread(target=_kill_when_written, args=([tmp_path / "pid-0", tmp_path / "pid-1"],))
@@ -728,7 +725,7 @@ def test_a_lone_trial_runs_in_chunks_with_the_same_results(tmp_path: Path) -> No
     8 steps of 5 tasks, evaluating every 4, take 2 orders instead of 40. The metrics, checkpoints,
     slots and weights are those of one task an order, and of the job run alone."""
     spec = {**SPECS[0], "train": {**SPECS[0]["train"], "steps": 8, "eval_every": 4}}
-    make = lambda: JobConfig.from_dict({"name": "t", "data": DATA, **spec})  # noqa: E731
+    make = lambda: load_job({"name": "t", "data": DATA, **spec})  # noqa: E731
     alone = ListSink()
     run(make(), sink=alone, stop=NeverStop(), checkpoint_dir=tmp_path / "alone", device=torch.device("cpu"))
     out = {}
@@ -774,7 +771,7 @@ def test_a_chunks_steps_reach_the_sink_while_the_chunk_runs() -> None:
             if name == "loss":
                 seen.append((step, time.perf_counter()))
 
-    entry = TrialEntry(index=0, job=JobConfig.from_dict({"name": "t", "data": DATA, **spec}), sink=Timed())
+    entry = TrialEntry(index=0, job=load_job({"name": "t", "data": DATA, **spec}), sink=Timed())
     ex = Executor([entry], devices=CPU2, cfg=ExecutorConfig(device_processes=True))
     assert ex.run()[0]["status"] == "succeeded"
     assert ex.runs[0].orders == 1  # one chunk: the whole trial
@@ -832,7 +829,7 @@ def test_a_stop_cuts_a_lone_trials_chunk_at_the_next_task(
     spec = {**SPECS[2], "train": {**SPECS[2]["train"], "steps": 3000, "eval_every": 3000}}
     flag: dict = {}
     sink = ListSink()
-    entry = TrialEntry(index=0, job=JobConfig.from_dict({"name": "long", "data": DATA, **spec}), sink=sink)
+    entry = TrialEntry(index=0, job=load_job({"name": "long", "data": DATA, **spec}), sink=sink)
     kw = {"stop": FlagStop(flag)} if whole_batch else {"stop_trials": lambda: {0} if flag else set()}
     ex = Executor([entry], devices=CPU2, cfg=ExecutorConfig(device_processes=True), **kw)
 
@@ -908,7 +905,7 @@ def test_a_samplers_trial_cost_is_the_executors_own_estimate(layers: int) -> Non
         "train": {"steps": 6, "batch_size": 4, "eval_every": 3, "eval_batches": 2},
     }
     spec = JobSpec.model_validate(raw).model_dump()
-    t = ShardedTrial.build(JobConfig.from_dict(raw), index=0, budget_bytes=None, prefetch=False)
+    t = ShardedTrial.build(load_job(raw), index=0, budget_bytes=None, prefetch=False)
     no_evals = {**spec, "train": {**spec["train"], "eval_every": 100}}
     assert trial_flops(no_evals) == t.flops_per_step * 6
     evals = 6 // 3 * 2  # two evaluations of two batches, 2 flops per parameter per token

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ConfigError
+from jobrules.spec import SpecError
 from trainer.protocol import ListSink, NeverStop
 from trainer.selection.job import parse_batch, run_selection
 from trainer.selection.space import expand
@@ -95,14 +95,14 @@ def test_finished_trials_resume_from_their_checkpoints(tmp_path: Path) -> None:
     ],
 )
 def test_bad_batches_name_the_problem(change: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(SpecError, match=message):
         parse_batch(batch(**change))
 
 
 def test_duplicate_trial_indices_are_refused() -> None:
     b = batch()
     b["trials"][1]["index"] = 0
-    with pytest.raises(ConfigError, match=r"body: trials indices must be unique, got \[0, 0"):
+    with pytest.raises(SpecError, match=r"body: trials indices must be unique, got \[0, 0"):
         parse_batch(b)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import JobConfig, OffloadConfig, PipelineConfig, SpillConfig, TensorConfig
+from jobrules.spec import OffloadSpec, PipelineSpec, SpillSpec, TensorSpec
+from trainer.config import load_job
 from trainer.selection.space import KNOWN_PATHS, SpaceError, apply_params, expand, sample_params
 
 BASE = {"name": "b", "model": {"kind": "mlp", "layers": 2, "d_model": 16}, "train": {"steps": 5, "lr": 1e-3}}
@@ -34,12 +35,12 @@ def test_space_module_imports_only_the_standard_library_and_the_request_models()
 def test_known_paths_are_the_jobspecs_own_fields() -> None:
     """The table is read off the JobSpec (jobrules/spec.py): every leaf of every section, the
     environment excepted, and a path that is no field is not in it."""
-    spec = JobConfig.from_dict({}).to_dict()
+    spec = load_job({}).to_dict()
     spec["parallel"] |= {  # the sections a default spec leaves out
-        "spill": SpillConfig(device_budget_mb=1.0).model_dump(),
-        "offload": OffloadConfig().model_dump(),
-        "pipeline": PipelineConfig().model_dump(),
-        "tensor": TensorConfig().model_dump(),
+        "spill": SpillSpec(device_budget_mb=1.0).model_dump(),
+        "offload": OffloadSpec().model_dump(),
+        "pipeline": PipelineSpec().model_dump(),
+        "tensor": TensorSpec().model_dump(),
     }
     leaves = set()
 
@@ -67,7 +68,7 @@ def test_grid_is_the_cartesian_product_in_key_order() -> None:
     assert plans[4].spec["train"] == {"steps": 5, "lr": 1e-2}
     assert BASE["model"]["layers"] == 2  # the base is not modified
     for p in plans:
-        JobConfig.from_dict(p.spec)  # every trial spec is a valid JobSpec
+        load_job(p.spec)  # every trial spec is a valid JobSpec
 
 
 def test_grid_over_a_range_needs_num_and_spaces_points() -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from jobrules.spec import DataSpec, ModelSpec, OffloadSpec, TrainSpec
 from tests.device_census import DeviceCensus, Seen
-from trainer.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
 from trainer.data import BatchStream, TextData
 from trainer.models import build_model, count_params, lm_loss
 from trainer.optim import build_optimizer
@@ -22,9 +22,9 @@ from trainer.spill.partition import DoesNotFit, SpillPlan, measure_layers, parti
 
 CPU = torch.device("cpu")
 STEPS = 20
-MODEL = ModelConfig(kind="gpt", layers=3, d_model=32, heads=4, seq_len=16)
-ADAMW = TrainConfig(steps=STEPS, batch_size=4, lr=1e-2, optimizer="adamw", weight_decay=0.1)
-SGD = TrainConfig(steps=STEPS, batch_size=4, lr=0.1, optimizer="sgd", momentum=0.9)
+MODEL = ModelSpec(kind="gpt", layers=3, d_model=32, heads=4, seq_len=16)
+ADAMW = TrainSpec(steps=STEPS, batch_size=4, lr=1e-2, optimizer="adamw", weight_decay=0.1)
+SGD = TrainSpec(steps=STEPS, batch_size=4, lr=0.1, optimizer="sgd", momentum=0.9)
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def one_thread() -> None:
 
 
 def make_stream() -> BatchStream:
-    data = TextData.from_config(DataConfig(max_chars=100_000), seq_len=MODEL.seq_len)
+    data = TextData.from_config(DataSpec(max_chars=100_000), seq_len=MODEL.seq_len)
     return BatchStream(data=data, batch_size=4, seed=0)
 
 
@@ -44,7 +44,7 @@ def stream() -> BatchStream:
 
 
 def resident_run(
-    mcfg: ModelConfig, tcfg: TrainConfig, stream: BatchStream, *, steps: int = STEPS
+    mcfg: ModelSpec, tcfg: TrainSpec, stream: BatchStream, *, steps: int = STEPS
 ) -> tuple[list[float], nn.Module]:
     """trainer/loop.py's step, verbatim: the reference (cached: many tests share it)."""
     assert stream.batch_size == tcfg.batch_size and stream.seed == tcfg.seed
@@ -58,7 +58,7 @@ _RESIDENT: dict[tuple[str, str, int], tuple[list[float], nn.Module]] = {}
 
 
 def _resident_run(
-    mcfg: ModelConfig, tcfg: TrainConfig, stream: BatchStream, steps: int
+    mcfg: ModelSpec, tcfg: TrainSpec, stream: BatchStream, steps: int
 ) -> tuple[list[float], nn.Module]:
     model = build_model(mcfg, seed=tcfg.seed)
     opt = build_optimizer(model.parameters(), tcfg)
@@ -74,13 +74,13 @@ def _resident_run(
 
 
 def make_engine(
-    mcfg: ModelConfig,
-    tcfg: TrainConfig,
+    mcfg: ModelSpec,
+    tcfg: TrainSpec,
     *,
     cuts: list[int] | None = None,
     budget: int | None = None,
     prefetch: bool = True,
-    offload: OffloadConfig | None = None,
+    offload: OffloadSpec | None = None,
     strict: bool = True,
     bucket_numel: int = 1000,
     reserved: int = 0,
@@ -135,7 +135,7 @@ CUTS = {
 @pytest.mark.parametrize("cuts", list(CUTS.values()), ids=list(CUTS))
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 def test_spilled_training_equals_resident(
-    stream: BatchStream, tcfg: TrainConfig, cuts: list[int], prefetch: bool
+    stream: BatchStream, tcfg: TrainSpec, cuts: list[int], prefetch: bool
 ) -> None:
     ref_losses, ref_model = resident_run(MODEL, tcfg, stream)
     engine, plan, ledger = make_engine(MODEL, tcfg, cuts=cuts, prefetch=prefetch, strict=False)
@@ -150,7 +150,7 @@ def test_spilled_training_equals_resident(
 
 
 def test_plain_sgd_without_state(stream: BatchStream) -> None:
-    tcfg = TrainConfig(steps=STEPS, batch_size=4, lr=0.1, optimizer="sgd")
+    tcfg = TrainSpec(steps=STEPS, batch_size=4, lr=0.1, optimizer="sgd")
     ref_losses, ref_model = resident_run(MODEL, tcfg, stream, steps=10)
     engine, _, ledger = make_engine(MODEL, tcfg, cuts=[1, 2, 3, 4], strict=False)
     losses = spilled_run(engine, stream, steps=10)
@@ -208,9 +208,9 @@ def test_strict_ledger_catches_a_plan_over_budget(stream: BatchStream) -> None:
 def test_model_four_times_the_budget_trains() -> None:
     """AdamW in fp32 (16 bytes/param on the device while a shard steps), no prefetch: the fp32
     parameters alone are >= 4x the budget, and training matches resident training."""
-    mcfg = ModelConfig(kind="gpt", layers=20, d_model=64, heads=4, seq_len=8)
-    tcfg = TrainConfig(steps=20, batch_size=2, lr=3e-3, optimizer="adamw")
-    data = TextData.from_config(DataConfig(max_chars=100_000), seq_len=mcfg.seq_len)
+    mcfg = ModelSpec(kind="gpt", layers=20, d_model=64, heads=4, seq_len=8)
+    tcfg = TrainSpec(steps=20, batch_size=2, lr=3e-3, optimizer="adamw")
+    data = TextData.from_config(DataSpec(max_chars=100_000), seq_len=mcfg.seq_len)
     stream = BatchStream(data=data, batch_size=2, seed=0)
     model = build_model(mcfg, seed=0)
     costs = measure_layers(model, batch_size=2, seq_len=8, state_bpp=8)
@@ -233,7 +233,7 @@ def test_model_four_times_the_budget_trains() -> None:
 def test_spilled_offload_fp32_equals_resident_adamw(stream: BatchStream, cuts: list[int]) -> None:
     ref_losses, ref_model = resident_run(MODEL, ADAMW, stream)
     engine, plan, ledger = make_engine(
-        MODEL, ADAMW, cuts=cuts, offload=OffloadConfig(optimizer=True, dtype="fp32"), strict=False
+        MODEL, ADAMW, cuts=cuts, offload=OffloadSpec(optimizer=True, dtype="fp32"), strict=False
     )
     losses = spilled_run(engine, stream)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
@@ -242,7 +242,7 @@ def test_spilled_offload_fp32_equals_resident_adamw(stream: BatchStream, cuts: l
 
 
 def test_spilled_offload_bf16_matches_unspilled_offload_and_tracks_fp32(stream: BatchStream) -> None:
-    bf16 = OffloadConfig(optimizer=True, dtype="bf16")
+    bf16 = OffloadSpec(optimizer=True, dtype="bf16")
     whole, _, _ = make_engine(MODEL, ADAMW, cuts=[], offload=bf16, strict=False)
     split, _, _ = make_engine(MODEL, ADAMW, cuts=[1, 2, 3, 4], offload=bf16, strict=False)
     a, b = spilled_run(whole, stream), spilled_run(split, stream)
@@ -261,9 +261,7 @@ def test_offload_device_bytes_per_param(stream: BatchStream) -> None:
     moments never are (the bucket buffers are a fixed extra). Measured by a census of the storages
     the kernels of a real training step computed on (tests/device_census.py), not read from the
     ledger: when the optimizer step begins, and after the step."""
-    engine, _, ledger = make_engine(
-        MODEL, ADAMW, cuts=[], offload=OffloadConfig(optimizer=True), strict=False
-    )
+    engine, _, ledger = make_engine(MODEL, ADAMW, cuts=[], offload=OffloadSpec(optimizer=True), strict=False)
     assert engine.opt is not None
     n = count_params(build_model(MODEL, seed=0))
     engine.train_step(*stream.batch_for(0))  # the first step; the census watches the second
@@ -325,7 +323,7 @@ def test_state_dict_round_trip_across_cuts(stream: BatchStream) -> None:
 def test_grad_clip_equals_resident_clip(stream: BatchStream, cuts: list[int], prefetch: bool) -> None:
     """Global-norm clipping needs every gradient first: with several shards the engine parks them
     in host memory and steps after the whole backward (the deferred path), to the same numbers."""
-    tcfg = TrainConfig(steps=STEPS, batch_size=4, lr=1e-2, optimizer="adamw", grad_clip=0.5)
+    tcfg = TrainSpec(steps=STEPS, batch_size=4, lr=1e-2, optimizer="adamw", grad_clip=0.5)
     model = build_model(MODEL, seed=0)
     opt = build_optimizer(model.parameters(), tcfg)
     ref_losses = []

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import DataConfig, ModelConfig, TrainConfig
+from jobrules.spec import DataSpec, ModelSpec, TrainSpec
 from trainer.data import BatchStream, TextData
 from trainer.models import build_model, lm_loss
 from trainer.optim import build_optimizer
@@ -32,12 +32,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this machine)"),
 ]
 
-MODEL = ModelConfig(kind="gpt", layers=8, d_model=512, heads=8, seq_len=128)
-TRAIN = TrainConfig(steps=10, batch_size=8, lr=3e-4, optimizer="adamw")
+MODEL = ModelSpec(kind="gpt", layers=8, d_model=512, heads=8, seq_len=128)
+TRAIN = TrainSpec(steps=10, batch_size=8, lr=3e-4, optimizer="adamw")
 
 
 def _stream() -> BatchStream:
-    data = TextData.from_config(DataConfig(max_chars=400_000), seq_len=MODEL.seq_len)
+    data = TextData.from_config(DataSpec(max_chars=400_000), seq_len=MODEL.seq_len)
     return BatchStream(data=data, batch_size=TRAIN.batch_size, seed=0)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jobrules.sizing import layer_working_sets
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 
@@ -45,9 +45,9 @@ class StopAfter:
 
 def test_runner_dispatches_and_losses_equal_loop_train() -> None:
     ref = ListSink()
-    run(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    run(load_job(spec()), sink=ref, stop=NeverStop())
     sink = ListSink()
-    job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": BUDGET_MB, "prefetch": True}}))
+    job = load_job(spec(parallel={"spill": {"device_budget_mb": BUDGET_MB, "prefetch": True}}))
     result = run(job, sink=sink, stop=NeverStop())
     assert sink.series("loss") == ref.series("loss")
     assert sink.series("val_loss") == pytest.approx(ref.series("val_loss"), rel=1e-6)
@@ -63,7 +63,7 @@ def test_runner_dispatches_and_losses_equal_loop_train() -> None:
 
 def test_offload_only_job_runs_one_resident_shard() -> None:
     sink = ListSink()
-    job = JobConfig.from_dict(spec(parallel={"offload": {"optimizer": True, "dtype": "bf16"}}))
+    job = load_job(spec(parallel={"offload": {"optimizer": True, "dtype": "bf16"}}))
     result = run(job, sink=sink, stop=NeverStop())
     assert result["shards"] == 1 and result["offload"] == "bf16" and result["budget_mb"] is None
     losses = sink.series("loss")
@@ -75,7 +75,7 @@ def test_prefetch_is_turned_off_when_only_one_shard_at_a_time_fits() -> None:
     single_max = max(layer_working_sets(**shape)) / 2**20
     budget = single_max * 1.01  # one layer fits, a layer plus its neighbour's params does not
     sink = ListSink()
-    job = JobConfig.from_dict(
+    job = load_job(
         spec(train={"steps": 3}, parallel={"spill": {"device_budget_mb": budget, "prefetch": True}})
     )
     result = run(job, sink=sink, stop=NeverStop())
@@ -85,34 +85,34 @@ def test_prefetch_is_turned_off_when_only_one_shard_at_a_time_fits() -> None:
 
 
 def test_budget_below_one_layer_is_a_config_error() -> None:
-    from trainer.config import ConfigError
+    from jobrules.spec import SpecError
 
     # the shared sizing rule (jobrules/sizing.py) refuses it before anything runs, in the API's words
     with pytest.raises(
-        ConfigError, match=r"device_budget_mb \(0\.1\) is smaller than the largest single layer"
+        SpecError, match=r"device_budget_mb \(0\.1\) is smaller than the largest single layer"
     ):
-        JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 0.1}}))
+        load_job(spec(parallel={"spill": {"device_budget_mb": 0.1}}))
 
 
 def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
     ref = ListSink()
-    run(JobConfig.from_dict(spec()), sink=ref, stop=NeverStop())
+    run(load_job(spec()), sink=ref, stop=NeverStop())
     par = {"spill": {"device_budget_mb": BUDGET_MB}}
     first = ListSink()
-    job = JobConfig.from_dict(spec(parallel=par, checkpoint_every=5))
+    job = load_job(spec(parallel=par, checkpoint_every=5))
     r1 = run(job, sink=first, stop=StopAfter(first, 7), checkpoint_dir=tmp_path)
     assert r1["stopped"] is True and r1["steps"] == 7
     assert [e for e, _ in first.events].count("checkpoint") == 1
     # resume from the step-7 checkpoint with other cuts; then the plain engine can continue it too
     second = ListSink()
-    job2 = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 2.0, "cuts": [2]}}))
+    job2 = load_job(spec(parallel={"spill": {"device_budget_mb": 2.0, "cuts": [2]}}))
     run(job2, sink=second, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert "resumed from step-00000007.pt at step 7" in second.logs
     torch.testing.assert_close(
         torch.tensor(first.series("loss") + second.series("loss")), torch.tensor(ref.series("loss"))
     )
     third = ListSink()
-    run(JobConfig.from_dict(spec(train={"steps": 22})), sink=third, stop=NeverStop(), checkpoint_dir=tmp_path)
+    run(load_job(spec(train={"steps": 22})), sink=third, stop=NeverStop(), checkpoint_dir=tmp_path)
     assert "resumed from step-00000020.pt at step 20" in third.logs
     assert len(third.series("loss")) == 2
 
@@ -120,9 +120,9 @@ def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
 def test_grad_clip_job_equals_loop_train() -> None:
     """With several shards grad_clip takes the engine's deferred-step path; same losses."""
     ref = ListSink()
-    run(JobConfig.from_dict(spec(train={"steps": 8, "grad_clip": 0.5})), sink=ref, stop=NeverStop())
+    run(load_job(spec(train={"steps": 8, "grad_clip": 0.5})), sink=ref, stop=NeverStop())
     sink = ListSink()
-    job = JobConfig.from_dict(
+    job = load_job(
         spec(train={"steps": 8, "grad_clip": 0.5}, parallel={"spill": {"device_budget_mb": BUDGET_MB}})
     )
     result = run(job, sink=sink, stop=NeverStop())
@@ -163,7 +163,7 @@ def test_the_allocator_baseline_leaves_out_the_workspaces_the_plan_measured(
         sj, "measure_layers", lambda model, **kw: measure_layers(model, **{**kw, "device": "meta"})
     )
     monkeypatch.setattr(sj, "SpillEngine", lambda *a, **kw: SimpleNamespace(offloaded=False))
-    job = JobConfig.from_dict(spec(parallel={"spill": {"device_budget_mb": 64 + BUDGET_MB}}))
+    job = load_job(spec(parallel={"spill": {"device_budget_mb": 64 + BUDGET_MB}}))
     engine = sj.SpilledEngine(job, recipe=recipe_for(job.model), sink=ListSink(), device=torch.device("cuda"))
     assert engine.plan.reserved_bytes == 64 * mib and engine.plan.n_shards >= 2
     assert engine.base == 3 * mib

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jobrules import sizing
-from trainer.config import ConfigError, ModelConfig
+from jobrules.spec import ModelSpec, SpecError
 from trainer.models import build_model
 from trainer.spill.ledger import MiB
 from trainer.spill.partition import (
@@ -34,7 +34,7 @@ def one_thread() -> None:
 
 
 def costs_for(shape: dict, *, batch: int = 4, state_bpp: int = 8, dtype: torch.dtype = torch.float32):
-    model = build_model(ModelConfig(**shape), seed=0)
+    model = build_model(ModelSpec(**shape), seed=0)
     return measure_layers(
         model, batch_size=batch, seq_len=shape["seq_len"], state_bpp=state_bpp, param_dtype=dtype
     )
@@ -42,7 +42,7 @@ def costs_for(shape: dict, *, batch: int = 4, state_bpp: int = 8, dtype: torch.d
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s['kind']}-d{s['d_model']}")
 def test_sizing_param_counts_are_exact(shape: dict) -> None:
-    model = build_model(ModelConfig(**shape), seed=0)
+    model = build_model(ModelSpec(**shape), seed=0)
     assert sizing.layer_param_counts(**shape) == [
         sum(p.numel() for p in layer.parameters()) for layer in model
     ]
@@ -62,7 +62,7 @@ def test_sizing_working_sets_equal_the_partitioners(shape: dict, optimizer: str,
 def test_sizing_is_an_upper_bound_for_bf16_offload() -> None:
     shape = SHAPES[0]
     costs = costs_for(shape, state_bpp=0, dtype=torch.bfloat16)
-    model = build_model(ModelConfig(**shape), seed=0)
+    model = build_model(ModelSpec(**shape), seed=0)
     extra = sizing.offload_bucket_bytes(sum(p.numel() for p in model.parameters()))
     mine = [working_set(costs, start=i, stop=i + 1, extra_bytes=extra) for i in range(len(costs))]
     rest = sizing.layer_working_sets(**shape, batch_size=4, offload_dtype="bf16")
@@ -76,7 +76,7 @@ def test_sizing_imports_no_torch() -> None:
 
 
 def test_meta_estimate_bounds_the_cpu_measurement() -> None:
-    model = build_model(ModelConfig(**SHAPES[0]), seed=0)
+    model = build_model(ModelSpec(**SHAPES[0]), seed=0)
     meta = measure_layers(model, batch_size=4, seq_len=16, state_bpp=8, device="meta")
     cpu = measure_layers(model, batch_size=4, seq_len=16, state_bpp=8, device="cpu")
     assert all(m.act_bytes >= c.act_bytes > 0 for m, c in zip(meta, cpu, strict=True))
@@ -104,7 +104,7 @@ def test_a_layer_larger_than_the_budget_is_refused_with_numbers() -> None:
     msg = str(e.value)
     assert "layer 1 (Block, 12,704 params)" in msg
     assert f"{(block - 1) / MiB:.3f}" in msg and f"{block / MiB:.3f} MiB" in msg
-    assert isinstance(e.value, ConfigError)
+    assert isinstance(e.value, SpecError)
 
 
 def test_prefetch_needs_room_for_the_neighbour() -> None:
@@ -133,7 +133,7 @@ def test_reserved_workspaces_count_beside_every_shard_and_are_named_in_refusals(
 @pytest.mark.parametrize("cuts", [[0], [3, 2], [1, 1], [4]])
 def test_bad_hand_cuts_are_refused(cuts: list[int]) -> None:
     costs = costs_for(SHAPES[0])  # 4 layers
-    with pytest.raises(ConfigError, match=r"strictly increasing layer indices in \(0, 4\)"):
+    with pytest.raises(SpecError, match=r"strictly increasing layer indices in \(0, 4\)"):
         partition(costs, budget_bytes=None, prefetch=True, cuts=cuts)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.gloo import run_ranks
-from trainer.config import JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink
 from trainer.runner import run
 
@@ -30,7 +30,7 @@ class StopOnRank:
 
 
 def _run(rank: int, _world: int) -> dict[str, Any]:
-    job = JobConfig.from_dict(
+    job = load_job(
         {
             "model": {"kind": "gpt", "layers": 1, "d_model": 16, "heads": 2, "seq_len": 16},
             "data": {"max_chars": 50_000},

@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from jobrules.spec import DataSpec, JobSpec, ModelSpec, ParallelSpec, TensorSpec, TrainSpec
 from tests.gloo import run_ranks
-from trainer.config import DataConfig, JobConfig, ModelConfig, ParallelConfig, TensorConfig, TrainConfig
 from trainer.models import Block, build_model, lm_loss
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -85,10 +85,10 @@ LAYERS = [
     "gpt",
 ]
 
-TP_1D_4 = TensorConfig(mode="1d", size=4)
-TP_2D = TensorConfig(mode="2d", q=2)
-TP_1D_8 = TensorConfig(mode="1d", size=8)
-TP_25D = TensorConfig(mode="2.5d", q=2, d=2)
+TP_1D_4 = TensorSpec(mode="1d", size=4)
+TP_2D = TensorSpec(mode="2d", q=2)
+TP_1D_8 = TensorSpec(mode="1d", size=8)
+TP_25D = TensorSpec(mode="2.5d", q=2, d=2)
 
 
 def linear_ledger_1d(*, kind: str, P: int, N: int, n_in: int, n_out: int) -> dict[str, tuple[int, Fraction]]:
@@ -170,10 +170,10 @@ def _compare(
     checks.done.append(label)
 
 
-def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
+def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
     checks = Checks()
     mesh = grid_mesh_from_config(tensor)
-    gpt = build_model(ModelConfig(layers=1, d_model=D, heads=H, seq_len=T, mlp_ratio=2), seed=1)
+    gpt = build_model(ModelSpec(layers=1, d_model=D, heads=H, seq_len=T, mlp_ratio=2), seed=1)
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(4))
     x_in = torch.randn(B, T, N_IN, generator=torch.Generator().manual_seed(5))
@@ -227,23 +227,38 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
             )
             ledgers[f"lin.{label}"] = _ledger_phases(f"lin.{label}")
 
-    block: Block = gpt[1]
-    for label, pick in (("layernorm", "ln1"), ("attention", "attn"), ("mlp", "mlp"), ("block", None)):
-        tp_block = shard_block(block, mesh=mesh, name="blk")
-        dense = block if pick is None else getattr(block, pick)
-        tp = tp_block if pick is None else getattr(tp_block, pick)
-        comm.LEDGER.reset()
-        _compare(
-            checks, label, dense=dense, tp=tp, x=x, x_local=x_shard(x), out_shard=x_shard, in_shard=x_shard
-        )
-    block_ledger = {}
-    for (layer, phase, _), c in comm.LEDGER.records.items():
-        calls, payload, sent = block_ledger.get((layer, phase), (0, 0, Fraction(0)))
-        block_ledger[(layer, phase)] = (calls + c.calls, payload + c.payload, sent + c.sent)
+    block_ledger = _check_block(checks, gpt[1], mesh=mesh, x=x, x_shard=x_shard)
 
-    # embedding: integer input, no input gradient; head: this rank's vocabulary block of its rows
     tp_model = shard_model(gpt, mesh=mesh)
     idx, targets = ids[:, :-1], ids[:, 1:]
+    _check_ends(
+        checks, gpt=gpt, tp_model=tp_model, mesh=mesh, idx=idx, x=x, rows=rows, x_shard=x_shard, vocab=vocab
+    )
+    _check_gpt_loss(checks, gpt=gpt, tp_model=tp_model, idx=idx, targets=targets, mesh=mesh)
+    _check_clip(checks, dense=gpt, tp=tp_model, mesh=mesh)
+    ce_ledger = _check_cross_entropy(checks, mesh=mesh, rows=rows, vocab=vocab)
+    return {
+        "failures": dict(checks.failures),
+        "done": checks.done,
+        "ledgers": ledgers,
+        "block": block_ledger,
+        "ce": ce_ledger,
+    }
+
+
+def _check_ends(
+    checks: Checks,
+    *,
+    gpt: nn.Sequential,
+    tp_model: nn.Sequential,
+    mesh: Mesh1D | MeshGrid,
+    idx: torch.Tensor,
+    x: torch.Tensor,
+    rows: Callable[[torch.Tensor], torch.Tensor],
+    x_shard: Callable[[torch.Tensor], torch.Tensor],
+    vocab: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Embedding: integer input, no input gradient; head: this rank's vocabulary block of its rows."""
     _compare(
         checks,
         "embedding",
@@ -276,7 +291,43 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
         in_shard=x_shard,
     )
 
-    # one-block GPT and its loss: the local loss terms' gradients are the dense loss's
+
+def _check_block(
+    checks: Checks,
+    block: Block,
+    *,
+    mesh: Mesh1D | MeshGrid,
+    x: torch.Tensor,
+    x_shard: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[tuple[str, str], tuple[int, int, Fraction]]:
+    """A transformer block and each of its parts against their sharded forms; the block's
+    collectives (calls, payload, bytes sent) per (layer, phase)."""
+    for label, pick in (("layernorm", "ln1"), ("attention", "attn"), ("mlp", "mlp"), ("block", None)):
+        tp_block = shard_block(block, mesh=mesh, name="blk")
+        dense = block if pick is None else getattr(block, pick)
+        tp = tp_block if pick is None else getattr(tp_block, pick)
+        comm.LEDGER.reset()
+        _compare(
+            checks, label, dense=dense, tp=tp, x=x, x_local=x_shard(x), out_shard=x_shard, in_shard=x_shard
+        )
+    block_ledger: dict[tuple[str, str], tuple[int, int, Fraction]] = {}
+    for (layer, phase, _), c in comm.LEDGER.records.items():
+        calls, payload, sent = block_ledger.get((layer, phase), (0, 0, Fraction(0)))
+        block_ledger[(layer, phase)] = (calls + c.calls, payload + c.payload, sent + c.sent)
+    return block_ledger
+
+
+def _check_gpt_loss(
+    checks: Checks,
+    *,
+    gpt: nn.Sequential,
+    tp_model: nn.Sequential,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    mesh: Mesh1D | MeshGrid,
+) -> None:
+    """One-block GPT and its loss: the local loss terms' gradients are the dense loss's, and the
+    forward gathers nothing."""
     gpt.zero_grad()
     tp_model.zero_grad()
     dense_loss = lm_loss(gpt(idx), targets)
@@ -295,16 +346,6 @@ def _layers_task(tensor: TensorConfig) -> dict[str, Any]:
     for name, p in tp_model.named_parameters():
         checks.close("gpt", p.grad, cut[name](dense_params[name].grad), f"{name} grad")
     checks.done.append("gpt")
-
-    _check_clip(checks, dense=gpt, tp=tp_model, mesh=mesh)
-    ce_ledger = _check_cross_entropy(checks, mesh=mesh, rows=rows, vocab=vocab)
-    return {
-        "failures": dict(checks.failures),
-        "done": checks.done,
-        "ledgers": ledgers,
-        "block": block_ledger,
-        "ce": ce_ledger,
-    }
 
 
 def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D | MeshGrid) -> None:
@@ -387,15 +428,13 @@ def _check_cross_entropy(
     return ledger
 
 
-def _job(tensor: TensorConfig | None) -> JobConfig:
+def _job(tensor: TensorSpec | None) -> JobSpec:
     # grad_clip is small enough to clip every step: the sharded global norm must match the dense one
-    return JobConfig(
-        model=ModelConfig(layers=2, d_model=32, heads=4, seq_len=16, mlp_ratio=2),
-        data=DataConfig(max_chars=20_000),
-        train=TrainConfig(
-            steps=4, batch_size=4, lr=1e-2, seed=3, eval_every=2, eval_batches=2, grad_clip=0.5
-        ),
-        parallel=ParallelConfig(tensor=tensor),
+    return JobSpec(
+        model=ModelSpec(layers=2, d_model=32, heads=4, seq_len=16, mlp_ratio=2),
+        data=DataSpec(max_chars=20_000),
+        train=TrainSpec(steps=4, batch_size=4, lr=1e-2, seed=3, eval_every=2, eval_batches=2, grad_clip=0.5),
+        parallel=ParallelSpec(tensor=tensor),
     )
 
 
@@ -410,7 +449,7 @@ class StopAfter:
         return self.calls > self.n
 
 
-def _train_task(tensor: TensorConfig) -> dict[str, Any]:
+def _train_task(tensor: TensorSpec) -> dict[str, Any]:
     from trainer.runner import run
 
     sink = ListSink()
@@ -423,7 +462,7 @@ def _train_task(tensor: TensorConfig) -> dict[str, Any]:
     }
 
 
-def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dict[str, Any]:
+def _resume_task(tensor: TensorSpec, checkpoint_dir: str | None = None) -> dict[str, Any]:
     """Stopped after 2 of 4 steps, then resumed from the per-rank checkpoints."""
     from pathlib import Path
 
@@ -439,7 +478,7 @@ def _resume_task(tensor: TensorConfig, checkpoint_dir: str | None = None) -> dic
     }
 
 
-def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
+def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
     """2 pipeline stages x 2-way 1d on 4 ranks, rank = stage*2 + tp: trainer/pipeline's executor runs
     1F1B over 2 micro-batches, each stage's layers are 1d-sharded over its 2 ranks, the last stage's
     loss is the vocab-parallel cross entropy of its vocabulary-split logits. Two optimizer steps
@@ -459,7 +498,7 @@ def _pipeline_1d_task(tensor: TensorConfig) -> dict[str, Any]:
     stage = dm.get_local_rank("pp")
     tp = tensor_mesh(dm["tp"])
     pipe_ranks = dist.get_process_group_ranks(dm.get_group("pp"))
-    job = _job(TensorConfig(mode="1d", size=tensor.size))
+    job = _job(TensorSpec(mode="1d", size=tensor.size))
     cfg, n_micro = job.train, 2
     dense = build_model(job.model, seed=cfg.seed)
     sched = build_schedule("1f1b", stages=2, microbatches=n_micro)
@@ -524,7 +563,7 @@ TASKS: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def _run_tasks(
-    rank: int, world_size: int, tasks: list[tuple[str, str, TensorConfig]], checkpoint_dir: str | None = None
+    rank: int, world_size: int, tasks: list[tuple[str, str, TensorSpec]], checkpoint_dir: str | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, kind, tensor in tasks:
@@ -549,7 +588,7 @@ def ranks4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         ("train-2d", "train", TP_2D),
         ("resume-2d", "resume", TP_2D),
         # last: it builds a (pp, tp) mesh of its own
-        ("pipeline-2x1d2", "pipeline-1d", TensorConfig(mode="1d", size=2)),
+        ("pipeline-2x1d2", "pipeline-1d", TensorSpec(mode="1d", size=2)),
     ]
     ckpt = str(tmp_path_factory.mktemp("tp-ckpt"))
     return run_ranks(_run_tasks, world_size=4, args=(tasks, ckpt), timeout_s=300)

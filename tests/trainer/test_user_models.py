@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from jobrules.spec import SpecError
 from tests.gloo import run_ranks
 from tests.trainer.user_model_src import USER_CNN, USER_MODEL
-from trainer.config import ConfigError, JobConfig
+from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 from trainer.workspace import UserCodeError, set_workspace
@@ -54,7 +55,7 @@ def losses(raw: dict[str, Any], workspace: Path | None) -> tuple[list[float], di
     set_workspace(workspace)
     try:
         sink = ListSink()
-        result = run(JobConfig.from_dict(raw), sink=sink, stop=NeverStop())
+        result = run(load_job(raw), sink=sink, stop=NeverStop())
         return sink.series("loss"), result
     finally:
         set_workspace(None)
@@ -126,10 +127,10 @@ def test_llama_2d_tensor_parallel_is_refused_with_the_reason() -> None:
     raw = spec("llama", tensor={"mode": "2d", "q": 2})
     with pytest.raises(ValueError, match="mode 2d has no form for model.kind llama"):
         JobSpec.model_validate(raw)
-    with pytest.raises(ConfigError, match="mode 2d has no form for model.kind llama"):
+    with pytest.raises(SpecError, match="mode 2d has no form for model.kind llama"):
         from trainer.tensor.mesh import check_tensor_layout
 
-        job = JobConfig.from_dict(raw)
+        job = load_job(raw)
         check_tensor_layout(job.parallel.tensor, world_size=4, model=job.model, batch_size=4)
 
 
@@ -150,7 +151,7 @@ def test_user_code_mistakes_fail_before_training(workspace: Path, entry: str, re
 
 
 def test_a_user_model_that_cannot_fit_the_spill_budget_fails_at_once(workspace: Path) -> None:
-    with pytest.raises(ConfigError, match="device_budget_mb"):
+    with pytest.raises(SpecError, match="device_budget_mb"):
         losses(spec("python", spill={"device_budget_mb": 0.01}), workspace)
 
 
@@ -160,21 +161,21 @@ def test_init_from_loads_saved_weights(tmp_path: Path, fmt: str) -> None:
 
     from trainer.models import build_model
 
-    job = JobConfig.from_dict(spec("llama"))
+    job = load_job(spec("llama"))
     dense = build_model(job.model, seed=123)
     state = {k: v.contiguous() for k, v in dense.state_dict().items()}
     path = tmp_path / f"w.{fmt}"
     save_file(state, str(path)) if fmt == "safetensors" else torch.save({"model": state}, path)
     raw = spec("llama")
     raw["model"] = {**raw["model"], "init_from": str(path)}
-    loaded = build_model(JobConfig.from_dict(raw).model, seed=0)
+    loaded = build_model(load_job(raw).model, seed=0)
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, state[k])
     raw["model"]["d_model"] = 64
     with pytest.raises(
-        ConfigError, match=r"'0.tok.weight' has shape \(128, 32\) in the file, \(128, 64\) in the model"
+        SpecError, match=r"'0.tok.weight' has shape \(128, 32\) in the file, \(128, 64\) in the model"
     ):
-        build_model(JobConfig.from_dict(raw).model, seed=0)
+        build_model(load_job(raw).model, seed=0)
 
 
 def test_a_cnn_on_python_image_data_spilled_and_offloaded(workspace: Path) -> None:
@@ -217,7 +218,7 @@ def test_selection_trials_size_with_the_recipe_batch_and_loss(workspace: Path) -
     }
     set_workspace(workspace)
     try:
-        job = with_data_vocab(JobConfig.from_dict(raw))
+        job = with_data_vocab(load_job(raw))
         trial = ShardedTrial.build(job, index=0, budget_bytes=None, prefetch=False)
         recipe = recipe_for(job.model)
         plan, _ = plan_job(job, build_dense(recipe, seed=0), device=torch.device("cpu"), recipe=recipe)

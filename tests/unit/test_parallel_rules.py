@@ -1,5 +1,5 @@
 """jobrules/parallel.py is the one statement of the `parallel` rules: the API's JobSpec (a 422) and
-the trainer's JobConfig / `python -m trainer` (exit 2) refuse the same specs with the same words,
+the trainer's load_job / `python -m trainer` (exit 2) refuse the same specs with the same words,
 and accept the same combinations with the same world size."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from api.schemas import JobSpec
 from jobrules.parallel import parallel_problems, world_size
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import SpecError
+from trainer.config import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPE = {"stages": 2, "microbatches": 2, "schedule": "1f1b"}
@@ -72,7 +73,7 @@ REFUSED = [
 @pytest.mark.parametrize(("parallel", "ranks"), ACCEPTED)
 def test_accepted_combinations_pass_both_sides_with_one_world_size(parallel: dict, ranks: int) -> None:
     api = JobSpec.model_validate(spec(parallel))
-    cfg = JobConfig.from_dict(api.model_dump())
+    cfg = load_job(api.model_dump())
     assert api.parallel.world_size == cfg.parallel.world_size == world_size(parallel) == ranks
 
 
@@ -82,8 +83,8 @@ def test_refused_combinations_fail_both_sides_with_the_same_words(parallel: dict
     assert any(needle in p for p in parallel_problems(raw)), parallel_problems(raw)
     with pytest.raises(ValidationError) as api_err:
         JobSpec.model_validate(raw)
-    with pytest.raises(ConfigError) as cfg_err:
-        JobConfig.from_dict(raw)
+    with pytest.raises(SpecError) as cfg_err:
+        load_job(raw)
     assert needle in str(api_err.value) and needle in str(cfg_err.value)
 
 

@@ -1,4 +1,4 @@
-"""JobSpec validation (pydantic, the API's side) and JobConfig (the trainer's own checks) agree."""
+"""JobSpec validation on the API's side (pydantic) and on the trainer's (trainer/config.py load_job, with the trainer's own checks) agree."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from api.schemas import JobSpec
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import SpecError
+from trainer.config import load_job
 
 GOOD = [
     {},
@@ -33,7 +34,7 @@ GOOD = [
 @pytest.mark.parametrize("raw", GOOD)
 def test_good_specs_pass_both_checks(raw: dict) -> None:
     spec = JobSpec.model_validate(raw)
-    cfg = JobConfig.from_dict(spec.model_dump())
+    cfg = load_job(spec.model_dump())
     assert cfg.parallel.world_size == spec.parallel.world_size
 
 
@@ -55,5 +56,5 @@ def test_world_size_and_queue() -> None:
 def test_bad_specs_fail_both_checks_naming_the_field(raw: dict, needle: str) -> None:
     with pytest.raises(ValidationError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         JobSpec.model_validate(raw)
-    with pytest.raises(ConfigError):
-        JobConfig.from_dict(raw)
+    with pytest.raises(SpecError):
+        load_job(raw)

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from api.schemas import JobSpec
-from trainer.config import ConfigError, JobConfig
+from jobrules.spec import SpecError
+from trainer.config import load_job
 
 WS = "sha256:" + "ab" * 32
 
@@ -92,11 +93,11 @@ def test_submit_refuses_with_the_reason(spec: dict[str, Any], reason: str) -> No
 )
 def test_valid_specs_pass_both_sides(spec: dict[str, Any]) -> None:
     dumped = JobSpec.model_validate(spec).model_dump()
-    JobConfig.from_dict(dumped)
+    load_job(dumped)
 
 
 def test_the_trainer_states_the_same_rules() -> None:
-    with pytest.raises(ConfigError, match=r"vocabulary \(256\) is larger than model.vocab_size \(128\)"):
-        JobConfig.from_dict({"data": {"tokenizer": "byte"}, "model": {"vocab_size": 128}})
-    with pytest.raises(ConfigError, match="data.entry must be 'package.module:function'"):
-        JobConfig.from_dict({"data": {"kind": "python", "entry": "nope"}})
+    with pytest.raises(SpecError, match=r"vocabulary \(256\) is larger than model.vocab_size \(128\)"):
+        load_job({"data": {"tokenizer": "byte"}, "model": {"vocab_size": 128}})
+    with pytest.raises(SpecError, match="data.entry must be 'package.module:function'"):
+        load_job({"data": {"kind": "python", "entry": "nope"}})

@@ -174,7 +174,18 @@ def simulate(
                 inflight[r].append(Action("B", a.mb, a.stage, a.replica))
             else:
                 inflight[r].remove(a)
+    return summarize(_timeline(sched, costs, start=start, finish=finish, owner=owner), ranks=D, split=split)
 
+
+def _timeline(
+    sched: Schedule,
+    costs: Costs,
+    *,
+    start: dict[Action, float],
+    finish: dict[Action, float],
+    owner: dict[Action, int],
+) -> list[dict[str, Any]]:
+    """The simulated actions as timeline rows, by rank and start, then each rank's exchanges."""
     timeline = [
         {
             "rank": owner[a],
@@ -188,7 +199,7 @@ def simulate(
         for a in sorted(start, key=lambda a: (owner[a], start[a]))
     ]
     # Chimera's exchanges start once both copies of a stage have their final gradients
-    last = "W" if split else "B"
+    last = "W" if sched.split_backward else "B"
     for r, acts in enumerate(sched.ranks):
         for a in acts:
             if a.op != "AR":
@@ -206,7 +217,7 @@ def simulate(
                     "end": t0 + costs.allreduce,
                 }
             )
-    return summarize(timeline, ranks=D, split=split)
+    return timeline
 
 
 def summarize(timeline: list[dict[str, Any]], *, ranks: int, split: bool) -> SimResult:

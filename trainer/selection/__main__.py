@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import torch
 
-from trainer.config import ConfigError
+from jobrules.spec import SpecError
 from trainer.protocol import FileStopSignal, protocol_channel
 from trainer.workspace import add_environment, set_workspace
 
@@ -116,7 +116,7 @@ def pick_devices(kind: str, n: int) -> list[torch.device]:
     if kind == "cuda":
         have = torch.cuda.device_count()
         if n > have:
-            raise ConfigError(f"--devices {n} but this machine has {have} CUDA devices")
+            raise SpecError(f"--devices {n} but this machine has {have} CUDA devices")
         return [torch.device("cuda", i) for i in range(n)]
     return [torch.device("cpu")] * n
 
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     batch_lines = TrialLines(channel, trial=None, numbering=numbering)
     try:
         if args.devices < 1:
-            raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+            raise SpecError(f"--devices must be >= 1, got {args.devices}")
         if args.chunk_tasks is not None and args.chunk_tasks < 1:
-            raise ConfigError(f"--chunk-tasks must be >= 1, got {args.chunk_tasks}")
+            raise SpecError(f"--chunk-tasks must be >= 1, got {args.chunk_tasks}")
         raw = json.load(sys.stdin) if args.batch == "-" else json.loads(Path(args.batch).read_text())
         devices = pick_devices(args.device, args.devices)
         set_workspace(args.workspace)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             device_threads=args.device_threads,
             chunk_tasks=args.chunk_tasks,
         )
-    except ConfigError as e:
+    except SpecError as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})
         return 2
     except Exception as e:  # noqa: BLE001 - the reason goes to the worker, the trace to stderr

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling of shared tensors as fds
 
-from trainer.config import JobConfig
+from jobrules.spec import JobSpec
 from trainer.selection.shards import HOST, Place, ShardedTrial
 from trainer.spill.ledger import DeviceLedger
 
@@ -66,7 +66,7 @@ class DeviceDied(RuntimeError):
 class Adoption:
     """A trial the device process has not seen: the job to build it from and its shared block."""
 
-    job: JobConfig
+    job: JobSpec
     block: torch.Tensor
     budget_bytes: int | None
     prefetch: bool

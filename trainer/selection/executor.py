@@ -40,9 +40,8 @@ from typing import Any, Literal
 
 import torch
 
-from jobrules.spec import CHECKPOINT_POLICIES, METRICS, BatchRules
+from jobrules.spec import CHECKPOINT_POLICIES, METRICS, BatchRules, JobSpec
 from trainer.after_step import AfterStep, report_eval, report_step
-from trainer.config import JobConfig
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
 from trainer.selection.devices import Adoption, DeviceDied, DeviceProcesses, Done, Order, execute
 from trainer.selection.halving import Decisions, Halving, HalvingConfig, StopReason
@@ -60,7 +59,7 @@ _REQUEST = BatchRules()
 @dataclass(kw_only=True, slots=True)
 class TrialEntry:
     index: int
-    job: JobConfig
+    job: JobSpec
     sink: MetricsSink
     checkpoint_dir: Path | None = None
     warm_start: Path | None = None

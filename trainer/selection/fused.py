@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ConfigError, JobConfig, ModelConfig
+from jobrules.spec import JobSpec, ModelSpec, SpecError
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import check_finite, val_batches
 from trainer.models import recipe_for
@@ -67,7 +67,7 @@ ADAM_EPS = 1e-8
 # -- which trials fuse ---------------------------------------------------------------------------
 
 
-def refusal(job: JobConfig) -> str | None:
+def refusal(job: JobSpec) -> str | None:
     """Why `job` cannot be a member of any stack (None: it can)."""
     if job.model.kind not in FUSED_KINDS:
         return f"model.kind {job.model.kind!r}: only the built-in {' and '.join(FUSED_KINDS)} models fuse"
@@ -84,7 +84,7 @@ def refusal(job: JobConfig) -> str | None:
     return None
 
 
-def difference(a: JobConfig, b: JobConfig) -> str | None:
+def difference(a: JobSpec, b: JobSpec) -> str | None:
     """The first field two trials must share and do not, with both values (None: they match)."""
     for section, name in MATCH_FIELDS:
         da, db = getattr(a, section).model_dump(), getattr(b, section).model_dump()
@@ -107,7 +107,7 @@ class FuseGroup:
         return len(self.members) > 1
 
 
-def fusable(jobs: Sequence[JobConfig]) -> list[FuseGroup]:
+def fusable(jobs: Sequence[JobSpec]) -> list[FuseGroup]:
     """Partition `jobs` into stacks: a trial joins the first stack whose first member it matches
     on every field of MATCH_FIELDS; a trial `refusal` names, or that matches no other, stands alone
     with the reason."""
@@ -136,17 +136,17 @@ def fusable(jobs: Sequence[JobConfig]) -> list[FuseGroup]:
     return [groups[i] for i in sorted(groups)]
 
 
-def check_fusable(jobs: Sequence[JobConfig]) -> None:
-    """Raise ConfigError naming the field when `jobs` cannot all be members of one stack."""
+def check_fusable(jobs: Sequence[JobSpec]) -> None:
+    """Raise SpecError naming the field when `jobs` cannot all be members of one stack."""
     if not jobs:
-        raise ConfigError("a fused group needs at least one trial")
+        raise SpecError("a fused group needs at least one trial")
     for i, job in enumerate(jobs):
         why = refusal(job)
         if why is not None:
-            raise ConfigError(f"trial {i} cannot be fused: {why}")
+            raise SpecError(f"trial {i} cannot be fused: {why}")
         why = difference(jobs[0], job)
         if why is not None:
-            raise ConfigError(f"trial {i} cannot be fused with trial 0: {why}")
+            raise SpecError(f"trial {i} cannot be fused with trial 0: {why}")
 
 
 # -- batched layers: trainer/models.py's GPT and MLP over a leading member dim K -----------------
@@ -191,7 +191,7 @@ def _embed(w_KVD: torch.Tensor, idx_KBT: torch.Tensor) -> torch.Tensor:
     return w_KVD[rows_K11, idx_KBT]
 
 
-def stacked_forward(cfg: ModelConfig, P: dict[str, torch.Tensor], idx_KBT: torch.Tensor) -> torch.Tensor:
+def stacked_forward(cfg: ModelSpec, P: dict[str, torch.Tensor], idx_KBT: torch.Tensor) -> torch.Tensor:
     """logits_KBTV of K stacked members of the built-in `cfg.kind` model; P holds each parameter
     of the model's nn.Sequential by its name, with a leading K dim."""
     last = cfg.layers + 1
@@ -231,7 +231,7 @@ class _Slot:
     stop: int
 
 
-def _member_hparams(jobs: Sequence[JobConfig], *, device: torch.device) -> dict[str, torch.Tensor]:
+def _member_hparams(jobs: Sequence[JobSpec], *, device: torch.device) -> dict[str, torch.Tensor]:
     def col(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
@@ -246,7 +246,7 @@ def _member_hparams(jobs: Sequence[JobConfig], *, device: torch.device) -> dict[
 class FusedTrials:
     """K fusable trials as one stacked model on one device (see the module docstring)."""
 
-    def __init__(self, jobs: Sequence[JobConfig], *, device: torch.device | str = "cpu") -> None:
+    def __init__(self, jobs: Sequence[JobSpec], *, device: torch.device | str = "cpu") -> None:
         check_fusable(jobs)
         self.device = torch.device(device)
         self.jobs = [with_data_vocab(j) for j in jobs]

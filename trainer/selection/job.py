@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from jobrules.spec import BatchTrial, SelectionBatch, parse
+from jobrules.spec import BatchTrial, SelectionBatch, SpecError, parse
 from trainer.checkpoint import latest_checkpoint
-from trainer.config import ConfigError, JobConfig
+from trainer.config import load_job
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry, uses_processes
 from trainer.selection.fused import fusable
@@ -51,7 +51,7 @@ class BatchSpec:
 
 def parse_batch(batch: Any) -> BatchSpec:
     """Check the batch message (SelectionBatch, jobrules/spec.py: the worker builds the same
-    model); raises ConfigError naming each field and its rule. Trial specs are checked per trial
+    model); raises SpecError naming each field and its rule. Trial specs are checked per trial
     at run time, so one bad trial does not sink the batch."""
     msg = parse(SelectionBatch, batch)
     trials = [
@@ -104,24 +104,14 @@ def run_selection(
     trials due now (BatchTrial dicts; none: an empty list) when a device frees and no trial waits
     for one (trainer/selection/executor.py)."""
     spec = parse_batch(batch)
-    if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
-        spec.executor.device_processes = False
-    if chunk_tasks is not None:  # a lone trial's tasks an order (ExecutorConfig.chunk_tasks)
-        if not uses_processes(spec.executor, devices):
-            # chunks exist only where a device is a process of its own: refused, not ignored
-            raise ConfigError(
-                "chunk_tasks: applies to CPU device processes only (two or more CPU devices, "
-                f"without device threads); this batch runs its {len(devices)} {devices[0].type} "
-                "device(s) as threads"
-            )
-        spec.executor.chunk_tasks = chunk_tasks
+    _device_options(spec.executor, devices, device_threads=device_threads, chunk_tasks=chunk_tasks)
     failed: dict[int, dict[str, Any]] = {}
 
     def entry(t: TrialSpec) -> TrialEntry | None:
         sink = sink_for_trial(t.index)
         try:
-            job = JobConfig.from_dict(t.spec)
-        except (ConfigError, TypeError, ValueError) as e:
+            job = load_job(t.spec)
+        except (SpecError, TypeError, ValueError) as e:
             reason = f"bad spec: {e}"
             sink.log(f"trial {t.index} failed: {reason}")
             sink.event("trial", {"status": "failed", "steps_done": 0})
@@ -167,7 +157,6 @@ def run_selection(
             )
     fused = set(results)
     ex = None
-    marks: dict[str, float] = {}
     if entries or more is not None:
         ex = Executor(
             entries,
@@ -178,15 +167,53 @@ def run_selection(
             more=next_entries if more is not None else None,
         )
         results.update(ex.run())
-        marks = ex.marks
     results.update(failed)
-    makespan = time.perf_counter() - t0
-    sign = 1.0 if spec.executor.mode == "min" else -1.0
+    return _summary(
+        spec.executor,
+        results,
+        fused=fused,
+        checkpoint_root=checkpoint_root,
+        devices=devices,
+        makespan_s=time.perf_counter() - t0,
+        ex=ex,
+    )
+
+
+def _device_options(
+    cfg: ExecutorConfig, devices: list[torch.device], *, device_threads: bool, chunk_tasks: int | None
+) -> None:
+    """The caller's choices of how the devices run, set on the batch's executor config."""
+    if device_threads:  # CPU devices as threads of this process (see ExecutorConfig.device_processes)
+        cfg.device_processes = False
+    if chunk_tasks is not None:  # a lone trial's tasks an order (ExecutorConfig.chunk_tasks)
+        if not uses_processes(cfg, devices):
+            # chunks exist only where a device is a process of its own: refused, not ignored
+            raise SpecError(
+                "chunk_tasks: applies to CPU device processes only (two or more CPU devices, "
+                f"without device threads); this batch runs its {len(devices)} {devices[0].type} "
+                "device(s) as threads"
+            )
+        cfg.chunk_tasks = chunk_tasks
+
+
+def _summary(
+    cfg: ExecutorConfig,
+    results: dict[int, dict[str, Any]],
+    *,
+    fused: set[int],
+    checkpoint_root: Path | None,
+    devices: list[torch.device],
+    makespan_s: float,
+    ex: Executor | None,
+) -> dict[str, Any]:
+    """The batch's summary with its leaderboard (best first). `fused`: the trials that trained
+    stacked; `ex`: the executor that ran the others, if one ran."""
+    sign = 1.0 if cfg.mode == "min" else -1.0
     ranked = sorted(
         (r for r in results.values() if r.get("best_metric") is not None),
         key=lambda r: (sign * r["best_metric"], r["trial"]),
     )
-    if fused and checkpoint_root is not None and spec.executor.checkpoints == "best":
+    if fused and checkpoint_root is not None and cfg.checkpoints == "best":
         # the executor keeps its own trials' best; with fused trials beside them, the batch's best
         # is known only now (the same rule: best metric, then index)
         best = ranked[0]["trial"] if ranked else None
@@ -200,11 +227,11 @@ def run_selection(
             for r in ranked
         ],
         "best_trial": ranked[0]["trial"] if ranked else None,
-        "metric": spec.executor.metric,
-        "mode": spec.executor.mode,
-        "scheduler": spec.executor.scheduler,
+        "metric": cfg.metric,
+        "mode": cfg.mode,
+        "scheduler": cfg.scheduler,
         "devices": [str(d) for d in devices],
-        "makespan_s": makespan,
+        "makespan_s": makespan_s,
         # per device: seconds with no trial to run before the batch's end, and of those the ones
         # spent asking the worker for a trial (a sampler's batch); what a growing batch's ask rule
         # costs shows here (bench.peer --search reads it)
@@ -212,7 +239,7 @@ def run_selection(
         "ask_s": list(ex.ask_s) if ex is not None else None,
         # when the run reached each phase (Unix seconds; Executor.marks, and `main` when run as
         # `python -m trainer.selection`): the worker logs them with its own at the group's end
-        "marks": marks,
+        "marks": ex.marks if ex is not None else {},
     }
 
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobrules.spec import JobSpec
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import JobConfig
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import check_finite, val_batches
 from trainer.models import count_params, recipe_for
@@ -157,7 +157,7 @@ def _sync(place: Place) -> None:
 @dataclass(kw_only=True, slots=True)
 class ShardedTrial:
     index: int
-    job: JobConfig
+    job: JobSpec
     recipe: ModelRecipe
     """The model's recipe: its loss and how a batch feeds it, as in every engine."""
     model: nn.Sequential
@@ -186,7 +186,7 @@ class ShardedTrial:
     """Deferred path: the clip coefficient, once every shard's norms are in."""
 
     @classmethod
-    def build(cls, job: JobConfig, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
+    def build(cls, job: JobSpec, *, index: int, budget_bytes: int | None, prefetch: bool) -> ShardedTrial:
         """Cut the model so that one shard's working set plus a prefetched shard of any other trial
         fit the device: with prefetch each shard gets half the budget (HYDRA's double buffer)."""
         job = with_data_vocab(job)

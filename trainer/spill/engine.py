@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import ConfigError, OffloadConfig, TrainConfig
+from jobrules.spec import OffloadSpec, SpecError, TrainSpec
 from trainer.models import lm_loss
 from trainer.optim import build_optimizer
 from trainer.spill.ledger import DeviceLedger
@@ -70,11 +70,11 @@ class SpillEngine:
         model: nn.Sequential,
         *,
         plan: SpillPlan,
-        train: TrainConfig,
+        train: TrainSpec,
         device: torch.device,
         ledger: DeviceLedger,
         prefetch: bool = True,
-        offload: OffloadConfig | None = None,
+        offload: OffloadSpec | None = None,
         bucket_numel: int | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
     ) -> None:
@@ -85,7 +85,7 @@ class SpillEngine:
         self.param_dtype = DTYPES[offload.dtype] if self.offloaded else torch.float32
         n_shards = plan.n_shards
         if self.offloaded and train.optimizer != "adamw":
-            raise ConfigError(
+            raise SpecError(
                 f"parallel.offload.optimizer streams AdamW state; train.optimizer is {train.optimizer!r}"
             )
         # Global-norm clipping and the fp16 inf check need every gradient before any step: with

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.config import JobConfig, TrainConfig
+from jobrules.spec import JobSpec, TrainSpec
 from trainer.data import data_for
 from trainer.models import count_params
 from trainer.optim import build_optimizer
@@ -34,7 +34,7 @@ from trainer.spill.partition import (
 )
 
 
-def trial_example(job: JobConfig, recipe: ModelRecipe) -> tuple[torch.Tensor, torch.Tensor]:
+def trial_example(job: JobSpec, recipe: ModelRecipe) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch as the recipe feeds it (a user model's inputs need not be token ids): what the
     cost trial runs, with the recipe's own loss."""
     g = torch.Generator().manual_seed(0)
@@ -42,7 +42,7 @@ def trial_example(job: JobConfig, recipe: ModelRecipe) -> tuple[torch.Tensor, to
 
 
 def plan_job(
-    job: JobConfig, model: nn.Sequential, *, device: torch.device, recipe: ModelRecipe
+    job: JobSpec, model: nn.Sequential, *, device: torch.device, recipe: ModelRecipe
 ) -> tuple[SpillPlan, str]:
     """The shard plan for `job` and a line saying how it was made. Costs are measured by a trial
     pass of the recipe's own batch and loss, on CUDA, and estimated on the meta device elsewhere.
@@ -90,7 +90,7 @@ def plan_job(
 
 
 def to_torch_optimizer_state(
-    per_param: dict[str, dict[str, Any]], *, model: nn.Module, cfg: TrainConfig
+    per_param: dict[str, dict[str, Any]], *, model: nn.Module, cfg: TrainSpec
 ) -> dict[str, Any]:
     """Per-name optimizer state as a torch optimizer state_dict over `model.parameters()`."""
     template = build_optimizer(model.parameters(), cfg).state_dict()
@@ -125,9 +125,7 @@ class SpilledEngine:
     checkpoint_subdir: str | None = None
     writes_checkpoints = True
 
-    def __init__(
-        self, job: JobConfig, *, recipe: ModelRecipe, sink: MetricsSink, device: torch.device
-    ) -> None:
+    def __init__(self, job: JobSpec, *, recipe: ModelRecipe, sink: MetricsSink, device: torch.device) -> None:
         cfg = job.train
         self.job, self.device = job, device
         self.model = build_dense(recipe, seed=cfg.seed)

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from trainer.config import ConfigError
+from jobrules.spec import SpecError
 from trainer.models import lm_loss
 from trainer.spill.ledger import MiB, SavedActivations
 
 
-class DoesNotFit(ConfigError):
+class DoesNotFit(SpecError):
     """No plan fits the budget; the message carries the numbers."""
 
 
@@ -224,7 +224,7 @@ def plan_peak(
 def check_cuts(cuts: list[int], *, n_layers: int) -> None:
     ok = all(0 < c < n_layers for c in cuts) and all(a < b for a, b in zip(cuts, cuts[1:], strict=False))
     if not ok:
-        raise ConfigError(
+        raise SpecError(
             f"parallel.spill.cuts must be strictly increasing layer indices in (0, {n_layers}), got {cuts}"
         )
 

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.grads import clip_grad_norm_
-from trainer.llama_tp import shard_llama_layer
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
 from trainer.tensor.cross_entropy import row_blocks, tp_loss
 from trainer.tensor.layers_1d import Slicer
+from trainer.tensor.llama_1d import shard_llama_layer
 from trainer.tensor.mesh import Mesh1D, MeshGrid, TensorMesh
 
 

@@ -149,7 +149,7 @@ class MLP1D(nn.Module):
 class TokenTable1D(nn.Module):
     """Token table split over the vocabulary: each rank looks up the ids it owns, zeros for the rest,
     and one all-reduce assembles x_BTD. GPT's Embedding1D adds its position table; the Llama
-    recipe's token embedding is this alone (trainer/llama_tp.py)."""
+    recipe's token embedding is this alone (trainer/tensor/llama_1d.py)."""
 
     def __init__(self, tok: nn.Embedding, *, mesh: Mesh1D, name: str) -> None:
         super().__init__()

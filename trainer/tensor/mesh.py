@@ -18,28 +18,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from jobrules.models import tensor_kind_problems
-from trainer.config import ConfigError, ModelConfig, TensorConfig
+from jobrules.spec import ModelSpec, SpecError, TensorSpec
 
 VOCAB = 128
 
 
-def check_tensor_layout(
-    tensor: TensorConfig, *, world_size: int, model: ModelConfig, batch_size: int
-) -> None:
-    """Every divisibility rule the sharded layers rely on; raises ConfigError with the numbers.
+def check_tensor_layout(tensor: TensorSpec, *, world_size: int, model: ModelSpec, batch_size: int) -> None:
+    """Every divisibility rule the sharded layers rely on; raises SpecError with the numbers.
 
     Call it before creating any process group: a bad shape should fail in milliseconds with a reason,
     not as a hang or a shape error inside a collective.
     """
     need = tensor.world_size
     if need != world_size:
-        raise ConfigError(
+        raise SpecError(
             f"parallel.tensor {tensor.mode} needs {need} ranks "
             f"({_ranks_formula(tensor)}) but the tensor axis has {world_size}"
         )
     split = tensor.size if tensor.mode == "1d" else tensor.q
     if problems := tensor_kind_problems(model.model_dump(), mode=tensor.mode, split=split):
-        raise ConfigError("; ".join(problems))
+        raise SpecError("; ".join(problems))
     what = "parallel.tensor.size" if tensor.mode == "1d" else "parallel.tensor.q"
     ffn = model.mlp_ratio * model.d_model
     for name, value in (
@@ -49,17 +47,17 @@ def check_tensor_layout(
         (f"the vocabulary ({model.vocab_size or VOCAB})", model.vocab_size or VOCAB),
     ):
         if value % split:
-            raise ConfigError(f"{name} ({value}) must be divisible by {what} ({split}) for {tensor.mode}")
+            raise SpecError(f"{name} ({value}) must be divisible by {what} ({split}) for {tensor.mode}")
     if tensor.mode != "1d":
         rows = tensor.d * tensor.q
         if batch_size % rows:
-            raise ConfigError(
+            raise SpecError(
                 f"train.batch_size ({batch_size}) must be divisible by d*q ({tensor.d}*{tensor.q} = {rows}) "
                 f"for {tensor.mode}: the batch is split over depth and rows"
             )
 
 
-def _ranks_formula(tensor: TensorConfig) -> str:
+def _ranks_formula(tensor: TensorSpec) -> str:
     if tensor.mode == "1d":
         return f"size = {tensor.size}"
     if tensor.mode == "2d":
@@ -114,7 +112,7 @@ class MeshGrid:
 TensorMesh = Mesh1D | MeshGrid
 
 
-def device_mesh_for(tensor: TensorConfig, *, device_type: str = "cpu") -> DeviceMesh:
+def device_mesh_for(tensor: TensorSpec, *, device_type: str = "cpu") -> DeviceMesh:
     """The DeviceMesh over the whole world for a tensor-only job (composed jobs slice theirs)."""
     if tensor.mode == "1d":
         return init_device_mesh(device_type, (tensor.size,), mesh_dim_names=("tp",))
@@ -148,5 +146,5 @@ def tensor_mesh(dm: DeviceMesh) -> TensorMesh:
     )
 
 
-def grid_mesh_from_config(tensor: TensorConfig, *, device_type: str = "cpu") -> TensorMesh:
+def grid_mesh_from_config(tensor: TensorSpec, *, device_type: str = "cpu") -> TensorMesh:
     return tensor_mesh(device_mesh_for(tensor, device_type=device_type))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.config import TensorConfig
+from jobrules.spec import TensorSpec
 from trainer.tensor import comm
 from trainer.tensor.mesh import Mesh1D, TensorMesh
 
@@ -36,7 +36,7 @@ def comm_summary(*, mesh: TensorMesh, steps: int) -> dict[str, Any]:
     }
 
 
-def tensor_summary(*, mesh: TensorMesh, tensor: TensorConfig, steps: int) -> dict[str, Any]:
+def tensor_summary(*, mesh: TensorMesh, tensor: TensorSpec, steps: int) -> dict[str, Any]:
     """The tensor-parallel result keys, and under "comm" the run's ledger for the `comm` event
     (every rank calls this: it gathers)."""
     with comm.paused():
