@@ -43,6 +43,7 @@ from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
 from core.settings import Settings
+from core.slurm import is_pool_node
 from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_TICK
 from db import scheduling as dbs
 from db.engine import session_for
@@ -691,6 +692,9 @@ class Scheduler:
         second write for them; a failed send still clears it)."""
         sent = []
         for r in rows:
+            if is_pool_node(r.worker):  # a Slurm pool's submitter reads the reservation itself
+                sent.append(r.id)
+                continue
             try:
                 if r.trial_ids is not None:  # a selection group's task
                     self.send_group(

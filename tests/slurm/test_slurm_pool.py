@@ -1,0 +1,112 @@
+"""A Slurm pool on a real two-node Slurm cluster (make test-slurm, tests/slurm/cluster.sh): the stack
+(redis-server, the API with its scheduler) has no Celery worker; the pool's submitter
+(`python -m workers.slurm_pool`) submits each placed job with sbatch, and the node agents srun
+starts (`python -m workers.slurm_agent`) run it. Everything goes through the REST API."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.stack import Stack
+from tests.conftest import TINY_SPEC, StackHandle, long_job, running
+
+pytestmark = pytest.mark.slurm
+
+PREFIX = f"sy{secrets.token_hex(3)}"
+POOL = {
+    "name": "main",
+    "partition": "main",
+    "nodes": 2,
+    "slots_per_node": 2,
+    "job_prefix": PREFIX,
+    "signal_s": 60,
+    "time_limit_s": 600,
+}
+
+
+def squeue() -> dict[int, tuple[int, str, str]]:
+    """This module's Slurm jobs: Shardyard job id -> (Slurm job id, state, reason)."""
+    out = subprocess.run(
+        ["squeue", "-h", "-o", "%i|%j|%T|%r"], capture_output=True, text=True, check=True
+    ).stdout
+    got = {}
+    for line in out.splitlines():
+        sid, name, state, reason = line.split("|")
+        if name.startswith(PREFIX + "-"):
+            got[int(name.rsplit("-", 1)[1])] = (int(sid), state, reason)
+    return got
+
+
+def scancel_ours() -> None:
+    ids = [str(sid) for sid, _, _ in squeue().values()]
+    if ids:
+        subprocess.run(["scancel", *ids], check=False)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
+    root = tmp_path_factory.mktemp("slurm-stack")
+    env = {
+        "SHARDYARD_SLURM_POOLS": json.dumps([POOL]),
+        "SHARDYARD_SLURM_POLL_S": "0.5",
+        "SHARDYARD_HEARTBEAT_S": "1",
+        "SHARDYARD_LEASE_S": "10",
+        "SHARDYARD_RECONCILE_S": "2",
+        "SHARDYARD_WARM_TRAINER": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    st = Stack(root=root, workers=0, extra_env=env)
+    with running(st) as h:
+        st._spawn("slurm-pool", [sys.executable, "-m", "workers.slurm_pool"])
+        try:
+            yield h
+        finally:
+            scancel_ours()
+            for log in sorted(Path(root).glob("slurm/*.out")) + [root / "slurm-pool.log"]:
+                if log.exists():
+                    print(f"---- {log.name}\n{log.read_text()[-4000:]}")
+
+
+def _logs(h: StackHandle, job_id: int) -> list[dict[str, Any]]:
+    return h.client.get(f"/api/jobs/{job_id}/logs").json()["items"]
+
+
+def _slurm_ids(h: StackHandle, job_id: int) -> list[int]:
+    return [e["data"]["slurm_job_id"] for e in _logs(h, job_id) if (e.get("data") or {}).get("slurm_job_id")]
+
+
+def test_a_one_node_job_succeeds(pool: StackHandle) -> None:
+    job = pool.submit({**TINY_SPEC, "name": "slurm-one"})
+    done = pool.wait(job["id"], timeout=180)
+    assert done["worker"].startswith("slurm:main:"), done["worker"]
+    assert _slurm_ids(pool, job["id"]), _logs(pool, job["id"])
+    got = pool.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
+    assert got["series"]["loss"]["steps"] == list(range(1, TINY_SPEC["train"]["steps"] + 1))
+    # its Slurm job ends with it
+    deadline = time.monotonic() + 30
+    while job["id"] in squeue() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job["id"] not in squeue()
+
+
+def test_rest_cancel_removes_it_from_squeue(pool: StackHandle) -> None:
+    job = pool.submit(long_job("slurm-cancel", 3000))
+    pool.wait_until(job["id"], lambda j: j["status"] == "running" and j["progress"]["step"] >= 3, timeout=120)
+    assert job["id"] in squeue()
+    r = pool.client.post(f"/api/jobs/{job['id']}/cancel")
+    assert r.status_code == 200, r.text
+    t0 = time.monotonic()
+    while job["id"] in squeue() and time.monotonic() - t0 < 20:
+        time.sleep(0.2)
+    assert job["id"] not in squeue(), squeue()
+    done = pool.wait(job["id"], ("cancelled",), timeout=60)
+    assert done["status"] == "cancelled"
