@@ -467,49 +467,7 @@ def read_state(
     boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
     if held is None:
         held = dbs.reservations(session)
-    queued = dbs.queued_jobs(session)
-    need = needs.get(session, [q[0] for q in queued])
-    wants: list[Want] = []
-    reasons: dict[int, str | None] = {}
-    for job_id, owner_id, priority, world_size, queue, why in queued:
-        reasons[job_id] = why
-        if (n := need.get(job_id)) is not None:  # else deleted meanwhile
-            gpus, ram, created = n
-            wants.append(
-                Want(
-                    id=job_id,
-                    user=owner_id,
-                    priority=priority,
-                    created=created,
-                    ranks=world_size,
-                    gpus=gpus,
-                    ram=ram,
-                    queue=queue,
-                )
-            )
-    groups = dbs.queued_groups(session, held=held)
-    need_t = needs.get(session, [j for g in groups for j in g.job_ids])
-    for g in groups:
-        if any(j not in need_t for j in g.job_ids):
-            continue  # deleted meanwhile
-        first = need_t[g.job_ids[0]]
-        ranks, gpus = g.devices, g.devices if first[0] else 0
-        wants.append(
-            Want(
-                id=g.job_ids[0],
-                user=g.owner_id,
-                priority=g.priority,
-                created=first[2],
-                ranks=ranks,
-                gpus=gpus,
-                ram=sum(need_t[j][1] for j in g.job_ids),
-                queue=g.queue,
-                trials=tuple(g.trial_ids),
-                members=tuple(g.job_ids),
-                selection=g.selection_id,
-            )
-        )
-        reasons[g.job_ids[0]] = g.wait_reason
+    wants, reasons = _wants(session, needs, held=held)
     running_slots: dict[int | None, int] = {}
     limits = dbs.user_limits(session, defaults=settings.quota_defaults)
     quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
@@ -559,6 +517,57 @@ def read_state(
         reasons=reasons,
         now=now_dt.timestamp(),
     )
+
+
+def _wants(
+    session: Any, needs: _Needs, *, held: list[dbs.HeldRow]
+) -> tuple[list[Want], dict[int, str | None]]:
+    """The queued jobs, then the selection groups no reservation holds yet, as wants; each one's
+    wait reason by its (first) job's id."""
+    queued = dbs.queued_jobs(session)
+    need = needs.get(session, [q[0] for q in queued])
+    wants: list[Want] = []
+    reasons: dict[int, str | None] = {}
+    for job_id, owner_id, priority, world_size, queue, why in queued:
+        reasons[job_id] = why
+        if (n := need.get(job_id)) is not None:  # else deleted meanwhile
+            gpus, ram, created = n
+            wants.append(
+                Want(
+                    id=job_id,
+                    user=owner_id,
+                    priority=priority,
+                    created=created,
+                    ranks=world_size,
+                    gpus=gpus,
+                    ram=ram,
+                    queue=queue,
+                )
+            )
+    groups = dbs.queued_groups(session, held=held)
+    need_t = needs.get(session, [j for g in groups for j in g.job_ids])
+    for g in groups:
+        if any(j not in need_t for j in g.job_ids):
+            continue  # deleted meanwhile
+        first = need_t[g.job_ids[0]]
+        ranks, gpus = g.devices, g.devices if first[0] else 0
+        wants.append(
+            Want(
+                id=g.job_ids[0],
+                user=g.owner_id,
+                priority=g.priority,
+                created=first[2],
+                ranks=ranks,
+                gpus=gpus,
+                ram=sum(need_t[j][1] for j in g.job_ids),
+                queue=g.queue,
+                trials=tuple(g.trial_ids),
+                members=tuple(g.job_ids),
+                selection=g.selection_id,
+            )
+        )
+        reasons[g.job_ids[0]] = g.wait_reason
+    return wants, reasons
 
 
 _VIEW_NEEDS = _Needs()
