@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TextIO
 
 from jobrules.spec import JobSpec, SpecError
 from trainer.config import load_job
@@ -21,7 +22,9 @@ from trainer.protocol import FileStopSignal, JsonlSink, protocol_channel
 from trainer.workspace import UserCodeError, add_environment, set_workspace
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> int:
+    """`protocol`: where the protocol lines go (stdout by default; the program's own run passes
+    the channel it took before any users' code loads, trainer/protocol.py protocol_channel)."""
     ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     ap.add_argument("--spec", required=True, help="JobSpec JSON file ('-' for stdin)")
     ap.add_argument("--checkpoint-dir", type=Path, default=None)
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     rank = env_rank()
-    sink = JsonlSink(protocol_channel(), enabled=rank == 0)
+    sink = JsonlSink(protocol or sys.stdout, enabled=rank == 0)
     try:
         raw = json.load(sys.stdin) if args.spec == "-" else json.loads(Path(args.spec).read_text())
         # relative paths and user code need the workspace folder, when the spec names none
@@ -85,4 +88,4 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_now(main(protocol=protocol_channel()))

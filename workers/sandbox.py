@@ -62,6 +62,8 @@ PASSED_ENV = (
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
     "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "LOGLEVEL",  # torchrun's own log level
     # the devices the worker was given
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_VISIBLE_DEVICES",

@@ -121,7 +121,9 @@ def pick_devices(kind: str, n: int) -> list[torch.device]:
     return [torch.device("cpu")] * n
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> int:
+    """`protocol`: where the protocol lines go (stdout by default; the program's own run passes
+    the channel it took before any users' code loads, trainer/protocol.py protocol_channel)."""
     began = time.time()
     ap = argparse.ArgumentParser(prog="python -m trainer.selection", description=__doc__)
     ap.add_argument("--batch", required=True, help="batch JSON file ('-' for stdin)")
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     numbering = Numbering()
-    channel = protocol_channel()  # before any users' code loads (trainer/protocol.py)
+    channel = protocol or sys.stdout
     batch_lines = TrialLines(channel, trial=None, numbering=numbering)
     try:
         if args.devices < 1:
@@ -205,4 +207,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(protocol=protocol_channel()))
