@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
+from db.engine import session_for
+from db.models import Job
 from tests.conftest import TINY_SPEC, StackHandle, long_job, running
 
 pytestmark = pytest.mark.slurm
@@ -71,7 +73,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]:
             yield h
         finally:
             scancel_ours()
-            for log in sorted(Path(root).glob("slurm/*.out")) + [root / "slurm-pool.log"]:
+            for log in sorted(Path(root).glob("slurm/*.out")) + [root / "slurm-pool.log", root / "api.log"]:
                 if log.exists():
                     print(f"---- {log.name}\n{log.read_text()[-4000:]}")
 
@@ -86,7 +88,7 @@ def _slurm_ids(h: StackHandle, job_id: int) -> list[int]:
 
 def test_a_one_node_job_succeeds(pool: StackHandle) -> None:
     job = pool.submit({**TINY_SPEC, "name": "slurm-one"})
-    done = pool.wait(job["id"], timeout=180)
+    done = pool.wait(job["id"], timeout=60)
     assert done["worker"].startswith("slurm:main:"), done["worker"]
     assert _slurm_ids(pool, job["id"]), _logs(pool, job["id"])
     got = pool.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
@@ -110,3 +112,56 @@ def test_rest_cancel_removes_it_from_squeue(pool: StackHandle) -> None:
     assert job["id"] not in squeue(), squeue()
     done = pool.wait(job["id"], ("cancelled",), timeout=60)
     assert done["status"] == "cancelled"
+
+
+def test_a_job_too_big_for_the_partition_waits_with_slurms_reason(pool: StackHandle) -> None:
+    """The partition's MaxTime is 30 minutes (tests/slurm/cluster.sh): a job that may run two
+    hours is submitted and stays pending, its wait reason Slurm's own."""
+    job = pool.submit({**TINY_SPEC, "name": "slurm-too-long", "max_runtime_s": 7200})
+    got = pool.wait_until(job["id"], lambda j: "PartitionTimeLimit" in (j["wait_reason"] or ""), timeout=60)
+    assert got["status"] == "queued"
+    sid, state, reason = squeue()[job["id"]]
+    assert (state, reason) == ("PENDING", "PartitionTimeLimit")
+    assert got["wait_reason"] == f"slurm job {sid} pending in partition main: PartitionTimeLimit"
+    assert sid in _slurm_ids(pool, job["id"])
+    r = pool.client.post(f"/api/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    t0 = time.monotonic()
+    while job["id"] in squeue() and time.monotonic() - t0 < 10:
+        time.sleep(0.2)
+    assert job["id"] not in squeue()
+
+
+def _applied_step(h: StackHandle, job_id: int) -> int:
+    with session_for(h.stack.database_url) as s:
+        return s.get(Job, job_id).applied_step or 0
+
+
+def test_scontrol_requeue_resumes_from_the_checkpoint(pool: StackHandle) -> None:
+    """`scontrol requeue` of a running job: Slurm sends SIGTERM to the step; the agent has the
+    trainer checkpoint and gives the job back; the requeued Slurm job waits out its BeginTime
+    (shown as the wait reason), runs again and its agent resumes from the checkpoint. Every
+    loss step is stored once."""
+    steps = 400
+    job = pool.submit(long_job("slurm-requeue", steps, checkpoint_every=20))
+    jid = job["id"]
+    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
+    deadline = time.monotonic() + 60
+    while _applied_step(pool, jid) < 20:
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.1)
+    sid = squeue()[jid][0]
+    subprocess.run(["scontrol", "requeue", str(sid)], check=True)
+    back = pool.wait_until(jid, lambda j: "BeginTime" in (j["wait_reason"] or ""), timeout=60)
+    assert back["status"] == "queued" and back["attempts"] == 1, back
+    messages = [e["message"] for e in _logs(pool, jid)]
+    assert any("SIGTERM" in m for m in messages), messages
+    # the requeued job would wait Slurm's requeue delay (two minutes): started now instead
+    subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], check=True)
+    done = pool.wait(jid, timeout=240)
+    assert done["attempts"] == 2
+    got = pool.client.get(f"/api/jobs/{jid}/metrics", params={"names": "loss"}).json()
+    assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))
+    messages = [e["message"] for e in _logs(pool, jid)]
+    assert any(m.startswith("resumed from step-") for m in messages), messages
+    assert _slurm_ids(pool, jid) and set(_slurm_ids(pool, jid)) == {sid}
