@@ -106,9 +106,8 @@ async def selection_events(
         last_sent = last_state = time.monotonic()
         shown = {t["id"]: t for t in trials}  # each trial as the client last saw it while polling
         dirty = False
+        # a message asked for the batch's state from the database (read at most every _READ_EVERY_S)
         state_due = False
-        """A message asked for the batch's state from the database (read at most every
-        _READ_EVERY_S)."""
         while True:
             body = await live.next(timeout=_READ_EVERY_S if dirty or state_due else 1.0)
             now = time.monotonic()

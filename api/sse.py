@@ -381,8 +381,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
         # s every 15 s (bench/api_load.py: the slowest requests all started 16-18 s into a run)
         last_check = last_sent - random.uniform(0.0, min(_DB_RECHECK_S, settings.sse_keepalive_s))
         behind = False
+        # when a wake-up (or a terminal status on the channel) has the database read next
         wake_at: float | None = None
-        """When a wake-up (or a terminal status on the channel) has the database read next."""
         while True:
             wait = 1.0 if wake_at is None else min(1.0, max(0.0, wake_at - time.monotonic()))
             msg = await live.next(timeout=wait)
