@@ -422,6 +422,8 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 if ok:
                     mark = how.newest if following else cur.metric
                     wake_at = None
+                elif wake_at is not None:
+                    wake_at = now + 1.0  # the database is busy: ask it again in a second, not at once
             if behind:
                 msg = None  # its rows come with the next read of the database
             if msg is not None:
