@@ -22,6 +22,7 @@ the trainer (which imports nothing of ours but jobrules) reads it with the same 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,19 @@ class Message:
     message: str = ""
     """log and error lines; the event's name for event lines"""
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float inside it made None: JSON has no such numbers, and
+    PostgreSQL refuses a json value holding one (a run stopped before its first step reports a
+    NaN final loss), so a result or an event's data would never be stored."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def parse_line(line: str) -> Message | None:
@@ -73,9 +87,9 @@ def parse_line(line: str) -> Message | None:
             msg.message = str(obj.get("message", ""))
         elif kind == "event":
             msg.message = str(obj.get("event", ""))
-            msg.data = dict(obj.get("data") or {})
+            msg.data = finite(dict(obj.get("data") or {}))
         else:
-            msg.data = dict(obj.get("data") or {})
+            msg.data = finite(dict(obj.get("data") or {}))
         return msg
     except (ValueError, KeyError, TypeError, AttributeError):
         return Message(kind="log", message=text[:2000])
