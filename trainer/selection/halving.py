@@ -34,19 +34,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from jobrules.spec import STOPPING_KINDS, EarlyStoppingSpec
+from jobrules.spec import STOPPING_KINDS, EarlyStoppingSpec, StoppingKind
 from jobrules.stopping import StopReason
 
 Mode = Literal["min", "max"]
-Kind = Literal[STOPPING_KINDS]
-KINDS = STOPPING_KINDS
 _REQUEST = EarlyStoppingSpec()
 """The request's defaults (jobrules/spec.py), for rungs built without one."""
 
 
 @dataclass(kw_only=True, slots=True)
 class HalvingConfig:
-    kind: Kind = _REQUEST.kind
+    kind: StoppingKind = _REQUEST.kind
     reduction_factor: int = _REQUEST.reduction_factor
     """Keep about 1 in this many trials at each rung."""
     min_steps: int = _REQUEST.min_steps
@@ -57,8 +55,10 @@ class HalvingConfig:
     """Seeds the logical order of the trials (and Hyperband's split into brackets)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"early_stopping.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind not in STOPPING_KINDS:
+            raise ValueError(
+                f"early_stopping.kind must be one of {', '.join(STOPPING_KINDS)}, got {self.kind!r}"
+            )
         if self.reduction_factor < 2:
             raise ValueError(f"early_stopping.reduction_factor must be >= 2, got {self.reduction_factor}")
         if self.min_steps < 1:
