@@ -1,7 +1,7 @@
 """Shardyard beside a bare process pool and Ray Tune, on the same trials of the same trainer loop.
 
     python -m bench.peer [--reps 3] [--steps 60] [--sides bare,executor,rest,ray,ray-reuse] [--modes fifo,asha]
-    (sides also: executor-threads, executor-nochunk)
+    (sides also: executor-threads, executor-nochunk, rest-unsandboxed)
     python -m bench.peer --search [--reps 5] [--steps 60] [--parallel 2] [--out peer_search]
 
 The trials: a grid of `train.lr` x `model.layers` on the built-in GPT, val_loss every 10 steps, two
@@ -17,10 +17,12 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
   the executor before device processes), to compare on the same machine in the same run.
 - executor-nochunk: device processes with `--chunk-tasks 1` (one task an order: the executor before
   a lone trial's tasks went in chunks), to compare in the same run.
-- rest: the same batch through `POST /api/selections` on a warm embedded stack (redis-server,
-  uvicorn, one Celery worker, SQLite, the worker's warm trainer on: each group is forked from a
-  process that imported torch once); timed from the submit to the batch's end (server clock),
+- rest: the same batch through `POST /api/selections` on an embedded stack as deployed
+  (redis-server, uvicorn, one Celery worker, SQLite, the sandbox on: each group starts fresh in
+  its bubblewrap sandbox, workers/sandbox.py); timed from the submit to the batch's end (server clock),
   the client reading the batch every 0.5 s meanwhile.
+- rest-unsandboxed: the same on a second stack whose workers run with SHARDYARD_SANDBOX=off (each
+  group forked from the warm trainer, no bubblewrap): what the sandbox costs a batch.
 - ray / ray-reuse: Ray Tune (`Tuner`, a function trainable running trainer/loop.py's `train`, one
   CPU per trial, `ray.init(num_cpus=2)` done before timing), with `reuse_actors` off (Ray's
   default) and on; FIFOScheduler or ASHAScheduler(grace_period=1 report = 10 steps, rf 2).
@@ -432,16 +434,17 @@ def curve(points: list[tuple[float, int]], truth: dict[tuple[float, int], float]
     return out
 
 
-def start_stack(tmp: Path) -> tuple[Any, httpx.Client]:
+def start_stack(tmp: Path, *, sandbox: str = "on", name: str = "stack") -> tuple[Any, httpx.Client]:
     """An embedded stack (one worker) under `tmp`, and an admin client of it, warmed: the worker has
-    taken a batch before the timed ones."""
+    taken a batch before the timed ones. `sandbox`: the workers' SHARDYARD_SANDBOX (on: each group
+    starts fresh in its bubblewrap sandbox; off: forked from the warm trainer)."""
     from api.stack import Stack
 
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
-    # the worker forks each group from its warm trainer (workers/warm.py), as deployed
+    # with the sandbox off, the worker forks each group from its warm trainer (workers/warm.py)
     os.environ["SHARDYARD_WARM_TRAINER"] = "true"
-    stack = Stack(root=tmp / "stack", workers=1, concurrency=1)
-    (tmp / "stack").mkdir()
+    stack = Stack(root=tmp / name, workers=1, concurrency=1, extra_env={"SHARDYARD_SANDBOX": sandbox})
+    (tmp / name).mkdir()
     stack.start()
     client = httpx.Client(
         base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
@@ -627,8 +630,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmpdir:
         tmp = Path(tmpdir)
         stack = client = None
+        bare_stack = bare_client = None
         if "rest" in sides:
             stack, client = start_stack(tmp)
+        if "rest-unsandboxed" in sides:
+            bare_stack, bare_client = start_stack(tmp, sandbox="off", name="stack-unsandboxed")
         if any(s.startswith("ray") for s in sides):
             import ray
 
@@ -642,14 +648,17 @@ def main() -> None:
                     for mode in modes:
                         if side == "bare" and mode == "asha":
                             continue
+                        on = bare_client if side == "rest-unsandboxed" else client
                         runs.append(
-                            _one_run(side, mode, rep=rep, ts=ts, steps=args.steps, client=client, tmp=tmp)
+                            _one_run(side, mode, rep=rep, ts=ts, steps=args.steps, client=on, tmp=tmp)
                         )
         finally:
-            if client is not None:
-                client.close()
-            if stack is not None:
-                stack.stop()
+            for c in (client, bare_client):
+                if c is not None:
+                    c.close()
+            for st in (stack, bare_stack):
+                if st is not None:
+                    st.stop()
             warm_groups = _warm_groups(tmp / "stack")
     summary = summarize(runs)
     loads = [x for r in runs for x in (r["load_before"], r["load_after"])]
@@ -699,7 +708,7 @@ def _one_run(
         out = run_bare(ts)
     elif side in EXECUTOR_SIDES:
         out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
-    elif side == "rest":
+    elif side in ("rest", "rest-unsandboxed"):
         assert client is not None
         out = run_rest(client, steps, mode)
     else:
