@@ -92,6 +92,9 @@ def escape(targets):
     _try(report, "write its own workspace", lambda: _write(os.path.join(os.path.dirname(__file__), "x.py")))
     _try(report, "redis ping", lambda: _connect(targets["redis_port"]))
     _try(report, "the API's port", lambda: _connect(targets["api_port"]))
+    # more of the service's ports where it has them (the container tests: Postgres, the store)
+    for name, port in sorted(targets.get("ports", {}).items()):
+        _try(report, f"{name}'s port", lambda port=port: _connect(port))
     _try(report, "home folder secrets", lambda: _listing("/root") + _listing("/home"))
     _try(report, "/etc/shadow", lambda: _read("/etc/shadow"))
     print("HOSTILE-REPORT " + json.dumps(report), flush=True)

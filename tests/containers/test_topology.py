@@ -3,9 +3,12 @@ the scheduler and two workers with no disk in common, storage in an S3-API serve
 driven and read through REST, as a user of a real deployment would.
 
 In order (one topology for the module; each test leaves both workers idle for the next):
-- every container's HEALTHCHECK passes and a job succeeds;
+- every container's HEALTHCHECK passes, both workers' trainers run in their sandbox
+  (/api/health's sandbox "on") and a job succeeds;
 - a 2-node gang, one rank in each worker container, matches the same job run on one node;
 - a selection batch runs one group in each worker container;
+- a hostile workspace (tests/hostile_src.py) trains in a worker container and reaches nothing of
+  it: no credential, no other job's folder, no cached archive, no Postgres, Redis, API or store port;
 - a workspace job runs on a worker whose disk never held the upload, while the other worker runs a
   long job; that worker's container is then killed (SIGKILL) mid-job, and the job resumes in the
   other container from its checkpoint in the store, every loss step exactly once.
@@ -14,10 +17,12 @@ In order (one topology for the module; each test leaves both workers idle for th
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -27,6 +32,7 @@ from core.messages import parse_line
 from tests.archives import targz, upload
 from tests.conftest import TERMINAL, TINY_SPEC, long_job
 from tests.containers.topology import BUCKET, Topology, make_root
+from tests.hostile_src import HOSTILE
 from tests.user_data import PERIODIC_BATCHES_PY
 
 pytestmark = pytest.mark.containers
@@ -119,6 +125,11 @@ def test_every_container_is_healthy_and_a_job_succeeds(topo: Topology) -> None:
     for c in [topo.name("api"), topo.name("scheduler"), *topo.workers]:
         check = topo.healthcheck(c)
         assert check.returncode == 0, f"{c}: {check.stdout}{check.stderr}"
+    # the workers' containers let bubblewrap make the trainers' sandbox (WORKER_OPTIONS)
+    health = topo.client.get("/api/health").json()
+    sandboxes = {w["name"]: (w["sandbox"], w["sandbox_why"]) for w in health["workers"]}
+    assert {sandboxes[topo.celery_name(w)] for w in topo.workers} == {("on", None)}, sandboxes
+    assert health["sandbox"] == "on", health
     job_id = submit(topo, TINY)
     done = succeeded(topo, job_id)
     assert done["worker"] in {topo.celery_name(w) for w in topo.workers}
@@ -179,6 +190,110 @@ def test_a_selection_batch_spans_both_workers(topo: Topology) -> None:
     assert done["status"] == "succeeded", done
     workers = {job(topo, t["job_id"])["worker"] for t in done["trials"]}
     assert workers == {topo.celery_name(w) for w in topo.workers}, f"one group per container: {workers}"
+
+
+def new_user(t: Topology) -> httpx.Client:
+    resp = t.client.post("/api/users", json={"name": f"u{os.urandom(4).hex()}"})
+    assert resp.status_code == 201, resp.text
+    return httpx.Client(
+        base_url=t.client.base_url, timeout=30, headers={"Authorization": f"Bearer {resp.json()['token']}"}
+    )
+
+
+def report_of(t: Topology, job_id: int) -> dict[str, str]:
+    """What the hostile model reached, as it printed it (tests/hostile_src.py)."""
+    logs = t.client.get(f"/api/jobs/{job_id}/logs", params={"limit": 1000}).json()["items"]
+    for line in (e["message"] for e in logs):
+        if "HOSTILE-REPORT " in line:
+            return json.loads(line.split("HOSTILE-REPORT ", 1)[1])
+    raise AssertionError(
+        "the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:]
+    )
+
+
+def idle(t: Topology, timeout: float = 60) -> None:
+    """Until no job holds a worker's slot."""
+    deadline = time.monotonic() + timeout
+    while any(j["reservation"] for j in t.client.get("/api/jobs", params={"limit": 100}).json()["items"]):
+        assert time.monotonic() < deadline, "an earlier job still holds a worker's slot"
+        time.sleep(0.2)
+
+
+def test_a_hostile_workspace_trains_in_a_worker_container_and_reaches_nothing(topo: Topology) -> None:
+    idle(topo)
+    # another user's job ends on one worker while a long job holds the other's one slot, so the
+    # hostile job lands beside the finished job's folder
+    blocker = submit(topo, long_job("blocker", 3000, checkpoint_every=3000))
+    try:
+        with new_user(topo) as victim_user, new_user(topo) as hostile_user:
+            hostile, worker, code = _hostile_job(topo, blocker, victim_user, hostile_user)
+    finally:
+        topo.client.post(f"/api/jobs/{blocker}/cancel")
+    wait(topo, blocker, lambda j: j["status"] == "cancelled", "cancelled", timeout=120)
+
+    report = report_of(topo, hostile)
+    reached = {k: v for k, v in report.items() if not v.startswith("blocked")}
+    assert not reached, f"the sandbox let users' code reach: {reached}"
+    assert len(report) == 17, report
+    loss = series(topo, hostile)["loss"]
+    assert loss["steps"] == list(range(1, STEPS + 1)) and min(loss["values"]) > 0, "a printed fake loss"
+    for planted in (f"{code}/planted.py", "/data/envs/planted.pth"):
+        assert topo.exec(worker, "sh", "-c", f"test -e {planted} && echo planted || true") == "", planted
+    idle(topo)
+
+
+def _hostile_job(
+    topo: Topology, blocker: int, victim_user: httpx.Client, hostile_user: httpx.Client
+) -> tuple[int, str, str]:
+    """The hostile job, run to its end beside another user's finished job: its id, its worker's
+    container and where that container has the project's code."""
+    resp = victim_user.post("/api/jobs", json={**TINY, "name": "victim"})
+    assert resp.status_code == 201, resp.text
+    victim = resp.json()["id"]
+    victim_on = succeeded(topo, victim)["worker"]
+    blocker_on = wait(topo, blocker, lambda j: j["status"] == "running", "running", timeout=120)["worker"]
+    assert victim_on != blocker_on, f"the two jobs on one worker: {victim_on}"
+    (worker,) = [w for w in topo.workers if topo.celery_name(w) == victim_on]
+    other_job = f"/data/jobs/{victim}/spec.json"
+    assert '"victim"' in topo.exec(worker, "cat", other_job), "the victim's folder is on the worker's disk"
+
+    # what each escape aims at, as the worker's container has it
+    code = topo.exec(worker, "python", "-c", "import os, trainer; print(os.path.dirname(trainer.__file__))")
+    containers = (topo.name("api"), topo.name("scheduler"), *topo.workers)
+    targets = {
+        # the service's processes, by their ids on this machine (the sandbox has a PID namespace of
+        # its own, inside the container's)
+        "pids": [p for c in containers for p in topo.host_pids(c)] + [os.getpid()],
+        # no database file on a worker (the embedded default's would be here): Postgres listens on a
+        # port, tried below
+        "database": "/data/shardyard.db",
+        "data_dir": "/data",
+        "other_job": other_job,
+        # the worker's copies of the store's archives, the hostile one's own among them
+        "archives": "/data/workspaces",
+        "env_cache": "/data/envs",
+        "code": code,
+        "redis_port": topo.redis_port,
+        "api_port": topo.api_port,
+        "ports": {"Postgres": urlsplit(topo.database_url).port, "the store": urlsplit(topo.s3_url).port},
+    }
+    up = hostile_user.post(
+        "/api/workspaces",
+        params={"name": "evil"},
+        content=targz({"evil/__init__.py": b"", "evil/model.py": HOSTILE.encode()}),
+        headers={"content-type": "application/gzip"},
+    )
+    assert up.status_code == 201, up.text
+    model = {"kind": "python", "entry": "evil.model:hostile", "args": {"targets": targets}, "seq_len": 32}
+    resp = hostile_user.post(
+        "/api/jobs", json={**TINY, "name": "hostile", "model": model, "workspace": up.json()["ref"]}
+    )
+    assert resp.status_code == 201, resp.text
+    hostile = resp.json()["id"]
+    done = succeeded(topo, hostile)
+    assert done["worker"] == victim_on, "beside the victim's folder"
+    assert done["result"]["final_loss"] > 0
+    return hostile, worker, code
 
 
 def test_workspace_job_on_the_other_worker_then_a_killed_worker_s_job_resumes(topo: Topology) -> None:

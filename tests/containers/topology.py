@@ -5,7 +5,12 @@ processes on this machine, since no image registry is reachable here to pull the
 
 Everything listens on 127.0.0.1 only: the containers share the host's network namespace
 (`--network host`), as the compose file's services share one network, so the two workers reach
-each other's c10d and gloo ports the way two machines do, at 127.0.0.1 instead of a LAN address.
+each other's c10d and gloo ports the way two machines do, at loopback addresses of their own
+(127.0.0.1, 127.0.0.2) instead of LAN addresses.
+
+The workers run their trainers in bubblewrap's sandbox (workers/sandbox.py), as in production: a
+worker's container is started with `--security-opt systempaths=unconfined` (WORKER_OPTIONS), without
+which podman's masked /proc paths forbid the sandbox's own /proc (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ TIMINGS = {
     "SHARDYARD_SCHEDULER_S": "0.5",
     "SHARDYARD_GANG_JOIN_S": "120",
 }
+
+# the hardening docker/compose.yaml gives every service: no capability, no setuid gain
+HARDENED = ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+# the API and the scheduler write only their /data volume and /tmp (compose: read_only, tmpfs)
+READ_ONLY = ["--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp"]
+# what a worker's container needs for the trainers' sandbox (docs/deploy.md): podman masks paths of
+# /proc (/proc/kcore, /proc/keys, ...) by mounting over them, and the kernel lets a user namespace
+# mount a /proc of its own only where the container's /proc has nothing mounted over it.
+# (Podman's default seccomp profile lets an unprivileged process make a user namespace; Docker's
+# does not, so compose.yaml also gives its workers seccomp=unconfined.)
+WORKER_OPTIONS = [*HARDENED, "--security-opt", "systempaths=unconfined"]
+WORKER_ADDRS = {"w1": "127.0.0.1", "w2": "127.0.0.2"}
 
 
 def podman(*args: str, check: bool = True, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess:
@@ -158,14 +175,22 @@ class Topology:
             **TIMINGS,
         }
 
-    def _run(self, role: str, command: list[str], *, extra: dict[str, str] | None = None) -> str:
+    def _run(
+        self,
+        role: str,
+        command: list[str],
+        *,
+        extra: dict[str, str] | None = None,
+        options: list[str] | None = None,
+        addr: str = "127.0.0.1",
+    ) -> str:
         name = self.name(role)
         volume = f"{name}-data"
         env = {**self.env(), **(extra or {})}
         # the hostname resolves to loopback, as a machine's own name does (torchrun's standalone
         # rendezvous and gloo look it up)
-        args = ["run", "-d", "--name", name, "--hostname", name, "--add-host", f"{name}:127.0.0.1"]
-        args += ["--network", "host", *_rlimits()]
+        args = ["run", "-d", "--name", name, "--hostname", name, "--add-host", f"{name}:{addr}"]
+        args += ["--network", "host", *_rlimits(), *(options or [])]
         args += ["-v", f"{volume}:/data"]
         for key, value in env.items():
             args += ["-e", f"{key}={value}"]
@@ -179,6 +204,7 @@ class Topology:
             "api",
             ["shardyard", "serve", "--host", "127.0.0.1", "--port", str(self.api_port)],
             extra={"SHARDYARD_ADMIN_TOKEN": self.admin_token},
+            options=[*HARDENED, *READ_ONLY],
         )
         _until(
             lambda: self.client.get("/api/health").json()["db"]["ok"],
@@ -187,14 +213,19 @@ class Topology:
         )
 
     def start_scheduler(self) -> None:
-        self._run("scheduler", ["shardyard", "scheduler"])
+        self._run("scheduler", ["shardyard", "scheduler"], options=[*HARDENED, *READ_ONLY])
 
     def start_worker(self, role: str) -> None:
-        # one rank slot each: a 2-rank job must span both containers
+        # one rank slot each: a 2-rank job must span both containers. Each its own loopback address,
+        # as two machines have their own: torchrun's c10d rendezvous tells its agents apart by
+        # address and pid, and in its sandbox every node's torchrun has the same pid
+        addr = WORKER_ADDRS[role]
         self._run(
             role,
             ["shardyard", "worker", "--queues", "cpu,gpu"],
-            extra={"SHARDYARD_WORKER_SLOTS": "1", "SHARDYARD_NODE_ADDR": "127.0.0.1"},
+            extra={"SHARDYARD_WORKER_SLOTS": "1", "SHARDYARD_NODE_ADDR": addr},
+            options=WORKER_OPTIONS,
+            addr=addr,
         )
 
     def live_workers(self) -> set[str]:
@@ -240,6 +271,15 @@ class Topology:
             stderr=subprocess.PIPE,
             text=True,
         )
+
+    def exec(self, container: str, *cmd: str) -> str:
+        """`cmd` run in a running container (as its user); its stdout, stripped."""
+        return podman("exec", container, *cmd, timeout=60).stdout.strip()
+
+    def host_pids(self, container: str) -> list[int]:
+        """The container's processes, by their ids on this machine."""
+        out = podman("top", container, "hpid", timeout=60).stdout.split()
+        return [int(p) for p in out if p.isdigit()]
 
     def kill(self, container: str) -> None:
         podman("kill", "--signal", "KILL", container)
