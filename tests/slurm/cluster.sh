@@ -3,7 +3,9 @@
 #
 # Installs what is missing from Debian (slurmctld, slurmd, slurm-client, munge), then starts, all
 # on 127.0.0.1 with free ports and one temporary state folder: a munged of its own (its own key and
-# socket), one slurmctld and two slurmd (n1, n2: `slurmd -N`). Every Slurm command the tests run
+# socket), one slurmctld and two slurmd (n1 at 127.0.0.1, n2 at 127.0.0.2: `slurmd -N`; two
+# addresses, as two hosts have, which torchrun's rendezvous tells nodes apart by when the sandbox
+# gives every node's torchrun the same pid). Every Slurm command the tests run
 # (sbatch, squeue, scancel, scontrol) finds this cluster through SLURM_CONF. Runs
 # `pytest -m slurm tests/slurm` (extra arguments are passed on to pytest) and stops every process
 # it started, whatever happened; KEEP_SLURM_STATE=1 keeps the state folder (logs) afterwards.
@@ -68,7 +70,7 @@ munged --foreground --force --socket="$state/munge/munge.sock" --key-file="$stat
 pids+=($!)
 for _ in $(seq 50); do [ -S "$state/munge/munge.sock" ] && break; sleep 0.1; done
 
-# ---- slurm.conf: one controller, two nodes on 127.0.0.1 ----
+# ---- slurm.conf: one controller, two nodes on loopback addresses ----
 mkdir -p "$state/ctld" "$state/spool"
 conf="$state/slurm.conf"
 cat >"$conf" <<EOF
@@ -103,7 +105,7 @@ SlurmdTimeout=20
 InactiveLimit=0
 MinJobAge=300
 NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=$(hostname) Port=$p_n1 CPUs=4 RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=$(hostname) Port=$p_n2 CPUs=4 RealMemory=4000 State=UNKNOWN
+NodeName=n2 NodeAddr=127.0.0.2 NodeHostname=$(hostname) Port=$p_n2 CPUs=4 RealMemory=4000 State=UNKNOWN
 PartitionName=main Nodes=n1,n2 Default=YES MaxTime=30 State=UP
 EOF
 export SLURM_CONF="$conf"

@@ -17,9 +17,13 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
+from db import ingest as dbi
 from db.engine import session_for
 from db.models import Job
 from tests.conftest import TINY_SPEC, StackHandle, long_job, running
+from tests.integration.test_gang import SPEC as GANG_SPEC
+from tests.integration.test_gang import STEPS as GANG_STEPS
+from tests.integration.test_gang import assert_same_losses, reference_run, reference_series
 
 pytestmark = pytest.mark.slurm
 
@@ -165,3 +169,28 @@ def test_scontrol_requeue_resumes_from_the_checkpoint(pool: StackHandle) -> None
     messages = [e["message"] for e in _logs(pool, jid)]
     assert any(m.startswith("resumed from step-") for m in messages), messages
     assert _slurm_ids(pool, jid) and set(_slurm_ids(pool, jid)) == {sid}
+
+
+def test_a_two_node_gang_matches_the_one_node_run(pool: StackHandle, tmp_path: Path) -> None:
+    """A 4-rank job (pipeline 2 x data parallel 2) on a pool of 2-slot nodes: the scheduler shapes
+    a gang of two, Slurm allocates n1 and n2, each node agent runs its node through
+    execute_gang_node (rendezvous on the allocation's first node), and every loss and val_loss
+    step is the one-node 4-rank run's, once."""
+    ref = reference_run(tmp_path / "reference")
+    try:
+        job = pool.submit({**GANG_SPEC, "name": "slurm-gang"})
+        jid = job["id"]
+        running_job = pool.wait_until(jid, lambda j: j["status"] in ("running", "succeeded"), timeout=120)
+        done = pool.wait(jid, timeout=300)
+        want = reference_series(ref)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+    assert done["attempts"] == 1 and done["result"]["steps"] == GANG_STEPS
+    assert running_job["status"] == "succeeded" or len(running_job["reservation"]) == 2, running_job
+    messages = [e["message"] for e in _logs(pool, jid)]
+    assert any(m.startswith("slurm job") and "2 node(s) x 2 task(s)" in m for m in messages), messages
+    assert any(m.startswith("slurm job") and "started on n[1-2]" in m for m in messages), messages
+    with session_for(pool.stack.database_url) as s:
+        got = dbi.metric_series(s, job_id=jid, names=["loss", "val_loss"])
+    assert_same_losses(got, want)
