@@ -480,24 +480,26 @@ def test_more_cannot_grow_a_batch_with_rungs() -> None:
 # -- CPU devices as processes (trainer/selection/devices.py) --------------------------------------
 
 
+def _asha_batch(**over) -> tuple[Executor, dict[int, tuple], dict[int, ListSink]]:  # noqa: ANN003
+    """The SPECS batch under ASHA on CPU2 with the ExecutorConfig fields `over`: the executor after
+    its run, each trial's (status, steps, stop reason, final loss), and each trial's sink."""
+    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min", seed=3)
+    sinks = {i: ListSink() for i in range(len(SPECS))}
+    entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
+    cfg = ExecutorConfig(metric="val_loss", early_stopping=asha, checkpoints="none", **over)
+    ex = Executor(entries, devices=CPU2, cfg=cfg)
+    ends = {i: (r["status"], r["steps"], r["stop_reason"], r["final_loss"]) for i, r in ex.run().items()}
+    return ex, ends, sinks
+
+
 def test_device_processes_give_the_threads_results_exactly() -> None:
     """The same ASHA batch on device threads and on device processes: the same trials stop at the
     same rungs with the same values, and every trial's loss and val_loss series are bit-identical."""
-    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min", seed=3)
     out = {}
     for processes in (False, True):
-        sinks = {i: ListSink() for i in range(len(SPECS))}
-        entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
-        cfg = ExecutorConfig(
-            metric="val_loss", early_stopping=asha, checkpoints="none", device_processes=processes
-        )
-        ex = Executor(entries, devices=CPU2, cfg=cfg)
-        results = ex.run()
+        ex, ends, sinks = _asha_batch(device_processes=processes)
         assert ex.processes is processes and {s.device for s in ex.trace} == {0, 1}
-        out[processes] = (
-            {i: (r["status"], r["steps"], r["stop_reason"], r["final_loss"]) for i, r in results.items()},
-            {i: (sinks[i].series("loss"), sinks[i].series("val_loss")) for i in sinks},
-        )
+        out[processes] = (ends, {i: (sinks[i].series("loss"), sinks[i].series("val_loss")) for i in sinks})
     assert out[True] == out[False]
     assert any(st == "stopped_early" for st, _, _, _ in out[True][0].values())
 
@@ -506,20 +508,13 @@ def test_orders_sent_ahead_change_no_number() -> None:
     """Device processes with each next order sent as the running one ends (before it is booked)
     and without: the same trials stop at the same rungs with the same values, every series is
     bit-identical, and most orders did go ahead."""
-    asha = HalvingConfig(reduction_factor=2, min_steps=1, mode="min", seed=3)
     out, ahead = {}, {}
     for send_ahead in (False, True):
-        sinks = {i: ListSink() for i in range(len(SPECS))}
-        entries = [TrialEntry(index=i, job=job(i), sink=sinks[i]) for i in range(len(SPECS))]
-        cfg = ExecutorConfig(
-            metric="val_loss", early_stopping=asha, checkpoints="none", send_ahead=send_ahead
-        )
-        ex = Executor(entries, devices=CPU2, cfg=cfg)
-        results = ex.run()
+        ex, ends, sinks = _asha_batch(send_ahead=send_ahead)
         assert ex.processes
         ahead[send_ahead] = (ex.orders_ahead, sum(r.orders for r in ex.runs.values()))
         out[send_ahead] = (
-            {i: (r["status"], r["steps"], r["stop_reason"], r["final_loss"]) for i, r in results.items()},
+            ends,
             {i: (sinks[i].series("loss"), sinks[i].series("val_loss"), sinks[i].events) for i in sinks},
         )
     assert out[True] == out[False]
