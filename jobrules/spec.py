@@ -26,6 +26,7 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -35,6 +36,7 @@ from jobrules.parallel import Schedule, TensorMode, axis_sizes, tensor_world_siz
 from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 from jobrules.sizing import spec_problems
+from jobrules.user_metrics import RANKED_BUILT_IN, ranked_metric_problem
 
 WORKSPACE_REF = r"^(sha256:[0-9a-f]{64}|[0-9]{1,18})$"
 MAX_PROBLEMS = 20
@@ -315,7 +317,12 @@ class BatchRules(Strict):
     checkpoints: CheckpointPolicy = Field(
         "best", description="end-of-trial checkpoints kept: the best trial's, every trial's, or none"
     )
-    metric: str = Field("val_loss", pattern=f"^({'|'.join(METRICS)})$")
+    metric: str = Field(
+        "val_loss",
+        max_length=64,
+        description="what ranks the trials: val_loss, loss, or the name of a metric the trials' own "
+        "code reports (trainer/report.py), with `mode` saying which way is better",
+    )
     mode: Literal["min", "max"] = "min"
     scheduler: SchedulerName = "shard-lrtf"
     early_stopping: EarlyStoppingSpec | None = None
@@ -326,6 +333,14 @@ class BatchRules(Strict):
     )
     """Horizontal fusion: the trials of a group that share an architecture, data shape, batch size
     and optimizer train as one stacked model on one device; the others run as without it."""
+
+    @field_validator("metric")
+    @classmethod
+    def _metric_name(cls, v: str) -> str:
+        problem = ranked_metric_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _fuse_rules(self) -> BatchRules:
@@ -369,6 +384,12 @@ class SelectionCreate(BatchRules):
 
     @model_validator(mode="after")
     def _method_fields(self) -> SelectionCreate:
+        if self.metric not in RANKED_BUILT_IN and "python" not in (self.base.model.kind, self.base.data.kind):
+            raise ValueError(
+                f"metric {self.metric!r}: only a workspace's own code reports metrics of its own "
+                "(model.kind or data.kind python, trainer/report.py); the built-in models and data "
+                f"report {' and '.join(RANKED_BUILT_IN)}"
+            )
         sampler = self.method in SAMPLERS
         if not sampler:
             for name in ("parallel", "startup_trials"):

@@ -32,6 +32,7 @@ from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
 from trainer.protocol import MetricsSink, StopSignal, should_stop
 from trainer.recipe import ModelRecipe
+from trainer.report import NameLimit, Reports, collecting, emit, evaluation
 
 __all__ = ["Engine", "TrainingError", "run_steps"]
 
@@ -209,6 +210,13 @@ def resume(directory: Path | None, *, engine: Engine, sink: MetricsSink) -> tupl
     return step, dict(state.get("loop", {}))
 
 
+def _collecting(steps: StepRange, reports: Reports) -> Iterator[int]:
+    """The steps, with the user's reports collected while each one runs (not between them)."""
+    for step in steps:
+        with collecting(reports):
+            yield step
+
+
 def run_steps(
     engine: Engine,
     *,
@@ -262,7 +270,9 @@ def run_steps(
     tokens_per_step = cfg.batch_size * job.model.seq_len
     after = AfterStep.of(job)
     steps = StepRange(start=start, end=cfg.steps, stop=stop)
-    for step in steps:
+    # the user's own metrics (trainer/report.py): what the step's code reported, once per name
+    reports, names = Reports(), NameLimit()
+    for step in _collecting(steps, reports):
         t0 = time.perf_counter()
         inputs, targets = recipe.feed(stream.batch_for(step - 1))
         loss_value = engine.train_step(inputs, targets)
@@ -279,9 +289,11 @@ def run_steps(
         for name, value in engine.step_metrics().items():
             sink.metric(step, name, value)
         if after.evaluates(step):
-            val_loss = evaluate(engine, data, recipe=recipe, cfg=cfg)
+            with evaluation(reports):
+                val_loss = evaluate(engine, data, recipe=recipe, cfg=cfg)
             report_eval(sink, step=step, val_loss=val_loss)
             engine.eval_report(step, sink)
+        emit(sink, step=step, reports=reports, names=names)
         # the last step's checkpoint is written below, with the result in it
         if after.checkpoints(step):
             p = save(step)

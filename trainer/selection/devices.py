@@ -52,6 +52,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling of shared tensors as fds
 
 from jobrules.spec import JobSpec
+from trainer.report import Reports, collecting, evaluation
 from trainer.selection.shards import HOST, Place, ShardedTrial
 from trainer.spill.ledger import DeviceLedger
 
@@ -116,6 +117,8 @@ class Done:
     held_bytes: int = 0
     error: str | None = None
     trace: str = ""
+    reports: Reports | None = None
+    """What the trial's own code reported during the task and its evaluation (trainer/report.py)."""
 
 
 def execute(t: ShardedTrial, place: Place, *, evaluate: bool) -> Done:
@@ -123,15 +126,18 @@ def execute(t: ShardedTrial, place: Place, *, evaluate: bool) -> Done:
     raised, with what the failed task left on the device freed, so the device goes on."""
     start = time.perf_counter()
     done = Done(start=start, end=start, step=t.step, pos=t.pos, loss=t.loss)
+    reports = Reports()
     try:
-        timing = t.run_task(place)
-        done.end = time.perf_counter()
-        done.ran, done.compute_s, done.copy_s = True, timing.compute_s, timing.copy_s
-        done.peak_bytes = place.ledger.peak
-        if evaluate:
-            assert t.pos == 0, "only a mini-batch's last task evaluates"
-            done.val_loss = t.evaluate(place)
-            done.eval_s = time.perf_counter() - done.end
+        with collecting(reports, thread=True):  # this thread runs this trial's task alone
+            timing = t.run_task(place)
+            done.end = time.perf_counter()
+            done.ran, done.compute_s, done.copy_s = True, timing.compute_s, timing.copy_s
+            done.peak_bytes = place.ledger.peak
+            if evaluate:
+                assert t.pos == 0, "only a mini-batch's last task evaluates"
+                with evaluation(reports):
+                    done.val_loss = t.evaluate(place)
+                done.eval_s = time.perf_counter() - done.end
     except Exception as exc:  # noqa: BLE001 - the trial fails, the device goes on
         done.error, done.trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
         with contextlib.suppress(Exception):
@@ -140,6 +146,7 @@ def execute(t: ShardedTrial, place: Place, *, evaluate: bool) -> Done:
         place.ledger.release_prefix(f"t{t.index}.")
     done.step, done.pos, done.loss = t.step, t.pos, t.loss
     done.held_bytes = place.ledger.held
+    done.reports = reports if reports else None
     return done
 
 

@@ -29,6 +29,7 @@ CUDA devices stay threads: CUDA cannot be forked once initialised.
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import threading
 import time
@@ -40,9 +41,11 @@ from typing import Any, Literal
 
 import torch
 
-from jobrules.spec import CHECKPOINT_POLICIES, METRICS, BatchRules, JobSpec
+from jobrules.spec import CHECKPOINT_POLICIES, BatchRules, JobSpec
+from jobrules.user_metrics import is_user_metric, ranked_metric_problem
 from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.protocol import MetricsSink, NeverStop, StopSignal
+from trainer.report import NameLimit, Reports, emit
 from trainer.selection.devices import Adoption, DeviceDied, DeviceProcesses, Done, Order, execute
 from trainer.selection.halving import Decisions, Halving, HalvingConfig, StopReason
 from trainer.selection.reservations import Reservations
@@ -70,7 +73,8 @@ class TrialEntry:
 class ExecutorConfig:
     scheduler: str = _REQUEST.scheduler
     metric: str = _REQUEST.metric
-    """What ASHA and the leaderboard rank by: loss or val_loss."""
+    """What ASHA and the leaderboard rank by: loss, val_loss or a metric the trials' own code
+    reports (trainer/report.py)."""
     mode: Literal["min", "max"] = _REQUEST.mode
     early_stopping: HalvingConfig | None = None
     """ASHA, successive halving or Hyperband rungs (trainer/selection/halving.py); None: none."""
@@ -96,8 +100,8 @@ class ExecutorConfig:
     order once the one before is booked."""
 
     def __post_init__(self) -> None:
-        if self.metric not in METRICS:
-            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        if (problem := ranked_metric_problem(self.metric)) is not None:
+            raise ValueError(problem)
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {self.mode!r}")
         make_scheduler(self.scheduler)  # names the valid ones
@@ -148,6 +152,9 @@ class TrialRun:
     last_metric: float | None = None
     best_metric: float | None = None
     val_loss: float = float("nan")
+    reports: Reports = field(default_factory=Reports)
+    """What the trial's own code reported during its running step (trainer/report.py)."""
+    names: NameLimit = field(default_factory=NameLimit)
     error: str | None = None
     compute_s: float = 0.0
     copy_s: float = 0.0
@@ -414,6 +421,14 @@ class Executor:
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def _finish(self, run: TrialRun, status: Status) -> None:
+        if status == "succeeded" and run.best_metric is None and is_user_metric(self.cfg.metric):
+            # it would rank nowhere: a failure that says why
+            self._fail(
+                run,
+                f"MetricNotReported: the batch ranks by {self.cfg.metric!r}, which this trial's code "
+                f"never reported (trainer.report.report({self.cfg.metric!r}, value))",
+            )
+            return
         run.status = status
         t = run.trial
         steps = t.step if t is not None else 0
@@ -525,6 +540,13 @@ class Executor:
             "overhead_s": run.dispatch_s + run.busy_s - run.compute_s - (run.copy_s - run.prefetch_s),
             "prefetch_s": run.prefetch_s,
         }
+
+    def _unreported(self, loss: float) -> float:
+        """A rung's value for a trial with no metric yet: its loss for a built-in metric, the worst
+        value there is for a user's own (a trial that never reports it ranks last)."""
+        if not is_user_metric(self.cfg.metric):
+            return loss
+        return math.inf if self.cfg.mode == "min" else -math.inf
 
     def _better(self, a: float, b: float | None) -> bool:
         return b is None or (a < b if self.cfg.mode == "min" else a > b)
@@ -719,7 +741,8 @@ class Executor:
             step, pos = step + 1, 0
             # an ASHA rung ranked by val_loss needs one at that step too
             rung = self.rungs is not None and self.rungs.is_rung(run.index, step)
-            evaluates.append(after.evaluates(step) or (rung and self.cfg.metric == "val_loss"))
+            # (a user's metric may be one its evaluation reports)
+            evaluates.append(after.evaluates(step) or (rung and self.cfg.metric != "loss"))
             if (
                 evaluates[-1]
                 or rung
@@ -855,6 +878,8 @@ class Executor:
                         copy_s=done.copy_s,
                     )
                 )
+        if done.reports:
+            run.reports.merge(done.reports)
         try:
             if done.ran and t.pos == 0:  # the mini-batch is done: metrics, evaluation, checkpoint
                 self._end_of_step(run, done)
@@ -905,8 +930,11 @@ class Executor:
                 self._record(run, run.val_loss)
         if done.error is not None:  # the evaluation failed
             return
+        values = emit(sink, step=step, reports=run.reports, names=run.names)
         if self.cfg.metric == "loss":
             self._record(run, t.loss)
+        elif self.cfg.metric in values:
+            self._record(run, values[self.cfg.metric])
         ckpt = run.entry.checkpoint_dir
         # the last step's checkpoint is _finish's
         if ckpt is not None and AfterStep.of(t.job).checkpoints(step):
@@ -937,7 +965,7 @@ class Executor:
             self._finish(run, "stopped")
             return
         if self.rungs is not None and self.rungs.is_rung(run.index, t.step):
-            value = run.last_metric if run.last_metric is not None else t.loss
+            value = run.last_metric if run.last_metric is not None else self._unreported(t.loss)
             run.status = "paused"
             self._apply(self.rungs.report(run.index, step=t.step, value=value))
 
