@@ -259,37 +259,15 @@ def _check_ends(
     vocab: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
     """Embedding: integer input, no input gradient; head: this rank's vocabulary block of its rows."""
-    _compare(
-        checks,
-        "embedding",
-        dense=gpt[0],
-        tp=tp_model[0],
-        x=idx,
-        x_local=rows(idx),
-        out_shard=x_shard,
-        in_shard=None,
-    )
-    _compare(
-        checks,
-        "head",
-        dense=gpt[2],
-        tp=tp_model[2],
-        x=x,
-        x_local=x_shard(x),
-        out_shard=vocab,
-        in_shard=x_shard,
-    )
     # gather_logits=True: whole rows of logits (every vocabulary block) for this rank's rows
-    _compare(
-        checks,
-        "head-gathered",
-        dense=gpt[2],
-        tp=shard_model(gpt, mesh=mesh, gather_logits=True)[2],
-        x=x,
-        x_local=x_shard(x),
-        out_shard=rows,
-        in_shard=x_shard,
-    )
+    gathered = shard_model(gpt, mesh=mesh, gather_logits=True)
+    # label, dense layer, its shard, input, this rank's input, shard of the output, of the input
+    for label, dense, tp, inp, local, out_s, in_s in (
+        ("embedding", gpt[0], tp_model[0], idx, rows(idx), x_shard, None),
+        ("head", gpt[2], tp_model[2], x, x_shard(x), vocab, x_shard),
+        ("head-gathered", gpt[2], gathered[2], x, x_shard(x), rows, x_shard),
+    ):
+        _compare(checks, label, dense=dense, tp=tp, x=inp, x_local=local, out_shard=out_s, in_shard=in_s)
 
 
 def _check_block(
