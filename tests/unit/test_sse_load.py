@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +85,17 @@ def _steps(chunk: str) -> list[int]:
     return [json.loads(line[6:])["step"] for line in chunk.splitlines() if line.startswith('data: {"step"')]
 
 
+async def _read_steps(stream: AsyncGenerator[str, None], n: int) -> list[int]:
+    """The steps of the points `stream` sends, until it has sent `n` of them or 20 s have passed;
+    then the stream is closed."""
+    got: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(got) < n and time.monotonic() < deadline:
+        got += _steps(await anext(stream))
+    await stream.aclose()
+    return got
+
+
 def test_a_recheck_reads_only_points_whose_publish_is_overdue(
     broker: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,12 +123,7 @@ def test_a_recheck_reads_only_points_whose_publish_is_overdue(
         _publish(broker, job_id, {"type": "metrics", "points": points})
         await asyncio.sleep(0.5)
         await asyncio.to_thread(_points, url, job_id, range(6, 9))
-        got: list[int] = []
-        deadline = time.monotonic() + 20
-        while len(got) < 8 and time.monotonic() < deadline:
-            got += _steps(await anext(stream))
-        await stream.aclose()
-        return got
+        return await _read_steps(stream, 8)
 
     got = asyncio.run(main())
     assert got == list(range(1, 9))  # each point once, in order
@@ -137,12 +144,7 @@ def test_a_stream_that_fell_behind_reads_everything_it_missed(
         assert (await anext(stream)).startswith("retry:")
         assert "queued" in await anext(stream)
         await asyncio.to_thread(_points, url, job_id, range(1, 4))
-        got: list[int] = []
-        deadline = time.monotonic() + 20
-        while len(got) < 3 and time.monotonic() < deadline:
-            got += _steps(await anext(stream))
-        await stream.aclose()
-        return got
+        return await _read_steps(stream, 3)
 
     assert asyncio.run(main()) == [1, 2, 3]
 
