@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from api.stack import Stack
-from bench.common import table, write_results
+from bench.common import add_load_options, table, write_results
 
 # a job that trains for the whole run (one-layer MLP: many small steps, a steady metric stream)
 STREAMED = {
@@ -203,14 +203,7 @@ def _cancel_all(c: httpx.Client, *, streamed: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", type=int, default=50)
-    ap.add_argument("--submits-per-s", type=float, default=20.0)
-    ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument(
-        "--name",
-        default="api_load",
-        help="results file: bench/results/<name>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
-    )
+    add_load_options(ap, name="api_load")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them

@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, text
 
 import bench.api_load as api_load
 from api.stack import Stack
-from bench.common import table, write_results
+from bench.common import add_load_options, table, write_results
 from core.broker import job_channel, sign_live
 
 NAMES = ("train/loss", "train/lr", "train/step_s", "train/tokens_per_s")
@@ -92,14 +92,7 @@ def play_worker(stack: Stack, *, job_id: int, points_per_s: float, stop: threadi
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points-per-s", type=float, default=4000.0)
-    ap.add_argument("--streams", type=int, default=50)
-    ap.add_argument("--submits-per-s", type=float, default=20.0)
-    ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument(
-        "--name",
-        default="api_stream_load",
-        help="results file: bench/results/<name>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
-    )
+    add_load_options(ap, name="api_stream_load")
     args = ap.parse_args()
     published: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -58,6 +59,24 @@ def table(rows: list[dict[str, Any]], *, title: str = "") -> str:
     body = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in cells]
     out = "\n".join([line, sep, *body])
     return f"{title}\n{out}\n" if title else out + "\n"
+
+
+def add_results_option(ap: argparse.ArgumentParser, *, default: str, flag: str = "--name") -> None:
+    """`flag`: the name of the results file, bench/results/<name>.json."""
+    ap.add_argument(
+        flag,
+        default=default,
+        help=f"results file: bench/results/<{flag[2:]}>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+    )
+
+
+def add_load_options(ap: argparse.ArgumentParser, *, name: str) -> None:
+    """The options of a load on the API (bench.api_load, bench.api_stream_load): streams, submits,
+    how long, and the results file's `name`."""
+    ap.add_argument("--streams", type=int, default=50)
+    ap.add_argument("--submits-per-s", type=float, default=20.0)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    add_results_option(ap, default=name)
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:

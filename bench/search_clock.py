@@ -20,7 +20,7 @@ import argparse
 import statistics
 from typing import Any
 
-from bench.common import table, write_results
+from bench.common import add_results_option, table, write_results
 from core.search import Clock, plan
 
 SPACE = {"train.lr": [1e-3, 3e-3, 1e-2, 3e-2], "model.layers": [2, 4]}
@@ -92,11 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.search_clock", description=__doc__)
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--ratio", type=float, default=1.85, help="a 4-layer trial's work over a 2-layer one's")
-    ap.add_argument(
-        "--out",
-        default="search_clock",
-        help="results file: bench/results/<out>.json (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
-    )
+    add_results_option(ap, default="search_clock", flag="--out")
     args = ap.parse_args()
     rows, per_seed = [], {}
     for name, rule in RULES.items():
