@@ -74,30 +74,38 @@ def test_built_once_then_cached_layered_over_the_workers_torch(tmp_path: Path) -
     assert not (env.path / "einops" / "__init__.py").stat().st_mode & 0o222
 
 
-def test_a_tampered_environment_is_rebuilt_for_the_next_job(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path)
+def _built_einops(settings: Settings) -> Path:
+    """einops's __init__.py in the environment built for EINOPS (released again)."""
     env = prepare(EINOPS, settings=settings, workspace=None, report=Said().report())
     env.release()
     assert env.path is not None
-    target = env.path / "einops" / "__init__.py"
+    return env.path / "einops" / "__init__.py"
+
+
+def _rebuilt_einops(settings: Settings) -> Path:
+    """einops's __init__.py in the next job's environment for EINOPS, which says it was rebuilt."""
+    said = Said()
+    env = prepare(EINOPS, settings=settings, workspace=None, report=said.report())
+    env.release()
+    assert "was changed or left incomplete since it was built: rebuilt" in said.text()
+    assert env.path is not None
+    return env.path / "einops" / "__init__.py"
+
+
+def test_a_tampered_environment_is_rebuilt_for_the_next_job(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    target = _built_einops(settings)
     original = target.read_text()
     target.chmod(0o644)  # root ignores the mode; a job running as root could write anyway
     target.write_text("raise ImportError('tampered')\n")
-    said = Said()
-    env2 = prepare(EINOPS, settings=settings, workspace=None, report=said.report())
-    env2.release()
-    assert "was changed or left incomplete since it was built: rebuilt" in said.text()
-    assert env2.path is not None and (env2.path / "einops" / "__init__.py").read_text() == original
+    assert _rebuilt_einops(settings).read_text() == original
 
 
 def test_a_forged_environment_is_rebuilt_even_with_its_size_mode_and_times_restored(tmp_path: Path) -> None:
     # what a job running as the worker's uid could do before the sandbox: plant code in a cached
     # environment and put back every stat field the old fingerprint read; the content hash sees it
     settings = Settings(data_dir=tmp_path)
-    env = prepare(EINOPS, settings=settings, workspace=None, report=Said().report())
-    env.release()
-    assert env.path is not None
-    target = env.path / "einops" / "__init__.py"
+    target = _built_einops(settings)
     original, st = target.read_bytes(), target.stat()
     forged = b"import os  # planted" + b" " * max(0, len(original) - 21)
     forged = forged[: len(original)].ljust(len(original), b" ")
@@ -107,11 +115,7 @@ def test_a_forged_environment_is_rebuilt_even_with_its_size_mode_and_times_resto
     target.chmod(st.st_mode)
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
     os.utime(target.parent, ns=(target.parent.stat().st_atime_ns, target.parent.stat().st_mtime_ns))
-    said = Said()
-    env2 = prepare(EINOPS, settings=settings, workspace=None, report=said.report())
-    env2.release()
-    assert "was changed or left incomplete since it was built: rebuilt" in said.text()
-    assert env2.path is not None and (env2.path / "einops" / "__init__.py").read_bytes() == original
+    assert _rebuilt_einops(settings).read_bytes() == original
 
 
 def _prepare_in_process(data_dir: str, start: float, q) -> None:  # noqa: ANN001
