@@ -38,7 +38,9 @@ pids=()
 up_only=""; [ "${1:-}" = "--up" ] && up_only=1 && shift
 
 stop_all() {
-  # in the reverse order of their start; each by its own pid
+  # in the reverse order of their start, each by its own pid: those this script started and any a
+  # test appended to <state>/pids (a slurmd it started again after killing one)
+  mapfile -t pids <"$state/pids" 2>/dev/null || true
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     kill -TERM "${pids[$i]}" 2>/dev/null || true
   done

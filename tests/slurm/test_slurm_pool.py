@@ -5,8 +5,11 @@ starts (`python -m workers.slurm_agent`) run it. Everything goes through the RES
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -194,3 +197,97 @@ def test_a_two_node_gang_matches_the_one_node_run(pool: StackHandle, tmp_path: P
     with session_for(pool.stack.database_url) as s:
         got = dbi.metric_series(s, job_id=jid, names=["loss", "val_loss"])
     assert_same_losses(got, want)
+
+
+def _tree(root_pids: list[int]) -> list[int]:
+    """The processes under `root_pids`, themselves included (/proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(root_pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _pids_of(pattern: bytes) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if pattern in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def _slurmd(node: str) -> list[int]:
+    return _pids_of(b"slurmd\0-D\0-N\0" + node.encode() + b"\0")
+
+
+def _idle(node: str) -> bool:
+    out = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout
+    return out.strip() == "idle"
+
+
+def test_a_node_lost_mid_job_is_retried_from_its_checkpoint(pool: StackHandle) -> None:
+    """The node a job runs on dies: its slurmd and every process of the Slurm job's steps killed
+    (SIGKILL). The job's lease runs out and it goes back to the queue, counted as a restart;
+    Slurm marks the node down (SlurmdTimeout), and requeues its job (`--requeue`), which runs on
+    the other node, resumes from the checkpoint and succeeds with every loss step once. The
+    node's slurmd is started again at the end (tests/slurm/cluster.sh stops it)."""
+    steps = 400
+    job = pool.submit(long_job("slurm-node-lost", steps, checkpoint_every=20))
+    jid = job["id"]
+    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
+    deadline = time.monotonic() + 60
+    while _applied_step(pool, jid) < 20:
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.1)
+    sid = squeue()[jid][0]
+    node = subprocess.run(["squeue", "-h", "-j", str(sid), "-o", "%N"], capture_output=True, text=True).stdout
+    node = node.strip()
+    assert node in ("n1", "n2"), node
+    conf = Path(os.environ["SLURM_CONF"])
+    (slurmd,) = _slurmd(node)
+    steps_pids = _pids_of(f"slurmstepd: [{sid}.".encode())
+    assert steps_pids, "the job's slurmstepd processes"
+    victims = [slurmd, *_tree(steps_pids)]
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        back = pool.wait_until(jid, lambda j: j["status"] == "queued", timeout=60)
+        assert back["restarts"] == 1, back
+        # Slurm sees the node gone after SlurmdTimeout and requeues the job on the other one
+        pool.wait_until(jid, lambda j: "BeginTime" in (j["wait_reason"] or ""), timeout=120)
+        subprocess.run(["scontrol", "update", f"JobId={sid}", "StartTime=now"], check=True)
+        done = pool.wait(jid, timeout=240)
+        assert done["attempts"] == 2 and done["restarts"] == 1
+        got = pool.client.get(f"/api/jobs/{jid}/metrics", params={"names": "loss"}).json()
+        assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))
+        messages = [e["message"] for e in _logs(pool, jid)]
+        assert any(m.startswith("resumed from step-") for m in messages), messages
+        other = "n2" if node == "n1" else "n1"
+        assert any(m.startswith(f"slurm job {sid} started on {other}") for m in messages), messages
+    finally:
+        again = subprocess.Popen(
+            ["slurmd", "-D", "-N", node, "-f", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        with (conf.parent / "pids").open("a") as f:
+            f.write(f"{again.pid}\n")
+        deadline = time.monotonic() + 60
+        while not _idle(node) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert _idle(node), f"{node} did not come back"
