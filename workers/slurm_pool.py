@@ -111,6 +111,7 @@ class JobRow:
     priority: int
     nnodes: int | None
     spec: dict[str, Any]
+    kind: str
 
 
 class Submitter:
@@ -173,6 +174,7 @@ class Submitter:
             Job.priority,
             Job.nnodes,
             Job.spec,
+            Job.kind,
         ).where(Job.id.in_(sorted(ids)))
         return {r.id: JobRow(*r) for r in s.execute(q)}
 
@@ -209,8 +211,16 @@ class Submitter:
                 )
         for pool in self.pools.values():
             for job_id, sj in slurm_jobs[pool.name].items():
-                self.maybe_cancel(sj, rows.get(job_id))
+                row = rows.get(job_id)
+                # a selection group's Slurm job is named for its first trial, which may end before
+                # the group does: the group's reservation going (its end) ends it
+                if row is not None and row.kind == "trial" and job_id in by_job:
+                    continue
+                self.maybe_cancel(sj, row)
         for job_id, row in rows.items():
+            # a lost selection group comes back through its trials' leases (the reconciler)
+            if row.kind != "job":
+                continue
             if row.status == JobStatus.running and pool_of(row.worker or "") in self.pools:
                 pool = self.pools[pool_of(row.worker or "") or ""]
                 self.maybe_vanished(pool, row, slurm_jobs[pool.name].get(job_id))

@@ -291,3 +291,31 @@ def test_a_node_lost_mid_job_is_retried_from_its_checkpoint(pool: StackHandle) -
         while not _idle(node) and time.monotonic() < deadline:
             time.sleep(0.5)
     assert _idle(node), f"{node} did not come back"
+
+
+def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None:
+    """Six trials in groups of two devices: the scheduler reserves each group on one pool node;
+    each group is one Slurm job whose agent runs it through execute_selection; ASHA stops some
+    trials early and the batch succeeds with a full leaderboard."""
+    base = {**TINY_SPEC, "name": "slurm-sel", "train": {**TINY_SPEC["train"], "steps": 24, "eval_every": 4}}
+    body = {
+        "name": "slurm-asha",
+        "base": base,
+        "space": {"train.lr": [1e-4, 3e-4, 1e-3, 3e-3, 6e-3, 1e-2]},
+        "method": "grid",
+        "devices": 2,
+        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
+    }
+    sel = pool.submit_selection(body)
+    done = pool.wait_selection(sel["id"], timeout=300)
+    assert done["status"] == "succeeded", done
+    trials = done["trials"]
+    assert all(t["status"] in ("succeeded", "stopped_early") for t in trials), trials
+    assert any(t["stopped_early"] for t in trials), "ASHA with reduction factor 3 over 6 trials stops some"
+    assert len(done["leaderboard"]) == 6
+    for t in trials:
+        job = pool.job(t["job_id"])
+        assert job["worker"].startswith("slurm:main:"), job["worker"]
+    # each group's Slurm job is in its first trial's log
+    firsts = [t["job_id"] for t in trials if _slurm_ids(pool, t["job_id"])]
+    assert firsts, "no trial's log names a Slurm job"
