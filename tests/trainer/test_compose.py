@@ -27,6 +27,7 @@ import torch
 
 from jobrules.spec import SpecError
 from tests.gloo import run_ranks
+from tests.trainer.stops import StopAfter
 from trainer.config import load_job
 from trainer.data import TextData
 from trainer.loop import run_steps
@@ -183,21 +184,12 @@ def test_a_launch_with_the_wrong_world_size_fails_before_any_process_group() -> 
     assert not torch.distributed.is_initialized()
 
 
-class _StopAfter:
-    def __init__(self, n: int) -> None:
-        self.n, self.calls = n, 0
-
-    def requested(self) -> bool:
-        self.calls += 1
-        return self.calls > self.n
-
-
 def _resume_rank(rank: int, world: int, raw: dict[str, Any], ckpt: str) -> dict[str, Any]:
     """Two steps and a stop, then the same job again from the checkpoints: replica 1 resumes from
     the files replica 0 wrote."""
     job = load_job(raw)
     first, second = ListSink(), ListSink()
-    run(job, sink=first, stop=_StopAfter(2), checkpoint_dir=Path(ckpt))
+    run(job, sink=first, stop=StopAfter(2), checkpoint_dir=Path(ckpt))
     files = sorted(p.name for p in Path(ckpt).rglob("step-*.pt"))
     run(job, sink=second, stop=NeverStop(), checkpoint_dir=Path(ckpt))
     return {
@@ -226,7 +218,7 @@ def _resume_after_damage(rank: int, world: int, raw: dict[str, Any], ckpt: str) 
     again must fall back to step 2 on every rank."""
     job = load_job(raw)
     first, second = ListSink(), ListSink()
-    run(job, sink=first, stop=_StopAfter(4), checkpoint_dir=Path(ckpt))
+    run(job, sink=first, stop=StopAfter(4), checkpoint_dir=Path(ckpt))
     torch.distributed.barrier()
     if rank == 1:
         (newest,) = [p for p in Path(ckpt).rglob("step-00000004.pt") if p.parent.name == "pp1-tp0"]

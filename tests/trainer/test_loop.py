@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from jobrules.spec import DataSpec, JobSpec
+from tests.trainer.stops import StopAfterLosses
 from trainer.config import load_job
 from trainer.data import TextData, decode
 from trainer.protocol import ListSink, NeverStop
@@ -21,14 +22,6 @@ def tiny(**train) -> JobSpec:
             "train": {"steps": 40, "batch_size": 8, "lr": 3e-3, "eval_every": 20, **train},
         }
     )
-
-
-class StopAfter:
-    def __init__(self, sink: ListSink, steps: int) -> None:
-        self.sink, self.steps = sink, steps
-
-    def requested(self) -> bool:
-        return len(self.sink.series("loss")) >= self.steps
 
 
 def test_the_corpus_is_real_python_source() -> None:
@@ -56,7 +49,7 @@ def test_resume_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) ->
     first = ListSink()
     job = tiny()
     job.checkpoint_every = 10
-    result = run(job, sink=first, stop=StopAfter(first, 17), checkpoint_dir=tmp_path)
+    result = run(job, sink=first, stop=StopAfterLosses(first, 17), checkpoint_dir=tmp_path)
     assert result["stopped"] and result["steps"] == 17
     # the stop saved step 17; drop it to resume from the periodic checkpoint at step 10
     (tmp_path / "step-00000017.pt").unlink()
@@ -94,9 +87,9 @@ def test_a_finished_run_resumed_again_re_emits_its_result_and_no_metrics(tmp_pat
 def test_a_stopped_run_resumed_with_an_immediate_stop_keeps_its_last_losses(tmp_path: Path) -> None:
     job = tiny(steps=6, eval_every=2)
     first = ListSink()
-    r1 = run(job, sink=first, stop=StopAfter(first, 3), checkpoint_dir=tmp_path)
+    r1 = run(job, sink=first, stop=StopAfterLosses(first, 3), checkpoint_dir=tmp_path)
     assert r1["steps"] == 3 and r1["stopped"]
     again = ListSink()
-    r2 = run(job, sink=again, stop=StopAfter(again, 0), checkpoint_dir=tmp_path)
+    r2 = run(job, sink=again, stop=StopAfterLosses(again, 0), checkpoint_dir=tmp_path)
     assert r2["steps"] == 3 and r2["stopped"] and again.metrics == []
     assert (r2["final_loss"], r2["val_loss"]) == (r1["final_loss"], r1["val_loss"])

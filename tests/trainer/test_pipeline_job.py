@@ -12,6 +12,7 @@ import torch
 
 from jobrules.spec import SpecError
 from tests.gloo import run_ranks
+from tests.trainer.stops import StopAfter
 from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -36,17 +37,6 @@ def _spec(schedule: str, *, stages: int = 2, microbatches: int = 4) -> dict:
 
 
 SCHEDULES = ("1f1b", "chimera-zb", "async")
-
-
-class StopAfter:
-    """Asks to stop once `steps` steps have started (every rank asks alike; the ranks agree by a sum)."""
-
-    def __init__(self, steps: int) -> None:
-        self.calls, self.steps = 0, steps
-
-    def requested(self) -> bool:
-        self.calls += 1
-        return self.calls > self.steps
 
 
 def _run(rank: int, world: int, schedules: tuple[str, ...], ckpt: str) -> dict[str, dict]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from jobrules.sizing import layer_working_sets
+from tests.trainer.stops import StopAfterLosses
 from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -33,14 +34,6 @@ def spec(**over: Any) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else v
     return out
-
-
-class StopAfter:
-    def __init__(self, sink: ListSink, steps: int) -> None:
-        self.sink, self.steps = sink, steps
-
-    def requested(self) -> bool:
-        return len(self.sink.series("loss")) >= self.steps
 
 
 def test_runner_dispatches_and_losses_equal_loop_train() -> None:
@@ -100,7 +93,7 @@ def test_stop_and_resume_give_the_uninterrupted_numbers(tmp_path: Path) -> None:
     par = {"spill": {"device_budget_mb": BUDGET_MB}}
     first = ListSink()
     job = load_job(spec(parallel=par, checkpoint_every=5))
-    r1 = run(job, sink=first, stop=StopAfter(first, 7), checkpoint_dir=tmp_path)
+    r1 = run(job, sink=first, stop=StopAfterLosses(first, 7), checkpoint_dir=tmp_path)
     assert r1["stopped"] is True and r1["steps"] == 7
     assert [e for e, _ in first.events].count("checkpoint") == 1
     # resume from the step-7 checkpoint with other cuts; then the plain engine can continue it too

@@ -54,6 +54,7 @@ from torch.testing import assert_close
 
 from jobrules.spec import DataSpec, JobSpec, ModelSpec, ParallelSpec, TensorSpec, TrainSpec
 from tests.gloo import run_ranks
+from tests.trainer.stops import StopAfter
 from trainer.models import Block, build_model, lm_loss
 from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
@@ -414,17 +415,6 @@ def _job(tensor: TensorSpec | None) -> JobSpec:
         train=TrainSpec(steps=4, batch_size=4, lr=1e-2, seed=3, eval_every=2, eval_batches=2, grad_clip=0.5),
         parallel=ParallelSpec(tensor=tensor),
     )
-
-
-class StopAfter:
-    """Asks to stop once `n` steps have been checked (every rank asks alike; the ranks agree by a sum)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.calls = n, 0
-
-    def requested(self) -> bool:
-        self.calls += 1
-        return self.calls > self.n
 
 
 def _train_task(tensor: TensorSpec) -> dict[str, Any]:
