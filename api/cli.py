@@ -290,6 +290,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        path = c.download(args.id, args.output)
+    console.print(f"job {args.id}: wrote {shown(str(path))} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
 def cmd_fail(args: argparse.Namespace) -> int:
     with _client(args) as c:
         job = c.fail(args.id, args.reason)
@@ -736,6 +743,18 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("id", type=int)
         p.set_defaults(fn=fn)
+    p = sub.add_parser(
+        "download",
+        help="a job's trained weights: its newest whole checkpoint (torch.load(path, weights_only=True))",
+    )
+    p.add_argument("id", type=int, help="the job (a selection's best trial: its job id in the leaderboard)")
+    p.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="where to write it (a file or a folder; default: job-<id>-step-<n>.pt here)",
+    )
+    p.set_defaults(fn=cmd_download)
     p = sub.add_parser("logs", help="a job's log: status lines and the trainer's own output")
     p.add_argument("id", type=int)
     p.add_argument("--follow", "-f", action="store_true", help="stream new lines until the job ends")

@@ -170,6 +170,10 @@ class Storage:
         )
         return data
 
+    def open_read(self, key: str) -> Any:
+        """`key` opened for reading, as a binary file object the caller reads and closes."""
+        return self._call("download", key, lambda: self.fs.open(self.path(key), "rb"))
+
     def exists(self, key: str) -> bool:
         return bool(self._call("look up", key, lambda: self.fs.exists(self.path(key), **self._deadline())))
 

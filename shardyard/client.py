@@ -156,6 +156,40 @@ class Client:
     def get(self, job_id: int, *, patience_s: float = 0.0) -> Job:
         return Job.from_json(self._send("GET", f"/api/jobs/{job_id}", patience_s=patience_s), self)
 
+    def download(self, job_id: int, path: str | Path | None = None) -> Path:
+        """The job's trained weights: its newest whole checkpoint (GET /api/jobs/{id}/checkpoint;
+        a selection's best trial: the leaderboard's first trial's job_id), written to `path` (a
+        file, or a folder for the API's name job-<id>-step-<n>.pt; default: that name here).
+        Returns the file's path; `torch.load(path, weights_only=True)` reads it (its "model" holds
+        the tensors). The file appears whole or not at all. ApiError (404, the reason) when the
+        job has none."""
+        with self._http.stream("GET", f"/api/jobs/{job_id}/checkpoint") as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise_for(resp)
+            disposition = resp.headers.get("content-disposition", "")
+            name = disposition.split('filename="', 1)[-1].rstrip('"') if "filename=" in disposition else ""
+            name = Path(name).name or f"job-{job_id}.pt"
+            dest = Path(path) if path is not None else Path(name)
+            if dest.is_dir():
+                dest = dest / name
+            tmp = dest.with_name(f".{dest.name}.part")
+            try:
+                with tmp.open("wb") as fh:
+                    for block in resp.iter_bytes(1 << 20):
+                        fh.write(block)
+                expected = resp.headers.get("content-length")
+                if expected is not None and tmp.stat().st_size != int(expected):
+                    raise ShardyardError(
+                        f"job {job_id}'s checkpoint came short: {tmp.stat().st_size} of {expected} bytes"
+                    )
+                tmp.replace(dest)
+            except httpx.TransportError as e:
+                raise self._unreachable(e) from e
+            finally:
+                tmp.unlink(missing_ok=True)
+        return dest
+
     def cancel(self, job_id: int) -> Job:
         """Ask a queued or running job to stop (a running trainer stops at its next step)."""
         return Job.from_json(self._send("POST", f"/api/jobs/{job_id}/cancel"), self)

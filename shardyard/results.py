@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -115,6 +116,10 @@ class Job:
 
     def cancel(self) -> Job:
         return self._c().cancel(self.id)
+
+    def download(self, path: str | Path | None = None) -> Path:
+        """Client.download(self.id, path): the job's newest whole checkpoint, as a file."""
+        return self._c().download(self.id, path)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -395,6 +400,7 @@ class _Client(Protocol):
     ) -> Iterator[JobEvent]: ...
     def wait(self, job_id: int, *, timeout: float | None = None) -> Job: ...
     def cancel(self, job_id: int) -> Job: ...
+    def download(self, job_id: int, path: str | Path | None = None) -> Path: ...
     def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection: ...
     def follow_selection(
         self,

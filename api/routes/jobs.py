@@ -8,10 +8,12 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Header, HTTPException, Path, Query, Request, status
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
+from api.checkpoints import NoCheckpoint, newest_checkpoint, open_checkpoint
 from api.convert import event_public, job_public
 from api.deps import PageSize, PageStart, SessionDep, SettingsDep, StatusFilter
 from api.publish import publish_job_status
@@ -34,6 +36,7 @@ from api.series import job_series
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
 from api.workspaces import WorkspaceRefError, pin_workspace
+from core.storage import KeyMissing, StorageError
 from db import ingest as db_ingest
 from db import jobs as db_jobs
 from db import selections as db_sel
@@ -219,6 +222,48 @@ def get_metrics(
     )
     series = {name: Series(steps=steps, values=values) for name, (steps, values) in raw.items()}
     return MetricsPublic(job_id=job_id, series=series)
+
+
+@router.get(
+    "/{job_id}/checkpoint",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "the newest whole checkpoint, as a file named job-<id>-step-<n>.pt",
+        },
+        404: {"description": "no such job of yours, or it has no whole checkpoint (the reason)"},
+        503: {"description": "the store did not answer (the reason)"},
+    },
+)
+def download_checkpoint(
+    job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> StreamingResponse:
+    """The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py),
+    streamed as a file that `torch.load(path, weights_only=True)` reads. A selection trial's job
+    serves its trial's checkpoint (the batch's leaderboard names the best trial's job)."""
+    job = _job_or_404(session, job_id, user)
+    try:
+        found = newest_checkpoint(settings, session, job)
+        body = open_checkpoint(settings, found)
+    except NoCheckpoint as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except KeyMissing as e:  # pruned between the listing and the open: the caller may ask again
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"job {job_id}'s checkpoint was replaced by a newer one; ask again"
+        ) from e
+    except StorageError as e:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from e
+    session.close()  # the stream holds no pooled connection while it sends
+    return StreamingResponse(
+        body,
+        media_type="application/octet-stream",
+        headers={
+            "Content-Disposition": f'attachment; filename="{found.filename(job_id)}"',
+            "Content-Length": str(found.size),
+            "X-Checkpoint-Step": str(found.step),
+        },
+    )
 
 
 @router.get("/{job_id}/logs", response_model=EventsPublic)

@@ -275,6 +275,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/jobs/{job_id}/checkpoint": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Download Checkpoint
+         * @description The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py),
+         *     streamed as a file that `torch.load(path, weights_only=True)` reads. A selection trial's job
+         *     serves its trial's checkpoint (the batch's leaderboard names the best trial's job).
+         */
+        get: operations["download_checkpoint_api_jobs__job_id__checkpoint_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/jobs/{job_id}/logs": {
         parameters: {
             query?: never;
@@ -1181,6 +1203,7 @@ export interface components {
             checkpoints: "best" | "all" | "none";
             /**
              * Metric
+             * @description what ranks the trials: val_loss, loss, or the name of a metric the trials' own code reports (trainer/report.py), with `mode` saying which way is better
              * @default val_loss
              */
             metric: string;
@@ -2407,6 +2430,52 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["ValidationRefusal"];
                 };
+            };
+        };
+    };
+    download_checkpoint_api_jobs__job_id__checkpoint_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description a job's id */
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description the newest whole checkpoint, as a file named job-<id>-step-<n>.pt */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/octet-stream": unknown;
+                };
+            };
+            /** @description no such job of yours, or it has no whole checkpoint (the reason) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Refused: each field named with the rule it breaks */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRefusal"];
+                };
+            };
+            /** @description the store did not answer (the reason) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
         };
     };

@@ -18,11 +18,10 @@ import {
 import { StepChart } from "../charts";
 import { badge, clock, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
 import { gantt, ganttLegend } from "../gantt";
-import { HardwareCharts, hwNames } from "../hardware";
+import { HardwareCharts } from "../hardware";
 import { LogPanel } from "../logs";
+import { UserMetricCharts } from "../usermetrics";
 import { jobLoss } from "./jobs";
-
-const NAMES = ["loss", "val_loss", "tokens_per_s"];
 
 export function jobPage(root: HTMLElement, id: number): () => void {
   const header = h("section", { id: "job-header" }, "loading…");
@@ -39,10 +38,13 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const logPanel = new LogPanel();
   const traceback = h("section", { class: "card", id: "job-traceback-card", hidden: true });
   const pipeline = h("section", { id: "pipeline", hidden: true });
+  // the job's own metrics (trainer/report.py), a chart each
+  const userSection = h("div", { class: "charts", id: "user-metrics", hidden: true });
   root.append(
     header,
     traceback,
     h("div", { class: "charts" }, h("div", { class: "card" }, lossEl), h("div", { class: "card" }, tputEl)),
+    userSection,
     hwSection,
     pipeline,
     logPanel.el,
@@ -65,6 +67,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   });
 
   const hw = new HardwareCharts(hwSection, useEl, memEl);
+  const userCharts = new UserMetricCharts(userSection);
   let job: Job | null = null;
   // the pace: the first and latest loss step this page saw, with when (this browser's clock)
   let firstSeen: { step: number; at: number } | null = null;
@@ -196,6 +199,17 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         ),
         fact("pace", h("span", { id: "job-pace" }, pace())),
         fact("loss", h("span", { id: "job-loss" }, fmtNum(jobLoss(j)))),
+        // the newest whole checkpoint (404 with the reason when there is none yet)
+        j.status !== "queued" && !deleted
+          ? fact(
+              "weights",
+              h(
+                "a",
+                { id: "job-download", href: `/api/jobs/${j.id}/checkpoint`, download: "" },
+                "download checkpoint",
+              ),
+            )
+          : null,
         fact("created", fmtTime(j.created_at)),
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
@@ -299,9 +313,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     }
     void loadTimeline();
     const [metrics, logPage] = await Promise.all([
-      api<Metrics>(
-        `/api/jobs/${id}/metrics?names=${[...NAMES, ...hwNames(job?.world_size ?? 1)].join(",")}&max_points=1000`,
-      ).catch(() => null),
+      // every series: the job's own metrics have names only the job knows
+      api<Metrics>(`/api/jobs/${id}/metrics?max_points=1000`).catch(() => null),
       api<LogPage>(`/api/jobs/${id}/logs?limit=10000`).catch(() => null),
     ]);
     if (closed) return;
@@ -312,12 +325,17 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       lossChart.setEmpty("Could not load the metrics.");
       tputChart.setEmpty("Could not load the metrics.");
     }
-    for (const [name, series] of Object.entries(metrics?.series ?? {})) hw.addSeries(name, series);
+    for (const [name, series] of Object.entries(metrics?.series ?? {}).sort(([a], [b]) =>
+      a.localeCompare(b),
+    )) {
+      if (!userCharts.addSeries(name, series)) hw.addSeries(name, series);
+    }
     for (const line of logPage?.items ?? []) addLog(line);
 
     stream = subscribe<JobStreamEvents>(`/api/jobs/${id}/stream`, {
       metric: (m) => {
         if (hw.add(m.name, m.step, m.value)) return;
+        if (userCharts.add(m.name, m.step, m.value)) return;
         if (m.name === "tokens_per_s") tputChart.add(m.name, m.step, m.value);
         else lossChart.add(m.name, m.step, m.value);
         // keep the header's progress and loss current without re-rendering it (that would fold
@@ -370,6 +388,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     lossChart.destroy();
     tputChart.destroy();
     hw.destroy();
+    userCharts.destroy();
     window.clearInterval(paceTimer);
   };
 }
