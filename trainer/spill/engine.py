@@ -145,26 +145,25 @@ class SpillEngine:
         """Copy a boundary tensor in. On CUDA it goes on the copy stream ahead of the next
         `to_device`, whose ready event then covers it too."""
         dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
-        if self.copy_stream is None:
-            dst.copy_(x)
-            return dst
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(x, non_blocking=True)
-        dst.record_stream(self.copy_stream)
-        return dst
+        return self._copy(dst, x, on_device=dst)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         """The boundary activation goes to host memory; the device copy can then be freed."""
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        return self._copy(host, x, on_device=x)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, on_device: torch.Tensor) -> torch.Tensor:
+        """`dst` with `src` copied in. On CUDA the copy waits for the work queued so far and runs on
+        the copy stream; `on_device` (the side of the copy in device memory) is marked as used
+        there, so that its memory is not reused before the copy has run."""
         if self.copy_stream is None:
-            host.copy_(x)
-            return host
+            dst.copy_(src)
+            return dst
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            host.copy_(x, non_blocking=True)
-        x.record_stream(self.copy_stream)
-        return host
+            dst.copy_(src, non_blocking=True)
+        on_device.record_stream(self.copy_stream)
+        return dst
 
     @property
     def loss_scale(self) -> float:
