@@ -51,6 +51,14 @@ def long_job(name: str, steps: int, *, checkpoint_every: int = 25) -> dict[str, 
     }
 
 
+def grid_batch(
+    name: str, base: dict[str, Any], space: dict[str, list[Any]], *, devices: int, **more: Any
+) -> dict[str, Any]:
+    """A selection batch's body (POST /api/selections): every point of `space` over `base`, on
+    `devices` devices, with the other fields `more`."""
+    return {"name": name, "base": base, "space": space, "method": "grid", "devices": devices, **more}
+
+
 TINY_SPEC: dict[str, Any] = {
     "name": "tiny",
     "model": {"kind": "gpt", "layers": 2, "d_model": 32, "heads": 2, "seq_len": 32},

@@ -23,7 +23,7 @@ import pytest
 from api.stack import Stack
 from db.engine import session_for
 from db.models import Job
-from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, running
+from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, grid_batch, running
 from tests.user_data import held_data, upload_held
 
 pytestmark = pytest.mark.integration
@@ -370,14 +370,7 @@ def test_cancel_ends_a_job_whose_owner_is_gone_and_an_operator_can_fail_or_reque
 
 def test_kill_the_worker_mid_selection(faults: StackHandle) -> None:
     _ensure_worker(faults.stack)
-    body = {
-        "name": "fault-batch",
-        "base": SPEC,
-        "space": {"train.lr": [1e-3, 3e-3]},
-        "method": "grid",
-        "devices": 1,
-    }
-    sel = faults.submit_selection(body)
+    sel = faults.submit_selection(grid_batch("fault-batch", SPEC, {"train.lr": [1e-3, 3e-3]}, devices=1))
     jobs = [t["job_id"] for t in sel["trials"]]
     deadline = time.monotonic() + 180
     while max(faults.job(j)["progress"]["step"] for j in jobs) < 6:

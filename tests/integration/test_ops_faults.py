@@ -25,7 +25,7 @@ from db.jobs import create_job
 from db.models import User
 from db.users import create_user
 from jobrules.applied import APPLIED_FILE
-from tests.conftest import StackHandle, long_job, running
+from tests.conftest import StackHandle, grid_batch, long_job, running
 from tests.fullfs import full_disk
 from tests.sse import read_sse
 from tests.user_data import held_data, upload_held
@@ -161,14 +161,7 @@ def test_checkpoints_are_pruned_and_a_finished_job_is_deleted(ops_stack: StackHa
 def test_a_selection_s_trials_are_pruned_when_they_end(ops_stack: StackHandle) -> None:
     h = ops_stack
     base = {**FAST, "name": "pruned", "train": {**FAST["train"], "steps": 12}, "checkpoint_every": 2}
-    body = {
-        "name": "pruned",
-        "base": base,
-        "space": {"train.lr": [1e-3, 3e-3]},
-        "method": "grid",
-        "devices": 2,
-        "checkpoints": "all",
-    }
+    body = grid_batch("pruned", base, {"train.lr": [1e-3, 3e-3]}, devices=2, checkpoints="all")
     done = h.wait_selection(h.submit_selection(body)["id"], timeout=300)
     assert done["status"] == "succeeded" and len(done["trials"]) == 2
     root = h.stack.root / "selections" / str(done["id"])

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import TINY_SPEC, StackHandle, grid_batch
 from tests.sse import read_sse
 from tests.user_data import held_data, upload_held
 
@@ -22,15 +22,14 @@ BASE = {**TINY_SPEC, "name": "sel", "train": {**TINY_SPEC["train"], "steps": 24,
 
 
 def test_batch_of_six_with_asha_then_grown(stack: StackHandle) -> None:
-    body = {
-        "name": "lr-search",
-        "base": BASE,
-        "space": {"train.lr": [1e-4, 3e-4, 1e-3, 3e-3, 6e-3, 1e-2]},
-        "method": "grid",
-        "devices": 2,
-        "scheduler": "shard-lrtf",
-        "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
-    }
+    body = grid_batch(
+        "lr-search",
+        BASE,
+        {"train.lr": [1e-4, 3e-4, 1e-3, 3e-3, 6e-3, 1e-2]},
+        devices=2,
+        scheduler="shard-lrtf",
+        early_stopping={"kind": "asha", "reduction_factor": 3, "min_steps": 4},
+    )
     sel = stack.submit_selection(body)
     assert len(sel["trials"]) == 6 and {t["status"] for t in sel["trials"]} == {"queued"}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TINY_SPEC, StackHandle
+from tests.conftest import TINY_SPEC, StackHandle, grid_batch
 
 pytestmark = pytest.mark.integration
 
@@ -16,15 +16,10 @@ BASE = {**TINY_SPEC, "name": "fused", "train": {**TINY_SPEC["train"], "steps": 1
 
 
 def test_a_fused_batch_runs_on_the_stack(stack: StackHandle) -> None:
-    body = {
-        "name": "fused-lr",
-        "base": BASE,
-        # two fusable pairs (batch 8 and batch 4): two stacks of two
-        "space": {"train.lr": [1e-3, 3e-3], "train.batch_size": [8, 4]},
-        "method": "grid",
-        "devices": 2,
-        "fuse": True,
-    }
+    # two fusable pairs (batch 8 and batch 4): two stacks of two
+    body = grid_batch(
+        "fused-lr", BASE, {"train.lr": [1e-3, 3e-3], "train.batch_size": [8, 4]}, devices=2, fuse=True
+    )
     sel = stack.submit_selection(body)
     assert sel["request"]["fuse"] is True and len(sel["trials"]) == 4
     done = stack.wait_selection(sel["id"])
