@@ -12,7 +12,8 @@ Two kinds of series, from two places:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
@@ -96,6 +97,14 @@ def sample_pool(database_url: str) -> None:
 ENDED = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
 
+def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[Sequence[Any]] = ()) -> GaugeMetricFamily:
+    """A gauge with a sample for each of `rows`: its label values, then its value."""
+    gauge = GaugeMetricFamily(name, doc, labels=labels)
+    for *values, n in rows:
+        gauge.add_metric(values, n)
+    return gauge
+
+
 class FleetCollector(Collector):
     """The fleet's state from the database, read at each scrape."""
 
@@ -106,34 +115,30 @@ class FleetCollector(Collector):
         s = self.settings
         with session_for(s.database_url) as session:
             now = db_now(session)
-            jobs = GaugeMetricFamily(
-                "shardyard_jobs", "Jobs by kind (job, trial) and status", labels=["kind", "status"]
+            yield _gauge(
+                "shardyard_jobs",
+                "Jobs by kind (job, trial) and status",
+                ["kind", "status"],
+                session.execute(select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)),
             )
-            for kind, status, n in session.execute(
-                select(Job.kind, Job.status, func.count()).group_by(Job.kind, Job.status)
-            ):
-                jobs.add_metric([kind, status], n)
-            yield jobs
-            trials = GaugeMetricFamily("shardyard_trials", "Trials of batches by status", labels=["status"])
-            for status, n in session.execute(select(Trial.status, func.count()).group_by(Trial.status)):
-                trials.add_metric([status], n)
-            yield trials
-            sels = GaugeMetricFamily(
-                "shardyard_selections", "Model-selection batches by status", labels=["status"]
+            yield _gauge(
+                "shardyard_trials",
+                "Trials of batches by status",
+                ["status"],
+                session.execute(select(Trial.status, func.count()).group_by(Trial.status)),
             )
-            for status, n in session.execute(
-                select(Selection.status, func.count()).group_by(Selection.status)
-            ):
-                sels.add_metric([status], n)
-            yield sels
+            yield _gauge(
+                "shardyard_selections",
+                "Model-selection batches by status",
+                ["status"],
+                session.execute(select(Selection.status, func.count()).group_by(Selection.status)),
+            )
 
-            depth = GaugeMetricFamily(
-                "shardyard_queue_depth", "Jobs waiting (queued), by queue", labels=["queue"]
-            )
-            oldest = GaugeMetricFamily(
+            depth = _gauge("shardyard_queue_depth", "Jobs waiting (queued), by queue", ["queue"])
+            oldest = _gauge(
                 "shardyard_queue_oldest_wait_seconds",
                 "How long the longest-waiting queued job has waited, by queue",
-                labels=["queue"],
+                ["queue"],
             )
             waited = func.min(func.coalesce(Job.enqueued_at, Job.created_at))
             for queue, n, first in session.execute(
@@ -159,21 +164,15 @@ class FleetCollector(Collector):
             yield GaugeMetricFamily(
                 "shardyard_workers_live", "Workers whose heartbeat is recent", value=len(beats)
             )
-            slots = GaugeMetricFamily(
-                "shardyard_worker_slots", "Rank slots a live worker offers", labels=["worker"]
+            slots = _gauge("shardyard_worker_slots", "Rank slots a live worker offers", ["worker"])
+            reserved = _gauge(
+                "shardyard_worker_slots_reserved", "Rank slots reserved on a live worker now", ["worker"]
             )
-            reserved = GaugeMetricFamily(
-                "shardyard_worker_slots_reserved",
-                "Rank slots reserved on a live worker now",
-                labels=["worker"],
+            devices = _gauge(
+                "shardyard_worker_devices", "Devices a live worker reports, by type", ["worker", "type"]
             )
-            devices = GaugeMetricFamily(
-                "shardyard_worker_devices",
-                "Devices a live worker reports, by type",
-                labels=["worker", "type"],
-            )
-            draining = GaugeMetricFamily(
-                "shardyard_worker_draining", "1 while a live worker is shutting down", labels=["worker"]
+            draining = _gauge(
+                "shardyard_worker_draining", "1 while a live worker is shutting down", ["worker"]
             )
             for b in beats:
                 host = (b.devices or {}).get("host") or {}
@@ -187,12 +186,12 @@ class FleetCollector(Collector):
                     devices.add_metric([b.name, kind], n)
             yield from (slots, reserved, devices, draining)
 
-            outbox = GaugeMetricFamily(
-                "shardyard_webhook_deliveries", "Webhook deliveries by state", labels=["state"]
+            yield _gauge(
+                "shardyard_webhook_deliveries",
+                "Webhook deliveries by state",
+                ["state"],
+                dbw.outbox_counts(session).items(),
             )
-            for state, n in dbw.outbox_counts(session).items():
-                outbox.add_metric([state], n)
-            yield outbox
 
 
 @router.get("/metrics", include_in_schema=False)
