@@ -147,6 +147,33 @@ def test_a_run_forked_from_the_warm_trainer_trains_on_the_device(tmp_path: Path)
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)  # same process image, same kernels
 
 
+def test_a_sandboxed_run_trains_on_the_device(tmp_path: Path) -> None:
+    # the worker's sandbox (workers/sandbox.py) binds the host's NVIDIA device files: the same run
+    # inside bubblewrap trains on the device and computes what the fresh process computes
+    from core.settings import Settings
+    from workers.sandbox import Sandbox, probe
+
+    if (why := probe()) is not None:
+        pytest.skip(f"bubblewrap cannot make a sandbox on this machine: {why}")
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps(_spec()))
+    cmd = [sys.executable, "-m", "trainer", "--spec", str(spec)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    fresh = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    sandbox = Sandbox(settings=Settings(data_dir=tmp_path / "data"), read_write=[tmp_path])
+    boxed = subprocess.run(
+        sandbox.command(cmd), env=sandbox.environment(env), capture_output=True, text=True, timeout=300
+    )
+    assert boxed.returncode == 0, boxed.stderr[-3000:]
+    cold, inside = _losses(fresh.stdout), _losses(boxed.stdout)
+    assert len(inside) == BASE["train"]["steps"]
+    torch.testing.assert_close(inside, cold, rtol=0, atol=0)
+
+
 SELECTION = [
     # spilled in 3 shards, AdamW
     {
