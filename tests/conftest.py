@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -90,6 +92,25 @@ class StackHandle:
 
     def job(self, job_id: int) -> dict[str, Any]:
         return self.client.get(f"/api/jobs/{job_id}").json()
+
+    def cli(
+        self, *args: str, stdin: str | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        """`shardyard ARGS` (python -m api.cli) against this stack, signed in as its admin."""
+        env = {
+            **os.environ,
+            "SHARDYARD_API_URL": self.base_url,
+            "SHARDYARD_TOKEN": self.token,
+            "COLUMNS": "200",
+        }
+        return subprocess.run(
+            [sys.executable, "-m", "api.cli", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
 
     def wait(
         self, job_id: int, statuses: tuple[str, ...] = ("succeeded",), timeout: float = 120

@@ -7,9 +7,6 @@ the reason."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +61,7 @@ def test_download_a_finished_jobs_weights(stack: StackHandle, tmp_path: Path) ->
     # the CLI: a file of the caller's choosing
     out = tmp_path / "cli" / "weights.pt"
     out.parent.mkdir()
-    env = {**os.environ, "SHARDYARD_API_URL": stack.base_url, "SHARDYARD_TOKEN": stack.token}
-    proc = subprocess.run(
-        [sys.executable, "-m", "api.cli", "download", str(job_id), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    proc = stack.cli("download", str(job_id), "-o", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes() == resp.content and "wrote" in proc.stdout
 

@@ -5,10 +5,7 @@ an API restart, a selection batch followed and ranked, cancels, and refusals tha
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,18 +49,6 @@ def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandle]
 def client(sdk_stack: StackHandle) -> Iterator[Client]:
     with Client(sdk_stack.base_url, sdk_stack.token, patience_s=120) as c:
         yield c
-
-
-def cli(h: StackHandle, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SHARDYARD_API_URL": h.base_url, "SHARDYARD_TOKEN": h.token, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
 
 
 def loss_steps(events: list[Any]) -> list[int]:
@@ -142,20 +127,20 @@ def test_a_selection_followed_to_its_end_and_ranked(sdk_stack: StackHandle, clie
     assert done.best is not None and done.best.id == board[0].trial.id
     assert {t.status for t in client.selection_trials(sel.id)} == {"succeeded"}
 
-    shown = cli(sdk_stack, "selection", "show", str(sel.id))
+    shown = sdk_stack.cli("selection", "show", str(sel.id))
     assert shown.returncode == 0, shown.stderr
     assert "leaderboard" in shown.stdout and "train.lr=0.001" in shown.stdout
     assert "train.lr=0.01" in shown.stdout and "succeeded" in shown.stdout
-    raw = cli(sdk_stack, "selection", "show", str(sel.id), "--json")
+    raw = sdk_stack.cli("selection", "show", str(sel.id), "--json")
     assert json.loads(raw.stdout)["leaderboard"] == done.leaderboard_ids
 
 
 def test_cli_selection_submit_from_stdin_then_follow(sdk_stack: StackHandle) -> None:
-    out = cli(sdk_stack, "selection", "submit", "-", stdin=json.dumps({**BATCH, "name": "from-stdin"}))
+    out = sdk_stack.cli("selection", "submit", "-", stdin=json.dumps({**BATCH, "name": "from-stdin"}))
     assert out.returncode == 0, out.stderr
     assert "submitted selection" in out.stdout and "2 trial(s)" in out.stdout
     sid = int(out.stdout.split("submitted selection", 1)[1].split()[0])
-    followed = cli(sdk_stack, "selection", "follow", str(sid))
+    followed = sdk_stack.cli("selection", "follow", str(sid))
     assert followed.returncode == 0, followed.stderr  # 0: the batch succeeded
     assert "leaderboard" in followed.stdout and "succeeded" in followed.stdout
     assert "Traceback" not in followed.stderr
@@ -171,7 +156,7 @@ def test_cli_selection_list_filters_like_the_route(sdk_stack: StackHandle, clien
     assert stopped.wait(timeout=120).status == "cancelled"
     assert done.wait(timeout=240).status == "succeeded"
 
-    table = cli(sdk_stack, "selection", "list", "--name", "listed-")
+    table = sdk_stack.cli("selection", "list", "--name", "listed-")
     assert table.returncode == 0, table.stderr
     rows = {line.split()[1]: line for line in table.stdout.splitlines() if line.startswith("│")}
     assert set(rows) == {str(done.id), str(stopped.id)}, table.stdout
@@ -180,20 +165,20 @@ def test_cli_selection_list_filters_like_the_route(sdk_stack: StackHandle, clien
     assert "cancelled" in rows[str(stopped.id)] and "Listed-Stopped" in rows[str(stopped.id)]
     assert "2 of 2 selection(s)" in table.stdout
 
-    raw = cli(sdk_stack, "selection", "list", "--name", "LISTED", "--status", "cancelled", "--json")
+    raw = sdk_stack.cli("selection", "list", "--name", "LISTED", "--status", "cancelled", "--json")
     assert raw.returncode == 0, raw.stderr
     page = json.loads(raw.stdout)
     assert page["total"] == 1 and [s["id"] for s in page["items"]] == [stopped.id]
     assert page["items"][0]["request"]["base"]["name"] == "endless"  # the API's JSON, as sent
 
     limited = json.loads(
-        cli(sdk_stack, "selection", "list", "--name", "listed-", "--limit", "1", "--json").stdout
+        sdk_stack.cli("selection", "list", "--name", "listed-", "--limit", "1", "--json").stdout
     )
     assert [s["id"] for s in limited["items"]] == [stopped.id] and limited["total"] == 2  # newest first
     assert [s.id for s in client.selections(status="succeeded", name="listed-")] == [done.id]
     assert client.selections(owner="nobody-by-this-name", name="listed-").total == 0
 
-    bad = cli(sdk_stack, "selection", "list", "--status", "lost")
+    bad = sdk_stack.cli("selection", "list", "--status", "lost")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     with pytest.raises(ApiError) as e:
         client.selections(status="lost")  # the API's 422 names the field
@@ -210,10 +195,10 @@ def test_cancel_a_job_and_a_batch(sdk_stack: StackHandle, client: Client) -> Non
 
     long_batch = {**BATCH, "name": "to-cancel", "base": endless}
     sel = client.submit_selection(long_batch)
-    out = cli(sdk_stack, "selection", "cancel", str(sel.id))
+    out = sdk_stack.cli("selection", "cancel", str(sel.id))
     assert out.returncode == 0, out.stderr
     assert f"selection {sel.id}:" in out.stdout and "cancel requested" in out.stdout
-    followed = cli(sdk_stack, "selection", "follow", str(sel.id))
+    followed = sdk_stack.cli("selection", "follow", str(sel.id))
     assert followed.returncode == 3, followed.stderr  # 3: the batch was cancelled
     assert client.wait_selection(sel.id, timeout=60).status == "cancelled"
     with pytest.raises(ApiError) as e:
@@ -240,13 +225,13 @@ def test_refusals_name_the_field(sdk_stack: StackHandle, client: Client, tmp_pat
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**BATCH, "space": {"train.lr": [1e-3]}, "group_size": 0}))
-    out = cli(sdk_stack, "selection", "submit", str(bad))
+    out = sdk_stack.cli("selection", "submit", str(bad))
     assert out.returncode == 2 and "422" in out.stderr and "group_size" in out.stderr, out.stderr
-    out = cli(sdk_stack, "selection", "submit", "-", stdin="{nope")
+    out = sdk_stack.cli("selection", "submit", "-", stdin="{nope")
     assert out.returncode == 2 and "stdin is not valid JSON" in out.stderr
-    out = cli(sdk_stack, "selection", "submit", "-", stdin="[1, 2]")
+    out = sdk_stack.cli("selection", "submit", "-", stdin="[1, 2]")
     assert out.returncode == 2 and "a selection request is a JSON object" in out.stderr
-    out = cli(sdk_stack, "selection", "show", "999999")
+    out = sdk_stack.cli("selection", "show", "999999")
     assert out.returncode == 2 and "404" in out.stderr
 
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -94,19 +91,7 @@ def test_user_text_and_tokenizer_from_the_workspace_train(stack: StackHandle, tm
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(tiny(name="bpe", data={"path": "corpus.txt", "tokenizer": "tokenizer.json"})))
 
-    env = {
-        **os.environ,
-        "SHARDYARD_API_URL": stack.base_url,
-        "SHARDYARD_TOKEN": stack.token,
-        "COLUMNS": "200",
-    }
-    out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "submit", str(spec), "--workspace", str(folder)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    out = stack.cli("submit", str(spec), "--workspace", str(folder), timeout=120)
     assert out.returncode == 0, out.stderr
     job_id = int(out.stdout.split("submitted job", 1)[1].split()[0])
     job = stack.wait(job_id, timeout=180)
