@@ -114,6 +114,11 @@ def test_a_workspace_job_runs_on_a_worker_that_never_saw_the_upload(hosts: Hosts
     h.wait(job["id"], timeout=240)
     assert falls(h, job["id"])
     assert (hosts.dirs[1] / key).is_file(), "the worker fetched it into its own data dir"
+    # its weights download from the store through the API, whose data dir never held them
+    resp = h.client.get(f"/api/jobs/{job['id']}/checkpoint")
+    assert resp.status_code == 200, resp.text
+    newest = f"jobs/{job['id']}/checkpoints/step-00000030.pt"
+    assert not (hosts.stack.root / newest).exists() and resp.content == hosts.store.get_bytes(newest)
     assert (hosts.dirs[1] / "jobs" / str(job["id"]) / "workspace" / "mydata" / "source.py").is_file()
 
     assert h.client.delete(f"/api/workspaces/{ws['id']}").status_code == 204
