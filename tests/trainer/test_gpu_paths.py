@@ -112,6 +112,21 @@ def _losses(stdout: str) -> list[float]:
     return out
 
 
+def _fresh_run(tmp_path: Path) -> tuple[list[str], dict[str, str], list[float]]:
+    """The trainer's command for the base spec and its environment, and the losses of that command
+    run as a fresh process."""
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps(_spec()))
+    cmd = [sys.executable, "-m", "trainer", "--spec", str(spec)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    fresh = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    return cmd, env, _losses(fresh.stdout)
+
+
 def test_the_zygotes_imports_leave_cuda_untouched() -> None:
     code = "import trainer.zygote as z; z.preload(); print(z.cuda_untouched())"
     out = subprocess.run(
@@ -124,15 +139,7 @@ def test_a_run_forked_from_the_warm_trainer_trains_on_the_device(tmp_path: Path)
     from trainer.zygote import WARM_MARK
     from workers.warm import Zygote
 
-    spec = tmp_path / "job.json"
-    spec.write_text(json.dumps(_spec()))
-    cmd = [sys.executable, "-m", "trainer", "--spec", str(spec)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    fresh = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    cmd, env, cold = _fresh_run(tmp_path)
 
     zygote = Zygote()
     try:
@@ -142,7 +149,7 @@ def test_a_run_forked_from_the_warm_trainer_trains_on_the_device(tmp_path: Path)
     finally:
         zygote.stop()
     assert stderr.startswith(WARM_MARK), stderr[:500]  # it really was forked
-    warm, cold = _losses(stdout), _losses(fresh.stdout)
+    warm = _losses(stdout)
     assert len(cold) == BASE["train"]["steps"]
     torch.testing.assert_close(warm, cold, rtol=0, atol=0)  # same process image, same kernels
 
@@ -155,21 +162,13 @@ def test_a_sandboxed_run_trains_on_the_device(tmp_path: Path) -> None:
 
     if (why := probe()) is not None:
         pytest.skip(f"bubblewrap cannot make a sandbox on this machine: {why}")
-    spec = tmp_path / "job.json"
-    spec.write_text(json.dumps(_spec()))
-    cmd = [sys.executable, "-m", "trainer", "--spec", str(spec)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    fresh = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    cmd, env, cold = _fresh_run(tmp_path)
     sandbox = Sandbox(settings=Settings(data_dir=tmp_path / "data"), read_write=[tmp_path])
     boxed = subprocess.run(
         sandbox.command(cmd), env=sandbox.environment(env), capture_output=True, text=True, timeout=300
     )
     assert boxed.returncode == 0, boxed.stderr[-3000:]
-    cold, inside = _losses(fresh.stdout), _losses(boxed.stdout)
+    inside = _losses(boxed.stdout)
     assert len(inside) == BASE["train"]["steps"]
     torch.testing.assert_close(inside, cold, rtol=0, atol=0)
 
