@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -26,6 +27,18 @@ from jobrules.parallel import checkpoint_pieces
 
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 CHUNK = 1 << 20
+
+
+class CheckpointPublic(BaseModel):
+    """What `GET /api/jobs/{id}/checkpoint` would send now."""
+
+    job_id: int
+    step: int
+    """The step it was written at."""
+    size: int
+    """Bytes."""
+    filename: str
+    """job-<id>-step-<n>.pt"""
 
 
 class NoCheckpoint(LookupError):
@@ -40,6 +53,9 @@ class Found:
 
     def filename(self, job_id: int) -> str:
         return f"job-{job_id}-step-{self.step}.pt"
+
+    def public(self, job_id: int) -> CheckpointPublic:
+        return CheckpointPublic(job_id=job_id, step=self.step, size=self.size, filename=self.filename(job_id))
 
 
 def _prefix(session: Session, job: Job) -> tuple[str, str]:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
-from api.checkpoints import NoCheckpoint, newest_checkpoint, open_checkpoint
+from api.checkpoints import CheckpointPublic, NoCheckpoint, newest_checkpoint, open_checkpoint
 from api.convert import event_public, job_public
 from api.deps import PageSize, PageStart, SessionDep, SettingsDep, StatusFilter
 from api.publish import publish_job_status
@@ -222,6 +222,28 @@ def get_metrics(
     )
     series = {name: Series(steps=steps, values=values) for name, (steps, values) in raw.items()}
     return MetricsPublic(job_id=job_id, series=series)
+
+
+@router.get(
+    "/{job_id}/checkpoint/info",
+    response_model=CheckpointPublic,
+    responses={
+        404: {"description": "no such job of yours, or it has no whole checkpoint (the reason)"},
+        503: {"description": "the store did not answer (the reason)"},
+    },
+)
+def checkpoint_info(
+    job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser
+) -> CheckpointPublic:
+    """What `GET /api/jobs/{id}/checkpoint` would send now (its step, size and filename), or why
+    there is nothing to send (404): the job page's download link."""
+    job = _job_or_404(session, job_id, user)
+    try:
+        return newest_checkpoint(settings, session, job).public(job_id)
+    except NoCheckpoint as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
+    except StorageError as e:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from e
 
 
 @router.get(

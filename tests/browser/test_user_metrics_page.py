@@ -11,6 +11,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from tests.archives import targz, upload
+from tests.integration.test_checkpoint_download import SPEC
 from tests.integration.test_user_metrics import spec
 from tests.trainer.user_metrics_src import USER_METRICS
 
@@ -39,6 +40,17 @@ def test_the_job_page_charts_the_jobs_own_metrics_and_links_its_weights(stack, p
 
     link = page.locator("#job-download")
     expect(link).to_have_attribute("href", f"/api/jobs/{job['id']}/checkpoint")
+    expect(link).to_contain_text("download checkpoint (step 150,")
     with page.expect_download() as got:
         link.click()
     assert got.value.suggested_filename == f"job-{job['id']}-step-150.pt"
+
+    # a job with no whole checkpoint says why instead of offering one
+    piped = stack.submit(
+        {**SPEC, "name": "pieces", "parallel": {"pipeline": {"stages": 2, "microbatches": 2}}}
+    )
+    stack.wait_until(piped["id"], lambda j: j["status"] != "queued", timeout=120)
+    page.goto(f"{stack.base_url}/#/jobs/{piped['id']}")
+    expect(page.locator("#job-no-download")).to_contain_text("in 2 pieces", timeout=30_000)
+    expect(page.locator("#job-download")).to_have_count(0)
+    stack.client.post(f"/api/jobs/{piped['id']}/cancel")

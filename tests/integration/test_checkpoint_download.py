@@ -42,6 +42,13 @@ def test_download_a_finished_jobs_weights(stack: StackHandle, tmp_path: Path) ->
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-disposition"] == f'attachment; filename="job-{job_id}-step-10.pt"'
     assert int(resp.headers["content-length"]) == len(resp.content)
+    info = stack.client.get(f"/api/jobs/{job_id}/checkpoint/info").json()
+    assert info == {
+        "job_id": job_id,
+        "step": 10,
+        "size": len(resp.content),
+        "filename": f"job-{job_id}-step-10.pt",
+    }
 
     with Client(stack.base_url, stack.token) as sy:
         path = sy.get(job_id).download(tmp_path)
@@ -68,8 +75,9 @@ def test_download_a_finished_jobs_weights(stack: StackHandle, tmp_path: Path) ->
     # another user: no such job
     _, other = new_user(stack)
     with other:
-        resp = other.get(f"/api/jobs/{job_id}/checkpoint")
-        assert resp.status_code == 404 and f"job {job_id} does not exist" in resp.json()["detail"]
+        for path in ("checkpoint", "checkpoint/info"):
+            resp = other.get(f"/api/jobs/{job_id}/{path}")
+            assert resp.status_code == 404 and f"job {job_id} does not exist" in resp.json()["detail"]
 
 
 def test_no_whole_checkpoint_is_a_404_with_the_reason(stack: StackHandle, tmp_path: Path) -> None:
@@ -84,6 +92,8 @@ def test_no_whole_checkpoint_is_a_404_with_the_reason(stack: StackHandle, tmp_pa
         assert "every 1000 steps and at its end" in resp.json()["detail"]
         resp = stack.client.get(f"/api/jobs/{piped['id']}/checkpoint")
         assert resp.status_code == 404 and "in 2 pieces" in resp.json()["detail"], resp.text
+        info = stack.client.get(f"/api/jobs/{waiting['id']}/checkpoint/info")
+        assert info.status_code == 404 and "has no checkpoint yet" in info.json()["detail"]
         with Client(stack.base_url, stack.token) as sy, pytest.raises(ApiError) as err:
             sy.download(waiting["id"], tmp_path / "none.pt")
         assert err.value.status == 404 and "no checkpoint yet" in str(err.value)

@@ -275,6 +275,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/jobs/{job_id}/checkpoint/info": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Checkpoint Info
+         * @description What `GET /api/jobs/{id}/checkpoint` would send now (its step, size and filename), or why
+         *     there is nothing to send (404): the job page's download link.
+         */
+        get: operations["checkpoint_info_api_jobs__job_id__checkpoint_info_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/jobs/{job_id}/checkpoint": {
         parameters: {
             query?: never;
@@ -635,6 +656,20 @@ export interface components {
             ok: boolean;
             /** Error */
             error?: string | null;
+        };
+        /**
+         * CheckpointPublic
+         * @description What `GET /api/jobs/{id}/checkpoint` would send now.
+         */
+        CheckpointPublic: {
+            /** Job Id */
+            job_id: number;
+            /** Step */
+            step: number;
+            /** Size */
+            size: number;
+            /** Filename */
+            filename: string;
         };
         /** DataSpec */
         DataSpec: {
@@ -2430,6 +2465,52 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["ValidationRefusal"];
                 };
+            };
+        };
+    };
+    checkpoint_info_api_jobs__job_id__checkpoint_info_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description a job's id */
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CheckpointPublic"];
+                };
+            };
+            /** @description no such job of yours, or it has no whole checkpoint (the reason) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Refused: each field named with the rule it breaks */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRefusal"];
+                };
+            };
+            /** @description the store did not answer (the reason) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
         };
     };

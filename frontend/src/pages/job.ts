@@ -3,6 +3,7 @@
 import {
   api,
   ApiError,
+  type CheckpointInfo,
   type Job,
   type JobStreamEvents,
   type JobsStreamEvents,
@@ -69,6 +70,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   const hw = new HardwareCharts(hwSection, useEl, memEl);
   const userCharts = new UserMetricCharts(userSection);
   let job: Job | null = null;
+  /** The newest whole checkpoint (GET .../checkpoint/info), or why there is none. */
+  let weights: CheckpointInfo | string | null = null;
   // the pace: the first and latest loss step this page saw, with when (this browser's clock)
   let firstSeen: { step: number; at: number } | null = null;
   let lastSeen: { step: number; at: number } | null = null;
@@ -199,17 +202,19 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         ),
         fact("pace", h("span", { id: "job-pace" }, pace())),
         fact("loss", h("span", { id: "job-loss" }, fmtNum(jobLoss(j)))),
-        // the newest whole checkpoint (404 with the reason when there is none yet)
-        j.status !== "queued" && !deleted
-          ? fact(
+        // the newest whole checkpoint to download, or why there is none
+        weights === null
+          ? null
+          : fact(
               "weights",
-              h(
-                "a",
-                { id: "job-download", href: `/api/jobs/${j.id}/checkpoint`, download: "" },
-                "download checkpoint",
-              ),
-            )
-          : null,
+              typeof weights === "string"
+                ? h("span", { class: "muted", id: "job-no-download" }, weights)
+                : h(
+                    "a",
+                    { id: "job-download", href: `/api/jobs/${j.id}/checkpoint`, download: weights.filename },
+                    `download checkpoint (step ${weights.step}, ${(weights.size / 2 ** 20).toFixed(1)} MiB)`,
+                  ),
+            ),
         fact("created", fmtTime(j.created_at)),
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
@@ -254,6 +259,18 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     fetchedAt = Date.now();
     renderHeader();
     showTraceback();
+    void loadWeights();
+  };
+
+  /** What the download link offers: asked when the page loads and again when the job ends. */
+  const loadWeights = async () => {
+    if (!job || job.status === "queued" || deleted) return;
+    try {
+      weights = await api<CheckpointInfo>(`/api/jobs/${id}/checkpoint/info`);
+    } catch (err) {
+      weights = err instanceof ApiError && err.status === 404 ? err.message : null;
+    }
+    if (!closed) renderHeader();
   };
 
   /** The job is gone: keep what the page shows, marked deleted, and stop its stream. */
