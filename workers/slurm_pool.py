@@ -198,8 +198,8 @@ class Submitter:
             for h in held:
                 by_job.setdefault(h.job_id, []).append(h)
             ids = set(by_job) | self.running_in_pools(s)
-            for sj in slurm_jobs.values():
-                ids |= set(sj)
+            for of_pool in slurm_jobs.values():
+                ids |= set(of_pool)
             rows = self.jobs(s, ids)
             s.commit()
         for job_id, nodes in by_job.items():
@@ -224,6 +224,8 @@ class Submitter:
             if row.status == JobStatus.running and pool_of(row.worker or "") in self.pools:
                 pool = self.pools[pool_of(row.worker or "") or ""]
                 self.maybe_vanished(pool, row, slurm_jobs[pool.name].get(job_id))
+        # forget the jobs that have nothing left in a pool (ended, deleted, placed elsewhere)
+        self.known = {k: v for k, v in self.known.items() if k in ids}
         if now - self.last_reconcile >= self.settings.reconcile_s:
             self.last_reconcile = now
             from workers.tasks import reconcile_once  # the Celery app's module: only when needed

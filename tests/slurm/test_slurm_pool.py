@@ -319,3 +319,35 @@ def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None
     # each group's Slurm job is in its first trial's log
     firsts = [t["job_id"] for t in trials if _slurm_ids(pool, t["job_id"])]
     assert firsts, "no trial's log names a Slurm job"
+
+
+def test_a_slurm_job_that_vanishes_requeues_the_job_with_slurms_word(pool: StackHandle) -> None:
+    """The agent of a running job and every process under it killed at once (SIGKILL: it hears no
+    stop): srun sees its step fail and the Slurm job ends, and the submitter gives the job back
+    (before its lease runs out), counted as a restart, its reason Slurm's state of the job; a new
+    Slurm job runs it to its end from the checkpoint."""
+    steps = 300
+    job = pool.submit(long_job("slurm-vanish", steps, checkpoint_every=20))
+    jid = job["id"]
+    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
+    deadline = time.monotonic() + 60
+    while _applied_step(pool, jid) < 20:
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.1)
+    sid = squeue()[jid][0]
+    step = _pids_of(f"slurmstepd: [{sid}.0]".encode())
+    assert step, "the agent's step"
+    for pid in [p for p in _tree(step) if p not in step]:  # slurmstepd sees its task killed
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    back = pool.wait_until(jid, lambda j: j["restarts"] == 1, timeout=30)
+    assert back["status"] in ("queued", "running"), back
+    events = pool.client.get(f"/api/jobs/{jid}/logs").json()["items"]
+    reasons = [(e.get("data") or {}).get("reason", "") for e in events if e["kind"] == "status"]
+    assert any(r.startswith(f"slurm job {sid} vanished (") for r in reasons), reasons
+    done = pool.wait(jid, timeout=240)
+    assert done["attempts"] == 2
+    got = pool.client.get(f"/api/jobs/{jid}/metrics", params={"names": "loss"}).json()
+    assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))
+    ids = _slurm_ids(pool, jid)
+    assert sid in ids and len(set(ids)) == 2, ids
