@@ -75,12 +75,12 @@ def _prefix(session: Session, job: Job) -> tuple[str, str]:
         raise NoCheckpoint(f"job {job.id} is a selection trial that has not started")
     sel = session.get(Selection, job.selection_id)
     policy = ((sel.request if sel is not None else None) or {}).get("checkpoints") or "best"
+    ended = "a trial's checkpoint is written when it ends"
     why = {
         "none": f"selection {job.selection_id} keeps no trial's checkpoints (checkpoints: none)",
-        "best": f"selection {job.selection_id} keeps only its best trial's checkpoint (checkpoints: best), "
-        "from when the trial ends",
-        "all": "a trial's checkpoint is written when it ends",
-    }[policy]
+        "best": f"selection {job.selection_id} keeps only its best trial's checkpoint (checkpoints: best); "
+        + ended,
+    }.get(policy, ended)
     return f"{selection_prefix(job.selection_id)}/trial-{trial.index}", why
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,7 @@ class NameLimit:
         self.limit = limit
         self.names: set[str] = set()
 
-    def check(self, names: Iterator[str] | list[str] | dict[str, float]) -> None:
+    def check(self, names: Iterable[str]) -> None:
         new = [n for n in names if n not in self.names]
         if len(self.names) + len(new) > self.limit:
             raise MetricReportError(
