@@ -292,7 +292,6 @@ StoppingKind = Literal["asha", "sha", "hyperband"]
 STOPPING_KINDS: tuple[StoppingKind, ...] = get_args(StoppingKind)
 CheckpointPolicy = Literal["best", "all", "none"]
 CHECKPOINT_POLICIES: tuple[CheckpointPolicy, ...] = get_args(CheckpointPolicy)
-METRICS = ("val_loss", "loss")
 Method = Literal["grid", "random", "tpe", "cmaes", "qmc"]
 METHODS: tuple[Method, ...] = get_args(Method)
 SAMPLERS = ("tpe", "cmaes", "qmc")
