@@ -119,6 +119,7 @@ for n in n1 n2; do
   pids+=($!)
 done
 printf '%s\n' "${pids[@]}" >"$state/pids"
+disown -a # stop_all stops them by pid; a test may kill one (no "Killed" line from this shell)
 
 # both nodes idle, or the logs and a failure
 ok=""
