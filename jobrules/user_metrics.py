@@ -14,8 +14,17 @@ import re
 
 NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_./-]{0,63}$"
 NAME_RE = re.compile(NAME_PATTERN)
-BUILT_IN = ("loss", "val_loss", "step_time_ms", "tokens_per_s", "peak_mem_mb")
-"""The trainer's own per-step and evaluation metrics (trainer/after_step.py)."""
+BUILT_IN = (
+    "loss",
+    "val_loss",
+    "step_time_ms",
+    "tokens_per_s",
+    "peak_mem_mb",
+    "ledger_peak_mb",
+    "resident_shards",
+)
+"""The trainer's own per-step and evaluation metrics (trainer/after_step.py) and the spilling
+engine's per-step ones (trainer/spill/job.py's step_metrics)."""
 RESERVED_PREFIX = "hw."
 """The worker's hardware samples (workers/hardware.py)."""
 MAX_NAMES = 64

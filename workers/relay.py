@@ -35,6 +35,7 @@ from db.jobs import Attempt, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
 from jobrules.applied import write_applied_step
+from jobrules.user_metrics import BUILT_IN, MAX_NAMES, RESERVED_PREFIX, name_problem
 from workers.publisher import live_publisher
 from workers.supervise import DRAIN
 
@@ -133,6 +134,9 @@ class Relay:
         self._failing_since: float | None = None
         self._last_progress: dict[int | None, float] = {}
         self._trial_rows: dict[int | None, dict[str, Any]] = {}
+        self._user_names: dict[int | None, set[str]] = {}
+        """The user metric names each job (trial) reported: the trainer caps them, and so does this."""
+        self._dropped: set[tuple[int | None, str]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(flush_s,), daemon=True, name="relay")
         self._thread.start()
@@ -160,6 +164,28 @@ class Relay:
 
     # ---- applying ----------------------------------------------------------------------------
 
+    def _admit_metric(self, key: int | None, name: str) -> bool:
+        """Whether a metric line may be stored: the trainer's and the worker's own names, and a
+        user's own (trainer/report.py) that follow jobrules/user_metrics.py's rules, at most
+        MAX_NAMES of them per job. The trainer checks the same before it writes a line; this
+        keeps a line the job's own code forged on the protocol channel out of the database (a
+        name too long for its column, thousands of names). A dropped name is logged once."""
+        if name in BUILT_IN or (name.startswith(RESERVED_PREFIX) and len(name) <= 64):
+            return True
+        seen = self._user_names.setdefault(key, set())
+        if name in seen:
+            return True
+        problem = name_problem(name)
+        if problem is None and len(seen) >= MAX_NAMES:
+            problem = f"the job already has {MAX_NAMES} metric names of its own"
+        if problem is None:
+            seen.add(name)
+            return True
+        if (key, name[:80]) not in self._dropped:
+            self._dropped.add((key, name[:80]))
+            log.warning("relay: dropped the metric lines of %r (%s): %s", name[:80], key, problem)
+        return False
+
     def _route(self, batch: list[tuple[int | None, Message]]) -> tuple[dict, dict]:
         lines: dict[int | None, JobLines] = {}
         progress: dict[int, TrialProgress] = {}
@@ -168,6 +194,8 @@ class Relay:
             if key is not None:
                 progress.setdefault(key, TrialProgress(values=[]))
             if msg.kind == "metric":
+                if not self._admit_metric(key, msg.name):
+                    continue
                 jl.metrics.append((msg.seq, msg.step, msg.name, msg.value, msg.time))
                 if key is not None and msg.name == self.metric and msg.value == msg.value:  # not NaN
                     progress[key].values.append(msg.value)

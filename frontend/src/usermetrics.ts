@@ -6,7 +6,16 @@ import type { Series } from "./api";
 import { PALETTE, StepChart } from "./charts";
 import { h } from "./dom";
 
-const BUILT_IN = new Set(["loss", "val_loss", "step_time_ms", "tokens_per_s", "peak_mem_mb"]);
+// jobrules/user_metrics.py's BUILT_IN
+const BUILT_IN = new Set([
+  "loss",
+  "val_loss",
+  "step_time_ms",
+  "tokens_per_s",
+  "peak_mem_mb",
+  "ledger_peak_mb",
+  "resident_shards",
+]);
 
 /** A name the job's own code reported (not the trainer's, not the worker's `hw.*` samples). */
 export function isUserMetric(name: string): boolean {
