@@ -157,3 +157,30 @@ def test_the_executor_records_and_ranks_by_a_user_metric(workspace: Path, proces
         assert results[i]["best_metric"] == max(sinks[i].series("accuracy"))
     assert results[2]["status"] == "failed"
     assert "MetricNotReported" in results[2]["error"] and "'accuracy'" in results[2]["error"]
+
+
+def test_halving_rungs_rank_by_a_user_metric(workspace: Path) -> None:
+    """Successive halving's rungs take each trial's accuracy (its evaluation runs at the rung too):
+    the trial that reports none ranks last there and is stopped early; the most accurate goes on
+    to the end."""
+    from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
+    from trainer.selection.halving import HalvingConfig
+
+    specs = [job(steps=6, eval_every=6, lr=lr) for lr in (3e-2, 1e-4)] + [
+        job("scored:make", steps=6, eval_every=6)
+    ]
+    set_workspace(workspace)
+    try:
+        sinks = [ListSink() for _ in specs]
+        entries = [TrialEntry(index=i, job=load_job(s), sink=sinks[i]) for i, s in enumerate(specs)]
+        rungs = HalvingConfig(kind="sha", reduction_factor=3, min_steps=2, mode="max")
+        cfg = ExecutorConfig(metric="accuracy", mode="max", early_stopping=rungs, device_processes=False)
+        results = Executor(entries, devices=[torch.device("cpu")], cfg=cfg).run()
+    finally:
+        set_workspace(None)
+        sys.modules.pop("scored", None)
+    assert results[2]["status"] == "stopped_early", results
+    finished = [i for i in (0, 1) if results[i]["status"] == "succeeded"]
+    assert len(finished) == 1 and results[finished[0]]["steps"] == 6
+    # the rung's evaluation reported val_accuracy at step 2, though eval_every is 6
+    assert [s for s, n, _ in sinks[finished[0]].metrics if n == "val_accuracy"] == [2, 6]
