@@ -94,6 +94,9 @@ class Known:
 
     slurm_id: int | None = None
     submits: int = 0
+    """Slurm jobs submitted in a row that ended before an agent claimed the job."""
+    attempts: int = 0
+    """The job's attempts when its Slurm job was submitted: more later, an agent claimed it."""
     gone_ticks: int = 0
     refused_at: float = 0.0
     cancelled: set[int] = field(default_factory=set)
@@ -239,14 +242,18 @@ class Submitter:
         if row.status != JobStatus.queued or row.cancel_requested or any(n.claimed for n in nodes):
             return
         if sj is not None:
-            known.slurm_id, known.gone_ticks = sj.slurm_id, 0
+            # queued under it: no agent of it has claimed the job (yet, or again after a requeue)
+            known.slurm_id, known.gone_ticks, known.attempts = sj.slurm_id, 0, row.attempts
             if sj.state == "PENDING":
                 why = pending_reason(sj, pool)
                 if why != row.wait_reason:
                     with session_for(self.settings.database_url) as s:
                         dbs.set_wait_reasons(s, {row.id: why})
             return
-        if known.slurm_id is not None:
+        if known.slurm_id is not None and row.attempts > known.attempts:
+            # its Slurm job ran the job and gave it back (the time limit's signal): a new one
+            known.slurm_id, known.submits, known.gone_ticks = None, 0, 0
+        elif known.slurm_id is not None:
             # its Slurm job ended before any agent claimed the job: submitted again, a few times
             known.gone_ticks += 1
             if known.gone_ticks < 2:
@@ -304,6 +311,7 @@ class Submitter:
                     dbs.set_wait_reasons(s, {row.id: why})
             return
         slurm_id = int(out.strip().split(";")[0])
+        known.attempts = row.attempts
         known.slurm_id, known.submits, known.gone_ticks, known.refused_at = (
             slurm_id,
             known.submits + 1,

@@ -351,3 +351,29 @@ def test_a_slurm_job_that_vanishes_requeues_the_job_with_slurms_word(pool: Stack
     assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))
     ids = _slurm_ids(pool, jid)
     assert sid in ids and len(set(ids)) == 2, ids
+
+
+def test_the_time_limit_signal_gives_the_job_back_to_a_new_slurm_job(pool: StackHandle) -> None:
+    """SIGUSR1 to a running job's steps, as `--signal=USR1@<s>` sends it before the time limit
+    (sent here at once with `scancel --signal=USR1`): the agent has the trainer checkpoint, gives
+    the job back and exits, its Slurm job ends, and the submitter submits a new one, which resumes
+    from the checkpoint; every loss step is stored once and no restart is counted."""
+    steps = 300
+    job = pool.submit(long_job("slurm-usr1", steps, checkpoint_every=20))
+    jid = job["id"]
+    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
+    deadline = time.monotonic() + 60
+    while _applied_step(pool, jid) < 20:
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.1)
+    sid = squeue()[jid][0]
+    subprocess.run(["scancel", "--signal=USR1", str(sid)], check=True)
+    done = pool.wait(jid, timeout=240)
+    assert done["attempts"] == 2 and done["restarts"] == 0, done
+    got = pool.client.get(f"/api/jobs/{jid}/metrics", params={"names": "loss"}).json()
+    assert got["series"]["loss"]["steps"] == list(range(1, steps + 1))
+    messages = [e["message"] for e in _logs(pool, jid)]
+    assert any("SIGUSR1" in m for m in messages), messages
+    assert any(m.startswith("resumed from step-") for m in messages), messages
+    ids = _slurm_ids(pool, jid)
+    assert sid in ids and len(set(ids)) == 2, ids
