@@ -87,8 +87,8 @@ class SlurmSettings(BaseSettings):
     sbatch_retry_s: float = 30.0
     """After sbatch refused a job (its words are the job's wait reason), the next try."""
     submit_tries: int = 3
-    """A job whose Slurm job ended before any node agent claimed it is submitted again this many
-    times, then fails with the reason."""
+    """The most Slurm jobs in a row submitted for one job that end before any node agent claims
+    it; then the job fails with the reason (one that ran the job and gave it back does not count)."""
 
 
 def is_pool_node(worker: str | None) -> bool:
