@@ -373,7 +373,9 @@ def _print_selection(sel: Selection) -> None:
             str(t.job_id),
         )
     console.print(trials)
-    board = Table("rank", "trial", "params", f"best {shown(sel.metric)}", "status", title="leaderboard")
+    board = Table(
+        "rank", "trial", "params", f"best {shown(sel.metric)}", "status", "job", title="leaderboard"
+    )
     for row in sel.leaderboard:
         board.add_row(
             str(row.rank),
@@ -381,9 +383,11 @@ def _print_selection(sel: Selection) -> None:
             shown(_params_text(row.trial.params)),
             _value(row.best),
             row.trial.status,
+            str(row.trial.job_id),
         )
     if sel.leaderboard:
         console.print(board)
+        console.print(f"the best trial's weights: shardyard download {sel.leaderboard[0].trial.job_id}")
     else:
         console.print("leaderboard: no trial has a metric yet")
 

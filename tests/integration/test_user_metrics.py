@@ -85,6 +85,10 @@ def test_a_selection_ranks_its_trials_by_accuracy(stack: StackHandle, workspace:
     assert state["model"] and all(isinstance(t, torch.Tensor) for t in state["model"].values())
     resp = stack.client.get(f"/api/jobs/{jobs[sel['leaderboard'][-1]]}/checkpoint")
     assert resp.status_code == 404 and "keeps only its best trial's checkpoint" in resp.text, resp.text
+    # the CLI's leaderboard names the best trial's job, and how to download its weights
+    shown = stack.cli("selection", "show", str(sel["id"]))
+    assert shown.returncode == 0, shown.stderr
+    assert f"shardyard download {jobs[sel['leaderboard'][0]]}" in shown.stdout
 
 
 @pytest.mark.parametrize(
