@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from core.settings import Settings, get_settings
+from core.slurm import is_pool_node
 from db.engine import session_for
 from db.ingest import add_event
 from db.models import TERMINAL, Job, Reservation
@@ -63,7 +64,7 @@ def find_placement(
             r = s.scalars(
                 select(Reservation).where(Reservation.job_id == job_id, Reservation.node_rank == node_rank)
             ).first()
-            if r is not None:
+            if r is not None and is_pool_node(r.worker):  # never a worker's placement
                 trials = list(r.trial_ids) if r.trial_ids is not None else None
                 return Placement(r.worker, r.nnodes, r.id, trials, job.selection_id)
         if time.monotonic() > deadline:

@@ -37,6 +37,7 @@ from core.slurm import (
     SlurmJob,
     SlurmPool,
     SlurmSettings,
+    is_pool_node,
     parse_squeue,
     pending_reason,
     pool_of,
@@ -338,7 +339,9 @@ class Submitter:
     # ---- 5: cancel -------------------------------------------------------------------------------
 
     def maybe_cancel(self, sj: SlurmJob, row: JobRow | None) -> None:
-        if row is not None and row.status not in TERMINAL and not row.cancel_requested:
+        # kept while the job may still be its: not ended, no cancel asked, not running elsewhere
+        elsewhere = row is not None and row.status == JobStatus.running and not is_pool_node(row.worker)
+        if row is not None and row.status not in TERMINAL and not row.cancel_requested and not elsewhere:
             return
         known = self.known.setdefault(sj.job_id, Known())
         if sj.slurm_id in known.cancelled:
@@ -350,6 +353,8 @@ class Submitter:
             return
         known.cancelled.add(sj.slurm_id)
         why = "deleted" if row is None else ("cancel requested" if row.cancel_requested else str(row.status))
+        if elsewhere and row is not None:
+            why = f"running on {row.worker}"
         log.info("job %s (%s): scancel %s", sj.job_id, why, sj.slurm_id)
         if row is not None:
             with session_for(self.settings.database_url) as s:
