@@ -71,12 +71,23 @@ def _processes_under(root: Path) -> list[int]:
 
 
 def _trainer_pids(root: Path, job_id: int) -> list[int]:
+    """The job's trainer processes (not the bubblewrap processes of its sandbox, whose command
+    lines name the spec too)."""
     spec = str(root / "jobs" / str(job_id) / "spec.json")
-    return [pid for pid, cmd in _cmdlines() if spec in cmd]
+    return [pid for pid, cmd in _cmdlines() if spec in cmd and Path(cmd.split(" ", 1)[0]).name != "bwrap"]
 
 
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _launcher(pid: int) -> int:
+    """The worker process that started trainer `pid`: its first ancestor that is no part of the
+    sandbox (bubblewrap's own processes stand between them)."""
+    parent = _ppid(pid)
+    while Path(Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0", 1)[0].decode()).name == "bwrap":
+        parent = _ppid(parent)
+    return parent
 
 
 def _ensure_worker(st: Stack) -> None:
@@ -153,7 +164,7 @@ def test_sigkill_the_worker_and_restart_it_under_the_same_name(faults: StackHand
 def test_kill_only_the_pool_child(faults: StackHandle, gate: Path) -> None:
     job_id = _started(faults, gate)
     (trainer,) = _trainer_pids(faults.stack.root, job_id)
-    pool_child = _ppid(trainer)
+    pool_child = _launcher(trainer)
     assert pool_child != faults.stack.procs["worker1"].pid
     os.kill(pool_child, signal.SIGKILL)
     assert _gone(faults.stack.root, job_id) == [], "the trainer must die with its pool process"

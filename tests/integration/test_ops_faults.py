@@ -191,16 +191,16 @@ def test_a_full_disk_under_the_checkpoints_fails_the_job_with_the_reason(
         # below is in place
         held = create_user(s, name="full-disk", max_running_jobs=0)
         job_id = create_job(s, name="full-disk", spec=spec.model_dump(), steps=6, owner_id=held.id).id
-    mount = tmp_path / "full"
+    # mounted on the job's own checkpoint folder (a link out of the job's folder would lead
+    # nowhere inside the trainer's sandbox, which binds that folder alone)
+    workdir = h.stack.root / "jobs" / str(job_id)
+    mount = workdir / "checkpoints"
     try:
         cm = full_disk(mount, size_kib=1024)
         cm.__enter__()
     except RuntimeError as e:
         pytest.skip(f"no full disk to inject here: {e}")
     try:
-        workdir = h.stack.root / "jobs" / str(job_id)
-        workdir.mkdir(parents=True)
-        (workdir / "checkpoints").symlink_to(mount)
         with session_for(h.stack.database_url) as s:  # now the scheduler places and sends it
             s.execute(update(User).where(User.id == held.id).values(max_running_jobs=1))
             s.commit()
