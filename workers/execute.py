@@ -37,7 +37,7 @@ from workers.failures import infrastructure_failure
 from workers.limits import memory_limit_bytes, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.sandbox import Sandbox, SandboxUnavailable
-from workers.supervise import Ask
+from workers.supervise import Ask, drain_reason
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, run: AttemptRu
                 why = (
                     f"{job.wait_reason}; resumes from its checkpoint"
                     if job.preempt_requested and job.wait_reason
-                    else "the worker shut down; resumes from its checkpoint"
+                    else f"{drain_reason()}; resumes from its checkpoint"
                 )
                 return "queued" if release_job(s, attempt=attempt, reason=why) else "lost"
             elif rc == 0 and job.result is not None:

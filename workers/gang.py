@@ -71,7 +71,7 @@ from workers.failures import JOB_OWN_FAILURES, infrastructure_failure
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
 from workers.sandbox import SandboxUnavailable
-from workers.supervise import Ask, Outcome
+from workers.supervise import Ask, Outcome, drain_reason
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -449,7 +449,8 @@ class GangEnd:
             return "lost"
         where = f"node {self.node_rank} on {self.worker}"
         if out.stopped == "drain":
-            return self.give_back(f"{where} shut down; the gang resumes from its checkpoint", restart=False)
+            why = drain_reason(default=f"{where} shut down")
+            return self.give_back(f"{why}; the gang resumes from its checkpoint", restart=False)
         if view.cancel or view.preempt:
             if view.cancel and self.node_rank == 0:
                 return self.finish(JobStatus.cancelled)

@@ -58,7 +58,7 @@ from workers.limits import group_memory_limit_bytes, runtime_error, runtime_limi
 from workers.relay import Relay, Target, retry_db
 from workers.sandbox import Sandbox, SandboxUnavailable
 from workers.search import ask_due, grow
-from workers.supervise import Ask, Outcome
+from workers.supervise import Ask, Outcome, drain_reason
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
@@ -547,5 +547,5 @@ def _end_group(
 
 def _why(out: Outcome, rc: int) -> str:
     if out.stopped == "drain":
-        return "the worker shut down; the trial resumes from its checkpoint"
+        return f"{drain_reason()}; the trial resumes from its checkpoint"
     return f"the executor exited ({rc}) without the trial's result; it runs again"

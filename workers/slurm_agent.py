@@ -101,9 +101,9 @@ def take_stop_signals(settings: Settings, job_id: int) -> None:
                 else "slurm is stopping the allocation (SIGTERM: scancel, requeue or preemption)"
             )
             log.warning("%s: checkpointing and giving the job back", why)
-            from workers.supervise import DRAIN
+            from workers.supervise import drain
 
-            DRAIN.set()
+            drain(why)
             try:
                 with session_for(settings.database_url) as s:
                     add_event(

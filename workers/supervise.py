@@ -31,6 +31,21 @@ from workers.warm import launch, reap_group
 log = logging.getLogger(__name__)
 
 DRAIN = threading.Event()
+_DRAIN_WHY: list[str] = []
+
+
+def drain(why: str) -> None:
+    """Stop every trainer of this process warm (they checkpoint) and give their jobs back with
+    `why` as the reason (a launcher's own: a warm shutdown, Slurm's signal)."""
+    _DRAIN_WHY[:] = [why]
+    DRAIN.set()
+
+
+def drain_reason(default: str = "the worker shut down") -> str:
+    """Why this process is draining, for the reason its jobs go back to the queue with."""
+    return _DRAIN_WHY[0] if _DRAIN_WHY else default
+
+
 """Set when this worker process is shutting down warm: every trainer it runs stops and checkpoints."""
 
 

@@ -267,3 +267,22 @@ def test_node_0_records_the_gangs_run_time_over_its_attempts(settings: Settings)
         s.commit()
     # node 0's clock is the job's (it holds the job's lease); a node > 0's is not written
     assert _job(settings, head.job_id)[0].run_seconds == 7.5
+
+
+def test_a_drain_gives_the_gang_back_with_the_launchers_reason(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a launcher that drains (Slurm's signal ahead of a time limit) says why: the reason the gang
+    # goes back to the queue with names it, not a generic shutdown
+    import workers.supervise as sup
+
+    monkeypatch.setattr(sup, "_DRAIN_WHY", [])
+    monkeypatch.setattr(sup, "DRAIN", __import__("threading").Event())
+    head, _member = _running_gang(settings)
+    sup.drain("slurm: the time limit is near (SIGUSR1)")
+    assert _end(settings, head, 0, rc=0, out=Outcome(stopped="drain")) == "queued"
+    job, events, _held = _job(settings, head.job_id)
+    assert job.status == JobStatus.queued
+    assert events[-1] == {
+        "reason": "slurm: the time limit is near (SIGUSR1); the gang resumes from its checkpoint"
+    }
