@@ -29,23 +29,37 @@ _PROC = Path("/proc")
 
 def group_ranks(pgid: int) -> dict[int, int]:
     """{rank: pid} for the processes of session/group `pgid`: torchrun's workers by their RANK,
-    else the group's leader as rank 0 (a single-process trainer)."""
+    else the trainer as rank 0 (a single-process trainer): the group's leader, or, in a sandbox,
+    the first process below bubblewrap's own (workers/sandbox.py: the leader is bwrap)."""
     ranks: dict[int, int] = {}
+    members: dict[int, tuple[int, str]] = {}  # pid -> (parent pid, command name)
     for d in _PROC.iterdir():
         if not d.name.isdigit():
             continue
         try:
             stat = (d / "stat").read_text()
             # the command name may hold spaces and parentheses: the fields start after the last ')'
-            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid:
                 continue
+            members[int(d.name)] = (int(fields[1]), stat[stat.index("(") + 1 : stat.rindex(")")])
             env = (d / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
         rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
         if rank is not None:
             ranks[rank] = int(d.name)
-    return ranks or {0: pgid}
+    return ranks or {0: _trainer_of(pgid, members)}
+
+
+def _trainer_of(pgid: int, members: dict[int, tuple[int, str]]) -> int:
+    """The single-process trainer of group `pgid`: its leader, unless that is bubblewrap, whose
+    first child that is not bubblewrap is the trainer."""
+    sandbox = {pid for pid, (_, name) in members.items() if name == "bwrap"}
+    if pgid not in sandbox:
+        return pgid
+    below = sorted(pid for pid, (parent, name) in members.items() if parent in sandbox and pid not in sandbox)
+    return below[0] if below else pgid
 
 
 def _cpu_ticks(pid: int) -> int:

@@ -3,6 +3,7 @@ sees of the file system in a real bubblewrap sandbox, and the refusal where none
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,28 @@ def test_a_worker_that_cannot_sandbox_refuses_users_code_only(tmp_path: Path) ->
     off = Settings(data_dir=tmp_path, sandbox="off", sandbox_bwrap="/nonexistent/bwrap")
     Sandbox(settings=off, read_write=[tmp_path], user_code=True).check()
     assert describe(off) == {"sandbox": "off", "why": "SHARDYARD_SANDBOX=off"}
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_the_hardware_sampler_finds_the_trainer_below_bubblewrap(tmp_path: Path) -> None:
+    # the process group a worker supervises is led by bwrap: rank 0's samples must be the
+    # trainer's own (a bwrap process holds ~2 MB), found past bubblewrap's processes
+    from workers.hardware import group_ranks
+    from workers.sandbox import die_with_parent
+
+    settings = Settings(data_dir=tmp_path / "data")
+    sandbox = Sandbox(settings=settings, read_write=[tmp_path])
+    code = "import time, torch; print('up', flush=True); time.sleep(30)"
+    cmd = sandbox.command([sys.executable, "-c", code])
+    proc = subprocess.Popen(
+        cmd, env=sandbox.environment(), stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        (rank0,) = group_ranks(proc.pid).values()
+        assert rank0 != proc.pid
+        cmdline = Path(f"/proc/{rank0}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[0] == sys.executable.encode() and b"import time, torch" in cmdline[2]
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
