@@ -525,7 +525,19 @@ def kept_trial(session: Session, *, selection_id: int) -> int | None:
 
 
 def unsettled_selections(session: Session) -> list[int]:
-    return list(session.scalars(select(Selection.id).where(Selection.status.not_in(list(TERMINAL)))))
+    """Open batches that no running group holds: a claimed group's worker settles its batch itself,
+    once its trials' checkpoints are uploaded and pruned (workers/selection.py), so a sweep that
+    settled it from its trials' rows first would show it ended before then. A group whose worker
+    died loses its reservation with its lease, and the sweep settles the batch after that."""
+    held = (
+        select(Job.selection_id)
+        .join(Reservation, Reservation.job_id == Job.id)
+        .where(
+            Reservation.trial_ids.is_not(None), Reservation.owner.is_not(None), Job.selection_id.is_not(None)
+        )
+    )
+    query = select(Selection.id).where(Selection.status.not_in(list(TERMINAL)), Selection.id.not_in(held))
+    return list(session.scalars(query))
 
 
 def cancel_selection(session: Session, *, selection_id: int) -> Selection:
