@@ -216,6 +216,37 @@ def _ended(client: httpx.Client, path: str) -> dict:
     )
 
 
+def _credentials_refuse_what_their_process_never_does(d: Deployment) -> None:
+    """Each process's database role and Redis user is refused what that process never does."""
+    for role, sql in [
+        ("worker", "UPDATE users SET is_admin = true"),
+        ("worker", "SELECT count(*) FROM api_tokens"),
+        ("worker", "SELECT secret FROM webhooks"),
+        ("worker", "DELETE FROM jobs"),
+        ("worker", "CREATE TABLE mine (x int)"),
+        ("scheduler", "INSERT INTO users (name, is_admin) VALUES ('eve', true)"),
+        ("scheduler", "DELETE FROM job_events"),
+        ("api", "UPDATE reservations SET owner = 'x'"),
+    ]:
+        engine = create_engine(d.db_url(role))
+        with pytest.raises(ProgrammingError, match="permission denied"), engine.begin() as cx:
+            cx.execute(text(sql))
+        engine.dispose()
+    node_queue = "node.w1@x"
+    for user, act in [
+        ("api", lambda r: r.lpush(node_queue, b"{}")),  # queue a task
+        ("api", lambda r: r.publish("shardyard:job:1", b"{}")),  # forge a job's live message
+        ("scheduler", lambda r: r.publish("shardyard:job:1", b"{}")),
+        ("scheduler", lambda r: r.brpop([node_queue], 1)),  # take a task
+        ("worker", lambda r: r.flushall()),
+        ("worker", lambda r: r.config_get("requirepass")),
+    ]:
+        with redis.Redis.from_url(d.broker_url(user)) as r, pytest.raises(redis.exceptions.NoPermissionError):
+            act(r)
+    with redis.Redis(port=d.redis_port) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+
+
 def test_each_process_works_with_its_own_credentials_and_only_those(deployment: Deployment) -> None:
     d = deployment
     c = d.client()
@@ -291,31 +322,4 @@ def test_each_process_works_with_its_own_credentials_and_only_those(deployment: 
     refused = [line for line in d.pg_log.read_text().splitlines() if "permission denied" in line]
     assert refused == [], f"PostgreSQL refused a process something it needs: {refused}"
 
-    # what the credentials must not do
-    for role, sql in [
-        ("worker", "UPDATE users SET is_admin = true"),
-        ("worker", "SELECT count(*) FROM api_tokens"),
-        ("worker", "SELECT secret FROM webhooks"),
-        ("worker", "DELETE FROM jobs"),
-        ("worker", "CREATE TABLE mine (x int)"),
-        ("scheduler", "INSERT INTO users (name, is_admin) VALUES ('eve', true)"),
-        ("scheduler", "DELETE FROM job_events"),
-        ("api", "UPDATE reservations SET owner = 'x'"),
-    ]:
-        engine = create_engine(d.db_url(role))
-        with pytest.raises(ProgrammingError, match="permission denied"), engine.begin() as cx:
-            cx.execute(text(sql))
-        engine.dispose()
-    node_queue = "node.w1@x"
-    for user, act in [
-        ("api", lambda r: r.lpush(node_queue, b"{}")),  # queue a task
-        ("api", lambda r: r.publish("shardyard:job:1", b"{}")),  # forge a job's live message
-        ("scheduler", lambda r: r.publish("shardyard:job:1", b"{}")),
-        ("scheduler", lambda r: r.brpop([node_queue], 1)),  # take a task
-        ("worker", lambda r: r.flushall()),
-        ("worker", lambda r: r.config_get("requirepass")),
-    ]:
-        with redis.Redis.from_url(d.broker_url(user)) as r, pytest.raises(redis.exceptions.NoPermissionError):
-            act(r)
-    with redis.Redis(port=d.redis_port) as anonymous, pytest.raises(redis.AuthenticationError):
-        anonymous.ping()
+    _credentials_refuse_what_their_process_never_does(d)
