@@ -316,9 +316,14 @@ def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None
     for t in trials:
         job = pool.job(t["job_id"])
         assert job["worker"].startswith("slurm:main:"), job["worker"]
-    # each group's Slurm job is in its first trial's log
-    firsts = [t["job_id"] for t in trials if _slurm_ids(pool, t["job_id"])]
-    assert firsts, "no trial's log names a Slurm job"
+    # each group's Slurm job is in its first trial's log, and it ended with its group: the
+    # nodes went back to the cluster within seconds of the batch's end
+    groups = {sid for t in trials for sid in _slurm_ids(pool, t["job_id"])}
+    assert groups, "no trial's log names a Slurm job"
+    deadline = time.monotonic() + 15
+    while groups & {sid for sid, _, _ in squeue().values()} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not groups & {sid for sid, _, _ in squeue().values()}, squeue()
 
 
 def test_a_slurm_job_that_vanishes_requeues_the_job_with_slurms_word(pool: StackHandle) -> None:
