@@ -65,7 +65,7 @@ from workers.hardware import HardwareSampler
 from workers.limits import out_of_memory_error
 from workers.logcap import LogCap
 from workers.relay import Relay
-from workers.sandbox import Sandbox
+from workers.sandbox import Sandbox, SandboxUnavailable
 from workers.supervise import Ask, Outcome, supervise
 
 log = logging.getLogger(__name__)
@@ -293,9 +293,13 @@ class AttemptRun:
 
     def restore(self, fetch: Callable[[], Uploader | None]) -> str | None:
         """The checkpoints (and whatever else `fetch` brings from the store) before the trainer
-        starts. Returns the failure to end the attempt with when the store cannot be read."""
+        starts, once the sandbox it needs is known to be possible here. Returns the failure to end
+        the attempt with: the store cannot be read, or this worker cannot sandbox users' code."""
         try:
+            self.sandbox.check()
             self.uploader = fetch()
+        except SandboxUnavailable as e:
+            return str(e)
         except StorageError as e:
             return storage_failure(e)
         return None

@@ -36,7 +36,7 @@ from workers.ckpt_sync import Uploader
 from workers.failures import infrastructure_failure
 from workers.limits import memory_limit_bytes, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.sandbox import Sandbox, SandboxUnavailable
+from workers.sandbox import Sandbox
 from workers.supervise import Ask, drain_reason
 from workers.workspace import workspace_args
 
@@ -129,10 +129,6 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     cmd = trainer_command(
         world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file
     )
-    try:
-        run.sandbox.check()
-    except SandboxUnavailable as e:
-        return fail_unstarted(settings, attempt=attempt, relay=relay, error=str(e))
 
     def fetch() -> Uploader | None:
         uploader = restore_checkpoints(

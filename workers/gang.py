@@ -70,7 +70,6 @@ from workers.execute import job_sandbox, trainer_args
 from workers.failures import JOB_OWN_FAILURES, infrastructure_failure
 from workers.limits import memory_limit_bytes, out_of_memory_error, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.sandbox import SandboxUnavailable
 from workers.supervise import Ask, Outcome, drain_reason
 from workers.workspace import workspace_args
 
@@ -334,20 +333,16 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         used_s = job.run_seconds or 0.0  # node 0 records it (db/gangs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
     run = _node_run(settings, attempt=attempt, node_rank=node_rank, spec=spec, used_s=used_s)
-    relay, sandbox, node_dir = run.relay, run.sandbox, run.folder
+    relay, node_dir = run.relay, run.folder
     ckpt_dir = node_dir.parent / "checkpoints"  # one folder for every node: shared storage
     spec_path = node_dir / "spec.json"
     args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file)
 
-    try:
-        sandbox.check()
-        failure = run.restore(
-            lambda: _restore_node(
-                settings, run, node_rank=node_rank, spec=spec, applied_step=applied_step, args=args
-            )
+    failure = run.restore(
+        lambda: _restore_node(
+            settings, run, node_rank=node_rank, spec=spec, applied_step=applied_step, args=args
         )
-    except SandboxUnavailable as e:
-        failure = str(e)
+    )
     if failure is not None:
         ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
         why = f"node {node_rank} on {worker}: {failure}"

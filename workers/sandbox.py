@@ -262,12 +262,6 @@ class Sandbox:
         """Whether `command` puts the trainer in bubblewrap (else it runs as the worker's child)."""
         return self.enabled and probe(self.settings.sandbox_bwrap or None) is None
 
-    @property
-    def cold(self) -> bool:
-        """The trainer must start fresh inside bubblewrap: a warm fork (workers/warm.py) cannot
-        enter a sandbox."""
-        return self.wraps
-
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """The trainer's environment: the allow-listed variables of `base` (the worker's own),
         then the attempt's."""

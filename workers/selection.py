@@ -56,7 +56,7 @@ from workers.execute import uses_own_code
 from workers.keep_best import keep_best_checkpoints
 from workers.limits import group_memory_limit_bytes, runtime_error, runtime_limit_s
 from workers.relay import Relay, Target, retry_db
-from workers.sandbox import Sandbox, SandboxUnavailable
+from workers.sandbox import Sandbox
 from workers.search import ask_due, grow
 from workers.supervise import Ask, Outcome, drain_reason
 from workers.workspace import workspace_args
@@ -284,11 +284,7 @@ class Group:
             )
             return uploader
 
-        try:
-            run.sandbox.check()
-            failure = run.restore(fetch)
-        except SandboxUnavailable as e:
-            failure = str(e)
+        failure = run.restore(fetch)
         if failure is not None:
             # every trial of the group fails with the reason (an operator's requeue runs it again)
             log.error("selection %s %s: %s", self.selection_id, self.group, failure)
@@ -320,9 +316,8 @@ class Group:
                 keys=sorted(self.mine),
             )
         )
-        self.marks["launch"] = time.time()
         rc = run.launch(cmd, poll=self.poll, on_message=self.route, on_sample=self.on_sample)
-        self.marks["exited"] = run.marks["exited"]
+        self.marks.update(run.marks)  # launch, exited
         if oom := run.oom():
             run.out.error = oom
         # before the relay closes (its thread keeps the leases alive) and the trials end:

@@ -164,7 +164,8 @@ def supervise(
     # a single-process trainer forks from this process's warm trainer (workers/warm.py) unless
     # it must enter bubblewrap (a fork cannot), else or when that fails it starts fresh; both are
     # this process's child in their own session
-    warm = None if sandbox is not None and sandbox.cold else launch(cmd, env=env, memory_limit=memory_limit)
+    # (a fork of the warm trainer cannot enter bubblewrap: a sandboxed run starts fresh)
+    warm = None if sandbox is not None and sandbox.wraps else launch(cmd, env=env, memory_limit=memory_limit)
     if sandbox is not None:
         cmd = sandbox.command(cmd)
     proc = warm or subprocess.Popen(
