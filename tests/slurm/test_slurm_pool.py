@@ -144,20 +144,25 @@ def _applied_step(h: StackHandle, job_id: int) -> int:
         return s.get(Job, job_id).applied_step or 0
 
 
+def _running_past_a_checkpoint(pool: StackHandle, name: str, steps: int) -> tuple[int, int]:
+    """A long job submitted to the pool, once it runs and a checkpoint of it (step 20) is applied:
+    (its id, its Slurm job's id)."""
+    jid = pool.submit(long_job(name, steps, checkpoint_every=20))["id"]
+    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
+    deadline = time.monotonic() + 60
+    while _applied_step(pool, jid) < 20:
+        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
+        time.sleep(0.1)
+    return jid, squeue()[jid][0]
+
+
 def test_scontrol_requeue_resumes_from_the_checkpoint(pool: StackHandle) -> None:
     """`scontrol requeue` of a running job: Slurm sends SIGTERM to the step; the agent has the
     trainer checkpoint and gives the job back; the requeued Slurm job waits out its BeginTime
     (shown as the wait reason), runs again and its agent resumes from the checkpoint. Every
     loss step is stored once."""
     steps = 400
-    job = pool.submit(long_job("slurm-requeue", steps, checkpoint_every=20))
-    jid = job["id"]
-    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
-    deadline = time.monotonic() + 60
-    while _applied_step(pool, jid) < 20:
-        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
-        time.sleep(0.1)
-    sid = squeue()[jid][0]
+    jid, sid = _running_past_a_checkpoint(pool, "slurm-requeue", steps)
     subprocess.run(["scontrol", "requeue", str(sid)], check=True)
     back = pool.wait_until(jid, lambda j: "BeginTime" in (j["wait_reason"] or ""), timeout=60)
     assert back["status"] == "queued" and back["attempts"] == 1, back
@@ -245,14 +250,7 @@ def test_a_node_lost_mid_job_is_retried_from_its_checkpoint(pool: StackHandle) -
     the other node, resumes from the checkpoint and succeeds with every loss step once. The
     node's slurmd is started again at the end (tests/slurm/cluster.sh stops it)."""
     steps = 400
-    job = pool.submit(long_job("slurm-node-lost", steps, checkpoint_every=20))
-    jid = job["id"]
-    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
-    deadline = time.monotonic() + 60
-    while _applied_step(pool, jid) < 20:
-        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
-        time.sleep(0.1)
-    sid = squeue()[jid][0]
+    jid, sid = _running_past_a_checkpoint(pool, "slurm-node-lost", steps)
     node = subprocess.run(["squeue", "-h", "-j", str(sid), "-o", "%N"], capture_output=True, text=True).stdout
     node = node.strip()
     assert node in ("n1", "n2"), node
@@ -332,14 +330,7 @@ def test_a_slurm_job_that_vanishes_requeues_the_job_with_slurms_word(pool: Stack
     (before its lease runs out), counted as a restart, its reason Slurm's state of the job; a new
     Slurm job runs it to its end from the checkpoint."""
     steps = 300
-    job = pool.submit(long_job("slurm-vanish", steps, checkpoint_every=20))
-    jid = job["id"]
-    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
-    deadline = time.monotonic() + 60
-    while _applied_step(pool, jid) < 20:
-        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
-        time.sleep(0.1)
-    sid = squeue()[jid][0]
+    jid, sid = _running_past_a_checkpoint(pool, "slurm-vanish", steps)
     step = _pids_of(f"slurmstepd: [{sid}.0]".encode())
     assert step, "the agent's step"
     for pid in [p for p in _tree(step) if p not in step]:  # slurmstepd sees its task killed
@@ -364,14 +355,7 @@ def test_the_time_limit_signal_gives_the_job_back_to_a_new_slurm_job(pool: Stack
     the job back and exits, its Slurm job ends, and the submitter submits a new one, which resumes
     from the checkpoint; every loss step is stored once and no restart is counted."""
     steps = 300
-    job = pool.submit(long_job("slurm-usr1", steps, checkpoint_every=20))
-    jid = job["id"]
-    pool.wait_until(jid, lambda j: j["status"] == "running" and j["progress"]["step"] >= 25, timeout=120)
-    deadline = time.monotonic() + 60
-    while _applied_step(pool, jid) < 20:
-        assert time.monotonic() < deadline, "no checkpoint of the job was applied"
-        time.sleep(0.1)
-    sid = squeue()[jid][0]
+    jid, sid = _running_past_a_checkpoint(pool, "slurm-usr1", steps)
     subprocess.run(["scancel", "--signal=USR1", str(sid)], check=True)
     done = pool.wait(jid, timeout=240)
     assert done["attempts"] == 2 and done["restarts"] == 0, done
