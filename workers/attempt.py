@@ -247,6 +247,13 @@ def prune_at_end(settings: Settings, *, attempt: Attempt, ckpt_dir: Path, mirror
         with session_for(settings.database_url) as s:
             job = get_job(s, attempt.job_id)
             if job.status not in TERMINAL or job.attempts != attempt.attempt:
+                log.info(
+                    "job %s: checkpoints left to its next attempt (%s, attempt %s of %s)",
+                    attempt.job_id,
+                    job.status,
+                    attempt.attempt,
+                    job.attempts,
+                )
                 return
             applied = job.applied_step
         prune_local(ckpt_dir, keep=keep, applied=applied)
