@@ -561,15 +561,16 @@ def cmd_admin_create_user(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from core.multiproc import fresh_multiproc_dir
+    from core.multiproc import MULTIPROC_ENV, runtime_multiproc_dir
     from core.settings import get_settings
 
     cmd_migrate(args)
     # the embedded scheduler is a child process: its instruments reach /metrics through this
-    # folder (core/telemetry.py); set before anything imports prometheus_client
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        path = fresh_multiproc_dir(get_settings().data_dir / f"prometheus-{args.port}")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    # folder (core/telemetry.py); set before anything imports prometheus_client. In memory, not
+    # in the data dir: a full data disk would SIGBUS the API through the mapped files
+    if not os.environ.get(MULTIPROC_ENV):
+        data_dir = get_settings().data_dir.resolve()
+        os.environ[MULTIPROC_ENV] = str(runtime_multiproc_dir(f"{data_dir}:{args.port}"))
     uvicorn.run("api.asgi:app", host=args.host, port=args.port, timeout_graceful_shutdown=3)
     return 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from api.auth import SECRET_VARIABLES
-from core.multiproc import MULTIPROC_ENV, fresh_multiproc_dir
+from core.multiproc import MULTIPROC_ENV, remove_multiproc_dir, runtime_multiproc_dir
 from db.engine import session_for
 from db.migrate import upgrade
 from db.models import JobStatus
@@ -193,6 +193,9 @@ class Stack:
     """Settings of one worker (by its index) over extra_env: tests give each worker its own
     SHARDYARD_DATA_DIR to stand in for hosts without a shared disk."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    multiproc_dir: Path | None = None
+    """The API's Prometheus multiprocess folder, in memory (core/multiproc.py), when the stack
+    made it; removed at `stop`."""
 
     def __post_init__(self) -> None:
         self.root = self.root.resolve()
@@ -296,6 +299,12 @@ class Stack:
             token_file.unlink(missing_ok=True)
 
     def _start_api(self, token_file: Path) -> None:
+        # the API's and its scheduler child's instruments meet in a runtime folder in memory, never
+        # under the root: a full data disk must not SIGBUS the API (core/multiproc.py)
+        multiproc = os.environ.get(MULTIPROC_ENV)
+        if not multiproc:
+            self.multiproc_dir = runtime_multiproc_dir(str(self.root))
+            multiproc = str(self.multiproc_dir)
         proc = self._spawn(
             "api",
             [
@@ -315,9 +324,7 @@ class Stack:
             env={
                 **self.env,
                 "SHARDYARD_ADMIN_TOKEN_FILE": str(token_file),
-                # the API's and its scheduler child's instruments meet here (core/telemetry.py)
-                MULTIPROC_ENV: os.environ.get(MULTIPROC_ENV)
-                or str(fresh_multiproc_dir(self.root / "prometheus")),
+                MULTIPROC_ENV: multiproc,
             },
         )
         _wait(
@@ -492,6 +499,8 @@ class Stack:
         finally:
             for name in list(self.procs):
                 self.stop_process(name, sig=signal.SIGKILL)
+            if self.multiproc_dir is not None:
+                remove_multiproc_dir(self.multiproc_dir)
 
     def __enter__(self) -> Stack:
         return self.start()
