@@ -34,7 +34,7 @@ from rich.table import Table
 
 from shardyard.client import Client
 from shardyard.errors import ShardyardError, Unreachable
-from shardyard.results import LogEvent, MetricEvent, Selection, StatusEvent, Trial, TrialEvent
+from shardyard.results import Job, LogEvent, MetricEvent, Selection, StatusEvent, Trial, TrialEvent
 
 console = Console()
 err = Console(stderr=True)
@@ -223,7 +223,27 @@ def follow(client: Client, job_id: int) -> str:
     final = client.get(job_id, patience_s=client.patience_s)
     if final.result:
         console.print_json(data=final.result)
+    for note in job_notes(final):
+        err.print(f"[yellow]{note}[/]", highlight=False)
     return final.status
+
+
+def job_notes(job: Job) -> list[str]:
+    """What a job's status alone does not say: its trial was stopped early (and why), its run
+    diverged."""
+    notes = []
+    if job.stopped_early:
+        why = job.raw.get("stop_reason") or {}
+        detail = (
+            f" at the rung of step {why['rung']}: {why['value']:.4g}, no better than the cutoff "
+            f"{why['cutoff']:.4g} ({why['kept']} of {why['of']} trials went on)"
+            if {"rung", "value", "cutoff", "kept", "of"} <= why.keys()
+            else ""
+        )
+        notes.append(f"stopped early{detail}")
+    if job.divergence:
+        notes.append(shown(job.divergence))
+    return notes
 
 
 def _read_json(source: str, what: str) -> dict[str, Any]:
@@ -264,7 +284,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         table.add_row(
             str(j.id),
             shown(j.name),
-            j.status,
+            j.status + (" (diverged)" if j.diverged else ""),
             f"{j.progress.step}/{j.progress.steps}",
             shown(j.worker or ""),
             j.raw["created_at"][:19],
@@ -278,7 +298,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        console.print_json(data=c.get(args.id).raw)
+        job = c.get(args.id)
+    # the notes on stderr: stdout stays the job's JSON for scripts
+    for note in job_notes(job):
+        err.print(f"job {job.id} ({job.status}): [yellow]{note}[/]", highlight=False)
+    console.print_json(data=job.raw)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from api.schemas import EventPublic, JobPublic, Progress, SelectionPublic, TrialPublic
 from db.jobs import aware
 from db.models import Job, JobEvent, Selection, Trial
@@ -44,7 +46,19 @@ def job_public(job: Job, *, brief: bool = False) -> JobPublic:
         wait_reason=job.wait_reason,
         run_seconds=round(job.run_seconds or 0.0, 3),
         restarts=job.restarts or 0,
+        diverged=job.divergence is not None,
+        divergence=job.divergence,
+        **_trial_facts(job),
     )
+
+
+def _trial_facts(job: Job) -> dict[str, Any]:
+    """A trial's job: whether early stopping cut its trial short, and why (the trial row's, read
+    only for jobs of kind `trial`)."""
+    trial = job.trial if job.kind == "trial" else None
+    if trial is None or not trial.stopped_early:
+        return {}
+    return {"stopped_early": True, "stop_reason": (trial.result or {}).get("stop_reason")}
 
 
 def event_public(ev: JobEvent) -> EventPublic:

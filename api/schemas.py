@@ -158,6 +158,16 @@ class JobPublic(BaseModel):
     restarts: int = 0
     """Attempts that failed for the infrastructure and were retried (the spec's max_restarts
     bounds it); each one's reason is in the job's events."""
+    diverged: bool = False
+    """The run ended with its final smoothed training loss above train.divergence_factor times
+    its first (jobrules/divergence.py); `divergence` says by how much."""
+    divergence: str | None = None
+    """Why the run counts as diverged, one sentence with the numbers; None when it did not."""
+    stopped_early: bool = False
+    """A trial's job: early stopping (ASHA rungs, the median rule) ended the trial before its last
+    step. Its `status` is `succeeded` (it trained without fault); this says it was cut short."""
+    stop_reason: StopReason | None = None
+    """A trial stopped early: why (the rung, its metric and the cutoff), as its executor reported."""
 
 
 class QueueEntry(BaseModel):

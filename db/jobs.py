@@ -18,11 +18,17 @@ from sqlalchemy import delete, exists, func, select, text, update
 from sqlalchemy.orm import Session
 
 from db.engine import rowcount
-from db.models import TERMINAL, Job, JobEvent, JobStatus, Reservation, User, cap_error, utcnow
+from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, User, cap_error, utcnow
 
 
 class NotFound(LookupError):
     pass
+
+
+Judge = Callable[[dict[str, Any], list[tuple[int, float]]], tuple[str | None, bool]]
+"""(a job's spec, its training loss points in step order) -> (why the run diverged or None,
+whether that fails it): jobrules/divergence.py judge, passed in by the workers (db/ imports no
+rule of the project's)."""
 
 
 class Conflict(RuntimeError):
@@ -270,6 +276,23 @@ def renew_lease(session: Session, *, attempt: Attempt, lease_s: float) -> bool:
     return rowcount(res) == 1
 
 
+def loss_points(session: Session, *, job_id: int) -> list[tuple[int, float]]:
+    """(step, value) of the job's training loss, every attempt's, in step order."""
+    q = (
+        select(MetricPoint.step, MetricPoint.value)
+        .where(MetricPoint.job_id == job_id, MetricPoint.name == "loss")
+        .order_by(MetricPoint.step)
+    )
+    return [(int(st), float(v)) for st, v in session.execute(q).all()]
+
+
+def judge_divergence(session: Session, *, job_id: int, judge: Judge) -> tuple[str | None, bool]:
+    """`judge` applied to the job's spec and its whole loss series (all its attempts' points, so a
+    resumed job is judged on its run)."""
+    spec = session.scalar(select(Job.spec).where(Job.id == job_id)) or {}
+    return judge(spec, loss_points(session, job_id=job_id))
+
+
 def finish_job(
     session: Session,
     *,
@@ -277,14 +300,23 @@ def finish_job(
     status: JobStatus,
     error: str | None = None,
     result: dict[str, Any] | None = None,
+    judge: Judge | None = None,
 ) -> int | None:
     """running -> terminal for this attempt only, with its status event, in one transaction.
     `result` None keeps the one already stored when it arrived. Returns the event's id, or None
     when the attempt was fenced off (then nothing changes). A long `error` is stored cut to
-    its head and tail (db/models.py cap_error), in the row and in the event."""
+    its head and tail (db/models.py cap_error), in the row and in the event. `judge`: a run
+    that succeeded is judged for divergence; a diverged one is flagged (`divergence`), or ends
+    `failed` with the divergence as its error when its spec asks."""
     assert status in TERMINAL, status
+    values: dict[str, Any] = {}
+    if judge is not None and status == JobStatus.succeeded:
+        why, fail = judge_divergence(session, job_id=attempt.job_id, judge=judge)
+        values["divergence"] = why
+        if why is not None and fail:
+            status, error = JobStatus.failed, f"{why}; train.fail_on_divergence is set"
     error = cap_error(error)
-    values: dict[str, Any] = {
+    values |= {
         "status": status,
         "error": error,
         "finished_at": utcnow(),
@@ -298,9 +330,10 @@ def finish_job(
         session.rollback()
         return None
     free_job_reservations(session, job_id=attempt.job_id)
-    ev = JobEvent(
-        job_id=attempt.job_id, time=time.time(), kind="status", message=str(status), data={"error": error}
-    )
+    data: dict[str, Any] = {"error": error}
+    if values.get("divergence"):
+        data["divergence"] = values["divergence"]
+    ev = JobEvent(job_id=attempt.job_id, time=time.time(), kind="status", message=str(status), data=data)
     session.add(ev)
     session.commit()
     return ev.id

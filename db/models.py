@@ -163,6 +163,9 @@ class Job(Base):
     went back to the queue; the spec's max_restarts bounds it (db/jobs.py restart_job)."""
     error: Mapped[str | None] = mapped_column(ErrorText, default=None)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    divergence: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why the run counts as diverged (its final smoothed loss far above its first; the rule is
+    jobrules/divergence.py's), written at its end by its worker; None when it did not."""
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     selection_id: Mapped[int | None] = mapped_column(
         ForeignKey("selections.id", ondelete="CASCADE"), default=None, index=True
@@ -179,6 +182,10 @@ class Job(Base):
     (a higher-priority job needs its slots); cleared when the job is queued again."""
     user: Mapped[User | None] = relationship(lazy="joined")
     """The submitting user (`owner_id`); `owner` on a job is the worker process holding its lease."""
+    trial: Mapped[Trial | None] = relationship(
+        primaryjoin="Trial.job_id == Job.id", viewonly=True, uselist=False, lazy="select"
+    )
+    """A trial's job: its trial row (read when asked for: only a `trial` job has one)."""
 
 
 class Reservation(Base):

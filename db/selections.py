@@ -14,7 +14,17 @@ from sqlalchemy.orm import Session, selectinload
 
 from db.engine import rowcount
 from db.ingest import Applied, JobLines, apply_lines
-from db.jobs import Attempt, Conflict, NotFound, claim_job, create_job, db_now, listing_filters
+from db.jobs import (
+    Attempt,
+    Conflict,
+    Judge,
+    NotFound,
+    claim_job,
+    create_job,
+    db_now,
+    judge_divergence,
+    listing_filters,
+)
 from db.models import (
     TERMINAL,
     Job,
@@ -334,6 +344,9 @@ class TrialProgress:
     steps_done: int | None = None
     finish: tuple[str, str | None] | None = None
     """(trial status, error) once both the trial's final event and its result were read."""
+    judge: Judge | None = None
+    """A trial that ended trained (succeeded, or stopped early) is judged for divergence like a
+    job (db/jobs.py finish_job)."""
 
 
 def apply_trial_lines(
@@ -369,7 +382,14 @@ def apply_trial_lines(
         note = {k: v for k, v in (trial.result or {}).items() if k == "repeats_skipped"}
         trial.result = {**note, **applied.result}
     if progress.finish is not None:
-        status, error = progress.finish[0], cap_error(progress.finish[1])
+        status, error = progress.finish[0], progress.finish[1]
+        divergence = None
+        if progress.judge is not None and status in ("succeeded", "stopped_early"):
+            # the points of this batch are in the transaction already: the whole series is read
+            divergence, fail = judge_divergence(session, job_id=attempt.job_id, judge=progress.judge)
+            if fail and status == "succeeded":
+                status, error = "failed", f"{divergence}; train.fail_on_divergence is set"
+        error = cap_error(error)
         trial.status = status
         trial.stopped_early = status == "stopped_early"
         session.execute(
@@ -381,10 +401,13 @@ def apply_trial_lines(
                 finished_at=utcnow(),
                 owner=None,
                 lease_until=None,
+                divergence=divergence,
             )
         )
         job_status = str(_JOB_STATUS.get(status, JobStatus.cancelled))
         ev = {"error": error, "trial_status": status}
+        if divergence:
+            ev["divergence"] = divergence
         row = {
             "job_id": attempt.job_id,
             "time": time.time(),

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
+from jobrules.divergence import DEFAULT_DIVERGENCE_FACTOR
 from jobrules.models import ModelKind, model_problems
 from jobrules.parallel import Schedule, TensorMode, axis_sizes, tensor_world_size, world_size
 from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
@@ -159,6 +160,12 @@ class TrainSpec(Strict):
     eval_batches: int = Field(4, ge=1, le=1000)
     grad_clip: float = Field(0.0, ge=0.0, le=1e6)
     """Clip the global gradient norm to this value; 0 disables."""
+    divergence_factor: float = Field(DEFAULT_DIVERGENCE_FACTOR, gt=1.0, le=1e9)
+    """The run is flagged diverged when its final smoothed loss is above this many times its first
+    loss (jobrules/divergence.py)."""
+    fail_on_divergence: bool = False
+    """A diverged run ends `failed` with the divergence as its error, instead of `succeeded` with
+    the flag."""
 
 
 class SpillSpec(Strict):

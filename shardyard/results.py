@@ -59,9 +59,17 @@ class Job:
     """While queued: why it waits (the scheduler's words)."""
     run_seconds: float
     restarts: int
-    raw: dict[str, Any] = field(repr=False, compare=False)
+    divergence: str | None = None
+    """Why the run counts as diverged (its final smoothed loss far above its first), or None."""
+    stopped_early: bool = False
+    """A trial's job that early stopping cut short (its status is still `succeeded`)."""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The API's JSON as it came."""
     _client: _Client | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def diverged(self) -> bool:
+        return self.divergence is not None
 
     @classmethod
     def from_json(cls, d: dict[str, Any], client: _Client | None = None) -> Job:
@@ -89,6 +97,8 @@ class Job:
             wait_reason=d.get("wait_reason"),
             run_seconds=float(d.get("run_seconds") or 0.0),
             restarts=d.get("restarts", 0),
+            divergence=d.get("divergence"),
+            stopped_early=bool(d.get("stopped_early")),
             raw=d,
             _client=client,
         )

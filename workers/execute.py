@@ -19,6 +19,7 @@ from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt, finish_job, get_job, release_job, restart_job, stop_flags
 from db.models import JobStatus
+from jobrules.divergence import judge
 from jobrules.restarts import max_restarts
 from workers import pyenv
 from workers.attempt import (
@@ -228,7 +229,8 @@ def end_attempt(settings: Settings, *, attempt: Attempt, rc: int, run: AttemptRu
                 return got
             else:
                 status, error = JobStatus.failed, oom or out.failure(rc)
-            eid = finish_job(s, attempt=attempt, status=status, error=error)
+            # a run that succeeded is judged on its whole loss series: flagged when it diverged
+            eid = finish_job(s, attempt=attempt, status=status, error=error, judge=judge)
             if eid is None:
                 return "lost"
             publish_status(relay, job_id=job_id)

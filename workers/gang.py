@@ -54,6 +54,7 @@ from db.gangs import (
 )
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
+from jobrules.divergence import judge
 from workers import pyenv
 from workers.attempt import (
     AttemptRun,
@@ -470,7 +471,7 @@ class GangEnd:
 
     def finish(self, status: JobStatus, error: str | None = None) -> str:
         with session_for(self.settings.database_url) as s:
-            eid = finish_job(s, attempt=self.attempt, status=status, error=error)
+            eid = finish_job(s, attempt=self.attempt, status=status, error=error, judge=judge)
         if eid is None:
             return "lost"
         publish_status(self.relay, job_id=self.attempt.job_id)

@@ -35,6 +35,7 @@ from db.jobs import Attempt, db_now
 from db.models import Trial
 from db.selections import TrialProgress, apply_trial_lines, lock_selection_writes, trial_fields
 from jobrules.applied import write_applied_step
+from jobrules.divergence import judge
 from jobrules.user_metrics import BUILT_IN, MAX_NAMES, RESERVED_PREFIX, name_problem
 from workers.publisher import live_publisher
 from workers.supervise import DRAIN
@@ -223,7 +224,8 @@ class Relay:
         for key in self._final.keys() & self._result_seen - self.finished - self.fenced:
             status, error, _ = self._final[key]
             finish = (status, error or self._result_error.get(key))
-            progress.setdefault(key, TrialProgress(values=[])).finish = finish
+            p = progress.setdefault(key, TrialProgress(values=[]))
+            p.finish, p.judge = finish, judge
         return lines, progress
 
     def flush(self, *, renew: bool = False) -> None:

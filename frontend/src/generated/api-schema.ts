@@ -899,6 +899,19 @@ export interface components {
              * @default 0
              */
             restarts: number;
+            /**
+             * Diverged
+             * @default false
+             */
+            diverged: boolean;
+            /** Divergence */
+            divergence?: string | null;
+            /**
+             * Stopped Early
+             * @default false
+             */
+            stopped_early: boolean;
+            stop_reason?: components["schemas"]["StopReason"] | null;
         };
         /**
          * JobSpec
@@ -1257,8 +1270,8 @@ export interface components {
             early_stopping?: components["schemas"]["EarlyStoppingSpec"] | null;
             /**
              * Fuse
-             * @description train trials of one architecture as one stacked model (horizontal fusion, trainer/selection/fused.py); not with early_stopping or a sampler method
-             * @default false
+             * @description train trials of one architecture as stacked models (horizontal fusion, trainer/selection/fused.py) where a short measurement says it shortens the batch; false: every trial alone
+             * @default true
              */
             fuse: boolean;
             /**
@@ -1624,6 +1637,16 @@ export interface components {
              * @default 0
              */
             grad_clip: number;
+            /**
+             * Divergence Factor
+             * @default 10
+             */
+            divergence_factor: number;
+            /**
+             * Fail On Divergence
+             * @default false
+             */
+            fail_on_divergence: boolean;
         };
         /** TrialMetricPoint */
         TrialMetricPoint: {
