@@ -36,7 +36,8 @@ from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
 from core.storage import StorageError
 from core.telemetry import process_exited
-from db.engine import POOL_TIMEOUT_S
+from db.engine import POOL_TIMEOUT_S, session_for
+from db.selections import end_orphan_trial_jobs
 from jobrules.spec import explain, problems
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,16 @@ def declare_refusals(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def end_orphan_trials(settings: Settings) -> list[int]:
+    """The start-up check: trial jobs that no trial points to can never run, yet they held the
+    queue's depth and its oldest wait forever; they are ended (db/selections.py)."""
+    with session_for(settings.database_url) as s:
+        ids = end_orphan_trial_jobs(s)
+    if ids:
+        log.warning("ended %d trial job(s) that no trial points to (they could never run): %s", len(ids), ids)
+    return ids
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     # the settings hold the admin token now; the processes this one starts need not inherit it
@@ -126,6 +137,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             bootstrap_admin(settings)
         except Exception:  # noqa: BLE001 - an unmigrated database must not stop the API serving 503s
             log.exception("could not set up the admin from SHARDYARD_ADMIN_TOKEN")
+        try:
+            end_orphan_trials(settings)
+        except Exception:  # noqa: BLE001 - as above: the API serves 503s rather than not start
+            log.exception("could not check for trial jobs that no trial points to")
         cleanup = asyncio.create_task(retention_loop(settings)) if settings.job_retention_days > 0 else None
         # the scheduler ticks in a child process of every API process (core/scheduler_proc.py:
         # not a thread, which held the interpreter lock the requests need); one holds its lock

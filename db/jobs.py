@@ -66,8 +66,10 @@ def create_job(
     selection_id: int | None = None,
     owner_id: int | None = None,
     actor: str | None = None,
+    commit: bool = True,
 ) -> Job:
-    """`actor` (who submitted it) goes into the first status event."""
+    """`actor` (who submitted it) goes into the first status event. `commit` False: the job is
+    only flushed, for a caller whose transaction holds more (a trial's job with its trial row)."""
     job = Job(
         name=name,
         spec=spec,
@@ -85,7 +87,8 @@ def create_job(
     session.flush()
     by = {"by": actor} if actor else None
     session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message="queued", data=by))
-    session.commit()
+    if commit:
+        session.commit()
     return job
 
 

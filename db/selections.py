@@ -70,7 +70,10 @@ def add_trials(
     actor: str | None = None,
 ) -> list[Trial]:
     """(index, params, spec) per trial -> Trial rows, each with its own queued Job row (owned by
-    the selection's owner, also when the worker grows the batch)."""
+    the selection's owner, also when the worker grows the batch), all in ONE transaction: when
+    another process added one of these indexes first, the commit's IntegrityError leaves nothing
+    behind (a trial job committed before its trial row failed stayed queued forever, its batch's
+    trials never pointing at it)."""
     if owner_id is None:
         owner_id = session.scalar(select(Selection.owner_id).where(Selection.id == selection_id))
     trials = []
@@ -86,6 +89,7 @@ def add_trials(
             owner_id=owner_id,
             actor=actor,
             priority=int(spec.get("priority", 0) or 0),  # the batch's groups are ordered by it
+            commit=False,
         )
         trials.append(
             _add_trial(
@@ -121,6 +125,47 @@ def _add_trial(
     )
     session.add(trial)
     return trial
+
+
+ORPHAN_TRIAL_ERROR = (
+    "a trial job with no trial of its batch pointing to it (left by two processes growing the "
+    "batch at once): it would never run; ended by the service's check"
+)
+
+
+def end_orphan_trial_jobs(session: Session) -> list[int]:
+    """End every trial job that no trial points to and that has not ended: it can never run (a
+    trial runs only inside its batch's group), yet it counted in the queue forever. Returns their
+    ids. The API runs this at its start and the reconciler with its sweep; a trial's job and its
+    row are written in one transaction (add_trials, add_group_trial), so no live one is taken."""
+    orphan = (
+        (Job.kind == "trial")
+        & Job.status.not_in(list(TERMINAL))
+        & ~select(Trial.id).where(Trial.job_id == Job.id).exists()
+    )
+    ids = list(session.scalars(select(Job.id).where(orphan)).all())
+    if not ids:
+        return []
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(ids), orphan)
+        .values(
+            status=JobStatus.cancelled,
+            error=ORPHAN_TRIAL_ERROR,
+            finished_at=utcnow(),
+            owner=None,
+            lease_until=None,
+            enqueued_at=None,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.execute(delete(Reservation).where(Reservation.job_id.in_(ids)))
+    now = time.time()
+    for job_id in ids:
+        data = {"error": ORPHAN_TRIAL_ERROR, "by": "orphan check"}
+        session.add(JobEvent(job_id=job_id, time=now, kind="status", message="cancelled", data=data))
+    session.commit()
+    return ids
 
 
 def trial_fields(t: Trial) -> dict[str, Any]:
