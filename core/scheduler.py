@@ -349,6 +349,10 @@ def plan(
     # asks (share, queue, nodes) that found no room: boxes only fill up during a plan, so they
     # find none later in it either (saves a scan of every box for each of ~1,000 waiting jobs)
     full: set[tuple[int, int, int, str, int]] = set()
+    # why a job the fleet can hold waits, by ask: the same words for every job of one ask until a
+    # placement changes what is free (busy_reason scans every worker: 10,000 waiting jobs on 500
+    # workers were 4 million checks a tick, bench/scale.py)
+    busy: dict[tuple[int, int, int, str, int], str] = {}
     for w in d.order:
         if why := _quota_problem(w, quotas):
             d.reasons[w.id] = why
@@ -379,7 +383,9 @@ def plan(
         if nodes is None:
             full.add(ask)
             # the reason stays the same while the job waits (it is written only when it changes)
-            d.reasons[w.id] = busy_reason(w, n, boxes)
+            if ask not in busy:
+                busy[ask] = busy_reason(w, n, boxes)
+            d.reasons[w.id] = busy[ask]
             if blocker is None:
                 blocker = w
                 if preemption:
@@ -389,6 +395,7 @@ def plan(
                         d.reasons[w.id] += f"; preempting job(s) {', '.join(map(str, d.preempt))}"
             continue
         d.placements.append((w, nodes))
+        busy.clear()
         if w.user is not None and (q := quotas.get(w.user)) is not None:
             q.running, q.ranks, q.gpus = q.running + 1, q.ranks + w.ranks, q.gpus + w.gpus
     return d

@@ -162,6 +162,36 @@ def test_a_worker_with_free_slots_but_no_free_task_says_so() -> None:
     )
 
 
+def test_a_busy_reason_is_worked_out_once_per_ask_until_a_placement(monkeypatch: Any) -> None:
+    """busy_reason scans every worker; a queue of thousands of jobs of a few shapes asks it once
+    per shape, and again after a placement changed what is free (the words must stay true)."""
+    import core.scheduler as cs
+
+    calls: list[int] = []
+    real = cs.busy_reason
+
+    def counted(w: Want, n: int, boxes: list[Box]) -> str:
+        calls.append(w.id)
+        return real(w, n, boxes)
+
+    monkeypatch.setattr(cs, "busy_reason", counted)
+    boxes = [box("w1", slots=4, tasks=8)]
+    boxes[0].take(2, 0, 0)  # 2 free
+    wide = [want(i, ranks=4, created=900.0) for i in range(1, 501)]
+    d = decide(wide, boxes)
+    assert len(calls) == 1 and {d.reasons[i] for i in range(1, 501)} == {
+        "workers busy: needs 4 free slot(s); most free now: 2 (the fleet can hold it once running jobs end)"
+    }
+    calls.clear()
+    boxes = [box("w1", slots=4, tasks=8)]
+    boxes[0].take(2, 0, 0)
+    # the 1-rank job fills a gap between two 4-rank jobs: the second one's words see 1 free slot
+    d = decide([want(1, ranks=4), want(2, ranks=1), want(3, ranks=4)], boxes)
+    assert [w.id for w, _ in d.placements] == [2]
+    assert "most free now: 2" in d.reasons[1] and "most free now: 1" in d.reasons[3]
+    assert calls == [1, 3]
+
+
 def test_equal_priority_jobs_fill_gaps_but_lower_ones_do_not() -> None:
     boxes = [box("w1", slots=2, tasks=4)]
     boxes[0].take(1, 0, 0)  # one slot free
