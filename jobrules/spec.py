@@ -333,12 +333,17 @@ class BatchRules(Strict):
     scheduler: SchedulerName = "shard-lrtf"
     early_stopping: EarlyStoppingSpec | None = None
     fuse: bool = Field(
-        False,
-        description="train trials of one architecture as one stacked model (horizontal fusion, "
-        "trainer/selection/fused.py); not with early_stopping or a sampler method",
+        True,
+        description="train trials of one architecture as stacked models (horizontal fusion, "
+        "trainer/selection/fused.py) where a short measurement says it shortens the batch; false: "
+        "every trial alone",
     )
-    """Horizontal fusion: the trials of a group that share an architecture, data shape, batch size
-    and optimizer train as one stacked model on one device; the others run as without it."""
+    """Horizontal fusion, on unless asked off: the trials of a group that share an architecture,
+    data shape, batch size and optimizer may train as stacked models, each member's losses those of
+    its run alone; a cost model measured at the start picks the stacks and their devices, and
+    leaves every trial alone when stacking would not shorten the batch. A sampler's batch (its
+    trials start one by one) never fuses; with early stopping, only a batch whose every trial can
+    train in a stack does."""
 
     @field_validator("metric")
     @classmethod
@@ -347,15 +352,6 @@ class BatchRules(Strict):
         if problem is not None:
             raise ValueError(problem)
         return v
-
-    @model_validator(mode="after")
-    def _fuse_rules(self) -> BatchRules:
-        if self.fuse and self.early_stopping is not None:
-            raise ValueError(
-                "fuse cannot be combined with early_stopping: the rungs pause and resume each trial "
-                "on its own, a fused stack steps its members together"
-            )
-        return self
 
     @classmethod
     def rules_of(cls, request: dict[str, Any]) -> dict[str, Any]:
@@ -407,12 +403,6 @@ class SelectionCreate(BatchRules):
             raise ValueError(f"method {self.method} needs trials (how many in all)")
         if self.startup_trials is not None and self.method == "qmc":
             raise ValueError("startup_trials is for tpe and cmaes; qmc has no model to start")
-        if self.fuse and sampler:
-            raise ValueError(
-                f"fuse cannot be combined with method {self.method}: a sampler's batch grows one "
-                "trial at a time as trials end, a fused stack needs its members at the start "
-                "(use grid or random)"
-            )
         return self
 
     @property

@@ -246,12 +246,17 @@ def _member_hparams(jobs: Sequence[JobSpec], *, device: torch.device) -> dict[st
 class FusedTrials:
     """K fusable trials as one stacked model on one device (see the module docstring)."""
 
-    def __init__(self, jobs: Sequence[JobSpec], *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, jobs: Sequence[JobSpec], *, device: torch.device | str = "cpu", ids: Sequence[int] | None = None
+    ) -> None:
         check_fusable(jobs)
         self.device = torch.device(device)
         self.jobs = [with_data_vocab(j) for j in jobs]
-        self.ids = list(range(len(jobs)))
-        """Each row's index in the jobs this stack was built from (dropping a member keeps them)."""
+        self.ids = list(range(len(jobs))) if ids is None else list(ids)
+        """Each row's member id: by default its index in the jobs this stack was built from (the
+        caller's own keys with `ids`); dropping, taking or joining members keeps them."""
+        if len(set(self.ids)) != len(self.jobs):
+            raise ValueError(f"a stack needs one distinct id per job, got {self.ids} for {len(jobs)} jobs")
         first = self.jobs[0]
         self.recipe: ModelRecipe = recipe_for(first.model)
         self.optimizer = first.train.optimizer
@@ -395,6 +400,58 @@ class FusedTrials:
             state={k: v.index_select(0, idx) for k, v in self.state.items()},
             steps=self.steps.index_select(0, idx),
         )
+
+    def to(self, device: torch.device) -> FusedTrials:
+        """Move the stack's buffers to `device` (in place; nothing changes on the same device)."""
+        device = torch.device(device)
+        if device != self.device:
+            self.device = device
+            self._pack(
+                flat=self.flat.to(device),
+                state={k: v.to(device) for k, v in self.state.items()},
+                steps=self.steps.to(device),
+            )
+        return self
+
+    def take(self, member: int) -> FusedTrials:
+        """Take the member whose id is `member` out of the stack as a stack of its own (its
+        weights, optimizer state and step count carried over): it can wait apart (an ASHA rung)
+        and `join` a stack again later; the others go on exactly as before."""
+        row = self.ids.index(member)
+        alone = self._rows([row])
+        self.drop(member)
+        return alone
+
+    def join(self, other: FusedTrials) -> None:
+        """Append `other`'s members (moved to this stack's device) as rows of this stack; each
+        goes on from its own step with its own state. Both must be fusable (check_fusable)."""
+        check_fusable([self.jobs[0], *other.jobs])
+        if set(self.ids) & set(other.ids):
+            raise ValueError(f"members {sorted(set(self.ids) & set(other.ids))} are already in the stack")
+        for name in ("jobs", "ids", "streams", "step_counts"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        dev = self.device
+        self._pack(
+            flat=torch.cat([self.flat, other.flat.to(dev)]),
+            state={k: torch.cat([v, other.state[k].to(dev)]) for k, v in self.state.items()},
+            steps=torch.cat([self.steps, other.steps.to(dev)]),
+        )
+
+    def _rows(self, rows: list[int]) -> FusedTrials:
+        """A new stack of these rows' members (copies of their buffers), sharing the dataset."""
+        idx = torch.tensor(rows, device=self.device)
+        out = object.__new__(FusedTrials)
+        out.device, out.recipe, out.optimizer, out.data = self.device, self.recipe, self.optimizer, self.data
+        out.slots, out.n_params = self.slots, self.n_params
+        for name in ("jobs", "ids", "streams", "step_counts"):
+            values = getattr(self, name)
+            setattr(out, name, [values[k] for k in rows])
+        out._pack(
+            flat=self.flat.index_select(0, idx),
+            state={k: v.index_select(0, idx) for k, v in self.state.items()},
+            steps=self.steps.index_select(0, idx),
+        )
+        return out
 
     def member_params(self, member: int) -> dict[str, torch.Tensor]:
         """The member's weights by the names its own `nn.Sequential` has, as CPU copies."""

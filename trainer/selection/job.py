@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +30,11 @@ from trainer.checkpoint import latest_checkpoint
 from trainer.config import load_job
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry, uses_processes
-from trainer.selection.fused import fusable
+from trainer.selection.fused import fusable, refusal
 from trainer.selection.fused_batch import FusedGroups
+from trainer.selection.fusion_plan import Member as PlanMember
+from trainer.selection.fusion_plan import StepCost, measure
+from trainer.selection.fusion_plan import plan as make_plan
 from trainer.selection.halving import HalvingConfig
 
 
@@ -45,8 +49,9 @@ class TrialSpec:
 class BatchSpec:
     trials: list[TrialSpec]
     executor: ExecutorConfig
-    fuse: bool = False
-    """Train fusable trials as stacked models (trainer/selection/fused_batch.py)."""
+    fuse: bool = True
+    """Train fusable trials as stacked models where the plan says it pays
+    (trainer/selection/fused_batch.py, trainer/selection/fusion_plan.py)."""
 
 
 def parse_batch(batch: Any) -> BatchSpec:
@@ -143,8 +148,14 @@ def run_selection(
     entries = [e for t in spec.trials if (e := entry(t)) is not None]
     t0 = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
+    fusion: dict[str, Any] | None = None
     if spec.fuse and entries:
-        groups, entries = fuse_groups(entries, growing=more is not None)
+        groups, placement, entries, fusion = fuse_groups(
+            entries,
+            growing=more is not None,
+            devices=devices,
+            early_stopping=spec.executor.early_stopping is not None,
+        )
         if groups:
             results.update(
                 FusedGroups(
@@ -153,6 +164,7 @@ def run_selection(
                     cfg=spec.executor,
                     stop=stop,
                     stop_trials=stop_trials or (lambda: set()),
+                    placement=placement,
                 ).run()
             )
     fused = set(results)
@@ -176,6 +188,7 @@ def run_selection(
         devices=devices,
         makespan_s=time.perf_counter() - t0,
         ex=ex,
+        fusion=fusion,
     )
 
 
@@ -205,6 +218,7 @@ def _summary(
     devices: list[torch.device],
     makespan_s: float,
     ex: Executor | None,
+    fusion: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The batch's summary with its leaderboard (best first). `fused`: the trials that trained
     stacked; `ex`: the executor that ran the others, if one ran."""
@@ -240,41 +254,115 @@ def _summary(
         # when the run reached each phase (Unix seconds; Executor.marks, and `main` when run as
         # `python -m trainer.selection`): the worker logs them with its own at the group's end
         "marks": ex.marks if ex is not None else {},
+        # the fusion plan: each architecture's measured step cost, the stacks and their devices,
+        # the estimated makespans fused and unfused, and whether it fused (None: fuse off)
+        "fusion": fusion,
     }
 
 
 def fuse_groups(
-    entries: list[TrialEntry], *, growing: bool
-) -> tuple[list[list[TrialEntry]], list[TrialEntry]]:
-    """The request's `fuse`: the groups of two or more trials that train as one stacked model
-    (trainer/selection/fused.py `fusable`), and the trials that go through the executor, each told
-    why on its sink ("not fused: <reason>")."""
-    alone: list[TrialEntry] = []
+    entries: list[TrialEntry], *, growing: bool, devices: list[torch.device], early_stopping: bool
+) -> tuple[list[list[TrialEntry]], list[int], list[TrialEntry], dict[str, Any]]:
+    """The request's `fuse`: the stacks that train as stacked models (a stack of one: a trial the
+    plan leaves alone) with each one's device, and the trials that go through the executor, each
+    told why on its sink ("not fused: <reason>"), with the plan's record for the summary.
+
+    Which trials can share a stack is `fusable`'s rule (trainer/selection/fused.py); how many
+    stacks, how large and where is the cost model's (trainer/selection/fusion_plan.py), from a few
+    measured steps; when the plan does not beat every trial alone, nothing fuses. With early
+    stopping the rungs rank every trial of the batch together, so the batch fuses only when every
+    trial can go through the stacks."""
+    reasons: dict[int, str] = {}
+    """Why each trial that cannot train in a stack is left to the executor."""
     candidates: list[TrialEntry] = []
     for e in entries:
-        why = None
         if growing:
-            why = "the batch grows as it runs (a sampler's), its trials start one by one"
+            reasons[e.index] = "the batch grows as it runs (a sampler's), its trials start one by one"
         elif e.warm_start is not None:
-            why = "it starts from another trial's checkpoint (warm_start)"
+            reasons[e.index] = "it starts from another trial's checkpoint (warm_start)"
         elif (found := latest_checkpoint(e.checkpoint_dir)) is not None:
-            why = f"it resumes from its checkpoint {found.name}"
-        if why is None:
-            candidates.append(e)
+            reasons[e.index] = f"it resumes from its checkpoint {found.name}"
         else:
-            e.sink.log(f"trial {e.index} not fused: {why}")
-            alone.append(e)
-    groups: list[list[TrialEntry]] = []
+            candidates.append(e)
+    archs: list[list[TrialEntry]] = []
+    """Trials that could share a stack, by architecture (one alone: a stack of one, if it fuses)."""
     for g in fusable([e.job for e in candidates]):
         members = [candidates[k] for k in g.members]
-        if g.fused:
-            groups.append(members)
+        why = refusal(members[0].job)
+        if why is not None:
+            reasons[members[0].index] = why
         else:
-            e = members[0]
-            e.sink.log(f"trial {e.index} not fused: {g.reason}")
-            alone.append(e)
-    alone.sort(key=lambda e: e.index)
-    return groups, alone
+            archs.append(members)
+    alone_entries = [e for e in entries if e.index in reasons]
+
+    record: dict[str, Any] = {"fused": False}
+
+    def nothing(why: str) -> tuple[list[list[TrialEntry]], list[int], list[TrialEntry], dict[str, Any]]:
+        lone = {a[0].index: g.reason for a, g in zip(archs, fusable([a[0].job for a in archs]), strict=True)}
+        for e in entries:
+            said = reasons.get(e.index) or (lone.get(e.index) if len(archs) > 1 else None) or why
+            e.sink.log(f"trial {e.index} not fused: {said}")
+        record["reason"] = why
+        return [], [], sorted(entries, key=lambda e: e.index), record
+
+    if not any(len(a) > 1 for a in archs):
+        return nothing("no other trial to fuse with")
+    if early_stopping and alone_entries:
+        return nothing(
+            f"early stopping ranks the whole batch, and trial(s) {sorted(e.index for e in alone_entries)} "
+            "cannot train in a stack"
+        )
+    costs = _measure(archs, devices)
+    members = [
+        PlanMember(trial=e.index, steps=e.job.train.steps, arch=a)
+        for a, arch in enumerate(archs)
+        for e in arch
+    ]
+    plan = make_plan(members, costs=costs, devices=len(devices))
+    record.update(
+        fused=plan.fuse,
+        costs=[c.as_dict() for c in costs],
+        stacks=[{"trials": list(s.trials), "device": s.device, "est_s": s.est_s} for s in plan.stacks],
+        makespan_s=plan.makespan_s,
+        unfused_s=plan.unfused_s,
+    )
+    if not plan.fuse:
+        return nothing(plan.describe())
+    by_index = {e.index: e for a in archs for e in a}
+    for e in entries:
+        e.sink.log(plan.describe())
+    for e in alone_entries:
+        e.sink.log(f"trial {e.index} not fused: {reasons[e.index]}")
+    groups = [[by_index[i] for i in s.trials] for s in plan.stacks]
+    placement = [s.device for s in plan.stacks]
+    return groups, placement, sorted(alone_entries, key=lambda e: e.index), record
+
+
+def _measure(archs: list[list[TrialEntry]], devices: list[torch.device]) -> list[StepCost]:
+    """Each architecture's step cost, measured on the devices at once (one architecture each in
+    turn; of a lone trial, its own steps alone)."""
+    costs: list[StepCost | None] = [None] * len(archs)
+    todo = list(range(len(archs)))
+    errors: list[BaseException] = []
+
+    def work(d: int) -> None:
+        try:
+            for a in todo[d :: len(devices)]:
+                costs[a] = measure([e.job for e in archs[a]], device=devices[d])
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=work, args=(d,), daemon=True) for d in range(min(len(devices), len(todo)))
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    assert all(c is not None for c in costs)
+    return [c for c in costs if c is not None]
 
 
 def load_batch(path: str) -> dict[str, Any]:
