@@ -320,6 +320,9 @@ class TrialReport(PresentOnly):
     busy_s: float | None = None
     overhead_s: float | None = None
     prefetch_s: float | None = None
+    fused_with: list[int] | None = None
+    """The other trials (batch indices) this one trained stacked with (horizontal fusion); None:
+    it trained alone."""
 
 
 class TrialPublic(BaseModel):
@@ -343,6 +346,9 @@ class TrialPublic(BaseModel):
     repeats_skipped: list[int] | None = None
     """A sampler's trials: the earlier trials whose points the sampler asked again first for this
     trial; those asks were not run (core/search.py)."""
+    fused_with: list[int] | None = None
+    """The indices of the other trials of the batch this one trained with as one stacked model
+    (horizontal fusion, docs/selection.md); None: it trained alone (or has not ended)."""
 
 
 class SpaceRange(PresentOnly):

@@ -188,6 +188,7 @@ def trial_fields(t: Trial) -> dict[str, Any]:
         "copy_s": (t.result or {}).get("copy_s"),
         "stop_reason": (t.result or {}).get("stop_reason"),
         "repeats_skipped": (t.result or {}).get("repeats_skipped"),
+        "fused_with": (t.result or {}).get("fused_with"),
     }
 
 

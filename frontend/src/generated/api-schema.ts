@@ -1697,6 +1697,8 @@ export interface components {
             stop_reason?: components["schemas"]["StopReason"] | null;
             /** Repeats Skipped */
             repeats_skipped?: number[] | null;
+            /** Fused With */
+            fused_with?: number[] | null;
         };
         /**
          * TrialReport
@@ -1732,6 +1734,8 @@ export interface components {
             overhead_s?: number | null;
             /** Prefetch S */
             prefetch_s?: number | null;
+            /** Fused With */
+            fused_with?: number[] | null;
         } & {
             [key: string]: unknown;
         };
