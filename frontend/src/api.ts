@@ -40,6 +40,9 @@ export type JobSpec = Schemas["JobSpec"];
 export type SelectionRequest = Schemas["SelectionCreate"];
 /** A 422: `detail` names each field with its rule; `errors` lists them one by one. */
 export type ValidationRefusal = Schemas["ValidationRefusal"];
+export type FieldProblem = Schemas["FieldProblem"];
+export type QueueEntry = Schemas["QueueEntry"];
+export type QueuePage = Schemas["QueuePublic"];
 /** The events of each Server-Sent Events stream, by name. */
 export type JobStreamEvents = Schemas["JobStreamEvents"];
 export type JobsStreamEvents = Schemas["JobsStreamEvents"];
@@ -65,6 +68,8 @@ export class ApiError extends Error {
   constructor(
     readonly status: number,
     message: string,
+    /** The refusal's body as sent (a 422's ValidationRefusal lists its `errors` one by one). */
+    readonly payload: unknown = null,
   ) {
     super(message);
   }
@@ -114,7 +119,7 @@ export async function api<T>(path: string, init?: { method?: string; body?: unkn
   }
   if (!res.ok) {
     const detail = (payload as { detail?: unknown } | null)?.detail ?? payload ?? res.statusText;
-    throw new ApiError(res.status, describeDetail(detail));
+    throw new ApiError(res.status, describeDetail(detail), payload);
   }
   return payload as T;
 }

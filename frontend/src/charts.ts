@@ -16,6 +16,10 @@ export interface LineSpec {
   width?: number;
   /** Mark every point: for sparse series such as val_loss, measured only at eval steps. */
   points?: boolean;
+  /** Points only, no line between them. */
+  noLine?: boolean;
+  /** A step line (the value holds until the next point): for running bests. */
+  stepped?: boolean;
 }
 
 export const PALETTE = [
@@ -264,6 +268,8 @@ export class StepChart {
       // val_loss exists only at eval steps: join its points across the steps where loss alone exists
       spanGaps: true,
       points: line.points ? { show: true, size: 5, fill: line.color } : { show: false },
+      ...(line.noLine ? { paths: () => null } : {}),
+      ...(line.stepped ? { paths: uPlot.paths.stepped?.({ align: 1 }) } : {}),
       value: (_u, v) => (v === null || v === undefined ? "—" : Number(v.toPrecision(4)).toString()),
     };
   }

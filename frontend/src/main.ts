@@ -6,6 +6,8 @@ import { errorText, fmtTime, h } from "./dom";
 import { comparePage } from "./pages/compare";
 import { jobPage } from "./pages/job";
 import { jobsPage } from "./pages/jobs";
+import { newSelectionPage } from "./pages/newselection";
+import { queuePage } from "./pages/queue";
 import { selectionPage, selectionsPage } from "./pages/selections";
 import { webhooksPage } from "./pages/webhooks";
 
@@ -13,9 +15,13 @@ type Cleanup = () => void;
 type Route = [RegExp, (root: HTMLElement, id: number) => Cleanup];
 
 const ROUTES: Route[] = [
-  [/^#?\/?$/, (root) => jobsPage(root)],
+  // ?clone=ID: the submit form filled with that job's spec
+  [/^#?\/?(\?.*)?$/, (root) => jobsPage(root)],
   [/^#\/jobs\/(\d+)$/, jobPage],
+  [/^#\/queue\/?$/, (root) => queuePage(root)],
   [/^#\/selections\/?$/, (root) => selectionsPage(root)],
+  // ?from=ID: a batch's request to start again; ?job=ID: a job's spec as the base
+  [/^#\/selections\/new(\?.*)?$/, (root) => newSelectionPage(root)],
   [/^#\/selections\/(\d+)$/, selectionPage],
   [/^#\/webhooks\/?$/, (root) => webhooksPage(root)],
   [/^#\/compare(\?.*)?$/, (root) => comparePage(root)],
@@ -119,7 +125,7 @@ function route(): void {
 }
 
 function highlightNav(hash: string): void {
-  const section = ["#/selections", "#/webhooks"].find((s) => hash.startsWith(s)) ?? "#/";
+  const section = ["#/selections", "#/queue", "#/webhooks"].find((s) => hash.startsWith(s)) ?? "#/";
   for (const a of document.querySelectorAll<HTMLAnchorElement>("#topbar nav a")) {
     a.classList.toggle("active", a.getAttribute("href") === section);
   }

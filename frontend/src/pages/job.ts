@@ -152,6 +152,27 @@ export function jobPage(root: HTMLElement, id: number): () => void {
           ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
           : null,
         j.cancel_requested && active ? h("span", { class: "muted" }, "cancelling…") : null,
+        // the submit form filled with this job's spec, or a selection batch with it as the base
+        h(
+          "a",
+          {
+            class: "button secondary",
+            id: "job-clone",
+            href: `#/?clone=${j.id}`,
+            title: "the submit form, filled with this job's spec",
+          },
+          "Clone / re-run",
+        ),
+        h(
+          "a",
+          {
+            class: "button secondary",
+            id: "job-to-selection",
+            href: `#/selections/new?job=${j.id}`,
+            title: "a new selection batch with this job's spec as its base",
+          },
+          "Search around it",
+        ),
       ),
       h(
         "dl",

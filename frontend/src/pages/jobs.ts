@@ -268,7 +268,7 @@ export function jobsPage(root: HTMLElement): () => void {
       ),
       tbody,
     ),
-    submitForm(upsert),
+    submitForm(upsert, cloneOf()),
   );
   void load();
   showPicked();
@@ -280,10 +280,18 @@ export function jobsPage(root: HTMLElement): () => void {
   };
 }
 
-function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
+/** The job whose spec the submit form starts from (#/?clone=ID: clone / re-run), if any. */
+function cloneOf(): number | null {
+  const hash = window.location.hash;
+  const i = hash.indexOf("?");
+  return Number(new URLSearchParams(i >= 0 ? hash.slice(i + 1) : "").get("clone")) || null;
+}
+
+function submitForm(onSubmitted: (job: Job) => void, clone: number | null): HTMLElement {
   const text = h("textarea", { id: "spec-input", rows: 14, spellcheck: "false" }) as HTMLTextAreaElement;
   text.value = JSON.stringify(DEFAULT_SPEC, null, 2);
   const out = h("div", { id: "submit-result", role: "status" });
+  const origin = h("p", { class: "muted", id: "submit-origin", hidden: true });
   const submit = async (ev: Event) => {
     ev.preventDefault();
     out.className = "";
@@ -306,10 +314,11 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
       out.textContent = errorText(err);
     }
   };
-  return h(
+  const form = h(
     "form",
     { class: "card", id: "submit-form", onsubmit: submit },
     h("h2", {}, "Submit job"),
+    origin,
     specTools(text),
     h("label", { for: "spec-input", class: "muted" }, "JobSpec (JSON)"),
     text,
@@ -329,6 +338,25 @@ function submitForm(onSubmitted: (job: Job) => void): HTMLElement {
     ),
     out,
   );
+  if (clone !== null) {
+    // the spec as the job stored it (its workspace pinned by digest): submitted again, it trains the same
+    void api<Job>(`/api/jobs/${clone}`)
+      .then((job) => {
+        text.value = JSON.stringify(job.spec, null, 2);
+        origin.hidden = false;
+        origin.replaceChildren(
+          "The spec of ",
+          h("a", { href: `#/jobs/${job.id}` }, `job #${job.id} · ${job.name}`),
+          ": change what you like and submit it again.",
+        );
+        form.scrollIntoView({ block: "start" });
+      })
+      .catch((err) => {
+        out.className = "error";
+        out.textContent = `Could not load job #${clone} to clone: ${errorText(err)}`;
+      });
+  }
+  return form;
 }
 
 /** How long a job ran (all its attempts), or for one not started yet, how long it has waited. */

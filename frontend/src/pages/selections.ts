@@ -17,6 +17,7 @@ import {
 import { PALETTE, StepChart } from "../charts";
 import { DeviceUseChart } from "../hardware";
 import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
+import { bestSoFar, importance, MIN_OBSERVATIONS } from "../importance";
 import { parallelCoordinates } from "../parcoords";
 import { compareHref, MAX_COMPARE } from "./compare";
 
@@ -26,7 +27,12 @@ export const trialColour = (t: Trial): string => PALETTE[t.index % PALETTE.lengt
 export function selectionsPage(root: HTMLElement): () => void {
   const tbody = h("tbody");
   root.append(
-    h("h1", {}, "Selections"),
+    h(
+      "div",
+      { class: "title-row" },
+      h("h1", {}, "Selections"),
+      h("a", { class: "button", id: "new-selection", href: "#/selections/new" }, "New selection"),
+    ),
     h(
       "table",
       { class: "grid", id: "selections-table" },
@@ -83,6 +89,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const hwSection = h("section", { class: "card", id: "selection-hardware" }, hwEl);
   const deviceUse = new DeviceUseChart(hwSection, hwEl);
   const pcEl = h("div", { id: "parcoords" });
+  const historyEl = h("div", { class: "chart", id: "best-so-far-chart" });
+  const historyNote = h("p", { class: "muted", id: "best-so-far-note" }, "No trial has ended yet.");
+  const importanceEl = h("div", { id: "importance" });
   const compareBtn = h(
     "a",
     { class: "button small disabled", id: "compare-trials", href: "#/compare" },
@@ -99,6 +108,22 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       board,
     ),
     h("section", { class: "card" }, curvesEl),
+    h(
+      "div",
+      { class: "side-by-side" },
+      h("section", { class: "card", id: "best-so-far" }, h("h2", {}, "Best so far"), historyEl, historyNote),
+      h(
+        "section",
+        { class: "card", id: "importance-card" },
+        h("h2", {}, "Parameter importance"),
+        importanceEl,
+        h(
+          "p",
+          { class: "muted legend-note" },
+          "The share of the metric's variation (its ranks) each parameter explains on its own, over the trials that trained to the end: fANOVA's main effects with bins in place of a forest (docs/selection.md).",
+        ),
+      ),
+    ),
     hwSection,
     h(
       "section",
@@ -132,6 +157,10 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const jobResults = new Map<number, TrialReport | null>();
   let sort: SortKey = { col: "rank", dir: 1 };
   let chart: StepChart | null = null;
+  let history: StepChart | null = null;
+  // when each ended trial's job finished (ms): the best-so-far curve's order
+  const ends = new Map<number, number>();
+  const jobAsked = new Set<number>();
   let stream: EventSource | null = null;
   let closed = false;
   let redrawTimer: number | null = null;
@@ -171,12 +200,16 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   const resultOf = (t: Trial): TrialReport | null => t.result ?? jobResults.get(t.id) ?? null;
 
-  const loadResult = async (t: Trial) => {
-    if (t.result !== undefined || jobResults.has(t.id) || t.job_id === null || !TERMINAL.has(t.status))
-      return;
-    jobResults.set(t.id, null); // once per trial
-    const job = await api<Job>(`/api/jobs/${t.job_id}`).catch(() => null);
-    jobResults.set(t.id, job ? trialReportOf(job) : null);
+  /** An ended trial's job, once: when it finished (the best-so-far order) and, for servers whose
+   * trial rows do not carry it, its result. */
+  const loadEnd = async (t: Trial) => {
+    if (jobAsked.has(t.id) || t.job_id === null || !TERMINAL.has(t.status)) return;
+    // a request per trial: past MAX_END_LOOKUPS the curve keeps the trials' index order
+    if (jobAsked.size >= MAX_END_LOOKUPS && t.result !== undefined) return;
+    jobAsked.add(t.id);
+    const job = await fewAtOnce(() => api<Job>(`/api/jobs/${t.job_id}`).catch(() => null));
+    if (job?.finished_at) ends.set(t.id, Date.parse(job.finished_at));
+    if (t.result === undefined) jobResults.set(t.id, job ? trialReportOf(job) : null);
     scheduleRedraw();
   };
 
@@ -184,7 +217,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     const before = trials.get(t.id);
     trials.set(t.id, t);
     if (ensureLine(t) || (before && before.job_id === null && t.job_id !== null)) void loadCurve(t);
-    void loadResult(t);
+    void loadEnd(t);
     scheduleRedraw();
   };
 
@@ -327,6 +360,16 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
               { class: "small danger", id: "cancel-selection", onclick: () => void cancelBatch() },
               "Cancel batch",
             ),
+        h(
+          "a",
+          {
+            class: "button secondary",
+            id: "selection-clone",
+            href: `#/selections/new?from=${s.id}`,
+            title: "the new-selection form, filled with this batch's request",
+          },
+          "Clone / re-run",
+        ),
       ),
       h(
         "dl",
@@ -368,6 +411,85 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   });
   pcResize.observe(pcEl);
 
+  /** Best metric against the order the trials ended, each trial's own best beside it. */
+  const renderHistory = () => {
+    if (!sel || !history) return;
+    const ended = [...trials.values()]
+      .filter((t) => TERMINAL.has(t.status) && t.best_metric !== null)
+      .sort((a, b) => (ends.get(a.id) ?? Infinity) - (ends.get(b.id) ?? Infinity) || a.index - b.index);
+    const values = ended.map((t) => t.best_metric!);
+    const best = bestSoFar(values, sel.mode);
+    for (let i = 0; i < ended.length; i++) {
+      history.add("trial", i + 1, values[i]);
+      history.add("best", i + 1, best[i]);
+    }
+    const byIndex = ended.some((t) => !ends.has(t.id));
+    historyEl.dataset.order = ended.map((t) => t.index).join(",");
+    historyEl.dataset.best = best.join(",");
+    if (!ended.length) return;
+    const top = best[best.length - 1];
+    const at = values.indexOf(top);
+    historyNote.textContent =
+      `Best ${sel.metric} ${fmtNum(top)}: trial ${ended[at].index}, the ${ordinal(at + 1)} of ` +
+      `${ended.length} ended trial${ended.length === 1 ? "" : "s"} to end` +
+      (byIndex
+        ? ` (trials past the first ${MAX_END_LOOKUPS} in index order, not the order they ended).`
+        : ".");
+  };
+
+  /** Each parameter's share of the metric's variation, over the trials that trained to the end. */
+  const renderImportance = () => {
+    if (!sel) return;
+    const done = [...trials.values()].filter((t) => t.status === "succeeded" && t.best_metric !== null);
+    const keys = paramKeys();
+    const obs = done.map((t) => ({
+      params: Object.fromEntries(keys.map((k) => [k, t.params[k] ?? lookup(sel?.request.base, k) ?? null])),
+      value: t.best_metric!,
+    }));
+    importanceEl.dataset.trials = String(obs.length);
+    if (obs.length < MIN_OBSERVATIONS) {
+      importanceEl.replaceChildren(
+        h(
+          "p",
+          { class: "muted", id: "importance-empty" },
+          `Needs ${MIN_OBSERVATIONS} trials that trained to the end; ${obs.length} so far.`,
+        ),
+      );
+      return;
+    }
+    const ranked = importance(obs, keys);
+    importanceEl.replaceChildren(
+      h(
+        "div",
+        { class: "importance" },
+        ...ranked.flatMap((p) => {
+          const bar = h("div", { class: "bar" });
+          bar.style.width = `${(100 * p.share).toFixed(1)}%`;
+          return [
+            h("span", { class: "param", "data-param": p.param }, p.param),
+            h(
+              "div",
+              { title: `explains ${(100 * p.explained).toFixed(1)}% of the variation (${p.groups} groups)` },
+              bar,
+            ),
+            h(
+              "span",
+              { class: "share", "data-param": p.param, "data-share": p.share.toFixed(4) },
+              `${Math.round(100 * p.share)}%`,
+            ),
+          ];
+        }),
+      ),
+      h(
+        "p",
+        { class: "muted" },
+        ranked.every((p) => p.share === 0)
+          ? `Over ${obs.length} trials, no parameter explains more of the metric than chance would.`
+          : `Over ${obs.length} trials.`,
+      ),
+    );
+  };
+
   // trial events come in bursts (every trial at each rung); redraw the tables once per burst
   const scheduleRedraw = () => {
     if (redrawTimer !== null) return;
@@ -377,6 +499,8 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       renderBoard();
       showPicked();
       renderParcoords();
+      renderHistory();
+      renderImportance();
     }, 200);
   };
 
@@ -440,6 +564,17 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       height: 300,
       controls: true,
     });
+    history = new StepChart(historyEl, {
+      title: `best ${sel.metric} (${sel.mode}) as trials end`,
+      yLabel: sel.metric,
+      xLabel: "trials ended",
+      lines: [
+        { key: "best", label: "best so far", color: "#2457a6", width: 2, stepped: true },
+        { key: "trial", label: "the trial's best", color: "#7f7f7f", points: true, noLine: true },
+      ],
+      height: 260,
+    });
+    history.setEmpty("No trial has ended with a metric yet.");
     const first = sel.trials?.[0];
     addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
     for (const t of sel.trials ?? []) upsertTrial(t);
@@ -486,6 +621,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     stream?.close();
     pcResize.disconnect();
     chart?.destroy();
+    history?.destroy();
     deviceUse.destroy();
     if (redrawTimer !== null) window.clearTimeout(redrawTimer);
   };
@@ -511,4 +647,30 @@ function compare(a: number | string | null, b: number | string | null, dir: 1 | 
   if (b === null) return -1;
   if (typeof a === "number" && typeof b === "number") return (a - b) * dir;
   return String(a).localeCompare(String(b)) * dir;
+}
+
+/** Ended trials whose end time the batch page looks up (one request each, four at a time). */
+const MAX_END_LOOKUPS = 200;
+
+function ordinal(n: number): string {
+  const tens = n % 100;
+  const suffix =
+    tens >= 11 && tens <= 13
+      ? "th"
+      : (({ 1: "st", 2: "nd", 3: "rd" } as Record<number, string>)[n % 10] ?? "th");
+  return `${n}${suffix}`;
+}
+
+/** Run at most four of these requests at once (a batch of hundreds of trials asks for each one's job). */
+const waiting: (() => void)[] = [];
+let inFlight = 0;
+async function fewAtOnce<T>(fn: () => Promise<T>): Promise<T> {
+  if (inFlight >= 4) await new Promise<void>((go) => waiting.push(go));
+  inFlight += 1;
+  try {
+    return await fn();
+  } finally {
+    inFlight -= 1;
+    waiting.shift()?.();
+  }
 }
