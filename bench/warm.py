@@ -4,8 +4,11 @@
 Warm: the same command forked from this process's zygote (workers/warm.py), as a worker pool
 process does. Both go through workers/supervise.py exactly as the worker runs them, with a tiny GPT
 and 3 steps, for a plain job (`python -m trainer`) and a selection group of two trials
-(`python -m trainer.selection`). Sandboxed: the cold run inside its bubblewrap sandbox
-(workers/sandbox.py; a fork of the zygote cannot enter one). Reps are interleaved (cold/warm, then warm/cold) so that the load
+(`python -m trainer.selection`). Sandboxed cold: the fresh run inside its bubblewrap sandbox
+(workers/sandbox.py). Sandboxed warm: the run a worker with the sandbox on starts, from the spare
+trainer its pool process made ahead in a sandbox of its own (workers/spare.py; a fork of the zygote
+cannot enter one), adopted as the run's folder within the time measured. Reps are interleaved (in
+the modes' order, then the reverse) so that the load
 of a shared machine falls on both; medians are reported with the load average before and after.
 The zygote is started and made ready before the first measured run, as a pool process's start
 does (worker_process_init); its own start is reported apart. Results: bench/results/warm_trainer.json;
@@ -29,6 +32,7 @@ from core.settings import get_settings
 from workers import warm
 from workers.execute import trainer_command
 from workers.sandbox import Sandbox, probe
+from workers.spare import Spare
 from workers.supervise import Outcome, run_unattended
 
 SPEC: dict[str, Any] = {
@@ -58,18 +62,26 @@ def _commands(tmp: Path, tag: str) -> dict[str, list[str]]:
     return {"job": job, "selection group": group}
 
 
-def time_first_step(cmd: list[str], tmp: Path, *, sandbox: Sandbox | None = None) -> dict[str, float]:
+def time_first_step(
+    cmd: list[str], tmp: Path, *, sandbox: Sandbox | None = None, spare: Spare | None = None
+) -> dict[str, float]:
     """Seconds from the supervise call to the first step's metric line, and to the process's end.
-    `sandbox`: the run starts fresh inside bubblewrap, as a worker with SHARDYARD_SANDBOX=on runs it."""
+    `sandbox`: the run starts fresh inside bubblewrap, as a worker with SHARDYARD_SANDBOX=on runs it;
+    with `spare`, from that sandboxed trainer made ahead, adopted as `tmp` within the time measured
+    (workers/spare.py, as a worker pool process does)."""
     first: list[float] = []
     t0 = time.perf_counter()
+    if spare is not None:
+        spare.adopt(tmp, move_existing=True)
 
     def on_message(msg: Any) -> None:
         if not first and msg.kind == "metric" and msg.step >= 1:
             first.append(time.perf_counter() - t0)
 
     out = Outcome()
-    rc = run_unattended(cmd, tmp, grace_s=10, out=out, on_message=on_message, sandbox=sandbox)
+    rc = run_unattended(cmd, tmp, grace_s=10, out=out, on_message=on_message, sandbox=sandbox, spare=spare)
+    if spare is not None:
+        spare.release()
     if rc != 0 or not first:
         raise RuntimeError(f"run failed ({rc}): {out.failure(rc)}")
     return {"first_step_s": first[0], "wall_s": time.perf_counter() - t0}
@@ -106,15 +118,32 @@ def main() -> None:
         zygote_ready_s = time.perf_counter() - t0
         assert warm._ZYGOTE.proc is not None
         zygote_rss = _rss_mib(warm._ZYGOTE.proc.pid)
-        sandbox = Sandbox(settings=get_settings(), read_write=[tmp]) if probe() is None else None
-        modes = ["cold", "warm", *(["sandboxed"] if sandbox is not None else [])]
+        sandboxed = probe() is None
+        sandbox = Sandbox(settings=get_settings(), read_write=[tmp]) if sandboxed else None
+        in_tmp = get_settings().model_copy(update={"data_dir": tmp})
+        modes = ["cold", "warm", *(["sandboxed cold", "sandboxed warm"] if sandboxed else [])]
+        spare_ready: list[float] = []
         for rep in range(args.reps):
             order = modes if rep % 2 == 0 else modes[::-1]
             for kind in ("job", "selection group"):
                 for mode in order:
                     _set_warm(mode == "warm")
-                    cmd = _commands(tmp, f"{rep}-{mode}")[kind]
-                    got = time_first_step(cmd, tmp, sandbox=sandbox if mode == "sandboxed" else None)
+                    if mode == "sandboxed warm":
+                        # the pool process's spare, ready as after the previous run's end
+                        t0 = time.perf_counter()
+                        made = Spare(in_tmp)
+                        if not made.wait_ready(300):
+                            raise RuntimeError("the spare sandboxed trainer did not get ready")
+                        spare_ready.append(time.perf_counter() - t0)
+                        folder = tmp / "runs" / f"{rep}-{kind.replace(' ', '-')}"
+                        folder.mkdir(parents=True)
+                        cmd = _commands(folder, "spare")[kind]
+                        got = time_first_step(
+                            cmd, folder, sandbox=Sandbox(settings=in_tmp, read_write=[folder]), spare=made
+                        )
+                    else:
+                        cmd = _commands(tmp, f"{rep}-{mode}")[kind]
+                        got = time_first_step(cmd, tmp, sandbox=sandbox if mode == "sandboxed cold" else None)
                     samples.setdefault((kind, mode), []).append(got)
         warm.shutdown()
     load_after = os.getloadavg()
@@ -136,13 +165,12 @@ def main() -> None:
                 "warm wall s": med[("warm", "wall_s")],
                 **(
                     {
-                        "sandboxed first step s": med[("sandboxed", "first_step_s")],
-                        "sandboxed - warm s": med[("sandboxed", "first_step_s")]
+                        "sandboxed cold first step s": med[("sandboxed cold", "first_step_s")],
+                        "sandboxed warm first step s": med[("sandboxed warm", "first_step_s")],
+                        "sandboxed warm - warm s": med[("sandboxed warm", "first_step_s")]
                         - med[("warm", "first_step_s")],
-                        "sandboxed - cold s": med[("sandboxed", "first_step_s")]
-                        - med[("cold", "first_step_s")],
                     }
-                    if "sandboxed" in modes
+                    if sandboxed
                     else {}
                 ),
             }
@@ -161,6 +189,7 @@ def main() -> None:
             "load_average_after": load_after,
             "zygote_ready_s": zygote_ready_s,
             "zygote_rss_mib": zygote_rss,
+            "spare_ready_s": statistics.median(spare_ready) if spare_ready else None,
             "rows": rows,
             "samples": {f"{k[0]} {k[1]}": v for k, v in samples.items()},
         },

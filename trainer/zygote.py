@@ -28,6 +28,7 @@ import json
 import os
 import pkgutil
 import random
+import resource
 import runpy
 import signal
 import socket
@@ -39,6 +40,9 @@ RUNNABLE = ("trainer", "trainer.selection")
 """The modules a run may be: `python -m trainer` and `python -m trainer.selection`."""
 PR_SET_PDEATHSIG = 1
 WARM_MARK = "warm trainer: this run was forked from zygote"
+SPARE_MARK = "warm trainer: this run's sandbox and imports were made before the job came"
+SPARE_READY = "shardyard-spare-ready"
+"""The spare's line on stdout once its imports are done (workers/spare.py READY_LINE)."""
 """The first stderr line of a forked run (the job's stderr.log says how its trainer started)."""
 
 
@@ -136,25 +140,64 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket, *, zygote: in
             if go.read(1) != b"g":
                 os._exit(0)  # the worker gave up on this run before it started
         _die_with_worker(worker)
-        os.write(2, f"{WARM_MARK} {zygote} (torch imported once)\n".encode())
-        cmd = req["cmd"]
-        _set_title(cmd)  # before the environment changes: the title takes its space
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own
-        sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
-        random.seed()  # a fresh process seeds from the OS; so does this one
-        sys.argv = cmd[2:]  # runpy puts the module's path first, as `python -m` does
-        # preload imported the package's __main__ under its own name, which `-m` never does (runpy
-        # would warn that it was in sys.modules before it ran)
-        sys.modules.pop(f"{cmd[2]}.__main__", None)
+        code = _become(req, f"{WARM_MARK} {zygote} (torch imported once)")
+    except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
+        traceback.print_exc()
+        code = 1
+    finally:
         try:
-            runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:  # the module's own exit (and argparse's usage errors)
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _become(req: dict[str, Any], mark: str) -> int:
+    """Become `python -m <module> <args>` of `req` in this process; returns its exit code."""
+    os.write(2, f"{mark}\n".encode())
+    cmd = req["cmd"]
+    _set_title(cmd)  # before the environment changes: the title takes its space
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - the process's own
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    random.seed()  # a fresh process seeds from the OS; so does this one
+    sys.argv = cmd[2:]  # runpy puts the module's path first, as `python -m` does
+    # preload imported the package's __main__ under its own name, which `-m` never does (runpy
+    # would warn that it was in sys.modules before it ran)
+    sys.modules.pop(f"{cmd[2]}.__main__", None)
+    try:
+        runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # the module's own exit (and argparse's usage errors)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return 0
+
+
+def spare() -> None:
+    """`--spare`: the sandboxed warm start (workers/spare.py). Import, say so on stdout, read the
+    one run's request from stdin, put its memory limit on this process before any of the job's
+    code runs, and become that run."""
+    code = 70
+    try:
+        preload()
+        os.write(1, f"{SPARE_READY}\n".encode())
+        line = sys.stdin.buffer.readline()
+        if not line:
+            os._exit(0)  # the worker discarded this spare
+        req = json.loads(line)
+        cmd = req.get("cmd") or []
+        if len(cmd) < 3 or cmd[1] != "-m" or cmd[2] not in RUNNABLE:
+            raise ValueError(f"cannot run {cmd[1:3]!r}")
+        if not cuda_untouched():
+            raise RuntimeError("CUDA was initialised before the run")
+        if (limit := req.get("memory_limit")) is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        code = _become(req, SPARE_MARK)
     except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
         traceback.print_exc()
         code = 1
@@ -186,8 +229,13 @@ def _set_title(cmd: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.zygote", description=__doc__)
-    ap.add_argument("--fd", type=int, required=True, help="this end of the worker's SEQPACKET socket")
+    ap.add_argument("--fd", type=int, help="this end of the worker's SEQPACKET socket")
+    ap.add_argument("--spare", action="store_true", help="one run, in a sandbox made ahead (stdin)")
     args = ap.parse_args(argv)
+    if args.spare:
+        spare()  # never returns
+    if args.fd is None:
+        ap.error("--fd or --spare is required")
     sock = socket.socket(fileno=args.fd)
     preload()
     sock.send(b'{"ready": true}')

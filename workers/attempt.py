@@ -66,6 +66,7 @@ from workers.limits import out_of_memory_error
 from workers.logcap import LogCap
 from workers.relay import Relay
 from workers.sandbox import Sandbox, SandboxUnavailable
+from workers.spare import Spare
 from workers.supervise import Ask, Outcome, supervise
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,8 @@ class AttemptRun:
     """The attempt in the worker's log, e.g. 'job 3 attempt 2'."""
     memory_limit: int | None
     sandbox: Sandbox
+    spare: Spare | None = None
+    """The sandboxed trainer made ahead for this run, adopted as its folder (workers/spare.py)."""
     stem: str = ""
     out: Outcome = field(default_factory=Outcome)
     uploader: Uploader | None = None
@@ -357,6 +360,7 @@ class AttemptRun:
                 out=self.out,
                 memory_limit=self.memory_limit,
                 sandbox=self.sandbox,
+                spare=self.spare,
             )
         finally:
             self.marks["exited"] = time.time()

@@ -21,7 +21,7 @@ from db.jobs import Attempt, finish_job, get_job, release_job, restart_job, stop
 from db.models import JobStatus
 from jobrules.divergence import judge
 from jobrules.restarts import max_restarts
-from workers import pyenv
+from workers import pyenv, spare
 from workers.attempt import (
     AttemptRun,
     OneTarget,
@@ -109,6 +109,36 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         used_s = job.run_seconds or 0.0
 
     workdir = settings.data_dir / "jobs" / str(job_id)
+    # a one-process job takes this pool process's sandboxed trainer made ahead (workers/spare.py):
+    # its folder becomes the job's before anything is written there
+    used = spare.take(settings, workdir, fits=world_size == 1 and not uses_own_code(spec))
+    try:
+        return _run_job(
+            settings,
+            attempt,
+            workdir,
+            used,
+            spec=spec,
+            world_size=world_size,
+            applied_step=applied_step,
+            used_s=used_s,
+        )
+    finally:
+        spare.replenish(settings, used)
+
+
+def _run_job(
+    settings: Settings,
+    attempt: Attempt,
+    workdir: Path,
+    used: spare.Spare | None,
+    *,
+    spec: dict[str, Any],
+    world_size: int,
+    applied_step: int | None,
+    used_s: float,
+) -> str:
+    job_id = attempt.job_id
     ckpt_dir = workdir / "checkpoints"
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
@@ -126,6 +156,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         what=f"job {job_id} attempt {attempt.attempt}",
         memory_limit=memory_limit_bytes(spec),
         sandbox=job_sandbox(settings, spec, workdir=workdir),
+        spare=used,
     )
     cmd = trainer_command(
         world_size=world_size, spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file

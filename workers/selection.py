@@ -41,7 +41,7 @@ from db.selections import (
     sync_trials,
 )
 from jobrules.spec import SelectionCreate
-from workers import pyenv
+from workers import pyenv, spare
 from workers.attempt import (
     AttemptRun,
     QuotaWait,
@@ -154,7 +154,12 @@ def execute_selection(
         retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
     marks["claimed"] = time.time()
-    return Group(settings, won=won, worker=worker, reservation_id=reservation_id, marks=marks).run()
+    group = None
+    try:
+        group = Group(settings, won=won, worker=worker, reservation_id=reservation_id, marks=marks)
+        return group.run()
+    finally:
+        spare.replenish(settings, group.run_.spare if group is not None else None)
 
 
 class Group:
@@ -187,6 +192,11 @@ class Group:
             self.applied_steps = {i: j.applied_step for i, j in jobs.items()}
             self.used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
         self.root = root = settings.data_dir / "selections" / str(selection_id)
+        base = self.specs[won[0][0].index]  # one base, one workspace, one environment
+        # the batch's first group on this host takes this pool process's sandboxed trainer made
+        # ahead (workers/spare.py); a later one finds the folder its sandbox must bind in use
+        fresh = not root.exists() and not uses_own_code(base)
+        used = spare.take(settings, root, fits=fresh, move_existing=False)
         root.mkdir(parents=True, exist_ok=True)
         self.group = group = f"group-{won[0][0].index}"
         self.batch = self._batch()
@@ -211,7 +221,6 @@ class Group:
             selection_id=selection_id,
         )
         self.mine = {t.index for t, _ in won}
-        base = self.specs[won[0][0].index]  # one base, one workspace, one environment
         self.run_ = AttemptRun(
             settings=settings,
             relay=self.relay,
@@ -226,6 +235,7 @@ class Group:
                 read_only=[root / "workspace"] if base.get("workspace") else [],
                 user_code=uses_own_code(base),
             ),
+            spare=used,
         )
         # a trial's max_runtime_s (its spec's, within the service's) counts the time its groups
         # ran while it was in them, over all its attempts; the group runs until the first of its

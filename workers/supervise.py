@@ -26,6 +26,7 @@ from core.messages import Message, parse_line
 from workers.limits import apply_memory_limit
 from workers.logcap import Emit, split_rank
 from workers.sandbox import Sandbox, allowed_environment, apply_limits, die_with_parent, sandbox_limits
+from workers.spare import Spare
 from workers.warm import launch, reap_group
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ def supervise(
     on_output: Emit | None = None,
     on_start: Callable[[int], None] | None = None,
     sandbox: Sandbox | None = None,
+    spare: Spare | None = None,
 ) -> int:
     """Run `cmd` to its end; every stdout line goes to `on_message` in order (this thread), the
     first `error` line is kept in `out`. Returns the exit code; the process group never outlives
@@ -150,7 +152,9 @@ def supervise(
     `on_output(rank, stream, text)`, when given, gets the process's own output: stderr lines and
     stdout lines that are no protocol line (else those go to `on_message` as log lines);
     `on_start(pid)` the process (group) id once it runs. `sandbox`: where it runs
-    (workers/sandbox.py); without one, as the worker's child with the allow-listed environment."""
+    (workers/sandbox.py); without one, as the worker's child with the allow-listed environment.
+    `spare`: the sandboxed trainer made ahead for this run's folder (workers/spare.py), used when
+    the run fits it and discarded when not."""
     stop_file.unlink(missing_ok=True)
 
     limits = sandbox_limits(sandbox)
@@ -161,11 +165,22 @@ def supervise(
         apply_limits(limits)
 
     env = sandbox.environment() if sandbox is not None else allowed_environment()
-    # a single-process trainer forks from this process's warm trainer (workers/warm.py) unless
-    # it must enter bubblewrap (a fork cannot), else or when that fails it starts fresh; both are
-    # this process's child in their own session
-    # (a fork of the warm trainer cannot enter bubblewrap: a sandboxed run starts fresh)
-    warm = None if sandbox is not None and sandbox.wraps else launch(cmd, env=env, memory_limit=memory_limit)
+    # a single-process trainer starts warm: in its sandbox, as the spare trainer made ahead for it
+    # (workers/spare.py); unsandboxed, forked from this process's warm trainer (workers/warm.py), as
+    # a fork cannot enter bubblewrap. Else, or when that fails, it starts fresh. All are this
+    # process's child in their own session
+    warm: Any = None
+    if spare is not None:
+        why = "the run has no sandbox" if sandbox is None else spare.misfit(cmd, sandbox)
+        try:
+            if why is not None:
+                raise ValueError(why)
+            warm = spare.start(cmd, env=env, memory_limit=memory_limit)
+        except (OSError, ValueError) as e:
+            log.warning("the spare sandboxed trainer was not used (%s); this run starts a fresh one", e)
+            spare.discard()
+    elif sandbox is None or not sandbox.wraps:
+        warm = launch(cmd, env=env, memory_limit=memory_limit)
     if sandbox is not None:
         cmd = sandbox.command(cmd)
     proc = warm or subprocess.Popen(

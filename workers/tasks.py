@@ -28,6 +28,7 @@ from db.jobs import db_now, expire_leases
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from db.workers import mark_draining, record_heartbeat
 from jobrules.restarts import max_restarts
+from workers import spare
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
@@ -168,7 +169,10 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
 
 @worker_process_init.connect
 def _start_warm_trainer(**_kwargs) -> None:
-    prestart()  # this pool process's zygote imports torch now, so its first run is warm too
+    # this pool process's warm start imports torch now, so its first run is warm too: a spare
+    # sandboxed trainer where runs are sandboxed (workers/spare.py), else the zygote
+    if not spare.prestart(get_settings()):
+        prestart()
 
 
 @worker_shutdown.connect

@@ -21,7 +21,7 @@ import torch
 from api.stack import Stack
 from core.settings import get_settings
 from tests.conftest import TINY_SPEC, StackHandle, running
-from trainer.zygote import WARM_MARK
+from trainer.zygote import SPARE_MARK, WARM_MARK
 from workers import warm
 from workers.execute import trainer_command
 from workers.limits import GiB, out_of_memory_error
@@ -270,3 +270,75 @@ def test_checkpoints_best_keeps_one_trial_across_a_batch_of_two_groups(stack: St
         assert time.monotonic() < deadline, kept
         time.sleep(0.2)
     assert list((root / f"trial-{best}").glob("*.pt")), "the best trial's checkpoint is kept"
+
+
+def test_a_sandboxed_job_and_group_start_from_spares_and_store_the_fresh_process_metrics(
+    stack: StackHandle, tmp_path: Path, warm_switch: Any
+) -> None:
+    """With the sandbox on (the default), each pool process keeps a spare trainer in a sandbox of
+    its own (workers/spare.py): two jobs one after the other and a batch's first group each start
+    from one (their stderr says so), train what a fresh process trains, run in a sandbox (no new
+    privileges, a mount namespace apart from the worker's), and leave no spare's folder behind
+    but the waiting spares' own."""
+    assert stack.client.get("/api/health").json()["sandbox"] == "on"
+    # long enough to be seen running
+    first = stack.submit({**SPEC, "name": "spare-job-1", "train": {**SPEC["train"], "steps": 600}})
+    seen: dict[str, str] = {}
+
+    def sandboxed_trainer(job: dict[str, Any]) -> bool:
+        # the trainer's process, found by its command line: its status and namespaces
+        for proc in Path("/proc").iterdir():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if f"jobs/{job['id']}/spec.json" not in cmdline and ".spare-" not in cmdline:
+                    continue
+                if "-m trainer " not in cmdline + " " or "bwrap" in cmdline:
+                    continue
+                seen["status"] = (proc / "status").read_text()
+                seen["mnt"] = os.readlink(proc / "ns" / "mnt")
+                return True
+            except OSError:
+                continue
+        return False
+
+    stack.wait_until(first["id"], lambda j: j["status"] == "running" and sandboxed_trainer(j), timeout=120)
+    assert stack.job(first["id"])["status"] == "running"  # (the process seen was this job's)
+    assert "NoNewPrivs:\t1" in seen["status"]
+    assert seen["mnt"] != os.readlink("/proc/self/ns/mnt")
+    assert stack.wait(first["id"], timeout=300)["status"] == "succeeded"
+    second = stack.submit({**SPEC, "name": "spare-job-2"})  # the spare replenished after the first
+    sid = stack.submit_selection(
+        {
+            "name": "spare-batch",
+            "base": {**SPEC, "name": "spare-sel"},
+            "space": {"train.lr": [1e-3, 3e-3]},
+            "method": "grid",
+            "devices": 1,
+            "scheduler": "fifo",
+        }
+    )["id"]
+    assert stack.wait(second["id"], timeout=300)["status"] == "succeeded"
+    assert stack.wait_selection(sid, timeout=300)["status"] == "succeeded"
+
+    jobs = stack.stack.root / "jobs"
+    for job in (first, second):
+        assert SPARE_MARK in (jobs / str(job["id"]) / "stderr.log").read_text()
+    (group_log,) = (stack.stack.root / "selections" / str(sid)).glob("group-*.stderr.log")
+    assert SPARE_MARK in group_log.read_text()
+    # what is left of spares: the waiting ones' folders (one per pool process), no link, no leftover
+    time.sleep(1)
+    left = sorted(jobs.glob(".spare-*"))
+    assert all(p.is_dir() and not p.is_symlink() and not any(p.iterdir()) for p in left), left
+    assert len(left) <= 2, left
+
+    # the stored losses are a fresh, unsandboxed process's
+    warm_switch(False)
+    cmd = trainer_command(
+        world_size=1,
+        spec_path=jobs / str(second["id"]) / "spec.json",
+        ckpt_dir=tmp_path / "job",
+        stop_file=tmp_path / "stop",
+    )
+    rc, _, msgs, err = _supervise(cmd, tmp_path)
+    assert rc == 0 and SPARE_MARK not in err
+    torch.testing.assert_close(_stored_losses(stack, second["id"]), _losses(msgs))

@@ -1,0 +1,291 @@
+"""The sandboxed warm start: a trainer process started ahead of its job, inside a sandbox of its own.
+
+A fork of the warm trainer (workers/warm.py) cannot enter bubblewrap, and one zygote forking every
+job's run would put them all in one sandbox, where they could see each other. So each worker pool
+process keeps one *spare* instead: a fresh bubblewrap sandbox, made exactly as a cold run's
+(workers/sandbox.py), around a `python -m trainer.zygote --spare` that has imported torch and the
+trainer and waits, on its stdin, for the one run it will become. The sandbox binds a folder of its
+own read-write (`jobs/.spare-*` in the data dir, mode 0700) and nothing else of the data dir.
+
+When a job that fits comes (one process, no network, no workspace or environment of its own to
+bind: `fits`), the worker *adopts* the spare before the attempt writes anything: whatever the job's
+folder already held (an earlier attempt's checkpoints) moves into the spare's folder, and the
+spare's folder is renamed to the job's (the sandbox's bind follows the directory, not its name).
+From then on it is the job's folder on the host. Inside the sandbox it keeps the spare's path, so
+the run's command line and environment name that path instead (`translate`), and a symlink from
+the spare's old name to the job's folder lets the host resolve a path the trainer reports. The run
+gets its command, environment and memory limit as one JSON line, sets the limit on itself before
+any of the job's code runs, and becomes `python -m trainer ...`. The spare is used once: the next
+one is started when the job has ended (`replenish`), so its imports never compete with a run.
+
+Supervision is unchanged: the spare's bubblewrap process is the run's process (its own session,
+its pipes, its exit code, SIGKILL when the worker dies). A spare that died, is not ready in time or
+answers wrongly is killed and the run starts cold in a new sandbox, in the same folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from core.settings import Settings
+from workers.sandbox import Sandbox, apply_limits, die_with_parent, sandbox_limits
+
+log = logging.getLogger(__name__)
+
+PREFIX = ".spare-"
+"""A spare's folder in the data dir's jobs/ (no job's: jobs' folders are named by their ids)."""
+READY_LINE = "shardyard-spare-ready"
+"""What the spare prints on its stdout once its imports are done."""
+READY_TIMEOUT_S = 120.0
+"""How long a run waits for its spare's imports (a loaded machine is slow); after it, cold."""
+RUNNABLE = ("trainer", "trainer.selection")
+
+
+class Spare:
+    """One sandboxed trainer started ahead of its run (one use)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        jobs = settings.data_dir / "jobs"
+        jobs.mkdir(parents=True, exist_ok=True)
+        self.inside = jobs / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.inside.mkdir(mode=0o700)
+        self.sandbox = Sandbox(settings=settings, read_write=[self.inside], user_code=True)
+        self.adopted: Path | None = None
+        self.ready = False
+        self.started = False
+        limits = sandbox_limits(self.sandbox)
+
+        def preexec() -> None:
+            die_with_parent()
+            apply_limits(limits)
+
+        cmd = self.sandbox.command([sys.executable, "-m", "trainer.zygote", "--spare"])
+        self.proc: subprocess.Popen[str] = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=self.sandbox.environment(),
+            preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the spare finished its imports (its ready line) within `timeout` seconds."""
+        if self.ready:
+            return True
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            got, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if got:
+                line = self.proc.stdout.readline()
+                self.ready = line.strip() == READY_LINE
+                return self.ready
+        return False
+
+    def adopt(self, folder: Path, *, move_existing: bool) -> None:
+        """Make the spare's folder the run's `folder` (before the attempt writes into it). A job's
+        folder that exists (an earlier attempt's checkpoints and logs) moves into it first
+        (`move_existing`: only one attempt of a job runs at a time); a selection's folder, which
+        its other groups may be using, must not exist yet. Raises OSError when it cannot."""
+        if folder.is_dir() and move_existing:
+            for entry in folder.iterdir():
+                entry.rename(self.inside / entry.name)
+            folder.rmdir()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _rename_noreplace(self.inside, folder)  # never over a folder another run just made
+        self.inside.symlink_to(folder)  # a path the trainer reports still resolves on the host
+        self.adopted = folder
+
+    def misfit(self, cmd: list[str], sandbox: Sandbox) -> str | None:
+        """Why `cmd` in `sandbox` is not the run this spare can become, or None when it is: a
+        single-process trainer in a sandbox that binds the adopted folder alone (what a workspace
+        or an environment of the job's own adds cannot be bound into a sandbox already made)."""
+        if self.adopted is None:
+            return "its folder was not adopted"
+        if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in RUNNABLE:
+            return f"{' '.join(cmd[:3])} is no single-process trainer"
+        if not sandbox.wraps or sandbox.network:
+            return "the run's sandbox differs (no bubblewrap, or the host's network)"
+        if sandbox.read_write != [self.adopted]:
+            return f"the run's folders {sandbox.read_write} are not its {self.adopted}"
+        if extra := [p for p in sandbox.read_only if p.exists()]:
+            return f"the run binds {extra} too"
+        return None
+
+    def translate(self, text: str) -> str:
+        """`text` with the adopted folder's path as the sandbox sees it (the spare's)."""
+        assert self.adopted is not None
+        outside, inside = str(self.adopted), str(self.inside)
+        if text == outside or text.startswith(outside + "/"):
+            return inside + text[len(outside) :]
+        return text
+
+    def start(
+        self, cmd: list[str], *, env: dict[str, str], memory_limit: int | None
+    ) -> subprocess.Popen[str]:
+        """The spare becomes `cmd`; returns its process (the run's). Raises when it cannot."""
+        if not self.wait_ready(READY_TIMEOUT_S):
+            raise ConnectionError("the spare trainer was not ready in time")
+        assert self.proc.stdin is not None
+        req = {
+            "cmd": [self.translate(a) for a in cmd],
+            "env": {k: self.translate(v) for k, v in env.items()},
+            "cwd": str(self.inside),
+            "memory_limit": memory_limit,
+        }
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.close()
+        self.started = True
+        return self.proc
+
+    def discard(self) -> None:
+        """Kill the spare (unused, or failed) and remove what is its own."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
+        self.release()
+
+    def release(self) -> None:
+        """After its run: the folder is the job's; only the symlink is the spare's."""
+        if self.adopted is None:
+            shutil.rmtree(self.inside, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.inside.unlink()
+
+
+class _Pool:
+    """This worker pool process's spare (none in a process that never started one)."""
+
+    def __init__(self) -> None:
+        self.spare: Spare | None = None
+        self.on = False
+        self.lock = threading.Lock()
+
+
+_POOL = _Pool()
+
+
+def prestart(settings: Settings) -> bool:
+    """Start this pool process's spare (its start), where runs are sandboxed and warm runs are on.
+    False when it does not apply (the warm zygote serves instead)."""
+    probe_sandbox = Sandbox(settings=settings, read_write=[])
+    if not (settings.warm_trainer and probe_sandbox.wraps):
+        return False
+    with _POOL.lock:
+        _POOL.on = True
+        _sweep(settings)
+        _start(settings)
+    return True
+
+
+def _start(settings: Settings) -> None:
+    if _POOL.spare is not None and _POOL.spare.alive() and _POOL.spare.adopted is None:
+        return
+    try:
+        _POOL.spare = Spare(settings)
+    except Exception as e:  # noqa: BLE001 - runs start cold; the next job's end tries again
+        log.warning("could not start a spare sandboxed trainer: %s", e)
+        _POOL.spare = None
+
+
+def take(settings: Settings, folder: Path, *, fits: bool, move_existing: bool = True) -> Spare | None:
+    """The spare, adopted as `folder` (Spare.adopt), for a run that `fits` it: one process of the
+    worker's own Python, with no workspace to bind (None: the run starts cold)."""
+    if not fits:
+        return None
+    with _POOL.lock:
+        spare, _POOL.spare = _POOL.spare, None
+    if spare is None:
+        return None
+    if not spare.alive():
+        spare.discard()
+        return None
+    try:
+        spare.adopt(folder, move_existing=move_existing)
+    except OSError as e:
+        log.warning("could not adopt the spare trainer's folder as %s: %s", folder, e)
+        spare.discard()
+        return None
+    return spare
+
+
+def replenish(settings: Settings, used: Spare | None) -> None:
+    """After a run: its spare's leftovers go, and this pool process starts its next spare."""
+    if used is not None:
+        if used.started:
+            used.release()  # its process was the run's, waited for by supervision
+        else:
+            used.discard()  # adopted but never started (the run went cold or never launched)
+    if _POOL.on:
+        with _POOL.lock:
+            _start(settings)
+
+
+def shutdown() -> None:
+    with _POOL.lock:
+        if _POOL.spare is not None:
+            _POOL.spare.discard()
+        _POOL.spare, _POOL.on = None, False
+
+
+def _sweep(settings: Settings) -> None:
+    """Spares' folders and links left by pool processes that died (their pid is gone)."""
+    jobs = settings.data_dir / "jobs"
+    for p in jobs.glob(f"{PREFIX}*"):
+        pid = p.name.removeprefix(PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            if p.is_symlink():
+                p.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """rename(2) that fails (FileExistsError) instead of replacing an existing `dst`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(dst))
