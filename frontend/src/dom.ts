@@ -39,6 +39,20 @@ export function badge(status: string): HTMLSpanElement {
   return h("span", { class: `badge status-${status}`, "data-status": status }, status.replace("_", " "));
 }
 
+/** A run whose loss ended far above where it began (the API's `diverged`), with its numbers as the
+ * tooltip: shown beside the status, which stays what the run did. */
+export function divergedBadge(job: {
+  diverged?: boolean;
+  divergence?: string | null;
+}): HTMLSpanElement | null {
+  if (!job.diverged) return null;
+  return h(
+    "span",
+    { class: "badge status-diverged", "data-diverged": "1", title: job.divergence ?? "the loss diverged" },
+    "diverged",
+  );
+}
+
 export function progressBar(done: number, total: number): HTMLDivElement {
   const pct = total > 0 ? Math.min(100, (100 * done) / total) : 0;
   const bar = h("div", { class: "progress", title: `${done}/${total}` }, h("div", { class: "fill" }));

@@ -260,8 +260,38 @@ def seed_batch(stack) -> tuple[int, list[dict[str, Any]]]:  # noqa: ANN001
         return sel.id, out
 
 
+def seed_diverged_job(stack) -> int:  # noqa: ANN001
+    """A finished job the worker judged diverged (its loss ended far above where it began)."""
+    job_spec = JobSpec.model_validate({**spec(steps=40), "name": "views-diverged"}).model_dump()
+    with session_for(stack.stack.database_url) as s:
+        admin = s.query(User).filter(User.is_admin.is_(True)).order_by(User.id).first()
+        now = utcnow()
+        job = Job(
+            name="views-diverged",
+            spec=job_spec,
+            status="succeeded",
+            steps=40,
+            step=40,
+            attempts=1,
+            owner_id=admin.id,
+            created_at=now - timedelta(minutes=2),
+            started_at=now - timedelta(minutes=2),
+            finished_at=now,
+            divergence=(
+                "diverged: the training loss ended at 48,310 (mean of the last 4 point(s), to step 40), "
+                "12,077.5x its first value 4 (step 1); the rule flags a final loss above 10x the first "
+                "(train.divergence_factor)"
+            ),
+            result={"final_loss": 48310.0},
+        )
+        s.add(job)
+        s.commit()
+        return job.id
+
+
 def test_batch_history_importance_and_compare_table(stack, page: Page) -> None:
     sid, trials = seed_batch(stack)
+    diverged = seed_diverged_job(stack)
     page.goto(f"{stack.base_url}/#/selections/{sid}")
 
     # importance: the learning rate drives the metric, the layers do not
@@ -302,3 +332,16 @@ def test_batch_history_importance_and_compare_table(stack, page: Page) -> None:
         )
     expect(page.locator("#compare-chart")).to_have_attribute("data-points", re.compile(r"^[1-9]"))
     page.screenshot(path=str(DOCS / "compare-table.png"), full_page=True)
+
+    # the jobs table and a job's page: a diverged run is marked beside its status; a trial's job
+    # page says "stopped early" for a trial the rungs stopped (its job's status is succeeded)
+    page.goto(f"{stack.base_url}/#/")
+    page.locator("#filter-name").fill("views-")
+    row = page.locator(f'#jobs-table tr[data-job-id="{diverged}"]')
+    expect(row.locator('[data-col="status"] .badge').first).to_have_text("succeeded")
+    expect(row.locator("[data-diverged]")).to_have_attribute("title", re.compile("48,310"))
+    page.goto(f"{stack.base_url}/#/jobs/{diverged}")
+    expect(page.locator("#job-header [data-diverged]")).to_have_text("diverged")
+    expect(page.locator("#job-divergence")).to_contain_text("ended at 48,310")
+    page.goto(f"{stack.base_url}/#/jobs/{trials[8]['job_id']}")
+    expect(page.locator("#job-header .badge").first).to_have_text("stopped early")

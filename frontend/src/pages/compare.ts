@@ -15,7 +15,7 @@ import {
   trialReportOf,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
-import { badge, errorText, fmtNum, h } from "../dom";
+import { badge, divergedBadge, errorText, fmtNum, h } from "../dom";
 
 export const MAX_COMPARE = 8;
 const METRICS = ["loss", "val_loss", "tokens_per_s"];
@@ -202,6 +202,7 @@ export function comparePage(root: HTMLElement): () => void {
 
 /** A run's true status: a trial's own (its job ends "succeeded" when the rungs stopped it early). */
 export function trueStatus(job: Job, trial: Trial | undefined): string {
+  if (job.stopped_early) return "stopped_early";
   return trial?.status ?? trialReportOf(job)?.status ?? job.status;
 }
 
@@ -288,7 +289,7 @@ function runsTable(o: {
             h("span", { class: "swatch", style: `background:${o.colour.get(j.id) ?? "#999"}` }),
             h("a", { href: `#/jobs/${j.id}` }, o.label(j)),
           ),
-          h("td", { "data-col": "status" }, badge(status)),
+          h("td", { "data-col": "status" }, badge(status), j.diverged ? " " : null, divergedBadge(j)),
           h("td", { class: "num", "data-col": "best", title: `${modeOf(j)} is better` }, fmtNum(best(j))),
           h("td", { class: "num", "data-col": "steps" }, steps(j)),
           ...params.map((p) => {

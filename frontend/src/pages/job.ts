@@ -17,7 +17,7 @@ import {
   trialReportOf,
 } from "../api";
 import { StepChart } from "../charts";
-import { badge, clock, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
+import { badge, clock, divergedBadge, errorText, fact, fmtNum, fmtTime, h, replace } from "../dom";
 import { gantt, ganttLegend } from "../gantt";
 import { HardwareCharts } from "../hardware";
 import { LogPanel } from "../logs";
@@ -128,7 +128,7 @@ export function jobPage(root: HTMLElement, id: number): () => void {
     const active = !TERMINAL.has(j.status) && !deleted;
     // a trial's job: its result is the trial's report (status, stop_reason)
     const trial = trialReportOf(j);
-    const stop = trial?.stop_reason ?? null;
+    const stop = trial?.stop_reason ?? j.stop_reason ?? null;
     replace(
       header,
       deleted
@@ -145,9 +145,10 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         // a trial's job ends "succeeded" even when the rungs stopped it early
         deleted
           ? badge("deleted")
-          : trial?.status === "stopped_early"
+          : trial?.status === "stopped_early" || j.stopped_early
             ? badge("stopped_early")
             : badge(j.status),
+        divergedBadge(j),
         active && !j.cancel_requested
           ? h("button", { class: "small danger", onclick: () => void cancel() }, "Cancel")
           : null,
@@ -240,6 +241,14 @@ export function jobPage(root: HTMLElement, id: number): () => void {
         fact("started", fmtTime(j.started_at)),
         fact("finished", fmtTime(j.finished_at)),
       ),
+      j.diverged
+        ? h(
+            "p",
+            { class: "error", id: "job-divergence" },
+            // the worker's sentence, with the numbers (jobrules/divergence.py)
+            j.divergence ?? "diverged: the training loss ended far above where it began",
+          )
+        : null,
       stop
         ? h(
             "p",

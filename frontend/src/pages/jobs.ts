@@ -1,7 +1,7 @@
 // Jobs list: one page of the table at a time, filtered on the server (status, owner, name) so it
 // stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
 import { api, type Job, type JobsPage, type JobsStreamEvents, post, subscribe, TERMINAL } from "../api";
-import { badge, clock, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
+import { badge, clock, divergedBadge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
 import { specTools } from "../workspace";
 import { compareHref, MAX_COMPARE } from "./compare";
 
@@ -139,8 +139,11 @@ export function jobsPage(root: HTMLElement): () => void {
       h("td", { class: "owner" }, job.owner ?? "—"),
       h(
         "td",
-        {},
-        badge(job.status),
+        { "data-col": "status" },
+        // a trial's job ends "succeeded" when the rungs stopped it early: say so
+        badge(job.stopped_early ? "stopped_early" : job.status),
+        job.diverged ? " " : null,
+        divergedBadge(job),
         job.cancel_requested && active ? h("span", { class: "muted" }, " cancelling…") : null,
         job.status === "queued" && job.queue_position
           ? h("span", { class: "muted queue-position" }, ` #${job.queue_position} in queue`)
