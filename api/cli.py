@@ -315,9 +315,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    fmt = "safetensors" if args.safetensors else "pt"
     with _client(args) as c:
-        path = c.download(args.id, args.output)
-    console.print(f"job {args.id}: wrote {shown(str(path))} ({path.stat().st_size:,} bytes)")
+        if args.selection:
+            path = c.download_selection(args.id, args.output, best=args.best, format=fmt)
+            what = f"selection {args.id}'s best trial"
+        else:
+            path = c.download(args.id, args.output, best=args.best, format=fmt)
+            what = f"job {args.id}"
+    console.print(f"{what}: wrote {shown(str(path))} ({path.stat().st_size:,} bytes)")
     return 0
 
 
@@ -411,7 +417,10 @@ def _print_selection(sel: Selection) -> None:
         )
     if sel.leaderboard:
         console.print(board)
-        console.print(f"the best trial's weights: shardyard download {sel.leaderboard[0].trial.job_id}")
+        console.print(
+            f"the best trial's weights: shardyard download {sel.leaderboard[0].trial.job_id} "
+            f"(or shardyard download --selection {sel.id} [--safetensors])"
+        )
     else:
         console.print("leaderboard: no trial has a metric yet")
 
@@ -776,12 +785,28 @@ def build_parser() -> argparse.ArgumentParser:
         "download",
         help="a job's trained weights: its newest whole checkpoint (torch.load(path, weights_only=True))",
     )
-    p.add_argument("id", type=int, help="the job (a selection's best trial: its job id in the leaderboard)")
+    p.add_argument("id", type=int, help="the job (with --selection: the selection batch)")
     p.add_argument(
         "--output",
         "-o",
         metavar="FILE",
         help="where to write it (a file or a folder; default: job-<id>-step-<n>.pt here)",
+    )
+    p.add_argument(
+        "--best",
+        action="store_true",
+        help="the checkpoint at the job's best metric step (a trial's batch metric, a job's val_loss), "
+        "not its newest",
+    )
+    p.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="the model's weights alone as safetensors (job-<id>-step-<n>.safetensors)",
+    )
+    p.add_argument(
+        "--selection",
+        action="store_true",
+        help="ID is a selection batch: its best trial's (the leaderboard's first)",
     )
     p.set_defaults(fn=cmd_download)
     p = sub.add_parser("logs", help="a job's log: status lines and the trainer's own output")

@@ -65,7 +65,8 @@ def event_public(ev: JobEvent) -> EventPublic:
     return EventPublic(id=ev.id, time=ev.time, kind=ev.kind, message=ev.message, data=ev.data)
 
 
-def _leaderboard(sel: Selection) -> list[int]:
+def leaderboard(sel: Selection) -> list[int]:
+    """The ids of the batch's trials with a metric, best first (its mode), ties by index."""
     sign = 1.0 if sel.mode == "min" else -1.0
     scored = [t for t in sel.trials if t.best_metric is not None]
     return [t.id for t in sorted(scored, key=lambda t: (sign * t.best_metric, t.index))]
@@ -92,6 +93,6 @@ def selection_public(sel: Selection, *, brief: bool = False) -> SelectionPublic:
         cancel_requested=sel.cancel_requested,
         error=brief_error(sel.error, whole_at=f"GET /api/selections/{sel.id}") if brief else sel.error,
         trials=[trial_public(t) for t in sel.trials],
-        leaderboard=_leaderboard(sel),
+        leaderboard=leaderboard(sel),
         owner=sel.user.name if sel.user else None,
     )

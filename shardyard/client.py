@@ -156,20 +156,36 @@ class Client:
     def get(self, job_id: int, *, patience_s: float = 0.0) -> Job:
         return Job.from_json(self._send("GET", f"/api/jobs/{job_id}", patience_s=patience_s), self)
 
-    def download(self, job_id: int, path: str | Path | None = None) -> Path:
-        """The job's trained weights: its newest whole checkpoint (GET /api/jobs/{id}/checkpoint;
-        a selection's best trial: the leaderboard's first trial's job_id), written to `path` (a
-        file, or a folder for the API's name job-<id>-step-<n>.pt; default: that name here).
-        Returns the file's path; `torch.load(path, weights_only=True)` reads it (its "model" holds
-        the tensors). The file appears whole or not at all. ApiError (404, the reason) when the
-        job has none."""
-        with self._http.stream("GET", f"/api/jobs/{job_id}/checkpoint") as resp:
+    def download(
+        self, job_id: int, path: str | Path | None = None, *, best: bool = False, format: str = "pt"
+    ) -> Path:
+        """The job's trained weights (GET /api/jobs/{id}/checkpoint): its newest whole checkpoint,
+        or with `best` the one at its best metric step (a trial's batch metric, a job's val_loss);
+        `format="safetensors"` the model's weights alone (`safetensors.torch.load_file` reads them,
+        `model.load_state_dict` takes them). Written to `path` (a file, or a folder for the API's
+        name job-<id>-step-<n>.pt or .safetensors; default: that name here). Returns the file's
+        path; a .pt `torch.load(path, weights_only=True)` reads (its "model" holds the tensors).
+        The file appears whole or not at all. ApiError (404, the reason) when the job has none."""
+        params = {"best": "true" if best else "false", "format": format}
+        return self._download(f"/api/jobs/{job_id}/checkpoint", params, path, what=f"job {job_id}")
+
+    def download_selection(
+        self, selection_id: int, path: str | Path | None = None, *, best: bool = False, format: str = "pt"
+    ) -> Path:
+        """The batch's best trial's weights (GET /api/selections/{id}/checkpoint: the leaderboard's
+        first trial), as `download` writes a job's; `best` its checkpoint at its best metric step."""
+        params = {"best": "true" if best else "false", "format": format}
+        where = f"/api/selections/{selection_id}/checkpoint"
+        return self._download(where, params, path, what=f"selection {selection_id}")
+
+    def _download(self, url: str, params: dict[str, str], path: str | Path | None, *, what: str) -> Path:
+        with self._http.stream("GET", url, params=params) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 raise_for(resp)
             disposition = resp.headers.get("content-disposition", "")
             name = disposition.split('filename="', 1)[-1].rstrip('"') if "filename=" in disposition else ""
-            name = Path(name).name or f"job-{job_id}.pt"
+            name = Path(name).name or f"{what.replace(' ', '-')}.{params['format']}"
             dest = Path(path) if path is not None else Path(name)
             if dest.is_dir():
                 dest = dest / name
@@ -181,7 +197,7 @@ class Client:
                 expected = resp.headers.get("content-length")
                 if expected is not None and tmp.stat().st_size != int(expected):
                     raise ShardyardError(
-                        f"job {job_id}'s checkpoint came short: {tmp.stat().st_size} of {expected} bytes"
+                        f"{what}'s checkpoint came short: {tmp.stat().st_size} of {expected} bytes"
                     )
                 tmp.replace(dest)
             except httpx.TransportError as e:

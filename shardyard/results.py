@@ -127,9 +127,10 @@ class Job:
     def cancel(self) -> Job:
         return self._c().cancel(self.id)
 
-    def download(self, path: str | Path | None = None) -> Path:
-        """Client.download(self.id, path): the job's newest whole checkpoint, as a file."""
-        return self._c().download(self.id, path)
+    def download(self, path: str | Path | None = None, *, best: bool = False, format: str = "pt") -> Path:
+        """Client.download(self.id, path, best=, format=): the job's newest (or best) whole
+        checkpoint, or its weights as safetensors, as a file."""
+        return self._c().download(self.id, path, best=best, format=format)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -267,6 +268,10 @@ class Selection:
 
     def cancel(self) -> Selection:
         return self._c().cancel_selection(self.id)
+
+    def download(self, path: str | Path | None = None, *, best: bool = False, format: str = "pt") -> Path:
+        """Client.download_selection(self.id, ...): the best trial's checkpoint or weights."""
+        return self._c().download_selection(self.id, path, best=best, format=format)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -410,7 +415,12 @@ class _Client(Protocol):
     ) -> Iterator[JobEvent]: ...
     def wait(self, job_id: int, *, timeout: float | None = None) -> Job: ...
     def cancel(self, job_id: int) -> Job: ...
-    def download(self, job_id: int, path: str | Path | None = None) -> Path: ...
+    def download(
+        self, job_id: int, path: str | Path | None = None, *, best: bool = False, format: str = "pt"
+    ) -> Path: ...
+    def download_selection(
+        self, selection_id: int, path: str | Path | None = None, *, best: bool = False, format: str = "pt"
+    ) -> Path: ...
     def get_selection(self, selection_id: int, *, patience_s: float = 0.0) -> Selection: ...
     def follow_selection(
         self,

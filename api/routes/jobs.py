@@ -13,9 +13,10 @@ from pydantic import BaseModel, Field
 
 from api.admission import admission_problem
 from api.auth import AdminUser, CurrentUser, may_see
-from api.checkpoints import CheckpointPublic, NoCheckpoint, newest_checkpoint, open_checkpoint
+from api.checkpoints import CheckpointPublic, find_checkpoint, open_download
 from api.convert import event_public, job_public
 from api.deps import PageSize, PageStart, SessionDep, SettingsDep, StatusFilter
+from api.downloads import CHECKPOINT_RESPONSES, BestQuery, FormatQuery, checkpoint_errors, send_checkpoint
 from api.publish import publish_job_status
 from api.queue import wake_scheduler, with_placement
 from api.retention import delete_finished_job
@@ -36,7 +37,6 @@ from api.series import job_series
 from api.sse import MAX_CURSOR, job_events
 from api.streams import SseResponse, open_stream
 from api.workspaces import WorkspaceRefError, pin_workspace
-from core.storage import KeyMissing, StorageError
 from db import ingest as db_ingest
 from db import jobs as db_jobs
 from db import selections as db_sel
@@ -233,59 +233,41 @@ def get_metrics(
     },
 )
 def checkpoint_info(
-    job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
+    best: BestQuery = False,
+    format: FormatQuery = "pt",  # noqa: A002 - the query parameter's name
 ) -> CheckpointPublic:
     """What `GET /api/jobs/{id}/checkpoint` would send now (its step, size and filename), or why
     there is nothing to send (404): the job page's download link."""
     job = _job_or_404(session, job_id, user)
-    try:
-        return newest_checkpoint(settings, session, job).public(job_id)
-    except NoCheckpoint as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except StorageError as e:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from e
+    with checkpoint_errors(job_id):
+        found = find_checkpoint(settings, session, job, best=best)
+        info = found.public(job_id)
+        if format == "safetensors":
+            got = open_download(settings, found, job_id=job_id, fmt=format, stream=False)
+            info = info.model_copy(update={"size": got.size, "filename": got.filename, "format": format})
+        return info
 
 
-@router.get(
-    "/{job_id}/checkpoint",
-    response_class=StreamingResponse,
-    responses={
-        200: {
-            "content": {"application/octet-stream": {}},
-            "description": "the newest whole checkpoint, as a file named job-<id>-step-<n>.pt",
-        },
-        404: {"description": "no such job of yours, or it has no whole checkpoint (the reason)"},
-        503: {"description": "the store did not answer (the reason)"},
-    },
-)
+@router.get("/{job_id}/checkpoint", response_class=StreamingResponse, responses=CHECKPOINT_RESPONSES)
 def download_checkpoint(
-    job_id: JobId, session: SessionDep, settings: SettingsDep, user: CurrentUser
+    job_id: JobId,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
+    best: BestQuery = False,
+    format: FormatQuery = "pt",  # noqa: A002 - the query parameter's name
 ) -> StreamingResponse:
-    """The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py),
-    streamed as a file that `torch.load(path, weights_only=True)` reads. A selection trial's job
-    serves its trial's checkpoint (the batch's leaderboard names the best trial's job)."""
+    """The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py), or
+    with `best=true` the one at its best metric step, streamed as a file that
+    `torch.load(path, weights_only=True)` reads; `format=safetensors` sends the model's weights
+    alone as a safetensors file (`safetensors.torch.load_file`). A selection trial's job serves
+    its trial's checkpoint (GET /api/selections/{id}/checkpoint: the batch's best trial's)."""
     job = _job_or_404(session, job_id, user)
-    try:
-        found = newest_checkpoint(settings, session, job)
-        body = open_checkpoint(settings, found)
-    except NoCheckpoint as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
-    except KeyMissing as e:  # pruned between the listing and the open: the caller may ask again
-        raise HTTPException(
-            status.HTTP_404_NOT_FOUND, f"job {job_id}'s checkpoint was replaced by a newer one; ask again"
-        ) from e
-    except StorageError as e:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e)) from e
-    session.close()  # the stream holds no pooled connection while it sends
-    return StreamingResponse(
-        body,
-        media_type="application/octet-stream",
-        headers={
-            "Content-Disposition": f'attachment; filename="{found.filename(job_id)}"',
-            "Content-Length": str(found.size),
-            "X-Checkpoint-Step": str(found.step),
-        },
-    )
+    return send_checkpoint(session, settings, job, best=best, fmt=format)
 
 
 @router.get("/{job_id}/logs", response_model=EventsPublic)

@@ -6,13 +6,15 @@ import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.admission import admission_problem, group_problem, trial_count_problem
 from api.auth import CurrentUser, may_see
-from api.convert import selection_public, trial_public
+from api.convert import leaderboard, selection_public, trial_public
 from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep, StatusFilter
+from api.downloads import CHECKPOINT_RESPONSES, BestQuery, FormatQuery, send_checkpoint
 from api.limits import clip
 from api.queue import wake_scheduler
 from api.schemas import (
@@ -331,3 +333,27 @@ def stream_selection(
         session=session,
         user=user,
     )
+
+
+@router.get("/{selection_id}/checkpoint", response_class=StreamingResponse, responses=CHECKPOINT_RESPONSES)
+def download_best_trial(
+    selection_id: RowId,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: CurrentUser,
+    best: BestQuery = False,
+    format: FormatQuery = "pt",  # noqa: A002 - the query parameter's name
+) -> StreamingResponse:
+    """The batch's best trial's checkpoint (the leaderboard's first: its metric and mode), as
+    GET /api/jobs/{id}/checkpoint sends it for that trial's job (`X-Job-Id` names it); `best=true`
+    its checkpoint at its best metric step. 404 with the reason while no trial has a metric."""
+    sel = _selection_or_404(session, selection_id, user)
+    board = leaderboard(sel)
+    if not board:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"selection {selection_id} has no best trial yet: no trial has reported {sel.metric}",
+        )
+    trial = next(t for t in sel.trials if t.id == board[0])
+    job = db_jobs.get_job(session, trial.job_id)
+    return send_checkpoint(session, settings, job, best=best, fmt=format)

@@ -240,3 +240,26 @@ def test_a_sampler_trial_asked_mid_group_uploads_its_checkpoints(hosts: Hosts) -
             job = h.job(next(t["job_id"] for t in done["trials"] if t["index"] == i))
             logs = h.client.get(f"/api/jobs/{job['id']}/logs").text[-4000:]
             raise AssertionError(f"trial {i} kept {steps}; its job {job}; its log {logs}")
+
+
+def test_weights_and_the_best_checkpoint_download_from_the_store(hosts: Hosts, tmp_path: Path) -> None:
+    """The API's data dir is not the worker's: the checkpoint, its weights as safetensors and the
+    best one are read from moto's S3, and the weights load into the recipe's model."""
+    from safetensors.torch import load as load_safetensors
+
+    from tests.integration.test_weights_download import SPEC as WEIGHTS_SPEC
+    from tests.integration.test_weights_download import check_weights
+
+    assert hosts.h is not None
+    h = hosts.h
+    hosts.only(1)
+    job_id = h.submit({**WEIGHTS_SPEC, "name": "s3-weights"})["id"]
+    h.wait(job_id, timeout=240)
+    pt = h.client.get(f"/api/jobs/{job_id}/checkpoint", params={"best": "true"})
+    assert pt.status_code == 200, pt.text
+    step = int(pt.headers["x-checkpoint-step"])
+    with hosts.store.open_read(f"jobs/{job_id}/checkpoints/step-{step:08d}.pt") as fh:
+        assert fh.read() == pt.content  # the store's bytes
+    resp = h.client.get(f"/api/jobs/{job_id}/checkpoint", params={"best": "true", "format": "safetensors"})
+    assert resp.status_code == 200 and resp.headers["x-checkpoint-step"] == str(step), resp.text
+    check_weights(WEIGHTS_SPEC, load_safetensors(resp.content), pt.content, tmp_path / "s3.pt")

@@ -305,9 +305,11 @@ export interface paths {
         };
         /**
          * Download Checkpoint
-         * @description The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py),
-         *     streamed as a file that `torch.load(path, weights_only=True)` reads. A selection trial's job
-         *     serves its trial's checkpoint (the batch's leaderboard names the best trial's job).
+         * @description The job's trained weights: its newest whole checkpoint in the store (api/checkpoints.py), or
+         *     with `best=true` the one at its best metric step, streamed as a file that
+         *     `torch.load(path, weights_only=True)` reads; `format=safetensors` sends the model's weights
+         *     alone as a safetensors file (`safetensors.torch.load_file`). A selection trial's job serves
+         *     its trial's checkpoint (GET /api/selections/{id}/checkpoint: the batch's best trial's).
          */
         get: operations["download_checkpoint_api_jobs__job_id__checkpoint_get"];
         put?: never;
@@ -510,6 +512,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/selections/{selection_id}/checkpoint": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Download Best Trial
+         * @description The batch's best trial's checkpoint (the leaderboard's first: its metric and mode), as
+         *     GET /api/jobs/{id}/checkpoint sends it for that trial's job (`X-Job-Id` names it); `best=true`
+         *     its checkpoint at its best metric step. 404 with the reason while no trial has a metric.
+         */
+        get: operations["download_best_trial_api_selections__selection_id__checkpoint_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/workspaces": {
         parameters: {
             query?: never;
@@ -670,6 +694,21 @@ export interface components {
             size: number;
             /** Filename */
             filename: string;
+            /**
+             * Format
+             * @default pt
+             * @enum {string}
+             */
+            format: "pt" | "safetensors";
+            /**
+             * Best
+             * @default false
+             */
+            best: boolean;
+            /** Metric */
+            metric?: string | null;
+            /** Value */
+            value?: number | null;
         };
         /** DataSpec */
         DataSpec: {
@@ -2497,7 +2536,12 @@ export interface operations {
     };
     checkpoint_info_api_jobs__job_id__checkpoint_info_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description the checkpoint at the step where the job's metric was best (a trial's batch metric, a job's val_loss) among those the store keeps, instead of the newest */
+                best?: boolean;
+                /** @description pt: the trainer's whole checkpoint; safetensors: the model's weights alone */
+                format?: "pt" | "safetensors";
+            };
             header?: never;
             path: {
                 /** @description a job's id */
@@ -2543,7 +2587,12 @@ export interface operations {
     };
     download_checkpoint_api_jobs__job_id__checkpoint_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description the checkpoint at the step where the job's metric was best (a trial's batch metric, a job's val_loss) among those the store keeps, instead of the newest */
+                best?: boolean;
+                /** @description pt: the trainer's whole checkpoint; safetensors: the model's weights alone */
+                format?: "pt" | "safetensors";
+            };
             header?: never;
             path: {
                 /** @description a job's id */
@@ -2553,7 +2602,7 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description the newest whole checkpoint, as a file named job-<id>-step-<n>.pt */
+            /** @description the checkpoint, as a file named job-<id>-step-<n>.pt, or its weights as job-<id>-step-<n>.safetensors */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -2938,6 +2987,56 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["ValidationRefusal"];
                 };
+            };
+        };
+    };
+    download_best_trial_api_selections__selection_id__checkpoint_get: {
+        parameters: {
+            query?: {
+                /** @description the checkpoint at the step where the job's metric was best (a trial's batch metric, a job's val_loss) among those the store keeps, instead of the newest */
+                best?: boolean;
+                /** @description pt: the trainer's whole checkpoint; safetensors: the model's weights alone */
+                format?: "pt" | "safetensors";
+            };
+            header?: never;
+            path: {
+                selection_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description the checkpoint, as a file named job-<id>-step-<n>.pt, or its weights as job-<id>-step-<n>.safetensors */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/octet-stream": unknown;
+                };
+            };
+            /** @description no such job of yours, or it has no whole checkpoint (the reason) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Refused: each field named with the rule it breaks */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRefusal"];
+                };
+            };
+            /** @description the store did not answer (the reason) */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
         };
     };
