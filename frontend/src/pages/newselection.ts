@@ -360,7 +360,8 @@ export function newSelectionPage(root: HTMLElement): () => void {
       mode: mode.value,
       scheduler: scheduler.value,
       checkpoints: checkpoints.value,
-      fuse: fuse.checked || undefined,
+      // fusion is the API's default (where its cost model says it pays): only "off" is sent
+      fuse: fuse.checked ? undefined : false,
     };
     // JSON drops the undefined fields: the API's defaults apply
     return JSON.parse(JSON.stringify(b)) as Body;
@@ -394,7 +395,7 @@ export function newSelectionPage(root: HTMLElement): () => void {
     mode.value = val("mode") || "min";
     scheduler.value = val("scheduler") || "shard-lrtf";
     checkpoints.value = val("checkpoints") || "best";
-    fuse.checked = Boolean(r.fuse);
+    fuse.checked = r.fuse !== false;
     clearErrors();
     showFor();
     preview();
@@ -559,7 +560,7 @@ export function newSelectionPage(root: HTMLElement): () => void {
           h(
             "div",
             { class: "field", "data-field": "fuse" },
-            h("label", {}, fuse, " fuse same-architecture trials"),
+            h("label", {}, fuse, " fuse same-architecture trials where it pays (off: every trial alone)"),
             slot("fuse"),
           ),
         ),
