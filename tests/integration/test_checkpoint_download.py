@@ -48,6 +48,10 @@ def test_download_a_finished_jobs_weights(stack: StackHandle, tmp_path: Path) ->
         "step": 10,
         "size": len(resp.content),
         "filename": f"job-{job_id}-step-10.pt",
+        "format": "pt",
+        "best": False,
+        "metric": None,
+        "value": None,
     }
 
     with Client(stack.base_url, stack.token) as sy:
