@@ -210,6 +210,17 @@ class MetricsPublic(BaseModel):
     series: dict[str, Series]
 
 
+class CurvesPublic(BaseModel):
+    """One metric of every trial of a batch (GET /api/selections/{id}/curves): the batch page's
+    curves in one answer rather than one request per trial."""
+
+    selection_id: int
+    name: str
+    curves: dict[str, Series]
+    """By the trial's job id (as a string: a JSON object's key); trials without the metric yet
+    are absent."""
+
+
 class EventPublic(BaseModel):
     id: int
     time: float

@@ -15,15 +15,18 @@ from api.auth import CurrentUser, may_see
 from api.convert import leaderboard, selection_public, trial_public
 from api.deps import PageSize, PageStart, RowId, SessionDep, SettingsDep, StatusFilter
 from api.downloads import CHECKPOINT_RESPONSES, BestQuery, FormatQuery, send_checkpoint
+from api.downsample import downsample
 from api.limits import clip
 from api.queue import wake_scheduler
 from api.schemas import (
     DB_BIGINT,
+    CurvesPublic,
     JobSpec,
     SelectionCreate,
     SelectionPublic,
     SelectionsPublic,
     SelectionStreamEvents,
+    Series,
     TrialPublic,
     TrialsAdd,
     sse_doc,
@@ -33,6 +36,7 @@ from api.streams import SseResponse, open_stream
 from api.workspaces import WorkspaceRefError, pin_workspace
 from core import search
 from core.settings import Settings
+from db import ingest as db_ingest
 from db import jobs as db_jobs
 from db import selections as db_sel
 from db.models import Selection, User
@@ -202,6 +206,27 @@ def list_selections(
 @router.get("/{selection_id}", response_model=SelectionPublic)
 def get_selection(selection_id: RowId, session: SessionDep, user: CurrentUser) -> SelectionPublic:
     return selection_public(_selection_or_404(session, selection_id, user))
+
+
+@router.get("/{selection_id}/curves", response_model=CurvesPublic)
+def get_curves(
+    selection_id: RowId,
+    session: SessionDep,
+    user: CurrentUser,
+    name: str | None = Query(None, max_length=64, description="the metric (default: the batch's)"),
+    max_points: int = Query(200, ge=2, le=10_000, description="downsample each trial's curve (LTTB)"),
+) -> CurvesPublic:
+    """One metric of every trial in one answer: the batch page's curves chart (a request per
+    trial was a thousand requests for a batch of 1,000 trials, bench/scale.py)."""
+    sel = _selection_or_404(session, selection_id, user)
+    metric = name or sel.metric
+    jobs = [t.job_id for t in sel.trials if t.job_id is not None]
+    raw = db_ingest.series_of_jobs(session, job_ids=jobs, name=metric)
+    curves = {}
+    for job_id, (steps, values) in raw.items():
+        steps, values = downsample(steps, values, max_points=max_points)
+        curves[str(job_id)] = Series(steps=steps, values=values)
+    return CurvesPublic(selection_id=selection_id, name=metric, curves=curves)
 
 
 @router.post("/{selection_id}/cancel", response_model=SelectionPublic)

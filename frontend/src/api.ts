@@ -13,6 +13,7 @@ export type Reservation = Schemas["ReservationPublic"];
 export type Me = Schemas["Me"];
 export type Health = Schemas["HealthPublic"];
 export type Metrics = Schemas["MetricsPublic"];
+export type Curves = Schemas["CurvesPublic"];
 export type CheckpointInfo = Schemas["CheckpointPublic"];
 export type Series = Schemas["Series"];
 /** A stored log line or event (GET /api/jobs/{id}/logs) or a live one (the job stream's `log`). */

@@ -438,6 +438,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/selections/{selection_id}/curves": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Get Curves
+         * @description One metric of every trial in one answer: the batch page's curves chart (a request per
+         *     trial was a thousand requests for a batch of 1,000 trials, bench/scale.py).
+         */
+        get: operations["get_curves_api_selections__selection_id__curves_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/selections/{selection_id}/cancel": {
         parameters: {
             query?: never;
@@ -709,6 +730,21 @@ export interface components {
             metric?: string | null;
             /** Value */
             value?: number | null;
+        };
+        /**
+         * CurvesPublic
+         * @description One metric of every trial of a batch (GET /api/selections/{id}/curves): the batch page's
+         *     curves in one answer rather than one request per trial.
+         */
+        CurvesPublic: {
+            /** Selection Id */
+            selection_id: number;
+            /** Name */
+            name: string;
+            /** Curves */
+            curves: {
+                [key: string]: components["schemas"]["Series"];
+            };
         };
         /** DataSpec */
         DataSpec: {
@@ -2846,6 +2882,42 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["SelectionPublic"];
+                };
+            };
+            /** @description Refused: each field named with the rule it breaks */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRefusal"];
+                };
+            };
+        };
+    };
+    get_curves_api_selections__selection_id__curves_get: {
+        parameters: {
+            query?: {
+                /** @description the metric (default: the batch's) */
+                name?: string | null;
+                /** @description downsample each trial's curve (LTTB) */
+                max_points?: number;
+            };
+            header?: never;
+            path: {
+                selection_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CurvesPublic"];
                 };
             };
             /** @description Refused: each field named with the rule it breaks */

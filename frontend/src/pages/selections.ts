@@ -1,6 +1,7 @@
 // Model-selection batches: the list, and one batch's leaderboard, curves and parallel coordinates.
 import {
   api,
+  type Curves,
   type Job,
   lookup,
   type Metrics,
@@ -178,16 +179,27 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   const metric = () => sel?.metric ?? "val_loss";
   const lineKey = (t: Trial) => `t${t.id}`;
 
+  // points marked: a trial stopped at its first rung has a single point, which a bare line hides
+  const lineOf = (t: Trial) => ({
+    key: lineKey(t),
+    label: `trial ${t.index}`,
+    color: trialColour(t),
+    points: true,
+  });
+
   const ensureLine = (t: Trial) => {
     if (!chart || chart.has(lineKey(t))) return false;
-    // points marked: a trial stopped at its first rung has a single point, which a bare line hides
-    chart.addLine({
-      key: lineKey(t),
-      label: `trial ${t.index}`,
-      color: trialColour(t),
-      points: true,
-    });
+    chart.addLine(lineOf(t));
     return true;
+  };
+
+  /** Every trial's curve in one request: one per trial was a thousand for a batch of 1,000. */
+  const loadCurves = async () => {
+    const got = await api<Curves>(`/api/selections/${id}/curves?name=${metric()}&max_points=1000`).catch(
+      () => null,
+    );
+    for (const t of trials.values())
+      if (t.job_id !== null) chart?.addSeries(lineKey(t), got?.curves[String(t.job_id)]);
   };
 
   const loadCurve = async (t: Trial) => {
@@ -215,6 +227,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   const upsertTrial = (t: Trial) => {
     const before = trials.get(t.id);
+    // the stream opens with every trial's state, which the page has drawn from the REST answer
+    // already: redrawing a batch's 1,000 unchanged rows and lines cost it a second
+    if (before && JSON.stringify(before) === JSON.stringify(t)) return;
     trials.set(t.id, t);
     if (ensureLine(t) || (before && before.job_id === null && t.job_id !== null)) void loadCurve(t);
     void loadEnd(t);
@@ -378,6 +393,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         fact("search", searchText(s)),
         fact("early stopping", stoppingText(s)),
         fact("checkpoints kept", s.request.checkpoints ?? "—"),
+        fact("best trial", bestDownload(s, trials)),
         fact("scheduler", s.scheduler),
         fact("trials", trials.size),
         fact("created", fmtTime(s.created_at)),
@@ -388,8 +404,12 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     );
   };
 
+  // the width the parallel coordinates were last drawn at
+  let pcWidth = 0;
   const renderParcoords = () => {
     if (!sel) return;
+    // drawn at this width: the observer's first call (and any under 8 px) does not draw it again
+    pcWidth = pcEl.clientWidth;
     pcEl.replaceChildren(
       parallelCoordinates({
         trials: [...trials.values()],
@@ -403,7 +423,6 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     );
   };
   // the plot is drawn to its card's width: redraw when that changes
-  let pcWidth = 0;
   const pcResize = new ResizeObserver(() => {
     if (Math.abs(pcEl.clientWidth - pcWidth) < 8) return;
     pcWidth = pcEl.clientWidth;
@@ -577,7 +596,15 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     history.setEmpty("No trial has ended with a metric yet.");
     const first = sel.trials?.[0];
     addText.value = JSON.stringify(first ? [first.params] : [{}], null, 1);
+    // the lines in one go (a redraw per line added was quadratic) and their curves in one request
+    chart.addLines((sel.trials ?? []).map(lineOf));
+    const curves = loadCurves();
     for (const t of sel.trials ?? []) upsertTrial(t);
+    // every trial's curve drawn: what a test, or bench/scale.py, waits for
+    void curves.then(() => {
+      chart?.drawNow();
+      curvesEl.dataset.curvesLoaded = "1";
+    });
     chart.setEmpty(
       sel.trials?.length ? `No ${sel.metric} yet: the first evaluation has not happened.` : "No trials yet.",
     );
@@ -609,7 +636,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
       },
       (state) => {
         // points sent while we were disconnected are only in the database: reload the curves
-        if (state === "open" && reconnected) for (const t of trials.values()) void loadCurve(t);
+        if (state === "open" && reconnected) void loadCurves();
         if (state === "error") reconnected = true;
       },
     );
@@ -647,6 +674,35 @@ function compare(a: number | string | null, b: number | string | null, dir: 1 | 
   if (b === null) return -1;
   if (typeof a === "number" && typeof b === "number") return (a - b) * dir;
   return String(a).localeCompare(String(b)) * dir;
+}
+
+/** The batch's best trial's weights in one click (GET /api/selections/{id}/checkpoint serves the
+ * leaderboard's first trial's checkpoint), once the batch has ended and kept checkpoints. */
+function bestDownload(s: Selection, trials: Map<number, Trial>): HTMLElement | string {
+  const best = s.leaderboard?.length ? trials.get(s.leaderboard[0]) : undefined;
+  if (!best) return "—";
+  const which = `trial ${best.index}`;
+  if (s.request.checkpoints === "none" || !TERMINAL.has(s.status)) return which;
+  return h(
+    "span",
+    {},
+    h(
+      "a",
+      {
+        id: "selection-download-best",
+        href: `/api/selections/${s.id}/checkpoint?format=safetensors`,
+        download: "",
+        title: `${which}'s model weights as safetensors`,
+      },
+      `${which}: weights (safetensors)`,
+    ),
+    " · ",
+    h(
+      "a",
+      { id: "selection-download-best-pt", href: `/api/selections/${s.id}/checkpoint`, download: "" },
+      "checkpoint",
+    ),
+  );
 }
 
 /** Ended trials whose end time the batch page looks up (one request each, four at a time). */
