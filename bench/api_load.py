@@ -3,9 +3,11 @@ Celery worker, SQLite WAL): 50 Server-Sent Event streams open on a job that trai
 metrics the whole time, 20 submits per second (open loop: each POST starts on its schedule,
 whether or not the previous one answered), and a probe issuing the reads the dashboard and CLI
 make and Prometheus' scrape. Every request's latency is kept; the table gives p50/p95/p99 per route
-and overall. Goals: p99 <= 100 ms on every route, and p95 <= 50 ms for a job's metric series.
+and overall. Goals: p99 <= 100 ms on every route, and p95 <= 50 ms for a job's metric series. At
+scale (`--streams 500 --jobs 10`: the streams spread over 10 jobs that train at once on one
+worker, the probe's job reads turning through them) the p99 goal is 150 ms.
 
-    python -m bench.api_load [--streams 50] [--submits-per-s 20] [--seconds 30]
+    python -m bench.api_load [--streams 50] [--jobs 1] [--submits-per-s 20] [--seconds 30]
 
 Writes bench/results/api_load.json naming the machine and its load average during the run.
 """
@@ -35,6 +37,8 @@ STREAMED = {
     "train": {"steps": 1_000_000, "batch_size": 2, "eval_every": 1000, "eval_batches": 1},
 }
 GOAL_P99_MS = 100
+GOAL_P99_MS_AT_SCALE = 150
+"""The goal with more than 50 streams (500 streams over 10 running jobs)."""
 GOAL_SERIES_P95_MS = 50
 SERIES_ROUTE = "GET /api/jobs/{id}/metrics"
 SUBMITTED = {**STREAMED, "name": "queued", "train": {**STREAMED["train"], "steps": 10}}
@@ -95,7 +99,7 @@ def _stream_reads(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
+def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1) -> dict:
     lat: dict[str, list[float]] = {}
     errors: dict[str, int] = {}
     lock = threading.Lock()
@@ -117,23 +121,32 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
                 errors[f"{route} {r.status_code}"] = errors.get(f"{route} {r.status_code}", 0) + 1
 
     with httpx.Client(base_url=stack.base_url, timeout=60, headers=auth) as c:
-        job = c.post("/api/jobs", json=STREAMED).json()
-        while c.get(f"/api/jobs/{job['id']}").json()["progress"]["step"] < 5:
-            time.sleep(0.2)
-        open_streams = Streams(stack.api_port, f"/api/jobs/{job['id']}/stream", streams, stack.admin_token)
+        trained = [c.post("/api/jobs", json=STREAMED).json() for _ in range(jobs)]
+        for j in trained:
+            while c.get(f"/api/jobs/{j['id']}").json()["progress"]["step"] < 5:
+                time.sleep(0.2)
+        # the streams spread evenly over the running jobs (a job's frames are built once for all
+        # of its streams: api/sse.py)
+        per = [streams // jobs + (1 if k < streams % jobs else 0) for k in range(jobs)]
+        opened = [
+            Streams(stack.api_port, f"/api/jobs/{j['id']}/stream", n, stack.admin_token)
+            for j, n in zip(trained, per, strict=True)
+            if n
+        ]
         load = [os.getloadavg()[0]]
         stop = threading.Event()
 
         def probe() -> None:
-            routes = [
-                ("GET /api/jobs", "/api/jobs", {"limit": 50}),
-                ("GET /api/jobs/{id}", f"/api/jobs/{job['id']}", {}),
-                ("GET /api/jobs/{id}/metrics", f"/api/jobs/{job['id']}/metrics", {"max_points": 200}),
-                ("GET /api/health", "/api/health", {}),
-                ("GET /metrics", "/metrics", {}),
-            ]
             i = 0
             while not stop.is_set():
+                j = trained[(i // 5) % len(trained)]  # each round of the routes on the next job
+                routes = [
+                    ("GET /api/jobs", "/api/jobs", {"limit": 50}),
+                    ("GET /api/jobs/{id}", f"/api/jobs/{j['id']}", {}),
+                    ("GET /api/jobs/{id}/metrics", f"/api/jobs/{j['id']}/metrics", {"max_points": 200}),
+                    ("GET /api/health", "/api/health", {}),
+                    ("GET /metrics", "/metrics", {}),
+                ]
                 route, url, params = routes[i % len(routes)]
                 timed(route, "GET", url, params=params)
                 i += 1
@@ -153,14 +166,15 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
                 if k % int(rate * 5) == 0:
                     load.append(os.getloadavg()[0])
         achieved = n / (time.perf_counter() - t0)
-        streamed_step = c.get(f"/api/jobs/{job['id']}").json()["progress"]["step"]
+        streamed_step = min(c.get(f"/api/jobs/{j['id']}").json()["progress"]["step"] for j in trained)
         stop.set()
         prober.join(timeout=10)
         load.append(os.getloadavg()[0])
-        delivered = open_streams.bytes
-        dropped = open_streams.closed
-        open_streams.close()
-        _cancel_all(c, streamed=job["id"])
+        delivered = sum(o.bytes for o in opened)
+        dropped = sum(o.closed for o in opened)
+        for o in opened:
+            o.close()
+        _cancel_all(c, streamed=[j["id"] for j in trained])
         # what the streams read from the database (core/telemetry.py): counts the machine's load
         # does not move, beside the walls it does
         stream_db = _stream_reads(c.get("/metrics").text)
@@ -168,6 +182,7 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float) -> dict:
     routes = {r: {**_percentiles(xs), "max_ms": max(xs)} for r, xs in sorted(lat.items())}
     return {
         "streams": streams,
+        "jobs": jobs,
         "stream_bytes": delivered,
         "streams_closed_early": dropped,
         "streamed_job_step": streamed_step,
@@ -193,25 +208,32 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
     return {"n": len(xs), "p50_ms": pct(xs, 0.5), "p95_ms": pct(xs, 0.95), "p99_ms": pct(xs, 0.99)}
 
 
-def _cancel_all(c: httpx.Client, *, streamed: int) -> None:
-    """Leave nothing behind for the stack's stop: cancel what queued up and the streamed job."""
+def _cancel_all(c: httpx.Client, *, streamed: list[int]) -> None:
+    """Leave nothing behind for the stack's stop: cancel what queued up and the streamed jobs."""
     while queued := c.get("/api/jobs", params={"status": "queued", "limit": 500}).json()["items"]:
         for j in queued:
             c.post(f"/api/jobs/{j['id']}/cancel")
-    c.post(f"/api/jobs/{streamed}/cancel")
+    for job_id in streamed:
+        c.post(f"/api/jobs/{job_id}/cancel")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_options(ap, name="api_load")
+    ap.add_argument("--jobs", type=int, default=1, help="running jobs the streams are spread over")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them
         # a request waiting 0.5 s has the API log every thread's stack (api/stalls.py): the runs'
         # worst stalls were 1.2-4.7 s, under the service's default of 2 s for some
         env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10), "SHARDYARD_STALL_LOG_S": "0.5"}
-        with Stack(root=Path(tmp), workers=1, extra_env=env, shutdown_s=60) as stack:
-            res = run(stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds)
+        # the worker takes every streamed job at once, whatever this machine's core count
+        env["SHARDYARD_WORKER_SLOTS"] = str(max(args.jobs, 2))
+        # one worker runs every streamed job at once (a task each)
+        with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:
+            res = run(
+                stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds, jobs=args.jobs
+            )
             # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
             api_log = (Path(tmp) / "api.log").read_text(errors="replace")
             res["stall_reports"] = [
@@ -232,12 +254,13 @@ def main() -> None:
             "p99 ms": a["p99_ms"],
         }
     )
-    met = all(v["p99_ms"] <= GOAL_P99_MS for v in res["routes"].values()) and (
+    goal = GOAL_P99_MS if res["streams"] <= 50 else GOAL_P99_MS_AT_SCALE
+    met = all(v["p99_ms"] <= goal for v in res["routes"].values()) and (
         res["routes"].get(SERIES_ROUTE, {}).get("p95_ms", 0) <= GOAL_SERIES_P95_MS
     )
     title = (
         f"API latency with {res['streams']} open streams and {res['submits_per_s_achieved']:.1f} submits/s "
-        f"for {res['seconds']:.0f} s (goal: p99 <= {GOAL_P99_MS} ms on every route, p95 <= "
+        f"for {res['seconds']:.0f} s (goal: p99 <= {goal} ms on every route, p95 <= "
         f"{GOAL_SERIES_P95_MS} ms for {SERIES_ROUTE}); load average "
         f"{min(res['load_average_1m']):.1f}-{max(res['load_average_1m']):.1f}; errors {res['errors'] or 'none'}"
     )
@@ -246,7 +269,7 @@ def main() -> None:
     print(f"slowest: {slow}")
     print(f"stall reports in the API's log: {len(res['stall_reports'])} (in the JSON's stall_reports)")
     print(f"streams' database reads (and rows framed), by why: {res['stream_database_reads']}")
-    goals = {"goal_p99_ms": GOAL_P99_MS, "goal_series_p95_ms": GOAL_SERIES_P95_MS, "met": met}
+    goals = {"goal_p99_ms": goal, "goal_series_p95_ms": GOAL_SERIES_P95_MS, "met": met}
     print(f"wrote {write_results(args.name, {**goals, **res})}")
 
 

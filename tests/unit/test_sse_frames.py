@@ -4,6 +4,7 @@ message are exactly what frame() writes for each point, per stream cursor."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from api.live import _decode
 from api.sse import Cursor, _live_frames, frame
@@ -110,3 +111,26 @@ def test_a_live_log_line_goes_out_without_an_id() -> None:
         'event: log\ndata: {"message":"epoch 9","time":1.5,"rank":1,"stream":"stdout"}\n\n'
     )
     assert str(cur) == "m3e4"
+
+
+def test_a_jobs_frames_are_built_once_for_all_its_streams(monkeypatch: Any) -> None:
+    """500 streams over 10 jobs: each job's message is encoded once, whatever the number of its
+    streams, and the streams that follow live (one cursor) share one string of frames."""
+    import api.sse as sse
+
+    encoded: list[object] = []
+    real = sse.json.dumps
+
+    def counting(obj: object, **kw: Any) -> str:
+        encoded.append(obj)
+        return real(obj, **kw)
+
+    msgs = [_decode(_payload([(100 * job + 1, 1, 0.5), (100 * job + 2, 2, 0.25)])) for job in range(10)]
+    monkeypatch.setattr(sse.json, "dumps", counting)
+    texts: dict[int, set[int]] = {}
+    for job, msg in enumerate(msgs):
+        for _ in range(50):
+            text, _ = _live_frames(msg, Cursor.parse(f"m{100 * job}e0"))
+            texts.setdefault(job, set()).add(id(text))
+    assert len(encoded) == 10 * 2  # each job's two points, once: not once per stream
+    assert all(len(ids) == 1 for ids in texts.values())  # one string per job for its 50 streams
