@@ -43,6 +43,12 @@ def fmt_num(v: float) -> str:
     return str(int(x)) if x == int(x) else repr(x)
 
 
+def safetensors_header(body: bytes) -> dict[str, Any]:
+    """A safetensors file's header: its length (8 bytes, little-endian), then that much JSON."""
+    n = int.from_bytes(body[:8], "little")
+    return json.loads(body[8 : 8 + n])
+
+
 def wait_status(stack, job_id: int, statuses: tuple[str, ...], timeout: float = 60) -> dict[str, Any]:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -145,6 +151,29 @@ def test_new_selection_clone_and_queue(stack, page: Page, gate: Path) -> None:
         positions = [int(x) for x in rows.locator('[data-col="position"]').all_inner_texts()]
         assert positions == sorted(positions)
         page.screenshot(path=str(DOCS / "queue.png"), full_page=True)
+
+        # ---- downloads: a job's weights as safetensors, a batch's best trial in one click ----
+        stack.client.post(f"/api/jobs/{rerun}/cancel")
+        gate.unlink()  # the held jobs train on to their end (a checkpoint), then the batch runs
+        stack.wait(holders[0])
+        page.goto(f"{stack.base_url}/#/jobs/{holders[0]}")
+        link = page.locator("#job-download-safetensors")
+        expect(link).to_contain_text("download weights (safetensors")
+        got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
+        assert got.ok, got.text()
+        header = safetensors_header(got.body())
+        assert header["__metadata__"]["job_id"] == str(holders[0])
+        assert header["0.tok.weight"]["shape"] == [13, 32]  # the held data's 13 tokens, d_model 32
+        done = stack.wait_selection(batch)
+        assert done["status"] == "succeeded", done
+        page.goto(f"{stack.base_url}/#/selections/{batch}")
+        best = next(t for t in done["trials"] if t["id"] == done["leaderboard"][0])
+        link = page.locator("#selection-download-best")
+        expect(link).to_contain_text(f"trial {best['index']}: weights (safetensors)")
+        got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
+        assert got.ok, got.text()
+        assert got.headers["x-job-id"] == str(best["job_id"])
+        assert safetensors_header(got.body())
     finally:
         if batch is not None:
             stack.client.post(f"/api/selections/{batch}/cancel")

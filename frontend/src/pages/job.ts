@@ -72,6 +72,8 @@ export function jobPage(root: HTMLElement, id: number): () => void {
   let job: Job | null = null;
   /** The newest whole checkpoint (GET .../checkpoint/info), or why there is none. */
   let weights: CheckpointInfo | string | null = null;
+  /** The same checkpoint's model weights as safetensors, or why they cannot be sent. */
+  let safetensors: CheckpointInfo | string | null = null;
   // the pace: the first and latest loss step this page saw, with when (this browser's clock)
   let firstSeen: { step: number; at: number } | null = null;
   let lastSeen: { step: number; at: number } | null = null;
@@ -232,9 +234,31 @@ export function jobPage(root: HTMLElement, id: number): () => void {
               typeof weights === "string"
                 ? h("span", { class: "muted", id: "job-no-download" }, weights)
                 : h(
-                    "a",
-                    { id: "job-download", href: `/api/jobs/${j.id}/checkpoint`, download: weights.filename },
-                    `download checkpoint (step ${weights.step}, ${(weights.size / 2 ** 20).toFixed(1)} MiB)`,
+                    "span",
+                    {},
+                    h(
+                      "a",
+                      {
+                        id: "job-download",
+                        href: `/api/jobs/${j.id}/checkpoint`,
+                        download: weights.filename,
+                      },
+                      `download checkpoint (step ${weights.step}, ${mib(weights.size)})`,
+                    ),
+                    h("br"),
+                    safetensors === null
+                      ? null
+                      : typeof safetensors === "string"
+                        ? h("span", { class: "muted", id: "job-no-safetensors" }, safetensors)
+                        : h(
+                            "a",
+                            {
+                              id: "job-download-safetensors",
+                              href: `/api/jobs/${j.id}/checkpoint?format=safetensors`,
+                              download: safetensors.filename,
+                            },
+                            `download weights (safetensors, ${mib(safetensors.size)})`,
+                          ),
                   ),
             ),
         fact("created", fmtTime(j.created_at)),
@@ -299,6 +323,14 @@ export function jobPage(root: HTMLElement, id: number): () => void {
       weights = await api<CheckpointInfo>(`/api/jobs/${id}/checkpoint/info`);
     } catch (err) {
       weights = err instanceof ApiError && err.status === 404 ? err.message : null;
+    }
+    if (weights !== null && typeof weights !== "string") {
+      try {
+        safetensors = await api<CheckpointInfo>(`/api/jobs/${id}/checkpoint/info?format=safetensors`);
+      } catch (err) {
+        // 4xx: a checkpoint safetensors cannot carry, with the reason
+        safetensors = err instanceof ApiError && err.status < 500 ? `no safetensors: ${err.message}` : null;
+      }
     }
     if (!closed) renderHeader();
   };
@@ -471,4 +503,8 @@ function timelineView(tl: Timeline): HTMLElement {
       panel("simulated", "gantt-simulated", tl.simulated, tl.bubble_simulated, "s"),
     ),
   );
+}
+
+function mib(bytes: number): string {
+  return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 }
