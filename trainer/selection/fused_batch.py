@@ -178,7 +178,9 @@ class FusedGroups:
                     return item
                 if all(m.status in _FINAL for m in self.members.values()):
                     return None
-                if self.training == 0 and not self.parked:
+                if self.training == 0:
+                    # nothing queued, promoted or training: a member waiting at a rung waits for
+                    # no one (the rungs decide once no trial can reach them), so this is a bug
                     raise RuntimeError(
                         "fused groups: members left with nothing to train them: "
                         f"{sorted(i for i, m in self.members.items() if m.status not in _FINAL)}"

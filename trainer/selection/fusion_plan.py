@@ -5,13 +5,15 @@ stack of k members takes
 
     t(k) = fixed_s + member_s * k
 
-seconds, fitted through two measured points, t(1) and t(m) (m: the largest stack the group could
-make, at most MEASURE_MAX). `fixed_s` is what a stack shares (kernel launches, the interpreter's
-dispatch, the optimizer's loop: what fusion saves); `member_s` is each member's own arithmetic. A
-stack whose members run s_1 >= s_2 >= ... >= s_k steps costs sum_i (s_i - s_(i+1)) * t(i) (a member
-that ends leaves the stack). `measure` times a few steps of throwaway stacks built from the trials'
-own specs (their training starts afresh afterwards, so nothing measured touches a result), the
-sizes interleaved so both see the same load.
+seconds. `fixed_s` is what a stack shares (kernel launches, the interpreter's dispatch, the
+optimizer's loop: what fusion saves); `member_s` is each member's own arithmetic. A stack whose
+members run s_1 >= s_2 >= ... >= s_k steps costs sum_i (s_i - s_(i+1)) * t(i) (a member that ends
+leaves the stack). `measure` fits the line through timed steps of throwaway stacks built from the
+trials' own specs (their training starts afresh afterwards, so nothing measured touches a result):
+t(1) and t(2), then, where that line leaves fusion something to save, t(1) and t(m) (m: the
+largest stack the group could make, at most MEASURE_MAX). The sizes are interleaved so both see
+the same load; on a CPU device it counts the thread's CPU time, which a machine shared with other
+processes leaves comparable where the wall time is not.
 
 The plan: for every architecture, every split into s stacks of near-equal sizes (s = 1: one stack,
 s = n: every trial alone); the stacks go to the devices longest first, each to the least loaded
@@ -37,9 +39,9 @@ MIN_GAIN = 0.05
 """Fuse only when the plan's makespan is at least this fraction below the unfused estimate."""
 MEASURE_MAX = 8
 """The largest stack measured; larger ones are extrapolated along the fitted line."""
-MEASURE_STEPS = 5
-"""Timed steps per measured size (after one warm-up step each); the fastest is kept: on a shared
-machine a slower step measures the other processes, not the stack."""
+MEASURE_STEPS = 2
+"""Timed steps per measured size (after one warm-up step each); the fastest is kept: a slower step
+measures the machine's other work (caches, memory bandwidth), not the stack."""
 MAX_PLANS = 4096
 """Split combinations tried exhaustively; past this, each architecture is split on its own."""
 
@@ -193,29 +195,45 @@ def _best_alone(members: list[Member], costs: Sequence[StepCost], devices: int) 
 
 
 def measure(jobs: Sequence[JobSpec], *, device: torch.device) -> StepCost:
-    """Fit the step cost of `jobs`' architecture (fusable jobs) on `device`: steps of a throwaway
-    stack of one and of min(len(jobs), MEASURE_MAX), interleaved (one job: t(k) = k * t(1), as if
-    fusing saved nothing, which no plan needs since it has nothing to fuse with)."""
+    """Fit the step cost of `jobs`' architecture (fusable jobs) on `device` from steps of throwaway
+    stacks: first one member and two, interleaved; where that line leaves fusion something to save
+    (a shared part of at least MIN_GAIN of a single's step) and the jobs make a larger stack, the
+    line is fitted again through one member and min(len(jobs), MEASURE_MAX). So an architecture
+    whose step is its members' own arithmetic (one CPU thread, a compute-bound model) costs the
+    batch a few steps of one and two members, and a launch-bound one (a small model on a GPU) is
+    measured at the size it would run. One job: t(k) = k * t(1) (it has nothing to fuse with)."""
     from trainer.selection.fused import FusedTrials
 
     size = min(len(jobs), MEASURE_MAX)
     if size < 1:
         raise ValueError("measuring a stack's cost needs a job")
-    sizes = {1: FusedTrials(list(jobs[:1]), device=device)}
-    if size > 1:
-        sizes[size] = FusedTrials(list(jobs[:size]), device=device)
-    times: dict[int, list[float]] = {k: [] for k in sizes}
-    for i in range(MEASURE_STEPS + 1):
-        for k, stack in sizes.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            stack.train_step(check=False)
-            _sync(device)
-            if i:  # the first step of each warms up (allocations, lazy inits)
-                times[k].append(time.perf_counter() - t0)
+    # on a CPU device whose ops run on this thread (one torch thread per device, as a batch over
+    # several CPU devices sets it) the thread's CPU time is the stack's work whatever else the
+    # cores run; elsewhere (a GPU, or torch's own threads) the synchronised wall time
+    on_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    clock = time.thread_time if on_thread else time.perf_counter
+
+    def fastest(stacks: dict[int, FusedTrials]) -> dict[int, float]:
+        times: dict[int, list[float]] = {k: [] for k in stacks}
+        for i in range(MEASURE_STEPS + 1):
+            for k, stack in stacks.items():  # interleaved: both see the same machine
+                _sync(device)
+                t0 = clock()
+                stack.train_step(check=False)
+                _sync(device)
+                if i:  # the first step of each warms up (allocations, lazy inits)
+                    times[k].append(clock() - t0)
+        return {k: min(v) for k, v in times.items()}
+
+    one = FusedTrials(list(jobs[:1]), device=device)
     if size == 1:
-        return StepCost(fixed_s=0.0, member_s=min(times[1]))
-    return StepCost.fit(single_s=min(times[1]), stack_s=min(times[size]), size=size)
+        return StepCost(fixed_s=0.0, member_s=fastest({1: one})[1])
+    t = fastest({1: one, 2: FusedTrials(list(jobs[:2]), device=device)})
+    cost = StepCost.fit(single_s=t[1], stack_s=t[2], size=2)
+    if size > 2 and cost.fixed_s >= MIN_GAIN * cost.step_s(1):
+        t.update(fastest({size: FusedTrials(list(jobs[:size]), device=device)}))
+        cost = StepCost.fit(single_s=t[1], stack_s=t[size], size=size)
+    return cost
 
 
 def _sync(device: torch.device) -> None:
