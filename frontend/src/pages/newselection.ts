@@ -17,7 +17,9 @@ import { DEFAULT_SPEC } from "./jobs";
 
 type Body = Record<string, unknown>;
 
-const METHODS: Record<string, string> = {
+// typed by the API's own enums (generated/api-schema.ts): a value the API drops fails the type check
+type Req = SelectionRequest;
+const METHODS: Record<Req["method"], string> = {
   grid: "every point of the space (lists as they are, ranges need num)",
   random: "independent draws of the space (trials of them), seeded",
   tpe: "Optuna's TPE: `parallel` trials in flight, a new one asked as each ends",
@@ -25,9 +27,9 @@ const METHODS: Record<string, string> = {
   qmc: "Optuna's quasi-Monte Carlo (Sobol) over the numeric ranges",
 };
 const SAMPLERS = new Set(["tpe", "cmaes", "qmc"]);
-const STOPPING = ["asha", "sha", "hyperband"];
-const SCHEDULERS = ["shard-lrtf", "fifo", "round-robin", "sequential"];
-const CHECKPOINTS = ["best", "all", "none"];
+const STOPPING: NonNullable<Req["early_stopping"]>["kind"][] = ["asha", "sha", "hyperband"];
+const SCHEDULERS: Req["scheduler"][] = ["shard-lrtf", "fifo", "round-robin", "sequential"];
+const CHECKPOINTS: Req["checkpoints"][] = ["best", "all", "none"];
 /** JobSpec paths people search most; any dotted JobSpec path is allowed. */
 const COMMON_PATHS = [
   "train.lr",
@@ -319,7 +321,7 @@ export function newSelectionPage(root: HTMLElement): () => void {
   /** Show the fields the chosen method and stopping take. */
   const showFor = () => {
     const m = method.value;
-    methodHint.textContent = METHODS[m] ?? "";
+    methodHint.textContent = METHODS[m as Req["method"]] ?? "";
     const hide = (el: HTMLElement, off: boolean) =>
       (el.closest(".field") as HTMLElement | null)?.toggleAttribute("hidden", off);
     hide(trials, m === "grid");
