@@ -119,6 +119,8 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         Index("ix_jobs_owner_id_id", "owner_id", "id"),
+        # the listing's counts and name search read this narrow index, not the rows (migration 0015)
+        Index("ix_jobs_listing", "status", "kind", "owner_id", "name"),
         # room on each page: the scheduler's wait-reason rewrites stay HOT updates (migration 0010)
         {"postgresql_with": {"fillfactor": 70}},
     )

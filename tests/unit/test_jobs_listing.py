@@ -1,0 +1,104 @@
+"""The jobs listing at scale: its counts and name searches read ix_jobs_listing (migration 0015)
+rather than every job's row, and answer what a plain query over the rows would (newest first,
+any case, a literal % or _), on SQLite and Postgres."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event, insert
+
+from db import jobs as dbj
+from db.engine import get_engine, session_for
+from db.models import Job
+from db.users import create_user
+
+NAMES = ["gpt-8l", "Llama-small", "mlp_probe", "gpt-2l", "50%-warmup"]
+
+
+def _seed(url: str, n: int) -> list[dict[str, Any]]:
+    with session_for(url) as s:
+        users = [create_user(s, name=f"u{i}").id for i in range(3)]
+        rows = [
+            {
+                "name": f"{NAMES[i % len(NAMES)]}-{i}" if i % 97 else f"rare-Needle-{i}",
+                "kind": "job",
+                "spec": {"train": {"steps": 1}},
+                "status": ["queued", "succeeded", "failed"][i % 3],
+                "owner_id": users[i % 3],
+            }
+            for i in range(n)
+        ]
+        s.execute(insert(Job), rows)
+        s.commit()
+        for i, job_id in enumerate(
+            s.scalars(Job.__table__.select().with_only_columns(Job.id).order_by(Job.id))
+        ):
+            rows[i]["id"] = job_id
+    return rows
+
+
+def _expect(rows: list[dict[str, Any]], *, name: str | None = None, status: str | None = None) -> list[int]:
+    hit = [
+        r
+        for r in rows
+        if (name is None or name.lower() in r["name"].lower()) and status in (None, r["status"])
+    ]
+    return [r["id"] for r in sorted(hit, key=lambda r: -r["id"])]
+
+
+def test_name_search_and_counts_answer_as_the_rows_do(db_url: str) -> None:
+    rows = _seed(db_url, 600)
+    with session_for(db_url) as s:
+        for name, status in [
+            ("GPT", None),
+            ("needle", None),  # rare: 7 matches, spread from the oldest to the newest
+            ("needle", "succeeded"),
+            ("50%", None),  # a literal %, not a wildcard
+            ("_probe", None),  # a literal _
+            ("no-such", None),
+            (None, "failed"),
+            (None, None),
+        ]:
+            want = _expect(rows, name=name, status=status)
+            for offset in (0, 3, len(want), len(want) + 5):
+                got, total = dbj.list_jobs(s, name=name, status=status, limit=5, offset=offset)
+                assert total == len(want), (name, status)
+                assert [j.id for j in got] == want[offset : offset + 5], (name, status, offset)
+
+
+def test_on_sqlite_counts_and_a_rare_search_read_the_index_not_the_table(tmp_path: Any) -> None:
+    from db.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'plan.db'}"
+    upgrade(url)
+    _seed(url, 300)
+    statements: list[tuple[str, Any]] = []
+    engine = get_engine(url)
+
+    def seen(_conn: Any, _cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        statements.append((statement, params))
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with session_for(url) as s:
+            for kw in ({}, {"status": "failed"}, {"name": "needle"}):
+                dbj.list_jobs(s, **kw)
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    raw = engine.raw_connection()
+    try:
+        plans = {
+            sql: [row[-1] for row in raw.cursor().execute(f"EXPLAIN QUERY PLAN {sql}", params).fetchall()]
+            for sql, params in statements
+            if "FROM jobs" in sql and "users" not in sql.split("FROM jobs")[0]
+        }
+    finally:
+        raw.close()
+    counts = [p for sql, p in plans.items() if "count(" in sql]
+    assert len(counts) == 3 and all(
+        any("COVERING INDEX ix_jobs_listing" in step for step in p) for p in counts
+    ), plans
+    # no statement of the rare search walks the table row by row
+    search = [p for sql, p in plans.items() if "LIKE" in sql]
+    assert search and all("SCAN jobs" not in p for p in search), plans
