@@ -31,11 +31,10 @@ def set_workspace(path: Path | None) -> None:
         return
     path = path.resolve()
     if not path.is_dir():
-        # the worker leaves its reason beside the folder it could not fill (workers/workspace.py)
-        why = path.parent / "workspace.error"
-        reason = (
-            why.read_text().strip() if why.is_file() else "the worker could not unpack the job's workspace"
-        )
+        # the worker leaves its reason in the job's folder (workers/workspace.py): beside the
+        # folder it could not fill, or two up from `workspace/tree` (a spare's, workers/spare.py)
+        found = [p / "workspace.error" for p in path.parents[:2] if (p / "workspace.error").is_file()]
+        reason = found[0].read_text().strip() if found else "the worker could not unpack the job's workspace"
         raise SpecError(f"workspace folder {path} does not exist: {reason}")
     _ROOT.append(path)
     if str(path) not in sys.path:

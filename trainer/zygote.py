@@ -34,7 +34,8 @@ import signal
 import socket
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 RUNNABLE = ("trainer", "trainer.selection")
 """The modules a run may be: `python -m trainer` and `python -m trainer.selection`."""
@@ -125,8 +126,8 @@ def _fork_run(req: dict[str, Any], fds: list[int], sock: socket.socket) -> dict[
 
 def _run(req: dict[str, Any], fds: list[int], sock: socket.socket, *, zygote: int, worker: int) -> None:
     """In the run's process: become `python -m <module> <args>` and exit with its code."""
-    code = 70
-    try:
+
+    def body() -> int:
         sock.close()
         out_w, err_w, go_r = fds
         os.setsid()
@@ -140,7 +141,17 @@ def _run(req: dict[str, Any], fds: list[int], sock: socket.socket, *, zygote: in
             if go.read(1) != b"g":
                 os._exit(0)  # the worker gave up on this run before it started
         _die_with_worker(worker)
-        code = _become(req, f"{WARM_MARK} {zygote} (torch imported once)")
+        return _become(req, f"{WARM_MARK} {zygote} (torch imported once)")
+
+    _exit_with(body)
+
+
+def _exit_with(body: Callable[[], int]) -> NoReturn:
+    """Run `body` and leave this process with its code (1 with its trace on stderr if it raised):
+    a run never returns into the zygote's code."""
+    code = 70
+    try:
+        code = body()
     except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
         traceback.print_exc()
         code = 1
@@ -175,17 +186,17 @@ def _become(req: dict[str, Any], mark: str) -> int:
     return 0
 
 
-def spare() -> None:
+def spare() -> NoReturn:
     """`--spare`: the sandboxed warm start (workers/spare.py). Import, say so on stdout, read the
     one run's request from stdin, put its memory limit on this process before any of the job's
     code runs, and become that run."""
-    code = 70
-    try:
+
+    def body() -> int:
         preload()
         os.write(1, f"{SPARE_READY}\n".encode())
         line = sys.stdin.buffer.readline()
         if not line:
-            os._exit(0)  # the worker discarded this spare
+            return 0  # the worker discarded this spare
         req = json.loads(line)
         cmd = req.get("cmd") or []
         if len(cmd) < 3 or cmd[1] != "-m" or cmd[2] not in RUNNABLE:
@@ -197,16 +208,9 @@ def spare() -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        code = _become(req, SPARE_MARK)
-    except BaseException:  # noqa: BLE001 - the trace goes to the run's stderr, the worker sees the code
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        return _become(req, SPARE_MARK)
+
+    _exit_with(body)
 
 
 def _die_with_worker(worker_pid: int) -> None:

@@ -111,7 +111,7 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
     workdir = settings.data_dir / "jobs" / str(job_id)
     # a one-process job takes this pool process's sandboxed trainer made ahead (workers/spare.py):
     # its folder becomes the job's before anything is written there
-    used = spare.take(settings, workdir, fits=world_size == 1 and not uses_own_code(spec))
+    used = spare.take(settings, workdir, fits=world_size == 1 and not (spec.get("env") or {}).get("pip"))
     try:
         return _run_job(
             settings,

@@ -53,6 +53,7 @@ from jobrules.pyenv import (
     requirements_digest,
 )
 from workers.sandbox import allowed_environment
+from workers.spare import unpacked_workspace
 
 log = logging.getLogger(__name__)
 
@@ -511,7 +512,7 @@ def for_job(
         with session_for(settings.database_url) as s:
             return cancel_requested(s, job_id=job_id)
 
-    workspace = workdir / "workspace" if spec.get("workspace") else None  # workers/workspace.py
+    workspace = unpacked_workspace(workdir) if spec.get("workspace") else None  # workers/workspace.py
     return for_run(
         spec, settings=settings, workspace=workspace, relay=relay, keys=[None], cancelled=cancelled
     )
@@ -530,7 +531,7 @@ def for_group(
         with session_for(settings.database_url) as s:
             return stop_requests(s, selection_id=selection_id)[0]
 
-    workspace = root / "workspace" if spec.get("workspace") else None  # workers/workspace.py
+    workspace = unpacked_workspace(root) if spec.get("workspace") else None  # workers/workspace.py
     return for_run(spec, settings=settings, workspace=workspace, relay=relay, keys=keys, cancelled=cancelled)
 
 

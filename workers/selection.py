@@ -195,7 +195,7 @@ class Group:
         base = self.specs[won[0][0].index]  # one base, one workspace, one environment
         # the batch's first group on this host takes this pool process's sandboxed trainer made
         # ahead (workers/spare.py); a later one finds the folder its sandbox must bind in use
-        fresh = not root.exists() and not uses_own_code(base)
+        fresh = not root.exists() and not (base.get("env") or {}).get("pip")
         used = spare.take(settings, root, fits=fresh, move_existing=False)
         root.mkdir(parents=True, exist_ok=True)
         self.group = group = f"group-{won[0][0].index}"

@@ -5,10 +5,12 @@ job's run would put them all in one sandbox, where they could see each other. So
 process keeps one *spare* instead: a fresh bubblewrap sandbox, made exactly as a cold run's
 (workers/sandbox.py), around a `python -m trainer.zygote --spare` that has imported torch and the
 trainer and waits, on its stdin, for the one run it will become. The sandbox binds a folder of its
-own read-write (`jobs/.spare-*` in the data dir, mode 0700) and nothing else of the data dir.
+own read-write (`jobs/.spare-*` in the data dir, mode 0700) and nothing else of the data dir, with
+an empty `workspace/` in it read-only: a job's workspace is unpacked below it once the folder is
+the job's (`workspace/tree`, one rename), so users' code stays read-only as in a cold run.
 
-When a job that fits comes (one process, no network, no workspace or environment of its own to
-bind: `fits`), the worker *adopts* the spare before the attempt writes anything: whatever the job's
+When a job that fits comes (one process of the worker's Python with no environment of its own to
+bind, no network: `misfit`), the worker *adopts* the spare before the attempt writes anything: whatever the job's
 folder already held (an earlier attempt's checkpoints) moves into the spare's folder, and the
 spare's folder is renamed to the job's (the sandbox's bind follows the directory, not its name).
 From then on it is the job's folder on the host. Inside the sandbox it keeps the spare's path, so
@@ -52,6 +54,16 @@ READY_LINE = "shardyard-spare-ready"
 READY_TIMEOUT_S = 120.0
 """How long a run waits for its spare's imports (a loaded machine is slow); after it, cold."""
 RUNNABLE = ("trainer", "trainer.selection")
+WORKSPACE, TREE = "workspace", "tree"
+"""A spare's read-only placeholder for the workspace, and the folder a workspace unpacks to in it
+(workers/workspace.py unpack_workspace)."""
+
+
+def unpacked_workspace(folder: Path) -> Path:
+    """Where a run's workspace is unpacked in its `folder`: `workspace/`, or `workspace/tree` in a
+    folder a spare was adopted as (below the sandbox's read-only placeholder)."""
+    tree = folder / WORKSPACE / TREE
+    return tree if tree.is_dir() else folder / WORKSPACE
 
 
 class Spare:
@@ -63,7 +75,12 @@ class Spare:
         jobs.mkdir(parents=True, exist_ok=True)
         self.inside = jobs / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.inside.mkdir(mode=0o700)
-        self.sandbox = Sandbox(settings=settings, read_write=[self.inside], user_code=True)
+        # a job's workspace is unpacked below this folder once adopted (workers/workspace.py):
+        # read-only in the sandbox, as a cold run's workspace is
+        (self.inside / WORKSPACE).mkdir()
+        self.sandbox = Sandbox(
+            settings=settings, read_write=[self.inside], read_only=[self.inside / WORKSPACE], user_code=True
+        )
         self.adopted: Path | None = None
         self.ready = False
         self.started = False
@@ -113,7 +130,14 @@ class Spare:
         its other groups may be using, must not exist yet. Raises OSError when it cannot."""
         if folder.is_dir() and move_existing:
             for entry in folder.iterdir():
-                entry.rename(self.inside / entry.name)
+                if entry.name == WORKSPACE:  # an earlier attempt's unpacked workspace: below the
+                    # placeholder (its read-only mount point), never over it
+                    tree = entry / TREE
+                    (tree if tree.is_dir() else entry).rename(self.inside / WORKSPACE / TREE)
+                    if entry.exists():
+                        shutil.rmtree(entry)
+                else:
+                    entry.rename(self.inside / entry.name)
             folder.rmdir()
         folder.parent.mkdir(parents=True, exist_ok=True)
         _rename_noreplace(self.inside, folder)  # never over a folder another run just made
@@ -132,7 +156,7 @@ class Spare:
             return "the run's sandbox differs (no bubblewrap, or the host's network)"
         if sandbox.read_write != [self.adopted]:
             return f"the run's folders {sandbox.read_write} are not its {self.adopted}"
-        if extra := [p for p in sandbox.read_only if p.exists()]:
+        if extra := [p for p in sandbox.read_only if p.exists() and p != self.adopted / WORKSPACE]:
             return f"the run binds {extra} too"
         return None
 
@@ -262,21 +286,11 @@ def _sweep(settings: Settings) -> None:
     jobs = settings.data_dir / "jobs"
     for p in jobs.glob(f"{PREFIX}*"):
         pid = p.name.removeprefix(PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             if p.is_symlink():
                 p.unlink(missing_ok=True)
             else:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _RENAME_NOREPLACE = 1

@@ -68,7 +68,9 @@ def folder_owner(session: Session, *, settings: Settings, workdir: Path) -> int 
 
 def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path) -> Path | None:
     """The unpacked workspace folder of the job in `workdir` (None when the spec names none).
-    Unpacking is atomic and skipped when a previous attempt of the job already did it. The
+    Unpacking is atomic and skipped when a previous attempt of the job already did it. In a folder
+    a spare sandboxed trainer was adopted as (workers/spare.py), `workspace/` is its read-only
+    placeholder and the workspace goes to `workspace/tree`. The
     workspace is resolved by its digest among the job owner's own (`owned_row`). When it is gone or
     refused, the folder is left missing and the trainer fails the job naming the reason. A store
     that cannot be reached raises StorageError (the attempt fails with it)."""
@@ -76,8 +78,15 @@ def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path)
     if ref is None:
         return None
     dest = workdir / "workspace"
+    tree = dest / "tree"  # below a spare's read-only placeholder (workers/spare.py)
+    if tree.is_dir():
+        return tree
+    if dest.is_dir() and any(dest.iterdir()):
+        return dest  # an earlier attempt unpacked it
     if dest.is_dir():
-        return dest
+        # empty: the placeholder of the sandbox made ahead, read-only there; unpacked below it
+        # in one rename, as a fresh unpack is
+        dest = tree
     try:
         with session_for(settings.database_url) as s:
             owner_id = folder_owner(s, settings=settings, workdir=workdir)

@@ -20,6 +20,7 @@ from tests.archives import targz
 from tests.conftest import StackHandle
 from tests.hostile_src import HOSTILE
 from tests.integration.test_auth import new_user
+from trainer.zygote import SPARE_MARK
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +77,10 @@ def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> N
         done = stack.wait(job["id"], timeout=240)
 
     assert stack.client.get("/api/health").json()["sandbox"] == "on"
+    # it ran as a sandboxed run starts by default: from its pool process's spare, made ahead
+    # (workers/spare.py; the cold sandbox's policy is the same, tests/unit/test_sandbox.py)
+    stderr = (Path(st.root) / "jobs" / str(job["id"]) / "stderr.log").read_text()
+    assert SPARE_MARK in stderr, stderr[-2000:]
     report = report_of(stack, job["id"])
     reached = {k: v for k, v in report.items() if not v.startswith("blocked")}
     assert not reached, f"the sandbox let users' code reach: {reached}"

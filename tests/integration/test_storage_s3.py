@@ -33,6 +33,7 @@ from tests.integration.test_faults import STEPS
 from tests.integration.test_workspaces import DATA_PY, falls, tiny, upload
 from tests.s3 import S3Server
 from tests.user_data import held_data, upload_held
+from workers.spare import unpacked_workspace
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +120,7 @@ def test_a_workspace_job_runs_on_a_worker_that_never_saw_the_upload(hosts: Hosts
     assert resp.status_code == 200, resp.text
     newest = f"jobs/{job['id']}/checkpoints/step-00000030.pt"
     assert not (hosts.stack.root / newest).exists() and resp.content == hosts.store.get_bytes(newest)
-    assert (hosts.dirs[1] / "jobs" / str(job["id"]) / "workspace" / "mydata" / "source.py").is_file()
+    assert (unpacked_workspace(hosts.dirs[1] / "jobs" / str(job["id"])) / "mydata" / "source.py").is_file()
 
     assert h.client.delete(f"/api/workspaces/{ws['id']}").status_code == 204
     assert not hosts.store.exists(key), "DELETE removed the archive from the store"

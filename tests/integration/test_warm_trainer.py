@@ -296,6 +296,7 @@ def test_a_sandboxed_job_and_group_start_from_spares_and_store_the_fresh_process
                     continue
                 seen["status"] = (proc / "status").read_text()
                 seen["mnt"] = os.readlink(proc / "ns" / "mnt")
+                seen["limits"] = (proc / "limits").read_text()
                 return True
             except OSError:
                 continue
@@ -305,6 +306,9 @@ def test_a_sandboxed_job_and_group_start_from_spares_and_store_the_fresh_process
     assert stack.job(first["id"])["status"] == "running"  # (the process seen was this job's)
     assert "NoNewPrivs:\t1" in seen["status"]
     assert seen["mnt"] != os.readlink("/proc/self/ns/mnt")
+    # the memory limit the spare set on itself before the job's code (workers/limits.py)
+    (line,) = [ln for ln in seen["limits"].splitlines() if ln.startswith("Max address space")]
+    assert line.split()[3] != "unlimited", line
     assert stack.wait(first["id"], timeout=300)["status"] == "succeeded"
     second = stack.submit({**SPEC, "name": "spare-job-2"})  # the spare replenished after the first
     sid = stack.submit_selection(
@@ -328,7 +332,9 @@ def test_a_sandboxed_job_and_group_start_from_spares_and_store_the_fresh_process
     # what is left of spares: the waiting ones' folders (one per pool process), no link, no leftover
     time.sleep(1)
     left = sorted(jobs.glob(".spare-*"))
-    assert all(p.is_dir() and not p.is_symlink() and not any(p.iterdir()) for p in left), left
+    for p in left:  # each holds only its empty workspace placeholder
+        assert p.is_dir() and not p.is_symlink(), p
+        assert [c.name for c in p.iterdir()] == ["workspace"] and not any((p / "workspace").iterdir()), p
     assert len(left) <= 2, left
 
     # the stored losses are a fresh, unsandboxed process's

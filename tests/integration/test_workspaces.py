@@ -16,6 +16,7 @@ from tests.archives import MALICIOUS, targz, upload
 from tests.conftest import TERMINAL, StackHandle
 from tests.trainer.user_model_src import USER_MODEL
 from tests.user_data import PERIODIC_BATCHES_PY
+from workers.spare import unpacked_workspace
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +98,7 @@ def test_user_text_and_tokenizer_from_the_workspace_train(stack: StackHandle, tm
     job = stack.wait(job_id, timeout=180)
     assert job["spec"]["workspace"].startswith("sha256:")
     assert falls(stack, job_id)
-    unpacked = Path(stack.stack.root) / "jobs" / str(job_id) / "workspace"
+    unpacked = unpacked_workspace(Path(stack.stack.root) / "jobs" / str(job_id))
     assert (unpacked / "tokenizer.json").is_file() and not (unpacked / "__pycache__").exists()
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from core.settings import Settings
 from workers.sandbox import Sandbox, SandboxUnavailable, allowed_environment, describe, probe
+from workers.spare import Spare
 
 SECRETS = {
     "SHARDYARD_DATABASE_URL": "postgresql://api:pw@db/shardyard",
@@ -127,3 +128,30 @@ def test_the_hardware_sampler_finds_the_trainer_below_bubblewrap(tmp_path: Path)
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_a_spare_is_sandboxed_as_a_cold_run_is_and_becomes_nothing_but_a_trainer(tmp_path: Path) -> None:
+    """The spare trainer made ahead (workers/spare.py) runs in the very sandbox a cold run of its
+    folder gets, its workspace placeholder read-only, and refuses to become anything but
+    `python -m trainer[.selection]`."""
+    data = tmp_path / "data"
+    settings = Settings(data_dir=data, database_url=f"sqlite:///{data / 'shardyard.db'}")
+    spare = Spare(settings)
+    try:
+        cold = Sandbox(
+            settings=settings, read_write=[spare.inside], read_only=[spare.inside / "workspace"]
+        ).command([sys.executable, "-m", "trainer.zygote", "--spare"])
+        assert spare.proc.args == cold
+        assert spare.wait_ready(120)
+        job = data / "jobs" / "4"
+        job.mkdir()
+        (job / "spec.json").write_text("{}")
+        spare.adopt(job, move_existing=True)
+        assert (job / "spec.json").is_file() and spare.inside.resolve() == job.resolve()
+        assert spare.misfit([sys.executable, "-c", "print(1)"], Sandbox(settings=settings, read_write=[job]))
+        proc = spare.start([sys.executable, "-c", "open('/tmp/x','w')"], env={}, memory_limit=None)
+        assert proc.wait(timeout=60) == 1
+        assert proc.stderr is not None and "cannot run" in (err := proc.stderr.read()), err
+    finally:
+        spare.discard()
