@@ -13,6 +13,14 @@ an attempt re-runs steps from a checkpoint, and each attempt (`Job.attempts`) st
 read; so does a new job under a reused id (`created_at`), a point that arrives out of step order
 (an in-place rewrite cannot be seen, so the series is read again) and an entry older than
 FULL_READ_S, which bounds what any missed case could cost.
+
+A job with a series of SUMMARY_MIN_POINTS or more (a million-point run) has its series stored
+downsampled after its first full read (db MetricSummary, one per series, for the job's current
+attempt): a later first read, in any API process, reads those and the points stored after them,
+not every point (bench/scale.py: 2.9 s for a million points on SQLite). What such an entry
+answers is downsampled from the summary and the newer points (LTTB of an LTTB, which draws the
+same at a chart's width); an answer of more than SUMMARY_POINTS / 2 points per series, or of
+every point, reads every point instead.
 """
 
 from __future__ import annotations
@@ -27,10 +35,17 @@ from datetime import datetime
 import numpy as np
 from sqlalchemy.orm import Session
 
-from api.downsample import downsample_arrays
+from api.downsample import downsample, downsample_arrays
 from db import ingest as db_ingest
 from db.models import Job
 
+SUMMARY_MIN_POINTS = 100_000
+"""A job with a series this long gets its series stored downsampled (db MetricSummary) after
+its first full read: a later first read (another API process, a restart, an entry pushed out)
+reads those and the points stored since, not a million points."""
+SUMMARY_POINTS = 10_000
+"""Points a stored summary keeps of a long series (LTTB). An answer of more than half as many
+points per series reads every point instead."""
 CACHED_JOBS = 32
 """Jobs whose series one API process keeps (least recently read dropped first)."""
 FULL_READ_S = 60.0
@@ -44,6 +59,10 @@ class _Entry:
     last_id: int = 0
     series: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    summarized: bool = False
+    """Some series are held downsampled (read from stored summaries), not point for point."""
+    points: dict[str, int] = field(default_factory=dict)
+    """Points of each series stored in the database that the held arrays stand for."""
 
 
 _CACHE: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
@@ -66,11 +85,62 @@ def _group(rows: Sequence[tuple[int, str, int, float]]) -> dict[str, tuple[np.nd
     return out
 
 
-def _full(session: Session, entry: _Entry, job_id: int) -> None:
-    rows = db_ingest.metric_rows(session, job_id=job_id)
+def _full(session: Session, entry: _Entry, job: Job) -> None:
+    """Every point of the job; a job with a long series gets its series stored summarized."""
+    rows = db_ingest.metric_rows(session, job_id=job.id)
     entry.series = _group(rows)
+    entry.points = {name: len(steps) for name, (steps, _) in entry.series.items()}
+    entry.summarized = False
     entry.last_id = max((r[0] for r in rows), default=0)
     entry.read_at = time.monotonic()
+    if any(n >= SUMMARY_MIN_POINTS for n in entry.points.values()):
+        _store_summaries(session, entry, job)
+
+
+def _store_summaries(session: Session, entry: _Entry, job: Job) -> None:
+    """Every series of the job as held (a long one downsampled to SUMMARY_POINTS), up to the
+    entry's newest point: a summary must stand for all of a job's series, since a read from
+    summaries reads only the points stored after them."""
+    out = []
+    for name, (steps, values) in entry.series.items():
+        kept_steps, kept_values = (
+            downsample_arrays(steps, values, max_points=SUMMARY_POINTS)
+            if len(steps) > SUMMARY_POINTS
+            else (steps, values)
+        )
+        out.append(
+            db_ingest.SummaryIn(
+                name=name,
+                points=entry.points.get(name, len(steps)),
+                steps=np.asarray(kept_steps, dtype="<i8").tobytes(),
+                values=np.asarray(kept_values, dtype="<f8").tobytes(),
+            )
+        )
+    db_ingest.write_summaries(
+        session, job_id=job.id, attempt=job.attempts or 0, upto_id=entry.last_id, series=out
+    )
+
+
+def _from_summaries(session: Session, entry: _Entry, job: Job) -> bool:
+    """The job's stored summaries (of its current attempt) and the points stored since; False
+    when it has none, or a newer point does not follow its series (then read everything)."""
+    stored = db_ingest.metric_summaries(session, job_id=job.id, attempt=job.attempts or 0)
+    if not stored or len({r.upto_id for r in stored}) != 1:
+        return False
+    entry.series = {
+        r.name: (np.frombuffer(r.steps, dtype="<i8").copy(), np.frombuffer(r.values, dtype="<f8").copy())
+        for r in stored
+    }
+    entry.points = {r.name: r.points for r in stored}
+    entry.summarized = any(r.points > len(entry.series[r.name][0]) for r in stored)
+    entry.last_id = stored[0].upto_id
+    entry.read_at = time.monotonic()
+    held = sum(len(steps) for steps, _ in entry.series.values())
+    if not _extend(session, entry, job.id):
+        return False
+    if sum(len(steps) for steps, _ in entry.series.values()) - held > SUMMARY_POINTS:
+        _store_summaries(session, entry, job)  # many points since: the next reader starts later
+    return True
 
 
 def _extend(session: Session, entry: _Entry, job_id: int) -> bool:
@@ -80,6 +150,7 @@ def _extend(session: Session, entry: _Entry, job_id: int) -> bool:
         return True
     new = _group(rows)
     for name, (steps, _) in new.items():
+        entry.points[name] = entry.points.get(name, 0) + len(steps)
         held = entry.series.get(name)
         if held is not None and len(held[0]) and steps[0] <= held[0][-1]:
             return False
@@ -125,7 +196,10 @@ def job_series(
     entry, fresh = _entry(database_url, job)
     with entry.lock:
         if fresh or time.monotonic() - entry.read_at > FULL_READ_S or not _extend(session, entry, job.id):
-            _full(session, entry, job.id)
+            if not _from_summaries(session, entry, job):
+                _full(session, entry, job)
+        if entry.summarized and (max_points is None or max_points > SUMMARY_POINTS // 2):
+            return _exact(session, job=job, names=names, since_step=since_step, max_points=max_points)
         wanted = entry.series if names is None else {n: entry.series[n] for n in names if n in entry.series}
         out = {}
         for name, (steps, values) in wanted.items():
@@ -134,6 +208,17 @@ def job_series(
                 continue
             out[name] = downsample_arrays(steps[first:], values[first:], max_points=max_points or len(steps))
         return out
+
+
+def _exact(
+    session: Session, *, job: Job, names: list[str] | None, since_step: int, max_points: int | None
+) -> dict[str, tuple[list[int], list[float]]]:
+    """Every point read (past the cache): an answer finer than a stored summary keeps."""
+    raw = db_ingest.metric_series(session, job_id=job.id, names=names, since_step=since_step)
+    return {
+        name: downsample(steps, values, max_points=max_points or len(steps))
+        for name, (steps, values) in raw.items()
+    }
 
 
 def clear() -> None:

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import case, func, insert, select, update
+from sqlalchemy import case, delete, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from db.engine import AnyRow
 from db.jobs import Attempt, attempt_fence
-from db.models import Job, JobEvent, MetricPoint
+from db.models import Job, JobEvent, MetricPoint, MetricSummary
 
 
 @dataclass(slots=True)
@@ -192,6 +192,44 @@ def metric_rows(session: Session, *, job_id: int, after_id: int = 0) -> list[tup
         return cast("list[tuple[int, str, int, float]]", result.cursor.fetchall())
     finally:
         result.close()
+
+
+def metric_summaries(session: Session, *, job_id: int, attempt: int) -> list[MetricSummary]:
+    """The job's stored series summaries of attempt `attempt` (none when they stand for another)."""
+    rows = session.scalars(select(MetricSummary).where(MetricSummary.job_id == job_id)).all()
+    return [r for r in rows if r.attempt == attempt]
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryIn:
+    """One series' summary to store: its steps (int64) and values (float64) as little-endian bytes."""
+
+    name: str
+    points: int
+    steps: bytes
+    values: bytes
+
+
+def write_summaries(
+    session: Session, *, job_id: int, attempt: int, upto_id: int, series: Sequence[SummaryIn]
+) -> None:
+    """Replace the job's series summaries with `series` (covering its points up to `upto_id`);
+    commits. A job deleted meanwhile gets none."""
+    session.execute(delete(MetricSummary).where(MetricSummary.job_id == job_id))
+    if series and session.get(Job, job_id) is not None:
+        session.add_all(
+            MetricSummary(
+                job_id=job_id,
+                name=s.name,
+                attempt=attempt,
+                upto_id=upto_id,
+                points=s.points,
+                steps=s.steps,
+                values=s.values,
+            )
+            for s in series
+        )
+    session.commit()
 
 
 def series_of_jobs(

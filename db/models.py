@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     TypeDecorator,
@@ -247,6 +248,27 @@ class MetricPoint(Base):
     value: Mapped[float] = mapped_column(Float)
     time: Mapped[float] = mapped_column(Float)
     """Unix seconds when the trainer produced the point."""
+
+
+class MetricSummary(Base):
+    """A long series kept downsampled beside its points (api/series.py): a chart's first read of a
+    job with a million points reads this and the points stored after `upto_id`, not every point.
+    Written by the API after a full read; stands for the job's attempt `attempt` only."""
+
+    __tablename__ = "metric_summaries"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    """The job's attempts counter when written: a later attempt rewrites points in place."""
+    upto_id: Mapped[int] = mapped_column(BigInteger)
+    """The job's newest metric point id it covers (of every series)."""
+    points: Mapped[int] = mapped_column(Integer)
+    """How many points of the series it stands for."""
+    steps: Mapped[bytes] = mapped_column(LargeBinary)
+    """int64 steps, little-endian."""
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+    """float64 values, little-endian, one per step."""
 
 
 class JobEvent(Base):

@@ -10,7 +10,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from db.jobs import Conflict, NotFound
-from db.models import TERMINAL, Job, JobEvent, MetricPoint
+from db.models import TERMINAL, Job, JobEvent, MetricPoint, MetricSummary
 
 
 def _delete_rows(session: Session, job_ids: Sequence[int]) -> list[int]:
@@ -26,6 +26,7 @@ def _delete_rows(session: Session, job_ids: Sequence[int]) -> list[int]:
     if gone:
         # the foreign keys cascade too; explicit, so nothing depends on SQLite's foreign_keys pragma
         session.execute(delete(MetricPoint).where(MetricPoint.job_id.in_(gone)))
+        session.execute(delete(MetricSummary).where(MetricSummary.job_id.in_(gone)))
         session.execute(delete(JobEvent).where(JobEvent.job_id.in_(gone)))
     session.commit()
     return gone

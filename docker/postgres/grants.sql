@@ -27,6 +27,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON api_tokens, jobs, selections, trials, wo
 GRANT SELECT, INSERT, DELETE ON job_events TO shardyard_api;
 GRANT SELECT, DELETE ON metric_points, reservations, webhook_deliveries, webhook_attempts TO shardyard_api;
 GRANT SELECT ON workers TO shardyard_api;
+-- a long series' stored summary, written by the API after its first full read (api/series.py)
+GRANT SELECT, INSERT, DELETE ON metric_summaries TO shardyard_api;
 
 -- the scheduler
 GRANT SELECT, UPDATE (id) ON users TO shardyard_scheduler;

@@ -142,3 +142,68 @@ def test_a_point_out_of_step_order_and_an_old_entry_are_read_in_full(
     monkeypatch.setattr(series, "FULL_READ_S", 0.0)
     assert _cached(db_url, job) == _truth(db_url, job)
     assert dict(zip(*_cached(db_url, job)["lr"], strict=True))[7] == 70.0
+
+
+@pytest.fixture
+def small_summaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 'long' series is 300 points here, summarized to 40."""
+    monkeypatch.setattr(series, "SUMMARY_MIN_POINTS", 300)
+    monkeypatch.setattr(series, "SUMMARY_POINTS", 40)
+
+
+def test_a_long_series_is_summarized_once_and_a_later_first_read_starts_from_it(
+    db_url: str, reads: list[int], small_summaries: None
+) -> None:
+    with session_for(db_url) as s:
+        job = dbj.create_job(s, name="long", spec=SPEC, world_size=1).id
+        _upsert_points(s, _points(job, range(1, 401)) + _points(job, range(1, 21), names=("val_loss",)))
+        s.commit()
+    full = _truth(db_url, job)
+    # the first read reads every point, answers exactly, and stores every series of the job
+    assert _cached(db_url, job, max_points=10) == {n: downsample(*full[n], max_points=10) for n in full}
+    assert reads == [0]
+    with session_for(db_url) as s:
+        stored = {r.name: r for r in ingest.metric_summaries(s, job_id=job, attempt=0)}
+    assert set(stored) == {"loss", "lr", "val_loss"}
+    assert (stored["loss"].points, len(stored["loss"].steps) // 8) == (400, 40)
+    assert (stored["val_loss"].points, len(stored["val_loss"].steps) // 8) == (20, 20)  # short: whole
+    # points after it; then another process's first read (the cache emptied) reads only those
+    with session_for(db_url) as s:
+        _upsert_points(s, _points(job, range(401, 411)))
+        s.commit()
+    series.clear()
+    got = _cached(db_url, job, max_points=10)
+    assert reads[1] > 0 and 0 not in reads[1:]  # no full read: the summary, then the new points
+    # a short series is kept whole: answered as from every point
+    assert got["val_loss"] == downsample(*full["val_loss"], max_points=10)
+    loss = got["loss"]
+    assert len(loss[0]) == 10 and loss[0][0] == 1 and loss[0][-1] == 410
+    assert all(v == float(st) for st, v in zip(*loss, strict=True))  # real points, none made up
+    # an answer finer than the summary keeps reads every point
+    assert _cached(db_url, job) == _truth(db_url, job)
+
+
+def test_a_summary_stands_for_its_attempt_only_and_goes_with_its_job(
+    db_url: str, reads: list[int], small_summaries: None
+) -> None:
+    with session_for(db_url) as s:
+        job = dbj.create_job(s, name="long", spec=SPEC, world_size=1).id
+        _upsert_points(s, _points(job, range(1, 301)))
+        s.commit()
+    _cached(db_url, job, max_points=10)
+    with session_for(db_url) as s:
+        # the next attempt rewrites steps 100-300 in place: the summary of attempt 0 is ignored
+        s.execute(update(Job).where(Job.id == job).values(attempts=1))
+        _upsert_points(s, _points(job, range(100, 301), scale=-1.0))
+        s.commit()
+    series.clear()
+    got = _cached(db_url, job, max_points=10)
+    assert reads == [0, 0] and got["loss"][1][-1] == -300.0
+    with session_for(db_url) as s:
+        assert [r.attempt for r in ingest.metric_summaries(s, job_id=job, attempt=1)] == [1, 1]
+        s.execute(update(Job).where(Job.id == job).values(status="succeeded"))
+        s.commit()
+        from db.retention import delete_job
+
+        delete_job(s, job_id=job)
+        assert ingest.metric_summaries(s, job_id=job, attempt=1) == []
