@@ -23,6 +23,9 @@ import { parallelCoordinates } from "../parcoords";
 import { compareHref, MAX_COMPARE } from "./compare";
 
 /** A trial's colour, the same on the curves chart and the parallel coordinates. */
+/** Leaderboard rows shown before "Show all" (a sort still orders every trial). */
+export const BOARD_ROWS = 100;
+
 export const trialColour = (t: Trial): string => PALETTE[t.index % PALETTE.length];
 
 export function selectionsPage(root: HTMLElement): () => void {
@@ -157,6 +160,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   // ended trials' results read from their jobs, for servers whose trial rows do not carry them
   const jobResults = new Map<number, TrialReport | null>();
   let sort: SortKey = { col: "rank", dir: 1 };
+  // a batch of 1,000 trials: the table lists the first BOARD_ROWS in its order until asked for
+  // all (laying out 1,000 rows took the page most of a second, bench/scale.py)
+  let showAll = false;
   let chart: StepChart | null = null;
   let history: StepChart | null = null;
   // when each ended trial's job finished (ms): the best-so-far curve's order
@@ -304,12 +310,39 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
         },
         c.label,
       );
+    const foot =
+      rows.length > BOARD_ROWS
+        ? h(
+            "tfoot",
+            {},
+            h(
+              "tr",
+              {},
+              h(
+                "td",
+                { colspan: cols.length + 3 },
+                h(
+                  "button",
+                  {
+                    class: "small secondary",
+                    id: "leaderboard-all",
+                    onclick: () => {
+                      showAll = !showAll;
+                      renderBoard();
+                    },
+                  },
+                  showAll ? `Show the first ${BOARD_ROWS}` : `Show all ${rows.length} trials`,
+                ),
+              ),
+            ),
+          )
+        : null;
     board.replaceChildren(
       h("thead", {}, h("tr", {}, h("th", {}), ...cols.map(th), h("th", {}, "job"), h("th", {}))),
       h(
         "tbody",
         {},
-        ...rows.map((t) =>
+        ...(showAll ? rows : rows.slice(0, BOARD_ROWS)).map((t) =>
           h(
             "tr",
             { "data-trial-id": t.id, "data-status": t.status, class: t.stopped_early ? "stopped" : "" },
@@ -355,6 +388,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
           ),
         ),
       ),
+      ...(foot ? [foot] : []),
     );
   };
 
