@@ -203,15 +203,17 @@ def same_curves(a: ListSink, b: ListSink) -> None:
         torch.testing.assert_close(points(b, name)[1], points(a, name)[1], **TOL)
 
 
-def test_asha_stops_members_as_the_executor_does_and_the_others_go_on(tmp_path: Path) -> None:
-    """ASHA over fused stacks on two devices: members that wait at a rung leave their stack and
-    come back when promoted; the decisions, stop reasons and every curve are the executor's."""
+@pytest.mark.parametrize("kind", ["asha", "sha", "hyperband"])
+def test_rungs_stop_members_as_the_executor_does_and_the_others_go_on(tmp_path: Path, kind: str) -> None:
+    """Early stopping over fused stacks on two devices: members that wait at a rung (SHA: every
+    one, until the rung is full) leave their stack and come back when promoted; the decisions,
+    stop reasons and every curve are the executor's."""
     train = {**BASE["train"], "steps": 8, "eval_every": 2}
     trials = [
         {"index": i, "spec": {**BASE, "train": {**train, "lr": lr, "seed": i}}}
         for i, lr in enumerate([3e-3, 1e-3, 6e-3, 3e-4, 2e-3, 5e-3])
     ]
-    es = {"kind": "asha", "reduction_factor": 2, "min_steps": 2}
+    es = {"kind": kind, "reduction_factor": 2, "min_steps": 2}
     b = {"trials": trials, "metric": "val_loss", "checkpoints": "none", "early_stopping": es}
     off, off_sinks = run_two(tmp_path / "off", {**copy.deepcopy(b), "fuse": False})
     on, on_sinks = run_two(tmp_path / "on", copy.deepcopy(b))
@@ -243,3 +245,27 @@ def test_a_member_whose_loss_turns_nan_fails_alone(tmp_path: Path) -> None:
     assert on["trials"][1]["status"] == "failed" and "loss is nan at step 7" in on["trials"][1]["error"]
     for i in (0, 2):
         same_curves(off_sinks[i], on_sinks[i])
+
+
+def test_nothing_fuses_where_the_plan_says_it_would_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack of k costs k singles (one CPU thread, a compute-bound model): every trial goes
+    through the executor, as with fuse off, and each log says why with the plan's numbers."""
+    monkeypatch.setattr(
+        selection_job,
+        "_measure",
+        lambda archs, devices: [StepCost(fixed_s=0.0, member_s=0.01) for _ in archs],
+    )
+    sinks: dict[int, ListSink] = {}
+    out = run_selection(
+        batch(checkpoints="none"),
+        sink_for_trial=lambda i: sinks.setdefault(i, ListSink()),
+        stop=NeverStop(),
+        devices=[torch.device("cpu")],
+        checkpoint_root=None,
+    )
+    assert out["fusion"]["fused"] is False
+    assert out["fusion"]["makespan_s"] == pytest.approx(out["fusion"]["unfused_s"])
+    assert all(r.get("fused_with") is None and r["status"] == "succeeded" for r in out["trials"])
+    for i in range(3):
+        assert any(f"trial {i} not fused: fusion plan:" in x and "no fusion" in x for x in sinks[i].logs)
+    assert any("trial 3 not fused: model.d_model differs (16 vs 32)" in x for x in sinks[3].logs)

@@ -124,6 +124,8 @@ class FusedGroups:
         """Members promoted while parked, waiting for a device."""
         self.training = 0
         """Stacks a device is training now."""
+        self._reporting: FusedTrials | None = None
+        """The stack whose members are reporting at a rung (in `_rungs`)."""
 
     def run(self) -> dict[int, dict[str, Any]]:
         for group, d in zip(self.groups, self.placement, strict=True):
@@ -358,10 +360,16 @@ class FusedGroups:
         False once no member is left in the stack."""
         if self.rungs is None or not at_rung:
             return True
-        for m in at_rung:
-            m.status = "paused"
-            value = m.last_metric if m.last_metric is not None else m.loss
-            self._apply(self.rungs.report(m.id, step=m.steps, value=value), fused)
+        # a decision can end a member of this stack from inside another's end (a stop that
+        # completes the rung): _apply finds it here
+        self._reporting = fused
+        try:
+            for m in at_rung:
+                m.status = "paused"
+                value = m.last_metric if m.last_metric is not None else m.loss
+                self._apply(self.rungs.report(m.id, step=m.steps, value=value), fused)
+        finally:
+            self._reporting = None
         for m in at_rung:
             if m.status == "running":  # promoted: it goes on in the stack
                 continue
@@ -385,6 +393,7 @@ class FusedGroups:
                 m.status = "running"
             if i in self.parked:
                 self.ready.append(self.parked.pop(i))
+        here = here or self._reporting
         for i in decisions.stopped:
             m = self.members[i]
             if m.status in _FINAL:

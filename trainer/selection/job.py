@@ -298,9 +298,11 @@ def fuse_groups(
     record: dict[str, Any] = {"fused": False}
 
     def nothing(why: str) -> tuple[list[list[TrialEntry]], list[int], list[TrialEntry], dict[str, Any]]:
-        lone = {a[0].index: g.reason for a, g in zip(archs, fusable([a[0].job for a in archs]), strict=True)}
+        # a trial whose architecture no other shares: what sets it apart (against another's)
+        heads = fusable([a[0].job for a in archs])
+        lone = {a[0].index: g.reason for a, g in zip(archs, heads, strict=True) if len(a) == 1 and g.reason}
         for e in entries:
-            said = reasons.get(e.index) or (lone.get(e.index) if len(archs) > 1 else None) or why
+            said = reasons.get(e.index) or lone.get(e.index) or why
             e.sink.log(f"trial {e.index} not fused: {said}")
         record["reason"] = why
         return [], [], sorted(entries, key=lambda e: e.index), record
