@@ -40,7 +40,7 @@ RULES = {
     # shared by api/ and trainer/: the standard library, and pydantic for the request models
     # (jobrules/spec.py), which both validate with
     "jobrules": (SERVICE - {"pydantic"}) | {"torch", "numpy", "trainer", "core", "pydantic_settings"},
-    # the Python SDK (api/cli.py's HTTP calls too): a client of the REST API, so httpx and the
+    # the Python SDK and its user CLI (shardyard/cli.py): a client of the REST API, so httpx and the
     # standard library; it may read jobrules/ and core/ shapes, never the service's internals
     "shardyard": (SERVICE - {"httpx", "pydantic"}) | {"torch", "numpy", "trainer", "uvicorn", "sqlalchemy"},
 }

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from api.cli import FollowView, clock, pace
+from shardyard.cli import FollowView, clock, pace
 from shardyard.results import StatusEvent
 
 
