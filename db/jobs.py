@@ -18,7 +18,18 @@ from sqlalchemy import delete, exists, func, literal_column, select, text, updat
 from sqlalchemy.orm import Session
 
 from db.engine import rowcount
-from db.models import TERMINAL, Job, JobEvent, JobStatus, MetricPoint, Reservation, User, cap_error, utcnow
+from db.models import (
+    TERMINAL,
+    Job,
+    JobEvent,
+    JobStatus,
+    MetricPoint,
+    Reservation,
+    User,
+    WorkerBeat,
+    cap_error,
+    utcnow,
+)
 
 
 class NotFound(LookupError):
@@ -218,11 +229,14 @@ def set_run_note(session: Session, *, attempts: list[Attempt], note: str | None)
         session.execute(update(Job).where(attempt_fence(attempt)).values(wait_reason=note))
 
 
-def _claimable(now: datetime, owner: str) -> Any:
-    """Queued, or running under a lease that ran out (or that this very process holds: a retry
-    of its own task re-claims instead of skipping)."""
-    expired = Job.lease_until.is_(None) | (Job.lease_until < now) | (Job.owner == owner)
-    return (Job.status == JobStatus.queued) | ((Job.status == JobStatus.running) & expired)
+def _lapsed(now: datetime) -> Any:
+    return Job.lease_until.is_(None) | (Job.lease_until < now)
+
+
+def _claimable(owner: str) -> Any:
+    """Queued, or running under the lease this very process holds (a retry of its own task
+    re-claims instead of skipping). A lease that ran out is taken back first (claim_job)."""
+    return (Job.status == JobStatus.queued) | ((Job.status == JobStatus.running) & (Job.owner == owner))
 
 
 def free_job_reservations(session: Session, *, job_id: int) -> None:
@@ -251,16 +265,37 @@ def claim_job(
     kind: str = "job",
     reserved: bool = False,
     now: datetime | None = None,
+    max_restarts: Callable[[dict[str, Any]], int] | None = None,
 ) -> Attempt | None:
     """Take the lease of job `job_id` for `owner` (one worker process start), atomically: one
     conditional UPDATE, so of many racing deliveries exactly one wins. None when the job is taken
     (a live lease), ended, cancelled, or of another kind (a trial runs only inside its batch).
     `reserved`: only when the scheduler reserved node 0 of the job on `worker` (a task for a job
     placed elsewhere is skipped); the reservation records the claim. `now`: the database time
-    to start it at (the trials of one group share their claim's)."""
+    to start it at (the trials of one group share their claim's). A job running under a lease
+    that ran out (a redelivered message after its process died) is first taken back as the
+    reconciler does (take_back: its cause said, the lost attempt counted against
+    `max_restarts(spec)` as in expire_leases), in this same transaction, so whichever of the
+    two gets there first, the lost attempt is explained and counted once."""
     if now is None:
         now = db_now(session)
-    where = [Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), _claimable(now, owner)]
+    stale = session.scalars(
+        select(Job).where(
+            Job.id == job_id,
+            Job.kind == kind,
+            Job.status == JobStatus.running,
+            _lapsed(now),
+            Job.owner.is_(None) | (Job.owner != owner),
+        )
+    ).first()
+    claimable = _claimable(owner)
+    if stale is not None and (stale.nnodes or 1) > 1:
+        # a gang is taken back whole, every node's reservation (db/gangs.py expire_gangs); its
+        # node 0 re-claims a lapsed lease as it is
+        claimable = claimable | ((Job.status == JobStatus.running) & _lapsed(now))
+    elif stale is not None:
+        take_back(session, stale, now=now, max_restarts=max_restarts, keep_slots=reserved)
+    where = [Job.id == job_id, Job.kind == kind, Job.cancel_requested.is_(False), claimable]
     if reserved:
         where.append(_reserved_here(job_id, worker))
     got = session.execute(
@@ -469,6 +504,106 @@ def restart_job(session: Session, *, attempt: Attempt, reason: str, max_restarts
     return str(status)
 
 
+LOST_EVENT = "lost"
+"""The kind of the event a worker records when it saw the process running an attempt die (or
+its data disk fill): record_lost. It names the cause whoever takes the lease back gives."""
+
+
+def record_lost(session: Session, *, worker: str | None, owner_prefix: str, cause: str) -> list[int]:
+    """The worker saw the process holding these leases end: every job (or trial) running on
+    `worker` (None: any) under an owner that starts with `owner_prefix` (a process start's id,
+    workers/attempt.py owner_id, or its host:pid: part) gets `cause` recorded beside its
+    attempt, for take_back to give as the reason. Returns those jobs' ids."""
+    where = [Job.status == JobStatus.running, Job.owner.startswith(owner_prefix, autoescape=True)]
+    if worker is not None:
+        where.append(Job.worker == worker)
+    rows = session.execute(select(Job.id, Job.attempts, Job.owner).where(*where)).all()
+    for job_id, attempt, owner in rows:
+        data = {"attempt": attempt, "owner": owner}
+        said = session.scalars(
+            select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == LOST_EVENT)
+        ).all()
+        if data in said:  # seen twice (the pool watch, then billiard's error): recorded once
+            continue
+        session.add(JobEvent(job_id=job_id, time=time.time(), kind=LOST_EVENT, message=cause, data=data))
+    session.commit()
+    return [r[0] for r in rows]
+
+
+def lost_reason(session: Session, *, job: Job, now: datetime) -> str:
+    """Why the attempt holding `job`'s lease (which ran out by `now`) stopped renewing it: the
+    cause its worker recorded (record_lost), else what the worker's heartbeat says: a worker (of
+    that name) that beat after the lease ran out lives, only the process running the attempt is
+    gone."""
+    recorded = session.scalars(
+        select(JobEvent)
+        .where(JobEvent.job_id == job.id, JobEvent.kind == LOST_EVENT)
+        .order_by(JobEvent.id.desc())
+        .limit(8)
+    ).all()
+    for ev in recorded:
+        data = ev.data or {}
+        if data.get("attempt") == job.attempts and data.get("owner") == job.owner:
+            return f"{job.worker}: {ev.message}"
+    beat = session.get(WorkerBeat, job.worker) if job.worker else None
+    lapsed = aware(job.lease_until)
+    if beat is not None and lapsed is not None and aware(beat.last_seen) > lapsed:
+        ago = (now - lapsed).total_seconds()
+        return (
+            f"{job.worker}: the process running it was lost (its lease ran out {ago:.0f} s ago while "
+            "the worker, or a restart of it, kept sending heartbeats)"
+        )
+    if beat is None:
+        return f"{job.worker}: the worker was lost (no heartbeat on record)"
+    silent = (now - aware(beat.last_seen)).total_seconds()
+    return f"{job.worker}: the worker was lost (no heartbeat for {silent:.0f} s)"
+
+
+def take_back(
+    session: Session,
+    job: Job,
+    *,
+    now: datetime,
+    max_restarts: Callable[[dict[str, Any]], int] | None,
+    keep_slots: bool = False,
+) -> str | None:
+    """`job` runs under a lease that ran out by `now`: a cancel that was asked ends it
+    `cancelled`, else it goes back to `queued` with its cause (lost_reason), the lost attempt
+    counted against `max_restarts(spec)` for a job (not a trial: its selection group is retried
+    as one; None counts nothing), and past it `failed` with every attempt's reason. One
+    conditional UPDATE on the attempt: of the reconciler and a claim racing, one takes it back,
+    once. `keep_slots`: a re-queued job keeps its reservation (a claim follows in the same
+    transaction). Returns the new status, or None when it was already taken back; the caller
+    commits."""
+    cancel = job.cancel_requested
+    why = lost_reason(session, job=job, now=now)
+    values: dict[str, Any] = {
+        "status": JobStatus.cancelled if cancel else JobStatus.queued,
+        "owner": None,
+        "lease_until": None,
+        "enqueued_at": None,
+        "finished_at": utcnow() if cancel else None,
+        "preempt_requested": False,
+    }
+    data: dict[str, Any] = {"reason": why}
+    if not cancel and max_restarts is not None and job.kind == "job":
+        limit = max_restarts(job.spec or {})
+        values, _, data = _restart_values(session, job, reason=why, max_restarts=limit)
+    res = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running, _lapsed(now))
+        .values(**values)
+        .execution_options(synchronize_session="fetch")
+    )
+    if rowcount(res) != 1:
+        return None
+    status = str(values["status"])
+    if not (keep_slots and status == JobStatus.queued):
+        free_job_reservations(session, job_id=job.id)
+    session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message=status, data=data))
+    return status
+
+
 def expire_leases(
     session: Session,
     *,
@@ -476,49 +611,23 @@ def expire_leases(
     max_restarts: Callable[[dict[str, Any]], int] | None = None,
 ) -> tuple[list[Job], list[Job]]:
     """Running jobs (and trials) whose lease ran out by database time `now` (the database's clock
-    when None): the owner is gone or cut off. A cancel that was asked ends them `cancelled`; the
-    rest go back to `queued` with no message on record, for the reconciler to send. A multi-node
-    job goes back whole when its lease or any node's ran out: the reconciler gives those back first
-    (db/gangs.py expire_gangs, at the same `now`). `max_restarts(spec)`: a job (not a trial: its
-    selection group is retried as one) counts the lost attempt against it, and past it ends
-    `failed` with every attempt's reason; None counts nothing. Returns (re-queued, cancelled)."""
+    when None): the owner is gone or cut off. Each is taken back (take_back: a cancel that was
+    asked ends it `cancelled`; the rest go back to `queued` with the cause of the loss and no
+    message on record, for the scheduler to place again). A multi-node job goes back whole when
+    its lease or any node's ran out: the reconciler gives those back first (db/gangs.py
+    expire_gangs, at the same `now`). `max_restarts(spec)`: a job (not a trial) counts the lost
+    attempt against it, and past it ends `failed` with every attempt's reason; None counts
+    nothing. Returns (re-queued, cancelled)."""
     if now is None:
         now = db_now(session)
     requeued: list[Job] = []
     cancelled: list[Job] = []
-    gone = session.scalars(
-        select(Job).where(
-            Job.status == JobStatus.running, Job.lease_until.is_(None) | (Job.lease_until < now)
-        )
-    ).all()
+    gone = session.scalars(select(Job).where(Job.status == JobStatus.running, _lapsed(now))).all()
     for job in gone:
-        cancel = job.cancel_requested
-        why = f"the lease of {job.worker} (attempt {job.attempts}) ran out: the worker was lost"
-        values: dict[str, Any] = {
-            "status": JobStatus.cancelled if cancel else JobStatus.queued,
-            "owner": None,
-            "lease_until": None,
-            "enqueued_at": None,
-            "finished_at": utcnow() if cancel else None,
-            "preempt_requested": False,
-        }
-        data: dict[str, Any] = {"reason": why}
-        if not cancel and max_restarts is not None and job.kind == "job":
-            limit = max_restarts(job.spec or {})
-            values, _, data = _restart_values(session, job, reason=why, max_restarts=limit)
-        res = session.execute(
-            update(Job)
-            .where(Job.id == job.id, Job.attempts == job.attempts, Job.status == JobStatus.running)
-            .values(**values)
-        )
-        if rowcount(res) != 1:
-            continue
-        free_job_reservations(session, job_id=job.id)
-        msg = str(values["status"])
-        session.add(JobEvent(job_id=job.id, time=time.time(), kind="status", message=msg, data=data))
-        if msg == JobStatus.queued:
+        status = take_back(session, job, now=now, max_restarts=max_restarts)
+        if status == JobStatus.queued:
             requeued.append(job)
-        elif msg == JobStatus.cancelled:
+        elif status == JobStatus.cancelled:
             cancelled.append(job)
     session.commit()
     return requeued, cancelled

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -49,7 +48,8 @@ from db.models import TERMINAL
 from db.quotas import quota_gate
 from jobrules.applied import write_applied_step
 from jobrules.parallel import checkpoint_pieces
-from workers import pyenv
+from jobrules.restarts import max_restarts
+from workers import lost, pyenv
 from workers.ckpt_sync import (
     Mirror,
     Uploader,
@@ -81,7 +81,7 @@ def owner_id() -> str:
     """This worker process start's unique id: leases belong to it, never to a reusable name."""
     pid = os.getpid()
     if pid not in _OWNER:  # a forked pool child gets its own
-        _OWNER[pid] = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:12]}"
+        _OWNER[pid] = f"{lost.owner_prefix(pid)}{uuid.uuid4().hex[:12]}"
     return _OWNER[pid]
 
 
@@ -121,6 +121,7 @@ def take_lease(
                 lease_s=settings.lease_s,
                 kind=kind,
                 reserved=kind == "job",
+                max_restarts=max_restarts,
             )
             if attempt is not None:
                 return attempt
@@ -379,6 +380,9 @@ class AttemptRun:
             self.uploader.stop(final=not self.relay.broken and final_upload())
         if not self.relay.close():
             log.warning("%s: %s", self.what, self.relay.broken)
+            if cause := lost.disk_full(self.relay.broken):
+                for target in self.relay.targets.values():
+                    lost.record(self.settings, worker=None, owner=target.attempt.owner, cause=cause)
             return False
         return True
 

@@ -3,14 +3,17 @@ workers/selection.py, plus the worker heartbeat, the reconciler, and warm shutdo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery.signals import (
     celeryd_after_setup,
     worker_process_init,
@@ -18,6 +21,7 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue
@@ -28,7 +32,7 @@ from db.jobs import db_now, expire_leases
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from db.workers import mark_draining, record_heartbeat
 from jobrules.restarts import max_restarts
-from workers import spare
+from workers import lost, spare
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
@@ -58,36 +62,62 @@ RETRY_INFRA = {
 }
 
 
-@app.task(name=TASK_RUN_JOB, bind=True, **RETRY_INFRA)
+class LostAwareRequest(Request):
+    """A task's request in the worker's main process. When the pool process running it dies (a
+    kill -9, the OOM killer), billiard fails it with WorkerLostError ("signal 9 (SIGKILL)") and
+    Celery gives the message back (task_reject_on_worker_lost); first, the cause is recorded beside
+    every attempt that process held, for whoever takes their leases back to say
+    (workers/lost.py)."""
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201 - Celery's signature
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # billiard's ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError) and self.worker_pid:
+            cause = lost.process_death(str(exc))
+            lost.record(
+                get_settings(), worker=self.hostname, owner=lost.owner_prefix(self.worker_pid), cause=cause
+            )
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
+@contextlib.contextmanager
+def _busy(worker: str) -> Iterator[None]:
+    """This pool process runs a task: SIGTERM drains it; a full disk that ends it is recorded as
+    the cause of the attempts it held (their leases then run out)."""
+    _guard_sigterm()
+    _BUSY.set()
+    try:
+        yield
+    except Exception as e:
+        if cause := lost.disk_full(e):
+            lost.record(get_settings(), worker=worker, owner=lost.owner_prefix(os.getpid()), cause=cause)
+        raise
+    finally:
+        _BUSY.clear()
+
+
+@app.task(name=TASK_RUN_JOB, bind=True, Request=LostAwareRequest, **RETRY_INFRA)
 def run_job(self, job_id: int, node_rank: int = 0, nnodes: int = 1) -> str:  # noqa: ANN001 - Celery's bound task
     """One job, end to end (workers/execute.py); with nnodes > 1, node `node_rank` of a gang
     (workers/gang.py)."""
     name = self.request.hostname or _WORKER_NAME["name"]
-    _guard_sigterm()
-    _BUSY.set()
-    try:
+    with _busy(name):
         if nnodes > 1:
             return execute_gang_node(
                 job_id, node_rank=node_rank, nnodes=nnodes, settings=get_settings(), worker=name
             )
         return execute_job(job_id, settings=get_settings(), worker=name)
-    finally:
-        _BUSY.clear()
 
 
-@app.task(name=TASK_RUN_SELECTION, bind=True, **RETRY_INFRA)
+@app.task(name=TASK_RUN_SELECTION, bind=True, Request=LostAwareRequest, **RETRY_INFRA)
 def run_selection(self, selection_id: int, trial_ids: list[int], reservation_id: int | None = None) -> str:  # noqa: ANN001 - Celery's bound task
     """One group of a selection batch on this worker's devices (shard alternation), placed here by
     the scheduler (reservation `reservation_id`)."""
     name = self.request.hostname or _WORKER_NAME["name"]
-    _guard_sigterm()
-    _BUSY.set()
-    try:
+    with _busy(name):
         return execute_selection(
             selection_id, trial_ids, settings=get_settings(), worker=name, reservation_id=reservation_id
         )
-    finally:
-        _BUSY.clear()
 
 
 def reconcile_once() -> int:
@@ -165,6 +195,31 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
     threading.Thread(
         target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
     ).start()
+    threading.Thread(target=_watch_pool, args=(_stop_beat, name), daemon=True, name="pool-watch").start()
+
+
+POOL_WATCH_S = 0.2
+
+
+def _watch_pool(stop: threading.Event, name: str) -> None:
+    """In the main process: a pool process that died (a kill -9, the OOM killer) is seen here as
+    a zombie before billiard reaps it (which can take its pool's next maintenance, seconds), and
+    the cause is recorded beside the attempts it held, well before their leases run out."""
+    settings = get_settings()
+    seen: set[int] = set()
+    while not stop.wait(POOL_WATCH_S):
+        pool = getattr(_controller.get("worker"), "pool", None)
+        try:
+            pids = set(pool.info.get("processes", [])) if pool is not None else set()
+        except Exception:  # noqa: BLE001 - no pool (solo), or one being restarted
+            continue
+        seen &= pids
+        for pid in pids - seen:
+            if (status := lost.zombie_status(pid)) is not None:
+                seen.add(pid)
+                lost.record(
+                    settings, worker=name, owner=lost.owner_prefix(pid), cause=lost.death_cause(status)
+                )
 
 
 @worker_process_init.connect

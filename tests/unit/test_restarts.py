@@ -5,12 +5,18 @@ ends the job `failed` naming every attempt's reason."""
 
 from __future__ import annotations
 
+import re
 import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
 
 from db import ingest as dbi
 from db import jobs as dbj
+from db import workers as dbw
 from db.engine import session_for
-from db.models import JobStatus
+from db.models import Job, JobStatus, WorkerBeat, utcnow
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, max_restarts
 
 
@@ -87,12 +93,13 @@ def test_a_lost_worker_counts_against_max_restarts(db_url: str) -> None:
         assert job.status == expect
         assert [j.id for j in requeued] == ([job_id] if expect == "queued" else [])
     assert job.restarts == 1
-    assert job.error.startswith(
-        "2 attempts failed for the infrastructure (max_restarts=1): attempt 1: the lease of w"
+    assert job.error == (
+        "2 attempts failed for the infrastructure (max_restarts=1): "
+        "attempt 1: w: the worker was lost (no heartbeat on record); "
+        "attempt 2: w: the worker was lost (no heartbeat on record)"
     )
-    assert "attempt 2: the lease of w (attempt 2) ran out: the worker was lost" in job.error
     (ev,) = _restart_events(db_url, job_id)
-    assert ev["restart"] == 1 and "ran out" in ev["reason"]
+    assert ev["restart"] == 1 and ev["reason"] == "w: the worker was lost (no heartbeat on record)"
 
     # a spec stored before the field existed gets the default
     assert max_restarts({"train": {}}) == DEFAULT_MAX_RESTARTS
@@ -106,3 +113,70 @@ def test_without_a_limit_the_reconciler_requeues_uncounted(db_url: str) -> None:
         dbj.expire_leases(s)
         job = dbj.get_job(s, job_id)
     assert (job.status, job.restarts) == (JobStatus.queued, 0)
+
+
+def _lapse(url: str, job_id: int) -> None:
+    """The job's lease ran out a second ago, by database time (no sleep, no slow-machine race)."""
+    with session_for(url) as s:
+        s.execute(
+            update(Job).where(Job.id == job_id).values(lease_until=dbj.db_now(s) - timedelta(seconds=1))
+        )
+        s.commit()
+
+
+KILLED = "the worker process running it was killed (signal 9)"
+
+
+@pytest.mark.parametrize("first", ["claim", "reconciler"])
+def test_a_recorded_cause_is_the_reason_and_the_lost_attempt_counts_once(db_url: str, first: str) -> None:
+    """The worker's main process saw the pool process holding the lease die and recorded why. A
+    redelivered message's claim and the reconciler race for the lapsed lease: whichever wins, the
+    restart is explained with that cause and counted once."""
+    job_id = _job(db_url, max_restarts=3)
+    with session_for(db_url) as s:
+        dbj.claim_job(s, job_id=job_id, owner="host:4242:abc", worker="w", lease_s=60)
+        dbj.claim_job(s, job_id=_job(db_url), owner="host:42420:x", worker="w", lease_s=60)  # not it
+        assert dbj.record_lost(s, worker="w", owner_prefix="host:4242:", cause=KILLED) == [job_id]
+    _lapse(db_url, job_id)
+    with session_for(db_url) as s:
+        if first == "reconciler":
+            requeued, _ = dbj.expire_leases(s, max_restarts=max_restarts)
+            assert [j.id for j in requeued] == [job_id]
+        again = dbj.claim_job(
+            s, job_id=job_id, owner="host:77:new", worker="w", lease_s=60, max_restarts=max_restarts
+        )
+        assert again is not None and again.attempt == 2
+        assert dbj.expire_leases(s, max_restarts=max_restarts) == ([], [])  # the new lease is live
+    with session_for(db_url) as s:
+        job = dbj.get_job(s, job_id)
+    assert (job.status, job.restarts, job.owner) == (JobStatus.running, 1, "host:77:new")
+    (ev,) = _restart_events(db_url, job_id)
+    assert (ev["restart"], ev["attempt"], ev["reason"]) == (1, 1, f"w: {KILLED}")
+
+
+def test_without_a_record_the_heartbeat_says_whether_the_worker_or_its_process_was_lost(db_url: str) -> None:
+    alive, gone = _job(db_url), _job(db_url)
+    with session_for(db_url) as s:
+        dbj.claim_job(s, job_id=alive, owner="a", worker="w1", lease_s=60)
+        dbj.claim_job(s, job_id=gone, owner="b", worker="w2", lease_s=60)
+        dbw.record_heartbeat(s, name="w2", hostname="h", queues=["cpu"], devices=[], host={})
+    _lapse(db_url, alive)
+    _lapse(db_url, gone)
+    with session_for(db_url) as s:
+        # w1 beats after its process's lease ran out; w2 was last heard of before
+        s.execute(
+            update(WorkerBeat)
+            .where(WorkerBeat.name == "w2")
+            .values(last_seen=utcnow() - timedelta(seconds=30))
+        )
+        s.commit()
+        dbw.record_heartbeat(s, name="w1", hostname="h", queues=["cpu"], devices=[], host={})
+        dbj.expire_leases(s, max_restarts=max_restarts)
+    (a,) = _restart_events(db_url, alive)
+    assert re.fullmatch(
+        r"w1: the process running it was lost \(its lease ran out \d+ s ago while the worker, "
+        r"or a restart of it, kept sending heartbeats\)",
+        a["reason"],
+    ), a["reason"]
+    (b,) = _restart_events(db_url, gone)
+    assert re.fullmatch(r"w2: the worker was lost \(no heartbeat for 3\d s\)", b["reason"]), b["reason"]
