@@ -1,5 +1,7 @@
-"""Samples what a trainer does to its host and device: per rank, the process's CPU % and resident
-memory (from /proc), and where NVML answers (`nvidia-ml-py`, a GPU node), the GPU's utilisation,
+"""Samples what a trainer does to its host and device: per rank, the CPU % of the rank's process
+with every thread and every process below it (a selection batch's CPU devices are processes its
+executor forks: the executor alone idles while they train) and the rank's resident memory (from
+/proc), and where NVML answers (`nvidia-ml-py`, a GPU node), the GPU's utilisation,
 the memory the rank holds on it and the board's power. The samples become metric lines of the
 job (`hw.<what>.r<rank>`), so they land through the relay exactly like the loss: stored once per
 (name, step), streamed live, charted beside it.
@@ -27,12 +29,33 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PROC = Path("/proc")
 
 
-def group_ranks(pgid: int) -> dict[int, int]:
-    """{rank: pid} for the processes of session/group `pgid`: torchrun's workers by their RANK,
-    else the trainer as rank 0 (a single-process trainer): the group's leader, or, in a sandbox,
-    the first process below bubblewrap's own (workers/sandbox.py: the leader is bwrap)."""
+@dataclass(slots=True)
+class Group:
+    """What one read of /proc says of a trainer's process group: its ranks and every process's
+    children (of the whole machine: a child that left the group is still the rank's)."""
+
+    ranks: dict[int, int]
+    """{rank: pid}: torchrun's workers by their RANK, else the trainer as rank 0."""
+    children: dict[int, list[int]]
+
+    def tree(self, pid: int) -> list[int]:
+        """`pid` and every process below it: a rank's own processes (a selection batch's CPU
+        devices are processes forked by its executor, a data loader's workers too)."""
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += self.children.get(p, [])
+        return out
+
+
+def read_group(pgid: int) -> Group:
+    """The ranks of session/group `pgid` and the machine's process tree, in one pass over /proc.
+    A single-process trainer is rank 0: the group's leader, or, in a sandbox, the first process
+    below bubblewrap's own (workers/sandbox.py: the leader is bwrap)."""
     ranks: dict[int, int] = {}
-    members: dict[int, tuple[int, str]] = {}  # pid -> (parent pid, command name)
+    members: dict[int, tuple[int, str]] = {}  # pid -> (parent pid, command name), of the group
+    children: dict[int, list[int]] = {}
     for d in _PROC.iterdir():
         if not d.name.isdigit():
             continue
@@ -40,6 +63,7 @@ def group_ranks(pgid: int) -> dict[int, int]:
             stat = (d / "stat").read_text()
             # the command name may hold spaces and parentheses: the fields start after the last ')'
             fields = stat[stat.rindex(")") + 2 :].split()
+            children.setdefault(int(fields[1]), []).append(int(d.name))
             if int(fields[2]) != pgid:
                 continue
             members[int(d.name)] = (int(fields[1]), stat[stat.index("(") + 1 : stat.rindex(")")])
@@ -49,7 +73,12 @@ def group_ranks(pgid: int) -> dict[int, int]:
         rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
         if rank is not None:
             ranks[rank] = int(d.name)
-    return ranks or {0: _trainer_of(pgid, members)}
+    return Group(ranks=ranks or {0: _trainer_of(pgid, members)}, children=children)
+
+
+def group_ranks(pgid: int) -> dict[int, int]:
+    """{rank: pid} for the processes of session/group `pgid` (read_group)."""
+    return read_group(pgid).ranks
 
 
 def _trainer_of(pgid: int, members: dict[int, tuple[int, str]]) -> int:
@@ -63,8 +92,22 @@ def _trainer_of(pgid: int, members: dict[int, tuple[int, str]]) -> int:
 
 
 def _cpu_ticks(pid: int) -> int:
+    """CPU time of process `pid` (every thread of it) and of its children it has waited for
+    (utime + stime + cutime + cstime): a child that ended keeps counting through its parent."""
     fields = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
+    return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+
+
+def tree_ticks(group: Group, pid: int) -> int:
+    """CPU time of `pid` and every process below it, as _cpu_ticks counts it. Raises OSError when
+    `pid` itself is gone; a descendant that ends meanwhile is skipped."""
+    total = _cpu_ticks(pid)
+    for p in group.tree(pid)[1:]:
+        try:
+            total += _cpu_ticks(p)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _rss_mb(pid: int) -> float:
@@ -137,22 +180,24 @@ class HardwareSampler:
             self._thread.join(timeout=5)
 
     def sample(self) -> dict[str, float]:
-        """One sample of every rank: {metric name: value}. CPU % needs a previous sample of the
-        same process, so a rank's first sample has its memory only."""
+        """One sample of every rank: {metric name: value}. CPU % (of the rank's whole process
+        tree, so above 100 with several busy cores) needs a previous sample of the same process,
+        so a rank's first sample has its memory only."""
         values: dict[str, float] = {}
-        pids = group_ranks(self.pgid)
+        group = read_group(self.pgid)
+        pids = group.ranks
         now = time.monotonic()
         for rank, pid in sorted(pids.items()):
             try:
-                ticks, rss = _cpu_ticks(pid), _rss_mb(pid)
+                ticks, rss = tree_ticks(group, pid), _rss_mb(pid)
             except (OSError, ValueError, IndexError):
                 continue  # the rank just ended
             values[f"hw.rss_mb.r{rank}"] = round(rss, 1)
             last = self._last.get(pid)
             if last is not None and now > last.at:
-                values[f"hw.cpu_pct.r{rank}"] = round(
-                    100.0 * (ticks - last.ticks) / _TICK / (now - last.at), 1
-                )
+                # a descendant that ended unreaped takes its time with it: never below zero
+                used = max(0, ticks - last.ticks)
+                values[f"hw.cpu_pct.r{rank}"] = round(100.0 * used / _TICK / (now - last.at), 1)
             self._last[pid] = _Last(ticks=ticks, at=now)
         if self._nvml is None:
             self._nvml = _Nvml()
