@@ -71,8 +71,9 @@ class Settings(BaseSettings):
     """A worker retries a database write that fails (locked, unreachable) for this long before it
     gives the attempt up; the job's lease then runs out and it runs again from its checkpoint."""
     warm_trainer: bool = True
-    """Single-process trainer runs are forked from a warm process per worker pool process that
-    imported torch once (workers/warm.py); false: every run starts a fresh Python."""
+    """Single-process trainer runs start warm: sandboxed, from a spare trainer each worker pool
+    process keeps imported in a sandbox of its own (workers/spare.py); unsandboxed, forked from a
+    zygote that imported torch once (workers/warm.py). False: every run starts a fresh Python."""
     scheduler_s: float = 1.0
     """The scheduler's tick: how often it frees ended reservations and places queued jobs (a
     submit also wakes the API's embedded scheduler at once)."""

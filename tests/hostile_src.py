@@ -67,13 +67,24 @@ def _listing(folder):
 
 
 def _signal_all(pids):
+    # a pid, or [pid, name]: a process of the service by the id its own PID namespace gives it,
+    # reached only when the process this id names here is that one (inside a sandbox, 1 is
+    # bubblewrap's own init, not the container's)
     hit = []
-    for pid in pids:
+    for entry in pids:
+        pid, name = (entry, None) if isinstance(entry, int) else entry
         try:
             os.kill(pid, 0)
-            hit.append(pid)
         except OSError:
-            pass
+            continue
+        if name is not None:
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() != name:
+                        continue
+            except OSError:
+                continue
+        hit.append(pid)
     return hit
 
 

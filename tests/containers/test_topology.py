@@ -261,9 +261,12 @@ def _hostile_job(
     code = topo.exec(worker, "python", "-c", "import os, trainer; print(os.path.dirname(trainer.__file__))")
     containers = (topo.name("api"), topo.name("scheduler"), *topo.workers)
     targets = {
-        # the service's processes, by their ids on this machine (the sandbox has a PID namespace of
-        # its own, inside the container's)
-        "pids": [p for c in containers for p in topo.host_pids(c)] + [os.getpid()],
+        # the service's processes, by their ids on this machine and, for the worker's container,
+        # by the ids its own PID namespace gives them: what an unsandboxed trainer there could
+        # signal (the sandbox has a PID namespace of its own, inside the container's)
+        "pids": [p for c in containers for p in topo.host_pids(c)]
+        + topo.container_pids(worker)
+        + [os.getpid()],
         # no database file on a worker (the embedded default's would be here): Postgres listens on a
         # port, tried below
         "database": "/data/shardyard.db",

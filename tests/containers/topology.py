@@ -281,6 +281,15 @@ class Topology:
         out = podman("top", container, "hpid", timeout=60).stdout.split()
         return [int(p) for p in out if p.isdigit()]
 
+    def container_pids(self, container: str) -> list[list[Any]]:
+        """The container's processes as [pid, name]: the ids its own PID namespace gives them."""
+        rows = podman("top", container, "pid", "comm", timeout=60).stdout.splitlines()[1:]
+        return [
+            [int(pid), name.strip()]
+            for pid, _, name in (r.strip().partition(" ") for r in rows)
+            if pid.isdigit()
+        ]
+
     def kill(self, container: str) -> None:
         podman("kill", "--signal", "KILL", container)
 
