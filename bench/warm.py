@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import table, write_results
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 from workers import warm
 from workers.execute import trainer_command
 from workers.sandbox import Sandbox, probe
@@ -94,6 +94,55 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _time_from_spare(
+    kind: str, *, folder: Path, settings: Settings, spare_ready: list[float]
+) -> dict[str, float]:
+    """A sandboxed warm run: the pool process's spare, ready as after the previous run's end (its
+    wait for readiness appended to `spare_ready`), adopted as `folder`."""
+    t0 = time.perf_counter()
+    made = Spare(settings)
+    if not made.wait_ready(300):
+        raise RuntimeError("the spare sandboxed trainer did not get ready")
+    spare_ready.append(time.perf_counter() - t0)
+    folder.mkdir(parents=True)
+    cmd = _commands(folder, "spare")[kind]
+    return time_first_step(cmd, folder, sandbox=Sandbox(settings=settings, read_write=[folder]), spare=made)
+
+
+def _median_rows(
+    samples: dict[tuple[str, str], list[dict[str, float]]], *, modes: list[str], sandboxed: bool
+) -> list[dict[str, Any]]:
+    """The table: per kind of run, each mode's median first step and wall time."""
+    rows: list[dict[str, Any]] = []
+    for kind in ("job", "selection group"):
+        med = {
+            (side, k): statistics.median(s[k] for s in samples[(kind, side)])
+            for side in modes
+            for k in ("first_step_s", "wall_s")
+        }
+        rows.append(
+            {
+                "run": kind,
+                "cold first step s": med[("cold", "first_step_s")],
+                "warm first step s": med[("warm", "first_step_s")],
+                "saved s": med[("cold", "first_step_s")] - med[("warm", "first_step_s")],
+                "cold wall s": med[("cold", "wall_s")],
+                "warm wall s": med[("warm", "wall_s")],
+                **(
+                    {
+                        "sandboxed cold first step s": med[("sandboxed cold", "first_step_s")],
+                        "sandboxed warm first step s": med[("sandboxed warm", "first_step_s")],
+                        "sandboxed warm - warm s": med[("sandboxed warm", "first_step_s")]
+                        - med[("warm", "first_step_s")],
+                    }
+                    if sandboxed
+                    else {}
+                ),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=5)
@@ -129,17 +178,11 @@ def main() -> None:
                 for mode in order:
                     _set_warm(mode == "warm")
                     if mode == "sandboxed warm":
-                        # the pool process's spare, ready as after the previous run's end
-                        t0 = time.perf_counter()
-                        made = Spare(in_tmp)
-                        if not made.wait_ready(300):
-                            raise RuntimeError("the spare sandboxed trainer did not get ready")
-                        spare_ready.append(time.perf_counter() - t0)
-                        folder = tmp / "runs" / f"{rep}-{kind.replace(' ', '-')}"
-                        folder.mkdir(parents=True)
-                        cmd = _commands(folder, "spare")[kind]
-                        got = time_first_step(
-                            cmd, folder, sandbox=Sandbox(settings=in_tmp, read_write=[folder]), spare=made
+                        got = _time_from_spare(
+                            kind,
+                            folder=tmp / "runs" / f"{rep}-{kind.replace(' ', '-')}",
+                            settings=in_tmp,
+                            spare_ready=spare_ready,
                         )
                     else:
                         cmd = _commands(tmp, f"{rep}-{mode}")[kind]
@@ -148,33 +191,7 @@ def main() -> None:
         warm.shutdown()
     load_after = os.getloadavg()
 
-    rows = []
-    for kind in ("job", "selection group"):
-        med = {
-            (side, k): statistics.median(s[k] for s in samples[(kind, side)])
-            for side in modes
-            for k in ("first_step_s", "wall_s")
-        }
-        rows.append(
-            {
-                "run": kind,
-                "cold first step s": med[("cold", "first_step_s")],
-                "warm first step s": med[("warm", "first_step_s")],
-                "saved s": med[("cold", "first_step_s")] - med[("warm", "first_step_s")],
-                "cold wall s": med[("cold", "wall_s")],
-                "warm wall s": med[("warm", "wall_s")],
-                **(
-                    {
-                        "sandboxed cold first step s": med[("sandboxed cold", "first_step_s")],
-                        "sandboxed warm first step s": med[("sandboxed warm", "first_step_s")],
-                        "sandboxed warm - warm s": med[("sandboxed warm", "first_step_s")]
-                        - med[("warm", "first_step_s")],
-                    }
-                    if sandboxed
-                    else {}
-                ),
-            }
-        )
+    rows = _median_rows(samples, modes=modes, sandboxed=sandboxed)
     load = f"load average before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (1/5/15 min)"
     print(table(rows, title=f"Cold vs warm trainer start, medians of {args.reps} interleaved reps; {load}"))
     print(
