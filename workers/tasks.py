@@ -191,7 +191,10 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
     _controller["worker"] = sender
     name = getattr(sender, "hostname", None) or _WORKER_NAME["name"]
     queues = sorted(q.name for q in sender.app.amqp.queues.consume_from.values()) if sender else ["cpu"]
-    tasks = int(getattr(sender, "concurrency", 1) or 1)
+    # worker_ready's sender is the worker's Consumer: its WorkController holds --concurrency (the
+    # Consumer has none, and every worker advertised one task: bench.api_load --jobs 10 ran one)
+    controller = getattr(sender, "controller", None)
+    tasks = int(getattr(controller, "concurrency", None) or getattr(sender, "concurrency", 1) or 1)
     threading.Thread(
         target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
     ).start()

@@ -1,0 +1,27 @@
+"""A worker started with --concurrency N advertises N tasks (jobs at once) in its heartbeat, so
+the scheduler runs N jobs on it at once (it advertised one whatever N was: Celery's worker_ready
+is sent by the Consumer, which has no concurrency of its own). A real Celery worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from api.stack import Stack
+from tests.conftest import running
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_worker_advertises_its_concurrency_as_tasks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    st = Stack(root=tmp_path_factory.mktemp("tasks"), workers=1, concurrency=3)
+    with running(st) as handle:
+        deadline = time.monotonic() + 30
+        while True:
+            workers = handle.client.get("/api/health").json()["workers"]
+            if workers and workers[0]["host"].get("tasks") is not None:
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.5)
+        assert workers[0]["host"]["tasks"] == 3
