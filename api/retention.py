@@ -1,7 +1,7 @@
-"""Retention of finished jobs: delete one on request, and a periodic cleanup of those older than
-SHARDYARD_JOB_RETENTION_DAYS. Rows go first (one transaction), the job's folder and its objects in
-the store (core/storage.py) after: a folder or an object left behind by a failed removal is only
-bytes, never a job that half exists."""
+"""Retention of finished jobs: delete one on request, and a periodic cleanup of those (and of ended
+selection batches, their trials' jobs with them) older than SHARDYARD_JOB_RETENTION_DAYS. Rows go
+first (one transaction), the job's folder and its objects in the store (core/storage.py) after: a
+folder or an object left behind by a failed removal is only bytes, never a job that half exists."""
 
 from __future__ import annotations
 
@@ -14,10 +14,16 @@ from pathlib import Path
 from starlette.concurrency import run_in_threadpool
 
 from core.settings import Settings
-from core.storage import StorageError, get_storage, job_prefix
+from core.storage import StorageError, get_storage, job_prefix, selection_prefix
 from db.engine import session_for
 from db.models import utcnow
-from db.retention import delete_job, delete_jobs, finished_before
+from db.retention import (
+    delete_job,
+    delete_jobs,
+    delete_selections,
+    finished_before,
+    selections_finished_before,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +59,21 @@ def delete_finished_job(settings: Settings, *, job_id: int) -> int | None:
     return owner_id
 
 
+def _remove_selection_folder(settings: Settings, selection_id: int) -> None:
+    """A deleted batch's folder on this host and its objects in the store (its trials' checkpoints)."""
+    shutil.rmtree(settings.data_dir / "selections" / str(selection_id), ignore_errors=True)
+    storage = get_storage(settings)
+    if not storage.is_data_dir:
+        try:
+            storage.delete_prefix(selection_prefix(selection_id))
+        except StorageError as e:
+            log.warning("selection %s deleted, but not its objects in the store: %s", selection_id, e)
+
+
 def cleanup_expired(settings: Settings) -> list[int]:
-    """One pass of the retention: every finished job older than the retention, in batches."""
+    """One pass of the retention: every finished job older than the retention, and every ended
+    selection batch (its trials' jobs with it), in batches. Returns the ids of the jobs deleted
+    (trials' jobs included)."""
     if settings.job_retention_days <= 0:
         return []
     cutoff = utcnow() - timedelta(days=settings.job_retention_days)
@@ -66,6 +85,16 @@ def cleanup_expired(settings: Settings) -> list[int]:
             _remove_folder(settings, job_id)
         deleted += ids
         if not ids:
+            break
+    while True:
+        with session_for(settings.database_url) as s:
+            batches, ids = delete_selections(s, selection_ids=selections_finished_before(s, cutoff=cutoff))
+        for job_id in ids:
+            _remove_folder(settings, job_id)
+        for selection_id in batches:
+            _remove_selection_folder(settings, selection_id)
+        deleted += ids
+        if not batches:
             return deleted
 
 
