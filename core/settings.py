@@ -164,7 +164,9 @@ class Settings(BaseSettings):
     SHARDYARD_CHECKPOINT_KEEP variable, which the worker's environment passes on."""
     job_retention_days: float = 0.0
     """Finished jobs (with their folders, metrics and events) older than this are deleted by the
-    API's periodic cleanup; 0 keeps them forever."""
+    API's periodic cleanup, and so are ended selection batches with their trials; 0 keeps them
+    forever. What bounds the database: docs/benchmarks.md "At scale" gives its bytes per million
+    metric points."""
     retention_check_s: float = 3600.0
     """How often the API looks for finished jobs past their retention."""
     cancel_grace_s: float = 30.0
