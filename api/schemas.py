@@ -360,6 +360,10 @@ class TrialPublic(BaseModel):
     fused_with: list[int] | None = None
     """The indices of the other trials of the batch this one trained with as one stacked model
     (horizontal fusion, docs/selection.md); None: it trained alone (or has not ended)."""
+    started_at: datetime | None = None
+    """When its job's current attempt started (None before it ran)."""
+    finished_at: datetime | None = None
+    """When its job ended (None while it runs): the order of the batch's best-so-far curve."""
 
 
 class SpaceRange(PresentOnly):

@@ -20,8 +20,9 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    select,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 
 # SQLite only autoincrements INTEGER PRIMARY KEY; Postgres gets a BIGINT identity for metric rows.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -344,6 +345,16 @@ class Trial(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     """What the executor reported for the trial (compute and copy seconds, best metric, steps,
     stop reason ...), stored when it arrives, whatever the order of the trial's other lines."""
+    # its job's times, read in the trials' own SELECT (a subquery by primary key per row): a
+    # batch's 1,000 trials cost no query each
+    started_at: Mapped[datetime | None] = column_property(
+        select(Job.started_at).where(Job.id == job_id).correlate_except(Job).scalar_subquery()
+    )
+    """When its job's current attempt started (a group's trials share their claim's time)."""
+    finished_at: Mapped[datetime | None] = column_property(
+        select(Job.finished_at).where(Job.id == job_id).correlate_except(Job).scalar_subquery()
+    )
+    """When its job ended (None while it runs): the order of a batch's best-so-far curve."""
     selection: Mapped[Selection] = relationship(back_populates="trials")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 from sqlalchemy import delete, func, insert, select, update
@@ -19,6 +19,7 @@ from db.jobs import (
     Conflict,
     Judge,
     NotFound,
+    aware,
     claim_job,
     create_job,
     db_now,
@@ -189,7 +190,14 @@ def trial_fields(t: Trial) -> dict[str, Any]:
         "stop_reason": (t.result or {}).get("stop_reason"),
         "repeats_skipped": (t.result or {}).get("repeats_skipped"),
         "fused_with": (t.result or {}).get("fused_with"),
+        # its job's times (Trial.started_at / finished_at: read with the trial, no query each)
+        "started_at": _iso(t.started_at),
+        "finished_at": _iso(t.finished_at),
     }
+
+
+def _iso(dt: datetime | None) -> str | None:
+    return aware(dt).isoformat() if dt is not None else None
 
 
 def get_selection(session: Session, selection_id: int) -> Selection:

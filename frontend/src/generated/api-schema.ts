@@ -1774,6 +1774,10 @@ export interface components {
             repeats_skipped?: number[] | null;
             /** Fused With */
             fused_with?: number[] | null;
+            /** Started At */
+            started_at?: string | null;
+            /** Finished At */
+            finished_at?: string | null;
         };
         /**
          * TrialReport

@@ -2,7 +2,6 @@
 import {
   api,
   type Curves,
-  type Job,
   lookup,
   type Metrics,
   post,
@@ -13,7 +12,6 @@ import {
   TERMINAL,
   type Trial,
   type TrialReport,
-  trialReportOf,
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { DeviceUseChart } from "../hardware";
@@ -157,17 +155,12 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
 
   let sel: Selection | null = null;
   const trials = new Map<number, Trial>();
-  // ended trials' results read from their jobs, for servers whose trial rows do not carry them
-  const jobResults = new Map<number, TrialReport | null>();
   let sort: SortKey = { col: "rank", dir: 1 };
   // a batch of 1,000 trials: the table lists the first BOARD_ROWS in its order until asked for
   // all (laying out 1,000 rows took the page most of a second, bench/scale.py)
   let showAll = false;
   let chart: StepChart | null = null;
   let history: StepChart | null = null;
-  // when each ended trial's job finished (ms): the best-so-far curve's order
-  const ends = new Map<number, number>();
-  const jobAsked = new Set<number>();
   let stream: EventSource | null = null;
   let closed = false;
   let redrawTimer: number | null = null;
@@ -216,20 +209,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     chart?.addSeries(lineKey(t), m?.series[metric()]);
   };
 
-  const resultOf = (t: Trial): TrialReport | null => t.result ?? jobResults.get(t.id) ?? null;
-
-  /** An ended trial's job, once: when it finished (the best-so-far order) and, for servers whose
-   * trial rows do not carry it, its result. */
-  const loadEnd = async (t: Trial) => {
-    if (jobAsked.has(t.id) || t.job_id === null || !TERMINAL.has(t.status)) return;
-    // a request per trial: past MAX_END_LOOKUPS the curve keeps the trials' index order
-    if (jobAsked.size >= MAX_END_LOOKUPS && t.result !== undefined) return;
-    jobAsked.add(t.id);
-    const job = await fewAtOnce(() => api<Job>(`/api/jobs/${t.job_id}`).catch(() => null));
-    if (job?.finished_at) ends.set(t.id, Date.parse(job.finished_at));
-    if (t.result === undefined) jobResults.set(t.id, job ? trialReportOf(job) : null);
-    scheduleRedraw();
-  };
+  const resultOf = (t: Trial): TrialReport | null => t.result ?? null;
+  // when an ended trial's job finished (ms; the API's trial carries it): the best-so-far order
+  const endOf = (t: Trial): number => (t.finished_at ? Date.parse(t.finished_at) : Infinity);
 
   const upsertTrial = (t: Trial) => {
     const before = trials.get(t.id);
@@ -238,7 +220,6 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     if (before && JSON.stringify(before) === JSON.stringify(t)) return;
     trials.set(t.id, t);
     if (ensureLine(t) || (before && before.job_id === null && t.job_id !== null)) void loadCurve(t);
-    void loadEnd(t);
     scheduleRedraw();
   };
 
@@ -469,14 +450,14 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     if (!sel || !history) return;
     const ended = [...trials.values()]
       .filter((t) => TERMINAL.has(t.status) && t.best_metric !== null)
-      .sort((a, b) => (ends.get(a.id) ?? Infinity) - (ends.get(b.id) ?? Infinity) || a.index - b.index);
+      .sort((a, b) => endOf(a) - endOf(b) || a.index - b.index);
     const values = ended.map((t) => t.best_metric!);
     const best = bestSoFar(values, sel.mode);
     for (let i = 0; i < ended.length; i++) {
       history.add("trial", i + 1, values[i]);
       history.add("best", i + 1, best[i]);
     }
-    const byIndex = ended.some((t) => !ends.has(t.id));
+    const byIndex = ended.some((t) => !t.finished_at);
     historyEl.dataset.order = ended.map((t) => t.index).join(",");
     historyEl.dataset.best = best.join(",");
     if (!ended.length) return;
@@ -485,9 +466,7 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
     historyNote.textContent =
       `Best ${sel.metric} ${fmtNum(top)}: trial ${ended[at].index}, the ${ordinal(at + 1)} of ` +
       `${ended.length} ended trial${ended.length === 1 ? "" : "s"} to end` +
-      (byIndex
-        ? ` (trials past the first ${MAX_END_LOOKUPS} in index order, not the order they ended).`
-        : ".");
+      (byIndex ? " (trials with no end time on record in index order, not the order they ended)." : ".");
   };
 
   /** Each parameter's share of the metric's variation, over the trials that trained to the end. */
@@ -739,9 +718,6 @@ function bestDownload(s: Selection, trials: Map<number, Trial>): HTMLElement | s
   );
 }
 
-/** Ended trials whose end time the batch page looks up (one request each, four at a time). */
-const MAX_END_LOOKUPS = 200;
-
 function ordinal(n: number): string {
   const tens = n % 100;
   const suffix =
@@ -749,18 +725,4 @@ function ordinal(n: number): string {
       ? "th"
       : (({ 1: "st", 2: "nd", 3: "rd" } as Record<number, string>)[n % 10] ?? "th");
   return `${n}${suffix}`;
-}
-
-/** Run at most four of these requests at once (a batch of hundreds of trials asks for each one's job). */
-const waiting: (() => void)[] = [];
-let inFlight = 0;
-async function fewAtOnce<T>(fn: () => Promise<T>): Promise<T> {
-  if (inFlight >= 4) await new Promise<void>((go) => waiting.push(go));
-  inFlight += 1;
-  try {
-    return await fn();
-  } finally {
-    inFlight -= 1;
-    waiting.shift()?.();
-  }
 }
