@@ -59,6 +59,113 @@ def wait_status(stack, job_id: int, statuses: tuple[str, ...], timeout: float = 
     raise AssertionError(f"job {job_id} not {statuses} after {timeout}s: {stack.job(job_id)}")
 
 
+def submit_from_the_form(stack, page: Page) -> int:  # noqa: ANN001
+    """The new-selection form: an example to start from, refusals next to their fields; the batch
+    it submits."""
+    page.goto(f"{stack.base_url}/#/selections")
+    page.locator("#new-selection").click()
+    expect(page.locator("#selection-form")).to_be_visible()
+    expect(page.locator("#sel-method")).to_have_value("random")
+    page.locator("#sel-name").fill("views-form")
+    page.locator("#sel-base").fill(json.dumps(spec(steps=8, eval_every=4)))
+    row = page.locator("#space-table tr.space-row").first
+    expect(row.locator(".space-path")).to_have_value("train.lr")
+    row.locator(".space-low").fill("0.01")
+    row.locator(".space-high").fill("0.001")
+    page.locator("#sel-trials").fill("0")
+    # a grid takes no trials count: the field goes while grid is picked
+    page.locator("#sel-method").select_option("grid")
+    expect(page.locator("#sel-trials")).to_be_hidden()
+    page.locator("#sel-method").select_option("random")
+    expect(page.locator("#sel-trials")).to_be_visible()
+
+    page.locator("#sel-submit").click()
+    trials_error = page.locator('[data-error-for="trials"]')
+    expect(trials_error).to_contain_text("greater than or equal to 1")
+    page.locator("#sel-trials").fill("2")
+    page.locator("#sel-submit").click()
+    # the route's own check of the space: next to that dimension's row
+    expect(row.locator(".field-error")).to_contain_text("low (0.01) must be < high (0.001)")
+    expect(trials_error).to_be_hidden()
+    row.locator(".space-low").fill("0.001")
+    row.locator(".space-high").fill("0.01")
+    page.locator("#sel-submit").click()
+    expect(page).to_have_url(re.compile(r"#/selections/\d+$"))
+    return int(page.url.rsplit("/", 1)[1])
+
+
+def check_the_batch_clone(page: Page, batch: int) -> None:
+    """Clone / re-run a batch (from its page): the form filled with its request."""
+    page.locator("#selection-clone").click()
+    expect(page.locator("#selection-form h1, h1").first).to_contain_text(f"cloned from #{batch}")
+    expect(page.locator("#sel-name")).to_have_value("views-form")
+    expect(page.locator("#sel-trials")).to_have_value("2")
+    expect(page.locator("#sel-stopping")).to_have_value("asha")
+    expect(page.locator("#space-table .space-path").first).to_have_value("train.lr")
+    assert json.loads(page.locator("#sel-base").input_value())["train"]["steps"] == 8
+    page.locator("#sel-example").evaluate("el => el.scrollIntoView()")
+    page.screenshot(path=str(DOCS / "selection-form.png"), full_page=True)
+
+
+def rerun_a_job(stack, page: Page, job_id: int) -> int:  # noqa: ANN001
+    """Clone / re-run a job: the submit form filled with its spec; the job it submits."""
+    page.goto(f"{stack.base_url}/#/jobs/{job_id}")
+    page.locator("#job-clone").click()
+    expect(page).to_have_url(re.compile(rf"#/\?clone={job_id}$"))
+    expect(page.locator("#submit-origin")).to_contain_text(f"job #{job_id}")
+    box = page.locator("#spec-input")
+    expect(box).to_have_value(re.compile('"views-held"'))
+    assert json.loads(box.input_value()) == stack.job(job_id)["spec"]
+    page.get_by_role("button", name="Submit job").click()
+    expect(page.locator("#submit-result a")).to_have_text(re.compile(r"job #\d+"))
+    rerun = int(page.locator("#submit-result a").inner_text().split("#")[1])
+    assert stack.job(rerun)["spec"] == stack.job(job_id)["spec"]
+    return rerun
+
+
+def check_the_queue(stack, page: Page, *, batch: int, trial_job: int, rerun: int) -> None:  # noqa: ANN001
+    """The queue: every waiting entry, its place, owner, time waited and real reason."""
+    page.goto(f"{stack.base_url}/#/queue")
+    entries = stack.client.get("/api/queue").json()["items"]
+    assert {e["job_id"] for e in entries} >= {rerun, trial_job}
+    rows = page.locator("#queue-table tbody tr[data-job-id]")
+    expect(rows).to_have_count(len(entries))
+    for e in entries:
+        tr = page.locator(f'#queue-table tr[data-job-id="{e["job_id"]}"]')
+        expect(tr.locator('[data-col="position"]')).to_have_text(str(e["position"]))
+        expect(tr.locator('[data-col="owner"]')).to_have_text(e["owner"])
+        assert e["wait_reason"], e
+        expect(tr.locator('[data-col="reason"]')).to_have_text(e["wait_reason"])
+        expect(tr.locator('[data-col="waited"]')).to_have_text(re.compile(r"^\d+:\d\d$"))
+    group = page.locator(f'#queue-table tr[data-job-id="{trial_job}"]')
+    expect(group.locator('[data-col="job"]')).to_contain_text(f"batch #{batch}")
+    positions = [int(x) for x in rows.locator('[data-col="position"]').all_inner_texts()]
+    assert positions == sorted(positions)
+    page.screenshot(path=str(DOCS / "queue.png"), full_page=True)
+
+
+def check_the_downloads(stack, page: Page, *, job_id: int, batch: int) -> None:  # noqa: ANN001
+    """Downloads: a finished job's weights as safetensors, a batch's best trial in one click."""
+    page.goto(f"{stack.base_url}/#/jobs/{job_id}")
+    link = page.locator("#job-download-safetensors")
+    expect(link).to_contain_text("download weights (safetensors")
+    got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
+    assert got.ok, got.text()
+    header = safetensors_header(got.body())
+    assert header["__metadata__"]["job_id"] == str(job_id)
+    assert header["0.tok.weight"]["shape"] == [13, 32]  # the held data's 13 tokens, d_model 32
+    done = stack.wait_selection(batch)
+    assert done["status"] == "succeeded", done
+    page.goto(f"{stack.base_url}/#/selections/{batch}")
+    best = next(t for t in done["trials"] if t["id"] == done["leaderboard"][0])
+    link = page.locator("#selection-download-best")
+    expect(link).to_contain_text(f"trial {best['index']}: weights (safetensors)")
+    got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
+    assert got.ok, got.text()
+    assert got.headers["x-job-id"] == str(best["job_id"])
+    assert safetensors_header(got.body())
+
+
 def test_new_selection_clone_and_queue(stack, page: Page, gate: Path) -> None:
     # two held jobs take the worker's two tasks: whatever is submitted next waits in the queue
     held = {**spec(steps=20, eval_every=20), **held_data(upload_held(stack), gate, hold_at=2)}
@@ -69,37 +176,7 @@ def test_new_selection_clone_and_queue(stack, page: Page, gate: Path) -> None:
     queued: list[int] = []
     batch = None
     try:
-        # ---- the new-selection form: an example to start from, refusals next to their fields ----
-        page.goto(f"{stack.base_url}/#/selections")
-        page.locator("#new-selection").click()
-        expect(page.locator("#selection-form")).to_be_visible()
-        expect(page.locator("#sel-method")).to_have_value("random")
-        page.locator("#sel-name").fill("views-form")
-        page.locator("#sel-base").fill(json.dumps(spec(steps=8, eval_every=4)))
-        row = page.locator("#space-table tr.space-row").first
-        expect(row.locator(".space-path")).to_have_value("train.lr")
-        row.locator(".space-low").fill("0.01")
-        row.locator(".space-high").fill("0.001")
-        page.locator("#sel-trials").fill("0")
-        # a grid takes no trials count: the field goes while grid is picked
-        page.locator("#sel-method").select_option("grid")
-        expect(page.locator("#sel-trials")).to_be_hidden()
-        page.locator("#sel-method").select_option("random")
-        expect(page.locator("#sel-trials")).to_be_visible()
-
-        page.locator("#sel-submit").click()
-        trials_error = page.locator('[data-error-for="trials"]')
-        expect(trials_error).to_contain_text("greater than or equal to 1")
-        page.locator("#sel-trials").fill("2")
-        page.locator("#sel-submit").click()
-        # the route's own check of the space: next to that dimension's row
-        expect(row.locator(".field-error")).to_contain_text("low (0.01) must be < high (0.001)")
-        expect(trials_error).to_be_hidden()
-        row.locator(".space-low").fill("0.001")
-        row.locator(".space-high").fill("0.01")
-        page.locator("#sel-submit").click()
-        expect(page).to_have_url(re.compile(r"#/selections/\d+$"))
-        batch = int(page.url.rsplit("/", 1)[1])
+        batch = submit_from_the_form(stack, page)
         got = stack.client.get(f"/api/selections/{batch}").json()
         req = got["request"]
         assert (req["name"], req["method"], req["trials"]) == ("views-form", "random", 2)
@@ -107,73 +184,14 @@ def test_new_selection_clone_and_queue(stack, page: Page, gate: Path) -> None:
         assert req["early_stopping"] == {"kind": "asha", "reduction_factor": 3, "min_steps": 10}
         assert req["base"]["train"]["steps"] == 8
         queued += [t["job_id"] for t in got["trials"]]
-
-        # ---- clone / re-run a batch: the form filled with its request ----
-        page.locator("#selection-clone").click()
-        expect(page.locator("#selection-form h1, h1").first).to_contain_text(f"cloned from #{batch}")
-        expect(page.locator("#sel-name")).to_have_value("views-form")
-        expect(page.locator("#sel-trials")).to_have_value("2")
-        expect(page.locator("#sel-stopping")).to_have_value("asha")
-        expect(page.locator("#space-table .space-path").first).to_have_value("train.lr")
-        assert json.loads(page.locator("#sel-base").input_value())["train"]["steps"] == 8
-        page.locator("#sel-example").evaluate("el => el.scrollIntoView()")
-        page.screenshot(path=str(DOCS / "selection-form.png"), full_page=True)
-
-        # ---- clone / re-run a job: the submit form filled with its spec ----
-        page.goto(f"{stack.base_url}/#/jobs/{holders[0]}")
-        page.locator("#job-clone").click()
-        expect(page).to_have_url(re.compile(rf"#/\?clone={holders[0]}$"))
-        expect(page.locator("#submit-origin")).to_contain_text(f"job #{holders[0]}")
-        box = page.locator("#spec-input")
-        expect(box).to_have_value(re.compile('"views-held"'))
-        assert json.loads(box.input_value()) == stack.job(holders[0])["spec"]
-        page.get_by_role("button", name="Submit job").click()
-        expect(page.locator("#submit-result a")).to_have_text(re.compile(r"job #\d+"))
-        rerun = int(page.locator("#submit-result a").inner_text().split("#")[1])
+        check_the_batch_clone(page, batch)
+        rerun = rerun_a_job(stack, page, holders[0])
         queued.append(rerun)
-        assert stack.job(rerun)["spec"] == stack.job(holders[0])["spec"]
-
-        # ---- the queue: every waiting entry, its place, owner, time waited and real reason ----
-        page.goto(f"{stack.base_url}/#/queue")
-        entries = stack.client.get("/api/queue").json()["items"]
-        assert {e["job_id"] for e in entries} >= {rerun, queued[0]}
-        rows = page.locator("#queue-table tbody tr[data-job-id]")
-        expect(rows).to_have_count(len(entries))
-        for e in entries:
-            tr = page.locator(f'#queue-table tr[data-job-id="{e["job_id"]}"]')
-            expect(tr.locator('[data-col="position"]')).to_have_text(str(e["position"]))
-            expect(tr.locator('[data-col="owner"]')).to_have_text(e["owner"])
-            assert e["wait_reason"], e
-            expect(tr.locator('[data-col="reason"]')).to_have_text(e["wait_reason"])
-            expect(tr.locator('[data-col="waited"]')).to_have_text(re.compile(r"^\d+:\d\d$"))
-        group = page.locator(f'#queue-table tr[data-job-id="{queued[0]}"]')
-        expect(group.locator('[data-col="job"]')).to_contain_text(f"batch #{batch}")
-        positions = [int(x) for x in rows.locator('[data-col="position"]').all_inner_texts()]
-        assert positions == sorted(positions)
-        page.screenshot(path=str(DOCS / "queue.png"), full_page=True)
-
-        # ---- downloads: a job's weights as safetensors, a batch's best trial in one click ----
+        check_the_queue(stack, page, batch=batch, trial_job=queued[0], rerun=rerun)
         stack.client.post(f"/api/jobs/{rerun}/cancel")
         gate.unlink()  # the held jobs train on to their end (a checkpoint), then the batch runs
         stack.wait(holders[0])
-        page.goto(f"{stack.base_url}/#/jobs/{holders[0]}")
-        link = page.locator("#job-download-safetensors")
-        expect(link).to_contain_text("download weights (safetensors")
-        got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
-        assert got.ok, got.text()
-        header = safetensors_header(got.body())
-        assert header["__metadata__"]["job_id"] == str(holders[0])
-        assert header["0.tok.weight"]["shape"] == [13, 32]  # the held data's 13 tokens, d_model 32
-        done = stack.wait_selection(batch)
-        assert done["status"] == "succeeded", done
-        page.goto(f"{stack.base_url}/#/selections/{batch}")
-        best = next(t for t in done["trials"] if t["id"] == done["leaderboard"][0])
-        link = page.locator("#selection-download-best")
-        expect(link).to_contain_text(f"trial {best['index']}: weights (safetensors)")
-        got = page.request.get(stack.base_url + (link.get_attribute("href") or ""))
-        assert got.ok, got.text()
-        assert got.headers["x-job-id"] == str(best["job_id"])
-        assert safetensors_header(got.body())
+        check_the_downloads(stack, page, job_id=holders[0], batch=batch)
     finally:
         if batch is not None:
             stack.client.post(f"/api/selections/{batch}/cancel")

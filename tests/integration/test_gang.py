@@ -45,6 +45,7 @@ from db import workers as dbw
 from db.engine import session_for
 from db.models import Job, Reservation
 from tests.conftest import long_job
+from tests.proc_tree import process_tree
 from tests.user_data import held_data, upload_held
 from workers.execute import trainer_command
 
@@ -220,24 +221,6 @@ def test_a_4_rank_job_spans_two_workers_and_matches_the_one_worker_run(gang: Gan
         assert s.query(Reservation).filter_by(job_id=job_id).count() == 0
 
 
-def _tree(root_pid: int) -> list[int]:
-    """root_pid and every process under it (/proc, no extra package)."""
-    parents: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root_pid]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += parents.get(pid, [])
-    return out
-
-
 def _attempt_processes(job_id: int, attempt: int) -> list[int]:
     """Processes of the job's attempt on this machine: its torchruns (--rdzv-id <job>-<attempt>)
     and their ranks (TORCHELASTIC_RUN_ID, which torchrun gives them)."""
@@ -263,7 +246,7 @@ def test_killing_a_node_restarts_the_gang_from_its_checkpoint(gang: Gang) -> Non
     # lands mid-job whatever the machine's speed; then kill -9 all of it
     assert len(_attempt_processes(job_id, 1)) >= 6, "two torchruns and four ranks"
     index = next(i for i, name in g.names.items() if name == nodes[0])
-    victim = _tree(g.stack.procs.pop(f"worker{index}").pid)
+    victim = process_tree([g.stack.procs.pop(f"worker{index}").pid])
     for pid in victim:
         os.kill(pid, signal.SIGSTOP)
     at = g.job(job_id)

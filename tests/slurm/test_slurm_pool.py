@@ -27,6 +27,7 @@ from tests.conftest import TINY_SPEC, StackHandle, long_job, running
 from tests.integration.test_gang import SPEC as GANG_SPEC
 from tests.integration.test_gang import STEPS as GANG_STEPS
 from tests.integration.test_gang import assert_same_losses, reference_run, reference_series
+from tests.proc_tree import process_tree
 
 pytestmark = pytest.mark.slurm
 
@@ -204,24 +205,6 @@ def test_a_two_node_gang_matches_the_one_node_run(pool: StackHandle, tmp_path: P
     assert_same_losses(got, want)
 
 
-def _tree(root_pids: list[int]) -> list[int]:
-    """The processes under `root_pids`, themselves included (/proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], list(root_pids)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def _pids_of(pattern: bytes) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
@@ -258,7 +241,7 @@ def test_a_node_lost_mid_job_is_retried_from_its_checkpoint(pool: StackHandle) -
     (slurmd,) = _slurmd(node)
     steps_pids = _pids_of(f"slurmstepd: [{sid}.".encode())
     assert steps_pids, "the job's slurmstepd processes"
-    victims = [slurmd, *_tree(steps_pids)]
+    victims = [slurmd, *process_tree(steps_pids)]
     for pid in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -333,7 +316,7 @@ def test_a_slurm_job_that_vanishes_requeues_the_job_with_slurms_word(pool: Stack
     jid, sid = _running_past_a_checkpoint(pool, "slurm-vanish", steps)
     step = _pids_of(f"slurmstepd: [{sid}.0]".encode())
     assert step, "the agent's step"
-    for pid in [p for p in _tree(step) if p not in step]:  # slurmstepd sees its task killed
+    for pid in [p for p in process_tree(step) if p not in step]:  # slurmstepd sees its task killed
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     back = pool.wait_until(jid, lambda j: j["restarts"] == 1, timeout=30)
