@@ -275,9 +275,10 @@ def test_a_node_lost_mid_job_is_retried_from_its_checkpoint(pool: StackHandle) -
 
 
 def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None:
-    """Six trials in groups of two devices: the scheduler reserves each group on one pool node;
-    each group is one Slurm job whose agent runs it through execute_selection; ASHA stops some
-    trials early and the batch succeeds with a full leaderboard."""
+    """Six trials in two groups of three, each on two devices (one pool node's slots): the
+    scheduler reserves the groups on the two pool nodes at once; each group is one Slurm job whose
+    agent runs it through execute_selection; ASHA stops some trials early and the batch succeeds
+    with a full leaderboard."""
     base = {**TINY_SPEC, "name": "slurm-sel", "train": {**TINY_SPEC["train"], "steps": 24, "eval_every": 4}}
     body = {
         "name": "slurm-asha",
@@ -285,6 +286,7 @@ def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None
         "space": {"train.lr": [1e-4, 3e-4, 1e-3, 3e-3, 6e-3, 1e-2]},
         "method": "grid",
         "devices": 2,
+        "group_size": 3,
         "early_stopping": {"kind": "asha", "reduction_factor": 3, "min_steps": 4},
     }
     sel = pool.submit_selection(body)
@@ -294,9 +296,9 @@ def test_a_selection_batch_with_asha_runs_in_the_pool(pool: StackHandle) -> None
     assert all(t["status"] in ("succeeded", "stopped_early") for t in trials), trials
     assert any(t["stopped_early"] for t in trials), "ASHA with reduction factor 3 over 6 trials stops some"
     assert len(done["leaderboard"]) == 6
-    for t in trials:
-        job = pool.job(t["job_id"])
-        assert job["worker"].startswith("slurm:main:"), job["worker"]
+    nodes = {pool.job(t["job_id"])["worker"] for t in trials}
+    assert all(n.startswith("slurm:main:") for n in nodes), nodes
+    assert len(nodes) == 2, f"the groups ran on both of the pool's nodes: {nodes}"
     # each group's Slurm job is in its first trial's log, and it ended with its group: the
     # nodes went back to the cluster within seconds of the batch's end
     groups = {sid for t in trials for sid in _slurm_ids(pool, t["job_id"])}
