@@ -59,6 +59,12 @@ MATCH_FIELDS: tuple[tuple[str, str], ...] = (
 """What members of one stack must share: the whole model and data specs (the architecture and the
 data shape), the batch size and the optimizer type. Every other train field may differ."""
 
+# the gradient of a parameter that is a strided view of the (K, N) buffer accumulates into its
+# preset view in place (what the stack wants); torch warns that it is not the layout it would pick.
+# Filtered for the process, not around each backward: catch_warnings is not thread-safe, and a
+# batch's device threads step their stacks at once
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
+
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 """torch.optim.AdamW's defaults, which trainer/optim.py's `build_optimizer` uses."""
@@ -333,12 +339,7 @@ class FusedTrials:
         self.grad.zero_()
         loss_K = stacked_loss(self._logits(self.params, x_K), y_K)
         # members share no parameter: d(sum)/d(member k's weights) is member k's own gradient
-        with warnings.catch_warnings():
-            # the gradient of a parameter that is a strided view of the (K, N) buffer accumulates
-            # into its preset view in place (what the stack wants); torch warns that it is not the
-            # layout it would pick
-            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
-            loss_K.sum().backward()
+        loss_K.sum().backward()
         # the optimizer reads self.grad: a gradient autograd put anywhere else would be lost
         assert all(p.grad is not None and p.grad._base is self.grad for p in self.params.values())
         self._step()

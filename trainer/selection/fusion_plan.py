@@ -11,9 +11,9 @@ members run s_1 >= s_2 >= ... >= s_k steps costs sum_i (s_i - s_(i+1)) * t(i) (a
 leaves the stack). `measure` fits the line through timed steps of throwaway stacks built from the
 trials' own specs (their training starts afresh afterwards, so nothing measured touches a result):
 t(1) and t(2), then, where that line leaves fusion something to save, t(1) and t(m) (m: the
-largest stack the group could make, at most MEASURE_MAX). The sizes are interleaved so both see
-the same load; on a CPU device it counts the thread's CPU time, which a machine shared with other
-processes leaves comparable where the wall time is not.
+largest stack the group could make, at most MEASURE_MAX), the sizes on two devices at once where
+the batch has two. On a CPU device it counts the thread's CPU time, which a machine shared with
+other processes leaves comparable where the wall time is not.
 
 The plan: for every architecture, every split into s stacks of near-equal sizes (s = 1: one stack,
 s = n: every trial alone); the stacks go to the devices longest first, each to the least loaded
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -194,45 +195,61 @@ def _best_alone(members: list[Member], costs: Sequence[StepCost], devices: int) 
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def measure(jobs: Sequence[JobSpec], *, device: torch.device) -> StepCost:
+def measure(jobs: Sequence[JobSpec], *, device: torch.device, beside: torch.device | None = None) -> StepCost:
     """Fit the step cost of `jobs`' architecture (fusable jobs) on `device` from steps of throwaway
-    stacks: first one member and two, interleaved; where that line leaves fusion something to save
-    (a shared part of at least MIN_GAIN of a single's step) and the jobs make a larger stack, the
-    line is fitted again through one member and min(len(jobs), MEASURE_MAX). So an architecture
-    whose step is its members' own arithmetic (one CPU thread, a compute-bound model) costs the
-    batch a few steps of one and two members, and a launch-bound one (a small model on a GPU) is
-    measured at the size it would run. One job: t(k) = k * t(1) (it has nothing to fuse with)."""
+    stacks: first one member and two; where that line leaves fusion something to save (a shared
+    part of at least MIN_GAIN of a single's step) and the jobs make a larger stack, the line is
+    fitted again through one member and min(len(jobs), MEASURE_MAX). So an architecture whose step
+    is its members' own arithmetic (one CPU thread, a compute-bound model) costs the batch a few
+    steps of one and two members, and a launch-bound one (a small model on a GPU) is measured at
+    the size it would run. `beside`: a second device of the same kind, which times the larger
+    stacks while `device` times the single, at once. One job: t(k) = k * t(1)."""
     from trainer.selection.fused import FusedTrials
 
     size = min(len(jobs), MEASURE_MAX)
     if size < 1:
         raise ValueError("measuring a stack's cost needs a job")
-    # on a CPU device whose ops run on this thread (one torch thread per device, as a batch over
-    # several CPU devices sets it) the thread's CPU time is the stack's work whatever else the
-    # cores run; elsewhere (a GPU, or torch's own threads) the synchronised wall time
-    on_thread = device.type == "cpu" and torch.get_num_threads() == 1
-    clock = time.thread_time if on_thread else time.perf_counter
 
-    def fastest(stacks: dict[int, FusedTrials]) -> dict[int, float]:
-        times: dict[int, list[float]] = {k: [] for k in stacks}
+    def fastest(k: int, dev: torch.device, out: dict[int, float]) -> None:
+        # on a CPU device whose ops run on this thread (one torch thread per device, as a batch
+        # over several CPU devices sets it) the thread's CPU time is the stack's work whatever
+        # else the cores run; elsewhere (a GPU, or torch's own threads) the synchronised wall time
+        on_thread = dev.type == "cpu" and torch.get_num_threads() == 1
+        clock = time.thread_time if on_thread else time.perf_counter
+        stack = FusedTrials(list(jobs[:k]), device=dev)
+        times = []
         for i in range(MEASURE_STEPS + 1):
-            for k, stack in stacks.items():  # interleaved: both see the same machine
-                _sync(device)
-                t0 = clock()
-                stack.train_step(check=False)
-                _sync(device)
-                if i:  # the first step of each warms up (allocations, lazy inits)
-                    times[k].append(clock() - t0)
-        return {k: min(v) for k, v in times.items()}
+            _sync(dev)
+            t0 = clock()
+            stack.train_step(check=False)
+            _sync(dev)
+            if i:  # the first step warms up (allocations, lazy inits)
+                times.append(clock() - t0)
+        out[k] = min(times)
 
-    one = FusedTrials(list(jobs[:1]), device=device)
+    def pair(k: int) -> StepCost:
+        """t(1) and t(k), fitted: at once on the two devices (both under the same load), or one
+        after the other on one."""
+        t: dict[int, float] = {}
+        if beside is None:
+            fastest(1, device, t)
+            fastest(k, device, t)
+        else:
+            other = threading.Thread(target=fastest, args=(k, beside, t), daemon=True)
+            other.start()
+            fastest(1, device, t)
+            other.join()
+            if k not in t:
+                raise RuntimeError(f"measuring a stack of {k} on {beside} failed (its error is above)")
+        return StepCost.fit(single_s=t[1], stack_s=t[k], size=k)
+
     if size == 1:
-        return StepCost(fixed_s=0.0, member_s=fastest({1: one})[1])
-    t = fastest({1: one, 2: FusedTrials(list(jobs[:2]), device=device)})
-    cost = StepCost.fit(single_s=t[1], stack_s=t[2], size=2)
+        t: dict[int, float] = {}
+        fastest(1, device, t)
+        return StepCost(fixed_s=0.0, member_s=t[1])
+    cost = pair(2)
     if size > 2 and cost.fixed_s >= MIN_GAIN * cost.step_s(1):
-        t.update(fastest({size: FusedTrials(list(jobs[:size]), device=device)}))
-        cost = StepCost.fit(single_s=t[1], stack_s=t[size], size=size)
+        cost = pair(size)
     return cost
 
 

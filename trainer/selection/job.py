@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from jobrules.spec import BatchTrial, SelectionBatch, SpecError, parse
+from jobrules.spec import BatchTrial, JobSpec, SelectionBatch, SpecError, parse
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import load_job
 from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry, uses_processes
 from trainer.selection.fused import fusable, refusal
 from trainer.selection.fused_batch import FusedGroups
+from trainer.selection.fusion_plan import MIN_GAIN, StepCost, measure
 from trainer.selection.fusion_plan import Member as PlanMember
-from trainer.selection.fusion_plan import StepCost, measure
 from trainer.selection.fusion_plan import plan as make_plan
 from trainer.selection.halving import HalvingConfig
 
@@ -314,7 +314,16 @@ def fuse_groups(
             f"early stopping ranks the whole batch, and trial(s) {sorted(e.index for e in alone_entries)} "
             "cannot train in a stack"
         )
-    costs = _measure(archs, devices)
+    measured = _measure(archs, devices)
+    record["costs"] = [None if c is None else c.as_dict() for c in measured]
+    costs = [c for c in measured if c is not None]
+    if len(costs) < len(archs):
+        probe = costs[0]
+        return nothing(
+            f"fusion plan: a stack of the cheapest architecture shares {probe.fixed_s * 1e3:.2f} ms "
+            f"of a {probe.step_s(1) * 1e3:.2f} ms step ({probe.fixed_s / probe.step_s(1):+.1%}, "
+            f"under {MIN_GAIN:.0%}), and larger ones share less of theirs: no fusion"
+        )
     members = [
         PlanMember(trial=e.index, steps=e.job.train.steps, arch=a)
         for a, arch in enumerate(archs)
@@ -323,7 +332,6 @@ def fuse_groups(
     plan = make_plan(members, costs=costs, devices=len(devices))
     record.update(
         fused=plan.fuse,
-        costs=[c.as_dict() for c in costs],
         stacks=[{"trials": list(s.trials), "device": s.device, "est_s": s.est_s} for s in plan.stacks],
         makespan_s=plan.makespan_s,
         unfused_s=plan.unfused_s,
@@ -340,11 +348,21 @@ def fuse_groups(
     return groups, placement, sorted(alone_entries, key=lambda e: e.index), record
 
 
-def _measure(archs: list[list[TrialEntry]], devices: list[torch.device]) -> list[StepCost]:
-    """Each architecture's step cost, measured on the devices at once (one architecture each in
-    turn; of a lone trial, its own steps alone)."""
+def _measure(archs: list[list[TrialEntry]], devices: list[torch.device]) -> list[StepCost | None]:
+    """Each architecture's step cost (of a lone trial, its own steps alone). The cheapest
+    architecture that could stack is measured first, on the first device: where its stack shares
+    under MIN_GAIN of its step, no architecture is measured further (None) and nothing fuses,
+    because a larger model's own arithmetic grows while what a stack shares (the dispatch of the
+    same ops) does not, so its share is smaller still. Otherwise the others are measured on the
+    devices at once."""
     costs: list[StepCost | None] = [None] * len(archs)
-    todo = list(range(len(archs)))
+    stackable = [a for a, arch in enumerate(archs) if len(arch) > 1]
+    first = min(stackable, key=lambda a: (_work(archs[a][0].job), a))
+    beside = devices[1] if len(devices) > 1 and devices[1].type == devices[0].type else None
+    probe = costs[first] = measure([e.job for e in archs[first]], device=devices[0], beside=beside)
+    if probe.fixed_s < MIN_GAIN * probe.step_s(1):
+        return costs
+    todo = [a for a in range(len(archs)) if a != first]
     errors: list[BaseException] = []
 
     def work(d: int) -> None:
@@ -363,8 +381,13 @@ def _measure(archs: list[list[TrialEntry]], devices: list[torch.device]) -> list
         th.join()
     if errors:
         raise errors[0]
-    assert all(c is not None for c in costs)
-    return [c for c in costs if c is not None]
+    return costs
+
+
+def _work(job: JobSpec) -> int:
+    """A member's arithmetic a step, up to a constant: what orders architectures by cost."""
+    m = job.model
+    return m.layers * m.d_model**2 * m.seq_len * job.train.batch_size
 
 
 def load_batch(path: str) -> dict[str, Any]:
