@@ -122,8 +122,11 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 
 
     with httpx.Client(base_url=stack.base_url, timeout=60, headers=auth) as c:
         trained = [c.post("/api/jobs", json=STREAMED).json() for _ in range(jobs)]
+        deadline = time.monotonic() + 600
         for j in trained:
-            while c.get(f"/api/jobs/{j['id']}").json()["progress"]["step"] < 5:
+            while (got := c.get(f"/api/jobs/{j['id']}").json())["progress"]["step"] < 5:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"job {j['id']} did not start training: {got['wait_reason']}")
                 time.sleep(0.2)
         # the streams spread evenly over the running jobs (a job's frames are built once for all
         # of its streams: api/sse.py)
@@ -229,6 +232,7 @@ def main() -> None:
         env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10), "SHARDYARD_STALL_LOG_S": "0.5"}
         # the worker takes every streamed job at once, whatever this machine's core count
         env["SHARDYARD_WORKER_SLOTS"] = str(max(args.jobs, 2))
+        env["SHARDYARD_QUOTA_RUNNING_JOBS"] = str(max(args.jobs, 4))  # the admin's, who runs them
         # one worker runs every streamed job at once (a task each)
         with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:
             res = run(
