@@ -29,6 +29,14 @@ from tests.sse import TOKENS
 # in-process trainer tests set their own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The gate files that hold a test's job mid-run (tests/user_data.py HELD_BATCHES_PY) live in one
+# folder every stack's sandboxed trainers see read-only (SHARDYARD_SANDBOX_READ_ONLY): a sandbox
+# has a /tmp of its own, so a gate in the test's tmp_path would never hold the job. The folder
+# exists before any stack starts (a spare trainer's sandbox binds what exists when it is made).
+GATES = Path(os.environ.get("TMPDIR", "/tmp")) / f"shardyard-test-gates-{os.getuid()}"
+GATES.mkdir(exist_ok=True)
+os.environ.setdefault("SHARDYARD_SANDBOX_READ_ONLY", str(GATES))
+
 TERMINAL = ("succeeded", "failed", "cancelled")
 # short windows, so a dead worker's job is taken back within seconds: the stacks of the fault tests
 LOST_WORKER_WINDOWS = {
@@ -217,7 +225,7 @@ def gate(tmp_path: Path) -> Iterator[Path]:
     """The gate file of a job held mid-run (tests/user_data.py, HELD_BATCHES_PY): there while the
     test runs (it deletes it to let the job go on), and gone at the test's end whatever happened,
     so that no held job outlives its test on a stack other tests share."""
-    path = tmp_path / "gate"
+    path = GATES / f"gate-{os.getpid()}-{time.monotonic_ns()}"
     path.touch()
     yield path
     path.unlink(missing_ok=True)

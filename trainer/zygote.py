@@ -167,7 +167,7 @@ def _become(req: dict[str, Any], mark: str) -> int:
     """Become `python -m <module> <args>` of `req` in this process; returns its exit code."""
     os.write(2, f"{mark}\n".encode())
     cmd = req["cmd"]
-    _set_title(cmd)  # before the environment changes: the title takes its space
+    _set_title(req.get("title") or cmd)  # before the environment changes: it takes its space
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])

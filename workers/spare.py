@@ -177,6 +177,8 @@ class Spare:
         assert self.proc.stdin is not None
         req = {
             "cmd": [self.translate(a) for a in cmd],
+            # ps and /proc/PID/cmdline show the run as the host names it (its job's folder)
+            "title": cmd,
             "env": {k: self.translate(v) for k, v in env.items()},
             "cwd": str(self.inside),
             "memory_limit": memory_limit,
