@@ -123,6 +123,9 @@ class Job(Base):
         Index("ix_jobs_owner_id_id", "owner_id", "id"),
         # the listing's counts and name search read this narrow index, not the rows (migration 0015)
         Index("ix_jobs_listing", "status", "kind", "owner_id", "name"),
+        # PostgreSQL: a search by name reads trigrams, not every name (migration 0017); on SQLite
+        # a plain index on name, so both databases have one schema
+        Index("ix_jobs_name_trgm", "name", postgresql_using="gin", postgresql_ops={"name": "gin_trgm_ops"}),
         # room on each page: the scheduler's wait-reason rewrites stay HOT updates (migration 0010)
         {"postgresql_with": {"fillfactor": 70}},
     )

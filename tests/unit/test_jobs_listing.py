@@ -102,3 +102,28 @@ def test_on_sqlite_counts_and_a_rare_search_read_the_index_not_the_table(tmp_pat
     # no statement of the rare search walks the table row by row
     search = [p for sql, p in plans.items() if "LIKE" in sql]
     assert search and all("SCAN jobs" not in p for p in search), plans
+
+
+def test_on_postgres_a_name_search_can_read_the_trigram_index(pg_server: str) -> None:
+    """The listing's `name` filter is the expression ix_jobs_name_trgm indexes (migration 0017):
+    with sequential scans priced out (a small table reads faster whole), its count reads the index."""
+    from sqlalchemy import create_engine, func, select, text
+
+    from db.migrate import upgrade
+
+    admin = create_engine(pg_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(text("DROP DATABASE IF EXISTS trgm"))
+        c.execute(text("CREATE DATABASE trgm"))
+    admin.dispose()
+    url = pg_server.rsplit("/", 1)[0] + "/trgm"
+    upgrade(url)
+    _seed(url, 300)
+    with session_for(url) as s:
+        s.execute(text("SET enable_seqscan = off"))
+        where = dbj.listing_filters(Job, owner_id=None, status=None, owner=None, name="Needle")
+        q = select(func.count(Job.id)).where(*where)
+        compiled = q.compile(s.get_bind())
+        plan = "\n".join(r[0] for r in s.connection().exec_driver_sql(f"EXPLAIN {compiled}", compiled.params))
+        assert "ix_jobs_name_trgm" in plan, plan
+        assert s.scalar(q) == 4  # rare-Needle-0, -97, -194, -291
