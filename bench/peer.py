@@ -13,6 +13,9 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 - executor: `python -m trainer.selection` alone (Shardyard's executor, shard alternation over 2
   devices, Sharded-LRTF), a fresh process as a user would start it (it imports torch each time);
   its two CPU devices are forked device processes.
+- executor-fused: the same batch with fusion on, the default (the executor sides above set
+  `"fuse": false`): its CPU-seconds beside the executor's are the default's cost against no fusion
+  on a machine whose wall times the other processes decide.
 - executor-threads: the same with `--device-threads` (the two devices as threads of one process,
   the executor before device processes), to compare on the same machine in the same run.
 - executor-nochunk: device processes with `--chunk-tasks 1` (one task an order: the executor before
@@ -21,6 +24,10 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
   (redis-server, uvicorn, one Celery worker, SQLite, the sandbox on: each group starts fresh in
   its bubblewrap sandbox, workers/sandbox.py); timed from the submit to the batch's end (server clock),
   the client reading the batch every 0.5 s meanwhile.
+- rest-nofuse: the same batch with `"fuse": false` (every trial alone through the executor, as
+  before fusion was the default); `rest` is the default, fusion where the plan says it pays
+  (trainer/selection/fusion_plan.py). Both sides read each trial's training loss series back, and
+  the summary compares every fused trial's curve with its unfused run in the same repetition.
 - rest-unsandboxed: the same on a second stack whose workers run with SHARDYARD_SANDBOX=off (each
   group forked from the warm trainer, no bubblewrap): what the sandbox costs a batch.
 - ray / ray-reuse: Ray Tune (`Tuner`, a function trainable running trainer/loop.py's `train`, one
@@ -29,7 +36,8 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
 
 `--search`: model-based search on the same 8-point grid, where the answer is known (every point's
 best val_loss is the grid's, each point computed once per repetition by the REST grid run). One
-repetition per seed (0 .. reps-1), interleaved: `rest-grid` (the grid through REST, as above),
+repetition per seed (0 .. reps-1), interleaved: `rest-grid` (the grid through REST, as above, with
+`"fuse": false`: the unfused grid; a sampler's batch never fuses),
 `rest-tpe` (`method: tpe`, 8 trials, `parallel` 2 or --parallel, 4 random startup trials, the seed) and
 `ray-optuna` (Ray Tune with `OptunaSearch` over the same two choices: Optuna's TPESampler with the
 same seed, startup trials and `constant_liar`, 8 samples, `ConcurrencyLimiter` 2, one CPU per trial;
@@ -161,6 +169,7 @@ def batch_doc(ts: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         "early_stopping": ASHA if mode == "asha" else None,
         "seed": 0,
         "checkpoints": "none",
+        "fuse": False,  # the executor sides measure the executor: every trial alone
     }
 
 
@@ -173,10 +182,10 @@ EXECUTOR_SIDES = {
 
 
 def run_executor(
-    ts: list[dict[str, Any]], mode: str, tmp: Path, *, extra: tuple[str, ...] = ()
+    ts: list[dict[str, Any]], mode: str, tmp: Path, *, extra: tuple[str, ...] = (), fuse: bool = False
 ) -> dict[str, Any]:
     path = tmp / f"batch-{mode}.json"
-    path.write_text(json.dumps(batch_doc(ts, mode)))
+    path.write_text(json.dumps({**batch_doc(ts, mode), "fuse": fuse}))
     cmd = selection_command(path, 2, "--device", "cpu", *extra)
     t0, c0 = time.perf_counter(), children_cpu_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
@@ -186,10 +195,15 @@ def run_executor(
         raise RuntimeError(f"trainer.selection exited {proc.returncode}: {proc.stderr[-2000:]}")
     summary = next(json.loads(line)["data"] for line in proc.stdout.splitlines() if '"batch_result"' in line)
     per = {
-        r["trial"]: {"val_loss": r["val_loss"], "steps": r["steps"], "status": r["status"]}
+        r["trial"]: {
+            "val_loss": r["val_loss"],
+            "steps": r["steps"],
+            "status": r["status"],
+            "fused_with": r.get("fused_with"),
+        }
         for r in summary["trials"]
     }
-    return {"wall_s": wall, "cpu_s": cpu, "trials": per}
+    return {"wall_s": wall, "cpu_s": cpu, "trials": per, "fusion": summary.get("fusion")}
 
 
 def _env() -> dict[str, str]:
@@ -217,10 +231,11 @@ def run_selection(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     return sel
 
 
-def rest_batch(steps: int, mode: str) -> dict[str, Any]:
+def rest_batch(steps: int, mode: str, *, fuse: bool = True) -> dict[str, Any]:
     """The REST side's selection request: the grid over 2 devices, FIFO or ASHA, no checkpoints
-    (bench/rest_timeline.py submits the same one)."""
+    (bench/rest_timeline.py submits the same one); `fuse` False: every trial alone."""
     return {
+        "fuse": fuse,
         "name": f"peer-{mode}",
         "base": base_spec(steps),
         "space": SPACE,
@@ -232,23 +247,29 @@ def rest_batch(steps: int, mode: str) -> dict[str, Any]:
     }
 
 
-def run_rest(client: httpx.Client, steps: int, mode: str) -> dict[str, Any]:
-    body = rest_batch(steps, mode)
+def run_rest(client: httpx.Client, steps: int, mode: str, *, fuse: bool = True) -> dict[str, Any]:
+    body = rest_batch(steps, mode, fuse=fuse)
     t0 = time.perf_counter()
     sel = run_selection(client, body)
     client_wall = time.perf_counter() - t0
     per = {}
+    curves: dict[int, list[float]] = {}
     for t in sel["trials"]:
         result = t.get("result") or client.get(f"/api/jobs/{t['job_id']}").json()["result"] or {}
         per[t["index"]] = {
             "val_loss": result.get("val_loss"),
             "steps": t["steps_done"],
             "status": t["status"],
+            "fused_with": t.get("fused_with"),
         }
+        # read after the timed wall: the loss curve, to compare fused with unfused
+        series = client.get(f"/api/jobs/{t['job_id']}/metrics", params={"names": "loss"}).json()
+        curves[t["index"]] = series["series"]["loss"]["values"]
     return {
         "wall_s": _ts(sel["finished_at"]) - _ts(sel["created_at"]),
         "client_wall_s": client_wall,
         "trials": per,
+        "curves": curves,
     }
 
 
@@ -333,6 +354,8 @@ def run_rest_search(
     }
     if method == "tpe":
         body.update(trials=8, parallel=parallel, startup_trials=STARTUP)
+    else:
+        body["fuse"] = False  # the unfused grid, which the TPE goal compares with
     sel = run_selection(client, body)
     ts = sorted(sel["trials"], key=lambda t: t["index"])
     groups = [
@@ -631,7 +654,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         stack = client = None
         bare_stack = bare_client = None
-        if "rest" in sides:
+        if "rest" in sides or "rest-nofuse" in sides:
             stack, client = start_stack(tmp)
         if "rest-unsandboxed" in sides:
             bare_stack, bare_client = start_stack(tmp, sandbox="off", name="stack-unsandboxed")
@@ -708,9 +731,11 @@ def _one_run(
         out = run_bare(ts)
     elif side in EXECUTOR_SIDES:
         out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
-    elif side in ("rest", "rest-unsandboxed"):
+    elif side == "executor-fused":
+        out = run_executor(ts, mode, tmp, fuse=True)
+    elif side in ("rest", "rest-unsandboxed", "rest-nofuse"):
         assert client is not None
-        out = run_rest(client, steps, mode)
+        out = run_rest(client, steps, mode, fuse=side != "rest-nofuse")
     else:
         out = run_ray(ts, mode, reuse=side == "ray-reuse", steps=steps, tmp=tmp)
     out.update(
@@ -783,6 +808,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if ("rest", "fifo") in med and ("bare", "fifo") in med:
         r = med["rest", "fifo"] / med["bare", "fifo"]
         goals.append(f"REST warm / bare floor (FIFO): {r:.3f} (goal <= 1)")
+    goals += _fusion_goals(runs, med, floor)
     for mode in MODES:
         if ("rest", mode) in med and ("executor", mode) in med:
             o = med["rest", mode] / med["executor", mode] - 1
@@ -797,6 +823,75 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "medians": {f"{k[0]}/{k[1]}": v for k, v in med.items()},
         "cpu_s_medians": {f"{k[0]}/{k[1]}": v for k, v in cpu.items()},
     }
+
+
+def _fusion_goals(
+    runs: list[dict[str, Any]], med: dict[tuple[str, str], float], floor: float | None
+) -> list[str]:
+    """Fusion by default against its goals: REST (fused default) over the work floor and beside Ray
+    Tune, `fuse: false` over the floor, the same best trial, every curve as unfused."""
+    goals = []
+    for mode in MODES:
+        fused = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == "executor-fused" and r["mode"] == mode}
+        plain = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == "executor" and r["mode"] == mode}
+        ratios = [fused[k] / plain[k] for k in fused if k in plain]
+        if ratios:
+            goals.append(
+                f"executor fusion default / fuse:false CPU-s ({mode}, median of per-repetition ratios): "
+                f"{statistics.median(ratios):.3f} (goal <= 1)"
+            )
+    if ("rest", "fifo") in med and floor:
+        goals.append(
+            f"REST (fusion default) FIFO / work floor: {med['rest', 'fifo'] / floor:.3f} (goal <= 0.6)"
+        )
+    if ("rest-nofuse", "fifo") in med and floor:
+        goals.append(
+            f"REST fuse:false FIFO / work floor: {med['rest-nofuse', 'fifo'] / floor:.3f} (goal <= 1.05)"
+        )
+    for mode, goal, ray in (("fifo", 2.5, "ray-reuse"), ("asha", 3.0, "ray-reuse"), ("asha", 3.0, "ray")):
+        if ("rest", mode) in med and (ray, mode) in med:
+            goals.append(
+                f"{ray} / REST fusion default ({mode}): {med[ray, mode] / med['rest', mode]:.3f}x (goal >= {goal}x)"
+            )
+    for mode in MODES:
+        if ("rest", mode) in med and ("rest-nofuse", mode) in med:
+            goals.append(
+                f"REST fusion default / fuse:false ({mode}): {med['rest', mode] / med['rest-nofuse', mode]:.3f} "
+                "(a default slower than no fusion is a bug: goal <= 1)"
+            )
+        rest = [r for r in runs if r["side"] == "rest" and r["mode"] == mode]
+        off = {r["rep"]: r for r in runs if r["side"] == "rest-nofuse" and r["mode"] == mode}
+        diffs = [
+            max(
+                (
+                    abs(a - b)
+                    for i, c in r["curves"].items()
+                    for a, b in zip(c, off[r["rep"]]["curves"][i], strict=True)
+                ),
+                default=0.0,
+            )
+            for r in rest
+            if r["rep"] in off
+        ]
+        if diffs:
+            same_len = all(
+                len(c) == len(off[r["rep"]]["curves"][i])
+                for r in rest
+                if r["rep"] in off
+                for i, c in r["curves"].items()
+            )
+            goals.append(
+                f"loss curves, fusion default vs fuse:false ({mode}): max |diff| {max(diffs):.2e} over every "
+                f"trial and step, same lengths {same_len} (goal <= 1e-5)"
+            )
+        bests = {r["best"]["trial"] for r in runs if r["mode"] == mode}
+        if rest:
+            fused = sum(bool(t.get("fused_with")) for r in rest for t in r["trials"].values())
+            goals.append(
+                f"same best trial on every side ({mode}): {len(bests) == 1} ({sorted(bests)}); "
+                f"trials that trained fused: {fused} of {sum(len(r['trials']) for r in rest)}"
+            )
+    return goals
 
 
 def _paired(runs: list[dict[str, Any]], side: str, mode: str) -> float:
