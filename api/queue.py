@@ -5,7 +5,9 @@ database's current state, so GET /api/queue and the job views agree with the nex
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterable
 
 from fastapi import Request
 from sqlalchemy.orm import Session
@@ -13,39 +15,90 @@ from sqlalchemy.orm import Session
 from api.schemas import JobPublic, QueueEntry, ReservationPublic
 from core.scheduler import Want, queue_positions
 from core.settings import Settings
+from db.engine import session_for
+from db.jobs import aware
 from db.models import Job
 from db.scheduling import reservations_of
 
-_CACHE: dict[str, tuple[float, list[Want]]] = {}
+_CACHE: dict[str, tuple[float, list[Want], dict[int, int], float]] = {}
+"""Per database: (monotonic time computed, order, positions, unix time computed)."""
 CACHE_S = 0.5
 """Positions are recomputed at most this often per database (a dashboard polling the job list
 must not order the whole queue on every request); they move only as fast as the scheduler ticks."""
+STALE_S = 5.0
+"""The oldest positions a job listing or a job's page is answered with while fresher ones are
+worked out in the background: ordering a queue of 10,000 jobs takes 100-150 ms, which every
+page of the jobs list with a queued job on it paid each CACHE_S (bench/scale.py: its p95)."""
+_DIRTY: set[str] = set()
+_REFRESHING: set[str] = set()
+_LOCK = threading.Lock()
 
 
 def wake_scheduler(request: Request) -> None:
     """A job was queued: the API's embedded scheduler (if this process runs one) ticks now, and
-    the next position asked for is computed afresh."""
-    _CACHE.clear()
+    the next position asked for is computed afresh (by a job listing: in the background, unless
+    it shows a job the positions it has do not hold)."""
+    _DIRTY.update(_CACHE)
     sched = getattr(request.app.state, "scheduler", None)
     if sched is not None:
         sched.wake()
 
 
-def positions(session: Session, settings: Settings) -> tuple[list[Want], dict[int, int]]:
-    hit = _CACHE.get(settings.database_url)
-    if hit is not None and time.monotonic() - hit[0] < CACHE_S:
-        order = hit[1]
-    else:
-        order = queue_positions(session, settings)
-        _CACHE[settings.database_url] = (time.monotonic(), order)
+def _compute(session: Session, settings: Settings) -> tuple[list[Want], dict[int, int]]:
+    started = time.time()
+    order = queue_positions(session, settings)
     # a selection group's position is its every trial's
-    return order, {j: i + 1 for i, w in enumerate(order) for j in (w.members or (w.id,))}
+    where = {j: i + 1 for i, w in enumerate(order) for j in (w.members or (w.id,))}
+    with _LOCK:
+        _CACHE[settings.database_url] = (time.monotonic(), order, where, started)
+    return order, where
+
+
+def _refresh(settings: Settings) -> None:
+    try:
+        with session_for(settings.database_url) as s:
+            _compute(s, settings)
+    finally:
+        with _LOCK:
+            _REFRESHING.discard(settings.database_url)
+
+
+def positions(
+    session: Session,
+    settings: Settings,
+    *,
+    stale_ok: bool = False,
+    need: Iterable[tuple[int, float]] = (),
+) -> tuple[list[Want], dict[int, int]]:
+    """The queue in the scheduler's order and each queued job's 1-based position. `stale_ok`:
+    positions up to STALE_S old will do while fresher ones are worked out in a thread of their
+    own, unless a job of `need` ((id, unix time created): the queued jobs the caller shows) is
+    newer than them and not in them (just submitted); else positions older than CACHE_S (or from
+    before a submit) are worked out now. A queued job a reservation holds has no position."""
+    url = settings.database_url
+    with _LOCK:
+        hit = _CACHE.get(url)
+        age = time.monotonic() - hit[0] if hit is not None else float("inf")
+        dirty = url in _DIRTY
+        _DIRTY.discard(url)
+        due = dirty or age >= CACHE_S
+        newer = hit is not None and any(j not in hit[2] and at >= hit[3] - 1.0 for j, at in need)
+        if hit is not None and stale_ok and age < STALE_S and not newer:
+            if due and url not in _REFRESHING:
+                _REFRESHING.add(url)
+                threading.Thread(
+                    target=_refresh, args=(settings,), daemon=True, name="queue-positions"
+                ).start()
+            return hit[1], hit[2]
+        if hit is not None and not due and not newer:
+            return hit[1], hit[2]
+    return _compute(session, settings)
 
 
 def with_placement(session: Session, settings: Settings, jobs: list[Job], out: list[JobPublic]) -> None:
     """Fill queue_position of the queued jobs and the reservation of each job, in place."""
-    if any(j.status == "queued" for j in jobs):
-        _, where = positions(session, settings)
+    if queued := [(j.id, aware(j.created_at).timestamp()) for j in jobs if j.status == "queued"]:
+        _, where = positions(session, settings, stale_ok=True, need=queued)
         for p in out:
             p.queue_position = where.get(p.id) if p.status == "queued" else None
     held = reservations_of(session, [j.id for j in jobs if j.status in ("queued", "running")])
