@@ -30,7 +30,8 @@ from db.engine import session_for
 from db.models import Job, Reservation
 from tests.conftest import StackHandle
 from tests.integration.test_gang import SPEC as GANG_SPEC
-from tests.integration.test_gang import _attempt_processes, _tree
+from tests.integration.test_gang import _attempt_processes
+from tests.proc_tree import process_tree
 from tests.s3 import S3Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -125,7 +126,7 @@ def test_a_gang_that_lost_a_node_resumes_from_the_store_on_a_new_host(gang) -> N
     index = next(i for i in (1, 2) if nodes[0].startswith(f"worker{i}@"))
     # node 0's whole worker (Celery, torchrun, its rank): frozen first so the kill lands mid-job,
     # then killed -9
-    victim = _tree(st.procs.pop(f"worker{index}").pid)
+    victim = process_tree([st.procs.pop(f"worker{index}").pid])
     for pid in victim:
         os.kill(pid, signal.SIGSTOP)
     try:
