@@ -525,16 +525,22 @@ def test_orders_sent_ahead_change_no_number() -> None:
 
 
 def test_a_trial_moves_between_device_processes_only_between_mini_batches(tmp_path: Path) -> None:
-    ex, results, _ = run_batch(tmp_path, scheduler="round-robin", device_processes=True)
-    assert all(r["status"] == "succeeded" for r in results.values())
+    # which device process takes a trial's next mini-batch is the processes' race: a batch on a
+    # loaded machine may keep every trial where it was, so up to three batches run until one moves
+    # a trial; every move of every batch must fall between mini-batches
     moved = 0
-    for i in results:
-        slots = sorted((s for s in ex.trace if s.trial == i), key=lambda s: s.start)
-        tasks = ex.runs[i].trial.tasks
-        for n, (a, b) in enumerate(zip(slots, slots[1:], strict=False)):
-            if a.device != b.device:
-                moved += 1
-                assert (n + 1) % len(tasks) == 0, f"trial {i} changed device inside a mini-batch"
+    for attempt in range(3):
+        ex, results, _ = run_batch(tmp_path / str(attempt), scheduler="round-robin", device_processes=True)
+        assert all(r["status"] == "succeeded" for r in results.values())
+        for i in results:
+            slots = sorted((s for s in ex.trace if s.trial == i), key=lambda s: s.start)
+            tasks = ex.runs[i].trial.tasks
+            for n, (a, b) in enumerate(zip(slots, slots[1:], strict=False)):
+                if a.device != b.device:
+                    moved += 1
+                    assert (n + 1) % len(tasks) == 0, f"trial {i} changed device inside a mini-batch"
+        if moved:
+            break
     assert moved > 0  # the trials did change device (between mini-batches)
 
 
