@@ -179,6 +179,19 @@ def unsandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandl
         yield handle
 
 
+def _grid_of_two(name: str, **extra: Any) -> dict[str, Any]:
+    """A batch of two trials (two learning rates) in one group on one device."""
+    return {
+        "name": f"{name}-batch",
+        "base": {**SPEC, "name": f"{name}-sel"},
+        "space": {"train.lr": [1e-3, 3e-3]},
+        "method": "grid",
+        "devices": 1,
+        "scheduler": "fifo",
+        **extra,
+    }
+
+
 def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_process_metrics(
     unsandboxed: StackHandle, tmp_path: Path, warm_switch: Any
 ) -> None:
@@ -186,16 +199,7 @@ def test_a_job_and_a_selection_group_run_warm_on_the_stack_with_the_fresh_proces
     health = stack.client.get("/api/health").json()
     assert health["sandbox"] == "off" and health["workers"][0]["sandbox_why"] == "SHARDYARD_SANDBOX=off"
     job = stack.submit({**SPEC, "name": "warm-job"})
-    body = {
-        "name": "warm-batch",
-        "base": {**SPEC, "name": "warm-sel"},
-        "space": {"train.lr": [1e-3, 3e-3]},
-        "method": "grid",
-        "devices": 1,
-        "scheduler": "fifo",
-        "checkpoints": "all",
-    }
-    sid = stack.submit_selection(body)["id"]
+    sid = stack.submit_selection(_grid_of_two("warm", checkpoints="all"))["id"]
     done = stack.wait(job["id"], timeout=300)
     assert done["status"] == "succeeded", done
     sel = stack.wait_selection(sid, timeout=300)
@@ -311,16 +315,7 @@ def test_a_sandboxed_job_and_group_start_from_spares_and_store_the_fresh_process
     assert line.split()[3] != "unlimited", line
     assert stack.wait(first["id"], timeout=300)["status"] == "succeeded"
     second = stack.submit({**SPEC, "name": "spare-job-2"})  # the spare replenished after the first
-    sid = stack.submit_selection(
-        {
-            "name": "spare-batch",
-            "base": {**SPEC, "name": "spare-sel"},
-            "space": {"train.lr": [1e-3, 3e-3]},
-            "method": "grid",
-            "devices": 1,
-            "scheduler": "fifo",
-        }
-    )["id"]
+    sid = stack.submit_selection(_grid_of_two("spare"))["id"]
     assert stack.wait(second["id"], timeout=300)["status"] == "succeeded"
     assert stack.wait_selection(sid, timeout=300)["status"] == "succeeded"
 
