@@ -86,3 +86,27 @@ def test_migrations_match_the_models(db_url: str) -> None:
     with get_engine(db_url).connect() as c:
         diff = compare_metadata(MigrationContext.configure(c), Base.metadata)
     assert diff == []
+
+
+def test_every_migration_goes_down_and_up_again_to_the_same_schema(db_url: str) -> None:
+    """Down to before the first revision and back to the head: each revision's downgrade undoes its
+    upgrade (a column left behind, or a drop of one never added, fails here)."""
+    import sqlalchemy as sa
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from db.migrate import alembic_config
+    from db.models import Base
+
+    def schema() -> dict[str, list[str]]:
+        inspector = sa.inspect(get_engine(db_url))
+        return {t: sorted(c["name"] for c in inspector.get_columns(t)) for t in inspector.get_table_names()}
+
+    at_head = schema()
+    command.downgrade(alembic_config(db_url), "base")
+    assert set(schema()) <= {"alembic_version"}
+    command.upgrade(alembic_config(db_url), "head")
+    assert schema() == at_head
+    with get_engine(db_url).connect() as c:
+        assert compare_metadata(MigrationContext.configure(c), Base.metadata) == []

@@ -1,17 +1,9 @@
-"""initial tables
-
-Revision ID: 0001
-Revises:
-Create Date: 2026-11-21
-"""
+"""initial tables"""
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0001"
-down_revision = None
-branch_labels = None
-depends_on = None
+revision, down_revision = "0001", None
 
 
 def upgrade() -> None:

@@ -1,18 +1,11 @@
 """leases and fencing: jobs.owner/lease_until/applied_seq/applied_step, unique metric steps,
 trials.result
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-11-23
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0003", "0002"
 
 
 def upgrade() -> None:

@@ -1,17 +1,9 @@
-"""users and their tokens; owners of jobs and selections; why a queued job waits
-
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-11-23
-"""
+"""users and their tokens; owners of jobs and selections; why a queued job waits"""
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0004", "0003"
 
 
 def upgrade() -> None:

@@ -1,17 +1,9 @@
-"""workspaces: uploaded user code, content-addressed
-
-Revision ID: 0005
-Revises: 0004
-Create Date: 2026-11-23
-"""
+"""workspaces: uploaded user code, content-addressed"""
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0005", "0004"
 
 
 def upgrade() -> None:

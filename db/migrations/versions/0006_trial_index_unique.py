@@ -1,17 +1,10 @@
 """trials: one trial per (selection, index), so two workers growing a batch at once cannot both
 add the same trial
-
-Revision ID: 0006
-Revises: 0005
-Create Date: 2026-11-23
 """
 
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0006", "0005"
 
 
 def upgrade() -> None:

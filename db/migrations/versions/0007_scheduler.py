@@ -1,18 +1,11 @@
 """scheduler: reservations (a job's slots on each worker it runs on), the scheduler's lock row,
 jobs.nnodes and jobs.preempt_requested
-
-Revision ID: 0007
-Revises: 0006
-Create Date: 2026-11-23
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0007", "0006"
 
 
 def upgrade() -> None:

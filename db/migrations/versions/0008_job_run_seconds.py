@@ -1,24 +1,15 @@
-"""jobs.run_seconds: wall time its attempts have run, so max_runtime_s counts across attempts
-
-Revision ID: 0008
-Revises: 0007
-Create Date: 2026-11-23
-"""
+"""jobs.run_seconds: wall time its attempts have run, so max_runtime_s counts across attempts"""
 
 import sqlalchemy as sa
-from alembic import op
 
-revision = "0008"
-down_revision = "0007"
-branch_labels = None
-depends_on = None
+from db.migrations.steps import add_columns, drop_columns
+
+revision, down_revision = "0008", "0007"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("jobs") as batch_op:
-        batch_op.add_column(sa.Column("run_seconds", sa.Float(), nullable=False, server_default="0"))
+    add_columns("jobs", sa.Column("run_seconds", sa.Float(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs") as batch_op:
-        batch_op.drop_column("run_seconds")
+    drop_columns("jobs", "run_seconds")

@@ -1,24 +1,15 @@
-"""reservations.trial_ids: a selection group's reservation names the trials its task runs
-
-Revision ID: 0009
-Revises: 0008
-Create Date: 2026-11-23
-"""
+"""reservations.trial_ids: a selection group's reservation names the trials its task runs"""
 
 import sqlalchemy as sa
-from alembic import op
 
-revision = "0009"
-down_revision = "0008"
-branch_labels = None
-depends_on = None
+from db.migrations.steps import add_columns, drop_columns
+
+revision, down_revision = "0009", "0008"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("reservations") as batch_op:
-        batch_op.add_column(sa.Column("trial_ids", sa.JSON(), nullable=True))
+    add_columns("reservations", sa.Column("trial_ids", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("reservations") as batch_op:
-        batch_op.drop_column("trial_ids")
+    drop_columns("reservations", "trial_ids")

@@ -10,18 +10,11 @@ the same way. SQLite has no such setting.
 
 Existing pages keep their packing until rewritten (VACUUM FULL jobs, or pg_repack); new pages
 get the room at once. Not done here: VACUUM FULL locks the table for its whole run.
-
-Revision ID: 0010
-Revises: 0009
-Create Date: 2026-11-23
 """
 
 from alembic import op
 
-revision = "0010"
-down_revision = "0009"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0010", "0009"
 
 
 def upgrade() -> None:

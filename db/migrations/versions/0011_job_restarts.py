@@ -1,24 +1,15 @@
-"""jobs.restarts: attempts retried after an infrastructure failure, bounded by max_restarts
-
-Revision ID: 0011
-Revises: 0010
-Create Date: 2026-11-25
-"""
+"""jobs.restarts: attempts retried after an infrastructure failure, bounded by max_restarts"""
 
 import sqlalchemy as sa
-from alembic import op
 
-revision = "0011"
-down_revision = "0010"
-branch_labels = None
-depends_on = None
+from db.migrations.steps import add_columns, drop_columns
+
+revision, down_revision = "0011", "0010"
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("jobs") as batch_op:
-        batch_op.add_column(sa.Column("restarts", sa.Integer(), nullable=False, server_default="0"))
+    add_columns("jobs", sa.Column("restarts", sa.Integer(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("jobs") as batch_op:
-        batch_op.drop_column("restarts")
+    drop_columns("jobs", "restarts")

@@ -3,19 +3,12 @@ session's idle expiry)
 
 Revoking a token revokes what was made from it, so a session or a minted token cannot outlive
 the token that made it.
-
-Revision ID: 0012
-Revises: 0011
-Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0012"
-down_revision = "0011"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0012", "0011"
 
 
 def upgrade() -> None:

@@ -6,19 +6,12 @@ paths (the worker's finish, a failed attempt out of retries, a cancel, a lapsed 
 settle), and a trigger writes the row in the same transaction as every one of them, present and
 future, so an end is never lost and never notified twice (the trigger fires only on the change
 from a live status to an ended one).
-
-Revision ID: 0013
-Revises: 0012
-Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013"
-down_revision = "0012"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0013", "0012"
 
 ENDED = "('succeeded', 'failed', 'cancelled')"
 # (table, event, which rows of the table notify)

@@ -3,18 +3,11 @@
 The jobs listing counts every match of its filters for the page's "1-50 of N". Without it a count
 read every job's row (specs and all: 100,000 jobs, 40-100 ms on SQLite, bench/scale.py); with it a
 count reads this narrow index alone, and a search by name scans it instead of the table.
-
-Revision ID: 0015
-Revises: 0014
-Create Date: 2026-12-02
 """
 
 from alembic import op
 
-revision = "0015"
-down_revision = "0014"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0015", "0014"
 
 
 def upgrade() -> None:

@@ -5,19 +5,12 @@ with a million points read every one of them (2.9 s on SQLite, bench/scale.py). 
 series of 100,000 points or more here, downsampled, after its first full read; later first reads
 (another API process, a restart, an entry pushed out of the cache) read this and only the points
 stored after it.
-
-Revision ID: 0016
-Revises: 0015
-Create Date: 2026-12-02
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016"
-down_revision = "0015"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0016", "0015"
 
 
 def upgrade() -> None:

@@ -5,18 +5,11 @@ A search by name (`name contains`) matches a substring in any case: without an i
 index answers `name ILIKE '%...%'` from the trigrams. SQLite has no such index; its search
 reads ix_jobs_listing (migration 0015), and gets a plain index of the same name on name, so the two
 databases keep one schema (db/models.py).
-
-Revision ID: 0017
-Revises: 0016
-Create Date: 2026-12-02
 """
 
 from alembic import op
 
-revision = "0017"
-down_revision = "0016"
-branch_labels = None
-depends_on = None
+revision, down_revision = "0017", "0016"
 
 
 def upgrade() -> None:
