@@ -100,78 +100,51 @@ def _stream_reads(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1) -> dict:
-    lat: dict[str, list[float]] = {}
-    errors: dict[str, int] = {}
-    lock = threading.Lock()
-    local = threading.local()
-    auth = {"Authorization": f"Bearer {stack.admin_token}"}
-    when: list[tuple[float, str, float]] = []  # (seconds after the first request, route, ms)
-    begun = time.perf_counter()
+class _Timed:
+    """Every request's latency by route, its start (seconds after the first request) and the
+    error answers, from any thread; each thread keeps its own client."""
 
-    def timed(route: str, method: str, url: str, **kw: object) -> None:
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=stack.base_url, timeout=60, headers=auth)
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.lat: dict[str, list[float]] = {}
+        self.errors: dict[str, int] = {}
+        self.when: list[tuple[float, str, float]] = []  # (seconds after the first request, route, ms)
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._begun = time.perf_counter()
+
+    def __call__(self, route: str, method: str, url: str, **kw: object) -> None:
+        if not hasattr(self._local, "client"):
+            self._local.client = _client(self.stack)
         t0 = time.perf_counter()
-        r = local.client.request(method, url, **kw)
+        r = self._local.client.request(method, url, **kw)
         dt = (time.perf_counter() - t0) * 1e3
-        with lock:
-            lat.setdefault(route, []).append(dt)
-            when.append((t0 - begun, route, dt))
+        with self._lock:
+            self.lat.setdefault(route, []).append(dt)
+            self.when.append((t0 - self._begun, route, dt))
             if r.status_code >= 400:
-                errors[f"{route} {r.status_code}"] = errors.get(f"{route} {r.status_code}", 0) + 1
+                key = f"{route} {r.status_code}"
+                self.errors[key] = self.errors.get(key, 0) + 1
 
-    with httpx.Client(base_url=stack.base_url, timeout=60, headers=auth) as c:
-        trained = [c.post("/api/jobs", json=STREAMED).json() for _ in range(jobs)]
-        deadline = time.monotonic() + 600
-        for j in trained:
-            while (got := c.get(f"/api/jobs/{j['id']}").json())["progress"]["step"] < 5:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"job {j['id']} did not start training: {got['wait_reason']}")
-                time.sleep(0.2)
+
+def _client(stack: Stack) -> httpx.Client:
+    return httpx.Client(
+        base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"}
+    )
+
+
+def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1) -> dict:
+    timed = _Timed(stack)
+    with _client(stack) as c:
+        trained = _start_training(c, jobs)
         if jobs > 1:
             _nice_workers(stack)
-        # the streams spread evenly over the running jobs (a job's frames are built once for all
-        # of its streams: api/sse.py)
-        per = [streams // jobs + (1 if k < streams % jobs else 0) for k in range(jobs)]
-        opened = [
-            Streams(stack.api_port, f"/api/jobs/{j['id']}/stream", n, stack.admin_token)
-            for j, n in zip(trained, per, strict=True)
-            if n
-        ]
+        opened = _open_streams(stack, trained, streams)
         load = [os.getloadavg()[0]]
         stop = threading.Event()
-
-        def probe() -> None:
-            i = 0
-            while not stop.is_set():
-                j = trained[(i // 5) % len(trained)]  # each round of the routes on the next job
-                routes = [
-                    ("GET /api/jobs", "/api/jobs", {"limit": 50}),
-                    ("GET /api/jobs/{id}", f"/api/jobs/{j['id']}", {}),
-                    ("GET /api/jobs/{id}/metrics", f"/api/jobs/{j['id']}/metrics", {"max_points": 200}),
-                    ("GET /api/health", "/api/health", {}),
-                    ("GET /metrics", "/metrics", {}),
-                ]
-                route, url, params = routes[i % len(routes)]
-                timed(route, "GET", url, params=params)
-                i += 1
-                time.sleep(0.1)
-
-        prober = threading.Thread(target=probe, daemon=True)
+        prober = threading.Thread(target=_probe, args=(timed, trained, stop), daemon=True)
         prober.start()
-        t0 = time.perf_counter()
-        n = int(rate * seconds)
-        with ThreadPoolExecutor(16) as pool:
-            for k in range(n):
-                # open loop: the k-th submit starts at k / rate seconds
-                delay = t0 + k / rate - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                pool.submit(timed, "POST /api/jobs", "POST", "/api/jobs", json=SUBMITTED)
-                if k % int(rate * 5) == 0:
-                    load.append(os.getloadavg()[0])
-        achieved = n / (time.perf_counter() - t0)
+        achieved = _submit(timed, rate=rate, seconds=seconds, load=load)
         streamed_step = min(c.get(f"/api/jobs/{j['id']}").json()["progress"]["step"] for j in trained)
         stop.set()
         prober.join(timeout=10)
@@ -184,8 +157,8 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 
         # what the streams read from the database (core/telemetry.py): counts the machine's load
         # does not move, beside the walls it does
         stream_db = _stream_reads(c.get("/metrics").text)
-    every = [x for xs in lat.values() for x in xs]
-    routes = {r: {**_percentiles(xs), "max_ms": max(xs)} for r, xs in sorted(lat.items())}
+    every = [x for xs in timed.lat.values() for x in xs]
+    routes = {r: {**_percentiles(xs), "max_ms": max(xs)} for r, xs in sorted(timed.lat.items())}
     return {
         "streams": streams,
         "jobs": jobs,
@@ -198,16 +171,74 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 
         "submits_per_s_achieved": achieved,
         "seconds": seconds,
         "load_average_1m": load,
-        "errors": errors,
+        "errors": timed.errors,
         "routes": routes,
         # where the tail sits in time: requests that started together and were slow together
         # point at one stall of the API process, scattered ones at the machine's scheduling
         "slowest": [
             {"at_s": round(at, 3), "route": r, "ms": round(ms, 1)}
-            for at, r, ms in sorted(when, key=lambda w: -w[2])[:20]
+            for at, r, ms in sorted(timed.when, key=lambda w: -w[2])[:20]
         ],
         "all": _percentiles(every),
     }
+
+
+def _start_training(c: httpx.Client, jobs: int) -> list[dict]:
+    """Submit `jobs` streamed jobs and wait until each has trained 5 steps (at most 600 s)."""
+    trained = [c.post("/api/jobs", json=STREAMED).json() for _ in range(jobs)]
+    deadline = time.monotonic() + 600
+    for j in trained:
+        while (got := c.get(f"/api/jobs/{j['id']}").json())["progress"]["step"] < 5:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {j['id']} did not start training: {got['wait_reason']}")
+            time.sleep(0.2)
+    return trained
+
+
+def _open_streams(stack: Stack, trained: list[dict], streams: int) -> list[Streams]:
+    """The streams spread evenly over the running jobs (a job's frames are built once for all of
+    its streams: api/sse.py)."""
+    jobs = len(trained)
+    per = [streams // jobs + (1 if k < streams % jobs else 0) for k in range(jobs)]
+    return [
+        Streams(stack.api_port, f"/api/jobs/{j['id']}/stream", n, stack.admin_token)
+        for j, n in zip(trained, per, strict=True)
+        if n
+    ]
+
+
+def _probe(timed: _Timed, trained: list[dict], stop: threading.Event) -> None:
+    """The dashboard's, the CLI's and Prometheus' reads in turn, one every 0.1 s until `stop`."""
+    i = 0
+    while not stop.is_set():
+        j = trained[(i // 5) % len(trained)]  # each round of the routes on the next job
+        routes = [
+            ("GET /api/jobs", "/api/jobs", {"limit": 50}),
+            ("GET /api/jobs/{id}", f"/api/jobs/{j['id']}", {}),
+            ("GET /api/jobs/{id}/metrics", f"/api/jobs/{j['id']}/metrics", {"max_points": 200}),
+            ("GET /api/health", "/api/health", {}),
+            ("GET /metrics", "/metrics", {}),
+        ]
+        route, url, params = routes[i % len(routes)]
+        timed(route, "GET", url, params=params)
+        i += 1
+        time.sleep(0.1)
+
+
+def _submit(timed: _Timed, *, rate: float, seconds: float, load: list[float]) -> float:
+    """`rate` submits a second for `seconds`, open loop (the k-th starts at k / rate seconds,
+    answered or not), the load average into `load` every 5 s; returns the rate achieved."""
+    t0 = time.perf_counter()
+    n = int(rate * seconds)
+    with ThreadPoolExecutor(16) as pool:
+        for k in range(n):
+            delay = t0 + k / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(timed, "POST /api/jobs", "POST", "/api/jobs", json=SUBMITTED)
+            if k % int(rate * 5) == 0:
+                load.append(os.getloadavg()[0])
+    return n / (time.perf_counter() - t0)
 
 
 def _descendants(pid: int) -> list[int]:

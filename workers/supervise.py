@@ -156,42 +156,7 @@ def supervise(
     `spare`: the sandboxed trainer made ahead for this run's folder (workers/spare.py), used when
     the run fits it and discarded when not."""
     stop_file.unlink(missing_ok=True)
-
-    limits = sandbox_limits(sandbox)
-
-    def preexec() -> None:
-        die_with_parent()
-        apply_memory_limit(memory_limit)
-        apply_limits(limits)
-
-    env = sandbox.environment() if sandbox is not None else allowed_environment()
-    # a single-process trainer starts warm: in its sandbox, as the spare trainer made ahead for it
-    # (workers/spare.py); unsandboxed, forked from this process's warm trainer (workers/warm.py), as
-    # a fork cannot enter bubblewrap. Else, or when that fails, it starts fresh. All are this
-    # process's child in their own session
-    warm: Any = None
-    if spare is not None:
-        why = "the run has no sandbox" if sandbox is None else spare.misfit(cmd, sandbox)
-        try:
-            if why is not None:
-                raise ValueError(why)
-            warm = spare.start(cmd, env=env, memory_limit=memory_limit)
-        except (OSError, ValueError) as e:
-            log.warning("the spare sandboxed trainer was not used (%s); this run starts a fresh one", e)
-            spare.discard()
-    elif sandbox is None or not sandbox.wraps:
-        warm = launch(cmd, env=env, memory_limit=memory_limit)
-    if sandbox is not None:
-        cmd = sandbox.command(cmd)
-    proc = warm or subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-        env=env,
-        preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
-    )
+    proc = _start(cmd, memory_limit=memory_limit, sandbox=sandbox, spare=spare)
     done = threading.Event()
     threads = [
         threading.Thread(target=_pump_stderr, args=(proc, stderr_log, out, on_output), daemon=True),
@@ -214,28 +179,91 @@ def supervise(
     if on_start is not None:
         on_start(proc.pid)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            msg = parse_line(line)
-            if msg is None:
-                continue
-            if on_output is not None and msg.kind == "log" and msg.seq is None:
-                rank, text = split_rank(line.rstrip())
-                on_output(rank if rank is not None else out.rank, "stdout", text)
-                continue
-            if msg.kind == "error" and out.error is None:
-                out.error = msg.message
-            on_message(msg)
+        _read_stdout(proc, out, on_message, on_output)
         return proc.wait()
     finally:
         done.set()
-        if proc.poll() is None:
-            kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        kill_group(proc, signal.SIGKILL)  # ranks torchrun left behind, if any
-        reap_group(proc.pid)  # and their exits, when this process adopted them (workers/warm.py)
+        _end_group(proc)
         for t in threads:
             t.join(timeout=5)
+
+
+def _start(
+    cmd: list[str], *, memory_limit: int | None, sandbox: Sandbox | None, spare: Spare | None
+) -> subprocess.Popen[str]:
+    """Start the trainer as this process's child in its own session. A single-process trainer
+    starts warm: in its sandbox, as the spare trainer made ahead for it (workers/spare.py);
+    unsandboxed, forked from this process's warm trainer (workers/warm.py), as a fork cannot enter
+    bubblewrap. Else, or when that fails, it starts fresh."""
+    limits = sandbox_limits(sandbox)
+
+    def preexec() -> None:
+        die_with_parent()
+        apply_memory_limit(memory_limit)
+        apply_limits(limits)
+
+    env = sandbox.environment() if sandbox is not None else allowed_environment()
+    warm: Any = None
+    if spare is not None:
+        warm = _start_spare(spare, cmd, env=env, memory_limit=memory_limit, sandbox=sandbox)
+    elif sandbox is None or not sandbox.wraps:
+        warm = launch(cmd, env=env, memory_limit=memory_limit)
+    if sandbox is not None:
+        cmd = sandbox.command(cmd)
+    return warm or subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        preexec_fn=preexec,  # noqa: PLW1509 - only setsid, prctl and setrlimit, no locks taken
+    )
+
+
+def _start_spare(
+    spare: Spare, cmd: list[str], *, env: dict[str, str], memory_limit: int | None, sandbox: Sandbox | None
+) -> subprocess.Popen[str] | None:
+    """The spare sandboxed trainer started for `cmd`, or None (the spare discarded) when the run
+    does not fit it or it fails to start."""
+    why = "the run has no sandbox" if sandbox is None else spare.misfit(cmd, sandbox)
+    try:
+        if why is not None:
+            raise ValueError(why)
+        return spare.start(cmd, env=env, memory_limit=memory_limit)
+    except (OSError, ValueError) as e:
+        log.warning("the spare sandboxed trainer was not used (%s); this run starts a fresh one", e)
+        spare.discard()
+        return None
+
+
+def _read_stdout(
+    proc: subprocess.Popen[str], out: Outcome, on_message: Callable[[Message], None], on_output: Emit | None
+) -> None:
+    """Every stdout protocol line to `on_message` in order, the first `error` line kept in `out`;
+    a plain log line goes to `on_output` instead, when given."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        msg = parse_line(line)
+        if msg is None:
+            continue
+        if on_output is not None and msg.kind == "log" and msg.seq is None:
+            rank, text = split_rank(line.rstrip())
+            on_output(rank if rank is not None else out.rank, "stdout", text)
+            continue
+        if msg.kind == "error" and out.error is None:
+            out.error = msg.message
+        on_message(msg)
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """Kill the trainer if it still runs, then its process group (ranks torchrun left behind, if
+    any), and reap their exits when this process adopted them (workers/warm.py)."""
+    if proc.poll() is None:
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+    kill_group(proc, signal.SIGKILL)
+    reap_group(proc.pid)
 
 
 def run_unattended(
