@@ -42,19 +42,18 @@ from sqlalchemy import func, select, text
 from api.stack import Stack
 from bench.common import add_results_option, table, write_results
 from bench.scale_seed import Seeded, Sizes, seed
+from bench.sched import add_workers, claim_all
 from core.scheduler import Scheduler
 from core.settings import Settings
 from db.engine import get_engine, session_for
-from db.jobs import Attempt, claim_job, finish_job
+from db.jobs import Attempt, finish_job
 from db.models import Job, JobStatus, Reservation
 from db.users import add_token
-from db.workers import record_heartbeat
 
 CHROMIUM = "/usr/bin/chromium"
 BOARD_ROWS = 100
 """The leaderboard's rows before its "Show all" (frontend/src/pages/selections.ts)."""
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"]
-GiB = 2**30
 GOALS = {
     "jobs_list_p95_ms": 100.0,
     "jobs_page_first_row_s": 1.0,
@@ -216,36 +215,19 @@ class _Recorder:
         self.sent += 1
 
 
-def _claim_all(url: str) -> None:
-    with session_for(url) as s:
-        rows = s.query(Reservation).filter(Reservation.claimed_at.is_(None), Reservation.node_rank == 0).all()
-        todo = [(r.job_id, r.worker) for r in rows]
-    with session_for(url) as s:
-        for job_id, worker in todo:
-            claim_job(s, job_id=job_id, owner=f"bench:{job_id}", worker=worker, lease_s=3600, reserved=True)
-
-
 def scheduler(url: str, *, workers: int, rounds: int) -> dict[str, Any]:
     """bench.sched's decision latency on the seeded database: `workers` workers of 8 slots and 4
     tasks; the first tick fills the fleet from the queue; then each round one placed job ends
     (outside the clock) and one tick is timed."""
     with session_for(url) as s:
-        for w in range(workers):
-            record_heartbeat(
-                s,
-                name=f"w{w}@bench",
-                hostname="bench",
-                queues=["cpu", "gpu", f"node.w{w}@bench"],
-                devices=[{"type": "cpu"}],
-                host={"slots": 8, "tasks": 4, "ram_bytes": 256 * GiB, "cpus": 8},
-            )
+        add_workers(s, workers)
     settings = Settings(database_url=url, worker_alive_s=3600, requeue_after_s=3600)
     rec = _Recorder()
     sched = Scheduler(settings, send=rec, send_group=rec)
     t0 = time.perf_counter()
     sched.tick()
     first = time.perf_counter() - t0
-    _claim_all(url)
+    claim_all(url)
     with session_for(url) as s:
         queued = s.scalar(select(func.count()).where(Job.status == JobStatus.queued, Job.kind == "job")) or 0
     rng = random.Random(1)
@@ -265,7 +247,7 @@ def scheduler(url: str, *, workers: int, rounds: int) -> dict[str, Any]:
         times.append((time.perf_counter() - t) * 1e3)
         cpu.append((time.thread_time() - c) * 1e3)
         placed.append(rec.sent - before)
-        _claim_all(url)
+        claim_all(url)
     return {
         "workers": workers,
         "queued_jobs": queued,

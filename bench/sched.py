@@ -29,6 +29,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from bench.common import table, write_results
 from core.scheduler import Box, Scheduler, Want, plan
 from core.settings import Settings
@@ -46,6 +48,19 @@ SPEC = {
 }
 
 
+def add_workers(s: Session, workers: int) -> None:
+    """`workers` live workers of 8 slots and 4 tasks, each with its own node queue."""
+    for w in range(workers):
+        record_heartbeat(
+            s,
+            name=f"w{w}@bench",
+            hostname="bench",
+            queues=["cpu", "gpu", f"node.w{w}@bench"],
+            devices=[{"type": "cpu"}],
+            host={"slots": 8, "tasks": 4, "ram_bytes": 256 * GiB, "cpus": 8},
+        )
+
+
 def _setup(url: str, *, queued: int, workers: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     upgrade(url)
@@ -53,15 +68,7 @@ def _setup(url: str, *, queued: int, workers: int, seed: int = 0) -> None:
         users = [
             create_user(s, name=f"user{i}", max_running_jobs=1000, max_ranks=10_000).id for i in range(20)
         ]
-        for w in range(workers):
-            record_heartbeat(
-                s,
-                name=f"w{w}@bench",
-                hostname="bench",
-                queues=["cpu", "gpu", f"node.w{w}@bench"],
-                devices=[{"type": "cpu"}],
-                host={"slots": 8, "tasks": 4, "ram_bytes": 256 * GiB, "cpus": 8},
-            )
+        add_workers(s, workers)
         s.add_all(
             Job(
                 name=f"q{i}",
@@ -84,7 +91,8 @@ class _Recorder:
         self.sent.append((job_id, queue))
 
 
-def _claim_all(url: str) -> None:
+def claim_all(url: str) -> None:
+    """Every job the scheduler placed is claimed by its worker (as a worker's task would)."""
     with session_for(url) as s:
         rows = s.query(Reservation).filter(Reservation.claimed_at.is_(None), Reservation.node_rank == 0).all()
         todo = [(r.job_id, r.worker) for r in rows]
@@ -110,7 +118,7 @@ def decision_latency(url: str, *, rounds: int, queued: int = 1000, workers: int 
     t0 = time.perf_counter()
     sched.tick()  # fills the fleet (and reads every spec once)
     fill_s = time.perf_counter() - t0
-    _claim_all(url)
+    claim_all(url)
     rng = random.Random(1)
     times, cpu, placed = [], [], []
     for _ in range(rounds):
@@ -121,7 +129,7 @@ def decision_latency(url: str, *, rounds: int, queued: int = 1000, workers: int 
         times.append((time.perf_counter() - t) * 1000)
         cpu.append((time.thread_time() - c) * 1000)
         placed.append(len(rec.sent) - before)
-        _claim_all(url)
+        claim_all(url)
     with session_for(url) as s:
         still = s.query(Job).filter(Job.status == JobStatus.queued).count()
     times.sort()
