@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from api.stack import Stack
+from core.messages import parse_line
 from db.engine import session_for
 from db.migrate import upgrade
 from db.workers import record_heartbeat
@@ -67,6 +68,31 @@ def grid_batch(
     """A selection batch's body (POST /api/selections): every point of `space` over `base`, on
     `devices` devices, with the other fields `more`."""
     return {"name": name, "base": base, "space": space, "method": "grid", "devices": devices, **more}
+
+
+def checkpointed_job(name: str, *, steps: int, every: int) -> dict[str, Any]:
+    """A one-layer GPT on the CPU that evaluates and checkpoints every `every` steps: a job whose
+    checkpoints and weights a test downloads."""
+    return {
+        "name": name,
+        "model": {"kind": "gpt", "layers": 1, "d_model": 32, "heads": 2, "seq_len": 16},
+        "data": {"max_chars": 20_000},
+        "train": {"steps": steps, "batch_size": 8, "lr": 3e-3, "eval_every": every, "eval_batches": 1},
+        "checkpoint_every": every,
+        "resources": {"device": "cpu"},
+    }
+
+
+def loss_series(out: str) -> dict[str, tuple[list[int], list[float]]]:
+    """{"loss"|"val_loss": (steps, values)} from a trainer's stdout protocol lines."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for line in out.splitlines():
+        msg = parse_line(line)
+        if msg is not None and msg.kind == "metric" and msg.name in ("loss", "val_loss"):
+            steps, values = series.setdefault(msg.name, ([], []))
+            steps.append(msg.step)
+            values.append(msg.value)
+    return series
 
 
 TINY_SPEC: dict[str, Any] = {

@@ -2,9 +2,26 @@
 the workspace, never from tests/). Its model entry point is a working recipe (the tiny user model)
 that first tries every escape the sandbox must stop, and prints what it reached as one line
 `HOSTILE-REPORT {json}`; during training it prints a dot per step without a newline and fake
-protocol lines, which must change no metric."""
+protocol lines, which must change no metric. `hostile_report` reads that line back from the job's
+logs."""
+
+import json
+
+import httpx
 
 from tests.trainer.user_model_src import USER_MODEL
+
+
+def hostile_report(client: httpx.Client, job_id: int) -> dict[str, str]:
+    """What the hostile model of job `job_id` reached, as it printed it."""
+    logs = client.get(f"/api/jobs/{job_id}/logs", params={"limit": 1000}).json()["items"]
+    for line in (e["message"] for e in logs):
+        if "HOSTILE-REPORT " in line:
+            return json.loads(line.split("HOSTILE-REPORT ", 1)[1])
+    raise AssertionError(
+        "the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:]
+    )
+
 
 HOSTILE = (
     USER_MODEL

@@ -28,11 +28,10 @@ import httpx
 import pytest
 import torch
 
-from core.messages import parse_line
 from tests.archives import targz, upload
-from tests.conftest import TERMINAL, TINY_SPEC, long_job
+from tests.conftest import TERMINAL, TINY_SPEC, long_job, loss_series
 from tests.containers.topology import BUCKET, Topology, make_root
-from tests.hostile_src import HOSTILE
+from tests.hostile_src import HOSTILE, hostile_report
 from tests.user_data import PERIODIC_BATCHES_PY
 
 pytestmark = pytest.mark.containers
@@ -140,13 +139,7 @@ def test_every_container_is_healthy_and_a_job_succeeds(topo: Topology) -> None:
 def reference(t: Topology) -> dict[str, tuple[list[int], list[float]]]:
     out, err = t.reference.communicate(timeout=300)
     assert t.reference.returncode == 0, f"the reference run failed: {err[-2000:]}"
-    got: dict[str, tuple[list[int], list[float]]] = {}
-    for line in out.splitlines():
-        msg = parse_line(line)
-        if msg is not None and msg.kind == "metric" and msg.name in ("loss", "val_loss"):
-            steps, values = got.setdefault(msg.name, ([], []))
-            steps.append(msg.step)
-            values.append(msg.value)
+    got = loss_series(out)
     assert got.get("loss"), f"the reference run printed no loss: {out[-2000:]}"
     return got
 
@@ -200,17 +193,6 @@ def new_user(t: Topology) -> httpx.Client:
     )
 
 
-def report_of(t: Topology, job_id: int) -> dict[str, str]:
-    """What the hostile model reached, as it printed it (tests/hostile_src.py)."""
-    logs = t.client.get(f"/api/jobs/{job_id}/logs", params={"limit": 1000}).json()["items"]
-    for line in (e["message"] for e in logs):
-        if "HOSTILE-REPORT " in line:
-            return json.loads(line.split("HOSTILE-REPORT ", 1)[1])
-    raise AssertionError(
-        "the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:]
-    )
-
-
 def idle(t: Topology, timeout: float = 60) -> None:
     """Until no job holds a worker's slot."""
     deadline = time.monotonic() + timeout
@@ -231,7 +213,7 @@ def test_a_hostile_workspace_trains_in_a_worker_container_and_reaches_nothing(to
         topo.client.post(f"/api/jobs/{blocker}/cancel")
     wait(topo, blocker, lambda j: j["status"] == "cancelled", "cancelled", timeout=120)
 
-    report = report_of(topo, hostile)
+    report = hostile_report(topo.client, hostile)
     reached = {k: v for k, v in report.items() if not v.startswith("blocked")}
     assert not reached, f"the sandbox let users' code reach: {reached}"
     assert len(report) == 17, report

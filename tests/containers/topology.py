@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import httpx
 
 from api.stack import find_redis_server, free_port
 from tests.postgres import postgres_server
+from tests.proc_tree import logged_process
 from tests.s3 import S3Server
 
 IMAGE = os.environ.get("SHARDYARD_IMAGE", "shardyard:latest")
@@ -88,22 +88,6 @@ def _until(check: Callable[[], Any], *, what: str, timeout: float) -> Any:
         time.sleep(0.5)
 
 
-@contextmanager
-def _process(cmd: list[str], *, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 class Topology:
     """Host services and the containers; `start` brings everything up, `close` removes it all."""
 
@@ -148,7 +132,7 @@ class Topology:
         (self.root / "redis").mkdir(parents=True, exist_ok=True)
         cmd = [find_redis_server(), "--port", str(self.redis_port), "--bind", "127.0.0.1"]
         cmd += ["--requirepass", self.redis_password, "--save", "", "--dir", str(self.root / "redis")]
-        self._stack.enter_context(_process(cmd, log=self.root / "redis.log"))
+        self._stack.enter_context(logged_process(cmd, log=self.root / "redis.log"))
 
     def _start_s3(self) -> None:
         self.s3.start()

@@ -15,7 +15,7 @@ import torch
 
 from shardyard.client import Client
 from shardyard.errors import ApiError
-from tests.conftest import StackHandle, long_job
+from tests.conftest import StackHandle, checkpointed_job, long_job
 from tests.integration.test_auth import new_user
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.config import load_job
@@ -24,14 +24,7 @@ from trainer.runner import run
 
 pytestmark = pytest.mark.integration
 
-SPEC: dict[str, Any] = {
-    "name": "take-home",
-    "model": {"kind": "gpt", "layers": 1, "d_model": 32, "heads": 2, "seq_len": 16},
-    "data": {"max_chars": 20_000},
-    "train": {"steps": 10, "batch_size": 8, "lr": 3e-3, "eval_every": 5, "eval_batches": 1},
-    "checkpoint_every": 5,
-    "resources": {"device": "cpu"},
-}
+SPEC: dict[str, Any] = checkpointed_job("take-home", steps=10, every=5)
 
 
 def test_download_a_finished_jobs_weights(stack: StackHandle, tmp_path: Path) -> None:

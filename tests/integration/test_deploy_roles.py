@@ -11,14 +11,14 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -31,28 +31,15 @@ from api.stack import find_redis_server, free_port, worker_command
 from tests.archives import targz
 from tests.conftest import TINY_SPEC
 from tests.postgres import find_pg_bin
+from tests.proc_tree import logged_process
 from tests.sse import read_sse
 from tests.webhook_receiver import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 ROLES = ("api", "scheduler", "worker")
-
-
-@contextmanager
-def _process(cmd: list[str], *, log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
-    with log.open("ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+_process = partial(logged_process, stop_s=20)
+"""A service process of the deployment, its log appended to its file."""
 
 
 def _until(check, *, what: str, timeout: float = 120):  # noqa: ANN001, ANN202

@@ -38,13 +38,12 @@ import pytest
 import torch
 
 from api.stack import Stack, worker_command
-from core.messages import parse_line
 from db import ingest as dbi
 from db import jobs as dbj
 from db import workers as dbw
 from db.engine import session_for
 from db.models import Job, Reservation
-from tests.conftest import long_job
+from tests.conftest import long_job, loss_series
 from tests.proc_tree import process_tree
 from tests.user_data import held_data, upload_held
 from workers.execute import trainer_command
@@ -164,14 +163,7 @@ def reference_run(root: Path) -> subprocess.Popen[str]:
 def reference_series(proc: subprocess.Popen[str]) -> dict[str, tuple[list[int], list[float]]]:
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0
-    series: dict[str, tuple[list[int], list[float]]] = {}
-    for line in out.splitlines():
-        msg = parse_line(line)
-        if msg is not None and msg.kind == "metric" and msg.name in ("loss", "val_loss"):
-            steps, values = series.setdefault(msg.name, ([], []))
-            steps.append(msg.step)
-            values.append(msg.value)
-    return series
+    return loss_series(out)
 
 
 @pytest.fixture(scope="module")

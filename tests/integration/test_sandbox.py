@@ -10,7 +10,6 @@ without newlines and fake protocol lines, which must change no metric and no sta
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from tests.archives import targz
 from tests.conftest import StackHandle
-from tests.hostile_src import HOSTILE
+from tests.hostile_src import HOSTILE, hostile_report
 from tests.integration.test_auth import new_user
 from trainer.zygote import SPARE_MARK
 
@@ -35,16 +34,6 @@ def spec(**over) -> dict:  # noqa: ANN003
         "train": {"steps": STEPS, "batch_size": 8, "lr": 3e-3, "eval_every": STEPS},
     }
     return {**base, **over}
-
-
-def report_of(stack: StackHandle, job_id: int) -> dict[str, str]:
-    logs = stack.client.get(f"/api/jobs/{job_id}/logs", params={"limit": 1000}).json()["items"]
-    for line in (e["message"] for e in logs):
-        if "HOSTILE-REPORT " in line:
-            return json.loads(line.split("HOSTILE-REPORT ", 1)[1])
-    raise AssertionError(
-        "the hostile model printed no report: " + "\n".join(e["message"] for e in logs)[-3000:]
-    )
 
 
 def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> None:
@@ -81,7 +70,7 @@ def test_a_hostile_workspace_trains_and_reaches_nothing(stack: StackHandle) -> N
     # (workers/spare.py; the cold sandbox's policy is the same, tests/unit/test_sandbox.py)
     stderr = (Path(st.root) / "jobs" / str(job["id"]) / "stderr.log").read_text()
     assert SPARE_MARK in stderr, stderr[-2000:]
-    report = report_of(stack, job["id"])
+    report = hostile_report(stack.client, job["id"])
     reached = {k: v for k, v in report.items() if not v.startswith("blocked")}
     assert not reached, f"the sandbox let users' code reach: {reached}"
     assert len(report) == 15, report

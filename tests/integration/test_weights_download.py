@@ -16,21 +16,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from shardyard.client import Client
-from tests.conftest import StackHandle, grid_batch
+from tests.conftest import StackHandle, checkpointed_job, grid_batch
 from tests.integration.test_auth import new_user
 from trainer.config import load_job
 from trainer.models import build_model
 
 pytestmark = pytest.mark.integration
 
-SPEC: dict[str, Any] = {
-    "name": "weights",
-    "model": {"kind": "gpt", "layers": 1, "d_model": 32, "heads": 2, "seq_len": 16},
-    "data": {"max_chars": 20_000},
-    "train": {"steps": 12, "batch_size": 8, "lr": 3e-3, "eval_every": 4, "eval_batches": 1},
-    "checkpoint_every": 4,
-    "resources": {"device": "cpu"},
-}
+SPEC: dict[str, Any] = checkpointed_job("weights", steps=12, every=4)
 
 
 def check_weights(spec: dict[str, Any], weights: dict[str, torch.Tensor], pt_bytes: bytes, tmp: Path) -> None:
