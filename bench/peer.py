@@ -15,7 +15,11 @@ CPU "devices" (two cores). Each side runs them FIFO (every trial to its end) and
   its two CPU devices are forked device processes.
 - executor-fused: the same batch with fusion on, the default (the executor sides above set
   `"fuse": false`): its CPU-seconds beside the executor's are the default's cost against no fusion
-  on a machine whose wall times the other processes decide.
+  on a machine whose wall times the other processes decide. Each run measures the step costs its
+  plan needs, as the first batch of an architecture on a worker host does.
+- executor-fused-host: the same with the step costs a worker host keeps (workers/step_costs.py:
+  the file handed to the trainer with `--step-costs`, what it measured taken back from its summary),
+  one host for the whole bench run: its first run measures, the later ones plan from the kept lines.
 - executor-threads: the same with `--device-threads` (the two devices as threads of one process,
   the executor before device processes), to compare on the same machine in the same run.
 - executor-nochunk: device processes with `--chunk-tasks 1` (one task an order: the executor before
@@ -67,6 +71,7 @@ import re
 import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime
@@ -75,8 +80,10 @@ from typing import Any
 
 import httpx
 
-from bench.common import table, write_results
+from bench.common import RESULTS, machine, table, write_results
+from core.settings import Settings
 from jobrules.space import expand
+from workers import step_costs
 from workers.selection import selection_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,18 +189,32 @@ EXECUTOR_SIDES = {
 
 
 def run_executor(
-    ts: list[dict[str, Any]], mode: str, tmp: Path, *, extra: tuple[str, ...] = (), fuse: bool = False
+    ts: list[dict[str, Any]],
+    mode: str,
+    tmp: Path,
+    *,
+    extra: tuple[str, ...] = (),
+    fuse: bool = False,
+    host: Settings | None = None,
 ) -> dict[str, Any]:
+    """`host`: a worker host whose kept step costs the run plans with and adds to (the worker's
+    two calls around its group, inside the timing as they are in a group's)."""
     path = tmp / f"batch-{mode}.json"
     path.write_text(json.dumps({**batch_doc(ts, mode), "fuse": fuse}))
-    cmd = selection_command(path, 2, "--device", "cpu", *extra)
+    costs = tmp / f"batch-{mode}.step-costs.json"
     t0, c0 = time.perf_counter(), children_cpu_s()
+    if host is not None:
+        step_costs.hand_over(host, costs, owner=None, own_code=False)
+        extra = (*extra, "--step-costs", str(costs))
+    cmd = selection_command(path, 2, "--device", "cpu", *extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
-    wall = time.perf_counter() - t0
-    cpu = children_cpu_s() - c0
     if proc.returncode != 0:
         raise RuntimeError(f"trainer.selection exited {proc.returncode}: {proc.stderr[-2000:]}")
     summary = next(json.loads(line)["data"] for line in proc.stdout.splitlines() if '"batch_result"' in line)
+    if host is not None:
+        step_costs.learn(host, summary, owner=None, own_code=False)
+    wall = time.perf_counter() - t0
+    cpu = children_cpu_s() - c0
     per = {
         r["trial"]: {
             "val_loss": r["val_loss"],
@@ -632,6 +653,12 @@ def main() -> None:
         help="results file: bench/results/<out>.json; peer_search.json with --search (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
     )
     ap.add_argument("--modes", default=",".join(MODES), help="fifo, asha or both (fifo,asha)")
+    ap.add_argument(
+        "--section",
+        default=None,
+        help="write this run as the section SECTION of bench/results/<out>.json, the file's other "
+        "contents left as they are (a rerun of one comparison of the committed result)",
+    )
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     ap.add_argument("--search-sides", default="rest-grid,rest-tpe,ray-optuna", help="--search: the sides run")
     ap.add_argument(
@@ -698,20 +725,39 @@ def main() -> None:
         )
     for line in summary["goals"]:
         print(line)
-    path = write_results(
-        args.out,
-        {
-            "trials": len(ts),
-            "steps": args.steps,
-            "space": SPACE,
-            "asha": ASHA,
-            "runs": runs,
-            "summary": summary,
-            "load_average_1min": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)},
-            "rest_groups_warm": {"warm": warm_groups[0], "groups": warm_groups[1]},
-        },
+    payload = {
+        "trials": len(ts),
+        "steps": args.steps,
+        "space": SPACE,
+        "asha": ASHA,
+        "runs": runs,
+        "summary": summary,
+        "load_average_1min": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)},
+        "rest_groups_warm": {"warm": warm_groups[0], "groups": warm_groups[1]},
+    }
+    path = (
+        write_section(args.out, args.section, payload) if args.section else write_results(args.out, payload)
     )
     print(f"wrote {path}")
+
+
+def write_section(name: str, section: str, payload: dict[str, Any]) -> Path:
+    """`payload` as the section `section` of bench/results/<name>.json (which must exist), with
+    the machine, the time, the commit and the command line of this run."""
+    path = RESULTS / f"{name}.json"
+    doc = json.loads(path.read_text())
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+    ).stdout.strip()
+    doc[section] = {
+        "machine": machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit,
+        "command": "python -m bench.peer " + " ".join(sys.argv[1:]),
+        **payload,
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
 
 
 def _one_run(
@@ -733,6 +779,8 @@ def _one_run(
         out = run_executor(ts, mode, tmp, extra=EXECUTOR_SIDES[side])
     elif side == "executor-fused":
         out = run_executor(ts, mode, tmp, fuse=True)
+    elif side == "executor-fused-host":
+        out = run_executor(ts, mode, tmp, fuse=True, host=Settings(data_dir=tmp / "host"))
     elif side in ("rest", "rest-unsandboxed", "rest-nofuse"):
         assert client is not None
         out = run_rest(client, steps, mode, fuse=side != "rest-nofuse")
@@ -832,14 +880,16 @@ def _fusion_goals(
     Tune, `fuse: false` over the floor, the same best trial, every curve as unfused."""
     goals = []
     for mode in MODES:
-        fused = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == "executor-fused" and r["mode"] == mode}
         plain = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == "executor" and r["mode"] == mode}
-        ratios = [fused[k] / plain[k] for k in fused if k in plain]
-        if ratios:
-            goals.append(
-                f"executor fusion default / fuse:false CPU-s ({mode}, median of per-repetition ratios): "
-                f"{statistics.median(ratios):.3f} (goal <= 1)"
-            )
+        for side, what in (("executor-fused", "measured each run"), ("executor-fused-host", "kept per host")):
+            fused = {r["rep"]: r["cpu_s"] for r in runs if r["side"] == side and r["mode"] == mode}
+            ratios = [fused[k] / plain[k] for k in sorted(fused) if k in plain]
+            if ratios:
+                each = ", ".join(f"{x:.3f}" for x in ratios)
+                goals.append(
+                    f"executor fusion default ({what}) / fuse:false CPU-s ({mode}, median of "
+                    f"per-repetition ratios): {statistics.median(ratios):.3f} [{each}] (goal <= 1)"
+                )
     if ("rest", "fifo") in med and floor:
         goals.append(
             f"REST (fusion default) FIFO / work floor: {med['rest', 'fifo'] / floor:.3f} (goal <= 0.6)"

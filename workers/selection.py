@@ -41,7 +41,7 @@ from db.selections import (
     sync_trials,
 )
 from jobrules.spec import SelectionCreate
-from workers import pyenv, spare
+from workers import pyenv, spare, step_costs
 from workers.attempt import (
     AttemptRun,
     QuotaWait,
@@ -186,6 +186,7 @@ class Group:
         with session_for(settings.database_url) as s:
             sel = get_selection(s, selection_id)
             self.req = dict(sel.request)
+            self.owner_id = sel.owner_id
             self.by_id = {t.id: t for t in sel.trials}
             jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
             self.specs = {i: j.spec for i, j in jobs.items()}
@@ -210,6 +211,10 @@ class Group:
         self.ask_file = root / f"{group}.ask.json"
         self.ask_file.unlink(missing_ok=True)
         self.grows = self.req.get("method") in SAMPLERS and not self.req.get("early_stopping")
+        # the fusion plan's step costs this host measured before (workers/step_costs.py): a copy
+        # the trainer reads, and what it measured taken back from its summary
+        self.own_code = uses_own_code(base)
+        self.step_costs = root / f"{group}.step-costs.json"
         self.channel = selection_channel(selection_id)
         self.relay = Relay(
             settings,
@@ -304,6 +309,7 @@ class Group:
         for t, _ in self.won:
             publish_status(relay, job_id=t.job_id)
         relay.publish({"type": "selection", "status": "running"}, channels=(self.channel,))
+        costs_args = self._hand_over_costs()
         cmd = selection_command(
             self.batch_path,
             self.req.get("devices", SelectionCreate.model_fields["devices"].default),
@@ -314,6 +320,7 @@ class Group:
             "--stop-trials-file",
             str(self.stop_trials),
             *(["--ask-file", str(self.ask_file)] if self.grows else []),
+            *costs_args,
             *ws_args,
         )
         # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
@@ -346,6 +353,29 @@ class Group:
         relay.drain_live()
         log.info("selection %s %s: %s %s", self.selection_id, self.group, GROUP_MARKS, json.dumps(self.marks))
         return status
+
+    def _hand_over_costs(self) -> list[str]:
+        """The trainer's `--step-costs` argument, where the batch fuses and the copy is written."""
+        if not self.batch.fuse or self.grows:
+            return []
+        try:
+            step_costs.hand_over(self.settings, self.step_costs, owner=self.owner_id, own_code=self.own_code)
+        except OSError as e:  # the group measures what it plans with, as with nothing kept
+            log.warning(
+                "selection %s %s: no step costs for the trainer: %s", self.selection_id, self.group, e
+            )
+            return []
+        return ["--step-costs", str(self.step_costs)]
+
+    def _learn_costs(self, summary: Any) -> None:
+        """Keep the step costs the group's trainer measured (hostile input: step_costs.learn)."""
+        try:
+            n = step_costs.learn(self.settings, summary, owner=self.owner_id, own_code=self.own_code)
+        except Exception as e:  # noqa: BLE001 - a plan's cost is never worth the group's end
+            log.warning("selection %s %s: could not keep step costs: %s", self.selection_id, self.group, e)
+            return
+        if n:
+            log.info("selection %s %s: kept %d measured step cost(s)", self.selection_id, self.group, n)
 
     def _end(self, *, rc: int) -> str:
         return _end_group(
@@ -427,6 +457,7 @@ class Group:
                     "selection %s %s: could not keep the summary: %s", self.selection_id, self.group, e
                 )
             self.marks["executor"] = {**(msg.data or {}).get("marks", {}), "summary": msg.time}
+            self._learn_costs(msg.data)
         if msg.trial is not None:
             if msg.kind == "metric":
                 self.steps[msg.trial] = max(self.steps.get(msg.trial, 0), msg.step)

@@ -42,7 +42,7 @@ def fusion_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         selection_job,
         "_measure",
-        lambda archs, devices: [StepCost(fixed_s=1.0, member_s=0.01) for _ in archs],
+        lambda archs, devices, book: [StepCost(fixed_s=1.0, member_s=0.01) for _ in archs],
     )
 
 
@@ -253,7 +253,7 @@ def test_nothing_fuses_where_the_plan_says_it_would_not_pay(monkeypatch: pytest.
     monkeypatch.setattr(
         selection_job,
         "_measure",
-        lambda archs, devices: [StepCost(fixed_s=0.0, member_s=0.01) for _ in archs],
+        lambda archs, devices, book: [StepCost(fixed_s=0.0, member_s=0.01) for _ in archs],
     )
     sinks: dict[int, ListSink] = {}
     out = run_selection(

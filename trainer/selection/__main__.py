@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> in
         help="device processes: the most tasks of a lone trial one order carries (default 256; 1: one "
         "task an order, as before chunks, to compare)",
     )
+    ap.add_argument(
+        "--step-costs",
+        type=Path,
+        default=None,
+        help="the fusion plan's step costs this host already measured (a file the worker keeps, "
+        "trainer/selection/step_costs.py; read only: the summary's fusion.measured has this run's)",
+    )
     args = ap.parse_args(argv)
 
     numbering = Numbering()
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> in
             more=AskFile(args.ask_file, lines=batch_lines, stop=stop) if args.ask_file else None,
             device_threads=args.device_threads,
             chunk_tasks=args.chunk_tasks,
+            step_costs=args.step_costs,
         )
     except SpecError as e:
         batch_lines.write({"kind": "error", "message": f"bad batch: {e}"})

@@ -13,7 +13,9 @@ trials' own specs (their training starts afresh afterwards, so nothing measured 
 t(1) and t(2), then, where that line leaves fusion something to save, t(1) and t(m) (m: the
 largest stack the group could make, at most MEASURE_MAX), the sizes on two devices at once where
 the batch has two. On a CPU device it counts the thread's CPU time, which a machine shared with
-other processes leaves comparable where the wall time is not.
+other processes leaves comparable where the wall time is not. A line is measured once per host:
+the worker keeps it for the later groups and batches of the same architecture
+(trainer/selection/step_costs.py).
 
 The plan: for every architecture, every split into s stacks of near-equal sizes (s = 1: one stack,
 s = n: every trial alone); the stacks go to the devices longest first, each to the least loaded
@@ -196,6 +198,13 @@ def _best_alone(members: list[Member], costs: Sequence[StepCost], devices: int) 
 
 
 def measure(jobs: Sequence[JobSpec], *, device: torch.device, beside: torch.device | None = None) -> StepCost:
+    """`measure_fit`'s line."""
+    return measure_fit(jobs, device=device, beside=beside)[0]
+
+
+def measure_fit(
+    jobs: Sequence[JobSpec], *, device: torch.device, beside: torch.device | None = None
+) -> tuple[StepCost, int]:
     """Fit the step cost of `jobs`' architecture (fusable jobs) on `device` from steps of throwaway
     stacks: first one member and two; where that line leaves fusion something to save (a shared
     part of at least MIN_GAIN of a single's step) and the jobs make a larger stack, the line is
@@ -203,7 +212,9 @@ def measure(jobs: Sequence[JobSpec], *, device: torch.device, beside: torch.devi
     is its members' own arithmetic (one CPU thread, a compute-bound model) costs the batch a few
     steps of one and two members, and a launch-bound one (a small model on a GPU) is measured at
     the size it would run. `beside`: a second device of the same kind, which times the larger
-    stacks while `device` times the single, at once. One job: t(k) = k * t(1)."""
+    stacks while `device` times the single, at once. One job: t(k) = k * t(1). Returns the line
+    and the stack size it was fitted at (1, 2 or the larger one: what a line kept for later
+    batches is keyed by, trainer/selection/step_costs.py)."""
     from trainer.selection.fused import FusedTrials
 
     size = min(len(jobs), MEASURE_MAX)
@@ -246,11 +257,11 @@ def measure(jobs: Sequence[JobSpec], *, device: torch.device, beside: torch.devi
     if size == 1:
         t: dict[int, float] = {}
         fastest(1, device, t)
-        return StepCost(fixed_s=0.0, member_s=t[1])
+        return StepCost(fixed_s=0.0, member_s=t[1]), 1
     cost = pair(2)
     if size > 2 and cost.fixed_s >= MIN_GAIN * cost.step_s(1):
-        cost = pair(size)
-    return cost
+        return pair(size), size
+    return cost, 2
 
 
 def _sync(device: torch.device) -> None:

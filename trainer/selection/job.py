@@ -32,10 +32,11 @@ from trainer.protocol import MetricsSink, StopSignal
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry, uses_processes
 from trainer.selection.fused import fusable, refusal
 from trainer.selection.fused_batch import FusedGroups
-from trainer.selection.fusion_plan import MIN_GAIN, StepCost, measure
+from trainer.selection.fusion_plan import MIN_GAIN, StepCost, measure_fit
 from trainer.selection.fusion_plan import Member as PlanMember
 from trainer.selection.fusion_plan import plan as make_plan
 from trainer.selection.halving import HalvingConfig
+from trainer.selection.step_costs import Book
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,13 +102,16 @@ def run_selection(
     more: Callable[[], list[dict[str, Any]]] | None = None,
     device_threads: bool = False,
     chunk_tasks: int | None = None,
+    step_costs: Path | None = None,
 ) -> dict[str, Any]:
     """Train the batch over `devices`; returns the summary with the leaderboard (best first).
 
     checkpoint_root/trial-<index>/ holds each trial's checkpoints; a trial that finds one there
     resumes from it (so a re-delivered batch continues where it stopped). `more`: asked for the
     trials due now (BatchTrial dicts; none: an empty list) when a device frees and no trial waits
-    for one (trainer/selection/executor.py)."""
+    for one (trainer/selection/executor.py). `step_costs`: the fusion plan's lines this host
+    already measured (trainer/selection/step_costs.py; read only, the summary's `fusion.measured`
+    says what this run measured)."""
     spec = parse_batch(batch)
     _device_options(spec.executor, devices, device_threads=device_threads, chunk_tasks=chunk_tasks)
     failed: dict[int, dict[str, Any]] = {}
@@ -150,23 +154,16 @@ def run_selection(
     results: dict[int, dict[str, Any]] = {}
     fusion: dict[str, Any] | None = None
     if spec.fuse and entries:
-        groups, placement, entries, fusion = fuse_groups(
+        entries, fusion = _run_fused(
+            spec,
             entries,
-            growing=more is not None,
+            results,
             devices=devices,
-            early_stopping=spec.executor.early_stopping is not None,
+            stop=stop,
+            stop_trials=stop_trials,
+            growing=more is not None,
+            step_costs=step_costs,
         )
-        if groups:
-            results.update(
-                FusedGroups(
-                    groups,
-                    devices=devices,
-                    cfg=spec.executor,
-                    stop=stop,
-                    stop_trials=stop_trials or (lambda: set()),
-                    placement=placement,
-                ).run()
-            )
     fused = set(results)
     ex = None
     if entries or more is not None:
@@ -190,6 +187,40 @@ def run_selection(
         ex=ex,
         fusion=fusion,
     )
+
+
+def _run_fused(
+    spec: BatchSpec,
+    entries: list[TrialEntry],
+    results: dict[int, dict[str, Any]],
+    *,
+    devices: list[torch.device],
+    stop: StopSignal,
+    stop_trials: Callable[[], set[int]] | None,
+    growing: bool,
+    step_costs: Path | None,
+) -> tuple[list[TrialEntry], dict[str, Any]]:
+    """The batch's fused stacks trained (their trials' results into `results`); returns the trials
+    left to the executor and the plan's record."""
+    groups, placement, rest, fusion = fuse_groups(
+        entries,
+        growing=growing,
+        devices=devices,
+        early_stopping=spec.executor.early_stopping is not None,
+        book=Book.load(step_costs),
+    )
+    if groups:
+        results.update(
+            FusedGroups(
+                groups,
+                devices=devices,
+                cfg=spec.executor,
+                stop=stop,
+                stop_trials=stop_trials or (lambda: set()),
+                placement=placement,
+            ).run()
+        )
+    return rest, fusion
 
 
 def _device_options(
@@ -261,7 +292,12 @@ def _summary(
 
 
 def fuse_groups(
-    entries: list[TrialEntry], *, growing: bool, devices: list[torch.device], early_stopping: bool
+    entries: list[TrialEntry],
+    *,
+    growing: bool,
+    devices: list[torch.device],
+    early_stopping: bool,
+    book: Book | None = None,
 ) -> tuple[list[list[TrialEntry]], list[int], list[TrialEntry], dict[str, Any]]:
     """The request's `fuse`: the stacks that train as stacked models (a stack of one: a trial the
     plan leaves alone) with each one's device, and the trials that go through the executor, each
@@ -269,9 +305,10 @@ def fuse_groups(
 
     Which trials can share a stack is `fusable`'s rule (trainer/selection/fused.py); how many
     stacks, how large and where is the cost model's (trainer/selection/fusion_plan.py), from a few
-    measured steps; when the plan does not beat every trial alone, nothing fuses. With early
-    stopping the rungs rank every trial of the batch together, so the batch fuses only when every
-    trial can go through the stacks."""
+    measured steps (an architecture `book` holds a line for is not measured again); when the plan
+    does not beat every trial alone, nothing fuses. With early stopping the rungs rank every trial
+    of the batch together, so the batch fuses only when every trial can go through the stacks."""
+    book = book if book is not None else Book()
     reasons: dict[int, str] = {}
     """Why each trial that cannot train in a stack is left to the executor."""
     candidates: list[TrialEntry] = []
@@ -314,8 +351,12 @@ def fuse_groups(
             f"early stopping ranks the whole batch, and trial(s) {sorted(e.index for e in alone_entries)} "
             "cannot train in a stack"
         )
-    measured = _measure(archs, devices)
+    measured = _measure(archs, devices, book)
     record["costs"] = [None if c is None else c.as_dict() for c in measured]
+    # the lines this run measured, for the worker to keep (trainer/selection/step_costs.py), and
+    # how many architectures were planned from a kept one
+    record["measured"] = list(book.measured)
+    record["reused"] = book.reused
     costs = [c for c in measured if c is not None]
     if len(costs) < len(archs):
         probe = costs[0]
@@ -348,27 +389,39 @@ def fuse_groups(
     return groups, placement, sorted(alone_entries, key=lambda e: e.index), record
 
 
-def _measure(archs: list[list[TrialEntry]], devices: list[torch.device]) -> list[StepCost | None]:
-    """Each architecture's step cost (of a lone trial, its own steps alone). The cheapest
-    architecture that could stack is measured first, on the first device: where its stack shares
-    under MIN_GAIN of its step, no architecture is measured further (None) and nothing fuses,
-    because a larger model's own arithmetic grows while what a stack shares (the dispatch of the
-    same ops) does not, so its share is smaller still. Otherwise the others are measured on the
-    devices at once."""
+def _measure(archs: list[list[TrialEntry]], devices: list[torch.device], book: Book) -> list[StepCost | None]:
+    """Each architecture's step cost (of a lone trial, its own steps alone): the line `book` keeps
+    for it, else measured (and added to `book`). The cheapest architecture that could stack comes
+    first, measured on the first device: where its stack shares under MIN_GAIN of its step, no
+    architecture is looked at further (None) and nothing fuses, because a larger model's own
+    arithmetic grows while what a stack shares (the dispatch of the same ops) does not, so its
+    share is smaller still. Otherwise the others not kept are measured on the devices at once."""
     costs: list[StepCost | None] = [None] * len(archs)
     stackable = [a for a, arch in enumerate(archs) if len(arch) > 1]
     first = min(stackable, key=lambda a: (_work(archs[a][0].job), a))
     beside = devices[1] if len(devices) > 1 and devices[1].type == devices[0].type else None
-    probe = costs[first] = measure([e.job for e in archs[first]], device=devices[0], beside=beside)
+
+    def cost(a: int, device: torch.device, beside: torch.device | None = None) -> StepCost:
+        jobs = [e.job for e in archs[a]]
+        if (known := book.get(jobs, devices)) is not None:
+            return known
+        line, size = measure_fit(jobs, device=device, beside=beside)
+        book.add(jobs[0], size=size, devices=devices, cost=line)
+        return line
+
+    probe = costs[first] = cost(first, devices[0], beside)
     if probe.fixed_s < MIN_GAIN * probe.step_s(1):
         return costs
-    todo = [a for a in range(len(archs)) if a != first]
+    for a in range(len(archs)):
+        if a != first:
+            costs[a] = book.get([e.job for e in archs[a]], devices)
+    todo = [a for a in range(len(archs)) if costs[a] is None]
     errors: list[BaseException] = []
 
     def work(d: int) -> None:
         try:
             for a in todo[d :: len(devices)]:
-                costs[a] = measure([e.job for e in archs[a]], device=devices[d])
+                costs[a] = cost(a, devices[d])
         except BaseException as exc:  # re-raised below
             errors.append(exc)
 
