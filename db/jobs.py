@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from sqlalchemy import delete, exists, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
@@ -34,6 +34,9 @@ from db.models import (
 
 class NotFound(LookupError):
     pass
+
+
+Row = TypeVar("Row")
 
 
 Judge = Callable[[dict[str, Any], list[tuple[int, float]]], tuple[str | None, bool]]
@@ -103,11 +106,17 @@ def create_job(
     return job
 
 
+def get_row(session: Session, model: type[Row], key: int, what: str) -> Row:
+    """The `model` row whose primary key is `key`; NotFound ("{what} {key} does not exist") when
+    there is none."""
+    row = session.get(model, key)
+    if row is None:
+        raise NotFound(f"{what} {key} does not exist")
+    return row
+
+
 def get_job(session: Session, job_id: int) -> Job:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFound(f"job {job_id} does not exist")
-    return job
+    return get_row(session, Job, job_id, "job")
 
 
 def listing_filters(

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import delete, exists, select
 from sqlalchemy.orm import Session
 
-from db.jobs import Conflict, NotFound
+from db.jobs import Conflict, get_job
 from db.models import TERMINAL, Job, JobEvent, MetricPoint, MetricSummary, Selection, Trial
 
 
@@ -43,9 +43,7 @@ def delete_job(session: Session, *, job_id: int) -> int | None:
     """Delete one finished job; returns its submitting user's id. NotFound when it does not exist;
     Conflict when it has not finished or is a trial of a selection batch (trials go with their
     batch)."""
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFound(f"job {job_id} does not exist")
+    job = get_job(session, job_id)
     if job.kind != "job":
         raise Conflict(f"job {job_id} is a trial of selection {job.selection_id}; it is kept with its batch")
     if job.status not in TERMINAL:

@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from db.engine import rowcount
-from db.jobs import Conflict, NotFound, aware
+from db.jobs import Conflict, NotFound, aware, get_row
 from db.models import ApiToken, User, utcnow
 
 
@@ -41,10 +41,7 @@ def create_user(
 
 
 def get_user(session: Session, user_id: int) -> User:
-    user = session.get(User, user_id)
-    if user is None:
-        raise NotFound(f"user {user_id} does not exist")
-    return user
+    return get_row(session, User, user_id, "user")
 
 
 def user_by_name(session: Session, name: str) -> User | None:
