@@ -45,6 +45,13 @@ MAX_PROBLEMS = 20
 MAX_MESSAGE = 1000
 MAX_DETAIL = 4000
 
+
+def _refuse(problems: list[str]) -> None:
+    """A validator's refusal: every problem in one ValueError, none when there are none."""
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 pip_options_allowed: Callable[[], bool] = lambda: False  # noqa: E731 - the API installs its setting
 """Whether env.pip may hold pip options when the validation context does not say; the API sets it
 to read `pyenv_allow_options` (jobrules reads no settings of its own)."""
@@ -115,9 +122,7 @@ class ModelSpec(Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> ModelSpec:
-        problems = model_problems(self.model_dump())
-        if problems:
-            raise ValueError("; ".join(problems))
+        _refuse(model_problems(self.model_dump()))
         return self
 
 
@@ -135,9 +140,7 @@ class DataSpec(Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> DataSpec:
-        problems = data_problems(self.model_dump())
-        if problems:
-            raise ValueError("; ".join(problems))
+        _refuse(data_problems(self.model_dump()))
         return self
 
     @property
@@ -231,8 +234,7 @@ class EnvSpec(Strict):
         lines = [(f"env.pip[{i}]", x) for i, x in enumerate(self.pip)]
         allow = _context(info, "pip_options")
         allow = pip_options_allowed() if allow is None else allow
-        if problems := requirement_problems(lines, installed=installed_versions(), allow_options=allow):
-            raise ValueError("; ".join(problems))
+        _refuse(requirement_problems(lines, installed=installed_versions(), allow_options=allow))
         return self
 
 
@@ -277,9 +279,7 @@ class JobSpec(Strict):
         vocab = vocab_problem(model_vocab=self.model.vocab_size, data_vocab=data_vocab_size(spec["data"]))
         if vocab:
             problems.append(vocab)
-        problems += spec_problems(spec)
-        if problems:
-            raise ValueError("; ".join(problems))
+        _refuse(problems + spec_problems(spec))
         return self
 
     def to_dict(self) -> dict[str, Any]:
