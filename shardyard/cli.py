@@ -34,7 +34,7 @@ from rich.table import Table
 
 from shardyard.client import Client
 from shardyard.errors import ShardyardError, Unreachable
-from shardyard.results import Job, LogEvent, MetricEvent, Selection, StatusEvent, Trial, TrialEvent
+from shardyard.results import Job, LogEvent, MetricEvent, Page, Selection, StatusEvent, Trial, TrialEvent
 
 console = Console()
 err = Console(stderr=True)
@@ -274,6 +274,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_page(table: Table, page: Page[Any], noun: str) -> int:
+    """A listing's table and how many of all that matched it shows; the command's exit code."""
+    console.print(table)
+    console.print(f"{len(page)} of {page.total} {noun}(s)")
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     with _client(args) as c:
         page = c.jobs(status=args.status, limit=args.limit)
@@ -289,9 +296,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             clock(j.run_seconds) if j.started_at else "-",
             shown((j.error or "")[:60]),
         )
-    console.print(table)
-    console.print(f"{len(page)} of {page.total} job(s)")
-    return 0
+    return _print_page(table, page, "job")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -527,9 +532,7 @@ def cmd_selection_list(args: argparse.Namespace) -> int:
             shown(s.owner or ""),
             s.raw["created_at"][:19],
         )
-    console.print(table)
-    console.print(f"{len(page)} of {page.total} selection(s)")
-    return 0
+    return _print_page(table, page, "selection")
 
 
 def cmd_selection_show(args: argparse.Namespace) -> int:
