@@ -79,6 +79,27 @@ export function errorText(err: unknown): string {
   return err instanceof Error ? err.message : String(err);
 }
 
+/** The JSON in `text` (as `value`), or null once `out` shows why it is not valid JSON. */
+export function parsedJson(text: string, out: HTMLElement): { value: unknown } | null {
+  try {
+    return { value: JSON.parse(text) };
+  } catch (err) {
+    out.className = "error";
+    out.textContent = `Not valid JSON: ${errorText(err)}`;
+    return null;
+  }
+}
+
+/** A <table class="grid"> (`attrs`: its id) with one header row of `columns` over `body`. */
+export function gridTable(attrs: Attrs, columns: string[], body: Child): HTMLTableElement {
+  return h(
+    "table",
+    { class: "grid", ...attrs },
+    h("thead", {}, h("tr", {}, ...columns.map((c) => h("th", {}, c)))),
+    body,
+  );
+}
+
 /** replaceChildren that, like h(), skips null/false children. */
 export function replace(el: Element, ...children: Child[]): void {
   el.replaceChildren();

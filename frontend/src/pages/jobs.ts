@@ -1,7 +1,18 @@
 // Jobs list: one page of the table at a time, filtered on the server (status, owner, name) so it
 // stays fast with many thousands of jobs; live updates from the global event stream; a submit form.
 import { api, type Job, type JobsPage, type JobsStreamEvents, post, subscribe, TERMINAL } from "../api";
-import { badge, clock, divergedBadge, errorText, fmtNum, fmtTime, h, progressBar } from "../dom";
+import {
+  badge,
+  clock,
+  divergedBadge,
+  errorText,
+  fmtNum,
+  fmtTime,
+  gridTable,
+  h,
+  parsedJson,
+  progressBar,
+} from "../dom";
 import { specTools } from "../workspace";
 import { compareHref, MAX_COMPARE } from "./compare";
 
@@ -255,20 +266,9 @@ export function jobsPage(root: HTMLElement): () => void {
       next,
       compareBtn,
     ),
-    h(
-      "table",
-      { class: "grid", id: "jobs-table" },
-      h(
-        "thead",
-        {},
-        h(
-          "tr",
-          {},
-          ...["id", "name", "owner", "status", "progress", "loss", "created", "duration", "worker", ""].map(
-            (c) => h("th", {}, c),
-          ),
-        ),
-      ),
+    gridTable(
+      { id: "jobs-table" },
+      ["id", "name", "owner", "status", "progress", "loss", "created", "duration", "worker", ""],
       tbody,
     ),
     submitForm(upsert, cloneOf()),
@@ -299,16 +299,10 @@ function submitForm(onSubmitted: (job: Job) => void, clone: number | null): HTML
     ev.preventDefault();
     out.className = "";
     out.textContent = "";
-    let spec: unknown;
+    const spec = parsedJson(text.value, out);
+    if (spec === null) return;
     try {
-      spec = JSON.parse(text.value);
-    } catch (err) {
-      out.className = "error";
-      out.textContent = `Not valid JSON: ${errorText(err)}`;
-      return;
-    }
-    try {
-      const job = await post<Job>("/api/jobs", spec);
+      const job = await post<Job>("/api/jobs", spec.value);
       onSubmitted(job);
       out.className = "ok";
       out.replaceChildren("Submitted ", h("a", { href: `#/jobs/${job.id}` }, `job #${job.id}`), ".");

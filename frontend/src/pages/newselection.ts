@@ -11,7 +11,7 @@ import {
   type Selection,
   type SelectionRequest,
 } from "../api";
-import { errorText, h } from "../dom";
+import { errorText, gridTable, h } from "../dom";
 import { specTools } from "../workspace";
 import { DEFAULT_SPEC } from "./jobs";
 
@@ -494,12 +494,7 @@ export function newSelectionPage(root: HTMLElement): () => void {
           { class: "muted hint" },
           "A dotted JobSpec path per row: a range (low to high, log-spaced with log, whole numbers with int, grid points with num) or a comma-separated list of choices.",
         ),
-        h(
-          "table",
-          { class: "grid", id: "space-table" },
-          h("thead", {}, h("tr", {}, ...["parameter", "kind", "values", ""].map((c) => h("th", {}, c)))),
-          spaceBody,
-        ),
+        gridTable({ id: "space-table" }, ["parameter", "kind", "values", ""], spaceBody),
         h("datalist", { id: "space-paths" }, ...COMMON_PATHS.map((p) => h("option", { value: p }))),
         h(
           "div",

@@ -1,7 +1,7 @@
 // The queue (#/queue): every waiting job and selection group in the scheduler's order (GET /api/queue
 // runs the scheduler's own ordering), with the reason it waits, its owner and how long it has waited.
 import { api, type QueueEntry, type QueuePage } from "../api";
-import { clock, errorText, h } from "../dom";
+import { clock, errorText, gridTable, h } from "../dom";
 import { currentUser } from "../main";
 
 const POLL_MS = 3000;
@@ -11,18 +11,9 @@ export function queuePage(root: HTMLElement): () => void {
   const summary = h("p", { class: "muted", id: "queue-summary" }, "loading…");
   root.append(
     h("section", {}, h("div", { class: "title-row" }, h("h1", {}, "Queue")), summary),
-    h(
-      "table",
-      { class: "grid", id: "queue-table" },
-      h(
-        "thead",
-        {},
-        h(
-          "tr",
-          {},
-          ...["#", "job", "owner", "priority", "ranks", "waited", "why it waits"].map((c) => h("th", {}, c)),
-        ),
-      ),
+    gridTable(
+      { id: "queue-table" },
+      ["#", "job", "owner", "priority", "ranks", "waited", "why it waits"],
       tbody,
     ),
   );

@@ -15,7 +15,18 @@ import {
 } from "../api";
 import { PALETTE, StepChart } from "../charts";
 import { DeviceUseChart } from "../hardware";
-import { badge, errorText, fact, fmtNum, fmtTime, h, replace, progressBar } from "../dom";
+import {
+  badge,
+  errorText,
+  fact,
+  fmtNum,
+  fmtTime,
+  gridTable,
+  h,
+  parsedJson,
+  progressBar,
+  replace,
+} from "../dom";
 import { bestSoFar, importance, MIN_OBSERVATIONS } from "../importance";
 import { parallelCoordinates } from "../parcoords";
 import { compareHref, MAX_COMPARE } from "./compare";
@@ -35,18 +46,9 @@ export function selectionsPage(root: HTMLElement): () => void {
       h("h1", {}, "Selections"),
       h("a", { class: "button", id: "new-selection", href: "#/selections/new" }, "New selection"),
     ),
-    h(
-      "table",
-      { class: "grid", id: "selections-table" },
-      h(
-        "thead",
-        {},
-        h(
-          "tr",
-          {},
-          ...["id", "name", "status", "metric", "scheduler", "trials", "created"].map((c) => h("th", {}, c)),
-        ),
-      ),
+    gridTable(
+      { id: "selections-table" },
+      ["id", "name", "status", "metric", "scheduler", "trials", "created"],
       tbody,
     ),
   );
@@ -568,14 +570,9 @@ export function selectionPage(root: HTMLElement, id: number): () => void {
   };
   const addTrials = async (ev: Event) => {
     ev.preventDefault();
-    let params: unknown;
-    try {
-      params = JSON.parse(addText.value);
-    } catch (err) {
-      actionsOut.className = "error";
-      actionsOut.textContent = `Not valid JSON: ${errorText(err)}`;
-      return;
-    }
+    const parsed = parsedJson(addText.value, actionsOut);
+    if (parsed === null) return;
+    const params = parsed.value;
     await act("add trials", () =>
       post(`/api/selections/${id}/trials`, { params: Array.isArray(params) ? params : [params] }),
     );

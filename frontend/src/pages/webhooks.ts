@@ -1,7 +1,7 @@
 // The signed-in user's webhooks: add one (its signing secret is shown once), list, delete, and
 // each one's delivery log.
 import { api, post, type Webhook, type WebhookDeliveries, type WebhookIssued, type Webhooks } from "../api";
-import { badge, errorText, fmtTime, h } from "../dom";
+import { badge, errorText, fmtTime, gridTable, h } from "../dom";
 
 export function webhooksPage(root: HTMLElement): () => void {
   const url = h("input", {
@@ -25,14 +25,9 @@ export function webhooksPage(root: HTMLElement): () => void {
       const page = await api<WebhookDeliveries>(`/api/webhooks/${hook.id}/deliveries`);
       log.replaceChildren(
         h("h2", {}, `Deliveries to ${hook.url}`),
-        h(
-          "table",
-          { class: "grid" },
-          h(
-            "thead",
-            {},
-            h("tr", {}, ...["id", "event", "of", "state", "attempts", "last"].map((c) => h("th", {}, c))),
-          ),
+        gridTable(
+          {},
+          ["id", "event", "of", "state", "attempts", "last"],
           h(
             "tbody",
             {},
@@ -139,12 +134,7 @@ export function webhooksPage(root: HTMLElement): () => void {
       h("button", { type: "submit" }, "Add"),
       out,
     ),
-    h(
-      "table",
-      { class: "grid", id: "webhooks-table" },
-      h("thead", {}, h("tr", {}, ...["id", "url", "events", "created", ""].map((c) => h("th", {}, c)))),
-      tbody,
-    ),
+    gridTable({ id: "webhooks-table" }, ["id", "url", "events", "created", ""], tbody),
     log,
   );
   void load();
