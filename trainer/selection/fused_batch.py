@@ -460,7 +460,7 @@ class FusedGroups:
             self._cond.notify_all()
 
     def _result(self, m: _Member) -> dict[str, Any]:
-        """Executor._result's fields (no copies or dispatch in a stack), and `fused_with`."""
+        """Ends.result's fields (trial_ends.py; no copies or dispatch in a stack), and `fused_with`."""
         return {
             "trial": m.entry.index,
             "status": m.status,
