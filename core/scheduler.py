@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -185,23 +185,34 @@ def order_queue(
     running = dict(running_slots)
     out: list[Want] = []
     for eff in sorted(buckets, reverse=True):
-        per_user = buckets[eff]
-        heap = []
-        for user, jobs in per_user.items():
-            jobs.sort(key=lambda w: (w.created, w.id), reverse=True)  # pop() takes the oldest
-            first = jobs[-1]
-            heap.append((running.get(user, 0), recent.get(user, NO_USE), first.created, first.id, user))
-        heapq.heapify(heap)
-        while heap:
-            _, _, _, _, user = heapq.heappop(heap)
-            jobs = per_user[user]
-            w = jobs.pop()
-            out.append(w)
-            running[user] = running.get(user, 0) + w.ranks
-            if jobs:
-                nxt = jobs[-1]
-                heapq.heappush(heap, (running[user], recent.get(user, NO_USE), nxt.created, nxt.id, user))
+        out.extend(fair_bucket(buckets[eff], running, recent))
     return out
+
+
+def fair_bucket(
+    per_user: dict[int | None, list[Want]],
+    running: dict[int | None, int],
+    recent: dict[int | None, tuple[int, float]],
+) -> Iterator[Want]:
+    """One effective priority's jobs in fair-share order (order_queue's rule): the user with the
+    fewest slots running goes next (then the fewest recent slot-minutes, then the one whose latest
+    job started longest ago, then their oldest waiting job), charged the job's ranks in `running`
+    at once. Lazy: a caller that stops early has charged only the jobs it took."""
+    heap = []
+    for user, jobs in per_user.items():
+        jobs.sort(key=lambda w: (w.created, w.id), reverse=True)  # pop() takes the oldest
+        first = jobs[-1]
+        heap.append((running.get(user, 0), recent.get(user, NO_USE), first.created, first.id, user))
+    heapq.heapify(heap)
+    while heap:
+        _, _, _, _, user = heapq.heappop(heap)
+        jobs = per_user[user]
+        w = jobs.pop()
+        running[user] = running.get(user, 0) + w.ranks
+        yield w
+        if jobs:
+            nxt = jobs[-1]
+            heapq.heappush(heap, (running[user], recent.get(user, NO_USE), nxt.created, nxt.id, user))
 
 
 def gang_shape(w: Want, boxes: Sequence[Box]) -> int | None:
@@ -341,64 +352,111 @@ def plan(
     )
     d = Decision(order=order)
     if not boxes:
-        d.reasons = {w.id: "no live worker: waiting for one to start" for w in d.order}
+        d.reasons = {w.id: NO_WORKER for w in d.order}
         return d
-    blocker: Want | None = None
-    biggest = max(b.slots for b in boxes)
-    shapes: dict[tuple[int, int, int, str], int | None] = {}  # the fleet's shape for each kind of ask
-    # asks (share, queue, nodes) that found no room: boxes only fill up during a plan, so they
-    # find none later in it either (saves a scan of every box for each of ~1,000 waiting jobs)
-    full: set[tuple[int, int, int, str, int]] = set()
-    # why a job the fleet can hold waits, by ask: the same words for every job of one ask until a
-    # placement changes what is free (busy_reason scans every worker: 10,000 waiting jobs on 500
-    # workers were 4 million checks a tick, bench/scale.py)
-    busy: dict[tuple[int, int, int, str, int], str] = {}
+    planner = Planner(d, boxes, quotas, running, preemption=preemption)
     for w in d.order:
-        if why := _quota_problem(w, quotas):
-            d.reasons[w.id] = why
-            continue
+        planner.consider(w)
+    return d
+
+
+NO_WORKER = "no live worker: waiting for one to start"
+
+
+class Planner:
+    """`plan`'s walk of the order, one job at a time (`consider`), so the incremental scheduler
+    (core/queue_cache.py) walks the same code and stops where nothing more can change."""
+
+    def __init__(
+        self,
+        d: Decision,
+        boxes: list[Box],
+        quotas: dict[int, Quota],
+        running: Sequence[Running],
+        *,
+        preemption: bool,
+    ) -> None:
+        self.d, self.boxes, self.quotas, self.running, self.preemption = d, boxes, quotas, running, preemption
+        self.blocker: Want | None = None
+        self.biggest = max(b.slots for b in boxes)
+        # the fleet's shape for each kind of ask
+        self.shapes: dict[tuple[int, int, int, str], int | None] = {}
+        # asks (share, queue, nodes) that found no room: boxes only fill up during a plan, so they
+        # find none later in it either (saves a scan of every box for each of ~1,000 waiting jobs)
+        self.full: set[tuple[int, int, int, str, int]] = set()
+        # why a job the fleet can hold waits, by ask: the same words for every job of one ask until
+        # a placement changes what is free (busy_reason scans every worker: 10,000 waiting jobs on
+        # 500 workers were 4 million checks a tick, bench/scale.py)
+        self.busy: dict[tuple[int, int, int, str, int], str] = {}
+
+    def nodes_for(self, w: Want) -> int | None:
+        """The nodes `w` needs on this fleet; None when no worker (or gang) can ever hold it."""
         key = (w.ranks, w.gpus, w.ram, w.queue)
-        if key not in shapes:
-            shapes[key] = gang_shape(w, boxes)
-        n = shapes[key]
+        if key not in self.shapes:
+            self.shapes[key] = gang_shape(w, self.boxes)
+        n = self.shapes[key]
         if w.trials and n is not None and n > 1:
-            n = None  # a group runs as one process on one worker
-        if n is None:
-            d.reasons[w.id] = (
-                f"no live worker, nor a gang of equal shares, can hold {w.ranks} rank(s), {w.gpus} GPU(s) "
-                f"and {w.ram / GiB:,.1f} GiB of host memory (largest worker: {biggest} slots; "
-                f"{len(boxes)} worker(s) alive)"
+            return None  # a group runs as one process on one worker
+        return n
+
+    def too_big(self, w: Want) -> str:
+        if w.trials:
+            return (
+                f"no live worker can hold this selection group ({w.ranks} device slot(s), {w.gpus} GPU(s), "
+                f"{w.ram / GiB:,.1f} GiB of host memory; largest worker: {self.biggest} slots)"
             )
-            if w.trials:
-                d.reasons[w.id] = (
-                    f"no live worker can hold this selection group ({w.ranks} device slot(s), {w.gpus} GPU(s), "
-                    f"{w.ram / GiB:,.1f} GiB of host memory; largest worker: {biggest} slots)"
-                )
-            continue
-        if blocker is not None and w.eff < blocker.eff:
-            d.reasons[w.id] = f"behind higher-priority job {blocker.id}"
-            continue
+        return (
+            f"no live worker, nor a gang of equal shares, can hold {w.ranks} rank(s), {w.gpus} GPU(s) "
+            f"and {w.ram / GiB:,.1f} GiB of host memory (largest worker: {self.biggest} slots; "
+            f"{len(self.boxes)} worker(s) alive)"
+        )
+
+    def waiting(self, w: Want) -> str | None:
+        """Why `w` waits without a look at free room (quota, too big, behind the blocker), or None
+        when only room decides: the whole reason of every job past the blocker's priority."""
+        if why := _quota_problem(w, self.quotas):
+            return why
+        if self.nodes_for(w) is None:
+            return self.too_big(w)
+        if self.blocker is not None and w.eff < self.blocker.eff:
+            return f"behind higher-priority job {self.blocker.id}"
+        return None
+
+    def waiting_past(self, w: Want, blocker: Want) -> str:
+        """`waiting`'s answer for a job of lower effective priority than `blocker`."""
+        if why := _quota_problem(w, self.quotas):
+            return why
+        return self.too_big(w) if self.nodes_for(w) is None else f"behind higher-priority job {blocker.id}"
+
+    def consider(self, w: Want) -> None:
+        """Place `w` now, or record why it waits (and, for the first job that could fit but does
+        not, which running jobs preemption asks to make room)."""
+        d = self.d
+        if (why := self.waiting(w)) is not None:
+            d.reasons[w.id] = why
+            return
+        n = self.nodes_for(w)
+        assert n is not None
         ask = (w.ranks // n, w.gpus // n, -(-w.ram // n), w.queue, n)
-        nodes = None if ask in full else _place(w, n, boxes)
+        nodes = None if ask in self.full else _place(w, n, self.boxes)
         if nodes is None:
-            full.add(ask)
+            self.full.add(ask)
             # the reason stays the same while the job waits (it is written only when it changes)
-            if ask not in busy:
-                busy[ask] = busy_reason(w, n, boxes)
-            d.reasons[w.id] = busy[ask]
-            if blocker is None:
-                blocker = w
-                if preemption:
-                    d.preempt = _preemption(w, n, boxes, running)
+            if ask not in self.busy:
+                self.busy[ask] = busy_reason(w, n, self.boxes)
+            d.reasons[w.id] = self.busy[ask]
+            if self.blocker is None:
+                self.blocker = w
+                if self.preemption:
+                    d.preempt = _preemption(w, n, self.boxes, self.running)
                     d.preempt_for = w.id if d.preempt else None
                     if d.preempt:
                         d.reasons[w.id] += f"; preempting job(s) {', '.join(map(str, d.preempt))}"
-            continue
+            return
         d.placements.append((w, nodes))
-        busy.clear()
-        if w.user is not None and (q := quotas.get(w.user)) is not None:
+        self.busy.clear()
+        if w.user is not None and (q := self.quotas.get(w.user)) is not None:
             q.running, q.ranks, q.gpus = q.running + 1, q.ranks + w.ranks, q.gpus + w.gpus
-    return d
 
 
 # ---- the database side of a tick ----------------------------------------------------------------
@@ -465,16 +523,18 @@ def read_state(
     beats: Sequence[dbs.BeatRow] | None = None,
     held: list[dbs.HeldRow] | None = None,
     now: datetime | None = None,
+    jobs: bool = True,
 ) -> State:
     """`beats`, `held` (the reservations) and `now` (database time): when the caller has just
-    read them."""
+    read them. `jobs` False: the queued jobs are left out of `wants` (selection groups only; the
+    incremental scheduler, core/queue_cache.py, keeps the jobs between ticks)."""
     now_dt = now if now is not None else db_now(session)
     if beats is None:
         beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
     boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
     if held is None:
         held = dbs.reservations(session)
-    wants, reasons = _wants(session, needs, held=held)
+    wants, reasons = _wants(session, needs, held=held, jobs=jobs)
     running_slots: dict[int | None, int] = {}
     limits = dbs.user_limits(session, defaults=settings.quota_defaults)
     quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
@@ -502,14 +562,17 @@ def read_state(
                 q.running += 1
                 q.ranks += h.slots * h.nnodes
                 q.gpus += h.gpus * h.nnodes
-    for _job_id, owner_id, ws, worker, spec in dbs.running_unreserved(session):
+    loose = dbs.running_unreserved(session)
+    loose_needs = needs.get(session, [r[0] for r in loose])
+    for job_id, owner_id, ws, worker in loose:
         if (b := boxes.get(worker or "")) is not None:
             b.free_slots -= ws
             b.free_tasks -= 1
         running_slots[owner_id] = running_slots.get(owner_id, 0) + ws
         if owner_id in quotas:
             q = quotas[owner_id]
-            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ws, q.gpus + job_gpus(spec)
+            gpus = loose_needs[job_id][0] if job_id in loose_needs else 0
+            q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ws, q.gpus + gpus
     # a selection group's reservation counts like a job's: one task, the batch's devices as
     # slots (and GPUs), against its owner's quota as one job (db/quotas.py group_size)
     recent = dbs.recent_usage(session, window_s=settings.fair_share_window_s, now=now_dt)
@@ -527,30 +590,11 @@ def read_state(
 
 
 def _wants(
-    session: Any, needs: _Needs, *, held: list[dbs.HeldRow]
+    session: Any, needs: _Needs, *, held: list[dbs.HeldRow], jobs: bool = True
 ) -> tuple[list[Want], dict[int, str | None]]:
-    """The queued jobs, then the selection groups no reservation holds yet, as wants; each one's
-    wait reason by its (first) job's id."""
-    queued = dbs.queued_jobs(session)
-    need = needs.get(session, [q[0] for q in queued])
-    wants: list[Want] = []
-    reasons: dict[int, str | None] = {}
-    for job_id, owner_id, priority, world_size, queue, why in queued:
-        reasons[job_id] = why
-        if (n := need.get(job_id)) is not None:  # else deleted meanwhile
-            gpus, ram, created = n
-            wants.append(
-                Want(
-                    id=job_id,
-                    user=owner_id,
-                    priority=priority,
-                    created=created,
-                    ranks=world_size,
-                    gpus=gpus,
-                    ram=ram,
-                    queue=queue,
-                )
-            )
+    """The queued jobs (unless `jobs` is False), then the selection groups no reservation holds
+    yet, as wants; each one's wait reason by its (first) job's id."""
+    wants, reasons = job_wants(session, needs, dbs.queued_jobs(session)) if jobs else ([], {})
     groups = dbs.queued_groups(session, held=held)
     need_t = needs.get(session, [j for g in groups for j in g.job_ids])
     for g in groups:
@@ -577,12 +621,38 @@ def _wants(
     return wants, reasons
 
 
-_VIEW_NEEDS = _Needs()
+def job_wants(session: Any, needs: _Needs, queued: Iterable[Any]) -> tuple[list[Want], dict[int, str | None]]:
+    """Rows of dbs.queued_jobs as wants, and each one's wait reason by id."""
+    queued = list(queued)
+    need = needs.get(session, [q[0] for q in queued])
+    wants: list[Want] = []
+    reasons: dict[int, str | None] = {}
+    for job_id, owner_id, priority, world_size, queue, why in queued:
+        reasons[job_id] = why
+        if (n := need.get(job_id)) is not None:  # else deleted meanwhile
+            gpus, ram, created = n
+            wants.append(
+                Want(
+                    id=job_id,
+                    user=owner_id,
+                    priority=priority,
+                    created=created,
+                    ranks=world_size,
+                    gpus=gpus,
+                    ram=ram,
+                    queue=queue,
+                )
+            )
+    return wants, reasons
+
+
+_VIEW_NEEDS: dict[str, _Needs] = {}
+"""Per database (job ids of two databases name different jobs)."""
 
 
 def queue_positions(session: Any, settings: Settings) -> list[Want]:
     """The queued jobs in the scheduler's order (the REST queue view)."""
-    st = read_state(session, settings, _VIEW_NEEDS)
+    st = read_state(session, settings, _VIEW_NEEDS.setdefault(settings.database_url, _Needs()))
     return order_queue(
         st.wants, now=st.now, aging_s=settings.aging_s, running_slots=st.running_slots, recent=st.recent
     )
@@ -613,6 +683,10 @@ class Scheduler:
         self.send_group = send_group
         self.holder = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.needs = _Needs()
+        from core.queue_cache import QueueCache  # it builds on this module's planner
+
+        self.queue = QueueCache()
+        """The queued jobs between ticks (read again in full when this scheduler starts to lead)."""
         self.leading = False
         self.wake_event = threading.Event()
         self.stop_event = threading.Event()
@@ -651,20 +725,15 @@ class Scheduler:
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
                 held = dbs.reservations(session)
-            st = read_state(session, s, self.needs, beats=beats, held=held, now=now)
+            st = read_state(session, s, self.needs, beats=beats, held=held, now=now, jobs=False)
+            try:
+                self.queue.refresh(session, self.needs, full=fresh)
+            except Exception:
+                self.queue.clear()  # read everything again next tick
+                raise
             self._resend(session, st.held, everything=fresh)
             decided = time.perf_counter()
-            d = plan(
-                st.wants,
-                st.boxes,
-                now=st.now,
-                aging_s=s.aging_s,
-                running_slots=st.running_slots,
-                recent=st.recent,
-                quotas=st.quotas,
-                running=st.running,
-                preemption=s.preemption,
-            )
+            d = self.queue.decide(st, aging_s=s.aging_s, preemption=s.preemption)
             SCHEDULER_DECISION.observe(time.perf_counter() - decided)
             capacity = {b.name: dbs.Capacity(b.slots, b.tasks, b.gpus, b.ram) for b in st.boxes}
             for w, nodes in d.placements:
@@ -680,15 +749,12 @@ class Scheduler:
                 if rows is None:
                     d.reasons.pop(w.id, None)
                     continue
-                st.reasons[w.id] = None
+                self.queue.placed(w.id)
                 SCHEDULER_PLACED.inc()
                 self._send(session, w.id, rows, selection_id=w.selection, fresh=True)
-            changed = {i: r for i, r in d.reasons.items() if st.reasons.get(i) != r}
-            for w in d.order:  # a group's reason is its every trial's
-                if w.members and w.id in changed:
-                    changed.update(dict.fromkeys(w.members, changed[w.id]))
-            if changed:
-                dbs.set_wait_reasons(session, changed)
+            if changes := self.queue.changes(d):
+                dbs.set_wait_reasons(session, {i: why for why, ids in changes.items() for i in ids})
+                self.queue.written(changes)
             if d.preempt and d.preempt_for is not None:
                 asked = dbs.request_preemption(session, job_ids=d.preempt, by_job=d.preempt_for)
                 if asked:

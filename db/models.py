@@ -21,6 +21,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     select,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column, relationship
 
@@ -117,6 +118,11 @@ class ApiToken(Base):
     user: Mapped[User] = relationship(lazy="joined")
 
 
+QUEUED_SQLITE = "status = 'queued' AND kind = 'job' AND cancel_requested IS 0"
+QUEUED_POSTGRES = "status = 'queued' AND kind = 'job' AND cancel_requested IS false"
+"""The rows ix_jobs_queued holds: the queue the scheduler reads (db/scheduling.py _QUEUED_WHERE)."""
+
+
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
@@ -126,6 +132,17 @@ class Job(Base):
         # PostgreSQL: a search by name reads trigrams, not every name (migration 0017); on SQLite
         # a plain index on name, so both databases have one schema
         Index("ix_jobs_name_trgm", "name", postgresql_using="gin", postgresql_ops={"name": "gin_trgm_ops"}),
+        # the scheduler's reads each tick: the queue's versions, and recent usage (migration 0018)
+        Index(
+            "ix_jobs_queued",
+            "id",
+            "enqueued_at",
+            "attempts",
+            sqlite_where=text(QUEUED_SQLITE),
+            postgresql_where=text(QUEUED_POSTGRES),
+        ),
+        Index("ix_jobs_started_at", "started_at"),
+        Index("ix_jobs_finished_at", "finished_at"),
         # room on each page: the scheduler's wait-reason rewrites stay HOT updates (migration 0010)
         {"postgresql_with": {"fillfactor": 70}},
     )
