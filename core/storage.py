@@ -21,16 +21,19 @@ with the reason instead of waiting minutes or starting without its checkpoint.
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from core import safe_files
 from core.settings import Settings
 
 T = TypeVar("T")
@@ -138,6 +141,36 @@ class Storage:
 
         self._call("upload", key, put)
 
+    def put_fileobj(self, key: str, src: BinaryIO) -> None:
+        """Upload the open file `src` (from its start) as `key`, as put_file does: the bytes of
+        the file that was opened, whatever its name on disk has become since (a checkpoint users'
+        code could swap for a link after a check; core/safe_files.py)."""
+
+        def put() -> None:
+            dest = self.path(key)
+            if not self.local:
+                # s3fs uploads from a path: the open file's own (/proc/self/fd/N opens that file,
+                # not a name); its multipart upload and this deadline stay as put_file's
+                size = os.fstat(src.fileno()).st_size
+                self.fs.put_file(f"/proc/self/fd/{src.fileno()}", dest, **self._deadline(size))
+                return
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{dest}.{uuid.uuid4().hex[:8]}.part"
+            try:
+                src.seek(0)
+                with open(tmp, "xb") as out:
+                    shutil.copyfileobj(src, out, 2**20)
+                os.replace(tmp, dest)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+
+        self._call("upload", key, put)
+
+    def _open_local(self, key: str) -> BinaryIO:
+        """A folder store's file of `key`, never through a link below the store's folder (the data
+        dir holds users' trainers' folders: core/safe_files.py); Refused for one."""
+        return safe_files.open_regular(Path(self.path(key)), root=Path(self.root))
+
     def get_file(self, key: str, dest: Path, *, size: int = 2**30) -> None:
         """Download `key` to `dest`, atomically (a temporary name beside it, then a rename): a
         trainer that reads `dest` sees the whole file or none. KeyMissing when there is none.
@@ -147,7 +180,11 @@ class Storage:
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
             try:
-                self.fs.get_file(self.path(key), str(tmp), **self._deadline(size))
+                if self.local:
+                    with self._open_local(key) as src, open(tmp, "xb") as out:
+                        shutil.copyfileobj(src, out, 2**20)
+                else:
+                    self.fs.get_file(self.path(key), str(tmp), **self._deadline(size))
                 if not tmp.exists():  # some fsspec versions say nothing for a missing object
                     raise FileNotFoundError(key)
                 os.replace(tmp, dest)
@@ -165,14 +202,22 @@ class Storage:
         self._call("upload", key, put)
 
     def get_bytes(self, key: str) -> bytes:
-        data: bytes = self._call(
-            "download", key, lambda: self.fs.cat_file(self.path(key), **self._deadline(2**30))
-        )
-        return data
+        def get() -> bytes:
+            if self.local:
+                with self._open_local(key) as f:
+                    return f.read()
+            got: bytes = self.fs.cat_file(self.path(key), **self._deadline(2**30))
+            return got
+
+        return self._call("download", key, get)
 
     def open_read(self, key: str) -> Any:
         """`key` opened for reading, as a binary file object the caller reads and closes."""
-        return self._call("download", key, lambda: self.fs.open(self.path(key), "rb"))
+        return self._call(
+            "download",
+            key,
+            lambda: self._open_local(key) if self.local else self.fs.open(self.path(key), "rb"),
+        )
 
     def exists(self, key: str) -> bool:
         return bool(self._call("look up", key, lambda: self.fs.exists(self.path(key), **self._deadline())))
@@ -189,6 +234,8 @@ class Storage:
         base = self.path(prefix)
 
         def find() -> dict[str, int]:
+            if self.local:
+                return self._local_sizes(prefix)
             self.fs.invalidate_cache()
             try:
                 found = self.fs.find(base, detail=True, **self._deadline())
@@ -206,6 +253,16 @@ class Storage:
             }
 
         return self._call("list", prefix + "/", find)
+
+    def _local_sizes(self, prefix: str) -> dict[str, int]:
+        """A folder store's regular files under `prefix`, never through a link (core/safe_files.py):
+        a link, a FIFO or a folder link users' code left in its folder is no key."""
+        root = Path(self.root)
+        try:
+            found = list(safe_files.entries(root / prefix, root=root, match=lambda _n: True))
+        except safe_files.Refused:
+            return {}
+        return {f"{prefix}/{rel}": st.st_size for rel, st in found if stat.S_ISREG(st.st_mode)}
 
     def _strip(self, p: str) -> str:
         # s3fs lists without its protocol; a local fs with absolute paths: both under self.root

@@ -29,8 +29,10 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from core import safe_files
 from core.broker import JOBS_CHANNEL, job_channel
 from core.messages import Message
+from core.safe_files import folder as opened_folder
 from core.settings import Settings
 from core.storage import StorageError, checkpoints_prefix, get_storage
 from db.engine import session_for
@@ -151,7 +153,7 @@ def drop_checkpoints_past(ckpt_dir: Path, step: int) -> list[Path]:
     for rel, p in sorted(here.items()):
         folder, _, name = rel.rpartition("/")
         if (folder, parse_step(name)) in drop:
-            p.unlink(missing_ok=True)
+            safe_files.remove(p, root=ckpt_dir.parent)  # never through a link the trainer left
             dropped.append(p)
     return dropped
 
@@ -162,7 +164,9 @@ def mark_applied(ckpt_dir: Path, step: int) -> None:
     write that fails only warns: the trainer then prunes by the file an earlier attempt left (a
     step at or below this one, still one a resume may use) or, without one, by count alone."""
     try:
-        write_applied_step(ckpt_dir, step, create=True)
+        # the folder is the trainer's: written in the folder opened without following a link
+        with opened_folder(ckpt_dir, root=ckpt_dir.parent, create=True) as d:
+            write_applied_step(d, step)
     except OSError as e:
         log.warning("could not write the applied step to %s: %s", ckpt_dir, e)
 

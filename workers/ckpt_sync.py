@@ -23,22 +23,32 @@ The trainer only ever reads and writes local files (it stays pure PyTorch). Arou
 - syncs once more when the trainer has exited, unless the attempt was fenced off (a newer attempt
   owns the store's copies then).
 
+The checkpoint folder is written by users' code, which may leave links there: every file is
+opened below the folder above it (the sandbox's bind, which the trainer cannot replace) without
+following a link (core/safe_files.py), and uploaded from the open file. A link or anything but a
+regular file named as a checkpoint, or a link in place of a folder, is never read, written or
+removed through; it is told once in the job's log ("... is a symbolic link: not uploaded").
+
 With the default store (the data dir itself) none of this runs: the trainer's folder is the store.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core import safe_files
+from core.safe_files import Refused
 from core.storage import Storage, StorageError
 from db.engine import session_for
 from db.ingest import add_event
-from jobrules.applied import APPLIED_FILE, kept_steps, read_applied_step
+from jobrules.applied import APPLIED_FILE, kept_steps
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +109,32 @@ def _whole_steps(found: dict[str, set[int]], *, pieces: int = 0) -> set[int] | N
     return set.intersection(*held)
 
 
-def local_checkpoints(root: Path) -> dict[str, Path]:
-    """Checkpoint files under `root` by their path relative to it."""
-    if not root.is_dir():
-        return {}
-    return {
-        p.relative_to(root).as_posix(): p
-        for p in root.rglob(f"{PREFIX}*{SUFFIX}")
-        if parse_step(p.name) is not None
-    }
+def scan_checkpoints(root: Path, *, within: Path | None = None) -> tuple[dict[str, Path], list[str]]:
+    """The regular checkpoint files under `root` by their path relative to it, and what was not
+    taken: a checkpoint's name that is a link or no regular file, or `root` itself a link (each as
+    its path and why). `within`: the folder `root` is in that users' code cannot replace (the
+    default: the one above `root`); nothing below it is followed (core/safe_files.py)."""
+    try:
+        found = list(
+            safe_files.entries(root, root=within or root.parent, match=lambda n: parse_step(n) is not None)
+        )
+    except Refused as e:
+        return {}, [str(e)]
+    except NotADirectoryError:
+        return {}, []
+    files = {rel: root / rel for rel, st in found if stat.S_ISREG(st.st_mode)}
+    odd = [
+        f"{root / rel} is {'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}"
+        for rel, st in found
+        if not stat.S_ISREG(st.st_mode)
+    ]
+    return files, odd
+
+
+def local_checkpoints(root: Path, *, within: Path | None = None) -> dict[str, Path]:
+    """Checkpoint files under `root` by their path relative to it: regular files only, never
+    through a link (scan_checkpoints)."""
+    return scan_checkpoints(root, within=within)[0]
 
 
 def prune_local(root: Path, *, keep: int, applied: int | None) -> list[Path]:
@@ -124,7 +151,7 @@ def prune_local(root: Path, *, keep: int, applied: int | None) -> list[Path]:
         kept = kept_steps([s for s, _ in items], keep=keep, applied=applied)
         for step, path in items:
             if step not in kept:
-                path.unlink(missing_ok=True)
+                safe_files.remove(path, root=root.parent)
                 removed.append(path)
     return sorted(removed)
 
@@ -164,6 +191,33 @@ class Mirror:
     pieces: int = 0
     """How many rank pieces a checkpoint of the job has (pipeline stages x tensor ranks; 0: a
     checkpoint is one file, or count the pieces in the store): see store_floor."""
+    within: Path | None = None
+    """The folder `local` is in that users' code cannot replace (None: the one above `local`,
+    which is the sandbox's bind or above it for a job's, a gang's and a trial's folder)."""
+    told: set[str] = field(default_factory=set)
+    """What was refused and already told (see `notes`)."""
+    notes: list[str] = field(default_factory=list)
+    """Refusals not yet told in the job's log (the Uploader tells them)."""
+
+    @property
+    def trusted(self) -> Path:
+        return self.within or self.local.parent
+
+    def _scan(self) -> dict[str, Path]:
+        here, odd = scan_checkpoints(self.local, within=self.trusted)
+        for what in odd:
+            self._refuse(what)
+        return here
+
+    def _refuse(self, what: str) -> None:
+        what = what.removeprefix(f"{self.trusted}/")  # named as in the job's own folder
+        if what not in self.told:
+            self.told.add(what)
+            self.notes.append(f"checkpoint {what}: not uploaded")
+            log.warning("checkpoint %s: not uploaded", what)
+
+    def _stat(self, rel: str) -> os.stat_result | None:
+        return safe_files.regular_stat(self.local / rel, root=self.trusted)
 
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}"
@@ -195,21 +249,27 @@ class Mirror:
             for rel, size in remote.items()
             if (rel.rpartition("/")[0], parse_step(rel.rpartition("/")[2])) not in drop
         }
-        here = local_checkpoints(self.local)
+        here = self._scan()
         if prune:
             for rel, path in here.items():
                 if rel not in usable:
-                    path.unlink(missing_ok=True)
+                    safe_files.remove(path, root=self.trusted)
         for folder, steps in _by_folder(usable).items():
             rel = _rel(folder, max(steps))
-            dest = self.local / rel
-            if not dest.is_file() or dest.stat().st_size != usable[rel]:
-                self.storage.get_file(self.key(rel), dest, size=usable[rel])
+            st = self._stat(rel)
+            if st is None or st.st_size != usable[rel]:
+                dest = self.local / rel
+                safe_files.remove(dest, root=self.trusted)  # a link in its place goes, unfollowed
+                try:
+                    with safe_files.folder(dest.parent, root=self.trusted, create=True) as d:
+                        self.storage.get_file(self.key(rel), d / dest.name, size=usable[rel])
+                except Refused as e:  # a folder on the way is a link: not restored through it
+                    self._refuse(str(e))
+                    continue
                 out.downloaded += 1
             out.step = max(steps) if out.step is None else min(out.step, max(steps))
-        for rel, path in local_checkpoints(self.local).items():
-            if rel in usable and path.stat().st_size == usable[rel]:
-                st = path.stat()
+        for rel in self._scan():
+            if rel in usable and (st := self._stat(rel)) is not None and st.st_size == usable[rel]:
                 self.known[rel] = (st.st_size, st.st_mtime_ns)
         return out
 
@@ -217,26 +277,28 @@ class Mirror:
         """Upload the local checkpoints the store lacks (newest first) and delete in the store
         those that were removed here. Returns how many objects changed; StorageError on failure
         (what was done stays done)."""
-        here = local_checkpoints(self.local)
+        here = self._scan()
         changed = 0
         newest_first = sorted(here, key=lambda r: (-(parse_step(r.rpartition("/")[2]) or 0), r))
         for rel in newest_first:
+            # opened once, never through a link, and uploaded from the open file: a name swapped
+            # for a link after the listing cannot win
             try:
-                st = here[rel].stat()
+                f = safe_files.open_regular(here[rel], root=self.trusted)
+            except Refused as e:
+                self._refuse(str(e).removesuffix(": not followed").removesuffix(": not read"))
+                continue
             except FileNotFoundError:
                 continue  # pruned meanwhile: the deletions below
-            sig = (st.st_size, st.st_mtime_ns)
-            if self.known.get(rel) == sig:
-                continue
-            try:
-                self.storage.put_file(self.key(rel), here[rel])
-            except StorageError:
-                if here[rel].exists():
-                    raise
-                continue  # the trainer pruned it while it was read
+            with f:
+                st = os.fstat(f.fileno())
+                sig = (st.st_size, st.st_mtime_ns)
+                if self.known.get(rel) == sig:
+                    continue
+                self.storage.put_fileobj(self.key(rel), f)
             self.known[rel] = sig
             changed += 1
-        gone = [rel for rel in self.known if not (self.local / rel).is_file()]
+        gone = [rel for rel in self.known if self._stat(rel) is None]
         for rel in self._deletable(gone):
             self.storage.delete(self.key(rel))
             del self.known[rel]
@@ -277,7 +339,11 @@ class Mirror:
         pieces = [rel for rel in gone if _is_piece(rel.rpartition("/")[0])]
         if not pieces or not self.local.is_dir():
             return gone
-        applied = read_applied_step(self.local / APPLIED_FILE)
+        try:
+            text = safe_files.read_regular(self.local / APPLIED_FILE, root=self.trusted, limit=64)
+            applied = int(text.strip())
+        except (OSError, ValueError):
+            applied = None
         floor = store_floor(_by_folder(self._remote()), applied=applied, pieces=self.pieces)
         held = {rel for rel in pieces if floor is None or (parse_step(rel.rpartition("/")[2]) or 0) >= floor}
         return [rel for rel in gone if rel not in held]
@@ -314,7 +380,11 @@ class Uploader:
             return True
         try:
             for m in self.mirrors:
-                m.sync()
+                try:
+                    m.sync()
+                finally:
+                    while m.notes:
+                        self._tell(m.notes.pop(0))
         except StorageError as e:
             if self._failing != str(e):
                 self._failing = str(e)

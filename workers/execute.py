@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from core.broker import job_channel
+from core.safe_files import write_fresh
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import Attempt, finish_job, get_job, release_job, restart_job, stop_flags
@@ -142,7 +143,8 @@ def _run_job(
     ckpt_dir = workdir / "checkpoints"
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
+    # the folder is an earlier attempt's trainer's too: a fresh file, never through a link it left
+    write_fresh(spec_path, json.dumps(spec, indent=2), root=workdir)
     target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s, checkpoints=ckpt_dir)
     relay = Relay(
         settings,

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from core.broker import job_channel
+from core.safe_files import write_fresh
 from core.settings import Settings
 from core.storage import get_storage
 from db.engine import session_for
@@ -257,7 +258,7 @@ def _node_run(
     node_dir = workdir / f"node-{node_rank}"
     ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
     node_dir.mkdir(parents=True, exist_ok=True)
-    (node_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    write_fresh(node_dir / "spec.json", json.dumps(spec, indent=2), root=node_dir)  # never through a link
     target = Target(
         attempt=attempt,
         channels=(job_channel(attempt.job_id),),

@@ -27,6 +27,7 @@ from typing import Any
 
 from core.broker import JOBS_CHANNEL
 from core.messages import Message
+from core.safe_files import folder as opened_folder
 from core.settings import Settings
 from db.engine import session_for
 from db.gangs import apply_gang_lines
@@ -271,9 +272,14 @@ class Relay:
             target = self.targets[key]
             if target.checkpoints is None or got.applied_step is None or got.applied_step == target.marked:
                 continue
+            # the folder is the trainer's: written in it as opened without following a link, and
+            # a folder that is gone stays gone
             try:
-                if write_applied_step(target.checkpoints, got.applied_step):
-                    target.marked = got.applied_step
+                with opened_folder(target.checkpoints, root=target.checkpoints.parent) as d:
+                    if write_applied_step(d, got.applied_step):
+                        target.marked = got.applied_step
+            except FileNotFoundError:
+                pass
             except OSError as e:
                 log.warning("could not write the applied step to %s: %s", target.checkpoints, e)
 

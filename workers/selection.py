@@ -23,6 +23,7 @@ from sqlalchemy import select
 
 from core.broker import job_channel, selection_channel
 from core.messages import BatchTrial, Message, SelectionBatch
+from core.safe_files import write_fresh
 from core.search import SAMPLERS
 from core.settings import Settings
 from core.storage import get_storage, selection_prefix
@@ -202,7 +203,9 @@ class Group:
         self.group = group = f"group-{won[0][0].index}"
         self.batch = self._batch()
         self.batch_path = root / f"{group}.json"
-        self.batch_path.write_text(self.batch.model_dump_json(indent=2))
+        # the batch's folder is its trainers' too (this group's earlier runs, its other groups):
+        # the worker's files there are written fresh, never through a link one of them left
+        write_fresh(self.batch_path, self.batch.model_dump_json(indent=2), root=root)
         self.stop_trials = root / f"{group}.stop-trials"
         self.stop_trials.unlink(missing_ok=True)
         # a sampler's batch asks its next trial whenever a device of the group frees
@@ -405,7 +408,7 @@ class Group:
             cancel, indices = stop_requests(s, selection_id=self.selection_id)
         stop = (indices & self.mine) | {k for k in relay.fenced if k is not None}
         if stop:
-            self.stop_trials.write_text(json.dumps(sorted(stop)))
+            write_fresh(self.stop_trials, json.dumps(sorted(stop)), root=self.root)
         return Ask.stop if cancel else Ask.none
 
     def answer(self, n: int) -> None:
@@ -441,9 +444,8 @@ class Group:
                 uploader.mirrors = [*uploader.mirrors, m]  # a new list: the upload thread keeps its own
             publish_status(relay, job_id=t.job_id)
             trials.append(BatchTrial(index=i, spec=new.spec).model_dump())
-        tmp = self.ask_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"ask": n, "trials": trials}))
-        tmp.replace(self.ask_file)  # whole, never half-written
+        # whole, never half-written (a new file renamed over it)
+        write_fresh(self.ask_file, json.dumps({"ask": n, "trials": trials}), root=self.root)
 
     def route(self, msg: Message) -> None:
         if msg.trial is None and msg.kind == "event" and msg.message == "ask":
@@ -451,7 +453,9 @@ class Group:
         if msg.trial is None and msg.kind == "batch_result":
             # the group's summary (its devices' idle seconds among it), kept beside its batch file
             try:
-                self.batch_path.with_suffix(".summary.json").write_text(json.dumps(msg.data))
+                write_fresh(
+                    self.batch_path.with_suffix(".summary.json"), json.dumps(msg.data), root=self.root
+                )
             except OSError as e:
                 log.warning(
                     "selection %s %s: could not keep the summary: %s", self.selection_id, self.group, e

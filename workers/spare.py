@@ -130,8 +130,9 @@ class Spare:
         its other groups may be using, must not exist yet. Raises OSError when it cannot."""
         if folder.is_dir() and move_existing:
             for entry in folder.iterdir():
-                if entry.name == WORKSPACE:  # an earlier attempt's unpacked workspace: below the
-                    # placeholder (its read-only mount point), never over it
+                if entry.name == WORKSPACE and not entry.is_symlink():  # an earlier attempt's
+                    # unpacked workspace: below the placeholder (its read-only mount point), never
+                    # over it (a link of that name, left by a trainer, moves as any name does)
                     tree = entry / TREE
                     (tree if tree.is_dir() else entry).rename(self.inside / WORKSPACE / TREE)
                     if entry.exists():

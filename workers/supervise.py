@@ -9,6 +9,7 @@ the trainer to stop and checkpoint, and kills it after `shutdown_grace_s`.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from core.messages import Message, parse_line
+from core.safe_files import open_append, write_fresh
 from workers.limits import apply_memory_limit
 from workers.logcap import Emit, split_rank
 from workers.sandbox import Sandbox, allowed_environment, apply_limits, die_with_parent, sandbox_limits
@@ -86,7 +88,9 @@ def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
 
 def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome, on_output: Emit | None) -> None:
     assert proc.stderr is not None
-    with path.open("a") as f:
+    # the run's folder is its trainer's too: appended to, never through a link it left there
+    raw = open_append(path, root=path.parent)
+    with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as f:
         for line in proc.stderr:
             f.write(line)
             rank, text = split_rank(line.rstrip())
@@ -122,7 +126,7 @@ def _watch(
             return
         if ask == Ask.stop and deadline is None:
             out.stopped = out.stopped or "stop"
-            stop_file.touch()
+            write_fresh(stop_file, b"", root=stop_file.parent)  # never through a link
             deadline = time.monotonic() + (shutdown_grace_s if out.stopped == "drain" else grace_s)
         if deadline is not None and time.monotonic() > deadline:
             log.warning("trainer %s did not stop within its grace: killed", proc.pid)

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from core.archive import ArchiveError, extract_archive
+from core.safe_files import write_fresh
 from core.settings import Settings
 from core.storage import KeyMissing, get_storage, workspace_key
 from db.engine import session_for
@@ -96,7 +97,7 @@ def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path)
         extract_archive(blob, dest, max_unpacked=int(settings.workspace_max_unpacked_mb * 2**20))
     except (WorkspaceRefused, NotFound, KeyMissing, ArchiveError, OSError) as e:
         log.error("workspace %s of %s: %s", ref, workdir.name, e)
-        (workdir / "workspace.error").write_text(f"workspace {ref}: {e}\n")
+        write_fresh(workdir / "workspace.error", f"workspace {ref}: {e}\n", root=workdir.parent)
     return dest
 
 
