@@ -81,56 +81,23 @@ class Bench:
 # In order of what matters most when time runs short. Reps and steps are cut from the defaults
 # so the whole fits the budget (on an H100 the tests took ~55 s; on an H200: tests 52 s,
 # memory 117 s, split 58 s, selection ~127 s, warm 3 reps > 90 s).
+# Each row: name, module, args, limit_s, results, and on its second line what it measures.
+# fmt: off
 BENCHES: tuple[Bench, ...] = (
-    Bench(
-        name="memory",
-        module="bench.memory",
-        args=("--gpu-only", "--steps", "5"),
-        limit_s=150,
-        results="memory_gpu.json",
-        what="largest model under a 1 GiB budget; spilled vs resident throughput beside FSDP2 CPU offload",
-    ),
-    Bench(
-        name="hfta",
-        module="bench.hfta",
-        args=("--device", "cuda", "--steps", "30"),
-        limit_s=60,
-        results="hfta_cuda.json",
-        what="4 same-architecture trials fused (HFTA) vs their 4 separate steps, losses equal to 1e-5",
-    ),
-    Bench(
-        name="split",
-        module="bench.split_gpu",
-        args=("--steps", "20"),
-        limit_s=60,
-        results="split_gpu.json",
-        what="zero-bubble split backward (B + W) against one plain backward",
-    ),
-    Bench(
-        name="selection",
-        module="bench.selection",
-        args=("--gpu", "--reps", "1"),
-        limit_s=150,
-        results="selection_gpu.json",
-        what="4 trials larger than the device: shard alternation vs one at a time",
-    ),
-    Bench(
-        name="warm",
-        module="bench.warm",
-        args=("--gpu", "--reps", "1"),
-        limit_s=75,
-        results="warm_trainer_gpu.json",
-        what="first step of a cold vs a warm (forked) trainer on CUDA",
-    ),
-    Bench(
-        name="projection",
-        module="bench.pipeline",
-        args=("--projection-device", "cuda"),
-        limit_s=45,
-        results="pipeline-projection-cuda.json",
-        what="pipeline projection with block costs timed on this GPU",
-    ),
+    Bench("memory", "bench.memory", ("--gpu-only", "--steps", "5"), 150, "memory_gpu.json",
+          "largest model under a 1 GiB budget; spilled vs resident throughput beside FSDP2 CPU offload"),
+    Bench("hfta", "bench.hfta", ("--device", "cuda", "--steps", "30"), 60, "hfta_cuda.json",
+          "4 same-architecture trials fused (HFTA) vs their 4 separate steps, losses equal to 1e-5"),
+    Bench("split", "bench.split_gpu", ("--steps", "20"), 60, "split_gpu.json",
+          "zero-bubble split backward (B + W) against one plain backward"),
+    Bench("selection", "bench.selection", ("--gpu", "--reps", "1"), 150, "selection_gpu.json",
+          "4 trials larger than the device: shard alternation vs one at a time"),
+    Bench("warm", "bench.warm", ("--gpu", "--reps", "1"), 75, "warm_trainer_gpu.json",
+          "first step of a cold vs a warm (forked) trainer on CUDA"),
+    Bench("projection", "bench.pipeline", ("--projection-device", "cuda"), 45, "pipeline-projection-cuda.json",
+          "pipeline projection with block costs timed on this GPU"),
 )
+# fmt: on
 TESTS_LIMIT_S = 150.0
 
 
