@@ -50,7 +50,26 @@ def protocol_channel() -> TextIO:
     return open(fd, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - the process's own, to its end
 
 
-class JsonlSink:
+class ProtocolLines:
+    """A MetricsSink that makes each call one protocol line, the object a subclass's `write` writes."""
+
+    def write(self, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def metric(self, step: int, name: str, value: float) -> None:
+        self.write({"kind": "metric", "step": step, "name": name, "value": float(value)})
+
+    def log(self, message: str) -> None:
+        self.write({"kind": "log", "message": message})
+
+    def event(self, event: str, data: dict[str, Any]) -> None:
+        self.write({"kind": "event", "event": event, "data": data})
+
+    def result(self, data: dict[str, Any]) -> None:
+        self.write({"kind": "result", "data": data})
+
+
+class JsonlSink(ProtocolLines):
     """Writes protocol lines to a text stream (stdout by default), flushing each line."""
 
     def __init__(self, stream: TextIO | None = None, *, enabled: bool = True) -> None:
@@ -58,29 +77,17 @@ class JsonlSink:
         self._enabled = enabled
         self._seq = 0
 
-    def _write(self, obj: dict[str, Any]) -> None:
+    def write(self, obj: dict[str, Any]) -> None:
         if self._enabled:
             obj = {"seq": self._seq, **obj, "time": time.time()}
             self._seq += 1
             self._stream.write(json.dumps(obj, separators=(",", ":")) + "\n")
             self._stream.flush()
 
-    def metric(self, step: int, name: str, value: float) -> None:
-        self._write({"kind": "metric", "step": step, "name": name, "value": float(value)})
-
-    def log(self, message: str) -> None:
-        self._write({"kind": "log", "message": message})
-
-    def event(self, event: str, data: dict[str, Any]) -> None:
-        self._write({"kind": "event", "event": event, "data": data})
-
-    def result(self, data: dict[str, Any]) -> None:
-        self._write({"kind": "result", "data": data})
-
     def error(self, message: str) -> None:
         """Written even by non-zero ranks: the worker reports the first error it reads."""
         self._enabled = True
-        self._write({"kind": "error", "message": message})
+        self.write({"kind": "error", "message": message})
 
 
 class ListSink:

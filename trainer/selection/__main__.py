@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import torch
 
 from jobrules.spec import SpecError
-from trainer.protocol import FileStopSignal, protocol_channel
+from trainer.protocol import FileStopSignal, ProtocolLines, protocol_channel
 from trainer.workspace import add_environment, set_workspace
 
 
@@ -35,8 +35,8 @@ class Numbering:
         self.next = 0
 
 
-class TrialLines:
-    """JSON lines tagged with the trial and numbered in the order they are written; one lock for
+class TrialLines(ProtocolLines):
+    """Protocol lines tagged with the trial and numbered in the order they are written; one lock for
     all trials, so lines never interleave and their numbers grow down the stream."""
 
     def __init__(self, stream: TextIO, *, trial: int | None, numbering: Numbering) -> None:
@@ -52,18 +52,6 @@ class TrialLines:
             line = json.dumps(obj, separators=(",", ":")) + "\n"
             self._stream.write(line)
             self._stream.flush()
-
-    def metric(self, step: int, name: str, value: float) -> None:
-        self.write({"kind": "metric", "step": step, "name": name, "value": float(value)})
-
-    def log(self, message: str) -> None:
-        self.write({"kind": "log", "message": message})
-
-    def event(self, event: str, data: dict[str, Any]) -> None:
-        self.write({"kind": "event", "event": event, "data": data})
-
-    def result(self, data: dict[str, Any]) -> None:
-        self.write({"kind": "result", "data": data})
 
 
 class StopTrialsFile:
