@@ -392,15 +392,7 @@ class FusedTrials:
         keep = [k for k in range(self.size) if k != row]
         if not keep:
             raise ValueError("cannot drop the last member of a fused stack")
-        idx = torch.tensor(keep, device=self.device)
-        for name in ("jobs", "ids", "streams", "step_counts"):
-            values = getattr(self, name)
-            setattr(self, name, [values[k] for k in keep])
-        self._pack(
-            flat=self.flat.index_select(0, idx),
-            state={k: v.index_select(0, idx) for k, v in self.state.items()},
-            steps=self.steps.index_select(0, idx),
-        )
+        self._members_of(self, keep)
 
     def to(self, device: torch.device) -> FusedTrials:
         """Move the stack's buffers to `device` (in place; nothing changes on the same device)."""
@@ -440,19 +432,24 @@ class FusedTrials:
 
     def _rows(self, rows: list[int]) -> FusedTrials:
         """A new stack of these rows' members (copies of their buffers), sharing the dataset."""
-        idx = torch.tensor(rows, device=self.device)
         out = object.__new__(FusedTrials)
         out.device, out.recipe, out.optimizer, out.data = self.device, self.recipe, self.optimizer, self.data
         out.slots, out.n_params = self.slots, self.n_params
-        for name in ("jobs", "ids", "streams", "step_counts"):
-            values = getattr(self, name)
-            setattr(out, name, [values[k] for k in rows])
-        out._pack(
-            flat=self.flat.index_select(0, idx),
-            state={k: v.index_select(0, idx) for k, v in self.state.items()},
-            steps=self.steps.index_select(0, idx),
-        )
+        out._members_of(self, rows)
         return out
+
+    def _members_of(self, src: FusedTrials, rows: list[int]) -> None:
+        """Make this stack's members `src`'s rows `rows`, in that order (copies of their buffers;
+        `src` may be this stack)."""
+        idx = torch.tensor(rows, device=src.device)
+        for name in ("jobs", "ids", "streams", "step_counts"):
+            values = getattr(src, name)
+            setattr(self, name, [values[k] for k in rows])
+        self._pack(
+            flat=src.flat.index_select(0, idx),
+            state={k: v.index_select(0, idx) for k, v in src.state.items()},
+            steps=src.steps.index_select(0, idx),
+        )
 
     def member_params(self, member: int) -> dict[str, torch.Tensor]:
         """The member's weights by the names its own `nn.Sequential` has, as CPU copies."""
