@@ -56,42 +56,46 @@ def _fitting(idle: Sequence[TrialView], free_bytes: int | None) -> list[TrialVie
     return [t for t in idle if free_bytes is None or t.next_shard_bytes <= free_bytes]
 
 
-class ShardedLRTF:
+class _FirstBy:
+    """The idle trial that fits and comes first by the policy's `order`."""
+
+    def order(self, t: TrialView) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def choose(
+        self, idle: Sequence[TrialView], *, active: Sequence[int], free_bytes: int | None
+    ) -> TrialView | None:
+        fit = _fitting(idle, free_bytes)
+        return min(fit, key=self.order) if fit else None
+
+
+class ShardedLRTF(_FirstBy):
     """Longest remaining time first: per-mini-batch time x mini-batches left, ties to the lowest
     index. Starting the longest trial early is what keeps the makespan near max(work / devices,
     longest trial): the longest trial is the one that would otherwise finish last, alone."""
 
     name = "shard-lrtf"
 
-    def choose(
-        self, idle: Sequence[TrialView], *, active: Sequence[int], free_bytes: int | None
-    ) -> TrialView | None:
-        fit = _fitting(idle, free_bytes)
-        return min(fit, key=lambda t: (-t.remaining_s, t.index)) if fit else None
+    def order(self, t: TrialView) -> tuple[float, ...]:
+        return (-t.remaining_s, t.index)
 
 
-class FIFO:
+class FIFO(_FirstBy):
     """Submission order: the lowest-index idle trial."""
 
     name = "fifo"
 
-    def choose(
-        self, idle: Sequence[TrialView], *, active: Sequence[int], free_bytes: int | None
-    ) -> TrialView | None:
-        fit = _fitting(idle, free_bytes)
-        return min(fit, key=lambda t: t.index) if fit else None
+    def order(self, t: TrialView) -> tuple[float, ...]:
+        return (t.index,)
 
 
-class RoundRobin:
+class RoundRobin(_FirstBy):
     """The idle trial that has waited longest since its last shard (never-run trials first)."""
 
     name = "round-robin"
 
-    def choose(
-        self, idle: Sequence[TrialView], *, active: Sequence[int], free_bytes: int | None
-    ) -> TrialView | None:
-        fit = _fitting(idle, free_bytes)
-        return min(fit, key=lambda t: (t.last_dispatch, t.index)) if fit else None
+    def order(self, t: TrialView) -> tuple[float, ...]:
+        return (t.last_dispatch, t.index)
 
 
 class Sequential:
