@@ -40,7 +40,9 @@ def planter(*, vocab_size, secret_path, canary_path, width=32, depth=2):
         open(mark, "w").close()
         ckpt = os.path.join(home, "checkpoints")
         os.makedirs(ckpt, exist_ok=True)
-        os.symlink(secret_path, os.path.join(ckpt, "''' + PLANTED + '''"))
+        os.symlink(secret_path, os.path.join(ckpt, "'''
+    + PLANTED
+    + """"))
         for name in ("spec.json", "stderr.log"):
             tmp = os.path.join(home, name + ".planting")
             os.symlink(canary_path, tmp)
@@ -48,7 +50,7 @@ def planter(*, vocab_size, secret_path, canary_path, width=32, depth=2):
         time.sleep(3)  # the worker's uploads run every half second meanwhile
         raise RuntimeError("links planted: this attempt ends here")
     return TinyLM(vocab_size=vocab_size, width=width, depth=depth)
-'''
+"""
 )
 
 
