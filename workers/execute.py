@@ -27,8 +27,6 @@ from workers.attempt import (
     AttemptRun,
     OneTarget,
     QuotaWait,
-    drop_checkpoints_past,
-    owner_id,
     prune_at_end,
     publish_status,
     restore_checkpoints,
@@ -43,8 +41,6 @@ from workers.supervise import Ask, drain_reason
 from workers.workspace import workspace_args
 
 log = logging.getLogger(__name__)
-
-__all__ = ["drop_checkpoints_past", "execute_job", "owner_id", "trainer_args", "trainer_command"]
 
 
 def trainer_args(*, spec_path: Path, ckpt_dir: Path, stop_file: Path) -> list[str]:

@@ -339,6 +339,7 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     ckpt_dir = node_dir.parent / "checkpoints"  # one folder for every node: shared storage
     spec_path = node_dir / "spec.json"
     args = trainer_args(spec_path=spec_path, ckpt_dir=ckpt_dir, stop_file=run.stop_file)
+    ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
 
     failure = run.restore(
         lambda: _restore_node(
@@ -346,7 +347,6 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         )
     )
     if failure is not None:
-        ender = GangEnd(settings=settings, attempt=attempt, node_rank=node_rank, worker=worker, relay=relay)
         why = f"node {node_rank} on {worker}: {failure}"
         log.error("job %s: %s", job_id, why)
         status = retry_db(settings, "gang end", lambda: ender.give_back(why, restart=False, fail=True))
@@ -385,16 +385,10 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
         return "lost"
     if relay.fenced:
         return "lost"
-    ender = GangEnd(
-        settings=settings,
-        attempt=attempt,
-        node_rank=node_rank,
-        worker=worker,
-        relay=relay,
-        oom_before=run.oom_before,
-    )
     status = retry_db(
-        settings, "gang end", lambda: ender.decide(rc=rc, out=out, memory_limit=run.memory_limit)
+        settings,
+        "gang end",
+        lambda: ender.decide(rc=rc, out=out, memory_limit=run.memory_limit, oom_before=run.oom_before),
     )
     # every node prunes its own folder and the store (the one that ends last sees every piece)
     prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=run.mirrors)
@@ -412,7 +406,6 @@ class GangEnd:
         node_rank: int,
         worker: str,
         relay: Relay,
-        oom_before: int | None = None,
     ) -> None:
         self.settings, self.attempt, self.node_rank, self.worker, self.relay = (
             settings,
@@ -421,7 +414,6 @@ class GangEnd:
             worker,
             relay,
         )
-        self.oom_before = oom_before
 
     def give_back(self, reason: str, *, restart: bool, fail: bool = False) -> str:
         with session_for(self.settings.database_url) as s:
@@ -440,7 +432,11 @@ class GangEnd:
         publish_status(self.relay, job_id=self.attempt.job_id)
         return status
 
-    def decide(self, *, rc: int, out: Outcome, memory_limit: int | None) -> str:
+    def decide(
+        self, *, rc: int, out: Outcome, memory_limit: int | None, oom_before: int | None = None
+    ) -> str:
+        """`memory_limit` and `oom_before` (the cgroup's OOM-kill count when the attempt started):
+        the attempt's, for telling an out-of-memory or infrastructure failure from the job's own."""
         view = _view(self.settings, self.attempt, self.node_rank)
         if not view.intact:
             return "lost"
@@ -463,7 +459,7 @@ class GangEnd:
         infra = None
         if oom is None and out.stopped is None:
             stderr = "\n".join(out.stderr_tail)
-            infra = infrastructure_failure(rc=rc, stderr=stderr, oom_before=self.oom_before)
+            infra = infrastructure_failure(rc=rc, stderr=stderr, oom_before=oom_before)
         failure = oom or infra or out.failure(rc)
         # a spec the trainer refused, a limit, the user's code or a NaN loss fails on every
         # attempt alike: no restart (a rank killed by a signal is the infrastructure's)

@@ -20,7 +20,7 @@ from db.engine import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Reservation
 from tests.conftest import TINY_SPEC
-from workers.execute import drop_checkpoints_past
+from workers.attempt import drop_checkpoints_past
 from workers.gang import GangEnd, execute_gang_node
 from workers.relay import Relay
 from workers.supervise import Outcome
