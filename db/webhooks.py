@@ -94,7 +94,6 @@ class Claimed:
     """A delivery this deliverer holds until `lease_until`: what it needs to POST it."""
 
     id: int
-    webhook_id: int
     url: str
     secret: str
     event: str
@@ -130,7 +129,6 @@ def claim_due(session: Session, *, limit: int, lease_s: float) -> list[Claimed]:
         taken.append(
             Claimed(
                 id=row.id,
-                webhook_id=hook.id,
                 url=hook.url,
                 secret=hook.secret,
                 event=row.event,
