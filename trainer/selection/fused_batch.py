@@ -44,6 +44,7 @@ from trainer.protocol import StopSignal
 from trainer.selection.executor import ExecutorConfig, TrialEntry
 from trainer.selection.fused import FusedTrials, difference
 from trainer.selection.halving import Decisions, Halving, StopReason
+from trainer.selection.trial_ends import how_it_ended
 
 WAIT_S = 0.2
 """How often an idle device looks again for work (a promotion, a stop) while others train."""
@@ -466,13 +467,7 @@ class FusedGroups:
             "status": m.status,
             "steps": m.steps,
             "final_loss": m.loss,
-            "val_loss": m.val_loss,
-            "metric": self.cfg.metric,
-            "last_metric": m.last_metric,
-            "best_metric": m.best_metric,
-            "stopped_early": m.status == "stopped_early",
-            "stop_reason": None if m.stop_reason is None else m.stop_reason.as_dict(),
-            "error": m.error,
+            **how_it_ended(m, self.cfg.metric),
             "compute_s": m.compute_s,
             "copy_s": 0.0,
             "busy_s": m.compute_s,

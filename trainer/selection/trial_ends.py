@@ -6,13 +6,40 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from jobrules.stopping import StopReason
 from jobrules.user_metrics import is_user_metric
 from trainer.selection.halving import Decisions
 from trainer.selection.trial_run import FINAL, Batch, Status, TrialRun
+
+
+class Ended(Protocol):
+    """A trial as its result tells how it ended: a TrialRun, or a member of a fused stack."""
+
+    val_loss: float
+    last_metric: float | None
+    best_metric: float | None
+    stop_reason: StopReason | None
+    error: str | None
+
+    @property
+    def status(self) -> str: ...
+
+
+def how_it_ended(run: Ended, metric: str) -> dict[str, Any]:
+    """A trial's result fields from `val_loss` to `error`, alone or fused (Ends.result)."""
+    return {
+        "val_loss": run.val_loss,
+        "metric": metric,
+        "last_metric": run.last_metric,
+        "best_metric": run.best_metric,
+        "stopped_early": run.status == "stopped_early",
+        "stop_reason": None if run.stop_reason is None else run.stop_reason.as_dict(),
+        "error": run.error,
+    }
 
 
 class Ends:
@@ -124,13 +151,7 @@ class Ends:
             "status": run.status,
             "steps": t.step if t else 0,
             "final_loss": t.loss if t else float("nan"),
-            "val_loss": run.val_loss,
-            "metric": self.cfg.metric,
-            "last_metric": run.last_metric,
-            "best_metric": run.best_metric,
-            "stopped_early": run.status == "stopped_early",
-            "stop_reason": None if run.stop_reason is None else run.stop_reason.as_dict(),
-            "error": run.error,
+            **how_it_ended(run, self.cfg.metric),
             "compute_s": run.compute_s,
             "copy_s": run.copy_s,
             "busy_s": run.busy_s,
