@@ -220,20 +220,13 @@ class ShardedTrial:
         keys = ["exp_avg", "exp_avg_sq"] if cfg.optimizer == "adamw" else []
         if cfg.optimizer == "sgd" and cfg.momentum > 0:
             keys = ["momentum_buffer"]
-        shards = []
-        for k, (a, b) in enumerate(plan.bounds):
-            s = HostShard(
-                index=k,
-                start=a,
-                stop=b,
-                model=model,
-                device=HOST,
-                param_dtype=torch.float32,
-                ledger=DeviceLedger(),
-            )
-            s.tag = f"t{index}.s{k}"  # one device ledger holds several trials' shards
+        # a stand-in ledger: copy_in binds a shard to its place's ledger
+        shards = HostShard.cut(
+            model, plan.bounds, device=HOST, param_dtype=torch.float32, ledger=DeviceLedger()
+        )
+        for s in shards:
+            s.tag = f"t{index}.s{s.index}"  # one device ledger holds several trials' shards
             s.attach_optimizer(build_optimizer(s.params, cfg), state_keys=keys)
-            shards.append(s)
         data = data_for(job)
         return cls(
             index=index,

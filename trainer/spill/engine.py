@@ -102,19 +102,14 @@ class SpillEngine:
             # the math libraries' workspaces (partition.library_workspace_bytes): held by the device
             # for the whole run, though no tensor of ours holds them
             ledger.hold("library.workspace", plan.reserved_bytes)
-        self.shards = [
-            Shard(
-                index=k,
-                start=a,
-                stop=b,
-                model=model,
-                device=device,
-                param_dtype=self.param_dtype,
-                ledger=ledger,
-                copy_stream=self.copy_stream,
-            )
-            for k, (a, b) in enumerate(plan.bounds)
-        ]
+        self.shards = Shard.cut(
+            model,
+            plan.bounds,
+            device=device,
+            param_dtype=self.param_dtype,
+            ledger=ledger,
+            copy_stream=self.copy_stream,
+        )
         self.opt: OffloadedAdamW | None = None
         if self.offloaded:
             self.opt = OffloadedAdamW(

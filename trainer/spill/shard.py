@@ -14,8 +14,8 @@ freed by a spill is not handed out again while a kernel or a copy still reads it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -83,6 +83,13 @@ class Shard:
         self.offload: OffloadedAdamW | None = None
 
     # -- layout -----------------------------------------------------------------------------------
+
+    @classmethod
+    def cut(cls, model: nn.Sequential, bounds: Sequence[tuple[int, int]], **common: Any) -> list[Self]:
+        """One shard for each [start, stop) of `bounds` (a partition plan's), numbered in order;
+        `common`: the other arguments, the same for each (device, param_dtype, ledger, ...)."""
+        return [cls(index=k, start=a, stop=b, model=model, **common) for k, (a, b) in enumerate(bounds)]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes, strict=True)]
 
