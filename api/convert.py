@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from sqlalchemy import inspect
 
 from api.schemas import EventPublic, JobPublic, Progress, SelectionPublic, TrialPublic
 from db.jobs import aware
-from db.models import Job, JobEvent, Selection, Trial
+from db.models import Base, Job, JobEvent, Selection, Trial
 from db.selections import trial_fields
+
+PublicT = TypeVar("PublicT", bound=BaseModel)
 
 LIST_ERROR_CHARS = 500
 """The most characters of a job's or a batch's `error` a listing page carries (brief_error)."""
@@ -21,33 +27,26 @@ def brief_error(error: str | None, *, whole_at: str) -> str | None:
     return f"{error[:LIST_ERROR_CHARS]} [... {len(error)} characters in all: {whole_at} has the whole error]"
 
 
+def from_row(model: type[PublicT], row: Base, **given: Any) -> PublicT:
+    """`model` from the table row `row`: each field named like one of the row's columns is the
+    column's value (a time made timezone-aware: aware); `given` holds the other fields and those
+    whose public value is not the column's (`owner` a name where the column is an id, say)."""
+    columns = inspect(row).mapper.column_attrs.keys()
+    copied = {name: getattr(row, name) for name in model.model_fields.keys() & columns - given.keys()}
+    return model(**{k: aware(v) if isinstance(v, datetime) else v for k, v in copied.items()}, **given)
+
+
 def job_public(job: Job, *, brief: bool = False) -> JobPublic:
     """`brief`: a listing's entry, with a long error cut short (brief_error)."""
-    return JobPublic(
-        id=job.id,
-        name=job.name,
-        kind=job.kind,
-        status=job.status,
-        priority=job.priority,
-        queue=job.queue,
-        world_size=job.world_size,
-        attempts=job.attempts,
-        created_at=aware(job.created_at),
-        started_at=aware(job.started_at),
-        finished_at=aware(job.finished_at),
-        worker=job.worker,
+    return from_row(
+        JobPublic,
+        job,
         error=brief_error(job.error, whole_at=f"GET /api/jobs/{job.id}") if brief else job.error,
-        result=job.result,
-        spec=job.spec,
-        cancel_requested=job.cancel_requested,
         progress=Progress(step=job.step, steps=job.steps, loss=job.last_loss),
-        selection_id=job.selection_id,
         owner=job.user.name if job.user else None,
-        wait_reason=job.wait_reason,
         run_seconds=round(job.run_seconds or 0.0, 3),
         restarts=job.restarts or 0,
         diverged=job.divergence is not None,
-        divergence=job.divergence,
         **_trial_facts(job),
     )
 
@@ -78,19 +77,10 @@ def trial_public(t: Trial) -> TrialPublic:
 
 def selection_public(sel: Selection, *, brief: bool = False) -> SelectionPublic:
     """`brief`: a listing's entry, with a long error cut short (brief_error)."""
-    return SelectionPublic(
-        id=sel.id,
-        name=sel.name,
-        status=sel.status,
-        metric=sel.metric,
-        mode=sel.mode,
-        scheduler=sel.scheduler,
-        created_at=aware(sel.created_at),
-        started_at=aware(sel.started_at),
-        finished_at=aware(sel.finished_at),
+    return from_row(
+        SelectionPublic,
+        sel,
         space=sel.request.get("space", {}),
-        request=sel.request,
-        cancel_requested=sel.cancel_requested,
         error=brief_error(sel.error, whole_at=f"GET /api/selections/{sel.id}") if brief else sel.error,
         trials=[trial_public(t) for t in sel.trials],
         leaderboard=leaderboard(sel),

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from fastapi import Request
 from sqlalchemy.orm import Session
 
+from api.convert import from_row
 from api.schemas import JobPublic, QueueEntry, ReservationPublic
 from core.scheduler import Want, queue_positions
 from core.settings import Settings
@@ -104,16 +105,7 @@ def with_placement(session: Session, settings: Settings, jobs: list[Job], out: l
     held = reservations_of(session, [j.id for j in jobs if j.status in ("queued", "running")])
     for p in out:
         p.reservation = [
-            ReservationPublic(
-                worker=r.worker,
-                node_rank=r.node_rank,
-                nnodes=r.nnodes,
-                slots=r.slots,
-                gpus=r.gpus,
-                ram_bytes=r.ram_bytes,
-                claimed=r.claimed_at is not None,
-            )
-            for r in held.get(p.id, [])
+            from_row(ReservationPublic, r, claimed=r.claimed_at is not None) for r in held.get(p.id, [])
         ]
 
 

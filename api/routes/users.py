@@ -23,6 +23,7 @@ from api.auth import (
     issue_token,
     token_failure,
 )
+from api.convert import from_row
 from api.deps import RowId, SessionDep, SettingsDep
 from api.user_schemas import (
     Me,
@@ -40,36 +41,18 @@ from api.user_schemas import (
 )
 from core.settings import Settings
 from db import users as db_users
-from db.jobs import Conflict, NotFound, aware
+from db.jobs import Conflict, NotFound
 from db.models import ApiToken, User
 
 router = APIRouter(prefix="/api", tags=["users"])
 
 
 def user_public(user: User, settings: Settings) -> UserPublic:
-    return UserPublic(
-        id=user.id,
-        name=user.name,
-        is_admin=user.is_admin,
-        created_at=aware(user.created_at),
-        quotas=Quotas(**user_quotas(user, settings)),
-    )
+    return from_row(UserPublic, user, quotas=Quotas(**user_quotas(user, settings)))
 
 
 def token_public(tok: ApiToken) -> TokenPublic:
-    return TokenPublic(
-        id=tok.id,
-        kind=tok.kind,
-        user_id=tok.user_id,
-        user=tok.user.name,
-        label=tok.label,
-        prefix=tok.prefix,
-        parent_id=tok.parent_id,
-        created_at=aware(tok.created_at),
-        expires_at=aware(tok.expires_at),
-        last_used_at=aware(tok.last_used_at),
-        revoked_at=aware(tok.revoked_at),
-    )
+    return from_row(TokenPublic, tok, user=tok.user.name)
 
 
 def _own_or_404(session: SessionDep, user_id: int, user: User) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 
 from api.auth import CurrentUser
+from api.convert import from_row
 from api.deps import RowId, SessionDep, SettingsDep
 from api.webhook_schemas import (
     AttemptPublic,
@@ -28,9 +29,7 @@ router = APIRouter(prefix="/api/webhooks", tags=["webhooks"])
 
 
 def webhook_public(hook: Webhook) -> WebhookPublic:
-    return WebhookPublic(
-        id=hook.id, user_id=hook.user_id, url=hook.url, events=hook.events, created_at=aware(hook.created_at)
-    )
+    return from_row(WebhookPublic, hook)
 
 
 def _scope(user: User) -> int | None:
@@ -90,19 +89,11 @@ def list_deliveries(
     except NotFound as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from e
     items = [
-        DeliveryPublic(
-            id=d.id,
-            event=d.event,
-            object_id=d.object_id,
-            status=d.status,
-            state=d.state,
-            attempts=[
-                AttemptPublic(at=aware(a.at), status_code=a.status_code, error=a.error, seconds=a.seconds)
-                for a in attempts
-            ],
-            created_at=aware(d.created_at),
+        from_row(
+            DeliveryPublic,
+            d,
+            attempts=[from_row(AttemptPublic, a) for a in attempts],
             next_at=aware(d.next_at) if d.state == "pending" else None,
-            delivered_at=aware(d.delivered_at),
         )
         for d, attempts in dbw.deliveries(session, webhook_id=webhook_id, limit=limit)
     ]
