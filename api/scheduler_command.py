@@ -12,7 +12,7 @@ import signal
 from prometheus_client import REGISTRY, start_http_server
 
 from api.server_commands import cmd_migrate
-from core.scheduler import Scheduler
+from core.scheduler_loop import Scheduler
 from core.settings import get_settings
 from core.telemetry import multiprocess, multiprocess_registry
 from core.webhooks import Deliverer

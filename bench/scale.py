@@ -12,7 +12,7 @@ else writes) and this measures, one client at a time:
   and every trial's curve drawn;
 - the 1-million-point job's chart series (GET /api/jobs/{id}/metrics?max_points=1000, what the
   job page asks): the first read of the job (cold: the API holds none of its points) and again;
-- the scheduler (core/scheduler.py Scheduler.tick, in this process, as bench.sched) with 10,000
+- the scheduler (core/scheduler_loop.py Scheduler.tick, in this process, as bench.sched) with 10,000
   jobs queued and 500 workers, a running job ending before each decision: p95 per decision;
 - the database's bytes per million metric points (the points table and its indexes).
 
@@ -44,7 +44,7 @@ from api.stack import Stack
 from bench.common import RESULTS, add_results_option, table, write_results
 from bench.scale_seed import Seeded, Sizes, seed
 from bench.sched import add_workers, claim_all
-from core.scheduler import Scheduler
+from core.scheduler_loop import Scheduler
 from core.settings import Settings
 from db.engine import get_engine, session_for
 from db.jobs import Attempt, finish_job

@@ -32,7 +32,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from bench.common import table, write_results
-from core.scheduler import Box, Scheduler, Want, plan
+from core.scheduler import Box, Want, plan
+from core.scheduler_loop import Scheduler
 from core.settings import Settings
 from db.engine import session_for
 from db.jobs import claim_job, finish_job

@@ -81,7 +81,7 @@ class SchedulerProcess:
                     return
 
     def wake(self) -> None:
-        """A job was queued: the child ticks soon (wakes coalesce, core/scheduler.py WAKE_GAP_S)."""
+        """A job was queued: the child ticks soon (wakes coalesce, core/scheduler_loop.py WAKE_GAP_S)."""
         self._write(WAKE)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -102,7 +102,7 @@ class SchedulerProcess:
 
 
 def main() -> None:
-    from core.scheduler import Scheduler
+    from core.scheduler_loop import Scheduler
     from core.webhooks import Deliverer
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,7 +6,7 @@ The file lives in the data dir's cache/ folder, named by the host (a data dir se
 keeps one file per host: a line is a measurement of this machine). The trainer never writes it:
 it reads the copy in its group's folder and reports what it measured in its batch_result line,
 which the worker checks as it would any input from users' code (bounded, finite, in range;
-trainer/selection/step_costs.py `entry`) and stamps with its own clock. A group whose trainer runs
+jobrules/step_costs.py `entry`) and stamps with its own clock. A group whose trainer runs
 users' code (a workspace, requirements) keeps its lines in its owner's file only: they steer that
 owner's batches, never another's, and a line kept for every owner is read first.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.settings import Settings
-from trainer.selection.step_costs import KEY, MAX_REPORTED, dump, entry, newest, read
+from jobrules.step_costs import KEY, MAX_REPORTED, dump, entry, newest, read
 
 log = logging.getLogger(__name__)
 

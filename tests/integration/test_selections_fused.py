@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from jobrules.step_costs import read
 from tests.conftest import TINY_SPEC, StackHandle, grid_batch
-from trainer.selection.step_costs import read
 
 pytestmark = pytest.mark.integration
 

@@ -16,12 +16,13 @@ import torch
 
 from core.settings import Settings
 from jobrules.spec import JobSpec
+from jobrules.step_costs import MAX_BYTES, dump
 from trainer.config import load_job
 from trainer.protocol import ListSink, NeverStop
 from trainer.selection import job as selection_job
 from trainer.selection.fusion_plan import StepCost
 from trainer.selection.job import run_selection
-from trainer.selection.step_costs import MAX_BYTES, Book, dump, key
+from trainer.selection.step_costs import Book, key
 from workers import step_costs as host_costs
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from core.scheduler import Scheduler, queue_positions
+from core.scheduler import queue_positions
+from core.scheduler_loop import Scheduler
 from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs

@@ -10,7 +10,8 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from core.scheduler import Decision, Scheduler, _Needs, plan, read_state
+from core.scheduler import Decision, _Needs, plan, read_state
+from core.scheduler_loop import Scheduler
 from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs

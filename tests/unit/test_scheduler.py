@@ -12,17 +12,8 @@ from typing import Any
 
 from sqlalchemy import event, update
 
-from core.scheduler import (
-    WAKE_GAP_S,
-    Box,
-    Quota,
-    Running,
-    Scheduler,
-    Want,
-    gang_shape,
-    order_queue,
-    plan,
-)
+from core.scheduler import Box, Quota, Running, Want, gang_shape, order_queue, plan
+from core.scheduler_loop import WAKE_GAP_S, Scheduler
 from core.settings import Settings
 from db import ingest as dbi
 from db import jobs as dbj

@@ -15,7 +15,7 @@ import pytest
 
 from core.messages import finite
 from core.settings import Settings
-from trainer.selection.step_costs import MAX_ENTRIES, MAX_REPORTED, read
+from jobrules.step_costs import MAX_ENTRIES, MAX_REPORTED, read
 from workers import step_costs
 from workers.selection import Group
 
