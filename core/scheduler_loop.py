@@ -12,6 +12,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
@@ -19,7 +21,7 @@ from core.queue_cache import QueueCache
 from core.scheduler import Decision, _Needs, box_of, read_state
 from core.settings import Settings
 from core.slurm import is_pool_node
-from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_TICK
+from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_PLACEMENT, SCHEDULER_TICK
 from db import scheduling as dbs
 from db.engine import session_for
 from db.ingest import add_event
@@ -35,6 +37,19 @@ WAKE_GAP_S = 0.25
 count, so a lone submit is placed at once): a tick orders the whole
 queue, and one per submit cost the API process its latency under a stream of submits (20/s with
 hundreds queued: bench/api_load.py)."""
+REASONS_MARGIN_S = 1.0
+"""The lock's lease must run at least this much past the moment the wait reasons' transaction
+starts (a bound on what that transaction takes; the lease is lock_s, 5 s or more)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TickTimes:
+    """A leader's tick, in seconds from its start: `placed`, its placements reserved (committed),
+    their tasks sent and any preemption asked, the decision a submitter waits for; `total`, with
+    the waiting jobs' reasons written too."""
+
+    placed: float
+    total: float
 
 
 class Scheduler:
@@ -57,6 +72,9 @@ class Scheduler:
         self.queue = QueueCache()
         """The queued jobs between ticks (read again in full when this scheduler starts to lead)."""
         self.leading = False
+        self.last: TickTimes | None = None
+        """The last tick that led, timed."""
+        self._placed_at = 0.0
         self.wake_event = threading.Event()
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
@@ -73,12 +91,15 @@ class Scheduler:
         started = time.perf_counter()
         d = self._tick()
         if d is not None:  # a follower's pass is one lock read: not a tick worth timing
-            SCHEDULER_TICK.observe(time.perf_counter() - started)
+            self.last = TickTimes(self._placed_at - started, time.perf_counter() - started)
+            SCHEDULER_PLACEMENT.observe(self.last.placed)
+            SCHEDULER_TICK.observe(self.last.total)
         return d
 
     def _tick(self) -> Decision | None:
         s = self.settings
         with session_for(s.database_url) as session:
+            clock = time.monotonic()
             now = db_now(session)  # one clock read for the lock and the tick's reads
             if not dbs.acquire_lock(session, holder=self.holder, lease_s=self.lock_s, now=now):
                 self.leading = False
@@ -121,14 +142,40 @@ class Scheduler:
                 self.queue.placed(w.id)
                 SCHEDULER_PLACED.inc()
                 self._send(session, w.id, rows, selection_id=w.selection, fresh=True)
-            if changes := self.queue.changes(d):
-                dbs.set_wait_reasons(session, {i: why for why, ids in changes.items() for i in ids})
-                self.queue.written(changes)
             if d.preempt and d.preempt_for is not None:
                 asked = dbs.request_preemption(session, job_ids=d.preempt, by_job=d.preempt_for)
                 if asked:
                     log.warning("job %s: asked job(s) %s to checkpoint and requeue", d.preempt_for, asked)
+            self._placed_at = time.perf_counter()
+            # the database's clock now is at most `now` plus what this process's clock has run since
+            self._write_reasons(session, d, until=now + timedelta(seconds=time.monotonic() - clock))
         return d
+
+    def _write_reasons(self, session: Any, d: Decision, *, until: datetime) -> None:
+        """The waiting jobs' reasons that changed, in their own transaction after the placements
+        (whose reservations are committed and tasks sent already), while this scheduler still
+        holds the lock (`until`: a bound on the database's time now). Not written (the lock lapsed,
+        or the write failed): logged, and the cache keeps the reasons the database has, so the
+        next tick that leads writes them."""
+        changes = self.queue.changes(d)
+        if not changes:
+            return
+        try:
+            if not dbs.lock_held(
+                session, holder=self.holder, until=until + timedelta(seconds=REASONS_MARGIN_S)
+            ):
+                log.warning("the scheduler lock lapsed before the wait reasons were written")
+                self.leading = False  # a scheduler that leads again reads everything first
+                return
+            dbs.set_wait_reasons(session, {i: why for why, ids in changes.items() for i in ids})
+        except Exception:  # noqa: BLE001 - the placements stand; the next tick writes the reasons
+            session.rollback()
+            log.exception(
+                "could not write %d wait reason(s); the next tick writes them",
+                sum(map(len, changes.values())),
+            )
+            return
+        self.queue.written(changes)
 
     def _send(
         self,
@@ -222,4 +269,4 @@ class Scheduler:
             self.thread.join(timeout_s)
 
 
-__all__ = ["Scheduler", "WAKE_GAP_S"]
+__all__ = ["REASONS_MARGIN_S", "WAKE_GAP_S", "Scheduler", "TickTimes"]

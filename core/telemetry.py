@@ -63,7 +63,12 @@ DB_POOL_SIZE = Gauge(
 )
 SCHEDULER_TICK = Histogram(
     "shardyard_scheduler_tick_seconds",
-    "One scheduler pass by the lock holder: read the state, decide, reserve, send",
+    "One scheduler pass by the lock holder: read the state, decide, reserve, send, write wait reasons",
+    buckets=LATENCY_BUCKETS,
+)
+SCHEDULER_PLACEMENT = Histogram(
+    "shardyard_scheduler_placement_seconds",
+    "A scheduler pass by the lock holder up to its placements reserved and sent (before wait reasons)",
     buckets=LATENCY_BUCKETS,
 )
 SCHEDULER_DECISION = Histogram(

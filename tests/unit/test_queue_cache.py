@@ -5,9 +5,11 @@ behind the scheduler's back (another process's writes) are seen at its next tick
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
+import pytest
 from sqlalchemy import select, update
 
 from core.scheduler import Decision, _Needs, plan, read_state
@@ -17,7 +19,7 @@ from db import jobs as dbj
 from db import scheduling as dbs
 from db.engine import session_for
 from db.jobs import Attempt
-from db.models import Job, JobStatus, Reservation
+from db.models import Job, JobStatus, Reservation, SchedulerLock
 from db.users import create_user
 from tests.conftest import beat
 
@@ -66,20 +68,34 @@ def _expected(url: str, settings: Settings) -> Decision:
     )
 
 
+def _stored_reasons(url: str) -> dict[int, str | None]:
+    """The waiting (queued, unreserved) jobs' reasons in the database."""
+    with session_for(url) as s:
+        return dict(
+            s.execute(  # type: ignore[arg-type]
+                select(Job.id, Job.wait_reason).where(
+                    Job.status == JobStatus.queued, Job.id.not_in(select(Reservation.job_id))
+                )
+            ).all()
+        )
+
+
+def _converged(url: str, settings: Settings) -> None:
+    """Every waiting job's stored reason is the one `plan` gives it on a fresh full read now."""
+    want = _expected(url, settings).reasons
+    queued = _stored_reasons(url)
+    assert {j: r for j, r in queued.items() if j in want} == {j: want[j] for j in queued if j in want}
+
+
 def _check(url: str, sched: Scheduler) -> Decision:
     want = _expected(url, sched.settings)
     got = sched.tick()
     assert got is not None
     assert [(w.id, n) for w, n in got.placements] == [(w.id, n) for w, n in want.placements]
     assert got.reasons == want.reasons
-    with session_for(url) as s:  # and the database holds the reasons `plan` gave
-        queued = dict(
-            s.execute(
-                select(Job.id, Job.wait_reason).where(
-                    Job.status == JobStatus.queued, Job.id.not_in(select(Reservation.job_id))
-                )
-            ).all()
-        )
+    # once the tick has returned (its reasons are written in their own transaction after the
+    # placements), the database holds the reasons `plan` gave
+    queued = _stored_reasons(url)
     assert {j: r for j, r in queued.items() if j in want.reasons} == {
         j: want.reasons[j] for j in queued if j in want.reasons
     }
@@ -120,6 +136,11 @@ def test_incremental_decisions_equal_the_full_reads(db_url: str) -> None:
     for _ in range(30):
         _check(db_url, sched)
         _claim_placed(db_url)
+        # and they converge: a tick with nothing new places nothing and leaves every waiting job's
+        # stored reason the one `plan` gives on a fresh full read after it (the tick before may
+        # not: a reason that counts free slots is worked out before the placements behind it)
+        assert _check(db_url, sched).placements == []
+        _converged(db_url, sched.settings)
         op = rng.random()
         if op < 0.4:
             for _ in range(rng.randint(1, 4)):
@@ -165,3 +186,76 @@ def test_changes_behind_its_back_are_seen(db_url: str) -> None:
     sched.queue.FULL_S = 0.0
     got = _check(db_url, sched)
     assert waiting[-2] in got.reasons
+
+
+def _fleet(url: str, name: str, jobs: int) -> tuple[Scheduler, Sent, list[int]]:
+    """One worker of 2 slots, `jobs` one-rank jobs (the first places, the rest wait)."""
+    with session_for(url) as s:
+        users = [create_user(s, name=name).id]
+    beat(url, "w1@h", slots=2, tasks=2)
+    sent = Sent()
+    sched = Scheduler(Settings(database_url=url, worker_alive_s=3600), send=sent, send_group=Sent())
+    ids = []
+    for _ in range(jobs):
+        with session_for(url) as s:
+            ids.append(dbj.create_job(s, name="j", spec=SPEC, priority=0, owner_id=users[0], world_size=2).id)
+    return sched, sent, ids
+
+
+def test_placements_stand_when_the_reasons_fail(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reasons' transaction fails: the tick's placement is committed and sent all the same,
+    the failure is logged, no reason is written, and the next tick writes them all."""
+    sched, sent, jobs = _fleet(db_url, "fay", 4)
+    real = dbs.set_wait_reasons
+
+    def broken(_session: Any, _reasons: Any) -> None:
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(dbs, "set_wait_reasons", broken)
+    with caplog.at_level(logging.ERROR, logger="core.scheduler_loop"):
+        d = sched.tick()
+    assert d is not None and [w.id for w, _ in d.placements] == [jobs[0]]
+    assert sent.jobs == [jobs[0]]
+    with session_for(db_url) as s:
+        assert s.scalars(select(Reservation.job_id)).all() == [jobs[0]]
+    assert "could not write 3 wait reason(s)" in caplog.text
+    assert _stored_reasons(db_url) == dict.fromkeys(jobs[1:])
+    monkeypatch.setattr(dbs, "set_wait_reasons", real)
+    d = sched.tick()
+    assert d is not None and d.placements == []
+    assert _stored_reasons(db_url) == dict.fromkeys(jobs[1:], _busy())
+    _converged(db_url, sched.settings)
+
+
+def _busy() -> str:
+    return (
+        "workers busy: needs 2 free slot(s); most free now: 0 (the fleet can hold it once running jobs end)"
+    )
+
+
+def test_no_reasons_are_written_once_the_lock_has_lapsed(db_url: str) -> None:
+    """Another scheduler takes the lock while a tick sends its placement (its lease lapsed): the
+    placement stands (reserve's own transaction guards it), the reasons are not written, and the
+    tick that leads again reads everything and writes them."""
+    sched, sent, jobs = _fleet(db_url, "gus", 3)
+
+    def steal(settings: Settings, **kw: Any) -> None:
+        sent(settings, **kw)
+        with session_for(db_url) as s:
+            s.execute(update(SchedulerLock).values(holder="another"))
+            s.commit()
+
+    sched.send = steal
+    d = sched.tick()
+    assert d is not None and [w.id for w, _ in d.placements] == [jobs[0]] and sent.jobs == [jobs[0]]
+    assert _stored_reasons(db_url) == dict.fromkeys(jobs[1:])
+    assert not sched.leading
+    sched.send = sent
+    assert sched.tick() is None  # "another" holds the lock now
+    with session_for(db_url) as s:
+        dbs.release_lock(s, holder="another")
+    assert sched.tick() is not None
+    assert _stored_reasons(db_url) == dict.fromkeys(jobs[1:], _busy())
+    _converged(db_url, sched.settings)

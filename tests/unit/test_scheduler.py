@@ -457,12 +457,34 @@ def test_only_the_wait_reasons_that_changed_are_rewritten(db_url: str) -> None:
 
 def test_wait_reasons_are_set_and_cleared_on_queued_jobs_only(db_url: str) -> None:
     a, b, ran = _job(db_url), _job(db_url), _job(db_url)
+    many = [_job(db_url) for _ in range(30)]
     with session_for(db_url) as s:
         dbs.set_wait_reasons(s, {a: "first", b: "first"})
         s.execute(update(Job).where(Job.id == ran).values(status=JobStatus.running))
         s.commit()
         dbs.set_wait_reasons(s, {a: None, b: "second", ran: "third"})
         assert [dbj.get_job(s, j).wait_reason for j in (a, b, ran)] == [None, "second", None]
+        # a statement per distinct reason: many jobs, a few texts, each job its own
+        dbs.set_wait_reasons(
+            s, {j: f"behind higher-priority job {j % 3}" for j in many} | {a: "it's 'quoted'"}
+        )
+        assert [dbj.get_job(s, j).wait_reason for j in many] == [
+            f"behind higher-priority job {j % 3}" for j in many
+        ]
+        assert dbj.get_job(s, a).wait_reason == "it's 'quoted'"
+
+
+def test_the_lock_is_held_only_by_its_holder_within_its_lease(db_url: str) -> None:
+    """lock_held: true for the holder while the lease runs past the time given; otherwise the
+    transaction is rolled back and the caller writes nothing."""
+    with session_for(db_url) as s:
+        now = dbj.db_now(s)
+        assert dbs.acquire_lock(s, holder="me", lease_s=10, now=now)
+        assert dbs.lock_held(s, holder="me", until=now + timedelta(seconds=5))
+        s.commit()
+        assert not dbs.lock_held(s, holder="you", until=now)
+        assert not dbs.lock_held(s, holder="me", until=now + timedelta(seconds=11))
+        assert not s.in_transaction()
 
 
 def test_one_scheduler_holds_the_lock(db_url: str) -> None:
