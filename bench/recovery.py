@@ -50,17 +50,32 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def _pool_child(root: Path, job_id: int) -> int:
-    """The Celery pool process running the job: its trainer's parent."""
+def _trainer(root: Path, job_id: int) -> int:
+    """The job's trainer: the process whose command line names the job's spec (a sandboxed
+    trainer's title keeps the host's command line)."""
     spec = str(root / "jobs" / str(job_id) / "spec.json")
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 if spec in Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    return _ppid(int(d))
+                    return int(d)
             except OSError:
                 continue
     raise RuntimeError("no trainer found")
+
+
+def _pool_and_worker(st: Stack, job_id: int) -> tuple[int, str]:
+    """The Celery pool process running the job and the name of its worker: the trainer's ancestor
+    whose parent is one of the stack's worker processes (bubblewrap stands between the pool
+    process and a sandboxed trainer)."""
+    workers = {p.pid: n for n, p in st.procs.items()}
+    pid = _trainer(st.root, job_id)
+    while pid > 1:
+        parent = _ppid(pid)
+        if parent in workers:
+            return pid, workers[parent]
+        pid = parent
+    raise RuntimeError(f"job {job_id}'s trainer runs under no worker of the stack")
 
 
 def one(lease_s: float, fault: str) -> dict:
@@ -68,6 +83,9 @@ def one(lease_s: float, fault: str) -> dict:
         "SHARDYARD_LEASE_S": str(lease_s),
         "SHARDYARD_RECONCILE_S": str(max(0.5, lease_s / 4)),
         "SHARDYARD_HEARTBEAT_S": str(max(0.25, lease_s / 8)),
+        # a dead worker counts as gone as soon as its job's lease runs out: until then the
+        # scheduler may place the job back on it (core/settings.py worker_alive_s)
+        "SHARDYARD_WORKER_ALIVE_S": str(lease_s),
     }
     with tempfile.TemporaryDirectory() as tmp, Stack(root=Path(tmp), workers=2, extra_env=env) as st:
         c = httpx.Client(
@@ -75,9 +93,8 @@ def one(lease_s: float, fault: str) -> dict:
         )
         job_id = c.post("/api/jobs", json=SPEC).json()["id"]
         _until(c, job_id, lambda j: j["progress"]["step"] >= 10)
-        pool = _pool_child(st.root, job_id)
+        pool, name = _pool_and_worker(st, job_id)
         if fault == "worker":
-            name = next(n for n, p in st.procs.items() if p.pid == _ppid(pool))
             proc = st.procs.pop(name)
             t0 = time.monotonic()
             os.killpg(proc.pid, signal.SIGKILL)

@@ -45,7 +45,9 @@ class Settings(BaseSettings):
     """Longest a job may run; the broker's visibility timeout is set above it so a long job is
     never delivered twice."""
     worker_alive_s: float = 30.0
-    """A worker whose last heartbeat is older than this counts as gone (health, placement)."""
+    """A worker whose last heartbeat is older than this counts as gone (health, placement). Until
+    then the scheduler may place a job taken back from a dead worker on that worker again, so keep
+    it at or below lease_s (a few heartbeat_s)."""
     heartbeat_s: float = 5.0
     log_head_lines: int = 2000
     """Lines of a job attempt's own output (prints, warnings, tracebacks) stored as they come."""
@@ -58,7 +60,8 @@ class Settings(BaseSettings):
     lease_s: float = 30.0
     """A running job's lease: its worker process renews it (with every batch of lines it applies,
     and at least every lease_s / 3); once it runs out by database time, anyone may take the job
-    over. The time from a worker's death to its job running again is about lease_s + reconcile_s."""
+    over. The time from a worker's death to its job running again is about
+    max(lease_s, worker_alive_s) + reconcile_s."""
     worker_slots: int = 0
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     requeue_after_s: float = 600.0
