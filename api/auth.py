@@ -51,7 +51,7 @@ from starlette.types import Scope
 from api.deps import SessionDep, SettingsDep
 from core.settings import Settings
 from db import users as db_users
-from db.engine import session_for
+from db.connection import session_for
 from db.models import ApiToken, User, utcnow
 
 log = logging.getLogger(__name__)

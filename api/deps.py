@@ -9,7 +9,7 @@ from fastapi import Depends, Path, Query, Request
 from sqlalchemy.orm import Session
 
 from core.settings import Settings, get_settings
-from db.engine import session_for
+from db.connection import session_for
 from jobrules.spec import DB_INT
 
 

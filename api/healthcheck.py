@@ -69,7 +69,7 @@ def check_api(*, port: int) -> str:
 
 
 def check_worker(settings: Settings, *, hostname: str) -> str:
-    from db.engine import session_for
+    from db.connection import session_for
     from db.jobs import aware
     from db.workers import live_workers
 
@@ -85,7 +85,7 @@ def check_worker(settings: Settings, *, hostname: str) -> str:
 def check_scheduler(settings: Settings) -> str:
     from sqlalchemy import select, text
 
-    from db.engine import session_for
+    from db.connection import session_for
     from db.jobs import aware, db_now
     from db.models import SchedulerLock
     from db.scheduling import LOCK

@@ -36,7 +36,7 @@ from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings, get_settings
 from core.storage import StorageError
 from core.telemetry import process_exited
-from db.engine import POOL_TIMEOUT_S, session_for
+from db.connection import POOL_TIMEOUT_S, session_for
 from db.selections import end_orphan_trial_jobs
 from jobrules.spec import explain, problems
 

@@ -28,7 +28,7 @@ from api.stalls import StallWatch
 from core.settings import Settings
 from core.telemetry import DB_POOL_IN_USE, DB_POOL_SIZE, HTTP_LATENCY, multiprocess, multiprocess_registry
 from db import webhooks as dbw
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.jobs import aware, db_now
 from db.models import Job, JobStatus, Reservation, Selection, Trial
 from db.scheduling import workers_seen

@@ -16,7 +16,7 @@ from api.convert import from_row
 from api.schemas import JobPublic, QueueEntry, ReservationPublic
 from core.scheduler import Want, queue_positions
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import aware
 from db.models import Job
 from db.scheduling import reservations_of

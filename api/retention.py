@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from core.settings import Settings
 from core.storage import StorageError, get_storage, job_prefix, selection_prefix
-from db.engine import session_for
+from db.connection import session_for
 from db.models import utcnow
 from db.retention import (
     delete_job,

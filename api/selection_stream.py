@@ -32,7 +32,7 @@ from api.sse import frame
 from api.stream_threads import in_stream_thread
 from core.broker import broker_signing_key, selection_channel
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.models import TERMINAL
 from db.selections import get_selection, selection_points_after
 

@@ -25,7 +25,7 @@ from api.healthcheck import Unhealthy, healthcheck
 from api.hosts import own_hostnames
 from core.multiproc import MULTIPROC_ENV, runtime_multiproc_dir
 from core.settings import get_settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import Conflict
 from db.migrate import upgrade
 from db.users import create_user

@@ -52,7 +52,7 @@ from api.stream_threads import in_stream_thread
 from core.broker import broker_signing_key, job_channel
 from core.settings import Settings
 from core.telemetry import SSE_READS, SSE_ROWS
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import events_after, last_status_event, metrics_after, newest_metric_id
 from db.jobs import get_job
 from db.models import TERMINAL, JobEvent

@@ -28,7 +28,7 @@ import httpx
 
 from api.auth import SECRET_VARIABLES
 from core.multiproc import MULTIPROC_ENV, remove_multiproc_dir, runtime_multiproc_dir
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.models import JobStatus
 from db.scheduling import mark_unsent, reservations

@@ -10,7 +10,7 @@ Sections:
 3. a real D=4 gloo run of the pipeline job (trainer.runner.run) per schedule: bubble measured from the executed
    timelines, beside the simulation fed with the costs measured in that run, and step time;
 4. a GPT-2 1.3B-shaped projection at 8-2048 devices from per-layer costs measured on this CPU;
-5. our gpipe / 1f1b executor against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
+5. our gpipe / 1f1b driver against torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B,
    same model, split, micro-batches and data, gloo D=2 and D=4, interleaved in one run;
 6. executed 1f1b / chimera / chimera-zb steps at backward = 2x forward (sleeps stand in for
    compute, so the schedule and its messages are what is measured), and the same three with the
@@ -148,7 +148,7 @@ def _jitter_rank(rank: int, world: int, Ns: tuple[int, ...], steps: int, base_s:
 
 
 def _jitter_one(rank: int, world: int, *, N: int, steps: int, base_s: float) -> dict[str, list[float]]:
-    """Executor runs where each action's compute is stood in for by a sleep of base_s (F) or
+    """Driver runs where each action's compute is stood in for by a sleep of base_s (F) or
     2 x base_s (B) times a +/-30% draw keyed by (step, action): sleeps leave the 2 cores free,
     so the comparison measures ordering, not CPU contention. Tiny real model underneath."""
     import random
@@ -157,7 +157,7 @@ def _jitter_one(rank: int, world: int, *, N: int, steps: int, base_s: float) -> 
 
     from jobrules.spec import ModelSpec
     from trainer.models import build_model
-    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.driver import PipelineDriver
     from trainer.pipeline.simulate import summarize
     from trainer.pipeline.stage import build_stages
 
@@ -177,7 +177,7 @@ def _jitter_one(rank: int, world: int, *, N: int, steps: int, base_s: float) -> 
                 u = random.Random(f"{step}-{a.op}-{a.mb}-{a.stage}").uniform(-0.3, 0.3)
                 return base_s * (2.0 if a.op == "B" else 1.0) * (1.0 + u)
 
-            ex = PipelineExecutor(
+            ex = PipelineDriver(
                 sched=sched, rank=rank, modules=modules, act_shape=(1, cfg.seq_len, cfg.d_model), delay=delay
             )
             dist.barrier()
@@ -223,13 +223,13 @@ VS_BATCH = 16
 
 
 def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[float]]:
-    """Our gpipe / 1f1b executor and torch's ScheduleGPipe / Schedule1F1B on the same model, split,
+    """Our gpipe / 1f1b driver and torch's ScheduleGPipe / Schedule1F1B on the same model, split,
     micro-batches and data, interleaved step by step in one run so load changes hit both."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from jobrules.spec import ModelSpec
     from trainer.models import build_model, lm_loss
-    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.driver import PipelineDriver
     from trainer.pipeline.stage import build_stages
 
     cfg = ModelSpec(**VS_CFG)
@@ -240,7 +240,7 @@ def _vs_torch_rank(rank: int, world: int, N: int, steps: int) -> dict[str, list[
     for name in ("gpipe", "1f1b"):
         sched = build_schedule(name, stages=world, microbatches=N)
         ours = build_stages(build_model(cfg, seed=0), sched=sched, rank=rank)
-        ex = PipelineExecutor(
+        ex = PipelineDriver(
             sched=sched, rank=rank, modules=ours, act_shape=(VS_BATCH // N, cfg.seq_len, cfg.d_model)
         )
         runners[f"ours {name}"] = (lambda ex=ex: ex.step(x, y), ours[(rank, 0)])
@@ -294,7 +294,7 @@ def _split_rank(
 
     from jobrules.spec import ModelSpec
     from trainer.models import build_model
-    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.driver import PipelineDriver
     from trainer.pipeline.stage import build_stages
 
     cfg = ModelSpec(**VS_CFG) if real else ModelSpec(layers=2, d_model=32, heads=2, seq_len=16)
@@ -311,7 +311,7 @@ def _split_rank(
         def delay(a: Any, split: bool = split) -> float:
             return base_s * (2.0 if a.op == "B" and not split else 1.0)
 
-        ex = PipelineExecutor(
+        ex = PipelineDriver(
             sched=sched,
             rank=rank,
             modules=modules,
@@ -500,7 +500,7 @@ def executed_sections(payload: dict[str, Any]) -> None:
         payload,
         "vs_torch_pipelining",
         vs_torch_rows,
-        title="5. our executor vs torch.distributed.pipelining, same GPT 6x128, batch 16, gloo "
+        title="5. our driver vs torch.distributed.pipelining, same GPT 6x128, batch 16, gloo "
         "(step ms, median of 8, interleaved)",
     )
 

@@ -48,7 +48,7 @@ from bench.scale_seed import Seeded, Sizes, seed
 from bench.sched import add_workers, claim_all
 from core.scheduler_loop import Scheduler
 from core.settings import Settings
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.jobs import Attempt, finish_job
 from db.models import Job, JobStatus, Reservation
 from db.users import add_token

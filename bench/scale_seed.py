@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import insert, select
 
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.migrate import upgrade
 from db.models import Job, JobStatus, MetricPoint, Selection, Trial
 from db.users import create_user

@@ -35,7 +35,7 @@ from bench.common import table, write_results
 from core.scheduler import Box, Want, plan
 from core.scheduler_loop import Scheduler
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import claim_job, finish_job
 from db.migrate import upgrade
 from db.models import Job, JobStatus, Reservation

@@ -42,7 +42,7 @@ from jobrules.spec import JobSpec
 from trainer.config import load_job
 from trainer.protocol import NullSink
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
-from trainer.selection.scheduler import make_scheduler
+from trainer.selection.policy import make_policy
 from trainer.selection.simulate import lower_bound, random_batch, simulate
 from trainer.selection.space import expand
 
@@ -61,8 +61,7 @@ def simulation(*, sizes: list[int], devices: list[int], seeds: int) -> list[dict
                 )
                 bound = lower_bound(trials, devices=d)
                 spans = {
-                    p: simulate(trials, budgets=[None] * d, scheduler=make_scheduler(p)).makespan
-                    for p in POLICIES
+                    p: simulate(trials, budgets=[None] * d, policy=make_policy(p)).makespan for p in POLICIES
                 }
                 for p in POLICIES:
                     ratios[p].append(spans[p] / bound)

@@ -21,7 +21,7 @@ from api import series
 from api.downsample import downsample
 from bench.common import table, write_results
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import _upsert_points
 from db.migrate import upgrade
 

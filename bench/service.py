@@ -25,7 +25,7 @@ from bench.common import table, write_results
 from core.broker import job_channel
 from core.messages import Message
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import claim_job, create_job
 from workers.relay import Relay, Target
 

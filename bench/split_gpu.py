@@ -3,7 +3,7 @@ one plain backward of the same pipeline stage, with real kernels.
 
     python -m bench.split_gpu [--steps 30]
 
-Each timed op goes through the executor's own compute path (trainer/pipeline/executor.py
+Each timed op goes through the driver's own compute path (trainer/pipeline/driver.py
 `_StepRun.compute`, no processes: a compute sends nothing), on a middle stage of a GPT at D=4, so
 the stage has an input gradient to return. Plain = chimera's B; split = chimera-zb's B then W.
 Timed with CUDA events around each op after warm-up, median over `--steps`; FLOPs from
@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.common import machine, table, write_results
 from jobrules.spec import ModelSpec
 from trainer.models import build_model
-from trainer.pipeline.executor import PipelineExecutor, _StepRun
+from trainer.pipeline.driver import PipelineDriver, _StepRun
 from trainer.pipeline.schedules import Action, build_schedule
 from trainer.pipeline.stage import build_stages
 
@@ -57,7 +57,7 @@ def measure(
     sched = build_schedule(schedule, stages=D, microbatches=N)
     model = build_model(cfg, seed=0).to(dev, dtype)
     modules = build_stages(model, sched=sched, rank=STAGE)
-    ex = PipelineExecutor(
+    ex = PipelineDriver(
         sched=sched,
         rank=STAGE,
         modules=modules,
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "split_gpu",
         {
             "rows": rows,
-            "method": "executor _StepRun.compute per op, CUDA events, median; stage 1 of D=4, one micro-batch",
+            "method": "driver _StepRun.compute per op, CUDA events, median; stage 1 of D=4, one micro-batch",
         },
     )
     print(f"wrote {path}")

@@ -97,7 +97,7 @@ def _measure(
     from trainer.models import Block
     from trainer.tensor import comm, layers_1d, layers_25d
     from trainer.tensor.block import local_batch, shard_block
-    from trainer.tensor.mesh import Mesh1D, grid_mesh_from_config
+    from trainer.tensor.grid import Grid1D, tensor_grid_for
 
     torch.manual_seed(0)
     dense = Block(d_model=D, heads=H, mlp_ratio=RATIO)
@@ -106,15 +106,15 @@ def _measure(
     small = Block(d_model=REGIME_H, heads=REGIME_HEADS, mlp_ratio=RATIO)
     out: dict[str, Any] = {"regime": {}}
     for tensor in configs:
-        mesh = grid_mesh_from_config(tensor)
+        mesh = tensor_grid_for(tensor)
 
         def shard(t: torch.Tensor, mesh: Any = mesh) -> torch.Tensor:
-            if isinstance(mesh, Mesh1D):
+            if isinstance(mesh, Grid1D):
                 return t
             return layers_25d.cols_of(local_batch(t, mesh=mesh), mesh)
 
         x_local = shard(x_BTD)
-        if isinstance(mesh, Mesh1D):
+        if isinstance(mesh, Grid1D):
             lin = layers_1d.RowLinear(square, mesh=mesh, name="lin")
             lin_in = layers_1d.block_of(x_BTD, dim=-1, index=mesh.rank, parts=mesh.size)
         else:

@@ -23,7 +23,7 @@ from core.settings import Settings
 from core.slurm import is_pool_node
 from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_PLACEMENT, SCHEDULER_TICK
 from db import scheduling as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import add_event
 from db.jobs import aware, db_now
 from db.models import JobStatus

@@ -145,7 +145,7 @@ def make_sampler(method: str, *, seed: int, startup_trials: int | None) -> BaseS
 class Clock:
     """The logical clock that says which trials a sampler has been told when it asks trial k: the
     batch run on paper, with each trial's estimated cost (`plan`'s `cost`), by the executor's own
-    rule (trainer/selection/scheduler.py, Sharded-LRTF: the trials with the most work left take the
+    rule (trainer/selection/policy.py, Sharded-LRTF: the trials with the most work left take the
     devices, so trials of equal work left share them, as fluid processor sharing here). The
     value-free trials start at time 0; every later trial is asked at the first moment fewer than
     `slots` trials are in flight, and is told exactly the trials that ended by then. Trials that end

@@ -40,7 +40,7 @@ from core.egress import (
 from core.settings import Settings
 from core.telemetry import WEBHOOK_ATTEMPTS
 from db import webhooks as dbw
-from db.engine import session_for
+from db.connection import session_for
 
 log = logging.getLogger(__name__)
 

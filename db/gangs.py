@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from db.engine import rowcount
+from db.connection import rowcount
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, attempt_fence, aware, db_now, free_job_reservations
 from db.models import Job, JobEvent, JobStatus, Reservation, cap_error, utcnow

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from db.engine import AnyRow
+from db.connection import AnyRow
 from db.jobs import Attempt, attempt_fence
 from db.models import Job, JobEvent, MetricPoint, MetricSummary
 

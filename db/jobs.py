@@ -17,7 +17,7 @@ from typing import Any, TypeVar, overload
 from sqlalchemy import delete, exists, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
 
-from db.engine import rowcount
+from db.connection import rowcount
 from db.models import (
     TERMINAL,
     Job,

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import BindParameter
 
-from db.engine import AnyRow, rowcount
+from db.connection import AnyRow, rowcount
 from db.jobs import aware, db_now
 from db.models import Job, JobStatus, Reservation, SchedulerLock, Selection, Trial, User, WorkerBeat, utcnow
 from db.quotas import job_gpus as spec_gpus

@@ -12,7 +12,7 @@ from typing import Any, cast
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from db.engine import rowcount
+from db.connection import rowcount
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import (
     Attempt,

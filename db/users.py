@@ -10,7 +10,7 @@ from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from db.engine import rowcount
+from db.connection import rowcount
 from db.jobs import Conflict, NotFound, aware, get_row
 from db.models import ApiToken, User, utcnow
 

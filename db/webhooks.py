@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from db.engine import rowcount
+from db.connection import rowcount
 from db.jobs import NotFound, aware, db_now
 from db.models import Job, Selection, User, Webhook, WebhookAttempt, WebhookDelivery
 

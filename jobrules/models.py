@@ -75,7 +75,7 @@ def swiglu_width(d_model: int, mlp_ratio: int) -> int:
 
 def tensor_kind_problems(model: dict[str, Any], *, mode: str, split: int) -> list[str]:
     """Whether `model.kind` has a tensor-parallel form in `mode`, and the Llama-only divisibility
-    rules (key/value heads, SwiGLU width); GPT's rules are trainer/tensor/mesh.py's."""
+    rules (key/value heads, SwiGLU width); GPT's rules are trainer/tensor/grid.py's."""
     kind = model.get("kind", "gpt")
     modes = TENSOR_KINDS.get(kind, ())
     if mode not in modes:

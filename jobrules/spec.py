@@ -294,7 +294,7 @@ class JobSpec(Strict):
 
 SchedulerName = Literal["shard-lrtf", "fifo", "round-robin", "sequential"]
 SCHEDULERS: tuple[SchedulerName, ...] = get_args(SchedulerName)
-"""How a node's devices pick the next trial shard (trainer/selection/scheduler.py)."""
+"""How a node's devices pick the next trial shard (trainer/selection/policy.py)."""
 StoppingKind = Literal["asha", "sha", "hyperband"]
 STOPPING_KINDS: tuple[StoppingKind, ...] = get_args(StoppingKind)
 CheckpointPolicy = Literal["best", "all", "none"]

@@ -18,7 +18,7 @@ import pytest
 
 from api.stack import Stack
 from core.messages import parse_line
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.workers import record_heartbeat
 from tests.sse import TOKENS

@@ -5,7 +5,7 @@ data-parallel replica among `dp`. It plugs into trainer/loop.py's `run_steps` li
 One training step on a rank:
   rows      the global batch -> this replica's rows (dp) -> a tensor grid's row block (2d/2.5d)
   forward/backward
-            no pipeline: model(x), the loss, backward; a pipeline: the executor runs the schedule
+            no pipeline: model(x), the loss, backward; a pipeline: the driver runs the schedule
             (micro-batch losses divided by N, so the gradients sum to the replica's mean)
   reduce    gradients averaged over the dp group (bucketed, once per step)
   clip      global norm summed over this replica's ranks (pp x tp), never over WORLD
@@ -59,7 +59,7 @@ class ComposedEngine:
             # count this run's tensor-parallel traffic (evaluation excluded, see eval_loss)
             comm.LEDGER.reset()
             comm.LEDGER.enabled = True
-        self.executor: Any = None
+        self.driver: Any = None
         self.last_record: Any = None
         self.checkpoint_subdir = None if shape.pp * shape.tp == 1 else f"pp{mesh.pp_index}-tp{mesh.tp_index}"
         self.writes_checkpoints = mesh.dp_index == 0
@@ -99,19 +99,19 @@ class ComposedEngine:
             s = (*s[:-1], s[-1] // self.tp_mesh.q)
         return s
 
-    def _build_executor(self, x_local: torch.Tensor) -> None:
+    def _build_driver(self, x_local: torch.Tensor) -> None:
         """Built at the first step, from the real batch's shapes (a recipe's inputs may be anything
         with rows first)."""
-        from trainer.pipeline.executor import PipelineExecutor
+        from trainer.pipeline.driver import PipelineDriver
 
         x_mb = x_local.chunk(self.micro)[0]
         shapes = {self._act_shape(x_mb, s) for s in range(self.mesh.shape.pp - 1)}
         if len(shapes) != 1:
             raise SpecError(
                 f"model.kind {self.recipe.kind!r}: the activations between pipeline stages differ in shape "
-                f"({sorted(shapes)}); the pipeline executor passes one shape"
+                f"({sorted(shapes)}); the pipeline driver passes one shape"
             )
-        self.executor = PipelineExecutor(
+        self.driver = PipelineDriver(
             sched=self.parts.schedule,
             rank=self.mesh.pp_index,
             modules=self.parts.modules,
@@ -128,9 +128,9 @@ class ComposedEngine:
         opt = self.parts.optimizer
         opt.zero_grad()
         if self.mesh.shape.pp > 1:
-            if self.executor is None:
-                self._build_executor(x)
-            rec = self.executor.step(x, y, t0=time.perf_counter())
+            if self.driver is None:
+                self._build_driver(x)
+            rec = self.driver.step(x, y, t0=time.perf_counter())
             self.last_record = rec
             local: torch.Tensor | float = rec.loss
         else:
@@ -192,7 +192,7 @@ class ComposedEngine:
 
     def eval_report(self, step: int, sink: MetricsSink) -> None:
         """At each evaluation: the pipeline's executed and simulated timelines (one pipeline's)."""
-        if self.executor is None or self.last_record is None:
+        if self.driver is None or self.last_record is None:
             return
         from trainer.pipeline.timeline import timeline_event
 
@@ -254,7 +254,7 @@ class ComposedEngine:
         s = self.mesh.shape
         out: dict[str, Any] = {"mesh": {"pp": s.pp, "dp": s.dp, "tp": s.tp}, "data_parallel": s.dp}
         out["params_rank0"] = sum(p.numel() for p in self.params)
-        if self.executor is not None and self.job.parallel.pipeline:
+        if self.driver is not None and self.job.parallel.pipeline:
             p = self.job.parallel.pipeline
             out["pipeline"] = {
                 "schedule": p.schedule,
@@ -271,8 +271,8 @@ class ComposedEngine:
         return out
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        if self.driver is not None:
+            self.driver.close()
         if dist.is_initialized() and dist.get_world_size() > 1:
             # leave together: a rank that tears its process group down while a peer still talks
             # to it makes gloo abort that peer

@@ -5,7 +5,7 @@ Rank layout: rank = (pp_index * dp + dp_index) * tp + tp_index. The tensor axis 
 tensor group (the chattiest, several collectives per layer) is a run of adjacent ranks, i.e. one
 node's GPUs under torchrun; data-parallel replicas talk once per step, pipeline neighbours once per
 micro-batch. The tensor axis is itself 1d ("tp") or a d x q x q grid ("depth", "row", "col"), see
-trainer/tensor/mesh.py.
+trainer/tensor/grid.py.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class WorldMesh:
     replica_group: dist.ProcessGroup | None = None
     """pp x tp ranks of this replica: gradient-norm sums, loss reporting inside a replica."""
     tp_mesh: object | None = None
-    """trainer.tensor.mesh.TensorMesh of this rank's tensor group (None without tensor axis)."""
+    """trainer.tensor.grid.TensorGrid of this rank's tensor group (None without tensor axis)."""
     pipeline_ranks: list[int] = field(default_factory=lambda: [0])
 
     @property
@@ -116,9 +116,9 @@ def build_world_mesh(shape: MeshShape, *, device_type: str) -> WorldMesh:
     )
     tp_mesh = None
     if shape.tp > 1:
-        from trainer.tensor.mesh import tensor_mesh
+        from trainer.tensor.grid import tensor_grid
 
-        tp_mesh = tensor_mesh(dm[tp_names])
+        tp_mesh = tensor_grid(dm[tp_names])
     replica_group = None
     if shape.pp * shape.tp > 1:
         replica_group, _ = dist.new_subgroups_by_enumeration(

@@ -35,7 +35,7 @@ from core.messages import Message
 from core.safe_files import folder as opened_folder
 from core.settings import Settings
 from core.storage import StorageError, checkpoints_prefix, get_storage
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import last_status_event
 from db.jobs import (
     Attempt,

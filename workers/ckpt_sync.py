@@ -46,7 +46,7 @@ from pathlib import Path
 from core import safe_files
 from core.safe_files import Refused
 from core.storage import Storage, StorageError
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import add_event
 from jobrules.applied import APPLIED_FILE, kept_steps
 

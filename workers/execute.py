@@ -17,7 +17,7 @@ from typing import Any
 from core.broker import job_channel
 from core.safe_files import write_fresh
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import Attempt, finish_job, get_job, release_job, restart_job, stop_flags
 from db.models import JobStatus
 from jobrules.divergence import judge

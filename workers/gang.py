@@ -43,7 +43,7 @@ from core.broker import job_channel
 from core.safe_files import write_fresh
 from core.settings import Settings
 from core.storage import get_storage
-from db.engine import session_for
+from db.connection import session_for
 from db.gangs import (
     GangView,
     claim_node,

@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import record_lost
 
 log = logging.getLogger(__name__)

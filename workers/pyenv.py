@@ -481,7 +481,7 @@ def for_run(
     through `relay` (workers/relay.py): the build's lines land in each one's logs, and
     `preparing environment` is each one's wait_reason while it builds."""
     from core.messages import Message
-    from db.engine import session_for
+    from db.connection import session_for
     from db.jobs import set_run_note
 
     def say(text: str) -> None:
@@ -505,7 +505,7 @@ def for_job(
     spec: dict[str, Any], *, settings: Settings, workdir: Path, relay: Any, job_id: int
 ) -> PreparedEnv:
     """for_run() for one job's attempt (or one node's, workers/gang.py) in `workdir`."""
-    from db.engine import session_for
+    from db.connection import session_for
     from db.jobs import cancel_requested
 
     def cancelled() -> bool:
@@ -522,7 +522,7 @@ def for_group(
     spec: dict[str, Any], *, settings: Settings, root: Path, relay: Any, keys: list[int]
 ) -> PreparedEnv:
     """for_run() for a selection group whose base is `spec` and folder `root` (workers/selection.py)."""
-    from db.engine import session_for
+    from db.connection import session_for
     from db.selections import stop_requests
 
     selection_id = relay.selection_id

@@ -29,7 +29,7 @@ from core.broker import JOBS_CHANNEL
 from core.messages import Message
 from core.safe_files import folder as opened_folder
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.gangs import apply_gang_lines
 from db.ingest import Applied, JobLines, apply_lines
 from db.jobs import Attempt, db_now

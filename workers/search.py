@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from core.search import SAMPLERS, Plan, request_plan
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import Attempt
 from db.models import Job, Reservation, Selection, Trial
 from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection

@@ -27,7 +27,7 @@ from core.safe_files import write_fresh
 from core.search import SAMPLERS
 from core.settings import Settings
 from core.storage import get_storage, selection_prefix
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import Attempt, lease_left_s, release_job
 from db.models import Job, Trial
 from db.quotas import group_quota_gate

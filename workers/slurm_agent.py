@@ -30,7 +30,7 @@ from sqlalchemy import select
 
 from core.settings import Settings, get_settings
 from core.slurm import is_pool_node
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import add_event
 from db.models import TERMINAL, Job, Reservation
 

@@ -45,7 +45,7 @@ from core.slurm import (
     sizing,
 )
 from db import scheduling as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.gangs import give_back_gang
 from db.ingest import add_event
 from db.jobs import Attempt, fail_job, restart_job

@@ -26,7 +26,7 @@ from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue
 from core.settings import get_settings
-from db.engine import session_for
+from db.connection import session_for
 from db.gangs import expire_gangs
 from db.jobs import db_now, expire_leases
 from db.selections import settle_selection, sync_trials, unsettled_selections

@@ -17,7 +17,7 @@ from core.archive import ArchiveError, extract_archive
 from core.safe_files import write_fresh
 from core.settings import Settings
 from core.storage import KeyMissing, get_storage, workspace_key
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import NotFound
 from db.models import Job, Selection, Workspace
 from db.workspaces import owned_workspace

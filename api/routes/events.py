@@ -23,7 +23,7 @@ from api.sse import frame
 from api.streams import SseResponse, open_stream
 from core.broker import JOBS_CHANNEL, broker_signing_key
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import NotFound, get_job
 from db.models import User
 

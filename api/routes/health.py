@@ -8,7 +8,7 @@ from sqlalchemy import text
 from api.deps import SessionDep, SettingsDep
 from api.schemas import HealthPublic, WorkerPublic
 from core.broker import redis_client
-from db.engine import get_engine
+from db.connection import get_engine
 from db.jobs import aware
 from db.workers import live_workers
 

@@ -26,7 +26,7 @@ from core.archive import ArchiveError, inspect_archive, read_member
 from core.settings import Settings
 from core.storage import StorageError, get_storage, workspace_key
 from db import workspaces as db_ws
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import NotFound, aware
 from db.models import TERMINAL, Job, User, Workspace
 from jobrules.pyenv import REQUIREMENTS_FILE, requirement_lines, requirement_problems

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from db.engine import get_engine
+from db.connection import get_engine
 from db.models import Base
 
 config = context.config

@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import Browser, expect
 
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import JobStatus, claim_job, create_job, finish_job
 from tests.browser.test_dashboard import spec
 

@@ -12,7 +12,7 @@ from playwright.sync_api import Browser, expect
 
 from api.stack import Stack
 from bench.scale_seed import Sizes, _PointWriter, _seed_selection, _trial_points
-from db.engine import session_for
+from db.connection import session_for
 from db.users import create_user
 from tests.browser.conftest import tab
 from tests.conftest import StackHandle, running

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job, request_cancel
 from tests.browser.conftest import tab
 from tests.browser.test_dashboard import spec

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, MetricPoint, Selection, Trial, User, utcnow
 from jobrules.spec import JobSpec
 from tests.browser.test_dashboard import spec

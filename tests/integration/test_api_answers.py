@@ -18,7 +18,7 @@ from fastapi.openapi.utils import validation_error_definition, validation_error_
 
 from api.limits import MAX_INT_DIGITS, MAX_JSON_DEPTH
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job
 from db.models import Job, Selection
 from db.selections import create_selection

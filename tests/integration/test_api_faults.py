@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import add_event
 from db.jobs import Attempt, claim_job, create_job, finish_job
 from db.models import Job, JobEvent, JobStatus, MetricPoint, utcnow

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import JobStatus, aware, claim_job, create_job, finish_job
 from db.models import ApiToken, utcnow
 from tests.conftest import TINY_SPEC, StackHandle

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job
 from db.users import create_user
 from tests.conftest import TINY_SPEC, StackHandle

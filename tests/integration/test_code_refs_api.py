@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from db import jobs as db_jobs
-from db.engine import session_for
+from db.connection import session_for
 from jobrules.spec import JobSpec
 from tests.archives import targz
 from tests.conftest import TINY_SPEC, StackHandle

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job
 from tests.conftest import LOST_WORKER_WINDOWS, TERMINAL, TINY_SPEC, StackHandle, grid_batch, running
 from tests.user_data import held_data, upload_held

@@ -41,7 +41,7 @@ from api.stack import Stack, worker_command
 from db import ingest as dbi
 from db import jobs as dbj
 from db import workers as dbw
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, Reservation
 from tests.conftest import long_job, loss_series
 from tests.proc_tree import process_tree

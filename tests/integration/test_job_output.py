@@ -15,7 +15,7 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from db.engine import session_for
+from db.connection import session_for
 from db.models import User
 from tests.archives import targz, upload
 from tests.conftest import TINY_SPEC, StackHandle

@@ -20,7 +20,7 @@ from sqlalchemy import update
 
 from api.schemas import JobSpec
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job
 from db.models import User
 from db.users import create_user

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from api.stack import Stack
-from db.engine import session_for
+from db.connection import session_for
 from db.models import JobEvent
 from tests.conftest import TERMINAL, TINY_SPEC, StackHandle, long_job, running
 from tests.user_data import held_data, upload_held

@@ -12,7 +12,7 @@ import pytest
 from api.stack import Stack
 from bench.scale_seed import Sizes, _seed_selection
 from db import ingest as dbi
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job
 from db.models import MetricPoint, Trial
 from db.users import create_user

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from api.stack import free_port
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job
 from tests.conftest import long_job
 from tests.stack_cli import left_behind, sigterm_and_wait, start_stack_cli

@@ -26,7 +26,7 @@ from api.stack import Stack
 from core.storage import open_storage
 from db import ingest as dbi
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, Reservation
 from tests.conftest import StackHandle
 from tests.integration.test_gang import SPEC as GANG_SPEC

@@ -24,7 +24,7 @@ import pytest
 from api.stack import Stack
 from core.storage import open_storage
 from db import ingest as dbi
-from db.engine import session_for
+from db.connection import session_for
 from tests.archives import targz
 from tests.conftest import TINY_SPEC, StackHandle
 from tests.integration.test_faults import FAST as FAULT_ENV

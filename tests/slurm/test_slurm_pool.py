@@ -21,7 +21,7 @@ import pytest
 
 from api.stack import Stack
 from db import ingest as dbi
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job
 from tests.conftest import TINY_SPEC, StackHandle, long_job, running
 from tests.integration.test_gang import SPEC as GANG_SPEC

@@ -11,7 +11,7 @@ the tensor layouts clip too (each replicated tensor piece counted once, pipeline
 What this proves for NCCL: the ranks issue the same collectives in the same order with device-side
 tensors (gradient buckets, the loss all-reduce, the clip norm); gloo would also accept CPU tensors,
 so the NCCL rule itself is kept by construction in trainer/grads.py and trainer/engine.py, not by
-this test. Pipeline messages still go through trainer/pipeline/executor.py.
+this test. Pipeline messages still go through trainer/pipeline/driver.py.
 """
 
 from __future__ import annotations

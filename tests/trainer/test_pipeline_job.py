@@ -141,7 +141,7 @@ def test_stop_signal_ends_every_rank_at_the_same_step() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path on a machine without a GPU")
 def test_cuda_pipeline_jobs_are_no_longer_refused() -> None:
-    """The NCCL refusal is gone (the executor sends untagged messages in a checked order): the spec
+    """The NCCL refusal is gone (the driver sends untagged messages in a checked order): the spec
     is accepted, and a CUDA pipeline job gets as far as the launch check (run here on one process,
     not under torchrun with one rank per stage)."""
     spec = _spec("1f1b")

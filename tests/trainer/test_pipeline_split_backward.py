@@ -1,6 +1,6 @@
 """chimera-zb's split backward costs one backward: B (input gradient) + W (weight gradients) is
 measured with FlopCounterMode against a plain backward of the same stage, and gives the same
-gradients. Runs the executor's own compute path (no processes: compute sends nothing)."""
+gradients. Runs the driver's own compute path (no processes: compute sends nothing)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from jobrules.spec import ModelSpec
 from trainer.models import build_model
-from trainer.pipeline.executor import PipelineExecutor, _StepRun
+from trainer.pipeline.driver import PipelineDriver, _StepRun
 from trainer.pipeline.schedules import Action, build_schedule
 from trainer.pipeline.stage import build_stages
 
@@ -32,7 +32,7 @@ def _run(name: str, stage: int) -> tuple[dict[str, int], torch.Tensor | None, di
     sched = build_schedule(name, stages=D, microbatches=N)
     model = build_model(CFG, seed=0)
     modules = build_stages(model, sched=sched, rank=stage)
-    ex = PipelineExecutor(
+    ex = PipelineDriver(
         sched=sched, rank=stage, modules=modules, act_shape=(BATCH // N, CFG.seq_len, CFG.d_model)
     )
     g = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ class _Tied(torch.nn.Module):
 
 
 def _split_stage_matches_autograd(layer: type[torch.nn.Module], after_b: Callable[[Any], None]) -> None:
-    """F, B and W of one micro-batch on stage 1 of a 2-stage chimera-zb executor (loss: the mean
+    """F, B and W of one micro-batch on stage 1 of a 2-stage chimera-zb driver (loss: the mean
     square, over 2 micro-batches), `after_b` called on the layer between B and W; the input
     gradient and every parameter's gradient must equal plain autograd's."""
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def _split_stage_matches_autograd(layer: type[torch.nn.Module], after_b: Callabl
     ref = torch.nn.Sequential(layer())
     ref.load_state_dict(stage_mod.state_dict())
     sched = build_schedule("chimera-zb", stages=2, microbatches=2)
-    ex = PipelineExecutor(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
+    ex = PipelineDriver(sched=sched, rank=1, modules={(1, 0): stage_mod}, act_shape=(1, 4, 8))
     ex.loss_fn = lambda out, _y: out.square().mean()
     zeros = torch.zeros(2, 4, dtype=torch.long)
     run = _StepRun(ex, xs=torch.zeros(2, 4, 8).chunk(2), ys=zeros.chunk(2), t0=0.0)
@@ -152,7 +152,7 @@ def test_a_split_b_leaves_w_only_the_records() -> None:
 
     sched = build_schedule("chimera-zb", stages=D, microbatches=N)
     modules = build_stages(build_model(CFG, seed=0), sched=sched, rank=1)
-    ex = PipelineExecutor(
+    ex = PipelineDriver(
         sched=sched, rank=1, modules=modules, act_shape=(BATCH // N, CFG.seq_len, CFG.d_model)
     )
     x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))

@@ -24,7 +24,7 @@ from trainer.protocol import ListSink, NeverStop
 from trainer.runner import run
 from trainer.selection.executor import Executor, ExecutorConfig, TrialEntry
 from trainer.selection.halving import HalvingConfig
-from trainer.selection.scheduler import TrialView
+from trainer.selection.policy import TrialView
 from trainer.selection.shards import ShardedTrial
 
 DATA = {"max_chars": 200_000}
@@ -81,7 +81,7 @@ def job(i: int) -> JobSpec:
 
 
 class RandomChoice:
-    """A scheduler that picks any idle trial at random: arbitrary interleavings."""
+    """A policy that picks any idle trial at random: arbitrary interleavings."""
 
     name = "random"
 
@@ -113,7 +113,7 @@ def run_batch(tmp: Path, *, scheduler: str = "shard-lrtf", custom=None, **cfg): 
         for i in range(len(SPECS))
     ]
     cfg.setdefault("checkpoints", "all")
-    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler=scheduler, **cfg), scheduler=custom)
+    ex = Executor(entries, devices=CPU2, cfg=ExecutorConfig(scheduler=scheduler, **cfg), policy=custom)
     results = ex.run()
     return ex, results, sinks
 
@@ -341,7 +341,7 @@ class Jittery(Executor):
 
 @pytest.mark.parametrize("kind", ["asha", "hyperband"])
 def test_rung_decisions_do_not_depend_on_timing(kind: str) -> None:
-    """The same batch three times, with random delays in the device threads and a scheduler that
+    """The same batch three times, with random delays in the device threads and a policy that
     picks at random: the same trials stop at the same rungs with the same values and cut-offs."""
     cfg = HalvingConfig(kind=kind, reduction_factor=2, min_steps=1, mode="min", seed=11)
     outcomes, orders = [], []
@@ -352,7 +352,7 @@ def test_rung_decisions_do_not_depend_on_timing(kind: str) -> None:
             entries,
             devices=CPU2,
             cfg=ExecutorConfig(metric="val_loss", early_stopping=cfg, checkpoints="none"),
-            scheduler=RandomChoice(100 + attempt),
+            policy=RandomChoice(100 + attempt),
             jitter_seed=attempt,
         )
         results = ex.run()

@@ -69,7 +69,7 @@ from trainer.tensor.block import (
     slicers,
 )
 from trainer.tensor.cross_entropy import VocabParallelLoss, vocab_parallel_cross_entropy
-from trainer.tensor.mesh import Mesh1D, MeshGrid, grid_mesh_from_config
+from trainer.tensor.grid import Grid1D, TesseractGrid, tensor_grid_for
 
 B, T, D, H = 4, 8, 32, 8
 N_IN, N_OUT = 32, 48
@@ -173,7 +173,7 @@ def _compare(
 
 def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
     checks = Checks()
-    mesh = grid_mesh_from_config(tensor)
+    mesh = tensor_grid_for(tensor)
     gpt = build_model(ModelSpec(layers=1, d_model=D, heads=H, seq_len=T, mlp_ratio=2), seed=1)
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(4))
@@ -182,7 +182,7 @@ def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
     linears = {"linear+bias": nn.Linear(N_IN, N_OUT), "linear": nn.Linear(N_IN, N_OUT, bias=False)}
     ledgers: dict[str, dict] = {}
 
-    if isinstance(mesh, Mesh1D):
+    if isinstance(mesh, Grid1D):
 
         def cols(t: torch.Tensor) -> torch.Tensor:
             return layers_1d.block_of(t, dim=-1, index=mesh.rank, parts=mesh.size)
@@ -203,7 +203,7 @@ def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
             ledgers[f"col.{label}"] = _ledger_phases(f"col.{label}")
             ledgers[f"row.{label}"] = _ledger_phases(f"row.{label}")
     else:
-        assert isinstance(mesh, MeshGrid)
+        assert isinstance(mesh, TesseractGrid)
 
         def x_shard(t: torch.Tensor) -> torch.Tensor:
             return layers_25d.cols_of(layers_25d.rows_of(t, mesh), mesh)
@@ -252,7 +252,7 @@ def _check_ends(
     *,
     gpt: nn.Sequential,
     tp_model: nn.Sequential,
-    mesh: Mesh1D | MeshGrid,
+    mesh: Grid1D | TesseractGrid,
     idx: torch.Tensor,
     x: torch.Tensor,
     rows: Callable[[torch.Tensor], torch.Tensor],
@@ -275,7 +275,7 @@ def _check_block(
     checks: Checks,
     block: Block,
     *,
-    mesh: Mesh1D | MeshGrid,
+    mesh: Grid1D | TesseractGrid,
     x: torch.Tensor,
     x_shard: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[tuple[str, str], tuple[int, int, Fraction]]:
@@ -303,7 +303,7 @@ def _check_gpt_loss(
     tp_model: nn.Sequential,
     idx: torch.Tensor,
     targets: torch.Tensor,
-    mesh: Mesh1D | MeshGrid,
+    mesh: Grid1D | TesseractGrid,
 ) -> None:
     """One-block GPT and its loss: the local loss terms' gradients are the dense loss's, and the
     forward gathers nothing."""
@@ -327,7 +327,7 @@ def _check_gpt_loss(
     checks.done.append("gpt")
 
 
-def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D | MeshGrid) -> None:
+def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D | TesseractGrid) -> None:
     """Both models hold the same (sharded) gradients: clip both, compare the norm and every shard.
     A replicated parameter counted on more than one rank, or a sum over too few ranks, changes the
     norm and so the clipped gradients."""
@@ -369,7 +369,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
         if k != 2:  # the third weighs 1/replicas
             p.tp_counted = k != 1  # type: ignore[attr-defined]
     try:
-        norm = clip_grad_norm(meta, max_norm=1.0, mesh=Mesh1D(group=solo, size=1, rank=0))
+        norm = clip_grad_norm(meta, max_norm=1.0, mesh=Grid1D(group=solo, size=1, rank=0))
         if norm.device.type != "meta":
             checks.failures["clip"].append(f"meta gradients gave a norm on {norm.device}")
     except Exception as e:  # noqa: BLE001 - recorded, so every rank goes on to the same collectives
@@ -379,7 +379,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Mesh1D
 def _check_cross_entropy(
     checks: Checks,
     *,
-    mesh: Mesh1D | MeshGrid,
+    mesh: Grid1D | TesseractGrid,
     rows: Callable[[torch.Tensor], torch.Tensor],
     vocab: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[tuple[str, str], tuple[int, int]]:
@@ -447,24 +447,24 @@ def _resume_task(tensor: TensorSpec, checkpoint_dir: str | None = None) -> dict[
 
 
 def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
-    """2 pipeline stages x 2-way 1d on 4 ranks, rank = stage*2 + tp: trainer/pipeline's executor runs
+    """2 pipeline stages x 2-way 1d on 4 ranks, rank = stage*2 + tp: trainer/pipeline's driver runs
     1F1B over 2 micro-batches, each stage's layers are 1d-sharded over its 2 ranks, the last stage's
     loss is the vocab-parallel cross entropy of its vocabulary-split logits. Two optimizer steps
-    with clipping; the losses, every shard's gradient, the global norm (summed over the tensor mesh
+    with clipping; the losses, every shard's gradient, the global norm (summed over the tensor grid
     and the pipeline group) and every clipped shard must equal the dense full-batch ones."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.optim import build_optimizer
-    from trainer.pipeline.executor import PipelineExecutor
+    from trainer.pipeline.driver import PipelineDriver
     from trainer.pipeline.schedules import build_schedule
     from trainer.pipeline.stage import build_stages, stage_bounds
-    from trainer.tensor.mesh import tensor_mesh
+    from trainer.tensor.grid import tensor_grid
 
     checks = Checks()
     dm = init_device_mesh("cpu", (2, tensor.size), mesh_dim_names=("pp", "tp"))
     stage = dm.get_local_rank("pp")
-    tp = tensor_mesh(dm["tp"])
+    tp = tensor_grid(dm["tp"])
     pipe_ranks = dist.get_process_group_ranks(dm.get_group("pp"))
     job = _job(TensorSpec(mode="1d", size=tensor.size))
     cfg, n_micro = job.train, 2
@@ -473,7 +473,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
     lo, _ = stage_bounds(dense, 2)[stage]
     (dense_stage,) = build_stages(build_model(job.model, seed=cfg.seed), sched=sched, rank=stage).values()
     sharded = shard_model(dense_stage, mesh=tp, first_index=lo)
-    executor = PipelineExecutor(
+    driver = PipelineDriver(
         sched=sched,
         rank=stage,
         modules={(stage, 0): sharded},
@@ -493,7 +493,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
             dense_loss = lm_loss(dense(x), y)
             dense_loss.backward()
             opt.zero_grad()
-            record = executor.step(x, y)
+            record = driver.step(x, y)
             if stage == 1:
                 # fp32 losses (a Python float would get float64 tolerances)
                 checks.close("pipeline", torch.tensor(record.loss), dense_loss.detach(), f"step {step} loss")
@@ -504,7 +504,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
                 index, rest = name.split(".", 1)
                 want = cut[name](dense_params[f"{lo + int(index)}.{rest}"].grad)
                 checks.close("pipeline", p.grad, want, f"step {step} {lo + int(index)}.{rest} grad")
-            # clip both: this stage's shards sum over the tensor mesh and then the pipeline group
+            # clip both: this stage's shards sum over the tensor grid and then the pipeline group
             dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
             norm = clip_grad_norm(
                 sharded.parameters(), max_norm=0.05, mesh=tp, also_over=(dm.get_group("pp"),)
@@ -517,7 +517,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
             opt.step()
             dense_opt.step()
     finally:
-        executor.close()
+        driver.close()
     checks.done.append("pipeline")
     return {"failures": dict(checks.failures), "done": checks.done, "losses": losses, "stage": stage}
 
@@ -603,9 +603,9 @@ def test_clip_grad_norm_matches_dense(key: str, fixture: str, request: pytest.Fi
     torch.nn.utils.clip_grad_norm_ of the dense GPT's (the norm and every clipped shard), with a
     max_norm small enough that it clips. The replicated parameters (1d: layer norms, row-parallel
     biases, position table; grid: weight blocks repeated over depth, vectors repeated over rows and
-    depth) must each be counted once and the sum must cover the whole tensor mesh, or the norm moves.
+    depth) must each be counted once and the sum must cover the whole tensor grid, or the norm moves.
 
-    What this proves for NCCL: the sum of squares is all-reduced over the tensor mesh's own groups
+    What this proves for NCCL: the sum of squares is all-reduced over the tensor grid's own groups
     (never WORLD; trainer.grads.grad_norm), the same calls NCCL would run. That it stays on the device is
     proved separately on meta-device gradients (a host read-back or a host tensor raises there); gloo
     itself would accept a CPU tensor, so the gloo run cannot show it."""
@@ -694,7 +694,7 @@ def test_two_pipeline_stages_of_2way_1d_match_dense(ranks4: list[dict[str, Any]]
     """pp = 2 x tp(1d) = 2: losses, gradients, the clipping norm and the clipped gradients against
     the dense model (see _pipeline_1d_task). What this proves for NCCL: the loss and the clipping
     issue their collectives on the tensor group and the pipeline group only, in the same order on
-    every rank; the pipeline's own point-to-point traffic is the executor's (tests of its own)."""
+    every rank; the pipeline's own point-to-point traffic is the driver's (tests of its own)."""
     out = _task(ranks4, "pipeline-2x1d2")
     for rank, value in enumerate(out):
         assert value["done"] == ["pipeline"], f"rank {rank}"

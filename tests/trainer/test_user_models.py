@@ -128,7 +128,7 @@ def test_llama_2d_tensor_parallel_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="mode 2d has no form for model.kind llama"):
         JobSpec.model_validate(raw)
     with pytest.raises(SpecError, match="mode 2d has no form for model.kind llama"):
-        from trainer.tensor.mesh import check_tensor_layout
+        from trainer.tensor.grid import check_tensor_layout
 
         job = load_job(raw)
         check_tensor_layout(job.parallel.tensor, world_size=4, model=job.model, batch_size=4)

@@ -11,7 +11,7 @@ from pathlib import Path
 from core.messages import parse_line
 from core.settings import Settings
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job
 from jobrules.applied import APPLIED_FILE, read_applied_step
 from workers.relay import Relay, Target

@@ -25,7 +25,7 @@ from api.stack import Stack
 from core.broker import JOBS_CHANNEL, job_channel, open_live, selection_channel, sign_live
 from core.settings import Settings
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job, fail_job
 from db.migrate import upgrade
 from db.models import Job, JobEvent, Selection, Trial

@@ -16,7 +16,7 @@ from db import jobs as db_jobs
 from db import selections as db_sel
 from db import users as db_users
 from db import workspaces as db_ws
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from jobrules.space import KNOWN_PATHS, SpaceError, parse_space
 from tests.archives import targz

@@ -8,7 +8,7 @@ import pytest
 
 from db import jobs as dbj
 from db import workers as dbw
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from tests.conftest import together
 
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import JobLines, apply_lines
 from db.models import JobStatus
 from jobrules.divergence import divergence, judge, tail_size

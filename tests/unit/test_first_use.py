@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from api.main import create_app
 from core.settings import Settings
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.models import ERROR_MAX_CHARS, JobEvent
 from tests.conftest import TINY_SPEC

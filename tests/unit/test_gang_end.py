@@ -16,7 +16,7 @@ from core.settings import Settings
 from db import gangs as dbg
 from db import ingest as dbi
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Reservation
 from tests.conftest import TINY_SPEC

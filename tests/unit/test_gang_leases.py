@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from db import gangs as dbg
 from db import ingest as dbi
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, MetricPoint, Reservation
 
 

@@ -21,7 +21,7 @@ from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
 from db import selections as dbsel
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, JobStatus, Reservation, Trial
 from db.users import create_user
 from tests.conftest import beat

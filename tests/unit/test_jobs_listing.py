@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import event, insert
 
 from db import jobs as dbj
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.models import Job
 from db.users import create_user
 

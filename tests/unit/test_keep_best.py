@@ -8,7 +8,7 @@ from pathlib import Path
 
 from core.settings import Settings
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from workers.keep_best import keep_best_checkpoints
 
 

@@ -12,7 +12,7 @@ from sqlalchemy import update
 from db import ingest as dbi
 from db import jobs as dbj
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, JobStatus, MetricPoint, Trial
 
 

@@ -17,7 +17,7 @@ from sqlalchemy import update
 from core.settings import Settings
 from db import ingest as dbi
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job
 from jobrules.restarts import max_restarts
 from tests.fullfs import full_disk

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from db import ingest as dbi
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import _upsert_points
 
 SPEC = {"model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8}, "train": {"steps": 9}}

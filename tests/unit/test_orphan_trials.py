@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from api.main import create_app
 from core.settings import Settings
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.models import Job, JobEvent, JobStatus, Trial
 from db.selections import ORPHAN_TRIAL_ERROR, add_trials, create_selection, end_orphan_trial_jobs

@@ -17,7 +17,7 @@ from core.scheduler_loop import Scheduler
 from core.settings import Settings
 from db import jobs as dbj
 from db import scheduling as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import Attempt
 from db.models import Job, JobStatus, Reservation, SchedulerLock
 from db.users import create_user

@@ -14,7 +14,7 @@ import pytest
 
 from api import queue
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job
 from db.migrate import upgrade
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.quotas import quota_gate, waiting_jobs
 from db.users import create_user
 from tests.conftest import together

@@ -14,7 +14,7 @@ import time
 import psutil
 
 from core.messages import parse_line
-from db.engine import session_for
+from db.connection import session_for
 from db.models import MetricPoint
 from tests.unit.test_relay_order import _batch, _relay
 from workers.relay import Relay

@@ -10,7 +10,7 @@ from core.messages import parse_line
 from core.settings import Settings
 from db import jobs as dbj
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, Trial
 from workers.relay import Relay, Target
 

@@ -14,7 +14,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from core.messages import parse_line
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.models import Job, MetricPoint
 from tests.unit.test_relay_order import _batch, _relay
 from workers import relay as relay_mod

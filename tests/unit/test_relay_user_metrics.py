@@ -6,7 +6,7 @@ job stores at most 64 names of its own; the trainer's and the worker's names alw
 from __future__ import annotations
 
 from db import ingest as dbi
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Trial
 from jobrules.user_metrics import MAX_NAMES
 from tests.unit.test_relay_order import _batch, _feed, _line, _relay

@@ -15,7 +15,7 @@ from sqlalchemy import update
 from db import ingest as dbi
 from db import jobs as dbj
 from db import workers as dbw
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, JobStatus, WorkerBeat, utcnow
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, max_restarts
 

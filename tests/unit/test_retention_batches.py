@@ -13,7 +13,7 @@ from sqlalchemy import func, select, update
 from api.retention import cleanup_expired
 from bench.scale_seed import Sizes, _seed_selection
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import SummaryIn, write_summaries
 from db.jobs import create_job
 from db.models import Job, JobEvent, MetricPoint, MetricSummary, Selection, Trial, utcnow

@@ -18,7 +18,7 @@ from core.settings import Settings
 from db import ingest as dbi
 from db import jobs as dbj
 from db import scheduling as dbs
-from db.engine import get_engine, session_for
+from db.connection import get_engine, session_for
 from db.models import Job, JobStatus, Reservation, WorkerBeat
 from db.users import create_user
 from tests.conftest import beat, together

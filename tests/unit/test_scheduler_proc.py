@@ -14,7 +14,7 @@ from sqlalchemy import select
 from core.scheduler_proc import SchedulerProcess
 from core.settings import Settings
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from db.models import Job, SchedulerLock
 

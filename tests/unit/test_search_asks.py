@@ -12,7 +12,7 @@ from core.search import request_plan
 from core.settings import Settings
 from db import scheduling as dbs
 from db import selections as dbsel
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, JobStatus, Reservation, Trial
 from workers.search import ask_due, grow
 

@@ -12,7 +12,7 @@ from sqlalchemy import update
 from api.selection_stream import selection_events
 from core.settings import Settings
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.models import MetricPoint, Selection, Trial
 
 NO_BROKER = "redis://127.0.0.1:1/0"  # nothing listens there: every subscribe is refused

@@ -14,7 +14,7 @@ from api import series
 from api.downsample import downsample
 from db import ingest
 from db import jobs as dbj
-from db.engine import session_for
+from db.connection import session_for
 from db.ingest import _upsert_points
 from db.models import Job
 

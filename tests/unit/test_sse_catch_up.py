@@ -19,7 +19,7 @@ from api.sse import job_events
 from api.stack import Stack
 from core.broker import job_channel, sign_live
 from core.settings import Settings
-from db.engine import session_for
+from db.connection import session_for
 from db.jobs import create_job, fail_job
 from db.migrate import upgrade
 from db.models import JobEvent, MetricPoint

@@ -20,7 +20,7 @@ import api.sse
 from api.sse import job_events
 from api.stack import Stack
 from api.stream_threads import STREAM_THREADS
-from db.engine import session_for
+from db.connection import session_for
 from db.models import MetricPoint
 from tests.unit.test_sse_catch_up import _one_job, _publish
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 from sqlalchemy import update
 
 from db import users as dbu
-from db.engine import session_for
+from db.connection import session_for
 from db.models import ApiToken, utcnow
 
 

@@ -11,7 +11,7 @@ from sqlalchemy import event, update
 from api.convert import selection_public
 from db import jobs as dbj
 from db import selections as dbs
-from db.engine import session_for
+from db.connection import session_for
 from db.models import Job, JobStatus
 
 

@@ -29,7 +29,7 @@ from core.webhooks import Deliverer
 from db import jobs as dbj
 from db import users as dbu
 from db import webhooks as dbw
-from db.engine import session_for
+from db.connection import session_for
 from db.migrate import upgrade
 from tests.webhook_receiver import ConnectProxy, Receiver
 

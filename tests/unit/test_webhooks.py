@@ -17,7 +17,7 @@ from db import jobs as dbj
 from db import selections as dbsel
 from db import users as dbu
 from db import webhooks as dbw
-from db.engine import session_for
+from db.connection import session_for
 from db.models import WebhookDelivery
 from tests.webhook_receiver import Receiver
 

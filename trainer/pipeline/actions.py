@@ -39,7 +39,7 @@ class Schedule:
     ranks: list[list[Action]] = field(default_factory=list)
     """ranks[r] is rank r's actions in execution order."""
     dynamic: bool = False
-    """True for `async`: the executor reorders the actions as messages arrive."""
+    """True for `async`: the driver reorders the actions as messages arrive."""
 
     def rank_of(self, *, stage: int, replica: int) -> int:
         return stage if replica == 0 else self.stages - 1 - stage

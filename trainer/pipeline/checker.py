@@ -233,7 +233,7 @@ def check_async_nccl(
     """Prove the message-driven mode correct under NCCL's rules; returns the states visited.
 
     The model: on every stage boundary activations and gradients travel on their own
-    communicators (executor.async_groups), so each of a rank's streams carries sends to one peer
+    communicators (driver.async_groups), so each of a rank's streams carries sends to one peer
     or receives from one peer. Sends are issued as their compute finishes; a receiver keeps one
     receive outstanding per channel and posts the next when it takes the arrived one. Transfer k
     on a channel completes once send k is issued and receive k posted (no buffering). A rank's

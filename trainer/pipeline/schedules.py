@@ -313,7 +313,7 @@ def _fb_deps(a: Action, stages: int) -> list[Action]:
 
 
 def async_plan(stages: int, microbatches: int) -> Schedule:
-    """The message-driven mode's work set: 1F1B's actions, which the executor reorders at run time
+    """The message-driven mode's work set: 1F1B's actions, which the driver reorders at run time
     (backward first, then whichever activation arrived, injecting micro-batches as work completes)."""
     sched = one_f_one_b(stages, microbatches)
     sched.name = "async"
@@ -595,7 +595,7 @@ def async_next(
     grad_ready: bool,
     act_ready: bool,
 ) -> Literal["F", "B"] | None:
-    """The message-driven mode's choice on one stage, shared by the executor and the checker:
+    """The message-driven mode's choice on one stage, shared by the driver and the checker:
     backward work first (the last stage's own, else an arrived gradient), then a forward (stage 0
     injects while fewer than `cap` micro-batches are in flight, the others take an arrived
     activation). Forwards and backwards each run in micro-batch order on every stage, which is

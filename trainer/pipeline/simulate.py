@@ -8,7 +8,7 @@ injects a new micro-batch only while fewer than `cap` are in flight.
 
 The result carries makespan, bubble ratio (idle compute share over all ranks), peak stashed
 activations per rank (micro-batch activations held between a forward and the end of its last
-backward action), and the timeline in the same shape the executor records.
+backward action), and the timeline in the same shape the driver records.
 """
 
 from __future__ import annotations

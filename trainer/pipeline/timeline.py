@@ -1,6 +1,6 @@
 """Pipeline pieces the composed engine (trainer/engine.py) reports: the executed and simulated
 timelines of a step, sent as a `timeline` event at every evaluation. The stages themselves are cut
-by trainer/parallelize.py and stepped by trainer/pipeline/executor.py.
+by trainer/parallelize.py and stepped by trainer/pipeline/driver.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which trial a free device runs next: the scheduler's policy (trainer/selection/scheduler.py)
+"""Which trial a free device runs next: the trial policy (trainer/selection/policy.py)
 over the idle trials, those that paused trials wait for first; the chosen trial is held by that
 device until it hands it back."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.selection.policy import Policy, TrialView
 from trainer.selection.reservations import Reservations
-from trainer.selection.scheduler import Scheduler, TrialView
 from trainer.selection.timing import StepTimes
 from trainer.selection.trial_run import Batch, TrialRun
 
@@ -17,9 +17,9 @@ class Dispatcher:
     """Under the batch's lock: the idle trials a device may take, and the one it takes."""
 
     batch: Batch
-    scheduler: Scheduler
+    policy: Policy
     reservations: list[Reservations]
-    """Per device, the scheduler's plan of its bytes (what a choice may still fit in)."""
+    """Per device, the policy's plan of its bytes (what a choice may still fit in)."""
     costs: StepTimes
     _dispatches: int = field(default=0, init=False)
 
@@ -59,9 +59,9 @@ class Dispatcher:
             urgent = self.batch.rungs.blocking()
             first = [self._view(r) for r in idle if r.index in urgent]
             if first:
-                choice = self.scheduler.choose(first, active=active, free_bytes=free)
+                choice = self.policy.choose(first, active=active, free_bytes=free)
         if choice is None:
-            choice = self.scheduler.choose([self._view(r) for r in idle], active=active, free_bytes=free)
+            choice = self.policy.choose([self._view(r) for r in idle], active=active, free_bytes=free)
         if choice is None:
             return None
         run = runs[choice.index]

@@ -1,6 +1,6 @@
 """Shard alternation over a node's devices: the selection batch's executor.
 
-One worker thread per device. A free device asks the scheduler (trainer/selection/scheduler.py)
+One worker thread per device. A free device asks the policy (trainer/selection/policy.py)
 for an idle trial, runs that trial's next task (one shard: forward, or recompute + backward + step),
 and hands the trial back. A trial is held by at most one device at a time, so it runs on one device
 at a time; its tasks still go to whichever device is free, since the host holds its shards between
@@ -28,7 +28,7 @@ CUDA devices stay threads: CUDA cannot be forked once initialised.
 
 This module builds the trials and runs each device's loop (wait for a trial, dispatch it, run its
 task, hand it back); the parts it drives each own one concern, over the shared `Batch`:
-- dispatch.py: which idle trial a free device takes (the scheduler's view of each trial);
+- dispatch.py: which idle trial a free device takes (the policy's view of each trial);
 - timing.py: a trial's mini-batch cost for that view, and where a device's time goes in a slot;
 - prefetch.py: the trial a device reserves to run next, and the copy of its next shard;
 - device_tasks.py: running a task, in place or as an order to a device process (chunks for a
@@ -59,9 +59,9 @@ from trainer.selection.dispatch import Dispatcher
 from trainer.selection.executor_config import ExecutorConfig, uses_processes
 from trainer.selection.growth import Growth
 from trainer.selection.halving import Halving
+from trainer.selection.policy import Policy, make_policy
 from trainer.selection.prefetch import Prefetch
 from trainer.selection.reservations import Reservations
-from trainer.selection.scheduler import Scheduler, make_scheduler
 from trainer.selection.shards import Place, ShardedTrial
 from trainer.selection.stops import Stops
 from trainer.selection.timing import SlotTimer, StepTimes
@@ -110,7 +110,7 @@ class Executor:
         cfg: ExecutorConfig,
         stop: StopSignal | None = None,
         stop_trials: Callable[[], set[int]] | None = None,
-        scheduler: Scheduler | None = None,
+        policy: Policy | None = None,
         more: Callable[[], list[TrialEntry]] | None = None,
     ) -> None:
         _check(entries, devices=devices, cfg=cfg, more=more)
@@ -128,7 +128,7 @@ class Executor:
         ]
         budget = cfg.device_budget_bytes
         # the real bytes on each device (the spilling engine's ledger; strict: passing the budget
-        # raises), beside `self.reservations`, the scheduler's plan
+        # raises), beside `self.reservations`, the policy's plan
         self.places = [
             Place(
                 device=d,
@@ -149,7 +149,7 @@ class Executor:
         self._procs: DeviceProcesses | None = None
         self._started = False
         self._wire(
-            scheduler or make_scheduler(cfg.scheduler),
+            policy or make_policy(cfg.scheduler),
             stop=stop or NeverStop(),
             stop_trials=stop_trials or (lambda: set()),
             more=more,
@@ -157,7 +157,7 @@ class Executor:
 
     def _wire(
         self,
-        scheduler: Scheduler,
+        policy: Policy,
         *,
         stop: StopSignal,
         stop_trials: Callable[[], set[int]],
@@ -169,9 +169,7 @@ class Executor:
         self.ends = Ends(b, forget=self.forgets.note)
         costs = StepTimes()
         self.stops = Stops(batch=b, ends=self.ends, stop=stop, stop_trials=stop_trials)
-        self.dispatcher = Dispatcher(
-            batch=b, scheduler=scheduler, reservations=self.reservations, costs=costs
-        )
+        self.dispatcher = Dispatcher(batch=b, policy=policy, reservations=self.reservations, costs=costs)
         self.growth = Growth(batch=b, more=more, cut=self._cut, join=self._join)
         self.booking = Booking(b, self.ends, costs=costs)
         self.deaths = DeadDevices(b, self.ends, devices=n)
@@ -380,7 +378,7 @@ class Executor:
         self.tasks.run(d, run, sent=sent, then=then)
 
     def _next_run(self, d: int, lane: Prefetch, timer: SlotTimer) -> TrialRun | None:
-        """Under the lock: the trial device d runs next (its reserved one, else the scheduler's
+        """Under the lock: the trial device d runs next (its reserved one, else the policy's
         choice), asking `more` or waiting while there is none; None once the device is done (every
         trial ended and `more` has none, or the executor failed)."""
         b = self.batch

@@ -12,7 +12,7 @@ import torch
 from jobrules.spec import CHECKPOINT_POLICIES, BatchRules
 from jobrules.user_metrics import ranked_metric_problem
 from trainer.selection.halving import HalvingConfig
-from trainer.selection.scheduler import make_scheduler
+from trainer.selection.policy import make_policy
 
 _REQUEST = BatchRules()
 """The selection request's defaults (jobrules/spec.py), for an executor built without one."""
@@ -53,7 +53,7 @@ class ExecutorConfig:
             raise ValueError(problem)
         if self.mode not in ("min", "max"):
             raise ValueError(f"mode must be min or max, got {self.mode!r}")
-        make_scheduler(self.scheduler)  # names the valid ones
+        make_policy(self.scheduler)  # names the valid ones
         if self.checkpoints not in CHECKPOINT_POLICIES:
             raise ValueError(
                 f"checkpoints must be one of {', '.join(CHECKPOINT_POLICIES)}, got {self.checkpoints!r}"

@@ -24,7 +24,7 @@ class Prefetch:
     dispatcher: Dispatcher
     ends: Ends
     booked: Reservations
-    """The device's reservations (the scheduler's plan of its bytes)."""
+    """The device's reservations (the policy's plan of its bytes)."""
     place: Place
     threads: bool
     """The device is a thread of this process (no device processes)."""

@@ -1,8 +1,8 @@
-"""Per-device reservations: the bytes the selection executor's scheduler has planned on each device
+"""Per-device reservations: the bytes the selection executor's policy has planned on each device
 (the spilling engine's DeviceLedger, trainer/spill/ledger.py, counts the bytes actually held).
 
 The executor reserves a shard's bytes before it is copied in (or prefetched) and releases them when
-the shard leaves; a reservation that would pass the budget is a bug in the scheduler, so it raises.
+the shard leaves; a reservation that would pass the budget is a bug in the policy, so it raises.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from trainer.selection.policy import Policy, TrialView
 from trainer.selection.reservations import Reservations
-from trainer.selection.scheduler import Scheduler, TrialView
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,7 +92,7 @@ def check_fits(trials: list[SimTrial], budgets: list[int | None]) -> None:
                 )
 
 
-def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Scheduler) -> SimResult:
+def simulate(trials: list[SimTrial], *, budgets: list[int | None], policy: Policy) -> SimResult:
     """Run the batch to the end; `budgets` has one entry per device (None: unlimited)."""
     check_fits(trials, budgets)
     ledgers = [Reservations(device=f"sim{d}", budget_bytes=b) for d, b in enumerate(budgets)]
@@ -131,11 +131,11 @@ def simulate(trials: list[SimTrial], *, budgets: list[int | None], scheduler: Sc
         for d in sorted(free):
             idle = [views[i] for i in by_index if i not in running and i not in finished]
             active = [i for i in by_index if i not in finished]
-            pick = scheduler.choose(idle, active=active, free_bytes=ledgers[d].free_bytes())
+            pick = policy.choose(idle, active=active, free_bytes=ledgers[d].free_bytes())
             if pick is None:
                 continue
             i = pick.index
-            assert i not in running, f"scheduler chose trial {i}, which is already running"
+            assert i not in running, f"policy chose trial {i}, which is already running"
             kind, k = task_of(i)
             t = by_index[i]
             cost = t.fwd_s[k] if kind == "F" else t.bwd_s[k]

@@ -1,5 +1,5 @@
 """Time accounting of the selection executor: what a trial's mini-batch costs (measured, or
-estimated from its flops until it is), for the scheduler's choice; and where a device's time goes
+estimated from its flops until it is), for the policy's choice; and where a device's time goes
 in one slot (waiting for work, dispatch, the task and its booking, a prefetch of another trial)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from trainer.selection.trial_run import TrialRun
 
 
 class StepTimes:
-    """Each trial's mini-batch time, as the scheduler sees it (not the fusion plan's step costs:
+    """Each trial's mini-batch time, as the policy sees it (not the fusion plan's step costs:
     step_costs.py)."""
 
     def __init__(self) -> None:

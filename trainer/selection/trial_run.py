@@ -74,7 +74,7 @@ class TrialRun:
     a prefetch of another trial made in the same slot is not counted)."""
     dispatch_s: float = 0.0
     """Device-thread time from the device being free to this trial's task starting, minus waits
-    for work: the scheduler's choice, the lock, the reservations."""
+    for work: the policy's choice, the lock, the reservations."""
     prefetch_s: float = 0.0
     """Of copy_s, the part copied by a prefetch (in another trial's slot)."""
     started: bool = False

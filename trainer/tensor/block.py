@@ -17,9 +17,9 @@ from trainer.grads import clip_grad_norm_
 from trainer.models import Block, Embedding, Head
 from trainer.tensor import comm, layers_1d, layers_25d
 from trainer.tensor.cross_entropy import row_blocks, tp_loss
+from trainer.tensor.grid import Grid1D, TensorGrid, TesseractGrid
 from trainer.tensor.layers_1d import Slicer
 from trainer.tensor.llama_1d import shard_llama_layer
-from trainer.tensor.mesh import Mesh1D, MeshGrid, TensorMesh
 
 
 class BlockTP(nn.Module):
@@ -34,8 +34,8 @@ class BlockTP(nn.Module):
         return x_BTD + self.mlp(self.ln2(x_BTD))
 
 
-def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
-    if isinstance(mesh, Mesh1D):
+def shard_block(block: Block, *, mesh: TensorGrid, name: str) -> BlockTP:
+    if isinstance(mesh, Grid1D):
         ln, attn, mlp = layers_1d.LayerNorm1D, layers_1d.Attention1D, layers_1d.MLP1D
     else:
         ln, attn, mlp = layers_25d.LayerNormGrid, layers_25d.AttentionGrid, layers_25d.MLPGrid
@@ -47,14 +47,14 @@ def shard_block(block: Block, *, mesh: TensorMesh, name: str) -> BlockTP:
     )
 
 
-def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str, gather_logits: bool = False) -> nn.Module:
+def shard_layer(layer: nn.Module, *, mesh: TensorGrid, name: str, gather_logits: bool = False) -> nn.Module:
     """One layer of a GPT (embedding, block or head) or a Llama (1d). The head's output is this
     rank's vocabulary block of the logits (for `loss_fn`) unless `gather_logits`."""
     if (llama := shard_llama_layer(layer, mesh=mesh, name=name, gather_logits=gather_logits)) is not None:
         return llama
     if isinstance(layer, Block):
         return shard_block(layer, mesh=mesh, name=name)
-    grid = isinstance(mesh, MeshGrid)
+    grid = isinstance(mesh, TesseractGrid)
     if isinstance(layer, Embedding):
         cls = layers_25d.EmbeddingGrid if grid else layers_1d.Embedding1D
         return cls(layer, mesh=mesh, name=name)
@@ -65,7 +65,7 @@ def shard_layer(layer: nn.Module, *, mesh: TensorMesh, name: str, gather_logits:
 
 
 def shard_model(
-    model: nn.Sequential, *, mesh: TensorMesh, first_index: int = 0, gather_logits: bool = False
+    model: nn.Sequential, *, mesh: TensorGrid, first_index: int = 0, gather_logits: bool = False
 ) -> nn.Sequential:
     """Shard every layer (embedding, blocks and head all sharded). Names follow the dense indices,
     offset by `first_index` when `model` is a pipeline stage cut from a longer Sequential.
@@ -92,13 +92,13 @@ def slicers(module: nn.Module) -> dict[str, Slicer]:
     return out
 
 
-def local_batch(t: torch.Tensor, *, mesh: TensorMesh) -> torch.Tensor:
+def local_batch(t: torch.Tensor, *, mesh: TensorGrid) -> torch.Tensor:
     """This rank's rows of a global batch: all of it for 1d, block k*q+i of d*q for the grid."""
-    return t if isinstance(mesh, Mesh1D) else layers_25d.rows_of(t, mesh)
+    return t if isinstance(mesh, Grid1D) else layers_25d.rows_of(t, mesh)
 
 
 def loss_fn(
-    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorMesh, global_rows: int
+    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorGrid, global_rows: int
 ) -> torch.Tensor:
     """The part of the dense mean cross entropy this rank's rows contribute (1d: all of it), from
     the sharded model's vocabulary-split logits, by the vocab-parallel cross entropy (no rank
@@ -113,10 +113,10 @@ def loss_fn(
     return tp_loss(logits_BTv, targets_BT, mesh=mesh)
 
 
-def global_loss(local: torch.Tensor, *, mesh: TensorMesh) -> float:
+def global_loss(local: torch.Tensor, *, mesh: TensorGrid) -> float:
     """The dense loss value from every rank's local term (for reporting; not differentiated).
     A sync point: the value is read back to the host."""
-    if isinstance(mesh, Mesh1D):
+    if isinstance(mesh, Grid1D):
         return float(local.item())
     t = local.detach().clone().reshape(1)
     with comm.paused():
@@ -125,9 +125,9 @@ def global_loss(local: torch.Tensor, *, mesh: TensorMesh) -> float:
     return float(t.item())
 
 
-def mesh_groups(mesh: TensorMesh) -> tuple[dist.ProcessGroup, ...]:
-    """Groups whose successive all-reduces sum a value over every rank of the tensor mesh."""
-    if isinstance(mesh, Mesh1D):
+def mesh_groups(mesh: TensorGrid) -> tuple[dist.ProcessGroup, ...]:
+    """Groups whose successive all-reduces sum a value over every rank of the tensor grid."""
+    if isinstance(mesh, Grid1D):
         return (mesh.group,)
     return (mesh.row_peers, mesh.col_peers, mesh.depth_peers)
 
@@ -136,11 +136,11 @@ def clip_grad_norm(
     params: Iterable[nn.Parameter],
     *,
     max_norm: float,
-    mesh: TensorMesh,
+    mesh: TensorGrid,
     also_over: Sequence[dist.ProcessGroup] = (),
 ) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: `trainer.grads.clip_grad_norm_`
-    (the one clipping implementation, shared with the composed engine) summed over the tensor mesh,
+    (the one clipping implementation, shared with the composed engine) summed over the tensor grid,
     plus `also_over` (e.g. the pipeline group, when the model is also split into stages).
     Data-parallel replicas hold the same reduced gradients and must not be summed: do not pass
     their group. Returns the norm as a 0-d tensor on the gradients' device."""

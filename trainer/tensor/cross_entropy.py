@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.tensor import comm
-from trainer.tensor.mesh import Mesh1D, TensorMesh
+from trainer.tensor.grid import Grid1D, TensorGrid
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -70,7 +70,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorMesh, layer: str = "ce"
+    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorGrid, layer: str = "ce"
 ) -> torch.Tensor:
     """Per-token cross entropy (B, T) of this rank's rows, from this rank's vocabulary columns.
 
@@ -78,7 +78,7 @@ def vocab_parallel_cross_entropy(
     `logits_BTv` are the head's output on this rank: vocabulary block `mesh.rank` of `mesh.size`
     (1d) or block `mesh.j` of `mesh.q` (grid), for the rows `local_batch` gives this rank."""
     v = logits_BTv.shape[-1]
-    if isinstance(mesh, Mesh1D):
+    if isinstance(mesh, Grid1D):
         lo, group = mesh.rank * v, mesh.group
     else:
         lo, group = mesh.j * v, mesh.row_peers
@@ -87,12 +87,12 @@ def vocab_parallel_cross_entropy(
     return loss_n.view(B, T)
 
 
-def row_blocks(mesh: TensorMesh) -> int:
+def row_blocks(mesh: TensorGrid) -> int:
     """How many equal blocks the batch rows are split into (1d: one, the grid: d*q)."""
-    return 1 if isinstance(mesh, Mesh1D) else mesh.d * mesh.q
+    return 1 if isinstance(mesh, Grid1D) else mesh.d * mesh.q
 
 
-def tp_loss(logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorMesh) -> torch.Tensor:
+def tp_loss(logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorGrid) -> torch.Tensor:
     """This rank's share of the dense mean cross entropy: the mean over its rows divided by the
     number of row blocks. Backward from it gives every shard exactly the dense gradient; the sum of
     the shares over the row blocks (`block.global_loss`) is the dense loss."""
@@ -104,7 +104,7 @@ class VocabParallelLoss:
     (outputs, targets) -> scalar, where outputs are this rank's vocabulary-split logits and targets
     its rows (`block.local_batch`). See `tp_loss` for what the scalar is."""
 
-    def __init__(self, mesh: TensorMesh) -> None:
+    def __init__(self, mesh: TensorGrid) -> None:
         self.mesh = mesh
 
     def __call__(self, logits_BTv: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

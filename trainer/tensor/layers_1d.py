@@ -27,13 +27,13 @@ from torch import nn
 
 from trainer.models import MLP, Attention, Embedding, Head
 from trainer.tensor import comm
-from trainer.tensor.mesh import Mesh1D
+from trainer.tensor.grid import Grid1D
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def param(t: torch.Tensor, *, replicas: int, counted: bool | None = None) -> nn.Parameter:
-    """A shard as a parameter. `replicas`: how many ranks of the tensor mesh hold an identical copy
+    """A shard as a parameter. `replicas`: how many ranks of the tensor grid hold an identical copy
     (gradients included); `counted`: whether this rank's copy is the one a global gradient norm
     counts (exactly one copy of each replicated parameter is). Left out, a norm weighs each copy
     by 1/replicas instead (the same sum, up to rounding)."""
@@ -71,7 +71,7 @@ def local_attention(qkv_BTc: torch.Tensor, *, heads: int) -> torch.Tensor:
 class ColumnLinear(nn.Module):
     """y_BTo = x_BTI W[o, :]^T + b[o]: output features split; x replicated."""
 
-    def __init__(self, dense: nn.Linear, *, mesh: Mesh1D, name: str, qkv: bool = False) -> None:
+    def __init__(self, dense: nn.Linear, *, mesh: Grid1D, name: str, qkv: bool = False) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
 
@@ -94,7 +94,7 @@ class ColumnLinear(nn.Module):
 class RowLinear(nn.Module):
     """y_BTO = sum over ranks of x_BTi W[:, i]^T, then + b: input features split; y replicated."""
 
-    def __init__(self, dense: nn.Linear, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: nn.Linear, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
 
@@ -117,7 +117,7 @@ class RowLinear(nn.Module):
 class LayerNorm1D(nn.LayerNorm):
     """Replicated: every rank normalises the full x_BTD itself (cheaper than any collective)."""
 
-    def __init__(self, dense: nn.LayerNorm, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: nn.LayerNorm, *, mesh: Grid1D, name: str) -> None:
         super().__init__(dense.normalized_shape, eps=dense.eps)
         self.name = name
         self.slicers: dict[str, Slicer] = {"weight": lambda t: t, "bias": lambda t: t}
@@ -126,7 +126,7 @@ class LayerNorm1D(nn.LayerNorm):
 
 
 class Attention1D(nn.Module):
-    def __init__(self, dense: Attention, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: Attention, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.heads = dense.heads // mesh.size
         self.qkv = ColumnLinear(dense.qkv, mesh=mesh, name=f"{name}.qkv", qkv=True)
@@ -137,7 +137,7 @@ class Attention1D(nn.Module):
 
 
 class MLP1D(nn.Module):
-    def __init__(self, dense: MLP, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: MLP, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.fc = ColumnLinear(dense.fc, mesh=mesh, name=f"{name}.fc")
         self.proj = RowLinear(dense.proj, mesh=mesh, name=f"{name}.proj")
@@ -151,7 +151,7 @@ class TokenTable1D(nn.Module):
     and one all-reduce assembles x_BTD. GPT's Embedding1D adds its position table; the Llama
     recipe's token embedding is this alone (trainer/tensor/llama_1d.py)."""
 
-    def __init__(self, tok: nn.Embedding, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, tok: nn.Embedding, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
         vocab = tok.weight.shape[0]
@@ -174,7 +174,7 @@ class TokenTable1D(nn.Module):
 class Embedding1D(TokenTable1D):
     """GPT's embedding: the vocabulary-split token table plus a replicated position table."""
 
-    def __init__(self, dense: Embedding, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: Embedding, *, mesh: Grid1D, name: str) -> None:
         super().__init__(dense.tok, mesh=mesh, name=name)
         self.pos = nn.Module()
         self.pos.weight = param(dense.pos.weight, replicas=mesh.size, counted=mesh.rank == 0)
@@ -190,7 +190,7 @@ class Head1D(nn.Module):
     vocab-parallel loss; `gather=True` all-gathers the full logits instead (for a consumer that
     needs whole rows, e.g. a loss computed on dense logits)."""
 
-    def __init__(self, dense: Head, *, mesh: Mesh1D, name: str, gather: bool = False) -> None:
+    def __init__(self, dense: Head, *, mesh: Grid1D, name: str, gather: bool = False) -> None:
         super().__init__()
         self.mesh, self.name, self.gather = mesh, name, gather
         self.ln = LayerNorm1D(dense.ln, mesh=mesh, name=f"{name}.ln")

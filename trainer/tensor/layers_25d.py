@@ -31,21 +31,21 @@ from torch import nn
 
 from trainer.models import MLP, Attention, Embedding, Head
 from trainer.tensor import comm
+from trainer.tensor.grid import TesseractGrid
 from trainer.tensor.layers_1d import Slicer, block_of, heads_grouped, local_attention, param
-from trainer.tensor.mesh import MeshGrid
 
 
-def rows_of(t: torch.Tensor, mesh: MeshGrid) -> torch.Tensor:
+def rows_of(t: torch.Tensor, mesh: TesseractGrid) -> torch.Tensor:
     """This rank's rows of a batch-major tensor (inputs, targets, activations)."""
     return block_of(t, dim=0, index=mesh.row_block, parts=mesh.q * mesh.d)
 
 
-def cols_of(t: torch.Tensor, mesh: MeshGrid) -> torch.Tensor:
+def cols_of(t: torch.Tensor, mesh: TesseractGrid) -> torch.Tensor:
     """This rank's block of the last (feature) dim."""
     return block_of(t, dim=-1, index=mesh.j, parts=mesh.q)
 
 
-def weight_block(t: torch.Tensor, mesh: MeshGrid) -> torch.Tensor:
+def weight_block(t: torch.Tensor, mesh: TesseractGrid) -> torch.Tensor:
     """W[j, i]: output block j, input block i of an nn.Linear weight [out, in]."""
     return block_of(block_of(t, dim=0, index=mesh.j, parts=mesh.q), dim=1, index=mesh.i, parts=mesh.q)
 
@@ -54,7 +54,9 @@ class _Summa(torch.autograd.Function):
     """y[r, j] = sum_s x[r, s] W[j, s]^T inside one depth layer, for x_nI = x[r, i'=j] flattened rows."""
 
     @staticmethod
-    def forward(ctx: Any, x_nI: torch.Tensor, w_OI: torch.Tensor, mesh: MeshGrid, layer: str) -> torch.Tensor:
+    def forward(
+        ctx: Any, x_nI: torch.Tensor, w_OI: torch.Tensor, mesh: TesseractGrid, layer: str
+    ) -> torch.Tensor:
         ctx.save_for_backward(x_nI, w_OI)
         ctx.mesh, ctx.layer = mesh, layer
         y_nO = x_nI.new_zeros(x_nI.shape[0], w_OI.shape[0])
@@ -65,7 +67,7 @@ class _Summa(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy_nO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x_nI, w_OI = ctx.saved_tensors
-        mesh: MeshGrid = ctx.mesh
+        mesh: TesseractGrid = ctx.mesh
         layer = ctx.layer
         dy_nO = dy_nO.contiguous()
         dx_nI, dw_OI = None, None
@@ -92,7 +94,7 @@ class _Summa(torch.autograd.Function):
 
 
 def _summa_steps(
-    x_nI: torch.Tensor, w_OI: torch.Tensor, *, mesh: MeshGrid, layer: str, phase: str
+    x_nI: torch.Tensor, w_OI: torch.Tensor, *, mesh: TesseractGrid, layer: str, phase: str
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(s, x[r, s], W[j, s]) for each SUMMA step s, once its broadcasts arrived; step s+1's are
     issued before step s is handed out, so they travel while the caller multiplies."""
@@ -106,7 +108,7 @@ def _summa_steps(
 
 
 def _fetch(
-    x_nI: torch.Tensor, w_OI: torch.Tensor, *, s: int, mesh: MeshGrid, layer: str, phase: str
+    x_nI: torch.Tensor, w_OI: torch.Tensor, *, s: int, mesh: TesseractGrid, layer: str, phase: str
 ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
     """Start step s's broadcasts: x[r, s] along the row, W[j, s] down the column."""
     a_nI = x_nI if mesh.j == s else torch.empty_like(x_nI)
@@ -121,7 +123,7 @@ def _fetch(
 class LinearGrid(nn.Module):
     """x[r, :, i] (B/(dq), T, in/q) -> y[r, :, j] (B/(dq), T, out/q), by SUMMA."""
 
-    def __init__(self, dense: nn.Linear, *, mesh: MeshGrid, name: str, qkv: bool = False) -> None:
+    def __init__(self, dense: nn.Linear, *, mesh: TesseractGrid, name: str, qkv: bool = False) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
 
@@ -147,18 +149,18 @@ class LinearGrid(nn.Module):
         return y_BTO + _replicated(self.bias, self.mesh, self.name)
 
 
-def _counted(mesh: MeshGrid) -> bool:
+def _counted(mesh: TesseractGrid) -> bool:
     """A column-split vector is replicated over rows and depth: row 0 of layer 0 counts it."""
     return mesh.i == 0 and mesh.k == 0
 
 
-def _replicated(w: torch.Tensor, mesh: MeshGrid, layer: str) -> torch.Tensor:
+def _replicated(w: torch.Tensor, mesh: TesseractGrid, layer: str) -> torch.Tensor:
     """A column-split vector shared by the rows and depth layers: gradient summed over both."""
     return comm.grad_sum(w, groups=(mesh.col_peers, mesh.depth_peers), layer=layer)
 
 
 class LayerNormGrid(nn.Module):
-    def __init__(self, dense: nn.LayerNorm, *, mesh: MeshGrid, name: str) -> None:
+    def __init__(self, dense: nn.LayerNorm, *, mesh: TesseractGrid, name: str) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
         self.eps = dense.eps
@@ -181,7 +183,7 @@ class LayerNormGrid(nn.Module):
 
 
 class AttentionGrid(nn.Module):
-    def __init__(self, dense: Attention, *, mesh: MeshGrid, name: str) -> None:
+    def __init__(self, dense: Attention, *, mesh: TesseractGrid, name: str) -> None:
         super().__init__()
         self.heads = dense.heads // mesh.q
         self.qkv = LinearGrid(dense.qkv, mesh=mesh, name=f"{name}.qkv", qkv=True)
@@ -192,7 +194,7 @@ class AttentionGrid(nn.Module):
 
 
 class MLPGrid(nn.Module):
-    def __init__(self, dense: MLP, *, mesh: MeshGrid, name: str) -> None:
+    def __init__(self, dense: MLP, *, mesh: TesseractGrid, name: str) -> None:
         super().__init__()
         self.fc = LinearGrid(dense.fc, mesh=mesh, name=f"{name}.fc")
         self.proj = LinearGrid(dense.proj, mesh=mesh, name=f"{name}.proj")
@@ -205,7 +207,7 @@ class EmbeddingGrid(nn.Module):
     """Both tables split over columns: a rank looks up its own rows' ids in its columns, which is
     exactly its block x[r, :, j]; no forward collective. Gradients summed over rows and depth."""
 
-    def __init__(self, dense: Embedding, *, mesh: MeshGrid, name: str) -> None:
+    def __init__(self, dense: Embedding, *, mesh: TesseractGrid, name: str) -> None:
         super().__init__()
         self.mesh, self.name = mesh, name
         cut = lambda t: cols_of(t, mesh)  # noqa: E731
@@ -226,7 +228,7 @@ class HeadGrid(nn.Module):
     its rows, vocabulary block j, for cross_entropy.py's vocab-parallel loss; `gather=True`
     all-gathers the row's logits over its columns instead (full-vocabulary logits of its rows)."""
 
-    def __init__(self, dense: Head, *, mesh: MeshGrid, name: str, gather: bool = False) -> None:
+    def __init__(self, dense: Head, *, mesh: TesseractGrid, name: str, gather: bool = False) -> None:
         super().__init__()
         self.mesh, self.name, self.gather = mesh, name, gather
         self.ln = LayerNormGrid(dense.ln, mesh=mesh, name=f"{name}.ln")

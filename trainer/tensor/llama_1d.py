@@ -18,14 +18,14 @@ from torch import nn
 
 from trainer.llama import GQAttention, LlamaBlock, LlamaHead, RMSNorm, SwiGLU, TokenEmbedding, attend
 from trainer.tensor import comm
+from trainer.tensor.grid import Grid1D
 from trainer.tensor.layers_1d import ColumnLinear, RowLinear, Slicer, TokenTable1D, param
-from trainer.tensor.mesh import Mesh1D
 
 
 class RMSNorm1D(nn.Module):
     """Replicated: every rank normalises the full x_BTD."""
 
-    def __init__(self, dense: RMSNorm, *, mesh: Mesh1D) -> None:
+    def __init__(self, dense: RMSNorm, *, mesh: Grid1D) -> None:
         super().__init__()
         self.eps = dense.eps
         self.weight = param(dense.weight, replicas=mesh.size)
@@ -35,7 +35,7 @@ class RMSNorm1D(nn.Module):
 
 
 class GQAttention1D(nn.Module):
-    def __init__(self, dense: GQAttention, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: GQAttention, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.head_dim = dense.head_dim
         self.q = ColumnLinear(dense.q, mesh=mesh, name=f"{name}.q")
@@ -48,7 +48,7 @@ class GQAttention1D(nn.Module):
 
 
 class SwiGLU1D(nn.Module):
-    def __init__(self, dense: SwiGLU, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: SwiGLU, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.gate = ColumnLinear(dense.gate, mesh=mesh, name=f"{name}.gate")
         self.up = ColumnLinear(dense.up, mesh=mesh, name=f"{name}.up")
@@ -59,7 +59,7 @@ class SwiGLU1D(nn.Module):
 
 
 class LlamaBlock1D(nn.Module):
-    def __init__(self, dense: LlamaBlock, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: LlamaBlock, *, mesh: Grid1D, name: str) -> None:
         super().__init__()
         self.attn_norm = RMSNorm1D(dense.attn_norm, mesh=mesh)
         self.attn = GQAttention1D(dense.attn, mesh=mesh, name=f"{name}.attn")
@@ -72,7 +72,7 @@ class LlamaBlock1D(nn.Module):
 class TokenEmbedding1D(TokenTable1D):
     """Token table split over the vocabulary (layers_1d's, shared with GPT's embedding)."""
 
-    def __init__(self, dense: TokenEmbedding, *, mesh: Mesh1D, name: str) -> None:
+    def __init__(self, dense: TokenEmbedding, *, mesh: Grid1D, name: str) -> None:
         super().__init__(dense.tok, mesh=mesh, name=name)
 
 
@@ -81,7 +81,7 @@ class LlamaHead1D(nn.Module):
     output is this rank's vocabulary block of the logits (for the vocab-parallel loss) unless
     `gather`, which all-gathers whole rows."""
 
-    def __init__(self, dense: LlamaHead, *, mesh: Mesh1D, name: str, gather: bool = False) -> None:
+    def __init__(self, dense: LlamaHead, *, mesh: Grid1D, name: str, gather: bool = False) -> None:
         super().__init__()
         self.mesh, self.name, self.gather = mesh, name, gather
         self.norm = RMSNorm1D(dense.norm, mesh=mesh)
@@ -102,7 +102,7 @@ def shard_llama_layer(
     cls = kinds.get(type(layer))
     if cls is None:
         return None
-    if not isinstance(mesh, Mesh1D):
+    if not isinstance(mesh, Grid1D):
         raise TypeError(
             f"{type(layer).__name__} has a 1-D tensor-parallel form only (parallel.tensor.mode 1d)"
         )

@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from jobrules.spec import TensorSpec
 from trainer.tensor import comm
-from trainer.tensor.mesh import Mesh1D, TensorMesh
+from trainer.tensor.grid import Grid1D, TensorGrid
 
 
-def comm_summary(*, mesh: TensorMesh, steps: int) -> dict[str, Any]:
+def comm_summary(*, mesh: TensorGrid, steps: int) -> dict[str, Any]:
     """This run's ledger: per rank totals (gathered from every rank), rank 0's per-layer and per-op
     breakdown, and the per-step averages."""
     mine = comm.LEDGER.total()
@@ -21,12 +21,12 @@ def comm_summary(*, mesh: TensorMesh, steps: int) -> dict[str, Any]:
     row = {"total": mine.as_dict(), "fwd": fwd.as_dict(), "bwd": bwd.as_dict()}
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, row)
-    q = mesh.size if isinstance(mesh, Mesh1D) else mesh.q
+    q = mesh.size if isinstance(mesh, Grid1D) else mesh.q
     return {
         "mode": mesh.mode,
         "world_size": dist.get_world_size(),
-        "q": None if isinstance(mesh, Mesh1D) else q,
-        "d": None if isinstance(mesh, Mesh1D) else mesh.d,
+        "q": None if isinstance(mesh, Grid1D) else q,
+        "d": None if isinstance(mesh, Grid1D) else mesh.d,
         "steps": steps,
         "per_rank": per_rank,
         "sent_bytes_per_step_rank0": (mine.as_dict()["sent_bytes"] / steps) if steps else 0.0,
@@ -36,7 +36,7 @@ def comm_summary(*, mesh: TensorMesh, steps: int) -> dict[str, Any]:
     }
 
 
-def tensor_summary(*, mesh: TensorMesh, tensor: TensorSpec, steps: int) -> dict[str, Any]:
+def tensor_summary(*, mesh: TensorGrid, tensor: TensorSpec, steps: int) -> dict[str, Any]:
     """The tensor-parallel result keys, and under "comm" the run's ledger for the `comm` event
     (every rank calls this: it gathers)."""
     with comm.paused():

@@ -1,4 +1,4 @@
-"""The pipeline executor on real gloo ranks against the single-process full-batch reference.
+"""The pipeline driver on real gloo ranks against the single-process full-batch reference.
 
 One spawn per pipeline depth runs every schedule at several micro-batch counts (spawning ranks is
 the expensive part on a 2-core machine); each case rebuilds the model from the same seed. The
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from jobrules.spec import ModelSpec
 from tests.gloo import run_ranks
 from trainer.models import build_model, lm_loss
-from trainer.pipeline.executor import PipelineExecutor
+from trainer.pipeline.driver import PipelineDriver
 from trainer.pipeline.schedules import SCHEDULES, build_schedule
 from trainer.pipeline.stage import build_stages, global_param_names
 
@@ -104,7 +104,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, int]]) -> dict[tupl
         model = build_model(cfg, seed=0)
         sched = build_schedule(name, stages=world, microbatches=N)
         modules = build_stages(model, sched=sched, rank=rank)
-        ex = PipelineExecutor(
+        ex = PipelineDriver(
             sched=sched,
             rank=rank,
             modules=modules,

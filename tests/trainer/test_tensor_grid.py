@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from jobrules.spec import ModelSpec, SpecError, TensorSpec
-from trainer.tensor.mesh import check_tensor_layout
+from trainer.tensor.grid import check_tensor_layout
 
 MODEL = ModelSpec(d_model=64, heads=4, seq_len=16, layers=2)
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel meshes: the shape checks (run before any process group exists) and the groups.
+"""Tensor-parallel process grids: the shape checks (run before any process group exists) and the groups.
 
 Rank layout. 1d: one axis "tp" of `size` ranks. 2d and 2.5d: a (depth, row, col) grid of d x q x q
 ranks in row-major order, rank = k*q*q + i*q + j (2d is d = 1). SUMMA talks about "broadcast along a
@@ -66,8 +66,8 @@ def _ranks_formula(tensor: TensorSpec) -> str:
 
 
 @dataclass(kw_only=True, slots=True)
-class Mesh1D:
-    """Megatron's one tensor axis."""
+class Grid1D:
+    """Megatron's one tensor axis: a line of `size` ranks."""
 
     group: dist.ProcessGroup
     size: int
@@ -80,8 +80,8 @@ class Mesh1D:
 
 
 @dataclass(kw_only=True, slots=True)
-class MeshGrid:
-    """A d x q x q Tesseract grid (d = 1 is 2-D SUMMA)."""
+class TesseractGrid:
+    """A d x q x q Tesseract grid of ranks (d = 1 is 2-D SUMMA)."""
 
     q: int
     d: int
@@ -109,7 +109,7 @@ class MeshGrid:
         return self.k * self.q + self.i
 
 
-TensorMesh = Mesh1D | MeshGrid
+TensorGrid = Grid1D | TesseractGrid
 
 
 def device_mesh_for(tensor: TensorSpec, *, device_type: str = "cpu") -> DeviceMesh:
@@ -121,18 +121,18 @@ def device_mesh_for(tensor: TensorSpec, *, device_type: str = "cpu") -> DeviceMe
     )
 
 
-def tensor_mesh(dm: DeviceMesh) -> TensorMesh:
+def tensor_grid(dm: DeviceMesh) -> TensorGrid:
     """Groups and coordinates from a DeviceMesh with axes ("tp",) or ("depth", "row", "col")."""
     names = dm.mesh_dim_names
     if names == ("tp",):
-        return Mesh1D(group=dm.get_group("tp"), size=dm.size(), rank=dm.get_local_rank("tp"))
+        return Grid1D(group=dm.get_group("tp"), size=dm.size(), rank=dm.get_local_rank("tp"))
     if names != ("depth", "row", "col"):
-        raise ValueError(f"a tensor mesh has axes ('tp',) or ('depth', 'row', 'col'), got {names}")
+        raise ValueError(f"a tensor grid has axes ('tp',) or ('depth', 'row', 'col'), got {names}")
     d, q, q2 = dm.mesh.shape
     assert q == q2, f"grid must be square, got {q} x {q2}"
     row_peers = dm.get_group("col")
     col_peers = dm.get_group("row")
-    return MeshGrid(
+    return TesseractGrid(
         q=q,
         d=d,
         k=dm.get_local_rank("depth"),
@@ -146,5 +146,5 @@ def tensor_mesh(dm: DeviceMesh) -> TensorMesh:
     )
 
 
-def grid_mesh_from_config(tensor: TensorSpec, *, device_type: str = "cpu") -> TensorMesh:
-    return tensor_mesh(device_mesh_for(tensor, device_type=device_type))
+def tensor_grid_for(tensor: TensorSpec, *, device_type: str = "cpu") -> TensorGrid:
+    return tensor_grid(device_mesh_for(tensor, device_type=device_type))

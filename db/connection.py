@@ -1,4 +1,4 @@
-"""One engine per process; SQLite or Postgres, the URL decides."""
+"""The database connection set-up: one SQLAlchemy engine per process; SQLite or Postgres, the URL decides."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 @dataclass(kw_only=True, slots=True)
 class TrialView:
-    """What a scheduler sees of one trial."""
+    """What a policy sees of one trial."""
 
     index: int
     steps_left: int
@@ -37,7 +37,7 @@ class TrialView:
         return self.step_time_s * self.steps_left - self.done_in_step_s
 
 
-class Scheduler(Protocol):
+class Policy(Protocol):
     name: str
 
     def choose(
@@ -117,11 +117,11 @@ class Sequential:
         return None
 
 
-SCHEDULERS: dict[str, type] = {cls.name: cls for cls in (ShardedLRTF, FIFO, RoundRobin, Sequential)}
+POLICIES: dict[str, type] = {cls.name: cls for cls in (ShardedLRTF, FIFO, RoundRobin, Sequential)}
 
 
-def make_scheduler(name: str) -> Scheduler:
+def make_policy(name: str) -> Policy:
     try:
-        return SCHEDULERS[name]()
+        return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"scheduler must be one of {', '.join(SCHEDULERS)}, got {name!r}") from None
+        raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}, got {name!r}") from None

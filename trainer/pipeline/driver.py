@@ -147,7 +147,7 @@ class _Channel:
         return mb, buf
 
 
-class PipelineExecutor:
+class PipelineDriver:
     def __init__(
         self,
         *,
@@ -167,7 +167,7 @@ class PipelineExecutor:
         """`ranks` maps pipeline rank to global rank (default identity); `group` is the process
         group the static schedules talk on (default WORLD); `channel_groups` are the message-
         driven mode's groups (default: `async_groups(ranks)`, made here, so every pipeline rank
-        must build its executor at the same point); `delay(action)` returns seconds to sleep
+        must build its driver at the same point); `delay(action)` returns seconds to sleep
         before the action's compute (jitter injection for tests and benches); `loss_fn(outputs,
         targets)` is the model recipe's mean loss of one micro-batch."""
         self.sched = sched
@@ -194,7 +194,7 @@ class PipelineExecutor:
         self.linears = {k: plain_linears(m) for k, m in modules.items()} if sched.split_backward else {}
 
     def close(self) -> None:
-        """Nothing outlives a step; kept so callers can release an executor explicitly."""
+        """Nothing outlives a step; kept so callers can release a driver explicitly."""
 
     def _peer(self, *, stage: int, replica: int) -> int:
         return self.ranks[self.sched.rank_of(stage=stage, replica=replica)]
@@ -216,7 +216,7 @@ class _StepRun:
     """The mutable state of one step on one rank."""
 
     def __init__(
-        self, ex: PipelineExecutor, *, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], t0: float
+        self, ex: PipelineDriver, *, xs: tuple[torch.Tensor, ...], ys: tuple[torch.Tensor, ...], t0: float
     ) -> None:
         self.ex = ex
         self.xs, self.ys = xs, ys

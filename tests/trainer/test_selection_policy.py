@@ -1,4 +1,4 @@
-"""Schedulers and the discrete-event simulator: Sharded-LRTF's decisions on a hand-worked batch,
+"""Policies and the discrete-event simulator: Sharded-LRTF's decisions on a hand-worked batch,
 and over many random batches no trial on two devices at once and no device over its budget."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.selection.scheduler import (
+from trainer.selection.policy import (
     FIFO,
     RoundRobin,
     Sequential,
     ShardedLRTF,
     TrialView,
-    make_scheduler,
+    make_policy,
 )
 from trainer.selection.simulate import SimTrial, lower_bound, random_batch, simulate
 
@@ -40,7 +40,7 @@ def test_lrtf_decisions_match_the_hand_worked_example() -> None:
     #   t=4  A done, B1 C1:      dev0 <- B, dev1 <- C
     #   t=5  all done; makespan 5 = lower bound max(10/2, 4)
     trials = [unit(0, shards=2, steps=1), unit(1, shards=1, steps=2), unit(2, shards=1, steps=1)]
-    res = simulate(trials, budgets=[None, None], scheduler=ShardedLRTF())
+    res = simulate(trials, budgets=[None, None], policy=ShardedLRTF())
     got = [(s.start, s.device, "ABC"[s.trial], f"{s.kind}{s.shard}") for s in res.trace]
     assert got == [
         (0.0, 0, "A", "F0"),
@@ -56,9 +56,9 @@ def test_lrtf_decisions_match_the_hand_worked_example() -> None:
     ]
     assert res.makespan == 5.0 == lower_bound(trials, devices=2)
     # FIFO keeps C waiting behind A and B and finishes a second later
-    assert simulate(trials, budgets=[None, None], scheduler=FIFO()).makespan == 6.0
+    assert simulate(trials, budgets=[None, None], policy=FIFO()).makespan == 6.0
     # one trial at a time: the sum of the work
-    assert simulate(trials, budgets=[None, None], scheduler=Sequential()).makespan == 10.0
+    assert simulate(trials, budgets=[None, None], policy=Sequential()).makespan == 10.0
 
 
 def test_policies_choose_as_documented() -> None:
@@ -78,13 +78,13 @@ def test_policies_choose_as_documented() -> None:
     assert Sequential().choose(idle, active=active, free_bytes=None) is None  # trial 0 is running
     assert Sequential().choose(idle, active=[1, 3, 5], free_bytes=None).index == 1
     with pytest.raises(ValueError, match="shard-lrtf, fifo, round-robin, sequential"):
-        make_scheduler("lifo")
+        make_policy("lifo")
 
 
 def test_a_trial_that_fits_no_device_is_refused() -> None:
     big = SimTrial(index=0, fwd_s=[1.0], bwd_s=[1.0], shard_bytes=[101], steps=1)
     with pytest.raises(ValueError, match="shard 0 needs 101 bytes but the largest device budget is 100"):
-        simulate([big], budgets=[100, 50], scheduler=ShardedLRTF())
+        simulate([big], budgets=[100, 50], policy=ShardedLRTF())
 
 
 def check_trace(trials: list[SimTrial], budgets: list[int | None], res) -> None:  # noqa: ANN001
@@ -131,7 +131,7 @@ def test_no_trial_on_two_devices_and_no_device_over_budget(
     budgets: list[int | None] = [
         biggest if d == 0 or not tight else rng.randint(biggest // 3 + 1, biggest) for d in range(n_devices)
     ]
-    res = simulate(trials, budgets=budgets, scheduler=make_scheduler(policy))
+    res = simulate(trials, budgets=budgets, policy=make_policy(policy))
     check_trace(trials, budgets, res)
     assert res.makespan >= lower_bound(trials, devices=n_devices) - 1e-9
     assert res.makespan <= sum(t.work_s for t in trials) + 1e-9
@@ -142,5 +142,5 @@ def test_lrtf_is_near_the_bound_on_random_batches() -> None:
     rng = random.Random(0)
     for _ in range(20):
         trials = random_batch(rng, trials=16, max_shards=4, max_steps=20)
-        lrtf = simulate(trials, budgets=[None] * 4, scheduler=ShardedLRTF()).makespan
+        lrtf = simulate(trials, budgets=[None] * 4, policy=ShardedLRTF()).makespan
         assert lrtf <= 1.10 * lower_bound(trials, devices=4)
