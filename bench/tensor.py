@@ -106,21 +106,21 @@ def _measure(
     small = Block(d_model=REGIME_H, heads=REGIME_HEADS, mlp_ratio=RATIO)
     out: dict[str, Any] = {"regime": {}}
     for tensor in configs:
-        mesh = tensor_grid_for(tensor)
+        grid = tensor_grid_for(tensor)
 
-        def shard(t: torch.Tensor, mesh: Any = mesh) -> torch.Tensor:
-            if isinstance(mesh, Grid1D):
+        def shard(t: torch.Tensor, grid: Any = grid) -> torch.Tensor:
+            if isinstance(grid, Grid1D):
                 return t
-            return layers_25d.cols_of(local_batch(t, mesh=mesh), mesh)
+            return layers_25d.cols_of(local_batch(t, grid=grid), grid)
 
         x_local = shard(x_BTD)
-        if isinstance(mesh, Grid1D):
-            lin = layers_1d.RowLinear(square, mesh=mesh, name="lin")
-            lin_in = layers_1d.block_of(x_BTD, dim=-1, index=mesh.rank, parts=mesh.size)
+        if isinstance(grid, Grid1D):
+            lin = layers_1d.RowLinear(square, grid=grid, name="lin")
+            lin_in = layers_1d.block_of(x_BTD, dim=-1, index=grid.rank, parts=grid.size)
         else:
-            lin = layers_25d.LinearGrid(square, mesh=mesh, name="lin")
+            lin = layers_25d.LinearGrid(square, grid=grid, name="lin")
             lin_in = x_local
-        block = shard_block(dense, mesh=mesh, name="blk")
+        block = shard_block(dense, grid=grid, name="blk")
         comm.LEDGER.reset()
         dist.barrier()
         w0 = socket_bytes()
@@ -144,7 +144,7 @@ def _measure(
             "act_bytes": x_local.numel() * x_local.element_size(),
             "linear_depth_sent": depth if tensor.mode != "1d" else Fraction(0),
         }
-        small_tp = shard_block(small, mesh=mesh, name="blk")
+        small_tp = shard_block(small, grid=grid, name="blk")
         for b, t in regime or []:
             x = torch.randn(b, t, REGIME_H, generator=torch.Generator().manual_seed(2))
             x_local = shard(x).clone().requires_grad_()

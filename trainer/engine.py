@@ -44,16 +44,16 @@ class ComposedEngine:
         self.recipe, self.job, self.mesh, self.parts, self.device = recipe, job, mesh, parts, device
         shape = mesh.shape
         self.n_params = parts.n_params
-        self.tp_mesh: Any = mesh.tp_mesh
-        self.grid = self.tp_mesh is not None and self.tp_mesh.mode != "1d"
+        self.tp_grid: Any = mesh.tp_grid
+        self.tesseract = self.tp_grid is not None and self.tp_grid.mode != "1d"
         self.rows = job.train.batch_size // shape.dp  # a replica's rows
         self.micro = job.parallel.pipeline.microbatches if shape.pp > 1 and job.parallel.pipeline else 1
         # the ranks holding one (row block of a) replica's loss value: all tp ranks in 1d, a row's
         # q column peers on the grid
-        held_by = 1 if self.tp_mesh is None else (self.tp_mesh.q if self.grid else self.tp_mesh.size)
+        held_by = 1 if self.tp_grid is None else (self.tp_grid.q if self.tesseract else self.tp_grid.size)
         self.loss_weight = 1.0 / (held_by * shape.dp)
         self.params = [p for _, p in parts.named_parameters()]
-        if self.tp_mesh is not None:
+        if self.tp_grid is not None:
             from trainer.tensor import comm
 
             # count this run's tensor-parallel traffic (evaluation excluded, see eval_loss)
@@ -67,21 +67,21 @@ class ComposedEngine:
     # ---- rows and loss ------------------------------------------------------------------------
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         t = replica_rows(t, index=self.mesh.dp_index, replicas=self.mesh.shape.dp)
-        if self.tp_mesh is not None:
+        if self.tp_grid is not None:
             from trainer.tensor.block import local_batch
 
-            t = local_batch(t, mesh=self.tp_mesh)
+            t = local_batch(t, grid=self.tp_grid)
         return t
 
     def _loss_fn(self, rows: int) -> Any:
         """The loss of `rows` replica rows (a micro-batch or a replica's batch): the recipe's mean,
         or under tensor parallelism this rank's part of it (the tensor-parallel cross entropy)."""
-        if self.tp_mesh is None:
+        if self.tp_grid is None:
             return self.recipe.loss
         from trainer.tensor.block import loss_fn
 
-        mesh = self.tp_mesh
-        return lambda out, y: loss_fn(out, y, mesh=mesh, global_rows=rows)
+        grid = self.tp_grid
+        return lambda out, y: loss_fn(out, y, grid=grid, global_rows=rows)
 
     def _global(self, local: torch.Tensor | float) -> float:
         t = (
@@ -94,9 +94,9 @@ class ComposedEngine:
 
     def _act_shape(self, x_local: torch.Tensor, stage: int) -> tuple[int, ...]:
         s = boundary_shape(self.recipe, upto=self.parts.bounds[stage][1], inputs=x_local)
-        if self.grid:
+        if self.tesseract:
             # a grid rank holds its row block (already in x_local) and 1/q of the features
-            s = (*s[:-1], s[-1] // self.tp_mesh.q)
+            s = (*s[:-1], s[-1] // self.tp_grid.q)
         return s
 
     def _build_driver(self, x_local: torch.Tensor) -> None:
@@ -154,7 +154,7 @@ class ComposedEngine:
         for m in self.parts.modules.values():
             m.eval()
         try:
-            if self.tp_mesh is not None:
+            if self.tp_grid is not None:
                 from trainer.tensor import comm
 
                 with comm.paused():
@@ -262,10 +262,10 @@ class ComposedEngine:
                 "microbatches": p.microbatches,
                 "bubble_executed": getattr(self, "_bubble", float("nan")),
             }
-        if self.tp_mesh is not None:
+        if self.tp_grid is not None:
             from trainer.tensor.traffic import tensor_summary
 
-            tensor = tensor_summary(mesh=self.tp_mesh, tensor=s.tensor, steps=steps_ran)
+            tensor = tensor_summary(grid=self.tp_grid, tensor=s.tensor, steps=steps_ran)
             sink.event("comm", tensor.pop("comm"))
             out.update(tensor)
         return out

@@ -90,7 +90,7 @@ def grad_norm(
 
     Each rank sums the squares of the pieces it counts (`_weight`), then the sum is all-reduced
     over each of `groups` in turn: together they must span exactly the ranks that hold distinct
-    pieces of ONE model copy (pipeline stages x tensor ranks; a 2.5d mesh is three groups). A
+    pieces of ONE model copy (pipeline stages x tensor ranks; a 2.5d grid is three groups). A
     data-parallel group must never be among them: its replicas hold the same averaged gradients,
     and summing them would count the model several times.
 

@@ -89,7 +89,7 @@ class WorldMesh:
     dp_group: dist.ProcessGroup | None = None
     replica_group: dist.ProcessGroup | None = None
     """pp x tp ranks of this replica: gradient-norm sums, loss reporting inside a replica."""
-    tp_mesh: object | None = None
+    tp_grid: object | None = None
     """trainer.tensor.grid.TensorGrid of this rank's tensor group (None without tensor axis)."""
     pipeline_ranks: list[int] = field(default_factory=lambda: [0])
 
@@ -114,11 +114,11 @@ def build_world_mesh(shape: MeshShape, *, device_type: str) -> WorldMesh:
     dm = init_device_mesh(
         device_type, (shape.pp, shape.dp, *tp_sizes), mesh_dim_names=("pp", "dp", *tp_names)
     )
-    tp_mesh = None
+    tp_grid = None
     if shape.tp > 1:
         from trainer.tensor.grid import tensor_grid
 
-        tp_mesh = tensor_grid(dm[tp_names])
+        tp_grid = tensor_grid(dm[tp_names])
     replica_group = None
     if shape.pp * shape.tp > 1:
         replica_group, _ = dist.new_subgroups_by_enumeration(
@@ -132,6 +132,6 @@ def build_world_mesh(shape: MeshShape, *, device_type: str) -> WorldMesh:
         tp_index=tp_i,
         dp_group=dm.get_group("dp") if shape.dp > 1 else None,
         replica_group=replica_group,
-        tp_mesh=tp_mesh,
+        tp_grid=tp_grid,
         pipeline_ranks=shape.pipeline_ranks(dp=dp_i, tp=tp_i),
     )

@@ -94,7 +94,7 @@ def _tp_layer(recipe: ModelRecipe, index: int, layer: nn.Module, mesh: WorldMesh
         raise SpecError(
             f"model.kind {recipe.kind!r}: layer {index} has no tensor-parallel form (tp_hint None)"
         )
-    return shard_layer(layer, mesh=mesh.tp_mesh, name=str(index))
+    return shard_layer(layer, grid=mesh.tp_grid, name=str(index))
 
 
 def parallelize(recipe: ModelRecipe, job: JobSpec, *, mesh: WorldMesh, device: torch.device) -> Parallelized:

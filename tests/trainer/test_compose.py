@@ -113,7 +113,7 @@ def _rank(
     )
     compared = 0
     for module in engine.parts.modules.values():
-        cuts = slicers(module) if engine.tp_mesh is not None else {}
+        cuts = slicers(module) if engine.tp_grid is not None else {}
         for name, p in module.named_parameters():
             want = cuts[name](dense[name]) if cuts else dense[name]
             torch.testing.assert_close(

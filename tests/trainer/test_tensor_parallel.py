@@ -173,7 +173,7 @@ def _compare(
 
 def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
     checks = Checks()
-    mesh = tensor_grid_for(tensor)
+    grid = tensor_grid_for(tensor)
     gpt = build_model(ModelSpec(layers=1, d_model=D, heads=H, seq_len=T, mlp_ratio=2), seed=1)
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(4))
@@ -182,10 +182,10 @@ def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
     linears = {"linear+bias": nn.Linear(N_IN, N_OUT), "linear": nn.Linear(N_IN, N_OUT, bias=False)}
     ledgers: dict[str, dict] = {}
 
-    if isinstance(mesh, Grid1D):
+    if isinstance(grid, Grid1D):
 
         def cols(t: torch.Tensor) -> torch.Tensor:
-            return layers_1d.block_of(t, dim=-1, index=mesh.rank, parts=mesh.size)
+            return layers_1d.block_of(t, dim=-1, index=grid.rank, parts=grid.size)
 
         def x_shard(t: torch.Tensor) -> torch.Tensor:
             return t
@@ -194,28 +194,28 @@ def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
         vocab = cols  # the head's output: all rows, this rank's vocabulary block
         for label, lin in linears.items():
             comm.LEDGER.reset()
-            col = layers_1d.ColumnLinear(lin, mesh=mesh, name=f"col.{label}")
+            col = layers_1d.ColumnLinear(lin, grid=grid, name=f"col.{label}")
             _compare(checks, label, dense=lin, tp=col, x=x_in, x_local=x_in, out_shard=cols, in_shard=x_shard)
-            row = layers_1d.RowLinear(lin, mesh=mesh, name=f"row.{label}")
+            row = layers_1d.RowLinear(lin, grid=grid, name=f"row.{label}")
             _compare(
                 checks, label, dense=lin, tp=row, x=x_in, x_local=cols(x_in), out_shard=x_shard, in_shard=cols
             )
             ledgers[f"col.{label}"] = _ledger_phases(f"col.{label}")
             ledgers[f"row.{label}"] = _ledger_phases(f"row.{label}")
     else:
-        assert isinstance(mesh, TesseractGrid)
+        assert isinstance(grid, TesseractGrid)
 
         def x_shard(t: torch.Tensor) -> torch.Tensor:
-            return layers_25d.cols_of(layers_25d.rows_of(t, mesh), mesh)
+            return layers_25d.cols_of(layers_25d.rows_of(t, grid), grid)
 
         def rows(t: torch.Tensor) -> torch.Tensor:
-            return layers_25d.rows_of(t, mesh)
+            return layers_25d.rows_of(t, grid)
 
         vocab = x_shard  # the head's output: this rank's rows, its vocabulary block j
 
         for label, lin in linears.items():
             comm.LEDGER.reset()
-            tp = layers_25d.LinearGrid(lin, mesh=mesh, name=f"lin.{label}")
+            tp = layers_25d.LinearGrid(lin, grid=grid, name=f"lin.{label}")
             _compare(
                 checks,
                 label,
@@ -228,16 +228,16 @@ def _layers_task(tensor: TensorSpec) -> dict[str, Any]:
             )
             ledgers[f"lin.{label}"] = _ledger_phases(f"lin.{label}")
 
-    block_ledger = _check_block(checks, gpt[1], mesh=mesh, x=x, x_shard=x_shard)
+    block_ledger = _check_block(checks, gpt[1], grid=grid, x=x, x_shard=x_shard)
 
-    tp_model = shard_model(gpt, mesh=mesh)
+    tp_model = shard_model(gpt, grid=grid)
     idx, targets = ids[:, :-1], ids[:, 1:]
     _check_ends(
-        checks, gpt=gpt, tp_model=tp_model, mesh=mesh, idx=idx, x=x, rows=rows, x_shard=x_shard, vocab=vocab
+        checks, gpt=gpt, tp_model=tp_model, grid=grid, idx=idx, x=x, rows=rows, x_shard=x_shard, vocab=vocab
     )
-    _check_gpt_loss(checks, gpt=gpt, tp_model=tp_model, idx=idx, targets=targets, mesh=mesh)
-    _check_clip(checks, dense=gpt, tp=tp_model, mesh=mesh)
-    ce_ledger = _check_cross_entropy(checks, mesh=mesh, rows=rows, vocab=vocab)
+    _check_gpt_loss(checks, gpt=gpt, tp_model=tp_model, idx=idx, targets=targets, grid=grid)
+    _check_clip(checks, dense=gpt, tp=tp_model, grid=grid)
+    ce_ledger = _check_cross_entropy(checks, grid=grid, rows=rows, vocab=vocab)
     return {
         "failures": dict(checks.failures),
         "done": checks.done,
@@ -252,7 +252,7 @@ def _check_ends(
     *,
     gpt: nn.Sequential,
     tp_model: nn.Sequential,
-    mesh: Grid1D | TesseractGrid,
+    grid: Grid1D | TesseractGrid,
     idx: torch.Tensor,
     x: torch.Tensor,
     rows: Callable[[torch.Tensor], torch.Tensor],
@@ -261,7 +261,7 @@ def _check_ends(
 ) -> None:
     """Embedding: integer input, no input gradient; head: this rank's vocabulary block of its rows."""
     # gather_logits=True: whole rows of logits (every vocabulary block) for this rank's rows
-    gathered = shard_model(gpt, mesh=mesh, gather_logits=True)
+    gathered = shard_model(gpt, grid=grid, gather_logits=True)
     # label, dense layer, its shard, input, this rank's input, shard of the output, of the input
     for label, dense, tp, inp, local, out_s, in_s in (
         ("embedding", gpt[0], tp_model[0], idx, rows(idx), x_shard, None),
@@ -275,14 +275,14 @@ def _check_block(
     checks: Checks,
     block: Block,
     *,
-    mesh: Grid1D | TesseractGrid,
+    grid: Grid1D | TesseractGrid,
     x: torch.Tensor,
     x_shard: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[tuple[str, str], tuple[int, int, Fraction]]:
     """A transformer block and each of its parts against their sharded forms; the block's
     collectives (calls, payload, bytes sent) per (layer, phase)."""
     for label, pick in (("layernorm", "ln1"), ("attention", "attn"), ("mlp", "mlp"), ("block", None)):
-        tp_block = shard_block(block, mesh=mesh, name="blk")
+        tp_block = shard_block(block, grid=grid, name="blk")
         dense = block if pick is None else getattr(block, pick)
         tp = tp_block if pick is None else getattr(tp_block, pick)
         comm.LEDGER.reset()
@@ -303,7 +303,7 @@ def _check_gpt_loss(
     tp_model: nn.Sequential,
     idx: torch.Tensor,
     targets: torch.Tensor,
-    mesh: Grid1D | TesseractGrid,
+    grid: Grid1D | TesseractGrid,
 ) -> None:
     """One-block GPT and its loss: the local loss terms' gradients are the dense loss's, and the
     forward gathers nothing."""
@@ -313,13 +313,13 @@ def _check_gpt_loss(
     dense_loss.backward()
     comm.LEDGER.reset()
     local = loss_fn(
-        tp_model(local_batch(idx, mesh=mesh)), local_batch(targets, mesh=mesh), mesh=mesh, global_rows=B
+        tp_model(local_batch(idx, grid=grid)), local_batch(targets, grid=grid), grid=grid, global_rows=B
     )
     gathers = [key for key in comm.LEDGER.records if key[2] == "all_gather"]
     if gathers:
         checks.failures["gpt"].append(f"the forward gathered: {gathers}")
     local.backward()
-    checks.close("gpt", torch.tensor(global_loss(local, mesh=mesh)), dense_loss.detach(), "loss")
+    checks.close("gpt", torch.tensor(global_loss(local, grid=grid)), dense_loss.detach(), "loss")
     dense_params = dict(gpt.named_parameters())
     cut = slicers(tp_model)
     for name, p in tp_model.named_parameters():
@@ -327,7 +327,7 @@ def _check_gpt_loss(
     checks.done.append("gpt")
 
 
-def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D | TesseractGrid) -> None:
+def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, grid: Grid1D | TesseractGrid) -> None:
     """Both models hold the same (sharded) gradients: clip both, compare the norm and every shard.
     A replicated parameter counted on more than one rank, or a sum over too few ranks, changes the
     norm and so the clipped gradients."""
@@ -338,7 +338,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D
     marks = {name: p.__dict__.pop("tp_counted") for name, p in tp.named_parameters()}
     checks.close(
         "clip",
-        clip_grad_norm(tp.parameters(), max_norm=float("inf"), mesh=mesh),
+        clip_grad_norm(tp.parameters(), max_norm=float("inf"), grid=grid),
         unclipped,
         "norm by 1/replicas",
     )
@@ -347,7 +347,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D
     dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
     if not dense_norm > 4 * max_norm:
         checks.failures["clip"].append(f"dense norm {dense_norm} too small to clip: the check proves nothing")
-    norm = clip_grad_norm(tp.parameters(), max_norm=max_norm, mesh=mesh)
+    norm = clip_grad_norm(tp.parameters(), max_norm=max_norm, grid=grid)
     checks.close("clip", norm, dense_norm, "norm")
     grad = next(p.grad for p in tp.parameters() if p.grad is not None)
     if norm.device != grad.device or norm.dim() != 0:
@@ -358,7 +358,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D
         checks.close("clip", p.grad, cut[name](dense_params[name].grad), f"{name} clipped grad")
     checks.done.append("clip")
 
-    # the same function on meta-device gradients, over a one-rank mesh: any read-back to the host
+    # the same function on meta-device gradients, over a one-rank grid: any read-back to the host
     # (.item(), .cpu(), float(t)) or a tensor made on the host would raise here; on NCCL that is
     # what would otherwise sync the step or put a CPU tensor into the collective
     solo, _ = dist.new_subgroups(group_size=1)
@@ -369,7 +369,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D
         if k != 2:  # the third weighs 1/replicas
             p.tp_counted = k != 1  # type: ignore[attr-defined]
     try:
-        norm = clip_grad_norm(meta, max_norm=1.0, mesh=Grid1D(group=solo, size=1, rank=0))
+        norm = clip_grad_norm(meta, max_norm=1.0, grid=Grid1D(group=solo, size=1, rank=0))
         if norm.device.type != "meta":
             checks.failures["clip"].append(f"meta gradients gave a norm on {norm.device}")
     except Exception as e:  # noqa: BLE001 - recorded, so every rank goes on to the same collectives
@@ -379,7 +379,7 @@ def _check_clip(checks: Checks, *, dense: nn.Module, tp: nn.Module, mesh: Grid1D
 def _check_cross_entropy(
     checks: Checks,
     *,
-    mesh: Grid1D | TesseractGrid,
+    grid: Grid1D | TesseractGrid,
     rows: Callable[[torch.Tensor], torch.Tensor],
     vocab: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[tuple[str, str], tuple[int, int]]:
@@ -395,13 +395,13 @@ def _check_cross_entropy(
 
     local_logits = vocab(logits.detach()).clone().requires_grad_()
     comm.LEDGER.reset()
-    local = loss_fn(local_logits, rows(targets), mesh=mesh, global_rows=B)
+    local = loss_fn(local_logits, rows(targets), grid=grid, global_rows=B)
     ledger = {(layer, op): (c.calls, c.payload) for (layer, _, op), c in comm.LEDGER.records.items()}
     local.backward()
-    checks.close("cross-entropy", torch.tensor(global_loss(local, mesh=mesh)), dense.detach(), "loss")
+    checks.close("cross-entropy", torch.tensor(global_loss(local, grid=grid)), dense.detach(), "loss")
     checks.close("cross-entropy", local_logits.grad, vocab(logits.grad), "logits grad")
     with comm.paused():
-        mine = vocab_parallel_cross_entropy(vocab(logits.detach()), rows(targets), mesh=mesh)
+        mine = vocab_parallel_cross_entropy(vocab(logits.detach()), rows(targets), grid=grid)
     checks.close("cross-entropy", mine, rows(per_token), "per-token loss")
     checks.done.append("cross-entropy")
     return ledger
@@ -472,7 +472,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
     sched = build_schedule("1f1b", stages=2, microbatches=n_micro)
     lo, _ = stage_bounds(dense, 2)[stage]
     (dense_stage,) = build_stages(build_model(job.model, seed=cfg.seed), sched=sched, rank=stage).values()
-    sharded = shard_model(dense_stage, mesh=tp, first_index=lo)
+    sharded = shard_model(dense_stage, grid=tp, first_index=lo)
     driver = PipelineDriver(
         sched=sched,
         rank=stage,
@@ -507,7 +507,7 @@ def _pipeline_1d_task(tensor: TensorSpec) -> dict[str, Any]:
             # clip both: this stage's shards sum over the tensor grid and then the pipeline group
             dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)
             norm = clip_grad_norm(
-                sharded.parameters(), max_norm=0.05, mesh=tp, also_over=(dm.get_group("pp"),)
+                sharded.parameters(), max_norm=0.05, grid=tp, also_over=(dm.get_group("pp"),)
             )
             checks.close("pipeline", norm, dense_norm, f"step {step} clip norm")
             for name, p in sharded.named_parameters():
@@ -555,7 +555,7 @@ def ranks4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         ("train-1d", "train", TP_1D_4),
         ("train-2d", "train", TP_2D),
         ("resume-2d", "resume", TP_2D),
-        # last: it builds a (pp, tp) mesh of its own
+        # last: it builds a (pp, tp) grid of its own
         ("pipeline-2x1d2", "pipeline-1d", TensorSpec(mode="1d", size=2)),
     ]
     ckpt = str(tmp_path_factory.mktemp("tp-ckpt"))

@@ -70,42 +70,42 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorGrid, layer: str = "ce"
+    logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, grid: TensorGrid, layer: str = "ce"
 ) -> torch.Tensor:
     """Per-token cross entropy (B, T) of this rank's rows, from this rank's vocabulary columns.
 
     The result is the same on every rank that shares these rows (1d: every rank; grid: the row).
-    `logits_BTv` are the head's output on this rank: vocabulary block `mesh.rank` of `mesh.size`
-    (1d) or block `mesh.j` of `mesh.q` (grid), for the rows `local_batch` gives this rank."""
+    `logits_BTv` are the head's output on this rank: vocabulary block `grid.rank` of `grid.size`
+    (1d) or block `grid.j` of `grid.q` (grid), for the rows `local_batch` gives this rank."""
     v = logits_BTv.shape[-1]
-    if isinstance(mesh, Grid1D):
-        lo, group = mesh.rank * v, mesh.group
+    if isinstance(grid, Grid1D):
+        lo, group = grid.rank * v, grid.group
     else:
-        lo, group = mesh.j * v, mesh.row_peers
+        lo, group = grid.j * v, grid.row_peers
     B, T = targets_BT.shape
     loss_n = _VocabParallelCE.apply(logits_BTv.reshape(B * T, v), targets_BT.reshape(B * T), lo, group, layer)
     return loss_n.view(B, T)
 
 
-def row_blocks(mesh: TensorGrid) -> int:
+def row_blocks(grid: TensorGrid) -> int:
     """How many equal blocks the batch rows are split into (1d: one, the grid: d*q)."""
-    return 1 if isinstance(mesh, Grid1D) else mesh.d * mesh.q
+    return 1 if isinstance(grid, Grid1D) else grid.d * grid.q
 
 
-def tp_loss(logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, mesh: TensorGrid) -> torch.Tensor:
+def tp_loss(logits_BTv: torch.Tensor, targets_BT: torch.Tensor, *, grid: TensorGrid) -> torch.Tensor:
     """This rank's share of the dense mean cross entropy: the mean over its rows divided by the
     number of row blocks. Backward from it gives every shard exactly the dense gradient; the sum of
     the shares over the row blocks (`block.global_loss`) is the dense loss."""
-    return vocab_parallel_cross_entropy(logits_BTv, targets_BT, mesh=mesh).mean() / row_blocks(mesh)
+    return vocab_parallel_cross_entropy(logits_BTv, targets_BT, grid=grid).mean() / row_blocks(grid)
 
 
 class VocabParallelLoss:
-    """`loss(logits, targets)` for a tensor-parallel model on `mesh`: the recipe-style loss callable
+    """`loss(logits, targets)` for a tensor-parallel model on `grid`: the recipe-style loss callable
     (outputs, targets) -> scalar, where outputs are this rank's vocabulary-split logits and targets
     its rows (`block.local_batch`). See `tp_loss` for what the scalar is."""
 
-    def __init__(self, mesh: TensorGrid) -> None:
-        self.mesh = mesh
+    def __init__(self, grid: TensorGrid) -> None:
+        self.grid = grid
 
     def __call__(self, logits_BTv: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        return tp_loss(logits_BTv, targets_BT, mesh=self.mesh)
+        return tp_loss(logits_BTv, targets_BT, grid=self.grid)

@@ -71,13 +71,13 @@ def local_attention(qkv_BTc: torch.Tensor, *, heads: int) -> torch.Tensor:
 class ColumnLinear(nn.Module):
     """y_BTo = x_BTI W[o, :]^T + b[o]: output features split; x replicated."""
 
-    def __init__(self, dense: nn.Linear, *, mesh: Grid1D, name: str, qkv: bool = False) -> None:
+    def __init__(self, dense: nn.Linear, *, grid: Grid1D, name: str, qkv: bool = False) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.grid, self.name = grid, name
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            t = heads_grouped(t, groups=mesh.size) if qkv else t
-            return block_of(t, dim=0, index=mesh.rank, parts=mesh.size)
+            t = heads_grouped(t, groups=grid.size) if qkv else t
+            return block_of(t, dim=0, index=grid.rank, parts=grid.size)
 
         self.slicers: dict[str, Slicer] = {"weight": cut}
         self.weight = param(cut(dense.weight), replicas=1)
@@ -87,29 +87,29 @@ class ColumnLinear(nn.Module):
             self.bias = param(cut(dense.bias), replicas=1)
 
     def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
-        x_BTI = comm.copy_to(x_BTI, group=self.mesh.group, layer=self.name)
+        x_BTI = comm.copy_to(x_BTI, group=self.grid.group, layer=self.name)
         return F.linear(x_BTI, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
     """y_BTO = sum over ranks of x_BTi W[:, i]^T, then + b: input features split; y replicated."""
 
-    def __init__(self, dense: nn.Linear, *, mesh: Grid1D, name: str) -> None:
+    def __init__(self, dense: nn.Linear, *, grid: Grid1D, name: str) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.grid, self.name = grid, name
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return block_of(t, dim=1, index=mesh.rank, parts=mesh.size)
+            return block_of(t, dim=1, index=grid.rank, parts=grid.size)
 
         self.slicers: dict[str, Slicer] = {"weight": cut}
         self.weight = param(cut(dense.weight), replicas=1)
         self.bias = None
         if dense.bias is not None:
             self.slicers["bias"] = lambda t: t
-            self.bias = param(dense.bias, replicas=mesh.size, counted=mesh.rank == 0)
+            self.bias = param(dense.bias, replicas=grid.size, counted=grid.rank == 0)
 
     def forward(self, x_BTi: torch.Tensor) -> torch.Tensor:
-        y_BTO = comm.reduce_from(F.linear(x_BTi, self.weight), group=self.mesh.group, layer=self.name)
+        y_BTO = comm.reduce_from(F.linear(x_BTi, self.weight), group=self.grid.group, layer=self.name)
         # note: bias after the all-reduce, or it would be added once per rank
         return y_BTO if self.bias is None else y_BTO + self.bias
 
@@ -117,30 +117,30 @@ class RowLinear(nn.Module):
 class LayerNorm1D(nn.LayerNorm):
     """Replicated: every rank normalises the full x_BTD itself (cheaper than any collective)."""
 
-    def __init__(self, dense: nn.LayerNorm, *, mesh: Grid1D, name: str) -> None:
+    def __init__(self, dense: nn.LayerNorm, *, grid: Grid1D, name: str) -> None:
         super().__init__(dense.normalized_shape, eps=dense.eps)
         self.name = name
         self.slicers: dict[str, Slicer] = {"weight": lambda t: t, "bias": lambda t: t}
-        self.weight = param(dense.weight, replicas=mesh.size, counted=mesh.rank == 0)
-        self.bias = param(dense.bias, replicas=mesh.size, counted=mesh.rank == 0)
+        self.weight = param(dense.weight, replicas=grid.size, counted=grid.rank == 0)
+        self.bias = param(dense.bias, replicas=grid.size, counted=grid.rank == 0)
 
 
 class Attention1D(nn.Module):
-    def __init__(self, dense: Attention, *, mesh: Grid1D, name: str) -> None:
+    def __init__(self, dense: Attention, *, grid: Grid1D, name: str) -> None:
         super().__init__()
-        self.heads = dense.heads // mesh.size
-        self.qkv = ColumnLinear(dense.qkv, mesh=mesh, name=f"{name}.qkv", qkv=True)
-        self.proj = RowLinear(dense.proj, mesh=mesh, name=f"{name}.proj")
+        self.heads = dense.heads // grid.size
+        self.qkv = ColumnLinear(dense.qkv, grid=grid, name=f"{name}.qkv", qkv=True)
+        self.proj = RowLinear(dense.proj, grid=grid, name=f"{name}.proj")
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.proj(local_attention(self.qkv(x_BTD), heads=self.heads))
 
 
 class MLP1D(nn.Module):
-    def __init__(self, dense: MLP, *, mesh: Grid1D, name: str) -> None:
+    def __init__(self, dense: MLP, *, grid: Grid1D, name: str) -> None:
         super().__init__()
-        self.fc = ColumnLinear(dense.fc, mesh=mesh, name=f"{name}.fc")
-        self.proj = RowLinear(dense.proj, mesh=mesh, name=f"{name}.proj")
+        self.fc = ColumnLinear(dense.fc, grid=grid, name=f"{name}.fc")
+        self.proj = RowLinear(dense.proj, grid=grid, name=f"{name}.proj")
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x_BTD)))
@@ -151,14 +151,14 @@ class TokenTable1D(nn.Module):
     and one all-reduce assembles x_BTD. GPT's Embedding1D adds its position table; the Llama
     recipe's token embedding is this alone (trainer/tensor/llama_1d.py)."""
 
-    def __init__(self, tok: nn.Embedding, *, mesh: Grid1D, name: str) -> None:
+    def __init__(self, tok: nn.Embedding, *, grid: Grid1D, name: str) -> None:
         super().__init__()
-        self.mesh, self.name = mesh, name
+        self.grid, self.name = grid, name
         vocab = tok.weight.shape[0]
-        self.lo, self.hi = mesh.rank * vocab // mesh.size, (mesh.rank + 1) * vocab // mesh.size
+        self.lo, self.hi = grid.rank * vocab // grid.size, (grid.rank + 1) * vocab // grid.size
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return block_of(t, dim=0, index=mesh.rank, parts=mesh.size)
+            return block_of(t, dim=0, index=grid.rank, parts=grid.size)
 
         self.tok = nn.Module()
         self.tok.weight = param(cut(tok.weight), replicas=1)
@@ -168,16 +168,16 @@ class TokenTable1D(nn.Module):
         mine_BT = (idx_BT >= self.lo) & (idx_BT < self.hi)
         local_BT = torch.where(mine_BT, idx_BT - self.lo, 0)
         x_BTD = F.embedding(local_BT, self.tok.weight) * mine_BT.unsqueeze(-1)
-        return comm.reduce_from(x_BTD, group=self.mesh.group, layer=self.name)
+        return comm.reduce_from(x_BTD, group=self.grid.group, layer=self.name)
 
 
 class Embedding1D(TokenTable1D):
     """GPT's embedding: the vocabulary-split token table plus a replicated position table."""
 
-    def __init__(self, dense: Embedding, *, mesh: Grid1D, name: str) -> None:
-        super().__init__(dense.tok, mesh=mesh, name=name)
+    def __init__(self, dense: Embedding, *, grid: Grid1D, name: str) -> None:
+        super().__init__(dense.tok, grid=grid, name=name)
         self.pos = nn.Module()
-        self.pos.weight = param(dense.pos.weight, replicas=mesh.size, counted=mesh.rank == 0)
+        self.pos.weight = param(dense.pos.weight, replicas=grid.size, counted=grid.rank == 0)
         self.slicers["pos.weight"] = lambda t: t
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
@@ -186,18 +186,18 @@ class Embedding1D(TokenTable1D):
 
 class Head1D(nn.Module):
     """Replicated final norm; vocabulary projection split over the vocabulary. The output is this
-    rank's vocabulary block of the logits (block `mesh.rank`), for cross_entropy.py's
+    rank's vocabulary block of the logits (block `grid.rank`), for cross_entropy.py's
     vocab-parallel loss; `gather=True` all-gathers the full logits instead (for a consumer that
     needs whole rows, e.g. a loss computed on dense logits)."""
 
-    def __init__(self, dense: Head, *, mesh: Grid1D, name: str, gather: bool = False) -> None:
+    def __init__(self, dense: Head, *, grid: Grid1D, name: str, gather: bool = False) -> None:
         super().__init__()
-        self.mesh, self.name, self.gather = mesh, name, gather
-        self.ln = LayerNorm1D(dense.ln, mesh=mesh, name=f"{name}.ln")
-        self.out = ColumnLinear(dense.out, mesh=mesh, name=f"{name}.out")
+        self.grid, self.name, self.gather = grid, name, gather
+        self.ln = LayerNorm1D(dense.ln, grid=grid, name=f"{name}.ln")
+        self.out = ColumnLinear(dense.out, grid=grid, name=f"{name}.out")
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         logits_BTv = self.out(self.ln(x_BTD))
         if not self.gather:
             return logits_BTv
-        return comm.gather_last(logits_BTv, group=self.mesh.group, layer=self.name)
+        return comm.gather_last(logits_BTv, group=self.grid.group, layer=self.name)

@@ -13,7 +13,7 @@ from trainer.tensor import comm
 from trainer.tensor.grid import Grid1D, TensorGrid
 
 
-def comm_summary(*, mesh: TensorGrid, steps: int) -> dict[str, Any]:
+def comm_summary(*, grid: TensorGrid, steps: int) -> dict[str, Any]:
     """This run's ledger: per rank totals (gathered from every rank), rank 0's per-layer and per-op
     breakdown, and the per-step averages."""
     mine = comm.LEDGER.total()
@@ -21,12 +21,12 @@ def comm_summary(*, mesh: TensorGrid, steps: int) -> dict[str, Any]:
     row = {"total": mine.as_dict(), "fwd": fwd.as_dict(), "bwd": bwd.as_dict()}
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, row)
-    q = mesh.size if isinstance(mesh, Grid1D) else mesh.q
+    q = grid.size if isinstance(grid, Grid1D) else grid.q
     return {
-        "mode": mesh.mode,
+        "mode": grid.mode,
         "world_size": dist.get_world_size(),
-        "q": None if isinstance(mesh, Grid1D) else q,
-        "d": None if isinstance(mesh, Grid1D) else mesh.d,
+        "q": None if isinstance(grid, Grid1D) else q,
+        "d": None if isinstance(grid, Grid1D) else grid.d,
         "steps": steps,
         "per_rank": per_rank,
         "sent_bytes_per_step_rank0": (mine.as_dict()["sent_bytes"] / steps) if steps else 0.0,
@@ -36,11 +36,11 @@ def comm_summary(*, mesh: TensorGrid, steps: int) -> dict[str, Any]:
     }
 
 
-def tensor_summary(*, mesh: TensorGrid, tensor: TensorSpec, steps: int) -> dict[str, Any]:
+def tensor_summary(*, grid: TensorGrid, tensor: TensorSpec, steps: int) -> dict[str, Any]:
     """The tensor-parallel result keys, and under "comm" the run's ledger for the `comm` event
     (every rank calls this: it gathers)."""
     with comm.paused():
-        summary = comm_summary(mesh=mesh, steps=steps)
+        summary = comm_summary(grid=grid, steps=steps)
     return {
         "tensor": {"mode": tensor.mode, "world_size": tensor.world_size},
         "comm_sent_bytes_per_step_rank0": summary["sent_bytes_per_step_rank0"],
