@@ -106,7 +106,7 @@ def test_nccl_checker_finds_receives_in_the_wrong_order() -> None:
 
 
 def test_posting_every_receive_up_front_deadlocks_chimera_under_nccl() -> None:
-    """The old driver's plan: each rank posts all its receives at the start of the step. On
+    """A plan where each rank posts all its receives at the start of the step. On
     NCCL's in-order streams the first pending receive holds up the rank's sends."""
     sched = build_schedule("chimera", stages=4, microbatches=4)
     progs = lower(sched)
