@@ -97,6 +97,7 @@ class QueueCache:
         self.lanes: dict[int, tuple[list[tuple[float, int]], list[Want]]] = {}
         self.loaded_at = float("-inf")
         self.ids = 0
+        self.squares = 0
         self.attempts = 0
         """Sums over the jobs held, to compare with the database's (dbs.queued_fingerprint)."""
         self._groups: list[Want] = []
@@ -111,7 +112,12 @@ class QueueCache:
         if full or time.monotonic() - self.loaded_at > self.FULL_S:
             self.clear()
             self.loaded_at = time.monotonic()
-        if self.version and dbs.queued_fingerprint(session) == (len(self.version), self.ids, self.attempts):
+        if self.version and dbs.queued_fingerprint(session) == (
+            len(self.version),
+            self.ids,
+            self.squares,
+            self.attempts,
+        ):
             return 0
         current = dbs.queued_versions(session)
         if current == self.version:
@@ -128,6 +134,7 @@ class QueueCache:
     def _add(self, w: Want, why: str | None, version: str) -> None:
         self.version[w.id] = version
         self.ids += w.id
+        self.squares += w.id * w.id
         self.attempts += _attempts(version)
         self.wants[w.id] = w
         self.reason[w.id] = why
@@ -144,6 +151,7 @@ class QueueCache:
         if w is None or version is None:
             return
         self.ids -= job_id
+        self.squares -= job_id * job_id
         self.attempts -= _attempts(version)
         self._unreason(job_id)
         kind = (w.user, w.ranks, w.gpus, w.ram, w.queue)

@@ -134,6 +134,8 @@ class Spare:
                     # unpacked workspace: below the placeholder (its read-only mount point), never
                     # over it (a link of that name, left by a trainer, moves as any name does)
                     tree = entry / TREE
+                    if tree.is_symlink():  # a trainer's leftover, never followed
+                        tree.unlink()
                     (tree if tree.is_dir() else entry).rename(self.inside / WORKSPACE / TREE)
                     if entry.exists():
                         shutil.rmtree(entry)

@@ -16,15 +16,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import os
 import re
-import secrets
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from core.safe_files import write_fresh
 from core.settings import Settings
 from jobrules.step_costs import KEY, MAX_REPORTED, dump, entry, newest, read
 
@@ -46,13 +45,9 @@ def hand_over(settings: Settings, dest: Path, *, owner: int | None, own_code: bo
     known = read(host_file(settings), now=now)
     if own_code:
         known = newest({**read(host_file(settings, owner=owner, own_code=True), now=now), **known})
-    # the group's folder is writable by its batch's sandboxed trainers: the file is created new
-    # (never through a name one of them may have left there, a link elsewhere), then renamed
-    tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(dump(known))
-    tmp.replace(dest)
+    # the group's folder is writable by its batch's sandboxed trainers: written fresh, never through
+    # a name one of them may have left there
+    write_fresh(dest, dump(known), root=dest.parent)
 
 
 def reported(summary: Any, *, now: float) -> dict[str, dict[str, float]]:
@@ -85,9 +80,7 @@ def learn(settings: Settings, summary: Any, *, owner: int | None, own_code: bool
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         kept = newest({**read(path, now=now), **lines})
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(dump(kept))
-        tmp.replace(path)
+        write_fresh(path, dump(kept), root=path.parent)
     return len(lines)
 
 

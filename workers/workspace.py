@@ -80,6 +80,9 @@ def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path)
         return None
     dest = workdir / "workspace"
     tree = dest / "tree"  # below a spare's read-only placeholder (workers/spare.py)
+    for name in (dest, tree):  # outer first: tree is looked at only below a real folder
+        if name.is_symlink():  # left by an earlier attempt's trainer: never followed, unpacked again
+            name.unlink()
     if tree.is_dir():
         return tree
     if dest.is_dir() and any(dest.iterdir()):

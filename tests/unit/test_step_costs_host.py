@@ -116,8 +116,10 @@ def test_the_group_survives_a_summary_it_cannot_keep(
         settings=Settings(data_dir=blocker), owner_id=1, own_code=False, selection_id=5, group="group-0"
     )
     Group._learn_costs(group, summary(GOOD))  # type: ignore[arg-type]
-    Group._learn_costs(group, {"fusion": {"measured": [{"key": object()}]}})  # type: ignore[arg-type]
+    garbled = {"fusion": {"measured": [{"key": object()}]}}
+    Group._learn_costs(group, garbled)  # type: ignore[arg-type]
     assert "could not keep step costs" in caplog.text
+    assert step_costs.learn(group.settings, garbled, owner=1, own_code=False) == 0  # nothing to keep
 
 
 def test_the_copy_is_never_written_through_a_link_in_the_groups_folder(

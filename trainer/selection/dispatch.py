@@ -44,7 +44,7 @@ class Dispatcher:
             last_dispatch=run.last_dispatch,
         )
 
-    def pick(self, d: int, *, exclude: TrialRun | None = None, extra_bytes: int = 0) -> TrialRun | None:
+    def pick(self, d: int, *, exclude: TrialRun | None = None) -> TrialRun | None:
         """The trial device d takes (now held by it), or None when none may run there now."""
         idle = [r for r in self.idle(d) if r is not exclude]
         if not idle:
@@ -52,7 +52,6 @@ class Dispatcher:
         runs = self.batch.runs
         active = [r.index for r in runs.values() if r.status in ("pending", "running")]
         free = self.reservations[d].free_bytes()
-        free = None if free is None else free - extra_bytes
         choice = None
         if self.batch.rungs is not None:
             # trials that paused ones wait for go first (the policy still chooses among them)

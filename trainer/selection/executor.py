@@ -186,10 +186,6 @@ class Executor:
         )
 
     @property
-    def rungs(self) -> Halving | None:
-        return self.batch.rungs
-
-    @property
     def orders_ahead(self) -> int:
         """Device processes: orders sent ahead (DeviceTasks.send_ahead), of all the trials' `orders`."""
         return self.tasks.orders_ahead

@@ -56,7 +56,6 @@ class TrialRun:
     holder: int | None = None
     """Device that holds the trial (running a task, or reserved after a prefetch)."""
     stop_requested: bool = False
-    dispatches: int = 0
     last_dispatch: int = -1
     step_times: list[float] = field(default_factory=list)
     done_in_step_s: float = 0.0
