@@ -124,3 +124,25 @@ def test_code_and_environment_are_not_searchable(path: str) -> None:
         parse_space({path: ["1", "2"]})
     assert f"space path {path!r} may not be searched" in str(e.value)
     assert "fixed for the whole batch" in str(e.value)
+
+
+@pytest.mark.parametrize("planted", ["workspace", "workspace/tree"])
+def test_a_workspace_left_as_a_link_by_a_trainer_is_unpacked_again_not_followed(
+    settings: Settings, tmp_path: Path, planted: str
+) -> None:
+    """An earlier attempt's trainer (its folder is writable) leaves `workspace`, or `tree` below a
+    spare's placeholder, as a link to a folder outside: the next attempt unpacks its own bytes
+    there and never reuses, or binds into its sandbox, what the link names."""
+    alice, _ = _users(settings)
+    mine = _stored_workspace(settings, owner_id=alice, files={"model.py": b"X = 1\n"})
+    workdir = _job(settings, owner_id=alice, spec={"workspace": mine})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not the job's")
+    link = workdir / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside)
+    dest = unpack_workspace({"workspace": mine}, settings=settings, workdir=workdir)
+    assert dest is not None and not dest.is_symlink() and dest.resolve().is_relative_to(workdir.resolve())
+    assert (dest / "model.py").read_bytes() == b"X = 1\n" and not (dest / "secret.txt").exists()
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
