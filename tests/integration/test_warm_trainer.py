@@ -180,8 +180,11 @@ def unsandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackHandl
 
 
 def _grid_of_two(name: str, **extra: Any) -> dict[str, Any]:
-    """A batch of two trials (two learning rates) in one group on one device."""
+    """A batch of two trials (two learning rates) in one group on one device, unfused: its losses
+    are compared with a fresh process's to the bit, and whether a batch fuses follows a measurement
+    the machine's load can tip (a fused member matches its unfused run to 1e-5, not exactly)."""
     return {
+        "fuse": False,
         "name": f"{name}-batch",
         "base": {**SPEC, "name": f"{name}-sel"},
         "space": {"train.lr": [1e-3, 3e-3]},
