@@ -16,9 +16,9 @@ from api.schemas import JobSpec
 from core.scheduler import Want, box_of, gang_shape
 from core.settings import Settings
 from db.models import User
-from db.quotas import job_gpus
 from db.workers import live_workers
 from jobrules.hostmem import host_memory_bytes
+from jobrules.spec import stored_job
 
 GiB = 2**30
 
@@ -32,7 +32,7 @@ def user_quotas(user: User, settings: Settings) -> dict[str, int]:
 
 def quota_problem(spec: JobSpec, *, user: User, settings: Settings) -> str | None:
     q = user_quotas(user, settings)
-    ranks, gpus = spec.parallel.world_size, job_gpus(spec.model_dump())
+    ranks, gpus = spec.parallel.world_size, spec.gpus
     if q["running_jobs"] < 1:
         return f"user {user.name} may run no jobs (quota running_jobs = {q['running_jobs']})"
     if ranks > q["ranks"]:
@@ -60,7 +60,7 @@ def inventory_problem(session: Session, spec: JobSpec, settings: Settings) -> st
     if ranks > most_slots:
         # wider than any one worker: a gang of equal shares over several (the scheduler places it)
         boxes = [b for b in (box_of(w) for w in workers) if b is not None]
-        want = _what_if(ranks=ranks, gpus=job_gpus(spec.model_dump()), ram=need["total"], queue=spec.queue)
+        want = _what_if(ranks=ranks, gpus=spec.gpus, ram=need["total"], queue=spec.queue)
         if gang_shape(want, boxes) is not None:
             return None
         return (
@@ -111,10 +111,11 @@ def group_problem(
     boxes = [b for b in (box_of(w) for w in workers) if b is not None]
     if not boxes or not specs:
         return None  # no worker reported an inventory yet
-    gpus = devices if job_gpus(specs[0]) else 0
+    first = stored_job(specs[0])  # one base: every trial's resources are the first's
+    gpus = devices if first.gpus else 0
     rams = [host_memory_bytes(s)["total"] for s in specs]
     ram = max(sum(rams[i : i + group_size]) for i in range(0, len(rams), group_size))
-    group = _what_if(ranks=devices, gpus=gpus, ram=ram, queue=specs[0].get("queue", "cpu"))
+    group = _what_if(ranks=devices, gpus=gpus, ram=ram, queue=first.queue)
     if gang_shape(group, boxes) == 1:
         return None
     most = max(boxes, key=lambda b: (b.slots, b.ram))

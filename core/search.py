@@ -60,7 +60,8 @@ from jobrules.sizing import trial_flops
 from jobrules.space import Choice, Range, SpaceError, apply_params, parse_space
 from jobrules.spec import (
     SAMPLERS,  # `method` values a sampler serves (grid and random: jobrules/space.py)
-    BatchRules,
+    SelectionCreate,
+    stored,
 )
 
 if TYPE_CHECKING:
@@ -366,19 +367,18 @@ def request_plan(
     """`plan` for a stored selection request (SelectionCreate's dump): its space, method, seed,
     mode, parallel (default: devices), devices, start-up trials and trials, each trial's cost from
     its spec, the tail rule. The API asks the first trials with it, the workers the next ones."""
-    rules = BatchRules(**BatchRules.rules_of(req))
-    devices = int(req.get("devices") or 1)
+    read = stored(SelectionCreate, req)
     return plan(
-        space=req["space"],
-        method=req["method"],
-        seed=rules.seed,
-        mode=rules.mode,
-        parallel=int(req.get("parallel") or devices),
-        devices=devices,
+        space=read.space,
+        method=read.method,
+        seed=read.seed,
+        mode=read.mode,
+        parallel=read.generation,
+        devices=read.devices,
         values=values,
-        total=int(req.get("trials") or 0),
-        startup_trials=req.get("startup_trials"),
-        cost=trial_cost(req["base"]),
+        total=read.trials or 0,
+        startup_trials=read.startup_trials,
+        cost=trial_cost(read.base.model_dump()),
         tail=TAIL,
         upto=upto,
     )

@@ -15,7 +15,6 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -123,12 +122,12 @@ class Sizing:
 
 
 def sizing(
-    pool: SlurmPool, *, nnodes: int, slots: int, gpus: int, ram_bytes: int, spec: dict[str, Any]
+    pool: SlurmPool, *, nnodes: int, slots: int, gpus: int, ram_bytes: int, max_runtime_s: int | None
 ) -> Sizing:
     """From the reservation of one node (`slots`, `gpus`, `ram_bytes` each, `nnodes` of them) and
-    the spec's max_runtime_s: the time limit covers the run, the signal's lead and a minute to
-    settle (upload the last checkpoint, apply every line)."""
-    run_s = spec.get("max_runtime_s") or pool.time_limit_s
+    the spec's max_runtime_s (None: the pool's time limit): the time limit covers the run, the
+    signal's lead and a minute to settle (upload the last checkpoint, apply every line)."""
+    run_s = max_runtime_s or pool.time_limit_s
     minutes = math.ceil(run_s / 60) + math.ceil(pool.signal_s / 60) + 1
     mem_mb = max(math.ceil(ram_bytes / 2**20), 256)
     return Sizing(nodes=nnodes, tasks_per_node=slots, gpus_per_node=gpus, mem_mb=mem_mb, minutes=minutes)

@@ -16,18 +16,19 @@ group running at the time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from db.models import Job, JobStatus, Selection, Trial, User
+from jobrules.spec import SelectionCreate, stored, stored_job
 
 
-def job_gpus(spec: dict[str, Any]) -> int:
-    res = spec.get("resources") or {}
-    return max(int(res.get("gpus", 0) or 0), 1 if res.get("device") == "cuda" else 0)
+def job_gpus(spec: Mapping[str, Any]) -> int:
+    """GPUs a stored job spec holds (JobSpec.gpus)."""
+    return stored_job(spec).gpus
 
 
 def quota_reason(
@@ -44,9 +45,9 @@ def quota_reason(
     return None
 
 
-def group_size(request: dict[str, Any], spec: dict[str, Any]) -> tuple[int, int]:
+def group_size(request: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[int, int]:
     """(ranks, gpus) a group of a batch uses: the batch's devices, GPUs when its trials run on CUDA."""
-    devices = max(int(request.get("devices", 1) or 1), 1)
+    devices = stored(SelectionCreate, request).devices
     return devices, devices if job_gpus(spec) else 0
 
 

@@ -38,6 +38,7 @@ from db.models import (
     cap_error,
     utcnow,
 )
+from jobrules.spec import SelectionCreate, stored, stored_job
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
 
@@ -79,17 +80,18 @@ def add_trials(
         owner_id = session.scalar(select(Selection.owner_id).where(Selection.id == selection_id))
     trials = []
     for index, params, spec in plans:
+        read = stored_job(spec)
         job = create_job(
             session,
-            name=f"{spec.get('name', 'trial')}#{index}",
+            name=f"{read.name}#{index}",
             spec=spec,
             queue=queue,
-            steps=spec["train"]["steps"],
+            steps=read.train.steps,
             kind="trial",
             selection_id=selection_id,
             owner_id=owner_id,
             actor=actor,
-            priority=int(spec.get("priority", 0) or 0),  # the batch's groups are ordered by it
+            priority=read.priority,  # the batch's groups are ordered by it
             commit=False,
         )
         trials.append(
@@ -121,7 +123,7 @@ def _add_trial(
         index=index,
         params=params,
         job_id=job.id,
-        steps_total=job.spec["train"]["steps"],
+        steps_total=job.steps,
         **fields,
     )
     session.add(trial)
@@ -353,15 +355,16 @@ def add_group_trial(
     held = res.trial_ids or []  # a group's reservation holds its trials
     group_job = session.get(Job, session.scalar(select(Trial.job_id).where(Trial.id.in_(held))))
     now = db_now(session)
+    read = stored_job(spec)
     job = Job(
-        name=f"{spec.get('name', 'trial')}#{index}",
+        name=f"{read.name}#{index}",
         spec=spec,
         queue=group_job.queue if group_job is not None else "cpu",
-        steps=spec["train"]["steps"],
+        steps=read.train.steps,
         kind="trial",
         selection_id=selection_id,
         owner_id=sel.owner_id,
-        priority=int(spec.get("priority", 0) or 0),
+        priority=read.priority,
         status=JobStatus.running,
         enqueued_at=utcnow(),
         started_at=now,
@@ -553,12 +556,12 @@ GROWING_METHODS = frozenset({"tpe", "cmaes", "qmc"})
 def still_growing(sel: Selection) -> bool:
     """A sampler batch is not over while it has fewer trials than it asked for, unless it was
     cancelled or its search stopped (`error`): its next trials are about to be added."""
-    req = sel.request or {}
+    req = stored(SelectionCreate, sel.request or {})
     return (
-        req.get("method") in GROWING_METHODS
+        req.method in GROWING_METHODS
         and not sel.cancel_requested
         and sel.error is None
-        and len(sel.trials) < int(req.get("trials") or 0)
+        and len(sel.trials) < (req.trials or 0)
     )
 
 

@@ -10,12 +10,17 @@ Two rules depend on where a spec is checked, and are passed in pydantic's valida
 `workspace` (the trainer was given a workspace folder, so relative paths and user code resolve in
 it) and `pip_options` (the admin lets env.pip hold pip options; the API reads the setting through
 `pip_options_allowed`, the trainer accepts what its worker already vetted).
+
+A spec the service stored (a job's, a trial's, a batch's request) is read through these models too,
+never as a dict by string key: `stored` builds the model from the stored document without judging
+it again (`stored_job` for a JobSpec), so the workers, the scheduler and the quotas read typed fields
+with the model's defaults.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
@@ -33,7 +38,14 @@ from pydantic import (
 from jobrules.data import data_problems, data_vocab_size, vocab_problem, workspace_problems
 from jobrules.divergence import DEFAULT_DIVERGENCE_FACTOR
 from jobrules.models import ModelKind, model_problems
-from jobrules.parallel import Schedule, TensorMode, axis_sizes, tensor_world_size, world_size
+from jobrules.parallel import (
+    Schedule,
+    TensorMode,
+    axis_sizes,
+    checkpoint_pieces,
+    tensor_world_size,
+    world_size,
+)
 from jobrules.pyenv import MAX_LINE_CHARS, MAX_LINES, installed_versions, requirement_problems
 from jobrules.restarts import DEFAULT_MAX_RESTARTS, MAX_RESTARTS_LIMIT
 from jobrules.sizing import spec_problems
@@ -216,6 +228,11 @@ class ParallelSpec(Strict):
         """(pp, dp, tp) sizes of the world mesh."""
         return axis_sizes(self.model_dump())
 
+    @property
+    def checkpoint_pieces(self) -> int:
+        """Files one checkpoint is written as (jobrules/parallel.py)."""
+        return checkpoint_pieces(self.model_dump())
+
 
 class ResourceSpec(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -287,7 +304,17 @@ class JobSpec(Strict):
 
     @property
     def queue(self) -> str:
-        return "gpu" if self.resources.gpus > 0 or self.resources.device == "cuda" else "cpu"
+        return "gpu" if self.gpus else "cpu"
+
+    @property
+    def requirements(self) -> list[str]:
+        """The job's own requirement lines (`env.pip`); none without `env`."""
+        return self.env.pip if self.env is not None else []
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job holds: `resources.gpus`, at least one when it asks for the cuda device."""
+        return max(self.resources.gpus, 1 if self.resources.device == "cuda" else 0)
 
 
 # ---- selections -------------------------------------------------------------------------------
@@ -519,3 +546,32 @@ def parse_job(
     if pip_options is not None:
         context["pip_options"] = pip_options
     return parse(model, raw, context=context)
+
+
+def stored(model: type[M], raw: Mapping[str, Any]) -> M:
+    """A document the service stored, read as `model` without being judged again. A stored job was
+    judged whole when the service took it, and what it was judged against (the packages installed
+    there, the pip-options setting, a workspace's files) is not what the reader has; a sampler's
+    trial is judged when it starts, where a bad one fails that trial alone, never its reader.
+    Nested models are built the same way; keys the model does not name are left out, and
+    `model_dump(exclude_unset=True)` gives back the document's known keys as they were."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if name not in raw:
+            continue
+        value, inner = raw[name], _model_in(field.annotation)
+        values[name] = stored(inner, value) if inner is not None and isinstance(value, Mapping) else value
+    return model.model_construct(_fields_set=set(values), **values)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (`ParallelSpec`, `EnvSpec | None`), or None for a plain value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def stored_job(raw: Mapping[str, Any]) -> JobSpec:
+    """A stored job (or trial) spec as a JobSpec: `stored`."""
+    return stored(JobSpec, raw)

@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -49,8 +48,8 @@ from db.jobs import (
 from db.models import TERMINAL
 from db.quotas import quota_gate
 from jobrules.applied import write_applied_step
-from jobrules.parallel import checkpoint_pieces
 from jobrules.restarts import max_restarts
+from jobrules.spec import ParallelSpec
 from workers import lost, pyenv
 from workers.ckpt_sync import (
     Mirror,
@@ -178,7 +177,7 @@ def restore_checkpoints(
     job_id: int,
     applied_step: int,
     relay: Relay,
-    parallel: dict[str, Any],
+    parallel: ParallelSpec,
 ) -> Uploader | None:
     """Before the trainer starts: the job's checkpoints as the rule allows (drop_checkpoints_past),
     from the store when it is not the data dir (workers/ckpt_sync.py), its applied step for the
@@ -193,7 +192,7 @@ def restore_checkpoints(
         mark_applied(ckpt_dir, applied_step)
         return None
     mirror = Mirror(
-        storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id), pieces=checkpoint_pieces(parallel)
+        storage=storage, local=ckpt_dir, prefix=checkpoints_prefix(job_id), pieces=parallel.checkpoint_pieces
     )
     restored = mirror.restore(applied_step=applied_step)
     mark_applied(ckpt_dir, applied_step)

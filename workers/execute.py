@@ -22,6 +22,7 @@ from db.jobs import Attempt, finish_job, get_job, release_job, restart_job, stop
 from db.models import JobStatus
 from jobrules.divergence import judge
 from jobrules.restarts import max_restarts
+from jobrules.spec import JobSpec, stored_job
 from workers import pyenv, spare
 from workers.attempt import (
     AttemptRun,
@@ -71,20 +72,20 @@ def trainer_command(*, world_size: int, spec_path: Path, ckpt_dir: Path, stop_fi
     ]
 
 
-def uses_own_code(spec: dict[str, Any]) -> bool:
+def uses_own_code(spec: JobSpec) -> bool:
     """The spec runs users' code: a workspace (its model, its data source, its requirements) or
     requirements of its own (a package runs code as it installs and imports)."""
-    return bool(spec.get("workspace") or (spec.get("env") or {}).get("pip"))
+    return bool(spec.workspace or spec.requirements)
 
 
-def job_sandbox(settings: Settings, spec: dict[str, Any], *, workdir: Path, network: bool = False) -> Sandbox:
+def job_sandbox(settings: Settings, spec: JobSpec, *, workdir: Path, network: bool = False) -> Sandbox:
     """The sandbox of a job's (or a gang node's) trainer: its folder read-write, its workspace
     read-only (the folder workers/workspace.py unpacks it to)."""
     ws = workdir / "workspace"
     return Sandbox(
         settings=settings,
         read_write=[workdir],
-        read_only=[ws] if spec.get("workspace") else [],
+        read_only=[ws] if spec.workspace else [],
         network=network,
         user_code=uses_own_code(spec),
     )
@@ -102,19 +103,21 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
         return "skipped"
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
-        spec, world_size, applied_step = job.spec, job.world_size, job.applied_step
+        doc, world_size, applied_step = job.spec, job.world_size, job.applied_step
         used_s = job.run_seconds or 0.0
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     # a one-process job takes this pool process's sandboxed trainer made ahead (workers/spare.py):
     # its folder becomes the job's before anything is written there
-    used = spare.take(settings, workdir, fits=world_size == 1 and not (spec.get("env") or {}).get("pip"))
+    spec = stored_job(doc)
+    used = spare.take(settings, workdir, fits=world_size == 1 and not spec.requirements)
     try:
         return _run_job(
             settings,
             attempt,
             workdir,
             used,
+            doc=doc,
             spec=spec,
             world_size=world_size,
             applied_step=applied_step,
@@ -130,7 +133,8 @@ def _run_job(
     workdir: Path,
     used: spare.Spare | None,
     *,
-    spec: dict[str, Any],
+    doc: dict[str, Any],
+    spec: JobSpec,
     world_size: int,
     applied_step: int | None,
     used_s: float,
@@ -140,7 +144,7 @@ def _run_job(
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     # the folder is an earlier attempt's trainer's too: a fresh file, never through a link it left
-    write_fresh(spec_path, json.dumps(spec, indent=2), root=workdir)
+    write_fresh(spec_path, json.dumps(doc, indent=2), root=workdir)
     target = Target(attempt=attempt, channels=(job_channel(job_id),), run_base=used_s, checkpoints=ckpt_dir)
     relay = Relay(
         settings,
@@ -167,7 +171,7 @@ def _run_job(
             job_id=job_id,
             applied_step=applied_step,
             relay=relay,
-            parallel=spec.get("parallel") or {},
+            parallel=spec.parallel,
         )
         cmd.extend(workspace_args(spec, settings=settings, workdir=workdir))
         return uploader

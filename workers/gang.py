@@ -56,6 +56,7 @@ from db.gangs import (
 from db.jobs import Attempt, finish_job, get_job
 from db.models import JobStatus
 from jobrules.divergence import judge
+from jobrules.spec import JobSpec, stored_job
 from workers import pyenv
 from workers.attempt import (
     AttemptRun,
@@ -250,15 +251,16 @@ def _node_poll(
 
 
 def _node_run(
-    settings: Settings, *, attempt: Attempt, node_rank: int, spec: dict[str, Any], used_s: float
+    settings: Settings, *, attempt: Attempt, node_rank: int, doc: dict[str, Any], spec: JobSpec, used_s: float
 ) -> AttemptRun:
-    """The node's attempt: its folder (`node-<rank>` in the job's) with the spec, its relay (its
+    """The node's attempt: its folder (`node-<rank>` in the job's) with the spec (`doc` as stored,
+    read as `spec`), its relay (its
     writes fenced by the gang's rule) and its sandbox."""
     workdir = settings.data_dir / "jobs" / str(attempt.job_id)
     node_dir = workdir / f"node-{node_rank}"
     ckpt_dir = workdir / "checkpoints"  # one folder for every node: shared storage
     node_dir.mkdir(parents=True, exist_ok=True)
-    write_fresh(node_dir / "spec.json", json.dumps(spec, indent=2), root=node_dir)  # never through a link
+    write_fresh(node_dir / "spec.json", json.dumps(doc, indent=2), root=node_dir)  # never through a link
     target = Target(
         attempt=attempt,
         channels=(job_channel(attempt.job_id),),
@@ -289,7 +291,7 @@ def _restore_node(
     run: AttemptRun,
     *,
     node_rank: int,
-    spec: dict[str, Any],
+    spec: JobSpec,
     applied_step: int,
     args: list[str],
 ) -> Uploader | None:
@@ -306,7 +308,7 @@ def _restore_node(
             job_id=run.relay.targets[None].attempt.job_id,
             applied_step=applied_step,
             relay=run.relay,
-            parallel=spec.get("parallel") or {},
+            parallel=spec.parallel,
         )
     args.extend(workspace_args(spec, settings=settings, workdir=run.folder))
     return uploader
@@ -331,10 +333,11 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
 
     with session_for(settings.database_url) as s:
         job = get_job(s, job_id)
-        spec, applied_step = job.spec, job.applied_step
+        doc, applied_step = job.spec, job.applied_step
         used_s = job.run_seconds or 0.0  # node 0 records it (db/gangs.py apply_gang_lines)
     slots = _view(settings, attempt, node_rank).slots
-    run = _node_run(settings, attempt=attempt, node_rank=node_rank, spec=spec, used_s=used_s)
+    spec = stored_job(doc)
+    run = _node_run(settings, attempt=attempt, node_rank=node_rank, doc=doc, spec=spec, used_s=used_s)
     relay, node_dir = run.relay, run.folder
     ckpt_dir = node_dir.parent / "checkpoints"  # one folder for every node: shared storage
     spec_path = node_dir / "spec.json"

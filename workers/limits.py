@@ -15,10 +15,9 @@ the CUDA driver reserves far more address space than it ever backs with memory.
 from __future__ import annotations
 
 import resource
-from typing import Any
 
 from jobrules.hostmem import host_memory_bytes
-from jobrules.parallel import world_size
+from jobrules.spec import JobSpec
 from workers.devices import host_ram_bytes
 
 GiB = 2**30
@@ -28,28 +27,23 @@ buffers): `import torch` alone maps ~0.6 GiB."""
 _OOM_MARKS = ("can't allocate memory", "MemoryError", "Cannot allocate memory", "std::bad_alloc")
 
 
-def _cuda(spec: dict[str, Any]) -> bool:
-    res = spec.get("resources") or {}
-    return res.get("device") == "cuda" or bool(res.get("gpus", 0))
-
-
-def memory_limit_bytes(spec: dict[str, Any], *, ram_bytes: int | None = None) -> int | None:
+def memory_limit_bytes(spec: JobSpec, *, ram_bytes: int | None = None) -> int | None:
     """Per-process address-space limit for this job, or None (CUDA jobs)."""
-    if _cuda(spec):
+    if spec.gpus:
         return None
-    ranks = world_size(spec.get("parallel") or {})
-    share = 2 * host_memory_bytes(spec)["total"] // ranks + MARGIN_BYTES
+    ranks = spec.parallel.world_size
+    share = 2 * host_memory_bytes(spec.model_dump())["total"] // ranks + MARGIN_BYTES
     ram = ram_bytes or host_ram_bytes()
     return int(min(share, max(ram // ranks, MARGIN_BYTES)))
 
 
-def group_memory_limit_bytes(specs: list[dict[str, Any]], *, ram_bytes: int | None = None) -> int | None:
+def group_memory_limit_bytes(specs: list[JobSpec], *, ram_bytes: int | None = None) -> int | None:
     """Address-space limit of a selection group's one process, or None (CUDA trials). All its
     trials live in that process (HYDRA keeps idle models in host memory), so the limit is twice
     the sum of their estimates plus the runtime margin, never more than this machine's RAM."""
-    if not specs or any(_cuda(s) for s in specs):
+    if not specs or any(s.gpus for s in specs):
         return None
-    total = sum(host_memory_bytes(s)["total"] for s in specs)
+    total = sum(host_memory_bytes(s.model_dump())["total"] for s in specs)
     ram = ram_bytes or host_ram_bytes()
     return int(min(2 * total + MARGIN_BYTES, max(ram, MARGIN_BYTES)))
 
@@ -61,9 +55,9 @@ def apply_memory_limit(limit: int | None, *, pid: int = 0) -> None:
         resource.prlimit(pid, resource.RLIMIT_AS, (limit, limit))
 
 
-def runtime_limit_s(spec: dict[str, Any], *, service_max_s: float) -> float:
+def runtime_limit_s(spec: JobSpec, *, service_max_s: float) -> float:
     """The job's own max_runtime_s, never more than the service's max_job_runtime_s."""
-    own = spec.get("max_runtime_s")
+    own = spec.max_runtime_s
     return min(float(own), service_max_s) if own else service_max_s
 
 

@@ -52,6 +52,7 @@ from jobrules.pyenv import (
     requirement_problems,
     requirements_digest,
 )
+from jobrules.spec import JobSpec
 from workers.sandbox import allowed_environment
 from workers.spare import unpacked_workspace
 
@@ -99,10 +100,10 @@ class PreparedEnv:
 # ---- what the job asks for ---------------------------------------------------------------------
 
 
-def requirement_sources(spec: dict[str, Any], *, workspace: Path | None) -> list[tuple[str, str]]:
+def requirement_sources(spec: JobSpec, *, workspace: Path | None) -> list[tuple[str, str]]:
     """(where, line) of every requirement of the job: `env.pip` then the workspace's
     requirements.txt."""
-    pip = (spec.get("env") or {}).get("pip") or []
+    pip = spec.requirements
     lines = [(f"env.pip[{i}]", str(x)) for i, x in enumerate(pip)]
     if workspace is not None and (workspace / REQUIREMENTS_FILE).is_file():
         text = (workspace / REQUIREMENTS_FILE).read_text(errors="replace")
@@ -376,9 +377,7 @@ def refused_error(problems: list[str]) -> str:
     return f"environment refused: {named}" + (f"; and {more} more problem(s)" if more > 0 else "")
 
 
-def prepare(
-    spec: dict[str, Any], *, settings: Settings, workspace: Path | None, report: Report
-) -> PreparedEnv:
+def prepare(spec: JobSpec, *, settings: Settings, workspace: Path | None, report: Report) -> PreparedEnv:
     """The job's environment, built if needed and held until `release()`; `error` set (and no
     environment) when its requirements are refused or the build failed. Never raises for a job's
     fault: the caller fails the job with the error."""
@@ -469,7 +468,7 @@ def _waiting(key: str) -> str:
 
 
 def for_run(
-    spec: dict[str, Any],
+    spec: JobSpec,
     *,
     settings: Settings,
     workspace: Path | None,
@@ -501,9 +500,7 @@ def for_run(
     )
 
 
-def for_job(
-    spec: dict[str, Any], *, settings: Settings, workdir: Path, relay: Any, job_id: int
-) -> PreparedEnv:
+def for_job(spec: JobSpec, *, settings: Settings, workdir: Path, relay: Any, job_id: int) -> PreparedEnv:
     """for_run() for one job's attempt (or one node's, workers/gang.py) in `workdir`."""
     from db.connection import session_for
     from db.jobs import cancel_requested
@@ -512,15 +509,13 @@ def for_job(
         with session_for(settings.database_url) as s:
             return cancel_requested(s, job_id=job_id)
 
-    workspace = unpacked_workspace(workdir) if spec.get("workspace") else None  # workers/workspace.py
+    workspace = unpacked_workspace(workdir) if spec.workspace else None  # workers/workspace.py
     return for_run(
         spec, settings=settings, workspace=workspace, relay=relay, keys=[None], cancelled=cancelled
     )
 
 
-def for_group(
-    spec: dict[str, Any], *, settings: Settings, root: Path, relay: Any, keys: list[int]
-) -> PreparedEnv:
+def for_group(spec: JobSpec, *, settings: Settings, root: Path, relay: Any, keys: list[int]) -> PreparedEnv:
     """for_run() for a selection group whose base is `spec` and folder `root` (workers/selection.py)."""
     from db.connection import session_for
     from db.selections import stop_requests
@@ -531,7 +526,7 @@ def for_group(
         with session_for(settings.database_url) as s:
             return stop_requests(s, selection_id=selection_id)[0]
 
-    workspace = unpacked_workspace(root) if spec.get("workspace") else None  # workers/workspace.py
+    workspace = unpacked_workspace(root) if spec.workspace else None  # workers/workspace.py
     return for_run(spec, settings=settings, workspace=workspace, relay=relay, keys=keys, cancelled=cancelled)
 
 

@@ -35,6 +35,7 @@ from db.jobs import Attempt
 from db.models import Job, Reservation, Selection, Trial
 from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection
 from jobrules.space import apply_params
+from jobrules.spec import SelectionCreate, stored
 from workers.workspace import owned_row
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,9 @@ def _batch(s: Session, selection_id: int) -> tuple[Selection | None, dict[str, A
     """The batch when it is a sampler's with trials left to ask; else (None, ...)."""
     sel = get_selection(s, selection_id)
     req: dict[str, Any] = dict(sel.request)
+    read = stored(SelectionCreate, req)
     trials = sorted(sel.trials, key=lambda t: t.index)
-    total = int(req.get("trials") or 0)
-    if req.get("method") not in SAMPLERS or sel.cancel_requested or sel.error or len(trials) >= total:
+    if read.method not in SAMPLERS or sel.cancel_requested or sel.error or len(trials) >= (read.trials or 0):
         return None, req, trials
     return sel, req, trials
 

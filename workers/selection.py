@@ -41,7 +41,7 @@ from db.selections import (
     stop_requests,
     sync_trials,
 )
-from jobrules.spec import SelectionCreate
+from jobrules.spec import SelectionCreate, stored, stored_job
 from workers import pyenv, spare, step_costs
 from workers.attempt import (
     AttemptRun,
@@ -187,6 +187,7 @@ class Group:
         with session_for(settings.database_url) as s:
             sel = get_selection(s, selection_id)
             self.req = dict(sel.request)
+            self.request = stored(SelectionCreate, self.req)
             self.owner_id = sel.owner_id
             self.by_id = {t.id: t for t in sel.trials}
             jobs = {t.index: s.get(Job, t.job_id) for t, _ in won}
@@ -194,10 +195,11 @@ class Group:
             self.applied_steps = {i: j.applied_step for i, j in jobs.items()}
             self.used_s = {i: j.run_seconds or 0.0 for i, j in jobs.items()}
         self.root = root = settings.data_dir / "selections" / str(selection_id)
-        base = self.specs[won[0][0].index]  # one base, one workspace, one environment
+        # one base, one workspace, one environment: the group's first trial's spec, read as a JobSpec
+        self.base = base = stored_job(self.specs[won[0][0].index])
         # the batch's first group on this host takes this pool process's sandboxed trainer made
         # ahead (workers/spare.py); a later one finds the folder its sandbox must bind in use
-        fresh = not root.exists() and not (base.get("env") or {}).get("pip")
+        fresh = not root.exists() and not base.requirements
         used = spare.take(settings, root, fits=fresh, move_existing=False)
         root.mkdir(parents=True, exist_ok=True)
         self.group = group = f"group-{won[0][0].index}"
@@ -213,7 +215,7 @@ class Group:
         # batch grows between groups
         self.ask_file = root / f"{group}.ask.json"
         self.ask_file.unlink(missing_ok=True)
-        self.grows = self.req.get("method") in SAMPLERS and not self.req.get("early_stopping")
+        self.grows = self.request.method in SAMPLERS and self.request.early_stopping is None
         # the fusion plan's step costs this host measured before (workers/step_costs.py): a copy
         # the trainer reads, and what it measured taken back from its summary
         self.own_code = uses_own_code(base)
@@ -236,11 +238,11 @@ class Group:
             stem=f"{group}.",
             what=f"selection {selection_id} {group}",
             # every trial of the group lives in this one process (idle ones in host memory)
-            memory_limit=group_memory_limit_bytes([self.specs[i] for i in sorted(self.mine)]),
+            memory_limit=group_memory_limit_bytes([stored_job(self.specs[i]) for i in sorted(self.mine)]),
             sandbox=Sandbox(
                 settings=settings,
                 read_write=[root],
-                read_only=[root / "workspace"] if base.get("workspace") else [],
+                read_only=[root / "workspace"] if base.workspace else [],
                 user_code=uses_own_code(base),
             ),
             spare=used,
@@ -249,7 +251,8 @@ class Group:
         # ran while it was in them, over all its attempts; the group runs until the first of its
         # trials still running reaches its limit, then stops, and the unfinished trials fail
         self.limits = {
-            i: runtime_limit_s(self.specs[i], service_max_s=settings.max_job_runtime_s) for i in self.mine
+            i: runtime_limit_s(stored_job(self.specs[i]), service_max_s=settings.max_job_runtime_s)
+            for i in self.mine
         }
         self.steps: dict[int, int] = {}
 
@@ -297,9 +300,7 @@ class Group:
                 job_ids=[t.job_id for t, _ in self.won],
                 relay=relay,
             )
-            ws_args.extend(
-                workspace_args(self.specs[self.won[0][0].index], settings=settings, workdir=self.root)
-            )
+            ws_args.extend(workspace_args(self.base, settings=settings, workdir=self.root))
             return uploader
 
         failure = run.restore(fetch)
@@ -315,7 +316,7 @@ class Group:
         costs_args = self._hand_over_costs()
         cmd = selection_command(
             self.batch_path,
-            self.req.get("devices", SelectionCreate.model_fields["devices"].default),
+            self.request.devices,
             "--checkpoint-root",
             str(self.root),
             "--stop-file",
@@ -328,13 +329,7 @@ class Group:
         )
         # all trials of the group share the base's environment (workers/pyenv.py), built or refused here
         run.prepare(
-            pyenv.for_group(
-                self.specs[self.won[0][0].index],
-                settings=settings,
-                root=self.root,
-                relay=relay,
-                keys=sorted(self.mine),
-            )
+            pyenv.for_group(self.base, settings=settings, root=self.root, relay=relay, keys=sorted(self.mine))
         )
         rc = run.launch(cmd, poll=self.poll, on_message=self.route, on_sample=self.on_sample)
         self.marks.update(run.marks)  # launch, exited
@@ -432,7 +427,9 @@ class Group:
             relay.add_target(i, self._target(t, new.attempt))
             mark_applied(self.root / f"trial-{i}", 0)  # a new trial: nothing applied yet
             self.specs[i], self.used_s[i] = new.spec, 0.0
-            self.limits[i] = runtime_limit_s(new.spec, service_max_s=self.settings.max_job_runtime_s)
+            self.limits[i] = runtime_limit_s(
+                stored_job(new.spec), service_max_s=self.settings.max_job_runtime_s
+            )
             self.won.append((t, new.attempt))
             self.mine.add(i)
             if uploader is not None:  # its checkpoints go to the store like the group's first trials'

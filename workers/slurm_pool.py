@@ -52,6 +52,7 @@ from db.jobs import Attempt, fail_job, restart_job
 from db.models import TERMINAL, Job, JobStatus
 from db.workers import record_heartbeat
 from jobrules.restarts import max_restarts
+from jobrules.spec import stored_job
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ class Submitter:
             slots=first.slots,
             gpus=first.gpus,
             ram_bytes=first.ram_bytes,
-            spec=row.spec,
+            max_runtime_s=stored_job(row.spec).max_runtime_s,
         )
         (self.settings.data_dir / "slurm").mkdir(parents=True, exist_ok=True)
         args, script = sbatch_command(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -21,6 +20,7 @@ from db.connection import session_for
 from db.jobs import NotFound
 from db.models import Job, Selection, Workspace
 from db.workspaces import owned_workspace
+from jobrules.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,15 @@ def folder_owner(session: Session, *, settings: Settings, workdir: Path) -> int 
     )
 
 
-def unpack_workspace(spec: dict[str, Any], *, settings: Settings, workdir: Path) -> Path | None:
-    """The unpacked workspace folder of the job in `workdir` (None when the spec names none).
+def unpack_workspace(ref: str | None, *, settings: Settings, workdir: Path) -> Path | None:
+    """The unpacked workspace folder of the job in `workdir` whose spec names workspace `ref` (None
+    when it names none).
     Unpacking is atomic and skipped when a previous attempt of the job already did it. In a folder
     a spare sandboxed trainer was adopted as (workers/spare.py), `workspace/` is its read-only
     placeholder and the workspace goes to `workspace/tree`. The
     workspace is resolved by its digest among the job owner's own (`owned_row`). When it is gone or
     refused, the folder is left missing and the trainer fails the job naming the reason. A store
     that cannot be reached raises StorageError (the attempt fails with it)."""
-    ref = spec.get("workspace")
     if ref is None:
         return None
     dest = workdir / "workspace"
@@ -135,7 +135,7 @@ def _checked(path: Path, digest: str) -> Path:
     return path
 
 
-def workspace_args(spec: dict[str, Any], *, settings: Settings, workdir: Path) -> list[str]:
+def workspace_args(spec: JobSpec, *, settings: Settings, workdir: Path) -> list[str]:
     """The trainer's command-line arguments for the job's workspace (none without one)."""
-    dest = unpack_workspace(spec, settings=settings, workdir=workdir)
+    dest = unpack_workspace(spec.workspace, settings=settings, workdir=workdir)
     return [] if dest is None else ["--workspace", str(dest)]

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from core.settings import Settings
+from jobrules.spec import stored_job
 from workers.pyenv import Report, prepare
 
 pytestmark = pytest.mark.integration
 
-EINOPS = {"env": {"pip": ["einops==0.8.2"]}}
+EINOPS = stored_job({"env": {"pip": ["einops==0.8.2"]}})
 
 
 class Said:
@@ -147,16 +148,25 @@ def test_concurrent_jobs_build_once(tmp_path: Path) -> None:
 def test_least_recently_used_is_evicted_past_the_cap_but_not_one_in_use(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, pyenv_cache_mb=0.3)  # one einops environment (~0.2 MiB) fits
     a = prepare(
-        {"env": {"pip": ["einops==0.8.2"]}}, settings=settings, workspace=None, report=Said().report()
+        stored_job({"env": {"pip": ["einops==0.8.2"]}}),
+        settings=settings,
+        workspace=None,
+        report=Said().report(),
     )
     held = prepare(
-        {"env": {"pip": ["einops==0.8.1"]}}, settings=settings, workspace=None, report=Said().report()
+        stored_job({"env": {"pip": ["einops==0.8.1"]}}),
+        settings=settings,
+        workspace=None,
+        report=Said().report(),
     )
     # `a` is still held by its job: nothing could be evicted to make room
     assert a.path is not None and a.path.is_dir() and held.path is not None and held.path.is_dir()
     a.release()
     c = prepare(
-        {"env": {"pip": ["einops==0.8.0"]}}, settings=settings, workspace=None, report=Said().report()
+        stored_job({"env": {"pip": ["einops==0.8.0"]}}),
+        settings=settings,
+        workspace=None,
+        report=Said().report(),
     )
     held.release()
     c.release()
@@ -168,7 +178,7 @@ def test_a_missing_package_fails_fast_naming_it(tmp_path: Path) -> None:
     said = Said()
     t0 = time.monotonic()
     env = prepare(
-        {"env": {"pip": ["shardyard-no-such-package-zzq==1.0"]}},
+        stored_job({"env": {"pip": ["shardyard-no-such-package-zzq==1.0"]}}),
         settings=Settings(data_dir=tmp_path),
         workspace=None,
         report=said.report(),
@@ -182,7 +192,7 @@ def test_a_missing_package_fails_fast_naming_it(tmp_path: Path) -> None:
 def test_a_dependency_that_needs_another_torch_fails_with_the_reason(tmp_path: Path) -> None:
     # the spec alone cannot tell: torchvision 0.20 needs torch 2.5.0, the worker runs 2.13
     env = prepare(
-        {"env": {"pip": ["torchvision==0.20.0"]}},
+        stored_job({"env": {"pip": ["torchvision==0.20.0"]}}),
         settings=Settings(data_dir=tmp_path),
         workspace=None,
         report=Said().report(),
@@ -209,7 +219,7 @@ def test_a_hung_index_hits_the_build_time_limit(tmp_path: Path) -> None:
         settings = Settings(data_dir=tmp_path, pyenv_index_url=url, pyenv_build_timeout_s=4)
         t0 = time.monotonic()
         env = prepare(
-            {"env": {"pip": ["shardyard-hung-zzq"]}},
+            stored_job({"env": {"pip": ["shardyard-hung-zzq"]}}),
             settings=settings,
             workspace=None,
             report=Said().report(),
@@ -224,7 +234,10 @@ def test_an_unreachable_index_fails_naming_it(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # closed when the block ends: connections are refused
     settings = Settings(data_dir=tmp_path, pyenv_index_url=f"http://127.0.0.1:{port}/simple")
     env = prepare(
-        {"env": {"pip": ["einops==0.8.2"]}}, settings=settings, workspace=None, report=Said().report()
+        stored_job({"env": {"pip": ["einops==0.8.2"]}}),
+        settings=settings,
+        workspace=None,
+        report=Said().report(),
     )
     assert env.error is not None and f"127.0.0.1:{port}" in env.error
 

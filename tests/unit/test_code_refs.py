@@ -61,7 +61,7 @@ def test_a_spec_naming_another_users_workspace_is_refused_by_the_worker(settings
     alice, bob = _users(settings)
     bobs = _stored_workspace(settings, owner_id=bob, files={"secret.txt": b"bob's data"})
     workdir = _job(settings, owner_id=alice, spec={"workspace": bobs})
-    dest = unpack_workspace({"workspace": bobs}, settings=settings, workdir=workdir)
+    dest = unpack_workspace(bobs, settings=settings, workdir=workdir)
     # nothing of bob's reaches alice's job folder, and the job fails with the reason
     assert dest is not None and not dest.exists()
     why = (workdir / "workspace.error").read_text()
@@ -69,7 +69,7 @@ def test_a_spec_naming_another_users_workspace_is_refused_by_the_worker(settings
     # a node folder of a gang is its job's too
     node = workdir / "node-1"
     node.mkdir()
-    assert not unpack_workspace({"workspace": bobs}, settings=settings, workdir=node).exists()
+    assert not unpack_workspace(bobs, settings=settings, workdir=node).exists()
     assert "refused" in (node / "workspace.error").read_text()
 
 
@@ -77,7 +77,7 @@ def test_the_owner_runs_their_own_bytes_and_ids_are_never_resolved(settings: Set
     alice, bob = _users(settings)
     mine = _stored_workspace(settings, owner_id=alice, files={"model.py": b"X = 1\n"})
     workdir = _job(settings, owner_id=alice, spec={"workspace": mine})
-    dest = unpack_workspace({"workspace": mine}, settings=settings, workdir=workdir)
+    dest = unpack_workspace(mine, settings=settings, workdir=workdir)
     assert dest is not None and (dest / "model.py").read_bytes() == b"X = 1\n"
     # the same bytes uploaded by bob are bob's row: alice's job still runs on her own
     with session_for(settings.database_url) as s:
@@ -85,12 +85,12 @@ def test_the_owner_runs_their_own_bytes_and_ids_are_never_resolved(settings: Set
         assert row.owner_id == alice
     # an id is a row number anyone can count to: the worker resolves digests only, even the owner's
     workdir = _job(settings, owner_id=alice, spec={"workspace": str(row.id)})
-    assert not unpack_workspace({"workspace": str(row.id)}, settings=settings, workdir=workdir).exists()
+    assert not unpack_workspace(str(row.id), settings=settings, workdir=workdir).exists()
     assert "by id" in (workdir / "workspace.error").read_text()
     # a folder that is no job's or batch's is refused: whose code it may run is unknown
     stray = settings.data_dir / "elsewhere"
     stray.mkdir(parents=True)
-    assert not unpack_workspace({"workspace": mine}, settings=settings, workdir=stray).exists()
+    assert not unpack_workspace(mine, settings=settings, workdir=stray).exists()
     assert "not the folder of a known job" in (stray / "workspace.error").read_text()
 
 
@@ -113,7 +113,7 @@ def test_a_batch_runs_and_grows_only_on_its_owners_workspace(settings: Settings)
         sid = sel.id
     root = settings.data_dir / "selections" / str(sid)
     root.mkdir(parents=True)
-    assert not unpack_workspace({"workspace": bobs}, settings=settings, workdir=root).exists()
+    assert not unpack_workspace(bobs, settings=settings, workdir=root).exists()
     assert "refused" in (root / "workspace.error").read_text()
 
 
@@ -142,7 +142,7 @@ def test_a_workspace_left_as_a_link_by_a_trainer_is_unpacked_again_not_followed(
     link = workdir / planted
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(outside)
-    dest = unpack_workspace({"workspace": mine}, settings=settings, workdir=workdir)
+    dest = unpack_workspace(mine, settings=settings, workdir=workdir)
     assert dest is not None and not dest.is_symlink() and dest.resolve().is_relative_to(workdir.resolve())
     assert (dest / "model.py").read_bytes() == b"X = 1\n" and not (dest / "secret.txt").exists()
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]

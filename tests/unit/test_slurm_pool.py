@@ -42,7 +42,7 @@ def test_node_names() -> None:
 
 
 def test_the_sbatch_command_is_sized_from_the_reservation_and_the_spec() -> None:
-    size = sizing(POOL, nnodes=2, slots=4, gpus=4, ram_bytes=3 * 2**30, spec={"max_runtime_s": 7200})
+    size = sizing(POOL, nnodes=2, slots=4, gpus=4, ram_bytes=3 * 2**30, max_runtime_s=7200)
     assert (size.nodes, size.tasks_per_node, size.gpus_per_node, size.mem_mb) == (2, 4, 4, 3072)
     assert size.minutes == 120 + 1 + 1  # the run, the signal's lead, a minute to settle
     args, script = sbatch_command(POOL, job_id=17, size=size, priority=30, output="/d/slurm/job-17-%j.out")
@@ -71,7 +71,7 @@ def test_the_sbatch_command_is_sized_from_the_reservation_and_the_spec() -> None
 
 def test_no_gres_without_gpus_and_the_pools_time_limit_without_max_runtime() -> None:
     pool = SlurmPool(name="cpu", time_limit_s=600)
-    size = sizing(pool, nnodes=1, slots=1, gpus=0, ram_bytes=10, spec={})
+    size = sizing(pool, nnodes=1, slots=1, gpus=0, ram_bytes=10, max_runtime_s=None)
     args, _ = sbatch_command(pool, job_id=1, size=size, priority=0, output="o")
     assert not [a for a in args if a.startswith(("--gres", "--partition", "--account", "--qos"))]
     assert "--time=12" in args and "--mem=256M" in args and "--nice=100" in args

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from jobrules.hostmem import RANK_RUNTIME_BYTES, host_memory_bytes
+from jobrules.spec import parse_job, stored_job
 from tests.conftest import TINY_SPEC
 from workers.limits import GiB, memory_limit_bytes, out_of_memory_error, runtime_limit_s
 from workers.supervise import Outcome, run_unattended
@@ -49,14 +50,16 @@ def test_estimate_counts_parameters_optimizer_activations_and_ranks() -> None:
     two = host_memory_bytes(piped)
     assert two["model_state"] == 2 * one["model_state"]  # Chimera's two replicas
     assert two["runtime"] == 2 * one["runtime"]
-    assert memory_limit_bytes(piped, ram_bytes=64 * GiB) == two["total"] + 3 * GiB  # 2x share x 2 ranks
-    assert memory_limit_bytes({**SPEC, "resources": {"device": "cuda", "gpus": 1}}) is None
+    assert (
+        memory_limit_bytes(parse_job(piped), ram_bytes=64 * GiB) == two["total"] + 3 * GiB
+    )  # 2x share x 2 ranks
+    assert memory_limit_bytes(parse_job({**SPEC, "resources": {"device": "cuda", "gpus": 1}})) is None
 
 
 def test_runtime_limit_is_the_jobs_own_within_the_services() -> None:
-    assert runtime_limit_s({"max_runtime_s": 30}, service_max_s=100) == 30
-    assert runtime_limit_s({"max_runtime_s": 300}, service_max_s=100) == 100
-    assert runtime_limit_s({}, service_max_s=100) == 100
+    assert runtime_limit_s(stored_job({"max_runtime_s": 30}), service_max_s=100) == 30
+    assert runtime_limit_s(stored_job({"max_runtime_s": 300}), service_max_s=100) == 100
+    assert runtime_limit_s(stored_job({}), service_max_s=100) == 100
 
 
 def test_a_selection_groups_limit_sums_its_trials_estimates() -> None:
@@ -65,10 +68,12 @@ def test_a_selection_groups_limit_sums_its_trials_estimates() -> None:
     from workers.limits import MARGIN_BYTES, group_memory_limit_bytes
 
     big = {**SPEC, "model": {**SPEC["model"], "d_model": 64}}
-    specs = [SPEC, SPEC, big]
+    docs = [SPEC, SPEC, big]
+    specs = [stored_job(s) for s in docs]  # as a worker reads its trials' stored specs
     ram = 2**40
-    want = 2 * sum(host_memory_bytes(s)["total"] for s in specs) + MARGIN_BYTES
+    want = 2 * sum(host_memory_bytes(s)["total"] for s in docs) + MARGIN_BYTES
     assert group_memory_limit_bytes(specs, ram_bytes=ram) == want
-    assert memory_limit_bytes(SPEC, ram_bytes=ram) < want  # more than any one trial's
+    assert memory_limit_bytes(specs[0], ram_bytes=ram) < want  # more than any one trial's
     assert group_memory_limit_bytes(specs, ram_bytes=2**30) == MARGIN_BYTES  # never past the RAM
-    assert group_memory_limit_bytes([SPEC, {**SPEC, "resources": {"device": "cuda", "gpus": 1}}]) is None
+    cuda = stored_job({**SPEC, "resources": {"device": "cuda", "gpus": 1}})
+    assert group_memory_limit_bytes([specs[0], cuda]) is None
