@@ -11,6 +11,7 @@ Two kinds of series, from two places:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -25,8 +26,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.auth import AdminUser
 from api.deps import SettingsDep
 from api.stalls import StallWatch
+from core.exposition import MultiprocessText
+from core.multiproc import MULTIPROC_ENV
 from core.settings import Settings
-from core.telemetry import DB_POOL_IN_USE, DB_POOL_SIZE, HTTP_LATENCY, multiprocess, multiprocess_registry
+from core.telemetry import DB_POOL_IN_USE, DB_POOL_SIZE, HTTP_LATENCY, multiprocess
 from db import webhooks as dbw
 from db.connection import get_engine, session_for
 from db.jobs import aware, db_now
@@ -199,7 +202,21 @@ def metrics(settings: SettingsDep, _admin: AdminUser) -> Response:
     """Prometheus text exposition. Admins only: it names workers and counts every user's jobs."""
     sample_pool(settings.database_url)
     # one process: its own instruments are in the default registry
-    own = multiprocess_registry() if multiprocess() else REGISTRY
+    own = _multiprocess_text() if multiprocess() else generate_latest(REGISTRY)
     fleet = CollectorRegistry()
     fleet.register(FleetCollector(settings))
-    return Response(generate_latest(own) + generate_latest(fleet), media_type=CONTENT_TYPE_LATEST)
+    return Response(own + generate_latest(fleet), media_type=CONTENT_TYPE_LATEST)
+
+
+_TEXTS: dict[str, MultiprocessText] = {}
+
+
+def _multiprocess_text() -> bytes:
+    """Every process's instruments summed, read afresh at each scrape; what does not change
+    between scrapes (each series' parsed key and label text) is kept per folder
+    (core/exposition.py)."""
+    path = os.environ[MULTIPROC_ENV]
+    text = _TEXTS.get(path)
+    if text is None:
+        text = _TEXTS.setdefault(path, MultiprocessText(path))
+    return text.render()
