@@ -1,7 +1,12 @@
 """The queue as the scheduler sees it, for REST: positions, reasons and reservations.
 
-Positions come from the scheduler's own ordering code (core/scheduler.py order_queue) run on the
-database's current state, so GET /api/queue and the job views agree with the next tick."""
+Positions come from the scheduler's own order (core/scheduler.py order_queue's, walked by
+core/queue_cache.py lazy_order) on the database's current state, so GET /api/queue and the job
+views agree with the next tick. Like the scheduler, the API keeps the queued jobs between orderings
+(a QueueCache per database): an ordering reads again only the jobs that joined, left or came back
+since the last one, not every queued row, and merges the kept per-priority lanes instead of sorting
+the whole queue (with 600 jobs queued at 20 submits a second, every job listing that showed a new
+job ordered the whole queue in its request's thread)."""
 
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ from sqlalchemy.orm import Session
 
 from api.convert import from_row
 from api.schemas import JobPublic, QueueEntry, ReservationPublic
-from core.scheduler import Want, queue_positions
+from core.queue_cache import QueueCache, lazy_order
+from core.scheduler import Want, _Needs, read_state
 from core.settings import Settings
 from db.connection import session_for
 from db.jobs import aware
 from db.models import Job
+from db.queue_view import queued_priorities
 from db.scheduling import reservations_of
 
 _CACHE: dict[str, tuple[float, list[Want], dict[int, int], float]] = {}
@@ -43,6 +50,46 @@ def wake_scheduler(request: Request) -> None:
     sched = getattr(request.app.state, "scheduler", None)
     if sched is not None:
         sched.wake()
+
+
+class _Kept:
+    """One database's queued jobs between orderings (what the scheduler keeps, core/queue_cache.py)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cache = QueueCache()
+        self.needs = _Needs()
+
+
+_KEPT: dict[str, _Kept] = {}
+
+
+def queue_positions(session: Session, settings: Settings) -> list[Want]:
+    """The queued jobs and selection groups in the scheduler's order, as core/scheduler.py
+    queue_positions orders a full read of them. The kept jobs are brought up to the database
+    first: the ones that joined or came back are read, the ones that left dropped (their versions,
+    as the scheduler's tick reads them), and everything is read again when a priority changed in
+    place (no version shows that) or the cache's FULL_S has passed."""
+    kept = _KEPT.setdefault(settings.database_url, _Kept())
+    with kept.lock:  # one ordering at a time: lazy_order sets each kept want's effective priority
+        cache = kept.cache
+        cache.refresh(session, kept.needs)
+        held = cache.wants.values()
+        if queued_priorities(session) != (
+            sum(w.priority for w in held),
+            sum(w.priority * w.id for w in held),
+        ):
+            cache.refresh(session, kept.needs, full=True)
+        # the selection groups (never kept: a few rows), the running slots and recent usage
+        st = read_state(session, settings, kept.needs, jobs=False)
+        groups = sorted(st.wants, key=lambda w: (w.created, w.id))
+        lanes: list[list[Want]] = [lane for _, lane in cache.lanes.values()]
+        lanes += [[w for w in groups if w.priority == p] for p in sorted({w.priority for w in groups})]
+        return list(
+            lazy_order(
+                lanes, now=st.now, aging_s=settings.aging_s, running_slots=st.running_slots, recent=st.recent
+            )
+        )
 
 
 def _compute(session: Session, settings: Settings) -> tuple[list[Want], dict[int, int]]:
