@@ -30,7 +30,9 @@ queue; the groups of one batch spread over as many workers as have room. The dec
 from __future__ import annotations
 
 import heapq
+import json
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -468,26 +470,72 @@ def box_of(beat: WorkerBeat | dbs.BeatRow) -> Box | None:
     )
 
 
-class _Needs:
-    """Per job id: (gpus, host RAM, unix time submitted), from its row, once per scheduler
-    process (none of them changes)."""
+class Fleet:
+    """The live workers' inventories between ticks, by the text of their heartbeat's queues and
+    devices: a worker's JSON is decoded and its Box built again only when that text changed
+    (decoding 500 workers' every tick cost 10-25 ms of a decision, bench/scale.py). `boxes` hands
+    out fresh Boxes each tick (a tick takes their free room in place)."""
 
     def __init__(self) -> None:
-        self.cache: dict[int, tuple[int, int, float]] = {}
+        self.seen: dict[str, tuple[str | None, str | None, Box | None]] = {}
+
+    def boxes(self, session: Any, *, within_s: float) -> list[Box]:
+        """The workers seen within `within_s` that take work (box_of), as fresh Boxes."""
+        out: list[Box] = []
+        seen: dict[str, tuple[str | None, str | None, Box | None]] = {}
+        for name, queues, devices in dbs.workers_seen_text(session, within_s=within_s):
+            kept = self.seen.get(name)
+            if kept is None or kept[0] != queues or kept[1] != devices:
+                beat = dbs.BeatRow(
+                    name,
+                    json.loads(queues) if queues is not None else None,  # type: ignore[arg-type]
+                    json.loads(devices) if devices is not None else None,  # type: ignore[arg-type]
+                    datetime.min,
+                )
+                kept = (queues, devices, box_of(beat))
+            seen[name] = kept
+            if (b := kept[2]) is not None:
+                out.append(Box(b.name, b.queues, b.slots, b.tasks, b.gpus, b.ram))
+        self.seen = seen  # workers no longer seen are forgotten
+        return out
+
+
+class _Needs:
+    """Per job id: (gpus, host RAM, unix time submitted), from its row, once per scheduler
+    process (none of them changes). At most `limit` jobs are kept, the one asked for least
+    recently going first: a tick asks only for the running jobs without a reservation, the queued
+    groups' trials and the jobs new to the queue (the queue's other jobs keep theirs in the queue
+    cache until its full read), so dropping all but one call's ids, as it once did past 20,000,
+    threw away the queue's and decoded their specs again on the next full read."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self.cache: OrderedDict[int, tuple[int, int, float]] = OrderedDict()
 
     def get(self, session: Any, ids: Iterable[int]) -> dict[int, tuple[int, int, float]]:
         ids = list(ids)
-        missing = [i for i in ids if i not in self.cache]
+        cache = self.cache
+        missing = []
+        for i in ids:
+            if i in cache:
+                cache.move_to_end(i)
+            else:
+                missing.append(i)
         for job_id, spec, created in dbs.specs_of(session, missing):
             try:
                 ram = int(host_memory_bytes(spec)["total"])
             except Exception:  # noqa: BLE001 - an old or odd spec: count no RAM rather than never place it
                 ram = 0
-            self.cache[job_id] = (job_gpus(spec), ram, aware(created).timestamp())
-        if len(self.cache) > 20000:
-            keep = set(ids)
-            self.cache = {k: v for k, v in self.cache.items() if k in keep}
-        return {i: self.cache[i] for i in ids if i in self.cache}
+            cache[job_id] = (job_gpus(spec), ram, aware(created).timestamp())
+        out = {i: cache[i] for i in ids if i in cache}
+        while len(cache) > self.limit:
+            cache.popitem(last=False)
+        return out
+
+    def gpus(self, session: Any, ids: Sequence[int]) -> dict[int, int]:
+        """The GPUs of jobs `ids` (db/scheduling.py reserve's `gpus_of`: a user's running jobs
+        without a reservation, whose specs a placement decoded each time, 50 a placement here)."""
+        return {i: n[0] for i, n in self.get(session, ids).items()}
 
 
 @dataclass(slots=True)
@@ -511,20 +559,27 @@ def read_state(
     needs: _Needs,
     *,
     beats: Sequence[dbs.BeatRow] | None = None,
+    fleet: Sequence[Box] | None = None,
     held: list[dbs.HeldRow] | None = None,
     now: datetime | None = None,
     jobs: bool = True,
+    shapes: dbs.GroupShapes | None = None,
 ) -> State:
-    """`beats`, `held` (the reservations) and `now` (database time): when the caller has just
-    read them. `jobs` False: the queued jobs are left out of `wants` (selection groups only; the
-    incremental scheduler, core/queue_cache.py, keeps the jobs between ticks)."""
+    """`beats` (or `fleet`, the live workers' fresh Boxes), `held` (the reservations) and `now`
+    (database time): when the caller has just read them. `jobs` False: the queued jobs are left
+    out of `wants` (selection groups only; the incremental scheduler, core/queue_cache.py, keeps
+    the jobs between ticks). `shapes`: the selection batches' group shapes as the caller keeps
+    them between ticks."""
     now_dt = now if now is not None else db_now(session)
-    if beats is None:
-        beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
-    boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
+    if fleet is not None:
+        boxes = {b.name: b for b in fleet}
+    else:
+        if beats is None:
+            beats = dbs.workers_seen(session, within_s=settings.worker_alive_s)
+        boxes = {b.name: b for b in (box_of(w) for w in beats) if b is not None}
     if held is None:
         held = dbs.reservations(session)
-    wants, reasons = _wants(session, needs, held=held, jobs=jobs)
+    wants, reasons = _wants(session, needs, held=held, jobs=jobs, shapes=shapes)
     running_slots: dict[int | None, int] = {}
     limits = dbs.user_limits(session, defaults=settings.quota_defaults)
     quotas = {uid: Quota(name=name, limits=lim) for uid, (name, lim) in limits.items()}
@@ -580,12 +635,17 @@ def read_state(
 
 
 def _wants(
-    session: Any, needs: _Needs, *, held: list[dbs.HeldRow], jobs: bool = True
+    session: Any,
+    needs: _Needs,
+    *,
+    held: list[dbs.HeldRow],
+    jobs: bool = True,
+    shapes: dbs.GroupShapes | None = None,
 ) -> tuple[list[Want], dict[int, str | None]]:
     """The queued jobs (unless `jobs` is False), then the selection groups no reservation holds
     yet, as wants; each one's wait reason by its (first) job's id."""
     wants, reasons = job_wants(session, needs, dbs.queued_jobs(session)) if jobs else ([], {})
-    groups = dbs.queued_groups(session, held=held)
+    groups = dbs.queued_groups(session, held=held, shapes=shapes)
     need_t = needs.get(session, [j for g in groups for j in g.job_ids])
     for g in groups:
         if any(j not in need_t for j in g.job_ids):
@@ -652,6 +712,7 @@ __all__ = [
     "Box",
     "box_of",
     "Decision",
+    "Fleet",
     "Quota",
     "Running",
     "Want",

@@ -5,20 +5,22 @@ lapse."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
 from core.queue_cache import QueueCache
-from core.scheduler import Decision, _Needs, box_of, read_state
+from core.scheduler import Decision, Fleet, _Needs, read_state
 from core.settings import Settings
 from core.slurm import is_pool_node
 from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_PLACEMENT, SCHEDULER_TICK
@@ -40,6 +42,25 @@ hundreds queued: bench/api_load.py)."""
 REASONS_MARGIN_S = 1.0
 """The lock's lease must run at least this much past the moment the wait reasons' transaction
 starts (a bound on what that transaction takes; the lease is lock_s, 5 s or more)."""
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the span (back on after, if it was on). A tick
+    allocates tens of thousands of short-lived rows, tuples and dicts; a collection in the middle
+    of it finds them still alive and promotes them to the oldest generation, and every 15 or so
+    ticks that made the interpreter run a full collection of the whole process (90-120 ms) in
+    the middle of a decision (bench/scale.py). Off, the tick's garbage goes by reference
+    counting as it always does, nothing of it is promoted, and the collections the process still
+    needs run between ticks. Process-wide: another thread's allocations meanwhile wait for the
+    tick's end to be collected too."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +93,11 @@ class Scheduler:
         self.send_group = send_group
         self.holder = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.needs = _Needs()
+        self.fleet = Fleet()
+        """The live workers' inventories, decoded again only when a heartbeat's text changes."""
+        self.shapes = dbs.GroupShapes()
+        """The selection batches' group sizes and devices, decoded again only when a request's
+        text changes."""
         self.queue = QueueCache()
         """The queued jobs between ticks (read again in full when this scheduler starts to lead)."""
         self.leading = False
@@ -92,7 +118,8 @@ class Scheduler:
     def tick(self) -> Decision | None:
         """One pass; None when another scheduler holds the lock."""
         started, cpu = time.perf_counter(), time.thread_time()
-        d = self._tick()
+        with collector_paused():
+            d = self._tick()
         if d is not None:  # a follower's pass is one lock read: not a tick worth timing
             (placed, placed_cpu), end, end_cpu = self._placed_at, time.perf_counter(), time.thread_time()
             self.last = TickTimes(placed - started, end - started, placed_cpu - cpu, end_cpu - cpu)
@@ -110,16 +137,16 @@ class Scheduler:
                 return None
             fresh = not self.leading
             self.leading = True
-            beats = dbs.workers_seen(session, within_s=s.worker_alive_s)
+            fleet = self.fleet.boxes(session, within_s=s.worker_alive_s)
             # a worker that stopped beating or is draining gets its unclaimed reservations back
             held = dbs.reservations(session)
-            freed = dbs.free_reservations(
-                session, live={w.name for w in beats if box_of(w) is not None}, held=held
-            )
+            freed = dbs.free_reservations(session, live={b.name for b in fleet}, held=held)
             if freed:
                 log.info("freed the reservations of job(s) %s", freed)
                 held = dbs.reservations(session)
-            st = read_state(session, s, self.needs, beats=beats, held=held, now=now, jobs=False)
+            st = read_state(
+                session, s, self.needs, fleet=fleet, held=held, now=now, jobs=False, shapes=self.shapes
+            )
             try:
                 self.queue.refresh(session, self.needs, full=fresh)
             except Exception:
@@ -139,6 +166,7 @@ class Scheduler:
                     capacity=capacity,
                     quota=limits,
                     trial_ids=w.trials or None,
+                    gpus_of=self.needs.gpus,
                 )
                 if rows is None:
                     d.reasons.pop(w.id, None)
@@ -273,4 +301,4 @@ class Scheduler:
             self.thread.join(timeout_s)
 
 
-__all__ = ["REASONS_MARGIN_S", "WAKE_GAP_S", "Scheduler", "TickTimes"]
+__all__ = ["REASONS_MARGIN_S", "WAKE_GAP_S", "Scheduler", "TickTimes", "collector_paused"]

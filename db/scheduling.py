@@ -8,12 +8,26 @@ Nothing is sent from here (db/ imports SQLAlchemy only); core/scheduler.py decid
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, Text, bindparam, cast, delete, func, insert, select, union_all, update
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    String,
+    Text,
+    bindparam,
+    cast,
+    delete,
+    func,
+    insert,
+    select,
+    type_coerce,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -151,7 +165,8 @@ def queued_versions(session: Session) -> dict[int, str]:
 _FINGERPRINT = select(
     func.count(),
     func.coalesce(func.sum(Job.id), 0),
-    func.coalesce(func.sum(Job.id * Job.id), 0),
+    # 64-bit: an id past 46,340 has a square past a 32-bit integer (PostgreSQL's id * id failed)
+    func.coalesce(func.sum(cast(Job.id, BigInteger) * cast(Job.id, BigInteger)), 0),
     func.coalesce(func.sum(Job.attempts), 0),
 ).where(_QUEUED_WHERE)
 
@@ -195,7 +210,6 @@ _QUEUED_TRIALS = (
         Job.priority,
         Job.queue,
         Job.wait_reason,
-        Selection.request,
     )
     .join(Job, Job.id == Trial.job_id)
     .join(Selection, Selection.id == Trial.selection_id)
@@ -207,12 +221,41 @@ _QUEUED_TRIALS = (
     )
     .order_by(Trial.selection_id, Trial.index)
 )
+_REQUESTS = select(Selection.id, cast(Selection.request, Text)).where(
+    Selection.id.in_(bindparam("ids", expanding=True))
+)
 
 
-def queued_groups(session: Session, *, held: Iterable[HeldRow] | None = None) -> list[QueuedGroup]:
+class GroupShapes:
+    """Per batch: (group_size, devices) from its request, kept between the scheduler's ticks by
+    the request's text. A tick reads the text of each batch with queued trials (one row a batch)
+    and decodes it only when it differs from what is kept: the request came back with every
+    queued trial's row, decoded once a trial (a 10,000-trial batch: 10,000 decodes a tick)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, tuple[str | None, int, int]] = {}
+
+    def read(self, session: Session, ids: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """(group_size, devices) of batches `ids`; batches not asked for are forgotten."""
+        kept: dict[int, tuple[str | None, int, int]] = {}
+        wanted = sorted(set(ids))
+        for sid, text in session.connection().execute(_REQUESTS, {"ids": wanted}) if wanted else ():
+            k = self.kept.get(sid)
+            if k is None or k[0] != text:
+                request = json.loads(text) if text is not None else None
+                k = (text, max(int((request or {}).get("group_size") or 16), 1), batch_devices(request))
+            kept[sid] = k
+        self.kept = kept
+        return {sid: (size, devices) for sid, (_, size, devices) in kept.items()}
+
+
+def queued_groups(
+    session: Session, *, held: Iterable[HeldRow] | None = None, shapes: GroupShapes | None = None
+) -> list[QueuedGroup]:
     """The queued trials of every batch not cancelled, less those a group reservation already
     holds, cut into groups of the batch's `group_size` in index order. `held`: the reservations
-    the caller has just read (`reservations`), so they are not read again."""
+    the caller has just read (`reservations`), so they are not read again; `shapes`: the batches'
+    group sizes and devices as the caller keeps them between calls."""
     taken: set[int] = set()
     if held is None:
         for ids in session.scalars(select(Reservation.trial_ids).where(Reservation.trial_ids.is_not(None))):
@@ -220,14 +263,15 @@ def queued_groups(session: Session, *, held: Iterable[HeldRow] | None = None) ->
     else:
         for h in held:
             taken.update(h.trial_ids or [])
+    rows = _rows(session, _QUEUED_TRIALS)
+    shape = (shapes or GroupShapes()).read(session, {r[0] for r in rows})
     out: list[QueuedGroup] = []
-    for sel_id, trial_id, job_id, owner_id, priority, queue, why, request in _rows(session, _QUEUED_TRIALS):
-        if trial_id in taken:
+    for sel_id, trial_id, job_id, owner_id, priority, queue, why in rows:
+        if trial_id in taken or sel_id not in shape:  # the batch went meanwhile
             continue
-        size = max(int((request or {}).get("group_size") or 16), 1)
+        size, devices = shape[sel_id]
         last = out[-1] if out else None
         if last is None or last.selection_id != sel_id or len(last.trial_ids) >= size:
-            devices = batch_devices(request)
             last = QueuedGroup(sel_id, [], [], owner_id, priority, queue, devices, why)
             out.append(last)
         elif last.wait_reason != why:
@@ -262,6 +306,19 @@ def workers_seen(session: Session, *, within_s: float) -> list[BeatRow]:
     """Workers whose heartbeat is recent (plain rows: the scheduler reads them every tick)."""
     cutoff = utcnow() - timedelta(seconds=within_s)
     return [BeatRow(*r) for r in _rows(session, _BEATS) if aware(r.last_seen) >= cutoff]
+
+
+_BEATS_TEXT = select(
+    WorkerBeat.name, cast(WorkerBeat.queues, Text), cast(WorkerBeat.devices, Text), WorkerBeat.last_seen
+)
+
+
+def workers_seen_text(session: Session, *, within_s: float) -> list[tuple[str, str | None, str | None]]:
+    """`workers_seen` with each worker's queues and devices left as their JSON text: (name, queues,
+    devices). The scheduler decodes a worker's only when its text changed (core/scheduler.py
+    Fleet); decoding 500 workers' every tick cost 10-25 ms of a decision."""
+    cutoff = utcnow() - timedelta(seconds=within_s)
+    return [(r[0], r[1], r[2]) for r in _rows(session, _BEATS_TEXT) if aware(r[3]) >= cutoff]
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,8 +390,10 @@ def reservations_of(session: Session, job_ids: Sequence[int]) -> dict[int, list[
 _RECENT_COLS = (
     Job.owner_id,
     Job.world_size,
-    Job.started_at,
-    Job.finished_at,
+    # the times as the driver hands them back (SQLite: text; PostgreSQL: datetimes): SQLAlchemy's
+    # parsing of SQLite's text cost more than the rest of the loop (2,400 rows a tick)
+    type_coerce(Job.started_at, String),
+    type_coerce(Job.finished_at, String),
     Job.status,
     Job.kind,
     Job.selection_id,
@@ -356,6 +415,13 @@ _RECENT = union_all(
 )
 
 
+def _stamp(t: str | datetime) -> float:
+    """Unix seconds of a stored time as the driver gives it: SQLite's ISO text (naive UTC) or a
+    datetime."""
+    d = datetime.fromisoformat(t) if isinstance(t, str) else t
+    return (d if d.tzinfo is not None else d.replace(tzinfo=UTC)).timestamp()
+
+
 def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[int | None, tuple[int, float]]:
     """Per user: (slot-minutes their jobs and selection groups ran within the last `window_s`,
     rounded; unix time of their latest start). A running job counts up to now (its latest attempt
@@ -363,27 +429,29 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
     trials share: db/selections.py claim_trials) to the end of its last trial, or up to now while
     one runs; a trial given back to the queue ends nothing. Whole minutes, so short jobs of two
     users weigh the same and the user served longest ago goes first."""
-    start = now - timedelta(seconds=window_s)
+    start_dt = now - timedelta(seconds=window_s)
+    start, now_s = start_dt.timestamp(), now.timestamp()
     seconds: dict[int | None, float] = {}
     last: dict[int | None, float] = {}
     # a group's run, by (batch, worker, claim time): [owner, end of its last trial so far]
-    runs: dict[tuple[int, str | None, datetime], list[Any]] = {}
-    rows: Iterable[AnyRow] = session.connection().execute(_RECENT, {"start": start})  # started_at is set
+    runs: dict[tuple[int | None, str | None, float], list[Any]] = {}
+    rows = session.connection().execute(_RECENT, {"start": start_dt}).all()  # started_at is set
     for owner_id, ws, started, finished, status, kind, selection_id, worker in rows:
-        began = _utc(started)
-        last[owner_id] = max(last.get(owner_id, 0.0), began.timestamp())
-        ran_to = None if finished is None else min(_utc(finished), now)
+        began = _stamp(started)
+        if began > last.get(owner_id, 0.0):
+            last[owner_id] = began
+        ran_to = None if finished is None else min(_stamp(finished), now_s)
         if kind == "trial":
             run = runs.setdefault((selection_id, worker, began), [owner_id, None])
             if status == JobStatus.running:
-                run[1] = now
+                run[1] = now_s
             elif status != JobStatus.queued and ran_to is not None:
                 run[1] = ran_to if run[1] is None else max(run[1], ran_to)
             continue
-        end = now if status == JobStatus.running or ran_to is None else ran_to
+        end = now_s if status == JobStatus.running or ran_to is None else ran_to
         begin = max(began, start)
         if end > begin:
-            seconds[owner_id] = seconds.get(owner_id, 0.0) + ws * (end - begin).total_seconds()
+            seconds[owner_id] = seconds.get(owner_id, 0.0) + ws * (end - begin)
     if runs:
         devices = {
             sid: batch_devices(request)
@@ -395,7 +463,7 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
             begin = max(began, start)
             if end is not None and end > begin:
                 slots = devices.get(sid, 1)
-                seconds[owner_id] = seconds.get(owner_id, 0.0) + slots * (end - begin).total_seconds()
+                seconds[owner_id] = seconds.get(owner_id, 0.0) + slots * (end - begin)
     return {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
 
 
@@ -655,6 +723,7 @@ def reserve(
     capacity: dict[str, Capacity],
     quota: dict[str, int] | None = None,
     trial_ids: Sequence[int] | None = None,
+    gpus_of: GpusOf | None = None,
 ) -> list[Reserved] | None:
     """Reserve all nodes of job `job_id` in one transaction, or nothing. Conditional: the workers'
     rows are written first (a row lock on Postgres, the write lock on SQLite); the job must still
@@ -664,7 +733,8 @@ def reserve(
     the rows, or None when anything changed since the caller looked.
 
     `trial_ids`: a selection group (one node; `job_id` is its first trial's job): every trial
-    must still be queued and held by no other group's reservation."""
+    must still be queued and held by no other group's reservation. `gpus_of`: the GPUs of the
+    owner's running jobs without a reservation, as the caller keeps them (owner_quota_problem)."""
     conn = session.connection()
     workers = sorted({n.worker for n in nodes})
     try:
@@ -718,6 +788,7 @@ def reserve(
                 job_ranks=sum(n.slots for n in nodes),
                 job_gpus=sum(n.gpus for n in nodes),
                 held=(len(mine[0]), mine[1], mine[2]),
+                gpus_of=gpus_of,
             )
             if why is not None:
                 session.rollback()
@@ -780,13 +851,21 @@ def _group_free(session: Session, trial_ids: Sequence[int]) -> bool:
     return True
 
 
-_LOOSE = select(Job.world_size, Job.spec).where(
+_LOOSE = select(Job.id, Job.world_size).where(
     Job.owner_id == bindparam("owner"),
     Job.kind == "job",
     Job.status == JobStatus.running,
     Job.id != bindparam("job"),
     Job.id.not_in(select(Reservation.job_id)),
 )
+
+
+GpusOf = Callable[[Session, Sequence[int]], Mapping[int, int]]
+"""The GPUs each of some jobs asks for, by id (a job gone meanwhile may be left out)."""
+
+
+def _spec_gpus(session: Session, job_ids: Sequence[int]) -> dict[int, int]:
+    return {job_id: spec_gpus(spec) for job_id, spec, _ in specs_of(session, job_ids)}
 
 
 def owner_quota_problem(
@@ -799,11 +878,13 @@ def owner_quota_problem(
     job_gpus: int,
     name: str | None = None,
     held: tuple[int, int, int] | None = None,
+    gpus_of: GpusOf | None = None,
 ) -> str | None:
     """The quota reason for job `job_id` (job_ranks, job_gpus) given the owner's other reserved
     jobs and selection groups and running jobs without a reservation (counted in the caller's
     transaction). `name`: the owner's, and `held`: (jobs, slots, GPUs) of the owner's other
-    reservations, when the caller has them."""
+    reservations, when the caller has them; `gpus_of`: the GPUs of jobs by id, as the caller keeps
+    them (a job's spec never changes), else read from their specs."""
     conn = session.connection()
     if held is None:
         held = conn.execute(
@@ -816,6 +897,7 @@ def owner_quota_problem(
             .where(Job.owner_id == owner_id, Job.id != job_id)
         ).one()
     loose = conn.execute(_LOOSE, {"owner": owner_id, "job": job_id}).all()
+    gpus = (gpus_of or _spec_gpus)(session, [r.id for r in loose]) if loose else {}
     if name is None:
         name = conn.scalar(select(User.name).where(User.id == owner_id))
     name = name or str(owner_id)
@@ -824,7 +906,7 @@ def owner_quota_problem(
         limits,
         running=int(held[0]) + len(loose),
         ranks=int(held[1]) + sum(r.world_size for r in loose),
-        gpus=int(held[2]) + sum(spec_gpus(r.spec) for r in loose),
+        gpus=int(held[2]) + sum(gpus.get(r.id, 0) for r in loose),
         job_ranks=job_ranks,
         job_gpus=job_gpus,
     )
