@@ -123,23 +123,11 @@ class Storage:
     # ---- whole objects ------------------------------------------------------------------------
 
     def put_file(self, key: str, src: Path) -> None:
-        """Upload the file `src` as `key`. Readers never see a partial object: an S3 PUT is
-        atomic, and a folder store writes a temporary name beside it and renames."""
-
-        def put() -> None:
-            dest = self.path(key)
-            if not self.local:
-                self.fs.put_file(str(src), dest, **self._deadline(src.stat().st_size))
-                return
-            Path(dest).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{dest}.{uuid.uuid4().hex[:8]}.part"
-            try:
-                self.fs.put_file(str(src), tmp)
-                os.replace(tmp, dest)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-
-        self._call("upload", key, put)
+        """Upload the file `src` as `key` (put_fileobj on it, opened here). Readers never see a
+        partial object: an S3 PUT is atomic, and a folder store writes a temporary name beside it
+        and renames."""
+        with open(src, "rb") as f:
+            self.put_fileobj(key, f)
 
     def put_fileobj(self, key: str, src: BinaryIO) -> None:
         """Upload the open file `src` (from its start) as `key`, as put_file does: the bytes of
