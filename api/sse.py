@@ -54,7 +54,7 @@ from core.settings import Settings
 from core.telemetry import SSE_READS, SSE_ROWS
 from db.connection import session_for
 from db.ingest import events_after, last_status_event, metrics_after, newest_metric_id
-from db.jobs import get_job
+from db.jobs import job_status
 from db.models import TERMINAL, JobEvent
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def _replay(
     cur.settle()
     after = cur.horizon if after is None else after
     with session_for(settings.database_url) as s:
-        terminal = get_job(s, job_id).status in TERMINAL
+        terminal = job_status(s, job_id) in TERMINAL
         newest = newest_metric_id(s, job_id=job_id) if want_newest else 0
         events = events_after(s, job_id=job_id, after_id=after, limit=_REPLAY_CHUNK)
         # a finished job's stream ends with this read: every point goes, whatever the bound
@@ -401,7 +401,11 @@ async def job_events(settings: Settings, *, job_id: int, last_event_id: str | No
                 live.resubscribed, behind, last_check = False, True, float("-inf")
             recheck = min(_DB_RECHECK_S, settings.sse_keepalive_s) if live.up and not behind else 1.0
             if now - last_check > recheck or (wake_at is not None and now >= wake_at):
-                last_check = now
+                # a periodic read keeps the stream's phase: one at `now` would gather every stream
+                # whose read fell due while the process was held up (a slow request, a busy
+                # machine) at the same moment, and they would read together from then on
+                periodic = wake_at is None and now - last_check < 2 * recheck
+                last_check = last_check + recheck if periodic else now
                 # Following live, a recheck reads points only up to the newest id the previous
                 # recheck saw (`mark`): those were committed and published at least one interval
                 # ago, so the live path has sent them unless their publish was lost. Points

@@ -119,6 +119,15 @@ def get_job(session: Session, job_id: int) -> Job:
     return get_row(session, Job, job_id, "job")
 
 
+def job_status(session: Session, job_id: int) -> str:
+    """The job's status alone (NotFound when there is no such job): a stream's periodic look at
+    the database needs no more, and loading the whole row decoded its spec each time."""
+    status = session.scalar(select(Job.status).where(Job.id == job_id))
+    if status is None:
+        raise NotFound(f"job {job_id} does not exist")
+    return str(status)
+
+
 def listing_filters(
     model: Any,
     *,

@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import redis
@@ -213,15 +212,15 @@ def test_a_final_status_read_before_the_job_row_shows_it_is_not_sent_twice(
     settings = settings.model_copy(update={"sse_keepalive_s": 1.0})  # the next read comes soon
     with session_for(url) as s:
         fail_job(s, job_id=job_id, reason="the test ends it")
-    real_get_job = api.sse.get_job
+    real_job_status = api.sse.job_status
     calls: list[int] = []
 
-    def row_read_before_the_end(s, job_id: int):  # noqa: ANN001, ANN202
+    def row_read_before_the_end(s, job_id: int) -> str:  # noqa: ANN001
         calls.append(job_id)
-        job = real_get_job(s, job_id)
-        return SimpleNamespace(status="running") if len(calls) == 1 else job
+        status = real_job_status(s, job_id)
+        return "running" if len(calls) == 1 else status
 
-    monkeypatch.setattr(api.sse, "get_job", row_read_before_the_end)
+    monkeypatch.setattr(api.sse, "job_status", row_read_before_the_end)
 
     async def main() -> list[str]:
         stream = job_events(settings, job_id=job_id, last_event_id=None)
