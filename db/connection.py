@@ -23,16 +23,24 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: object) -> None:  # a DB-API conne
 
 POOL_TIMEOUT_S = 10.0
 """Longest wait for a free pooled connection before the caller gets an error (the API: 503)."""
+SQLITE_POOL_SIZE = 20
+"""Connections to a SQLite file each process keeps open between sessions."""
 
 
 @functools.cache
 def get_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
+        pool: dict[str, int] = {}
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            # connections are kept for as many threads as the API runs at once (its requests' and
+            # its streams'): past the default 5, each session opened a new connection (its pragmas,
+            # SQLite reading the schema again) and closed it after, CPU the API spent under load,
+            # when it has least (bench/api_load.py: 500 streams, 20 submits/s)
+            pool = {"pool_size": SQLITE_POOL_SIZE, "max_overflow": 30}
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 10}, pool_timeout=POOL_TIMEOUT_S
+            url, connect_args={"check_same_thread": False, "timeout": 10}, pool_timeout=POOL_TIMEOUT_S, **pool
         )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

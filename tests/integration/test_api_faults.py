@@ -97,8 +97,8 @@ def test_open_streams_hold_no_db_connection_and_are_capped(api_stack: Stack) -> 
             socks.append(sock)
             assert head.startswith(b"HTTP/1.1 200"), head[:200]
         with _client(st, 30) as c:
-            # the pool holds 5 connections (+10 overflow): 40 streams that each pinned one would
-            # have taken them all, and every other request would wait the pool timeout for a 503
+            # the pool keeps 20 connections (db/connection.py SQLITE_POOL_SIZE): 40 streams that
+            # each pinned one would hold more than it keeps, and the requests would wait on them
             pool = c.get("/api/health").json()["db"]["pool"]
             assert pool["checked_out"] < pool["size"], pool
             listing = c.get("/api/jobs", params={"limit": 5})
