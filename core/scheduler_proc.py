@@ -81,8 +81,21 @@ class SchedulerProcess:
                     return
 
     def wake(self) -> None:
-        """A job was queued: the child ticks soon (wakes coalesce, core/scheduler_loop.py WAKE_GAP_S)."""
-        self._write(WAKE)
+        """A job was queued: the child ticks soon (wakes coalesce, core/scheduler_loop.py WAKE_GAP_S).
+        No lock: a write of one byte to a pipe lands whole whatever other threads write, and under
+        a stream of submits each one waited on the lock for the previous submit's thread to get the
+        interpreter back (bench/api_load.py: the API's stall reports named it)."""
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.poll() is not None:
+            return
+        try:
+            os.write(proc.stdin.fileno(), WAKE)
+        except BlockingIOError:
+            pass  # the pipe is full of wakes already: the child will tick anyway
+        except ValueError:
+            pass  # stopping: stop() has closed the pipe
+        except OSError:
+            log.warning("the scheduler process is gone (exit code %s)", proc.poll())
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is None:
