@@ -259,12 +259,17 @@ def test_options_are_refused_unless_an_admin_allows_them(tmp_path: Path) -> None
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "requirements.txt").write_text("--extra-index-url https://pypi.org/simple\neinops==0.8.2\n")
-    refused = prepare({}, settings=Settings(data_dir=tmp_path), workspace=ws, report=Said().report())
+    refused = prepare(
+        stored_job({}), settings=Settings(data_dir=tmp_path), workspace=ws, report=Said().report()
+    )
     assert refused.error is not None and "requirements.txt line 1" in refused.error
     assert "pip option (--extra-index-url)" in refused.error
     said = Said()
     allowed = prepare(
-        {}, settings=Settings(data_dir=tmp_path, pyenv_allow_options=True), workspace=ws, report=said.report()
+        stored_job({}),
+        settings=Settings(data_dir=tmp_path, pyenv_allow_options=True),
+        workspace=ws,
+        report=said.report(),
     )
     allowed.release()
     assert allowed.error is None and "installed einops==0.8.2" in said.text()
