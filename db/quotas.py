@@ -23,12 +23,13 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from db.models import Job, JobStatus, Selection, Trial, User
-from jobrules.spec import SelectionCreate, stored, stored_job
+from jobrules.spec import JobSpec, ResourceSpec, SelectionCreate, stored_field
 
 
 def job_gpus(spec: Mapping[str, Any]) -> int:
-    """GPUs a stored job spec holds (JobSpec.gpus)."""
-    return stored_job(spec).gpus
+    """GPUs a stored job spec holds (JobSpec.gpus; only its resources are read: this runs per row)."""
+    resources: ResourceSpec = stored_field(JobSpec, spec, "resources")
+    return resources.gpus_held
 
 
 def quota_reason(
@@ -47,7 +48,7 @@ def quota_reason(
 
 def group_size(request: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[int, int]:
     """(ranks, gpus) a group of a batch uses: the batch's devices, GPUs when its trials run on CUDA."""
-    devices = stored(SelectionCreate, request).devices
+    devices: int = stored_field(SelectionCreate, request, "devices")
     return devices, devices if job_gpus(spec) else 0
 
 

@@ -38,7 +38,7 @@ from db.models import (
     cap_error,
     utcnow,
 )
-from jobrules.spec import SelectionCreate, stored, stored_job
+from jobrules.spec import SelectionCreate, stored_field, stored_job
 
 TRIAL_DONE = frozenset({"succeeded", "failed", "cancelled", "stopped_early", "stopped"})
 
@@ -556,12 +556,12 @@ GROWING_METHODS = frozenset({"tpe", "cmaes", "qmc"})
 def still_growing(sel: Selection) -> bool:
     """A sampler batch is not over while it has fewer trials than it asked for, unless it was
     cancelled or its search stopped (`error`): its next trials are about to be added."""
-    req = stored(SelectionCreate, sel.request or {})
+    req = sel.request or {}
     return (
-        req.method in GROWING_METHODS
+        stored_field(SelectionCreate, req, "method") in GROWING_METHODS
         and not sel.cancel_requested
         and sel.error is None
-        and len(sel.trials) < (req.trials or 0)
+        and len(sel.trials) < (stored_field(SelectionCreate, req, "trials") or 0)
     )
 
 

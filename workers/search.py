@@ -35,7 +35,7 @@ from db.jobs import Attempt
 from db.models import Job, Reservation, Selection, Trial
 from db.selections import TRIAL_DONE, add_group_trial, add_trials, get_selection
 from jobrules.space import apply_params
-from jobrules.spec import SelectionCreate, stored
+from jobrules.spec import SelectionCreate, stored_field
 from workers.workspace import owned_row
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,9 @@ def _batch(s: Session, selection_id: int) -> tuple[Selection | None, dict[str, A
     """The batch when it is a sampler's with trials left to ask; else (None, ...)."""
     sel = get_selection(s, selection_id)
     req: dict[str, Any] = dict(sel.request)
-    read = stored(SelectionCreate, req)
+    method, total = stored_field(SelectionCreate, req, "method"), stored_field(SelectionCreate, req, "trials")
     trials = sorted(sel.trials, key=lambda t: t.index)
-    if read.method not in SAMPLERS or sel.cancel_requested or sel.error or len(trials) >= (read.trials or 0):
+    if method not in SAMPLERS or sel.cancel_requested or sel.error or len(trials) >= (total or 0):
         return None, req, trials
     return sel, req, trials
 

@@ -3,7 +3,16 @@ model's defaults, never judged again by the reader."""
 
 from __future__ import annotations
 
-from jobrules.spec import EnvSpec, JobSpec, SelectionCreate, parse, parse_job, stored, stored_job
+from jobrules.spec import (
+    EnvSpec,
+    JobSpec,
+    SelectionCreate,
+    parse,
+    parse_job,
+    stored,
+    stored_field,
+    stored_job,
+)
 from tests.conftest import TINY_SPEC
 
 
@@ -57,3 +66,12 @@ def test_a_stored_batch_request_reads_its_rules_and_its_base() -> None:
     assert (read.method, read.trials, read.devices, read.generation) == ("tpe", 6, 3, 3)
     assert read.early_stopping is None and isinstance(read.base, JobSpec)
     assert read.base.train.steps == TINY_SPEC["train"]["steps"]
+
+
+def test_one_field_is_read_as_the_whole_reader_reads_it() -> None:
+    doc = parse_job({**TINY_SPEC, "resources": {"device": "cuda"}}).model_dump()
+    resources = stored_field(JobSpec, doc, "resources")
+    assert resources == stored_job(doc).resources and resources.gpus_held == 1
+    assert stored_field(JobSpec, {}, "resources") == JobSpec().resources  # absent: the default
+    assert stored_field(SelectionCreate, {"devices": 5}, "devices") == 5
+    assert stored_field(SelectionCreate, {}, "devices") == SelectionCreate.model_fields["devices"].default
