@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, cast, func, select
 from sqlalchemy.orm import Session
 
 from db.models import Job
 from db.scheduling import _QUEUED_WHERE  # the queue's one definition
 
 _PRIORITIES = select(
-    func.coalesce(func.sum(Job.priority), 0), func.coalesce(func.sum(Job.priority * Job.id), 0)
+    func.coalesce(func.sum(Job.priority), 0),
+    # 64-bit, as the queue's fingerprint: PostgreSQL multiplies two integers in 32 bits
+    func.coalesce(func.sum(cast(Job.priority, BigInteger) * cast(Job.id, BigInteger)), 0),
 ).where(_QUEUED_WHERE)
 
 

@@ -16,6 +16,7 @@ from core.settings import Settings
 from db import jobs as dbj
 from db.connection import session_for
 from db.models import Job
+from db.queue_view import queued_priorities
 from db.users import create_user
 
 SPEC = {"model": {"kind": "mlp", "layers": 1, "d_model": 16, "seq_len": 8}, "train": {"steps": 9}}
@@ -82,3 +83,12 @@ def test_kept_positions_follow_submits_cancels_and_priority_changes(db_url: str)
         s.execute(update(Job).where(Job.id == jobs[0]).values(status="queued", attempts=Job.attempts + 1))
         s.commit()
     assert jobs[0] in _same_as_a_full_read(db_url, settings)
+
+
+def test_the_priority_check_holds_a_product_past_32_bits(db_url: str) -> None:
+    """priority x id passes a 32-bit integer for a priority-100 job past id 21,474,836, which
+    PostgreSQL's integer product refuses: the check multiplies in 64 bits."""
+    with session_for(db_url) as s:
+        s.add(Job(id=30_000_000, name="j", spec={}, world_size=1, priority=100))
+        s.commit()
+        assert queued_priorities(s) == (100, 3_000_000_000)
