@@ -1,6 +1,7 @@
 """Memory benchmark for HYDRA spilling and the AxoNN offloaded optimizer.
 
     .venv/bin/python -m bench.memory [--budget-mb 16] [--steps 8]
+    python -m bench.memory --gpu-only [--throughput-only]     the GPU rows (memory_gpu.json)
 
 Rows:
 1. largest GPT (8 blocks, width searched) trainable under a fixed device budget: resident vs spilled
@@ -11,7 +12,10 @@ Rows:
 2. device bytes per parameter with the offloaded optimizer, measured by a census of the storages the
    kernels of a real training step compute on (tests/device_census.py), beside the ledger's peak.
 3. throughput of spilled relative to resident training on a model that fits both ways, with
-   prefetch off and on. On CPU this measures the engine's own overhead (copies between separate
+   prefetch off and on, and with the optimizer state on the host (`parallel.spill.optimizer:
+   "host"`). Each spilled row states the bytes it moves per step and, on CUDA, what those take at
+   the link's measured speed, so its copy-bound limit is a number: the step can be no faster than
+   that or than the same recompute resident (`limit_x_resident`; `x_limit` is how close it comes). On CPU this measures the engine's own overhead (copies between separate
    host and "device" buffers, bookkeeping, and the recompute of every shard but the last); there is
    no side stream, so prefetch cannot overlap anything there.
 4. GPU rows (spilled vs resident with prefetch, against FSDP2 with CPUOffloadPolicy): run only where
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import time
@@ -283,16 +288,55 @@ def _checkpointed_stepper(mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device
     return step
 
 
-def _engine_stepper(
-    mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device, *, cuts: list[int], prefetch: bool
-):
+def _engine(
+    mcfg: ModelSpec,
+    tcfg: TrainSpec,
+    device: torch.device,
+    *,
+    cuts: list[int],
+    prefetch: bool,
+    host: bool = False,
+) -> SpillEngine:
     model = build_model(mcfg, seed=0)
-    costs = measure_layers(model, batch_size=tcfg.batch_size, seq_len=mcfg.seq_len, state_bpp=8)
-    plan = partition(costs, budget_bytes=None, prefetch=prefetch, cuts=cuts)
-    engine = SpillEngine(
-        model, plan=plan, train=tcfg, device=device, ledger=DeviceLedger(), prefetch=prefetch
+    costs = measure_layers(
+        model, batch_size=tcfg.batch_size, seq_len=mcfg.seq_len, state_bpp=0 if host else 8
     )
-    return engine.train_step
+    plan = partition(costs, budget_bytes=None, prefetch=prefetch, cuts=cuts)
+    return SpillEngine(
+        model, plan=plan, train=tcfg, device=device, ledger=DeviceLedger(), prefetch=prefetch, host_step=host
+    )
+
+
+def link_bandwidth(device: torch.device, *, mib: int = 128, reps: int = 5) -> dict[str, float] | None:
+    """Pinned host <-> device copy speed in GB/s, each way alone (medians); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    n = mib * 2**20 // 4
+    host, dev = torch.empty(n, pin_memory=True), torch.empty(n, device=device)
+    out = {}
+    for way, (dst, src) in {"h2d_GBps": (dev, host), "d2h_GBps": (host, dev)}.items():
+        ts = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            ts.append(time.perf_counter() - t0)
+        out[way] = n * 4 / statistics.median(ts[1:]) / 1e9
+    return out
+
+
+def copy_bound(
+    *, moved: tuple[float, float], link: dict[str, float] | None, overlapped: bool
+) -> float | None:
+    """Milliseconds a step's copies take at the link's measured speed: in one stream one after the
+    other (weights and state in, then out), or on two streams at once (host mode: the gradients
+    leave on a stream of their own)."""
+    if link is None:
+        return None
+    h2d = moved[0] / (link["h2d_GBps"] * 1e9) * 1e3
+    d2h = moved[1] / (link["d2h_GBps"] * 1e9) * 1e3
+    return max(h2d, d2h) if overlapped else h2d + d2h
 
 
 def _fsdp2_offload_stepper(mcfg: ModelSpec, tcfg: TrainSpec, device: torch.device):
@@ -324,31 +368,44 @@ def throughput_rows(*, device: torch.device, steps: int, gpu: bool) -> list[dict
     n_layers = mcfg.layers + 2
     three = [n_layers // 3, 2 * n_layers // 3]
     each = list(range(1, n_layers))
-    # variant -> (stepper, the like-for-like resident baseline with the same recompute)
-    variants: dict[str, Any] = {
-        "resident (loop.train step)": _resident_stepper(mcfg, tcfg, device),
-        "engine, 1 shard (no spill)": _engine_stepper(mcfg, tcfg, device, cuts=[], prefetch=True),
-        "resident + checkpointing, 3 segments": _checkpointed_stepper(mcfg, tcfg, device, cuts=three),
-        "spilled, 3 shards, prefetch on": _engine_stepper(mcfg, tcfg, device, cuts=three, prefetch=True),
-        "spilled, 3 shards, prefetch off": _engine_stepper(mcfg, tcfg, device, cuts=three, prefetch=False),
-        "resident + checkpointing, 1 layer/segment": _checkpointed_stepper(mcfg, tcfg, device, cuts=each),
-        "spilled, 1 layer/shard, prefetch on": _engine_stepper(mcfg, tcfg, device, cuts=each, prefetch=True),
-        "spilled, 1 layer/shard, prefetch off": _engine_stepper(
-            mcfg, tcfg, device, cuts=each, prefetch=False
+    engines: dict[str, SpillEngine] = {
+        "engine, 1 shard (no spill)": _engine(mcfg, tcfg, device, cuts=[], prefetch=True),
+        "spilled, 3 shards, prefetch on": _engine(mcfg, tcfg, device, cuts=three, prefetch=True),
+        "spilled, 3 shards, prefetch off": _engine(mcfg, tcfg, device, cuts=three, prefetch=False),
+        "spilled, 3 shards, host optimizer": _engine(
+            mcfg, tcfg, device, cuts=three, prefetch=True, host=True
+        ),
+        "spilled, 1 layer/shard, prefetch on": _engine(mcfg, tcfg, device, cuts=each, prefetch=True),
+        "spilled, 1 layer/shard, prefetch off": _engine(mcfg, tcfg, device, cuts=each, prefetch=False),
+        "spilled, 1 layer/shard, host optimizer": _engine(
+            mcfg, tcfg, device, cuts=each, prefetch=True, host=True
         ),
     }
+    variants: dict[str, Any] = {
+        "resident (loop.train step)": _resident_stepper(mcfg, tcfg, device),
+        "resident + checkpointing, 3 segments": _checkpointed_stepper(mcfg, tcfg, device, cuts=three),
+        "resident + checkpointing, 1 layer/segment": _checkpointed_stepper(mcfg, tcfg, device, cuts=each),
+        **{name: e.train_step for name, e in engines.items()},
+    }
+    # each engine variant -> the like-for-like resident baseline with the same recompute
     same_recompute = {
-        "engine, 1 shard (no spill)": "resident (loop.train step)",
-        "spilled, 3 shards, prefetch on": "resident + checkpointing, 3 segments",
-        "spilled, 3 shards, prefetch off": "resident + checkpointing, 3 segments",
-        "spilled, 1 layer/shard, prefetch on": "resident + checkpointing, 1 layer/segment",
-        "spilled, 1 layer/shard, prefetch off": "resident + checkpointing, 1 layer/segment",
+        name: (
+            "resident (loop.train step)"
+            if name.startswith("engine")
+            else "resident + checkpointing, 3 segments"
+            if "3 shards" in name
+            else "resident + checkpointing, 1 layer/segment"
+        )
+        for name in engines
     }
     if gpu:
         variants["FSDP2 CPUOffloadPolicy"] = _fsdp2_offload_stepper(mcfg, tcfg, device)
     stream = stream_for(mcfg, tcfg.batch_size)
     times: dict[str, list[float]] = {k: [] for k in variants}
+    moved_from: dict[str, tuple[int, int]] = {}
     for step in range(steps + 2):
+        if step == 2:
+            moved_from = {name: e.bytes_moved() for name, e in engines.items()}
         for name, fn in variants.items():
             x, y = stream.batch_for(step)
             if device.type == "cuda":
@@ -360,20 +417,42 @@ def throughput_rows(*, device: torch.device, steps: int, gpu: bool) -> list[dict
     tokens = tcfg.batch_size * mcfg.seq_len
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base = med["resident (loop.train step)"]
+    link = link_bandwidth(device)
     rows = []
     for name, m in med.items():
         like = same_recompute.get(name)
-        rows.append(
-            {
-                "variant": name,
-                "device": str(device),
-                "model": f"gpt L{mcfg.layers} d{mcfg.d_model} T{mcfg.seq_len} B{tcfg.batch_size}",
-                "median_step_ms": m * 1e3,
-                "tokens_per_s": tokens / m,
-                "x_resident": base / m,
-                "x_same_recompute": med[like] / m if like else "",
-            }
-        )
+        row: dict[str, Any] = {
+            "variant": name,
+            "device": str(device),
+            "model": f"gpt L{mcfg.layers} d{mcfg.d_model} T{mcfg.seq_len} B{tcfg.batch_size}",
+            "median_step_ms": m * 1e3,
+            "tokens_per_s": tokens / m,
+            "x_resident": base / m,
+            "x_same_recompute": med[like] / m if like else "",
+            **dict.fromkeys(
+                ("in_MB_per_step", "out_MB_per_step", "copy_ms", "limit_x_resident", "x_limit"), ""
+            ),
+        }
+        if name in engines:
+            e = engines[name]
+            now = e.bytes_moved()
+            moved = ((now[0] - moved_from[name][0]) / steps, (now[1] - moved_from[name][1]) / steps)
+            copy_ms = copy_bound(moved=moved, link=link, overlapped=e.host is not None)
+            compute_ms = med[like] * 1e3 if like else None
+            # the step can be no faster than its compute (the same recompute, resident) or its copies
+            limit_ms = max(compute_ms or 0.0, copy_ms or 0.0) or None
+            row.update(
+                {
+                    "in_MB_per_step": moved[0] / 1e6,
+                    "out_MB_per_step": moved[1] / 1e6,
+                    "copy_ms": copy_ms if copy_ms is not None else "",
+                    "limit_x_resident": base * 1e3 / limit_ms if limit_ms and copy_ms is not None else "",
+                    "x_limit": limit_ms / (m * 1e3) if limit_ms and copy_ms is not None else "",
+                }
+            )
+        rows.append(row)
+    for e in engines.values():
+        e.close()
     return rows
 
 
@@ -389,13 +468,23 @@ def pending_gpu_rows() -> list[dict[str, Any]]:
     ]
 
 
+def gpu_throughput(*, steps: int) -> dict[str, Any]:
+    """The throughput rows on this machine's GPU, with the link's speed. The host optimizer steps
+    on the host's cores: a GPU machine is not shared, so every core is the trainer's."""
+    dev = torch.device("cuda")
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return {
+        "throughput": throughput_rows(device=dev, steps=steps, gpu=True),
+        "link": link_bandwidth(dev),
+        "host_threads": threads,
+    }
+
+
 def gpu_rows(*, budget_mb: float, steps: int) -> dict[str, Any]:
     """Row 1 under a 64x larger budget and row 3 at a GPU-sized model, on this machine's GPU."""
     dev = torch.device("cuda")
-    gpu = {
-        "largest": largest_rows(budget_mb=budget_mb * 64, device=dev),
-        "throughput": throughput_rows(device=dev, steps=steps, gpu=True),
-    }
+    gpu = {"largest": largest_rows(budget_mb=budget_mb * 64, device=dev), **gpu_throughput(steps=steps)}
     print(table(gpu["largest"], title=f"GPU: largest model under a {budget_mb * 64:g} MiB budget"))
     print(table(gpu["throughput"], title="GPU: throughput (incl. FSDP2 CPUOffloadPolicy)"))
     return gpu
@@ -414,6 +503,11 @@ def main(argv: list[str] | None = None) -> None:
         "--gpu-only",
         action="store_true",
         help="only the GPU rows (needs CUDA), written to bench/results/memory_gpu.json",
+    )
+    ap.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="with --gpu-only: only the throughput rows, replaced in bench/results/memory_gpu.json",
     )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -440,6 +534,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu_only:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu-only needs a CUDA device; this machine has none")
+        if args.throughput_only:
+            part = gpu_throughput(steps=args.steps)
+            print(table(part["throughput"], title="GPU: throughput (incl. FSDP2 CPUOffloadPolicy)"))
+            path = RESULTS / "memory_gpu.json"
+            doc = json.loads(path.read_text())
+            doc.update(part)
+            doc["throughput_run"] = {
+                "machine": machine(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            path.write_text(json.dumps(doc, indent=2) + "\n")
+            print(f"updated the throughput rows of {path} in {time.perf_counter() - t_start:.0f}s")
+            return
         gpu_doc = gpu_rows(budget_mb=args.budget_mb, steps=args.steps)
         path = write_results("memory_gpu", {"budget_mb": args.budget_mb * 64, **gpu_doc})
         print(f"wrote {path} on {machine().get('gpu')} in {time.perf_counter() - t_start:.0f}s")

@@ -174,6 +174,11 @@ def _combination_problems(
             "data-parallel gradient reduction cannot step into; use parallel.offload (optimizer state "
             "in host memory) with pipeline, tensor or data parallelism"
         )
+    if spill and spill.get("optimizer") == "host" and offloaded:
+        problems.append(
+            'parallel.spill.optimizer "host" keeps the optimizer state in host memory and steps it there; '
+            "parallel.offload.optimizer streams it through the device instead: choose one"
+        )
     if offloaded and train.get("optimizer", "adamw") != "adamw":
         problems.append(
             f"parallel.offload.optimizer streams AdamW state through the device; train.optimizer is "

@@ -111,9 +111,11 @@ def layer_working_sets(
     offload_dtype: str | None = None,
     vocab_size: int = 128,
     mlp_ratio: int = 4,
+    host_state: bool = False,
 ) -> list[int]:
     """W(layer) in bytes for each layer (see the module docstring). offload_dtype: None when the
-    optimizer is not offloaded, else "bf16", "fp16" or "fp32"."""
+    optimizer is not offloaded, else "bf16", "fp16" or "fp32". host_state: the optimizer state
+    stays in host memory (`parallel.spill.optimizer: "host"`), so the device holds none of it."""
     shape: dict[str, Any] = {
         "kind": kind,
         "layers": layers,
@@ -127,7 +129,7 @@ def layer_working_sets(
     acts = layer_activation_bytes(batch_size=batch_size, **shape)
     elt = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}[offload_dtype]
     per_param = 2 * elt + state_bytes_per_param(
-        optimizer=optimizer, momentum=momentum, offload=offload_dtype is not None
+        optimizer=optimizer, momentum=momentum, offload=offload_dtype is not None or host_state
     )
     extra = offload_bucket_bytes(sum(params)) if offload_dtype is not None else 0
     N, D, last = batch_size * seq_len, d_model, len(params) - 1
@@ -182,6 +184,7 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
             optimizer=train["optimizer"],
             momentum=train.get("momentum", 0.0),
             offload_dtype=off,
+            host_state=spill.get("optimizer") == "host",
         )
         biggest = max(range(len(sets)), key=sets.__getitem__)
         if sets[biggest] > budget:

@@ -187,6 +187,12 @@ class SpillSpec(Strict):
     device_budget_mb: float = Field(gt=0, le=1e9)
     prefetch: bool = True
     cuts: list[int] | None = Field(None, max_length=1024)
+    optimizer: Literal["device", "host"] = Field(
+        "device",
+        description="where a spilled shard's optimizer state lives and steps: 'device' (it travels "
+        "in and out with the shard) or 'host' (it stays in host memory and the CPU steps it; only "
+        "weights come in and gradients go out)",
+    )
 
 
 class OffloadSpec(Strict):
@@ -391,6 +397,12 @@ class BatchRules(Strict):
         return {k: request[k] for k in BatchRules.model_fields if k in request}
 
 
+HOST_STEPS_IN_A_BATCH = (
+    'parallel.spill.optimizer "host" is for single jobs: a selection batch moves each trial\'s shards '
+    "between its devices with their optimizer state, and steps them there"
+)
+
+
 class SelectionCreate(BatchRules):
     """A model-selection batch: trials of `base` over `space`."""
 
@@ -418,6 +430,9 @@ class SelectionCreate(BatchRules):
 
     @model_validator(mode="after")
     def _method_fields(self) -> SelectionCreate:
+        spill = self.base.parallel.spill
+        if spill is not None and spill.optimizer == "host":
+            raise ValueError(HOST_STEPS_IN_A_BATCH)
         if self.metric not in RANKED_BUILT_IN and "python" not in (self.base.model.kind, self.base.data.kind):
             raise ValueError(
                 f"metric {self.metric!r}: only a workspace's own code reports metrics of its own "

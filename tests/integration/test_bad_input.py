@@ -88,6 +88,19 @@ BAD = [
         "parallel.spill runs on one process only",
         None,
     ),
+    (
+        with_(
+            "parallel",
+            {"spill": {"device_budget_mb": 64, "optimizer": "host"}, "offload": {"optimizer": True}},
+        ),
+        'parallel.spill.optimizer "host" keeps the optimizer state in host memory',
+        "choose one",
+    ),
+    (
+        with_("parallel.spill", {"device_budget_mb": 64, "optimizer": "cpu"}),
+        "parallel.spill.optimizer",
+        "'device' or 'host'",
+    ),
     ({"model": "gpt"}, "model", "valid dictionary"),
 ]
 

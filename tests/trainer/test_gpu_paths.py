@@ -89,11 +89,17 @@ def _spill_budget_mb() -> float:
     return 4 + library_workspace_bytes(DEVICE) / 2**20
 
 
-@pytest.mark.parametrize("mode", ["offload-fp32", "spill-4MiB", "spill+offload"])
+@pytest.mark.parametrize("mode", ["offload-fp32", "spill-4MiB", "spill+offload", "spill-host-optimizer"])
 def test_offload_and_spill_jobs_on_the_device_match_the_plain_loop(mode: str) -> None:
     offload = {"offload": {"optimizer": True, "dtype": "fp32"}}
     spill = {"spill": {"device_budget_mb": _spill_budget_mb()}}
-    parallel = {"offload-fp32": offload, "spill-4MiB": spill, "spill+offload": {**spill, **offload}}[mode]
+    host = {"spill": {"device_budget_mb": _spill_budget_mb(), "optimizer": "host"}}
+    parallel = {
+        "offload-fp32": offload,
+        "spill-4MiB": spill,
+        "spill+offload": {**spill, **offload},
+        "spill-host-optimizer": host,
+    }[mode]
     got = _train(parallel)
     ref = _plain()
     torch.testing.assert_close(got["loss"], ref["loss"], **TOL)
@@ -101,6 +107,8 @@ def test_offload_and_spill_jobs_on_the_device_match_the_plain_loop(mode: str) ->
     assert str(got["result"]["device"]).startswith(DEVICE)
     if "spill" in parallel:  # the budget really split the model
         assert got["result"]["shards"] > 1, got["result"]
+    if mode == "spill-host-optimizer":
+        assert got["result"]["optimizer_on"] == "host", got["result"]
 
 
 def _losses(stdout: str) -> list[float]:

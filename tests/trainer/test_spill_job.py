@@ -155,7 +155,9 @@ def test_the_allocator_baseline_leaves_out_the_workspaces_the_plan_measured(
     monkeypatch.setattr(
         sj, "measure_layers", lambda model, **kw: measure_layers(model, **{**kw, "device": "meta"})
     )
-    monkeypatch.setattr(sj, "SpillEngine", lambda *a, **kw: SimpleNamespace(offloaded=False))
+    monkeypatch.setattr(
+        sj, "SpillEngine", lambda *a, **kw: SimpleNamespace(offloaded=False, host=None, anchor=False)
+    )
     job = load_job(spec(parallel={"spill": {"device_budget_mb": 64 + BUDGET_MB}}))
     engine = sj.SpilledEngine(job, recipe=recipe_for(job.model), sink=ListSink(), device=torch.device("cuda"))
     assert engine.plan.reserved_bytes == 64 * mib and engine.plan.n_shards >= 2

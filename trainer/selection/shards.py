@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobrules.spec import JobSpec
+from jobrules.spec import HOST_STEPS_IN_A_BATCH, JobSpec, SpecError
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import BatchStream, Dataset, data_for, with_data_vocab
 from trainer.loop import check_finite, val_batches
@@ -194,6 +194,8 @@ class ShardedTrial:
         recipe = recipe_for(job.model)
         model = build_dense(recipe, seed=cfg.seed)
         spill = job.parallel.spill
+        if spill is not None and spill.optimizer == "host":
+            raise SpecError(HOST_STEPS_IN_A_BATCH)
         if spill is not None:
             own = int(spill.device_budget_mb * 2**20)
             budget_bytes = own if budget_bytes is None else min(own, budget_bytes)

@@ -50,10 +50,25 @@ from torch import nn
 from jobrules.spec import OffloadSpec, SpecError, TrainSpec
 from trainer.models import lm_loss
 from trainer.optim import build_optimizer
+from trainer.spill.host_step import HostSteps, state_keys
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.offload import DTYPES, NonFiniteGradient, OffloadedAdamW
 from trainer.spill.partition import SpillPlan
 from trainer.spill.shard import Shard
+
+
+def anchor_fits(plan: SpillPlan, train: TrainSpec, *, n_shards: int) -> bool:
+    """Host mode: whether shard 0 can stay on the device for good, with its gradients and its
+    optimizer state, on top of the plan's peak (which counts it only while it works). Counted in
+    full beside every other shard's working set, so the ledger's budget holds."""
+    if n_shards == 1:
+        return True
+    if plan.budget_bytes is None:
+        return True
+    a, b = plan.bounds[0]
+    numel = sum(c.numel for c in plan.costs[a:b])
+    state = 8 if train.optimizer == "adamw" else (4 if train.momentum > 0 else 0)
+    return plan.peak_bytes + numel * (4 + 4 + state) + plan.costs[a].in_bytes <= plan.budget_bytes
 
 
 def default_bucket_numel(model: nn.Module) -> int:
@@ -77,6 +92,7 @@ class SpillEngine:
         offload: OffloadSpec | None = None,
         bucket_numel: int | None = None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+        host_step: bool = False,
     ) -> None:
         self.device, self.ledger, self.prefetch, self.train = device, ledger, prefetch, train
         self.loss_fn = loss_fn  # the model recipe's mean loss
@@ -88,11 +104,17 @@ class SpillEngine:
             raise SpecError(
                 f"parallel.offload.optimizer streams AdamW state; train.optimizer is {train.optimizer!r}"
             )
+        if host_step and self.offloaded:
+            raise SpecError(
+                'parallel.spill.optimizer "host" steps the shards on the host; parallel.offload.optimizer '
+                "streams the state through the device instead: choose one"
+            )
         # Global-norm clipping and the fp16 inf check need every gradient before any step: with
         # several shards the steps then wait for the whole backward (gradients parked in host
         # memory, one more pass over the shards), instead of following each shard's backward.
         self.deferred = n_shards > 1 and (train.grad_clip > 0 or self.param_dtype == torch.float16)
         self._norms: dict[int, Any] = {}
+        self._boundary = [0, 0]  # boundary activations copied in, and out (bytes_moved)
         # one side stream for all host<->device copies: shard prefetch (when on) and the offloaded
         # optimizer's buckets (always on CUDA: they overlap the update of the previous bucket)
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -111,6 +133,10 @@ class SpillEngine:
             copy_stream=self.copy_stream,
         )
         self.opt: OffloadedAdamW | None = None
+        self.host: HostSteps | None = None
+        self.anchor = host_step and anchor_fits(plan, train, n_shards=n_shards)
+        """Host mode: shard 0 stays on the device with its state and steps there. It is the last
+        backward and the first forward, so a host step of it could overlap nothing."""
         if self.offloaded:
             self.opt = OffloadedAdamW(
                 masters=[s.host for s in self.shards],
@@ -125,11 +151,22 @@ class SpillEngine:
             for s in self.shards:
                 s.offload = self.opt
         else:
-            keys = ["exp_avg", "exp_avg_sq"] if train.optimizer == "adamw" else []
-            if train.optimizer == "sgd" and train.momentum > 0:
-                keys = ["momentum_buffer"]
+            keys = state_keys(train)
+            on_host = [s for s in self.shards if host_step and not (self.anchor and s.index == 0)]
             for s in self.shards:
-                s.attach_optimizer(build_optimizer(s.params, train), state_keys=keys)
+                if s not in on_host:
+                    s.attach_optimizer(build_optimizer(s.params, train), state_keys=keys)
+            if on_host:
+                self.host = HostSteps(on_host, train=train, device=device)
+
+    def _on_host(self, shard: Shard) -> bool:
+        return self.host is not None and shard.opt is None
+
+    def _bring(self, shard: Shard, *, state: bool) -> None:
+        """`to_device`, once a host step of the shard has written its host copy."""
+        if self.host is not None:
+            self.host.wait(shard.index)
+        shard.to_device(state=state)
 
     # -- movement helpers -------------------------------------------------------------------------
     def _hold_input(self, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -140,12 +177,23 @@ class SpillEngine:
         """Copy a boundary tensor in. On CUDA it goes on the copy stream ahead of the next
         `to_device`, whose ready event then covers it too."""
         dst = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+        self._boundary[0] += x.numel() * x.element_size()
         return self._copy(dst, x, on_device=dst)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         """The boundary activation goes to host memory; the device copy can then be freed."""
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        self._boundary[1] += x.numel() * x.element_size()
         return self._copy(host, x, on_device=x)
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(to the device, back to the host) in bytes since the engine was made: the shards'
+        weights, state and gradients and the boundary activations. The offloaded optimizer's
+        buckets are not counted."""
+        return (
+            self._boundary[0] + sum(s.bytes_in for s in self.shards),
+            self._boundary[1] + sum(s.bytes_out for s in self.shards),
+        )
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, on_device: torch.Tensor) -> torch.Tensor:
         """`dst` with `src` copied in. On CUDA the copy waits for the work queued so far and runs on
@@ -170,6 +218,12 @@ class SpillEngine:
     # -- the step ---------------------------------------------------------------------------------
     def step_shard(self, shard: Shard) -> None:
         """Optimizer step of one shard right after its backward; its gradients are then freed."""
+        if self._on_host(shard):
+            assert self.host is not None
+            self.host.launch(shard, events=self.host.copy_out(shard))
+            shard.drop_grads()
+            shard.spill()  # stale once the host steps it: its next use copies the new weights in
+            return
         if self.opt is None:
             if self.train.grad_clip > 0:  # one shard (more shards take the deferred path)
                 torch.nn.utils.clip_grad_norm_(shard.params, self.train.grad_clip)
@@ -208,7 +262,12 @@ class SpillEngine:
         else:
             g32 = g.float()
             self._norms[shard.index] = (torch.isfinite(g).all(), torch.dot(g32, g32))
-        if shard.index != 0:  # shard 0 is the last backward: it steps without leaving
+        if self._on_host(shard):
+            assert self.host is not None
+            self.host.copy_out(shard)  # the deferred step waits for the copy stream as a whole
+            shard.drop_grads()
+            shard.spill()
+        elif shard.index != 0:  # shard 0 is the last backward: it steps without leaving
             shard.stash_grads()
 
     def _deferred_step(self) -> None:
@@ -232,6 +291,9 @@ class SpillEngine:
         if found_inf:  # skip the step everywhere; the parked gradients are overwritten next time
             shards[0].drop_grads()
             return
+        if self.host is not None:
+            self._deferred_host_step(coef)
+            return
         self._apply_step(shards[0], coef)
         for k in range(1, K):
             shards[k - 1].spill()
@@ -241,6 +303,18 @@ class SpillEngine:
             shards[k].ready()
             self._apply_step(shards[k], coef)
         shards[K - 1].spill()
+
+    def _deferred_host_step(self, coef: Any) -> None:
+        """Host mode: the anchor steps where it is; every other shard's gradient is in host memory
+        (once the copy stream is done) and steps there, scaled by the clipping coefficient."""
+        assert self.host is not None
+        if self.host.d2h is not None:
+            self.host.d2h.synchronize()
+        for shard in self.shards:
+            if self._on_host(shard):
+                self.host.launch(shard, coef=coef)
+            else:
+                self._apply_step(shard, coef)
 
     def _apply_step(self, shard: Shard, coef: Any) -> None:
         assert shard.dev is not None and shard.dev_grad is not None
@@ -265,16 +339,21 @@ class SpillEngine:
         host_in: dict[int, torch.Tensor] = {0: x_BT}
         dev_in: dict[int, torch.Tensor] = {}
         h = self._hold_input(0, self._to_device(x_BT))
-        shards[0].to_device(state=K == 1)
+        self._bring(shards[0], state=K == 1 or self.anchor)
         for k in range(K - 1):
             nxt = shards[k + 1]
-            if self.prefetch:
+            if self.prefetch and self.host is None:
                 # prefetch the next shard while this one computes
                 nxt.to_device(state=k + 1 == K - 1)  # the last shard steps without leaving
             shards[k].ready()
             out = self._hold_input(k + 1, shards[k].forward(h))
-            # with prefetch, shard K-2 stays resident from its forward to its backward
-            keep = self.prefetch and k == K - 2
+            if self.prefetch and self.host is not None:
+                # the same, once this shard's forward is queued: the next one may still be
+                # stepping on the host, and waiting for it must not hold this forward back
+                self._bring(nxt, state=k + 1 == K - 1)
+            # with prefetch, shard K-2 stays resident from its forward to its backward; the
+            # anchor (host mode) stays for good
+            keep = (self.prefetch and k == K - 2) or (self.anchor and k == 0)
             if k + 1 < K - 2 or (not self.prefetch and k + 1 == K - 2):
                 host_in[k + 1] = self._to_host(out)  # needed again only by its recompute
             if keep:
@@ -285,7 +364,7 @@ class SpillEngine:
                 self.ledger.release(f"in{k}")
                 shards[k].spill()
             if not self.prefetch:
-                nxt.to_device(state=k + 1 == K - 1)
+                self._bring(nxt, state=k + 1 == K - 1)
             h = out
 
         last = shards[K - 1]
@@ -301,11 +380,12 @@ class SpillEngine:
             shards[k + 1].spill()
             if self.prefetch and k > 0:
                 # shard k-1 and its boundary input come in while shard k recomputes
-                dev_in[k - 1] = self._hold_input(k - 1, self._to_device(host_in.pop(k - 1)))
-                shards[k - 1].to_device(state=True)
+                if k - 1 not in dev_in:  # the anchor's input stayed from the forward
+                    dev_in[k - 1] = self._hold_input(k - 1, self._to_device(host_in.pop(k - 1)))
+                self._bring(shards[k - 1], state=True)
             if k not in dev_in:
                 dev_in[k] = self._hold_input(k, self._to_device(host_in.pop(k)))
-            shards[k].to_device(state=True)  # a no-op when prefetched
+            self._bring(shards[k], state=True)  # a no-op when prefetched
             shards[k].ready()
             x_in = dev_in.pop(k)
             # the gradient of this shard's input replaces the upstream one (freed here)
@@ -325,23 +405,26 @@ class SpillEngine:
         h = self._to_device(x_BT)
         K = len(self.shards)
         for k, shard in enumerate(self.shards):
-            shard.to_device(state=False)
+            self._bring(shard, state=False)
             shard.ready()
             if self.prefetch and k + 1 < K:
-                self.shards[k + 1].to_device(state=False)
+                self._bring(self.shards[k + 1], state=False)
             h = shard.forward(h)
-            if k + 1 < K:
+            if k + 1 < K and not (self.anchor and k == 0):
                 shard.spill()
         loss = self.loss_fn(h, y_BT.to(self.device)).item()
         if K > 1:
             self.shards[-1].spill()
-            self.shards[0].to_device(state=False)
+            self._bring(self.shards[0], state=False)
             self.shards[0].ready()
         return loss
 
     # -- state ------------------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for every copy in flight (before reading host copies from the CPU)."""
+        """Wait for every copy in flight and every host step (before reading host copies from
+        the CPU)."""
+        if self.host is not None:
+            self.host.wait_all()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
             if self.side_stream is not None:
@@ -351,6 +434,12 @@ class SpillEngine:
         for s in self.shards:
             s.spill()
         self.synchronize()
+
+    def close(self) -> None:
+        """`release`, and the host steps' thread ends."""
+        self.release()
+        if self.host is not None:
+            self.host.close()
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """fp32 parameters under the model's own state_dict names."""
@@ -368,6 +457,9 @@ class SpillEngine:
             slices = [slice(o, o + sh.numel()) for o, sh in zip(s.offsets, s.shapes, strict=True)]
             if self.opt is not None:
                 optim.update(self.opt.state_by_name(s.index, s.names, slices))
+                continue
+            if self.host is not None and s.opt is None:
+                optim.update(self.host.state_by_name(s))
                 continue
             assert s.opt is not None
             flats = s.state_dev if s.state_dev is not None else s.state_host
@@ -389,6 +481,9 @@ class SpillEngine:
             slices = [slice(o, o + sh.numel()) for o, sh in zip(s.offsets, s.shapes, strict=True)]
             if self.opt is not None:
                 self.opt.load_by_name(s.index, per_param, s.names, slices)
+                continue
+            if self.host is not None and s.opt is None:
+                self.host.load_by_name(s, per_param)
                 continue
             assert s.opt is not None
             for name, p, sl in zip(s.names, s.params, slices, strict=True):

@@ -53,13 +53,14 @@ def plan_job(
     spill, off = job.parallel.spill, job.parallel.offload
     reserved = library_workspace_bytes(device) if spill is not None else 0
     offloaded = off is not None and off.optimizer
+    on_host = spill is not None and spill.optimizer == "host"
     costs = measure_layers(
         model,
         batch_size=job.train.batch_size,
         seq_len=job.model.seq_len,
         param_dtype=DTYPES[off.dtype] if offloaded else torch.float32,
         state_bpp=state_bytes_per_param(
-            optimizer=job.train.optimizer, momentum=job.train.momentum, offload=offloaded
+            optimizer=job.train.optimizer, momentum=job.train.momentum, offload=offloaded or on_host
         ),
         device=device if device.type == "cuda" else "meta",
         example=trial_example(job, recipe),
@@ -152,6 +153,7 @@ class SpilledEngine:
             prefetch=self.plan.prefetch,
             offload=job.parallel.offload,
             loss_fn=recipe.loss,
+            host_step=spill is not None and spill.optimizer == "host",
         )
         off = job.parallel.offload
         self.shard_info = {
@@ -162,6 +164,8 @@ class SpilledEngine:
             "workspace_mb": self.plan.reserved_bytes / MiB,
             "prefetch": self.plan.prefetch,
             "offload": off.dtype if self.engine.offloaded and off else None,
+            "optimizer_on": "host" if self.engine.host is not None else "device",
+            "shard0_steps_on_device": self.engine.host is None or self.engine.anchor,
         }
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -218,4 +222,4 @@ class SpilledEngine:
         return out
 
     def close(self) -> None:
-        self.engine.release()
+        self.engine.close()

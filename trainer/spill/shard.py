@@ -74,6 +74,9 @@ class Shard:
         """Gradients parked in host memory between the backward and a deferred step."""
         self.dirty = False
         """The device copy holds newer values than the host copy (a plain-mode step ran)."""
+        self.bytes_in = 0
+        self.bytes_out = 0
+        """Bytes this shard copied to the device and back, for the benchmarks' copy budget."""
         self._ready_event: torch.cuda.Event | None = None
         self._pending: list[torch.Tensor] = []
         # optimizer: exactly one of the two is set by the engine
@@ -126,6 +129,7 @@ class Shard:
         compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         # allocate on the compute stream (its memory pool), copy on the copy stream
         dst = torch.empty(src.numel(), dtype=dtype, device=self.device)
+        self.bytes_in += src.numel() * dst.element_size()
         if self.copy_stream is None:
             dst.copy_(src)
             return dst
@@ -175,6 +179,7 @@ class Shard:
                 p.grad = view
 
     def _copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.bytes_out += src.numel() * src.element_size()
         if self.copy_stream is None:
             dst.copy_(src)
             return

@@ -1499,6 +1499,13 @@ export interface components {
             prefetch: boolean;
             /** Cuts */
             cuts?: number[] | null;
+            /**
+             * Optimizer
+             * @description where a spilled shard's optimizer state lives and steps: 'device' (it travels in and out with the shard) or 'host' (it stays in host memory and the CPU steps it; only weights come in and gradients go out)
+             * @default device
+             * @enum {string}
+             */
+            optimizer: "device" | "host";
         };
         /** StatusFrame */
         StatusFrame: {
