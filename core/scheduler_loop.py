@@ -20,7 +20,7 @@ from typing import Any
 
 from core.broker import node_queue, send_run_job, send_run_selection
 from core.queue_cache import QueueCache
-from core.scheduler import Decision, Fleet, _Needs, read_state
+from core.scheduler import Decision, Fleet, Want, _Needs, read_state
 from core.settings import Settings
 from core.slurm import is_pool_node
 from core.telemetry import SCHEDULER_DECISION, SCHEDULER_PLACED, SCHEDULER_PLACEMENT, SCHEDULER_TICK
@@ -157,17 +157,35 @@ class Scheduler:
             d = self.queue.decide(st, aging_s=s.aging_s, preemption=s.preemption)
             SCHEDULER_DECISION.observe(time.perf_counter() - decided)
             capacity = {b.name: dbs.Capacity(b.slots, b.tasks, b.gpus, b.ram) for b in st.boxes}
+
+            def limits(w: Want) -> dict[str, int] | None:
+                return st.quotas[w.user].limits if w.user in st.quotas else None
+
+            # the jobs' reservations in one transaction (seven statements each, one at a time, were
+            # 2.5 ms a placement on PostgreSQL); a selection group's in one of its own, as before
+            jobs = dbs.reserve_many(
+                session,
+                asks=[
+                    dbs.Ask(w.id, [dbs.Node(*n) for n in nodes], limits(w))
+                    for w, nodes in d.placements
+                    if not w.trials
+                ],
+                capacity=capacity,
+                gpus_of=self.needs.gpus,
+            )
             for w, nodes in d.placements:
-                limits = st.quotas[w.user].limits if w.user in st.quotas else None
-                rows = dbs.reserve(
-                    session,
-                    job_id=w.id,
-                    nodes=[dbs.Node(*n) for n in nodes],
-                    capacity=capacity,
-                    quota=limits,
-                    trial_ids=w.trials or None,
-                    gpus_of=self.needs.gpus,
-                )
+                if w.trials:
+                    rows = dbs.reserve(
+                        session,
+                        job_id=w.id,
+                        nodes=[dbs.Node(*n) for n in nodes],
+                        capacity=capacity,
+                        quota=limits(w),
+                        trial_ids=w.trials,
+                        gpus_of=self.needs.gpus,
+                    )
+                else:
+                    rows = jobs.get(w.id)
                 if rows is None:
                     d.reasons.pop(w.id, None)
                     continue

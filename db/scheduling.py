@@ -38,6 +38,7 @@ from db.jobs import aware, db_now
 from db.models import Job, JobStatus, Reservation, SchedulerLock, Selection, Trial, User, WorkerBeat, utcnow
 from db.quotas import job_gpus as spec_gpus
 from db.quotas import quota_reason
+from jobrules.spec import SelectionCreate, stored_field
 
 LOCK = "scheduler"
 
@@ -243,7 +244,8 @@ class GroupShapes:
             k = self.kept.get(sid)
             if k is None or k[0] != text:
                 request = json.loads(text) if text is not None else None
-                k = (text, max(int((request or {}).get("group_size") or 16), 1), batch_devices(request))
+                size = stored_field(SelectionCreate, request or {}, "group_size")
+                k = (text, max(int(size), 1), batch_devices(request))
             kept[sid] = k
         self.kept = kept
         return {sid: (size, devices) for sid, (_, size, devices) in kept.items()}
@@ -816,6 +818,211 @@ def reserve(
         session.rollback()
         return None
     return [Reserved(id=i, **r) for i, r in zip(ids, rows, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One job's placement for `reserve_many`: its nodes, and its owner's limits (None: no quota
+    check, as `reserve`'s `quota`)."""
+
+    job_id: int
+    nodes: Sequence[Node]
+    quota: dict[str, int] | None = None
+
+
+# reserve_many's statements: the same checks as reserve's, each run once for all of a tick's jobs
+_FREE_JOBS = (
+    select(Job.id, Job.attempts, Job.owner_id)
+    .where(
+        Job.id.in_(bindparam("jobs", expanding=True)),
+        Job.status == JobStatus.queued,
+        Job.cancel_requested.is_(False),
+        Job.id.not_in(select(Reservation.job_id)),
+    )
+    .order_by(Job.id)
+    .with_for_update(of=Job)
+)
+_LOCK_OWNERS = (
+    update(User)
+    .where(User.id.in_(bindparam("owners", expanding=True)))
+    .values(id=User.id)
+    .returning(User.id, User.name)
+)
+_HELD_ON_MANY = (
+    select(
+        Reservation.worker,
+        Reservation.job_id,
+        Reservation.slots,
+        Reservation.gpus,
+        Reservation.ram_bytes,
+        Job.owner_id,
+    )
+    .join(Job, Job.id == Reservation.job_id)
+    .where(
+        Reservation.worker.in_(bindparam("workers", expanding=True))
+        | Job.owner_id.in_(bindparam("owners", expanding=True))
+    )
+)
+_LOOSE_OF = select(Job.id, Job.owner_id, Job.world_size).where(
+    Job.owner_id.in_(bindparam("owners", expanding=True)),
+    Job.kind == "job",
+    Job.status == JobStatus.running,
+    Job.id.not_in(select(Reservation.job_id)),
+)
+_TAKE_JOBS = (
+    update(Job)
+    .where(Job.id.in_(bindparam("jobs", expanding=True)))
+    .values(
+        nnodes=bindparam("n_nodes", type_=Integer),
+        wait_reason=None,
+        enqueued_at=bindparam("at", type_=Job.enqueued_at.type),
+    )
+)
+
+
+def _room(cap: Capacity, used: Sequence[int] | None, want: Sequence[int]) -> bool:
+    """Whether a worker of capacity `cap` holding `used` (slots, GPUs, host memory, tasks) has room
+    for `want` more."""
+    u = used or (0, 0, 0, 0)
+    return (
+        u[0] + want[0] <= cap.slots
+        and u[1] + want[1] <= cap.gpus
+        and u[2] + want[2] <= cap.ram_bytes
+        and u[3] + want[3] <= cap.tasks
+    )
+
+
+def reserve_many(
+    session: Session,
+    *,
+    asks: Sequence[Ask],
+    capacity: dict[str, Capacity],
+    gpus_of: GpusOf | None = None,
+) -> dict[int, list[Reserved]]:
+    """`reserve` for several jobs (no selection groups) in one transaction: each job gets its
+    nodes, or nothing, exactly as if `reserve` had been called for each in turn (a job is checked
+    against what the jobs before it in `asks` took), in about seven statements for all of them
+    instead of seven each (a tick that placed 18 jobs spent 46 ms in their reservations on
+    PostgreSQL, bench/scale.py). The same locks in the same order: the workers' rows, the jobs'
+    (FOR UPDATE: still queued, not cancelled, unreserved), their owners' (where a quota applies);
+    then what the workers hold and the owners use is counted inside the transaction. Returns the
+    rows of the jobs reserved, by job id.
+
+    Another scheduler's reservation of one of the jobs, not yet committed when the jobs were read,
+    ends this transaction at its insert (the unique node rank): then each job is reserved by
+    `reserve`, one at a time."""
+    if not asks:
+        return {}
+    conn = session.connection()
+    chosen = {n.worker for a in asks for n in a.nodes}
+    workers = sorted(chosen)
+    try:
+        conn.execute(_LOCK_WORKERS, {"workers": workers})  # first: SQLite's transaction a writer
+        jobs = {r[0]: r for r in conn.execute(_FREE_JOBS, {"jobs": sorted({a.job_id for a in asks})})}
+        owners: list[int] = sorted(
+            {
+                o
+                for a in asks
+                if a.quota is not None and a.job_id in jobs and (o := jobs[a.job_id][2]) is not None
+            }
+        )
+        names: dict[int, str] = {}
+        for uid, name in conn.execute(_LOCK_OWNERS, {"owners": owners}) if owners else ():
+            names[uid] = name
+        used: dict[str, list[int]] = {}
+        # per owner with a quota to check: [jobs, slots, GPUs] of their reservations and running jobs,
+        # counted on as jobs are taken
+        usage: dict[int, list[int]] = {o: [0, 0, 0] for o in owners}
+        held_jobs: dict[int, set[int]] = {o: set() for o in owners}
+        for worker, held_job, slots, gpus, ram, owner_id in conn.execute(
+            _HELD_ON_MANY, {"workers": workers, "owners": owners}
+        ):
+            if worker in chosen:
+                u = used.setdefault(worker, [0, 0, 0, 0])
+                u[0], u[1], u[2], u[3] = u[0] + slots, u[1] + gpus, u[2] + ram, u[3] + 1
+            if owner_id in usage:
+                held_jobs[owner_id].add(held_job)
+                u = usage[owner_id]
+                u[1], u[2] = u[1] + slots, u[2] + gpus
+        for o, held in held_jobs.items():
+            usage[o][0] += len(held)
+        loose: Sequence[Any] = conn.execute(_LOOSE_OF, {"owners": owners}).all() if owners else []
+        loose_gpus = (gpus_of or _spec_gpus)(session, [r[0] for r in loose]) if loose else {}
+        for job_id, owner_id, ws in loose:
+            u = usage[owner_id]
+            u[0], u[1], u[2] = u[0] + 1, u[1] + ws, u[2] + loose_gpus.get(job_id, 0)
+        taken: list[tuple[Ask, int]] = []  # (ask, attempt)
+        for a in asks:
+            job = jobs.pop(a.job_id, None)  # popped: a job asked twice is taken once
+            if job is None:
+                continue
+            want: dict[str, list[int]] = {}
+            for n in a.nodes:
+                w = want.setdefault(n.worker, [0, 0, 0, 0])
+                w[0], w[1], w[2], w[3] = w[0] + n.slots, w[1] + n.gpus, w[2] + n.ram_bytes, w[3] + 1
+            if not all(_room(capacity[worker], used.get(worker), w) for worker, w in want.items()):
+                continue
+            ranks, gpus = sum(n.slots for n in a.nodes), sum(n.gpus for n in a.nodes)
+            owner: int | None = job[2]
+            if owner is not None and (mine := usage.get(owner)) is not None:
+                if a.quota is not None and quota_reason(
+                    names.get(owner) or str(owner),
+                    a.quota,
+                    running=mine[0],
+                    ranks=mine[1],
+                    gpus=mine[2],
+                    job_ranks=ranks,
+                    job_gpus=gpus,
+                ):
+                    continue
+                # a job taken counts against its owner's quota for the jobs after it, checked or not
+                mine[0], mine[1], mine[2] = mine[0] + 1, mine[1] + ranks, mine[2] + gpus
+            for worker, w in want.items():
+                u = used.setdefault(worker, [0, 0, 0, 0])
+                u[0], u[1], u[2], u[3] = u[0] + w[0], u[1] + w[1], u[2] + w[2], u[3] + w[3]
+            taken.append((a, job[1]))
+        if not taken:
+            session.rollback()
+            return {}
+        now = utcnow()
+        by_nodes: dict[int, list[int]] = {}
+        for a, _ in taken:
+            by_nodes.setdefault(len(a.nodes), []).append(a.job_id)
+        for n_nodes, taken_ids in by_nodes.items():
+            conn.execute(_TAKE_JOBS, {"jobs": taken_ids, "n_nodes": n_nodes, "at": now})
+        rows: list[dict[str, Any]] = [
+            {
+                "job_id": a.job_id,
+                "worker": n.worker,
+                "node_rank": rank,
+                "nnodes": len(a.nodes),
+                "slots": n.slots,
+                "gpus": n.gpus,
+                "ram_bytes": n.ram_bytes,
+                "attempt": attempt,
+                "created_at": now,
+                "sent_at": now,
+                "trial_ids": None,
+            }
+            for a, attempt in taken
+            for rank, n in enumerate(a.nodes)
+        ]
+        ids = conn.scalars(_INSERT, rows).all()
+        session.commit()
+    except IntegrityError:  # one of the jobs was reserved by someone else meanwhile
+        session.rollback()
+        out: dict[int, list[Reserved]] = {}
+        for a in asks:
+            got = reserve(
+                session, job_id=a.job_id, nodes=a.nodes, capacity=capacity, quota=a.quota, gpus_of=gpus_of
+            )
+            if got is not None:
+                out[a.job_id] = got
+        return out
+    done: dict[int, list[Reserved]] = {}
+    for i, r in zip(ids, rows, strict=True):
+        done.setdefault(r["job_id"], []).append(Reserved(id=i, **r))
+    return done
 
 
 def _lock_selections(session: Session, trial_ids: Sequence[int]) -> None:
