@@ -56,7 +56,7 @@ GPU_TESTS: tuple[str, ...] = (
     "tests/trainer/test_gpu_paths.py::test_offload_and_spill_jobs_on_the_device_match_the_plain_loop[offload-fp32]",
     "tests/trainer/test_gpu_paths.py::test_offload_and_spill_jobs_on_the_device_match_the_plain_loop[spill-4MiB]",
     "tests/trainer/test_gpu_paths.py::test_offload_and_spill_jobs_on_the_device_match_the_plain_loop[spill+offload]",
-    "tests/trainer/test_gpu_paths.py::test_offload_and_spill_jobs_on_the_device_match_the_plain_loop[spill-host-optimizer]",
+    "tests/trainer/test_gpu_paths.py::test_offload_and_spill_jobs_on_the_device_match_the_plain_loop[spill-state-on-device]",
     "tests/trainer/test_gpu_paths.py::test_the_zygotes_imports_leave_cuda_untouched",
     "tests/trainer/test_gpu_paths.py::test_a_run_forked_from_the_warm_trainer_trains_on_the_device",
     "tests/trainer/test_gpu_paths.py::test_a_sandboxed_run_trains_on_the_device",

@@ -160,6 +160,18 @@ def _tensor_problems(
     return problems
 
 
+def spill_state_on_host(par: dict[str, Any]) -> bool:
+    """A spilled single job's optimizer state stays in host memory and the CPU steps it
+    (`parallel.spill.optimizer` "host", or "auto" without the offloaded optimizer, which streams
+    the state through the device instead). A selection batch's trials never: shard alternation
+    moves the state with the shards."""
+    spill, offload = par.get("spill") or {}, par.get("offload") or {}
+    if not spill:
+        return False
+    mode = spill.get("optimizer", "auto")
+    return mode == "host" or (mode == "auto" and not offload.get("optimizer"))
+
+
 def _combination_problems(
     train: dict[str, Any], *, spill: dict[str, Any], offload: dict[str, Any], several: bool
 ) -> list[str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from jobrules.data import spec_vocab_size
-from jobrules.parallel import parallel_problems
+from jobrules.parallel import parallel_problems, spill_state_on_host
 
 INT64 = 8
 FP32 = 4
@@ -184,7 +184,7 @@ def spec_problems(spec: dict[str, Any]) -> list[str]:
             optimizer=train["optimizer"],
             momentum=train.get("momentum", 0.0),
             offload_dtype=off,
-            host_state=spill.get("optimizer") == "host",
+            host_state=spill_state_on_host(par),
         )
         biggest = max(range(len(sets)), key=sets.__getitem__)
         if sets[biggest] > budget:

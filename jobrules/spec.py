@@ -43,6 +43,7 @@ from jobrules.parallel import (
     TensorMode,
     axis_sizes,
     checkpoint_pieces,
+    spill_state_on_host,
     tensor_world_size,
     world_size,
 )
@@ -187,11 +188,12 @@ class SpillSpec(Strict):
     device_budget_mb: float = Field(gt=0, le=1e9)
     prefetch: bool = True
     cuts: list[int] | None = Field(None, max_length=1024)
-    optimizer: Literal["device", "host"] = Field(
-        "device",
-        description="where a spilled shard's optimizer state lives and steps: 'device' (it travels "
-        "in and out with the shard) or 'host' (it stays in host memory and the CPU steps it; only "
-        "weights come in and gradients go out)",
+    optimizer: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description="where a spilled shard's optimizer state lives and steps: 'host' (it stays in "
+        "host memory and the CPU steps it; only weights come in and gradients go out), 'device' "
+        "(it travels in and out with the shard), or 'auto': host, unless parallel.offload.optimizer "
+        "streams the state or the job is a selection batch's trial",
     )
 
 
@@ -238,6 +240,11 @@ class ParallelSpec(Strict):
     def checkpoint_pieces(self) -> int:
         """Files one checkpoint is written as (jobrules/parallel.py)."""
         return checkpoint_pieces(self.model_dump())
+
+    @property
+    def spill_state_on_host(self) -> bool:
+        """Whether a spilled job keeps its optimizer state on the host (jobrules/parallel.py)."""
+        return spill_state_on_host(self.model_dump())
 
 
 class ResourceSpec(Strict):

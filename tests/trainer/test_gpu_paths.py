@@ -89,16 +89,16 @@ def _spill_budget_mb() -> float:
     return 4 + library_workspace_bytes(DEVICE) / 2**20
 
 
-@pytest.mark.parametrize("mode", ["offload-fp32", "spill-4MiB", "spill+offload", "spill-host-optimizer"])
+@pytest.mark.parametrize("mode", ["offload-fp32", "spill-4MiB", "spill+offload", "spill-state-on-device"])
 def test_offload_and_spill_jobs_on_the_device_match_the_plain_loop(mode: str) -> None:
     offload = {"offload": {"optimizer": True, "dtype": "fp32"}}
     spill = {"spill": {"device_budget_mb": _spill_budget_mb()}}
-    host = {"spill": {"device_budget_mb": _spill_budget_mb(), "optimizer": "host"}}
+    on_device = {"spill": {"device_budget_mb": _spill_budget_mb(), "optimizer": "device"}}
     parallel = {
         "offload-fp32": offload,
         "spill-4MiB": spill,
         "spill+offload": {**spill, **offload},
-        "spill-host-optimizer": host,
+        "spill-state-on-device": on_device,
     }[mode]
     got = _train(parallel)
     ref = _plain()
@@ -107,8 +107,9 @@ def test_offload_and_spill_jobs_on_the_device_match_the_plain_loop(mode: str) ->
     assert str(got["result"]["device"]).startswith(DEVICE)
     if "spill" in parallel:  # the budget really split the model
         assert got["result"]["shards"] > 1, got["result"]
-    if mode == "spill-host-optimizer":
-        assert got["result"]["optimizer_on"] == "host", got["result"]
+    if "spill" in parallel:  # the state stays on the host unless asked or the offload streams it
+        want = "device" if mode in ("spill-state-on-device", "spill+offload") else "host"
+        assert got["result"]["optimizer_on"] == want, got["result"]
 
 
 def _losses(stdout: str) -> list[float]:

@@ -243,3 +243,31 @@ def test_the_spec_names_the_conflict_with_the_offloaded_optimizer() -> None:
     on_device = layer_working_sets(**shape)
     on_host = layer_working_sets(**shape, host_state=True)
     assert all(h < d for h, d in zip(on_host, on_device, strict=True))
+
+
+def test_the_state_stays_on_the_host_unless_asked_or_streamed() -> None:
+    """`auto` (the default): host for a spilled job; the device where the offloaded optimizer
+    streams the state, or where asked; never for a job without spilling."""
+
+    def on_host(parallel: dict) -> bool:
+        return JobSpec.model_validate({"parallel": parallel}).parallel.spill_state_on_host
+
+    spill = {"device_budget_mb": 64}
+    assert on_host({"spill": spill})
+    assert on_host({"spill": {**spill, "optimizer": "host"}})
+    assert not on_host({"spill": {**spill, "optimizer": "device"}})
+    assert not on_host({"spill": spill, "offload": {"optimizer": True}})
+    assert not on_host({"offload": {"optimizer": True}})
+    assert not on_host({})
+
+
+def test_a_selection_trial_with_the_default_keeps_its_state_with_its_shards() -> None:
+    job = JobSpec.model_validate(
+        {
+            "model": MODEL.model_dump(),
+            "train": ADAMW.model_dump(),
+            "parallel": {"spill": {"device_budget_mb": 64}},
+        }
+    )
+    trial = ShardedTrial.build(job, index=0, budget_bytes=None, prefetch=False)
+    assert all(s.opt is not None and s.state_host for s in trial.shards)

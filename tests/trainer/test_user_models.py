@@ -213,7 +213,8 @@ def test_selection_trials_size_with_the_recipe_batch_and_loss(workspace: Path) -
         "model": {"kind": "python", "entry": "cnn:make", "args": {"width": 8}},
         "data": {"kind": "python", "entry": "cnn:images"},
         "train": {"steps": 2, "batch_size": 16},
-        "parallel": {"spill": {"device_budget_mb": 1, "cuts": [1, 2]}},
+        # a trial's state moves with its shards: size the job the same way
+        "parallel": {"spill": {"device_budget_mb": 1, "cuts": [1, 2], "optimizer": "device"}},
         "resources": {"device": "cpu"},
     }
     set_workspace(workspace)

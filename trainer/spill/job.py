@@ -53,7 +53,7 @@ def plan_job(
     spill, off = job.parallel.spill, job.parallel.offload
     reserved = library_workspace_bytes(device) if spill is not None else 0
     offloaded = off is not None and off.optimizer
-    on_host = spill is not None and spill.optimizer == "host"
+    on_host = job.parallel.spill_state_on_host
     costs = measure_layers(
         model,
         batch_size=job.train.batch_size,
@@ -153,7 +153,7 @@ class SpilledEngine:
             prefetch=self.plan.prefetch,
             offload=job.parallel.offload,
             loss_fn=recipe.loss,
-            host_step=spill is not None and spill.optimizer == "host",
+            host_step=job.parallel.spill_state_on_host,
         )
         off = job.parallel.offload
         self.shard_info = {

@@ -1501,11 +1501,11 @@ export interface components {
             cuts?: number[] | null;
             /**
              * Optimizer
-             * @description where a spilled shard's optimizer state lives and steps: 'device' (it travels in and out with the shard) or 'host' (it stays in host memory and the CPU steps it; only weights come in and gradients go out)
-             * @default device
+             * @description where a spilled shard's optimizer state lives and steps: 'host' (it stays in host memory and the CPU steps it; only weights come in and gradients go out), 'device' (it travels in and out with the shard), or 'auto': host, unless parallel.offload.optimizer streams the state or the job is a selection batch's trial
+             * @default auto
              * @enum {string}
              */
-            optimizer: "device" | "host";
+            optimizer: "auto" | "device" | "host";
         };
         /** StatusFrame */
         StatusFrame: {
