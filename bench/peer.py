@@ -196,9 +196,14 @@ def run_executor(
     extra: tuple[str, ...] = (),
     fuse: bool = False,
     host: Settings | None = None,
+    device: str = "cpu",
+    devices: int = 2,
+    curves: bool = False,
 ) -> dict[str, Any]:
     """`host`: a worker host whose kept step costs the run plans with and adds to (the worker's
-    two calls around its group, inside the timing as they are in a group's)."""
+    two calls around its group, inside the timing as they are in a group's). `device` and
+    `devices`: the executor's --device and --devices. `curves`: also each trial's training loss
+    by step, from its metric lines ("curves": {trial: {step: loss}})."""
     path = tmp / f"batch-{mode}.json"
     path.write_text(json.dumps({**batch_doc(ts, mode), "fuse": fuse}))
     costs = tmp / f"batch-{mode}.step-costs.json"
@@ -206,7 +211,7 @@ def run_executor(
     if host is not None:
         step_costs.hand_over(host, costs, owner=None, own_code=False)
         extra = (*extra, "--step-costs", str(costs))
-    cmd = selection_command(path, 2, "--device", "cpu", *extra)
+    cmd = selection_command(path, devices, "--device", device, *extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"trainer.selection exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -224,7 +229,22 @@ def run_executor(
         }
         for r in summary["trials"]
     }
-    return {"wall_s": wall, "cpu_s": cpu, "trials": per, "fusion": summary.get("fusion")}
+    out = {"wall_s": wall, "cpu_s": cpu, "trials": per, "fusion": summary.get("fusion")}
+    if curves:
+        out["curves"] = loss_curves(proc.stdout)
+    return out
+
+
+def loss_curves(stdout: str) -> dict[int, dict[int, float]]:
+    """Each trial's training loss by step, from the executor's protocol lines."""
+    out: dict[int, dict[int, float]] = {}
+    for line in stdout.splitlines():
+        if '"metric"' not in line:
+            continue
+        m = json.loads(line)
+        if m.get("kind") == "metric" and m.get("name") == "loss" and m.get("trial") is not None:
+            out.setdefault(int(m["trial"]), {})[int(m["step"])] = float(m["value"])
+    return out
 
 
 def _env() -> dict[str, str]:
