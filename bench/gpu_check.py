@@ -81,7 +81,9 @@ class Bench:
 
 # In order of what matters most when time runs short. Reps and steps are cut from the defaults
 # so the whole fits the budget (on an H100 the tests took ~55 s; on an H200: tests 52 s,
-# memory 117 s, split 58 s, selection ~127 s, warm 3 reps > 90 s).
+# memory 117 s, split 58 s, selection ~127 s, warm 3 reps > 90 s; on 2026-11-28 tests 56 s, memory
+# 116 s, hfta 17 s, split 43 s, selection 127 s, warm 26 s, projection 5 s, and the fused batch 63 s
+# with 2 repetitions, so about 40 s with one).
 # Each row: name, module, args, limit_s, results, and on its second line what it measures.
 # fmt: off
 BENCHES: tuple[Bench, ...] = (
@@ -89,6 +91,8 @@ BENCHES: tuple[Bench, ...] = (
           "largest model under a 1 GiB budget; spilled vs resident throughput beside FSDP2 CPU offload"),
     Bench("hfta", "bench.hfta", ("--device", "cuda", "--steps", "30"), 60, "hfta_cuda.json",
           "4 same-architecture trials fused (HFTA) vs their 4 separate steps, losses equal to 1e-5"),
+    Bench("fused", "bench.fused_gpu", ("--reps", "1"), 60, "fused_gpu.json",
+          "the 8-trial grid on one GPU, fused beside fuse:false: wall, best trial, curves"),
     Bench("split", "bench.split_gpu", ("--steps", "20"), 60, "split_gpu.json",
           "zero-bubble split backward (B + W) against one plain backward"),
     Bench("selection", "bench.selection", ("--gpu", "--reps", "1"), 150, "selection_gpu.json",
