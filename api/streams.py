@@ -136,39 +136,99 @@ async def _problem(settings: Settings, cred: Credential) -> str | None:
     return await asyncio.shield(task)
 
 
+_AHEAD_BYTES = 64 * 1024
+"""How far a stream's body may run ahead of its client: past this many bytes waiting to be sent,
+the body is not read again until they are (a slow client holds at most this, plus one chunk)."""
+
+
+class _Pump:
+    """A stream body read in a task of its own for the whole stream (not one task per chunk: that
+    and its `asyncio.wait` were most of what each chunk cost the event loop with 500 streams
+    open). The chunks that arrive while the sender is busy wait in `ready` and go out as one."""
+
+    def __init__(self, body: AsyncIterator[str]) -> None:
+        self.it = aiter(body)
+        self.ready: list[str] = []
+        self.size = 0
+        self.ended = False
+        self.error: BaseException | None = None
+        self.wake: asyncio.Future[None] | None = None  # the sender's, while it waits
+        self.room: asyncio.Future[None] | None = None  # the body's, while it waits for the sender
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for chunk in self.it:
+                self.ready.append(chunk)
+                self.size += len(chunk)
+                self.poke()
+                if self.size >= _AHEAD_BYTES:
+                    self.room = loop.create_future()
+                    await self.room
+        except Exception as e:  # the sender raises it, after the chunks before it
+            self.error = e
+        finally:
+            self.ended = True
+            self.poke()
+
+    def poke(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    def take(self) -> str:
+        text = self.ready[0] if len(self.ready) == 1 else "".join(self.ready)
+        self.ready.clear()
+        self.size = 0
+        if self.room is not None and not self.room.done():
+            self.room.set_result(None)
+        return text
+
+
 async def guarded(
     body: AsyncIterator[str], *, check: Callable[[], Awaitable[str | None]], every_s: float
 ) -> AsyncIterator[str]:
     """`body`'s frames, while `await check()` answers None at least every `every_s`; once it
-    answers a reason, a final `error` frame and the end. The body runs in its own task, so a
-    stream that is quiet (waiting on its channel) is checked on time too."""
-    it = aiter(body)
-    pending: asyncio.Task[str] | None = None
-    due = time.monotonic() + every_s
+    answers a reason, a final `error` frame and the end. The body runs in a task of its own, so a
+    stream that is quiet (waiting on its channel) is checked on time too; frames that are ready
+    together are sent as one chunk."""
+    loop = asyncio.get_running_loop()
+    pump = _Pump(body)
+    # one timer per check period wakes a quiet stream (not a timeout per chunk); `due` is on the
+    # loop's clock, the timer's, and a timer that fired early is set again for the rest
+    due = loop.time() + every_s
+    timer = loop.call_at(due, pump.poke)
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=max(0.0, due - time.monotonic()))
-            if done:
-                task, pending = pending, None
+            if not pump.ready and not pump.ended and loop.time() < due:
+                if timer.cancelled() or timer.when() <= loop.time():
+                    timer = loop.call_at(due, pump.poke)  # it fired early: the rest of the period
+                pump.wake = loop.create_future()
                 try:
-                    chunk = task.result()
-                except StopAsyncIteration:
-                    return
-                yield chunk
-            if time.monotonic() >= due:
+                    await pump.wake
+                finally:
+                    pump.wake = None
+            if pump.ready:
+                yield pump.take()
+            elif pump.ended:
+                if pump.error is not None:
+                    raise pump.error
+                return
+            if loop.time() >= due:
                 why = await check()
                 if why is not None:
                     yield frame(event="error", data={"status": 401, "detail": f"{why}; the stream is closed"})
                     return
-                due = time.monotonic() + every_s
+                due = loop.time() + every_s
+                timer.cancel()
+                timer = loop.call_at(due, pump.poke)
     finally:
-        if pending is not None:
-            pending.cancel()
+        timer.cancel()
+        if not pump.task.done():
+            pump.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await pending
-        aclose = getattr(it, "aclose", None)
+                await pump.task
+        aclose = getattr(pump.it, "aclose", None)
         if aclose is not None:
             await aclose()
 
