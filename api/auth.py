@@ -27,7 +27,6 @@ an address with real users (a NAT, a proxy) cannot lock them out.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -39,13 +38,14 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from http.cookies import CookieError, SimpleCookie
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
 from starlette.types import Scope
 
 from api.deps import SessionDep, SettingsDep
@@ -175,6 +175,23 @@ class Credential:
     kind: str
 
 
+VERIFIED = "shardyard.verified"
+"""The scope key of a request's `Verified` credential (api/limits.py RequestLimits writes it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A request's credential, found live by the request-limit middleware before it read the body:
+    the route takes the caller from here instead of checking the same headers a second time."""
+
+    token_id: int
+    kind: str
+    user: User
+    """Loaded in the middleware's session, detached: the route merges it into its own."""
+    cookie: str | None
+    """The session secret checked, when the request had no Bearer header (its CSRF token's seed)."""
+
+
 def _unauthorized(message: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
 
@@ -254,25 +271,26 @@ def credential_problem(
 ) -> HTTPException | None:
     """The refusal (401, or 429 past the address's limit) of a request whose raw headers carry no
     live credential, or None: the check the request-limit middleware runs before it reads any body
-    (its own short session; the route checks again, and a failure is counted once: only a request
-    that passes here reaches the route)."""
-    authorization = headers.get(b"authorization")
-    cookie = None
-    if authorization is None:
-        jar = SimpleCookie()
-        with contextlib.suppress(CookieError):
-            jar.load(headers.get(b"cookie", b"").decode("latin-1"))
-        cookie = jar[SESSION_COOKIE].value if SESSION_COOKIE in jar else None
+    (its own short session). A credential found live here is kept on the request's scope
+    (`Verified`), and the route takes it from there instead of checking the same headers again; a
+    failure is counted once: only a request that passes here reaches the route."""
+    # read as the route reads them (the first Authorization header, the cookies as Starlette
+    # parses them): the answer kept for the route is the one its own check would give
+    conn = HTTPConnection(scope)
+    authorization = conn.headers.get("authorization")
+    cookie = conn.cookies.get(SESSION_COOKIE) if authorization is None else None
     try:
         with session_for(settings.database_url) as s:
-            authenticate(
+            tok = authenticate(
                 s,
                 settings,
-                authorization=authorization.decode("latin-1") if authorization is not None else None,
+                authorization=authorization,
                 cookie=cookie,
                 address=client_address(scope),
                 guesses=guesses,
             )
+            # the user comes with the token (joined); detached, its columns stay loaded
+            scope[VERIFIED] = Verified(token_id=tok.id, kind=tok.kind, user=tok.user, cookie=cookie)
     except HTTPException as e:
         return e
     except SQLAlchemyError:
@@ -295,8 +313,9 @@ def credential_problem_by_id(settings: Settings, cred: Credential) -> str | None
         return why
 
 
-def current_user(request: Request, session: SessionDep, settings: SettingsDep) -> User:
-    cookie = request.cookies.get(SESSION_COOKIE)
+def _signed_in(
+    request: Request, session: Session, settings: Settings, cookie: str | None
+) -> tuple[ApiToken, User]:
     tok = authenticate(
         session,
         settings,
@@ -305,13 +324,31 @@ def current_user(request: Request, session: SessionDep, settings: SettingsDep) -
         address=client_address(request.scope),
         guesses=guess_limit_of(request),
     )
-    if tok.kind == "session" and request.method not in SAFE_METHODS:
+    return tok, tok.user
+
+
+async def current_user(request: Request, session: SessionDep, settings: SettingsDep) -> User:
+    """The caller. A request the request-limit middleware checked (one with a body) carries its
+    live credential on its scope (`Verified`: only that middleware writes it, a client cannot): its
+    user joins the route's session without a query. Any other request is checked here, in the
+    thread pool (a coroutine: a request the middleware checked takes no thread for this)."""
+    verified: Verified | None = request.scope.get(VERIFIED)
+    if verified is None:
+        cookie = request.cookies.get(SESSION_COOKIE)
+        tok, user = await run_in_threadpool(_signed_in, request, session, settings, cookie)
+        kind, token_id = tok.kind, tok.id
+    else:
+        # the same headers' answer: a Bearer header wins over the cookie there as here
+        cookie, kind, token_id = verified.cookie, verified.kind, verified.token_id
+        user = session.merge(verified.user, load=False)
+    if kind == "session" and request.method not in SAFE_METHODS:
         _check_csrf(request, cookie or "")
-    request.state.credential = Credential(token_id=tok.id, kind=tok.kind)
-    return tok.user
+    request.state.credential = Credential(token_id=token_id, kind=kind)
+    return user
 
 
-def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
+async def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
+    # a coroutine: a plain function dependency would cost a hand-over to a thread and back
     if not user.is_admin:
         raise HTTPException(status.HTTP_403_FORBIDDEN, "only an admin may do this")
     return user

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Path, Query, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from core.settings import Settings, get_settings
 from db.connection import session_for
@@ -27,9 +29,17 @@ async def _app_settings(request: Request) -> Settings:
     return app_settings(request)
 
 
-def get_session(settings: Annotated[Settings, Depends(_app_settings)]) -> Iterator[Session]:
-    with session_for(settings.database_url) as session:
+async def get_session(settings: Annotated[Settings, Depends(_app_settings)]) -> AsyncIterator[Session]:
+    """The request's session. Made here, in the event loop (a session connects on its first query,
+    in the route's thread), and closed in a thread (that returns its connection): as a plain
+    generator FastAPI handed both ends to the thread pool, one more hand-over per request."""
+    session = session_for(settings.database_url)
+    try:
         yield session
+    finally:
+        # shielded: a request cancelled as it ends (its client gone) still gives back its connection
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(session.close)
 
 
 SettingsDep = Annotated[Settings, Depends(_app_settings)]
