@@ -31,9 +31,17 @@ def from_row(model: type[PublicT], row: Base, **given: Any) -> PublicT:
     """`model` from the table row `row`: each field named like one of the row's columns is the
     column's value (a time made timezone-aware: aware); `given` holds the other fields and those
     whose public value is not the column's (`owner` a name where the column is an id, say)."""
-    columns = inspect(row).mapper.column_attrs.keys()
-    copied = {name: getattr(row, name) for name in model.model_fields.keys() & columns - given.keys()}
+    names = _COPIED.get((model, type(row)))
+    if names is None:
+        columns = inspect(row).mapper.column_attrs.keys()
+        names = _COPIED[(model, type(row))] = tuple(n for n in model.model_fields if n in columns)
+    copied = {n: getattr(row, n) for n in names if n not in given}
     return model(**{k: aware(v) if isinstance(v, datetime) else v for k, v in copied.items()}, **given)
+
+
+_COPIED: dict[tuple[type[BaseModel], type[Base]], tuple[str, ...]] = {}
+"""The fields `from_row` copies from a table's columns, per schema and table (a listing makes 50
+of one kind: the mapper's inspection and the set arithmetic once, not once a row)."""
 
 
 def job_public(job: Job, *, brief: bool = False) -> JobPublic:
@@ -47,6 +55,8 @@ def job_public(job: Job, *, brief: bool = False) -> JobPublic:
         run_seconds=round(job.run_seconds or 0.0, 3),
         restarts=job.restarts or 0,
         diverged=job.divergence is not None,
+        # given, not defaulted: pydantic deep-copies a mutable default for each model it makes
+        reservation=[],
         **_trial_facts(job),
     )
 
