@@ -607,7 +607,10 @@ def read_state(
                 q.running += 1
                 q.ranks += h.slots * h.nnodes
                 q.gpus += h.gpus * h.nnodes
-    loose = dbs.running_unreserved(session)
+    # the running jobs without a reservation come with the recent usage's rows (one read of them)
+    loose, recent = dbs.running_and_recent(
+        session, window_s=settings.fair_share_window_s, now=now_dt, reserved={h.job_id for h in held}
+    )
     loose_needs = needs.get(session, [r[0] for r in loose])
     for job_id, owner_id, ws, worker in loose:
         if (b := boxes.get(worker or "")) is not None:
@@ -620,7 +623,6 @@ def read_state(
             q.running, q.ranks, q.gpus = q.running + 1, q.ranks + ws, q.gpus + gpus
     # a selection group's reservation counts like a job's: one task, the batch's devices as
     # slots (and GPUs), against its owner's quota as one job (db/quotas.py group_size)
-    recent = dbs.recent_usage(session, window_s=settings.fair_share_window_s, now=now_dt)
     return State(
         wants=wants,
         boxes=list(boxes.values()),

@@ -400,13 +400,17 @@ _RECENT_COLS = (
     Job.kind,
     Job.selection_id,
     Job.worker,
+    Job.id,
 )
 _START = bindparam("start", type_=Job.finished_at.type)
-_STARTED = (Job.kind.in_(["job", "trial"]), Job.started_at.is_not(None))
+_KINDS = Job.kind.in_(["job", "trial"])
+_STARTED = (_KINDS, Job.started_at.is_not(None))
 # running, or ended within the window, or started within it: three disjoint parts, each read
-# through an index (status; finished_at; started_at: migration 0018), not a scan of every job
+# through an index (status; finished_at; started_at: migration 0018), not a scan of every job.
+# Every running job, started or not: the same rows tell which hold no reservation
+# (running_and_recent; that was a read of its own, the running jobs' rows read twice a tick)
 _RECENT = union_all(
-    select(*_RECENT_COLS).where(*_STARTED, Job.status == JobStatus.running),
+    select(*_RECENT_COLS).where(_KINDS, Job.status == JobStatus.running),
     select(*_RECENT_COLS).where(*_STARTED, Job.status != JobStatus.running, Job.finished_at > _START),
     select(*_RECENT_COLS).where(
         *_STARTED,
@@ -425,8 +429,22 @@ def _stamp(t: str | datetime) -> float:
 
 
 def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[int | None, tuple[int, float]]:
-    """Per user: (slot-minutes their jobs and selection groups ran within the last `window_s`,
-    rounded; unix time of their latest start). A running job counts up to now (its latest attempt
+    """`running_and_recent`'s usage alone."""
+    return running_and_recent(session, window_s=window_s, now=now, reserved=set())[1]
+
+
+Unreserved = tuple[int, int | None, int, str | None]
+"""A running job that holds no reservation: (id, owner_id, world_size, worker)."""
+
+
+def running_and_recent(
+    session: Session, *, window_s: float, now: datetime, reserved: set[int]
+) -> tuple[list[Unreserved], dict[int | None, tuple[int, float]]]:
+    """The running jobs (kind `job`) whose ids are not in `reserved` (the jobs the reservations
+    the caller has just read hold): started before the scheduler, or their rows were freed, they
+    still use their worker's slots (their GPUs the caller takes from what it holds of each job,
+    core/scheduler.py _Needs). And recent usage, per user: (slot-minutes their jobs and selection
+    groups ran within the last `window_s`, rounded; unix time of their latest start). A running job counts up to now (its latest attempt
     only). A selection group counts its batch's `devices` slots from its claim (the started_at its
     trials share: db/selections.py claim_trials) to the end of its last trial, or up to now while
     one runs; a trial given back to the queue ends nothing. Whole minutes, so short jobs of two
@@ -437,8 +455,13 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
     last: dict[int | None, float] = {}
     # a group's run, by (batch, worker, claim time): [owner, end of its last trial so far]
     runs: dict[tuple[int | None, str | None, float], list[Any]] = {}
-    rows = session.connection().execute(_RECENT, {"start": start_dt}).all()  # started_at is set
-    for owner_id, ws, started, finished, status, kind, selection_id, worker in rows:
+    loose: list[Unreserved] = []
+    rows = session.connection().execute(_RECENT, {"start": start_dt}).all()
+    for owner_id, ws, started, finished, status, kind, selection_id, worker, job_id in rows:
+        if status == JobStatus.running and kind == "job" and job_id not in reserved:
+            loose.append((job_id, owner_id, ws, worker))
+        if started is None:  # running, not started (only a running job's row may lack it)
+            continue
         began = _stamp(started)
         if began > last.get(owner_id, 0.0):
             last[owner_id] = began
@@ -466,7 +489,7 @@ def recent_usage(session: Session, *, window_s: float, now: datetime) -> dict[in
             if end is not None and end > begin:
                 slots = devices.get(sid, 1)
                 seconds[owner_id] = seconds.get(owner_id, 0.0) + slots * (end - begin)
-    return {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
+    return loose, {u: (round(seconds.get(u, 0.0) / 60), t) for u, t in last.items()}
 
 
 def _utc(t: datetime) -> datetime:
@@ -476,18 +499,6 @@ def _utc(t: datetime) -> datetime:
 def batch_devices(request: dict[str, Any] | None) -> int:
     """The devices (rank slots) each group of a batch runs on."""
     return max(int((request or {}).get("devices") or 1), 1)
-
-
-_UNRESERVED = select(Job.id, Job.owner_id, Job.world_size, Job.worker).where(
-    Job.status == JobStatus.running, Job.kind == "job", Job.id.not_in(select(Reservation.job_id))
-)
-
-
-def running_unreserved(session: Session) -> list[tuple[int, int | None, int, str | None]]:
-    """Running jobs that hold no reservation (started before the scheduler, or their rows were
-    freed): (id, owner_id, world_size, worker); they still use their worker's slots. Their specs
-    (GPUs) the caller takes from what it holds of each job (core/scheduler.py _Needs)."""
-    return [tuple(r) for r in _rows(session, _UNRESERVED)]
 
 
 _LIMITS = select(User.id, User.name, User.max_running_jobs, User.max_ranks, User.max_gpus)

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import update
 
-from core.scheduler import _Needs
+from core.scheduler import _Needs, read_state
 from core.scheduler_loop import Scheduler, collector_paused
 from core.settings import Settings
 from db import jobs as dbj
@@ -184,3 +184,43 @@ def test_the_queues_fingerprint_holds_ids_whose_squares_pass_32_bits(db_url: str
         s.commit()
         n, ids, squares, _ = dbs.queued_fingerprint(s)
     assert (n, ids, squares) == (1, 100_000, 10**10)
+
+
+def test_running_jobs_without_a_reservation_are_read_with_the_recent_usage(db_url: str) -> None:
+    """A tick reads the running jobs once, for fair share and for those that hold no reservation
+    (db/scheduling.py running_and_recent): a job set running on a worker behind the scheduler's
+    back (no reservation) takes that worker's slot and counts against its owner's quota on the next
+    tick; a running job the scheduler reserved is counted once, not again as a loose one; and the
+    state the tick read equals a fresh read_state."""
+    beat(db_url, "w1@h", slots=3, tasks=3)
+    with session_for(db_url) as s:
+        ann = create_user(s, name="ann", max_running_jobs=2).id
+        loose = dbj.create_job(s, name="j", spec=SPEC, owner_id=ann).id
+    sent = Sent()
+    sched = _sched(db_url, sent)
+    sched.tick()
+    assert sent.jobs == [loose]
+    with session_for(db_url) as s:  # claimed and run; then its reservation freed, still running
+        s.execute(
+            update(Job)
+            .where(Job.id == loose)
+            .values(status="running", started_at=dbj.db_now(s), worker="w1@h")
+        )
+        s.execute(dbs.delete(dbs.Reservation).where(dbs.Reservation.job_id == loose))
+        s.commit()
+        reserved, quota_bound = (dbj.create_job(s, name="j", spec=SPEC, owner_id=ann).id for _ in range(2))
+    d = sched.tick()
+    assert d is not None and [w.id for w, _ in d.placements] == [reserved]
+    assert "quota: 2 of ann's jobs are running" in d.reasons[quota_bound]
+    with session_for(db_url) as s:
+        s.execute(update(Job).where(Job.id == reserved).values(status="running", started_at=dbj.db_now(s)))
+        s.commit()
+        st = read_state(s, sched.settings, _Needs())
+    # ann runs two jobs (one reserved, one loose), one slot each: counted once each
+    assert st.running_slots == {ann: 2} and st.quotas[ann].running == 2
+    assert [b.free_slots for b in st.boxes] == [1]  # the loose job's slot taken too
+    with session_for(db_url) as s:
+        s.execute(update(Job).where(Job.id == loose).values(status="succeeded", finished_at=dbj.db_now(s)))
+        s.commit()
+    d = sched.tick()
+    assert d is not None and [w.id for w, _ in d.placements] == [quota_bound]
