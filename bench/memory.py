@@ -30,6 +30,7 @@ import os
 import socket
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -490,6 +491,17 @@ def gpu_rows(*, budget_mb: float, steps: int) -> dict[str, Any]:
     return gpu
 
 
+def update_results(name: str, part: dict[str, Any], *, run_key: str) -> Path:
+    """Replace `part`'s keys in an existing results file, stamped under `run_key` with this
+    machine and the time (the rest of the file keeps its own)."""
+    path = RESULTS / name
+    doc = json.loads(path.read_text())
+    doc.update(part)
+    doc[run_key] = {"machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.memory")
     ap.add_argument("--budget-mb", type=float, default=16.0)
@@ -520,14 +532,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.only_bytes_per_param:
         bpp = bytes_per_param_rows(device=cpu)
         print(table(bpp, title="Device bytes per parameter with the offloaded optimizer (bf16), census"))
-        path = RESULTS / "memory.json"
-        doc = json.loads(path.read_text())
-        doc["offload_bytes_per_param"] = bpp
-        doc["offload_bytes_per_param_run"] = {
-            "machine": machine(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        path = update_results(
+            "memory.json", {"offload_bytes_per_param": bpp}, run_key="offload_bytes_per_param_run"
+        )
         print(f"updated offload_bytes_per_param in {path}")
         return
 
@@ -537,14 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.throughput_only:
             part = gpu_throughput(steps=args.steps)
             print(table(part["throughput"], title="GPU: throughput (incl. FSDP2 CPUOffloadPolicy)"))
-            path = RESULTS / "memory_gpu.json"
-            doc = json.loads(path.read_text())
-            doc.update(part)
-            doc["throughput_run"] = {
-                "machine": machine(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            path.write_text(json.dumps(doc, indent=2) + "\n")
+            path = update_results("memory_gpu.json", part, run_key="throughput_run")
             print(f"updated the throughput rows of {path} in {time.perf_counter() - t_start:.0f}s")
             return
         gpu_doc = gpu_rows(budget_mb=args.budget_mb, steps=args.steps)
