@@ -264,14 +264,26 @@ def _nice_workers(stack: Stack) -> None:
     """The workers and their trainers at the lowest CPU priority: they stand in for GPU nodes,
     which do not share the API's cores. On this 2-core machine ten CPU trainers at the API's
     priority take nearly every cycle (load average 20-28: every route's p99 about 2 s), which
-    measures the machine, not the API."""
+    measures the machine, not the API. Every thread: on Linux a process's nice value is its
+    threads' own, and setpriority of a pid sets its main thread's alone, so the threads a trainer
+    already ran (torch's, its publisher's) kept the API's priority; threads and processes started
+    later inherit it from the thread that starts them."""
     for name, proc in stack.procs.items():
         if name.startswith("worker"):
             for pid in _descendants(proc.pid):
-                try:
-                    os.setpriority(os.PRIO_PROCESS, pid, 19)
-                except OSError:
-                    pass  # ended meanwhile
+                for tid in _threads(pid):
+                    try:
+                        os.setpriority(os.PRIO_PROCESS, tid, 19)
+                    except OSError:
+                        pass  # ended meanwhile
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of `pid` (itself alone when /proc does not list them)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
