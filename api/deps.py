@@ -37,9 +37,13 @@ async def get_session(settings: Annotated[Settings, Depends(_app_settings)]) -> 
     try:
         yield session
     finally:
-        # shielded: a request cancelled as it ends (its client gone) still gives back its connection
-        with anyio.CancelScope(shield=True):
-            await run_in_threadpool(session.close)
+        if not session.in_transaction():
+            session.close()  # it holds no connection (committed, or never used): nothing to wait for
+        else:
+            # shielded: a request cancelled as it ends (its client gone) still gives back its
+            # connection
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(session.close)
 
 
 SettingsDep = Annotated[Settings, Depends(_app_settings)]
