@@ -64,11 +64,9 @@ class Settings(BaseSettings):
     max(lease_s, worker_alive_s) + reconcile_s."""
     worker_slots: int = 0
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
-    requeue_after_s: float = 60.0
-    """The scheduler sends a reservation's task again when it was sent this long ago and nobody
-    has claimed it (a message the broker or a worker's consumer lost). A worker claims a task as
-    the first thing it does, and the scheduler places a job only where a live worker has room, so a
-    minute is long; the claim is one conditional update, so a duplicate is harmless."""
+    requeue_after_s: float = 600.0
+    """The reconciler re-sends the message of a job queued longer than this (claims are
+    idempotent, so a duplicate is harmless)."""
     reconcile_s: float = 10.0
     """How often each worker runs the reconciler (take back jobs whose lease ran out, re-send lost
     messages, settle batches)."""
