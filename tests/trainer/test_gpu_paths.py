@@ -224,6 +224,9 @@ def test_a_selection_batch_on_the_device_matches_each_trial_alone(tmp_path: Path
     for s in specs:
         if "parallel" in s:
             s["parallel"]["spill"]["device_budget_mb"] = budget_mb
+            # a trial's state moves with its shards: its reference run keeps it on the device too
+            # (run alone, a job keeps it on the host unless asked)
+            s["parallel"]["spill"]["optimizer"] = "device"
     jobs = [
         load_job({**common, **s, "name": f"t{i}", "train": {**s["train"], **small}})
         for i, s in enumerate(specs)
