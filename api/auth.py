@@ -313,9 +313,7 @@ def credential_problem_by_id(settings: Settings, cred: Credential) -> str | None
         return why
 
 
-def _signed_in(
-    request: Request, session: Session, settings: Settings, cookie: str | None
-) -> tuple[ApiToken, User]:
+def _signed_in(request: Request, session: Session, settings: Settings, cookie: str | None) -> ApiToken:
     tok = authenticate(
         session,
         settings,
@@ -324,7 +322,7 @@ def _signed_in(
         address=client_address(request.scope),
         guesses=guess_limit_of(request),
     )
-    return tok, tok.user
+    return tok
 
 
 async def current_user(request: Request, session: SessionDep, settings: SettingsDep) -> User:
@@ -335,8 +333,8 @@ async def current_user(request: Request, session: SessionDep, settings: Settings
     verified: Verified | None = request.scope.get(VERIFIED)
     if verified is None:
         cookie = request.cookies.get(SESSION_COOKIE)
-        tok, user = await run_in_threadpool(_signed_in, request, session, settings, cookie)
-        kind, token_id = tok.kind, tok.id
+        tok = await run_in_threadpool(_signed_in, request, session, settings, cookie)
+        kind, token_id, user = tok.kind, tok.id, tok.user
     else:
         # the same headers' answer: a Bearer header wins over the cookie there as here
         cookie, kind, token_id = verified.cookie, verified.kind, verified.token_id

@@ -710,20 +710,18 @@ _TAKE_JOB = (
 _LOCK_OWNER = update(User).where(User.id == bindparam("owner")).values(id=User.id).returning(User.name)
 # every reservation on the chosen workers and, with a quota, of the owner's other jobs: one read
 # for both counts
-_HELD_ON = (
-    select(
-        Reservation.worker,
-        Reservation.job_id,
-        Reservation.slots,
-        Reservation.gpus,
-        Reservation.ram_bytes,
-        Job.owner_id,
-    )
-    .join(Job, Job.id == Reservation.job_id)
-    .where(
-        Reservation.worker.in_(bindparam("workers", expanding=True))
-        | ((Job.owner_id == bindparam("owner")) & (Job.id != bindparam("job")))
-    )
+_RESERVED_ROOM = select(
+    Reservation.worker,
+    Reservation.job_id,
+    Reservation.slots,
+    Reservation.gpus,
+    Reservation.ram_bytes,
+    Job.owner_id,
+).join(Job, Job.id == Reservation.job_id)
+"""What a reservation holds and whose job it is: the rows the room and quota counts read."""
+_HELD_ON = _RESERVED_ROOM.where(
+    Reservation.worker.in_(bindparam("workers", expanding=True))
+    | ((Job.owner_id == bindparam("owner")) & (Job.id != bindparam("job")))
 )
 _INSERT = insert(Reservation).returning(Reservation.id, sort_by_parameter_order=True)
 
@@ -859,20 +857,9 @@ _LOCK_OWNERS = (
     .values(id=User.id)
     .returning(User.id, User.name)
 )
-_HELD_ON_MANY = (
-    select(
-        Reservation.worker,
-        Reservation.job_id,
-        Reservation.slots,
-        Reservation.gpus,
-        Reservation.ram_bytes,
-        Job.owner_id,
-    )
-    .join(Job, Job.id == Reservation.job_id)
-    .where(
-        Reservation.worker.in_(bindparam("workers", expanding=True))
-        | Job.owner_id.in_(bindparam("owners", expanding=True))
-    )
+_HELD_ON_MANY = _RESERVED_ROOM.where(
+    Reservation.worker.in_(bindparam("workers", expanding=True))
+    | Job.owner_id.in_(bindparam("owners", expanding=True))
 )
 _LOOSE_OF = select(Job.id, Job.owner_id, Job.world_size).where(
     Job.owner_id.in_(bindparam("owners", expanding=True)),

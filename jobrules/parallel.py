@@ -160,6 +160,12 @@ def _tensor_problems(
     return problems
 
 
+HOST_STEPS_WITH_OFFLOAD = (
+    'parallel.spill.optimizer "host" keeps the optimizer state in host memory and steps it there; '
+    "parallel.offload.optimizer streams it through the device instead: choose one"
+)
+
+
 def spill_state_on_host(par: dict[str, Any]) -> bool:
     """A spilled single job's optimizer state stays in host memory and the CPU steps it
     (`parallel.spill.optimizer` "host", or "auto" without the offloaded optimizer, which streams
@@ -187,10 +193,7 @@ def _combination_problems(
             "in host memory) with pipeline, tensor or data parallelism"
         )
     if spill and spill.get("optimizer") == "host" and offloaded:
-        problems.append(
-            'parallel.spill.optimizer "host" keeps the optimizer state in host memory and steps it there; '
-            "parallel.offload.optimizer streams it through the device instead: choose one"
-        )
+        problems.append(HOST_STEPS_WITH_OFFLOAD)
     if offloaded and train.get("optimizer", "adamw") != "adamw":
         problems.append(
             f"parallel.offload.optimizer streams AdamW state through the device; train.optimizer is "

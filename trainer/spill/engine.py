@@ -47,13 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from jobrules.parallel import HOST_STEPS_WITH_OFFLOAD
 from jobrules.spec import OffloadSpec, SpecError, TrainSpec
 from trainer.models import lm_loss
 from trainer.optim import build_optimizer
 from trainer.spill.host_step import HostSteps, state_keys
 from trainer.spill.ledger import DeviceLedger
 from trainer.spill.offload import DTYPES, NonFiniteGradient, OffloadedAdamW
-from trainer.spill.partition import SpillPlan
+from trainer.spill.partition import SpillPlan, state_bytes_per_param
 from trainer.spill.shard import Shard
 
 
@@ -67,7 +68,7 @@ def anchor_fits(plan: SpillPlan, train: TrainSpec, *, n_shards: int) -> bool:
         return True
     a, b = plan.bounds[0]
     numel = sum(c.numel for c in plan.costs[a:b])
-    state = 8 if train.optimizer == "adamw" else (4 if train.momentum > 0 else 0)
+    state = state_bytes_per_param(optimizer=train.optimizer, momentum=train.momentum, offload=False)
     return plan.peak_bytes + numel * (4 + 4 + state) + plan.costs[a].in_bytes <= plan.budget_bytes
 
 
@@ -105,10 +106,7 @@ class SpillEngine:
                 f"parallel.offload.optimizer streams AdamW state; train.optimizer is {train.optimizer!r}"
             )
         if host_step and self.offloaded:
-            raise SpecError(
-                'parallel.spill.optimizer "host" steps the shards on the host; parallel.offload.optimizer '
-                "streams the state through the device instead: choose one"
-            )
+            raise SpecError(HOST_STEPS_WITH_OFFLOAD)
         # Global-norm clipping and the fp16 inf check need every gradient before any step: with
         # several shards the steps then wait for the whole backward (gradients parked in host
         # memory, one more pass over the shards), instead of following each shard's backward.
@@ -221,8 +219,7 @@ class SpillEngine:
         if self._on_host(shard):
             assert self.host is not None
             self.host.launch(shard, events=self.host.copy_out(shard))
-            shard.drop_grads()
-            shard.spill()  # stale once the host steps it: its next use copies the new weights in
+            shard.spill()  # frees the gradient; stale once the host steps it: its next use copies the new weights in
             return
         if self.opt is None:
             if self.train.grad_clip > 0:  # one shard (more shards take the deferred path)
@@ -265,8 +262,7 @@ class SpillEngine:
         if self._on_host(shard):
             assert self.host is not None
             self.host.copy_out(shard)  # the deferred step waits for the copy stream as a whole
-            shard.drop_grads()
-            shard.spill()
+            shard.spill()  # frees the gradient
         elif shard.index != 0:  # shard 0 is the last backward: it steps without leaving
             shard.stash_grads()
 
@@ -342,15 +338,17 @@ class SpillEngine:
         self._bring(shards[0], state=K == 1 or self.anchor)
         for k in range(K - 1):
             nxt = shards[k + 1]
-            if self.prefetch and self.host is None:
-                # prefetch the next shard while this one computes
-                nxt.to_device(state=k + 1 == K - 1)  # the last shard steps without leaving
+            last_state = k + 1 == K - 1  # the last shard steps without leaving
+            if self.prefetch and (self.host is None or self.host.done(nxt.index)):
+                # prefetch the next shard while this one computes (its copy waits for the work
+                # queued before it, so it goes ahead of this shard's forward)
+                nxt.to_device(state=last_state)
             shards[k].ready()
             out = self._hold_input(k + 1, shards[k].forward(h))
-            if self.prefetch and self.host is not None:
-                # the same, once this shard's forward is queued: the next one may still be
-                # stepping on the host, and waiting for it must not hold this forward back
-                self._bring(nxt, state=k + 1 == K - 1)
+            if self.prefetch:
+                # a next shard still stepping on the host comes in once this forward is queued:
+                # waiting for it must not hold the forward back (a no-op when it came in above)
+                self._bring(nxt, state=last_state)
             # with prefetch, shard K-2 stays resident from its forward to its backward; the
             # anchor (host mode) stays for good
             keep = (self.prefetch and k == K - 2) or (self.anchor and k == 0)
@@ -364,7 +362,7 @@ class SpillEngine:
                 self.ledger.release(f"in{k}")
                 shards[k].spill()
             if not self.prefetch:
-                self._bring(nxt, state=k + 1 == K - 1)
+                self._bring(nxt, state=last_state)
             h = out
 
         last = shards[K - 1]

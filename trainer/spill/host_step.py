@@ -157,6 +157,11 @@ class HostSteps:
 
         self.pending[s.index] = self.pool.submit(run)
 
+    def done(self, index: int) -> bool:
+        """Whether shard `index` has no step in flight (its host copy is current)."""
+        fut = self.pending.get(index)
+        return fut is None or fut.done()
+
     def wait(self, index: int) -> None:
         """Block until shard `index`'s step is done (its host copy is then current)."""
         fut = self.pending.pop(index, None)
