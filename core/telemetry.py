@@ -35,8 +35,9 @@ OPEN_STREAMS = Gauge(
 SSE_READS = Counter(
     "shardyard_sse_database_reads",
     "Reads of the database by job streams, by why: open (a stream starts or resumes), catch_up "
-    "(live messages were dropped or lost, or the broker is down), recheck (the periodic look for a "
-    "publish lost without a trace)",
+    "(live messages were dropped or lost, or the broker is down), look (the periodic look at a "
+    "job's newest ids, one for all its streams), recheck (a stream's own read of rows that look "
+    "found it may lack: a publish lost without a trace)",
     ["why"],
 )
 SSE_ROWS = Counter(
