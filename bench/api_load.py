@@ -16,6 +16,8 @@ Writes bench/results/api_load.json naming the machine and its load average durin
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import multiprocessing.connection
 import os
 import selectors
 import socket
@@ -50,42 +52,77 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
 
 
-class Streams:
-    """`n` raw SSE connections drained by one thread (what they cost the server, not the bench)."""
+def _drain_streams(
+    port: int,
+    paths: list[tuple[str, int]],
+    token: str,
+    nice: int,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """The stream clients' process: open `n` raw SSE connections on each path, say so on `conn`,
+    drain them all with one selector until `conn` says stop, then send (bytes read, closed early)."""
+    os.nice(nice)
+    sel = selectors.DefaultSelector()
+    try:
+        for path, n in paths:
+            for _ in range(n):
+                s = socket.create_connection(("127.0.0.1", port), timeout=30)
+                auth = f"Authorization: Bearer {token}\r\n"
+                s.sendall(
+                    f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
+                )
+                head = s.recv(4096)
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"stream refused: {head[:200]!r}")
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ)
+    except Exception as e:  # noqa: BLE001 - the bench's process raises it
+        conn.send(("error", repr(e)))
+        return
+    conn.send(("open", None))
+    got, closed = 0, 0
+    while not conn.poll():
+        for key, _ in sel.select(timeout=0.5):
+            data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+            if not data:
+                sel.unregister(key.fileobj)
+                closed += 1
+            got += len(data)
+    conn.send(("done", (got, closed)))
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()  # type: ignore[union-attr]
 
-    def __init__(self, port: int, path: str, n: int, token: str) -> None:
-        self.sel = selectors.DefaultSelector()
+
+class Streams:
+    """The raw SSE connections, drained by one selector in a process of their own (what they cost
+    the server, not the bench): in the bench's process, 500 streams' reads took the interpreter
+    from the threads that time the requests, and a request's time then counted the wait for it.
+    `nice`: the clients' CPU priority (they stand in for browsers on other machines)."""
+
+    def __init__(self, port: int, paths: list[tuple[str, int]], token: str, *, nice: int = 0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_drain_streams, args=(port, paths, token, nice, child), daemon=True)
+        self._proc.start()
+        if not self._conn.poll(300):
+            raise RuntimeError("the stream clients did not open their streams within 300 s")
+        kind, detail = self._conn.recv()
+        if kind != "open":
+            raise RuntimeError(f"stream clients: {detail}")
         self.bytes = 0
         self.closed = 0
-        for _ in range(n):
-            s = socket.create_connection(("127.0.0.1", port), timeout=30)
-            auth = f"Authorization: Bearer {token}\r\n"
-            s.sendall(
-                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Accept: text/event-stream\r\n\r\n".encode()
-            )
-            head = s.recv(4096)
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"stream refused: {head[:200]!r}")
-            s.setblocking(False)
-            self.sel.register(s, selectors.EVENT_READ)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drain, daemon=True)
-        self._thread.start()
 
-    def _drain(self) -> None:
-        while not self._stop.is_set():
-            for key, _ in self.sel.select(timeout=0.5):
-                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
-                if not data:
-                    self.sel.unregister(key.fileobj)
-                    self.closed += 1
-                self.bytes += len(data)
+    @property
+    def pid(self) -> int:
+        return int(self._proc.pid or 0)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
+        self._conn.send("stop")
+        if self._conn.poll(30):
+            _, (self.bytes, self.closed) = self._conn.recv()
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def _stream_reads(exposition: str) -> dict[str, dict[str, float]]:
@@ -133,26 +170,33 @@ def _client(stack: Stack) -> httpx.Client:
     )
 
 
-def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1) -> dict:
+def run(
+    stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1, clients_nice: int = 0
+) -> dict:
     timed = _Timed(stack)
     with _client(stack) as c:
         trained = _start_training(c, jobs)
         if jobs > 1:
             _nice_workers(stack)
-        opened = _open_streams(stack, trained, streams)
+        opened = _open_streams(stack, trained, streams, nice=clients_nice)
         load = [os.getloadavg()[0]]
+        cpu_before = {who: _cpu_s(pid) for who, pid in _measured(stack, opened).items()}
         stop = threading.Event()
         prober = threading.Thread(target=_probe, args=(timed, trained, stop), daemon=True)
         prober.start()
+        t0 = time.monotonic()
         achieved = _submit(timed, rate=rate, seconds=seconds, load=load)
         streamed_step = min(c.get(f"/api/jobs/{j['id']}").json()["progress"]["step"] for j in trained)
         stop.set()
         prober.join(timeout=10)
+        wall = time.monotonic() - t0
+        cpu = {
+            who: round((_cpu_s(pid) - cpu_before[who]) / wall, 3)
+            for who, pid in _measured(stack, opened).items()
+        }
         load.append(os.getloadavg()[0])
-        delivered = sum(o.bytes for o in opened)
-        dropped = sum(o.closed for o in opened)
-        for o in opened:
-            o.close()
+        opened.close()
+        delivered, dropped = opened.bytes, opened.closed
         _cancel_all(c, streamed=[j["id"] for j in trained])
         # what the streams read from the database (core/telemetry.py): counts the machine's load
         # does not move, beside the walls it does
@@ -163,6 +207,10 @@ def run(stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 
         "streams": streams,
         "jobs": jobs,
         "trainers_nice": 19 if jobs > 1 else 0,
+        "clients_nice": clients_nice,
+        # CPU-seconds a second over the run, of the API's process (its threads) and of the stream
+        # clients' and the bench's own: what the load took from the API, apart from the walls
+        "cpu_s_per_s": cpu,
         "stream_bytes": delivered,
         "streams_closed_early": dropped,
         "streamed_job_step": streamed_step,
@@ -195,16 +243,13 @@ def _start_training(c: httpx.Client, jobs: int) -> list[dict]:
     return trained
 
 
-def _open_streams(stack: Stack, trained: list[dict], streams: int) -> list[Streams]:
+def _open_streams(stack: Stack, trained: list[dict], streams: int, *, nice: int = 0) -> Streams:
     """The streams spread evenly over the running jobs (a job's frames are built once for all of
     its streams: api/sse.py)."""
     jobs = len(trained)
     per = [streams // jobs + (1 if k < streams % jobs else 0) for k in range(jobs)]
-    return [
-        Streams(stack.api_port, f"/api/jobs/{j['id']}/stream", n, stack.admin_token)
-        for j, n in zip(trained, per, strict=True)
-        if n
-    ]
+    paths = [(f"/api/jobs/{j['id']}/stream", n) for j, n in zip(trained, per, strict=True) if n]
+    return Streams(stack.api_port, paths, stack.admin_token, nice=nice)
 
 
 def _probe(timed: _Timed, trained: list[dict], stop: threading.Event) -> None:
@@ -239,6 +284,17 @@ def _submit(timed: _Timed, *, rate: float, seconds: float, load: list[float]) ->
             if k % int(rate * 5) == 0:
                 load.append(os.getloadavg()[0])
     return n / (time.perf_counter() - t0)
+
+
+def _measured(stack: Stack, opened: Streams) -> dict[str, int]:
+    return {"api": stack.procs["api"].pid, "stream_clients": opened.pid, "bench": os.getpid()}
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds `pid` has used (its threads together)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -304,6 +360,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_options(ap, name="api_load")
     ap.add_argument("--jobs", type=int, default=1, help="running jobs the streams are spread over")
+    ap.add_argument(
+        "--clients-nice",
+        type=int,
+        default=0,
+        help="CPU priority of the stream clients' process (they stand in for browsers elsewhere)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         # one client opens all the streams: raise its cap above them
@@ -316,7 +378,12 @@ def main() -> None:
         # one worker runs every streamed job at once (a task each)
         with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:
             res = run(
-                stack, streams=args.streams, rate=args.submits_per_s, seconds=args.seconds, jobs=args.jobs
+                stack,
+                streams=args.streams,
+                rate=args.submits_per_s,
+                seconds=args.seconds,
+                jobs=args.jobs,
+                clients_nice=args.clients_nice,
             )
             # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
             api_log = (Path(tmp) / "api.log").read_text(errors="replace")
@@ -353,6 +420,7 @@ def main() -> None:
     print(f"slowest: {slow}")
     print(f"stall reports in the API's log: {len(res['stall_reports'])} (in the JSON's stall_reports)")
     print(f"streams' database reads (and rows framed), by why: {res['stream_database_reads']}")
+    print(f"CPU-seconds a second: {res['cpu_s_per_s']}")
     goals = {"goal_p99_ms": goal, "goal_series_p95_ms": GOAL_SERIES_P95_MS, "met": met}
     print(f"wrote {write_results(args.name, {**goals, **res})}")
 
