@@ -272,8 +272,10 @@ class Scheduler:
             dbs.mark_sent(session, reservation_ids=sent)
 
     def _resend(self, session: Any, held: Sequence[dbs.HeldRow], *, everything: bool) -> None:
-        """Tasks nobody claimed: never sent (broker down), sent long ago (a lost message), or all of
-        them when this scheduler has just taken over (the broker may have restarted empty)."""
+        """Tasks nobody claimed: unsent (the broker was down, or their worker marked them lost: it
+        could have taken them for lost_order_s and never got them, workers/intake.py), sent
+        requeue_after_s ago (the last resort, whatever the worker said), or all of them when this
+        scheduler has just taken over (the broker may have restarted empty)."""
         cutoff = time.time() - self.settings.requeue_after_s
         by_job: dict[int, list[dbs.HeldRow]] = {}
         for h in held:

@@ -65,11 +65,17 @@ class Settings(BaseSettings):
     worker_slots: int = 0
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     requeue_after_s: float = 600.0
-    """The reconciler re-sends the message of a job queued longer than this (claims are
-    idempotent, so a duplicate is harmless)."""
+    """The last resort for a lost order: the scheduler sends a reservation's task again when it was
+    sent this long ago and nobody claimed it, whatever its worker reported (a duplicate is
+    harmless: the claim is one conditional update, made where the job was reserved only)."""
+    lost_order_s: float = 10.0
+    """A worker that could have taken a task for this long (ready, connected to the broker, a pool
+    process free and no other task held) while an order placed on it, already sent, stayed
+    unclaimed takes that order as lost and asks the scheduler to send it again
+    (workers/intake.py). A worker still starting asks nothing: it gets no duplicate."""
     reconcile_s: float = 10.0
-    """How often each worker runs the reconciler (take back jobs whose lease ran out, re-send lost
-    messages, settle batches)."""
+    """How often each worker runs the reconciler (take back jobs whose lease ran out, settle
+    batches)."""
     db_retry_s: float = 120.0
     """A worker retries a database write that fails (locked, unreachable) for this long before it
     gives the attempt up; the job's lease then runs out and it runs again from its checkpoint."""

@@ -577,6 +577,48 @@ def mark_unsent(session: Session, *, reservation_ids: Sequence[int]) -> None:
         session.commit()
 
 
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A reservation's task as its worker sees it: sent (at `sent_at`, the scheduler's stamp) and
+    not yet claimed, its job still queued."""
+
+    reservation_id: int
+    job_id: int
+    sent_at: datetime
+
+
+def unclaimed_orders(session: Session, *, worker: str) -> list[Order]:
+    """The orders sent to `worker` that nobody claimed yet (their jobs queued)."""
+    q = (
+        select(Reservation.id, Reservation.job_id, Reservation.sent_at)
+        .join(Job, Job.id == Reservation.job_id)
+        .where(
+            Reservation.worker == worker,
+            Reservation.claimed_at.is_(None),
+            Reservation.sent_at.is_not(None),
+            Job.status == JobStatus.queued,
+        )
+    )
+    return [Order(*r) for r in _rows(session, q)]
+
+
+def order_lost(session: Session, *, order: Order) -> bool:
+    """Its worker could have taken `order` and never got it: mark it unsent, so the scheduler's
+    next tick sends it again. Conditional: an order claimed or sent again meanwhile is left as it
+    is (False)."""
+    got = session.connection().execute(
+        update(Reservation)
+        .where(
+            Reservation.id == order.reservation_id,
+            Reservation.claimed_at.is_(None),
+            Reservation.sent_at == order.sent_at,
+        )
+        .values(sent_at=None)
+    )
+    session.commit()
+    return rowcount(got) == 1
+
+
 def preempt_pending(session: Session) -> set[int]:
     """Running jobs asked to checkpoint and requeue that have not yet given their slots back."""
     q = select(Job.id).where(Job.status == JobStatus.running, Job.preempt_requested.is_(True))

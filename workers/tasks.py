@@ -21,14 +21,17 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
 from core.broker import TASK_RUN_JOB, TASK_RUN_SELECTION, node_queue
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 from db.connection import session_for
 from db.gangs import expire_gangs
+from db.ingest import add_event
 from db.jobs import db_now, expire_leases
+from db.scheduling import order_lost, unclaimed_orders
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from db.workers import mark_draining, record_heartbeat
 from jobrules.restarts import max_restarts
@@ -37,6 +40,7 @@ from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
 from workers.gang import execute_gang_node
+from workers.intake import Intake
 from workers.sandbox import describe as describe_sandbox
 from workers.search import grow
 from workers.selection import execute_selection
@@ -145,7 +149,9 @@ def reconcile_once() -> int:
     return len(requeued) + len(cancelled)
 
 
-def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -> None:
+def _beat(
+    stop: threading.Event, name: str, queues: list[str], tasks: int = 1, intake: Intake | None = None
+) -> None:
     settings = get_settings()
     devices = local_devices()
     host = host_inventory(slots=settings.worker_slots, tasks=tasks)
@@ -164,6 +170,11 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
                     host=inventory,
                     sandbox=sandbox_state,
                 )
+            if intake is not None and intake.free:
+                try:
+                    resend_lost(settings, name=name, intake=intake)
+                except Exception:  # noqa: BLE001 - the reconciler still runs; asked again next beat
+                    log.exception("could not ask for lost orders again")
             if time.monotonic() - last_reconcile > settings.reconcile_s:
                 last_reconcile = time.monotonic()
                 if n := reconcile_once():
@@ -172,6 +183,22 @@ def _beat(stop: threading.Event, name: str, queues: list[str], tasks: int = 1) -
             log.exception("heartbeat failed")
         if stop.wait(settings.heartbeat_s):
             return
+
+
+def resend_lost(settings: Settings, *, name: str, intake: Intake) -> list[int]:
+    """The orders placed on this worker that it could have taken for intake.grace_s and never got
+    are marked unsent: the scheduler's next tick sends them again (workers/intake.py). Returns
+    their jobs."""
+    asked = []
+    with session_for(settings.database_url) as s:
+        for order in intake.lost(unclaimed_orders(s, worker=name)):
+            if not order_lost(s, order=order):
+                continue  # claimed or sent again meanwhile
+            asked.append(order.job_id)
+            why = f"its order never reached {name}, free to take it for {intake.grace_s:g} s: sent again"
+            log.warning("job %s: %s", order.job_id, why)
+            add_event(s, job_id=order.job_id, kind="log", message=why)
+    return asked
 
 
 _stop_beat = threading.Event()
@@ -195,26 +222,35 @@ def _start_heartbeat(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery s
     # Consumer has none, and every worker advertised one task: bench.api_load --jobs 10 ran one)
     controller = getattr(sender, "controller", None)
     tasks = int(getattr(controller, "concurrency", None) or getattr(sender, "concurrency", 1) or 1)
+    # worker_ready comes once the consumer consumes: a worker still starting samples nothing, so
+    # it never asks for an order again (workers/intake.py)
+    intake = Intake(grace_s=get_settings().lost_order_s)
     threading.Thread(
-        target=_beat, args=(_stop_beat, name, queues, tasks), daemon=True, name="heartbeat"
+        target=_beat, args=(_stop_beat, name, queues, tasks, intake), daemon=True, name="heartbeat"
     ).start()
-    threading.Thread(target=_watch_pool, args=(_stop_beat, name), daemon=True, name="pool-watch").start()
+    threading.Thread(
+        target=_watch_pool, args=(_stop_beat, name, tasks, intake), daemon=True, name="pool-watch"
+    ).start()
 
 
 POOL_WATCH_S = 0.2
 
 
-def _watch_pool(stop: threading.Event, name: str) -> None:
+def _watch_pool(stop: threading.Event, name: str, tasks: int = 1, intake: Intake | None = None) -> None:
     """In the main process: a pool process that died (a kill -9, the OOM killer) is seen here as
     a zombie before billiard reaps it (which can take its pool's next maintenance, seconds), and
-    the cause is recorded beside the attempts it held, well before their leases run out."""
+    the cause is recorded beside the attempts it held, well before their leases run out. Each
+    pass also tells `intake` whether this worker could take a task now."""
     settings = get_settings()
     seen: set[int] = set()
     while not stop.wait(POOL_WATCH_S):
-        pool = getattr(_controller.get("worker"), "pool", None)
+        consumer = _controller.get("worker")
+        pool = getattr(consumer, "pool", None)
         try:
             pids = set(pool.info.get("processes", [])) if pool is not None else set()
         except Exception:  # noqa: BLE001 - no pool (solo), or one being restarted
+            if intake is not None:
+                intake.sample(False)
             continue
         seen &= pids
         for pid in pids - seen:
@@ -223,6 +259,21 @@ def _watch_pool(stop: threading.Event, name: str) -> None:
                 lost.record(
                     settings, worker=name, owner=lost.owner_prefix(pid), cause=lost.death_cause(status)
                 )
+        if intake is not None:
+            intake.sample(can_take(consumer, tasks=tasks, processes=len(pids - seen)))
+
+
+def can_take(consumer: Any, *, tasks: int, processes: int) -> bool:
+    """This worker would fetch an order from its queue now: not draining, its consumer connected
+    to the broker (Celery clears `connection` from a failure until it is connected again), all
+    its pool processes up, and fewer tasks held (received, running, or waiting for a process)
+    than it has processes."""
+    return (
+        not _DRAINING.is_set()
+        and getattr(consumer, "connection", None) is not None
+        and processes >= tasks
+        and len(worker_state.reserved_requests) < tasks
+    )
 
 
 @worker_process_init.connect
