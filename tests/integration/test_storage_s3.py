@@ -145,8 +145,11 @@ def test_sigkill_mid_run_resumes_on_another_host_from_the_store(hosts: Hosts, ga
     assert deadline_step["status"] == "running" and deadline_step["progress"]["step"] < STEPS
     _kill(hosts.stack, "worker1")
     gate.unlink()
-    hosts.only(2)  # another host: its data dir has never held this job
+    # another host: its data dir has never held this job. Looked at before worker2 starts: once it
+    # beats, its reconciler takes the lapsed lease back and the scheduler places the job there,
+    # which can claim it and make its folder before start_worker sees the worker registered
     assert not (hosts.dirs[2] / "jobs" / str(job_id)).exists()
+    hosts.only(2)
 
     done = h.wait(job_id, timeout=300)
     assert done["attempts"] == 2 and done["result"] is not None
