@@ -143,7 +143,11 @@ def cmd_stack(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         shutdown_s=shutdown_s,
         admin_token=api.stack.kept_admin_token(root),
-        extra_env=_trusted_hosts_env(),
+        # the API shares this machine with the trainers: they yield to it (trainer/priority.py)
+        extra_env={
+            **_trusted_hosts_env(),
+            "SHARDYARD_TRAINER_NICE": os.environ.get("SHARDYARD_TRAINER_NICE", "10"),
+        },
     )
     console.print(
         f"starting redis-server, the API on {stack.base_url} and {args.workers} worker(s) running up to "

@@ -176,7 +176,7 @@ def run(
     timed = _Timed(stack)
     with _client(stack) as c:
         trained = _start_training(c, jobs)
-        reniced = _nice_trainers(stack) if jobs > 1 else 0
+        priorities = _trainer_priorities(stack)
         opened = _open_streams(stack, trained, streams, nice=clients_nice)
         load = [os.getloadavg()[0]]
         cpu_before = {who: _cpu_s(pid) for who, pid in _measured(stack, opened).items()}
@@ -212,7 +212,8 @@ def run(
         "streams": streams,
         "jobs": jobs,
         "trainers_nice": 19 if jobs > 1 else 0,
-        "trainer_threads_and_sessions_reniced": reniced,
+        # each trainer's [session nice value, its threads' nice values...] as the run began
+        "trainer_priorities": priorities,
         "clients_nice": clients_nice,
         # CPU-seconds a second over the run, of the API's process (its threads) and of the stream
         # clients' and the bench's own: what the load took from the API, apart from the walls
@@ -342,55 +343,41 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _nice_trainers(stack: Stack) -> int:
-    """The trainers at the lowest CPU priority, every thread of every trainer process (and the
-    sandbox's processes around them): they stand in for GPU nodes, which do not share the API's
-    cores. On this 2-core machine ten CPU trainers at the API's priority take nearly every cycle
-    (load average 20-28: every route's p99 about 2 s), which measures the machine, not the API.
-    The workers' own processes keep the API's priority: their relays write every metric point to
-    the same SQLite database as the API, and a relay at nice 19 that holds the write lock when
-    it is preempted keeps every API write waiting behind the busy-timeout's sleeps (a priority
-    inversion no deployment has; runs that reniced them went from p99 267-881 ms to 514-2,179 ms).
-    Every thread: on Linux a process's nice value is its threads' own, and setpriority of a pid
-    sets its main thread's alone; threads started later inherit it. Returns the threads reniced."""
-    trainers: list[int] = []
+def _trainer_priorities(stack: Stack) -> list[list[int]]:
+    """[session nice, thread nices...] of each trainer: they stand in for GPU nodes, which do not
+    share the API's cores, and run at the lowest CPU priority (`SHARDYARD_TRAINER_NICE=19`,
+    trainer/priority.py). On this 2-core machine ten CPU trainers at the API's priority take
+    nearly every cycle, which measures the machine, not the API. Their session counts as much as
+    their threads: with the kernel's autogroups on (this VM's are), the CPU is shared between
+    sessions first, and each trainer has one of its own (the runs before the setting reniced only
+    the threads from outside, and ten trainers held ten shares against the API's one). The
+    workers' own processes keep the API's priority: their relays take SQLite's write lock, and a
+    relay preempted at nice 19 while it holds it keeps the API's writes waiting."""
+    out = []
     for name, proc in stack.procs.items():
         if name.startswith("worker"):
             for pid in _descendants(proc.pid):
                 if _runs_trainer(pid):
-                    trainers.extend(_descendants(pid))
-    reniced = 0
-    for pid in set(trainers):
-        for tid in _threads(pid):
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, 19)
-                reniced += 1
-            except OSError:
-                pass  # ended meanwhile
-    # With the kernel's autogroups on (this VM's are), the CPU is shared between sessions first
-    # and by nice value only within one: each sandboxed trainer has a session of its own
-    # (bubblewrap's --new-session), so ten of them held ten shares against the API's one, at any
-    # thread's nice value (the API got 0.19-0.21 CPU-seconds a second and waited for the rest). A
-    # trainer's own session goes to nice 19 as a whole; one shared with the service is left.
-    service = {_autogroup(p.pid) for p in stack.procs.values()}
-    for group, pid in {_autogroup(pid): pid for pid in trainers}.items():
-        if group and group not in service:
-            try:
-                with open(f"/proc/{pid}/autogroup", "w") as f:
-                    f.write("19")
-                reniced += 1
-            except OSError:
-                pass
-    return reniced
+                    group = _autogroup_nice(pid)
+                    out.append([group, *(_thread_nice(pid, tid) for tid in _threads(pid))])
+    return out
 
 
-def _autogroup(pid: int) -> str:
-    """The name of `pid`'s scheduling autogroup ("" without them, or when it has ended)."""
+def _autogroup_nice(pid: int) -> int:
+    """The nice value of `pid`'s session (its autogroup; -1 without them)."""
     try:
         with open(f"/proc/{pid}/autogroup") as f:
-            return f.read().split()[0]
-    except (OSError, IndexError):
-        return ""
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _thread_nice(pid: int, tid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _runs_trainer(pid: int) -> bool:
@@ -444,6 +431,8 @@ def main() -> None:
         env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10), "SHARDYARD_STALL_LOG_S": "0.5"}
         # the worker takes every streamed job at once, whatever this machine's core count
         env["SHARDYARD_WORKER_SLOTS"] = str(max(args.jobs, 2))
+        if args.jobs > 1:  # the trainers stand in for GPU nodes (_trainer_priorities)
+            env["SHARDYARD_TRAINER_NICE"] = "19"
         env["SHARDYARD_QUOTA_RUNNING_JOBS"] = str(max(args.jobs, 4))  # the admin's, who runs them
         # one worker runs every streamed job at once (a task each)
         with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:

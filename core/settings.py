@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     max(lease_s, worker_alive_s) + reconcile_s."""
     worker_slots: int = 0
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
+    trainer_nice: int = 0
+    """The CPU priority (nice value, 0-19) each trainer takes at its start, for its session as a
+    whole (/proc/self/autogroup) and its threads: where the API shares a machine with trainers
+    that use every core, a high value keeps the service answering. Most kernels share the CPU
+    between sessions before nice values count, and each trainer runs in a session of its own, so
+    renicing a trainer's threads from outside does not do it (docs/deploy.md). 0: unchanged."""
     requeue_after_s: float = 600.0
     """The last resort for a lost order: the scheduler sends a reservation's task again when it was
     sent this long ago and nobody claimed it, whatever its worker reported (a duplicate is
@@ -262,6 +268,13 @@ class Settings(BaseSettings):
     checked by the deliverer, not here, where the error would print the URL, password and all."""
     webhook_max_per_user: int = 20
     """Most webhooks one user may have; one more is refused (409) until one is deleted. 0: no limit."""
+
+    @field_validator("trainer_nice")
+    @classmethod
+    def _trainer_nice_in_range(cls, value: int) -> int:
+        if not 0 <= value <= 19:
+            raise ValueError(f"trainer_nice must be 0-19 (a nice value a process may take), not {value}")
+        return value
 
     @field_validator("webhook_allow")
     @classmethod

@@ -270,6 +270,8 @@ class Sandbox:
         env.update({"HOME": home, "PYTHONDONTWRITEBYTECODE": "1"})
         if self.wraps:
             env["TMPDIR"] = "/tmp"
+        if self.settings.trainer_nice:
+            env["SHARDYARD_TRAINER_NICE"] = str(self.settings.trainer_nice)  # trainer/priority.py
         env.update(self.env)
         return env
 

@@ -1,0 +1,58 @@
+"""A trainer's CPU priority beside the service (`SHARDYARD_TRAINER_NICE`, core/settings.py).
+
+Where the API, the scheduler and a worker share a machine with trainers that use every core, the
+service must keep answering. A nice value set from outside does not do it: most Linux kernels
+share the CPU between sessions (autogroups) before nice values count, and a trainer runs in a
+session of its own (the sandbox's `--new-session`, or the worker's setsid), so ten busy trainers
+hold ten shares against the API's one, whatever their threads' nice values. So the trainer lowers
+its own priority as the first thing it does: its session's nice value, through
+/proc/self/autogroup, and its own, which every thread it starts after inherits. Lowering one's
+priority needs no privilege; a value at or below the current one changes nothing. The kernel takes
+one session's change every tenth of a second, so trainers that start together take turns.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+ENV = "SHARDYARD_TRAINER_NICE"
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def yield_cpu(env: Mapping[str, str] = os.environ) -> int:
+    """Take the nice value `env` names (0-19; anything else is left alone: the worker's settings
+    validated it). Returns the process's nice value after."""
+    raw = env.get(ENV, "").strip()
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if not raw.isdigit() or not 0 < int(raw) <= 19:
+        return current
+    want = int(raw)
+    if want > current:
+        os.nice(want - current)
+    # the kernel takes one session's nice value at a time every tenth of a second from a process
+    # without CAP_SYS_ADMIN (EAGAIN otherwise): trainers that start together take turns, in a
+    # thread of their own so that none waits to start
+    threading.Thread(target=_session_nice, args=(want,), daemon=True, name="session-nice").start()
+    return max(want, current)
+
+
+def _session_nice(want: int, *, tries: int = 100) -> bool:
+    """Set this session's nice value to `want`; False where there are no autogroups or the kernel
+    kept refusing (the threads' nice value is then all there is)."""
+    for _ in range(tries):
+        try:
+            AUTOGROUP.write_text(str(want))
+            return True
+        except BlockingIOError:  # EAGAIN: another session changed its own within 0.1 s
+            time.sleep(random.uniform(0.1, 0.2))
+        except OSError:
+            return False
+    return False
+
+
+__all__ = ["ENV", "yield_cpu"]
