@@ -382,11 +382,13 @@ def _thread_nice(pid: int, tid: int) -> int:
 
 def _runs_trainer(pid: int) -> bool:
     """Whether `pid` is a trainer (`python -m trainer`, sandboxed or not, or a spare one, whose
-    command line stays `-m trainer.zygote` when it takes a job)."""
+    command line stays `-m trainer.zygote` when it takes a job), not the sandbox around it."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
+            argv = f.read().replace(b"\0", b" ").split()  # a title it set has spaces instead
     except OSError:
+        return False
+    if not argv or Path(argv[0].decode(errors="replace")).name == "bwrap":
         return False
     return any(a == b"-m" and b.split(b".")[0] == b"trainer" for a, b in zip(argv, argv[1:], strict=False))
 

@@ -6,7 +6,7 @@ share the CPU between sessions (autogroups) before nice values count, and a trai
 session of its own (the sandbox's `--new-session`, or the worker's setsid), so ten busy trainers
 hold ten shares against the API's one, whatever their threads' nice values. So the trainer lowers
 its own priority as the first thing it does: its session's nice value, through
-/proc/self/autogroup, and its own, which every thread it starts after inherits. Lowering one's
+/proc/self/autogroup, and each of its threads' (the threads it starts after inherit it). Lowering one's
 priority needs no privilege; a value at or below the current one changes nothing. The kernel takes
 one session's change every tenth of a second, so trainers that start together take turns.
 """
@@ -33,7 +33,13 @@ def yield_cpu(env: Mapping[str, str] = os.environ) -> int:
         return current
     want = int(raw)
     if want > current:
-        os.nice(want - current)
+        # every thread already running (importing torch starts one), then this one's, which the
+        # threads it starts later inherit
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), want)
+            except OSError:
+                pass  # ended meanwhile
     # the kernel takes one session's nice value at a time every tenth of a second from a process
     # without CAP_SYS_ADMIN (EAGAIN otherwise): trainers that start together take turns, in a
     # thread of their own so that none waits to start

@@ -142,3 +142,24 @@ def test_trainers_that_start_together_all_get_their_sessions_nice_value(tmp_path
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_threads_started_before_it_yields_yield_too() -> None:
+    """Importing torch starts a thread before the trainer's first line runs: that one and the
+    threads started after all take the nice value."""
+    code = (
+        "import threading, os, pathlib\n"
+        "ev = threading.Event(); threading.Thread(target=ev.wait, daemon=True).start()\n"
+        "from trainer.priority import yield_cpu\n"
+        "yield_cpu()\n"
+        "threading.Thread(target=ev.wait, daemon=True).start()\n"
+        "def nice(t):\n"
+        "    try: return int(pathlib.Path(f'/proc/self/task/{t}/stat').read_text().rsplit(')', 1)[1].split()[16])\n"
+        "    except FileNotFoundError: return None  # ended: the session's own, its work done\n"
+        "print([n for n in map(nice, os.listdir('/proc/self/task')) if n is not None])\n"
+    )
+    env = {**os.environ, "SHARDYARD_TRAINER_NICE": "7"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    nices = json.loads(out.stdout)
+    assert len(nices) >= 3 and set(nices) == {7}, nices
