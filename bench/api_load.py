@@ -125,6 +125,27 @@ class Streams:
             self._proc.kill()
 
 
+def _gc_pauses(exposition: str) -> dict[str, dict[str, float]]:
+    """{generation: {"n": collections, "s": seconds held, "over_50ms": collections}} of the API
+    process (shardyard_gc_pause_seconds)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in exposition.splitlines():
+        if not line.startswith("shardyard_gc_pause_seconds"):
+            continue
+        name, _, value = line.rpartition(" ")
+        gen = name.split('generation="', 1)[1].split('"', 1)[0] if 'generation="' in name else "?"
+        row = out.setdefault(gen, {"n": 0.0, "s": 0.0, "over_50ms": 0.0})
+        if name.startswith("shardyard_gc_pause_seconds_count"):
+            row["n"] = float(value)
+        elif name.startswith("shardyard_gc_pause_seconds_sum"):
+            row["s"] = round(float(value), 3)
+        elif 'le="0.05"' in name:
+            row["over_50ms"] = -float(value)  # the count comes below: over = count - under
+    for row in out.values():
+        row["over_50ms"] = row["n"] + row["over_50ms"]
+    return out
+
+
 def _stream_reads(exposition: str) -> dict[str, dict[str, float]]:
     """{"reads"|"rows": {why: count}} from the API's Prometheus text (shardyard_sse_database_*)."""
     out: dict[str, dict[str, float]] = {"reads": {}, "rows": {}}
@@ -205,7 +226,9 @@ def run(
         _cancel_all(c, streamed=[j["id"] for j in trained])
         # what the streams read from the database (core/telemetry.py): counts the machine's load
         # does not move, beside the walls it does
-        stream_db = _stream_reads(c.get("/metrics").text)
+        exposition = c.get("/metrics").text
+        stream_db = _stream_reads(exposition)
+        gc_pauses = _gc_pauses(exposition)
     every = [x for xs in timed.lat.values() for x in xs]
     routes = {r: {**_percentiles(xs), "max_ms": max(xs)} for r, xs in sorted(timed.lat.items())}
     return {
@@ -226,6 +249,8 @@ def run(
             sum(b - a for a, b in zip(steps_before, steps_after, strict=True)) / seconds, 2
         ),
         "stream_database_reads": stream_db,
+        # the API process held still by its garbage collector over the whole stack's life
+        "gc_pauses": gc_pauses,
         "submits_per_s_target": rate,
         "submits_per_s_achieved": achieved,
         "seconds": seconds,
@@ -481,6 +506,7 @@ def main() -> None:
     print(f"slowest: {slow}")
     print(f"stall reports in the API's log: {len(res['stall_reports'])} (in the JSON's stall_reports)")
     print(f"streams' database reads (and rows framed), by why: {res['stream_database_reads']}")
+    print(f"the API's garbage collections, by generation: {res['gc_pauses']}")
     print(
         f"CPU-seconds a second: {res['cpu_s_per_s']}; streamed jobs' steps a second: {res['streamed_steps_per_s']}"
     )

@@ -11,7 +11,10 @@ dir when it is unset; without it, /metrics shows only the answering process's ow
 
 from __future__ import annotations
 
+import gc
 import os
+import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -83,6 +86,30 @@ WEBHOOK_ATTEMPTS = Counter(
     "Webhook POSTs by result: delivered (2xx), retry (will try again), gave_up (last attempt failed)",
     ["result"],
 )
+
+
+GC_PAUSE = Histogram(
+    "shardyard_gc_pause_seconds",
+    "The API process held still by Python's garbage collector, a collection at a time, by "
+    "generation (2: a full one, which walks every object made since start-up)",
+    ["generation"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
+
+def time_gc() -> Callable[[str, dict[str, int]], None]:
+    """Observe every collection of this process in GC_PAUSE (its callbacks run in whichever thread
+    collects, holding the interpreter: no other thread runs meanwhile). Returns the callback."""
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            GC_PAUSE.labels(str(info["generation"])).observe(time.perf_counter() - began[0])
+
+    gc.callbacks.append(on_gc)
+    return on_gc
 
 
 def multiprocess() -> bool:
