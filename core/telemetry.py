@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -97,19 +99,44 @@ GC_PAUSE = Histogram(
 )
 
 
-def time_gc() -> Callable[[str, dict[str, int]], None]:
-    """Observe every collection of this process in GC_PAUSE (its callbacks run in whichever thread
-    collects, holding the interpreter: no other thread runs meanwhile). Returns the callback."""
+_GC_PAUSES: deque[tuple[int, float]] = deque(maxlen=10_000)
+"""(generation, seconds) of the collections not yet observed in GC_PAUSE."""
+
+
+def time_gc(*, flush_s: float = 1.0) -> Callable[[str, dict[str, int]], None]:
+    """Time every collection of this process, and observe them in GC_PAUSE from a thread of their
+    own every `flush_s` (0: never; `flush_gc_pauses` then does). Not in the collector's callback:
+    a collection can start inside prometheus-client's own lock (any allocation may start one, in
+    whichever thread allocates), and observing from there would wait for that lock for ever.
+    Returns the callback."""
     began = [0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             began[0] = time.perf_counter()
         else:
-            GC_PAUSE.labels(str(info["generation"])).observe(time.perf_counter() - began[0])
+            _GC_PAUSES.append((info["generation"], time.perf_counter() - began[0]))
 
     gc.callbacks.append(on_gc)
+    if flush_s > 0:
+
+        def flush_every() -> None:
+            while True:
+                time.sleep(flush_s)
+                flush_gc_pauses()
+
+        threading.Thread(target=flush_every, daemon=True, name="gc-pauses").start()
     return on_gc
+
+
+def flush_gc_pauses() -> int:
+    """Observe the collections timed since the last flush; returns how many."""
+    n = 0
+    while _GC_PAUSES:
+        generation, seconds = _GC_PAUSES.popleft()
+        GC_PAUSE.labels(str(generation)).observe(seconds)
+        n += 1
+    return n
 
 
 def multiprocess() -> bool:
