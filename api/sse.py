@@ -317,6 +317,8 @@ class _Look:
 
 _LOOKS: dict[tuple[str, int], _Look] = {}
 _LOOKING: dict[tuple[str, int], tuple[float, asyncio.Future[_Look]]] = {}
+"""Reads under way (when each began), of this process's event loop: one left by a loop that
+closed is never awaited from another."""
 _LOOKS_KEPT = 4096
 _LOOK_EVENTS = 16
 
@@ -343,6 +345,8 @@ async def _look(settings: Settings, job_id: int, *, since: float) -> _Look:
     if hit is not None and hit.at >= since:
         return hit
     pending = _LOOKING.get(key)
+    if pending is not None and pending[1].get_loop() is not asyncio.get_running_loop():
+        pending = None
     if pending is None or pending[0] < since:
         began = time.monotonic()
         SSE_READS.labels("look").inc()
@@ -438,7 +442,9 @@ async def _recheck(
     cur.settle()
     upto = cur.metric if how.upto is None else how.upto
     how.newest = look.newest_metric
-    if not look.terminal and upto <= cur.metric and not look.lacks_events(cur):
+    # while the stream has sent events above its horizon (the last `_SETTLE_S`), a lower one of
+    # another writer may still commit; the look, up to half an interval old, may predate it
+    if not look.terminal and upto <= cur.metric and not cur.recent and not look.lacks_events(cur):
         return [], True
     return await _catch_up(settings, job_id, cur, how)
 

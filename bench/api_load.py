@@ -83,7 +83,10 @@ def _drain_streams(
     got, closed = 0, 0
     while not conn.poll():
         for key, _ in sel.select(timeout=0.5):
-            data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+            try:
+                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+            except OSError:  # reset by the server: counted as closed early, like an end
+                data = b""
             if not data:
                 sel.unregister(key.fileobj)
                 closed += 1
@@ -219,7 +222,9 @@ def run(
         }
         # the time the API's threads were ready to run and waited for a core: how much of a
         # request's time was the machine's, not the API's
-        cpu["api_waited_for_a_core"] = round((_waited_s(stack.procs["api"].pid) - api_waited) / wall, 3)
+        cpu["api_waited_for_a_core"] = round(
+            _waited_between(api_waited, _waited_s(stack.procs["api"].pid)) / wall, 3
+        )
         load.append(os.getloadavg()[0])
         opened.close()
         delivered, dropped = opened.bytes, opened.closed
@@ -246,7 +251,7 @@ def run(
         "streamed_job_step": streamed_step,
         # how fast the streamed jobs trained during the run: what their streams carried live
         "streamed_steps_per_s": round(
-            sum(b - a for a, b in zip(steps_before, steps_after, strict=True)) / seconds, 2
+            sum(b - a for a, b in zip(steps_before, steps_after, strict=True)) / wall, 2
         ),
         "stream_database_reads": stream_db,
         # the API process held still by its garbage collector over the whole stack's life
@@ -322,16 +327,23 @@ def _submit(timed: _Timed, *, rate: float, seconds: float, load: list[float]) ->
     return n / (time.perf_counter() - t0)
 
 
-def _waited_s(pid: int) -> float:
-    """Seconds `pid`'s threads have spent runnable and waiting for a CPU (/proc's schedstat)."""
-    total = 0
+def _waited_s(pid: int) -> dict[int, float]:
+    """Seconds each of `pid`'s threads has spent runnable and waiting for a CPU (/proc's
+    schedstat), by thread id."""
+    out = {}
     for tid in _threads(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
+                out[tid] = int(f.read().split()[1]) / 1e9
         except (OSError, IndexError, ValueError):
             pass  # ended meanwhile
-    return total / 1e9
+    return out
+
+
+def _waited_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """The wait of the threads alive at both samples, plus all of those started between (a
+    thread that ended between is left out: its last figure is not known)."""
+    return sum(w - before.get(tid, 0.0) for tid, w in after.items())
 
 
 def _steps(c: httpx.Client, trained: list[dict]) -> list[int]:

@@ -12,6 +12,7 @@ dir when it is unset; without it, /metrics shows only the answering process's ow
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.multiproc import MULTIPROC_ENV
+
+log = logging.getLogger(__name__)
 
 # from a quick read to a slow request or tick under load: 1 ms .. 10 s
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -123,7 +126,10 @@ def time_gc(*, flush_s: float = 1.0) -> Callable[[str, dict[str, int]], None]:
         def flush_every() -> None:
             while True:
                 time.sleep(flush_s)
-                flush_gc_pauses()
+                try:
+                    flush_gc_pauses()
+                except Exception:  # noqa: BLE001 - the metrics' files (a full disk): next time
+                    log.warning("could not record the garbage collector's pauses", exc_info=True)
 
         threading.Thread(target=flush_every, daemon=True, name="gc-pauses").start()
     return on_gc
@@ -131,11 +137,10 @@ def time_gc(*, flush_s: float = 1.0) -> Callable[[str, dict[str, int]], None]:
 
 def flush_gc_pauses() -> int:
     """Observe the collections timed since the last flush; returns how many."""
-    n = 0
-    while _GC_PAUSES:
+    n = len(_GC_PAUSES)  # those there now: collections made while it observes wait for the next
+    for _ in range(n):
         generation, seconds = _GC_PAUSES.popleft()
         GC_PAUSE.labels(str(generation)).observe(seconds)
-        n += 1
     return n
 
 

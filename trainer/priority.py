@@ -3,12 +3,16 @@
 Where the API, the scheduler and a worker share a machine with trainers that use every core, the
 service must keep answering. A nice value set from outside does not do it: most Linux kernels
 share the CPU between sessions (autogroups) before nice values count, and a trainer runs in a
-session of its own (the sandbox's `--new-session`, or the worker's setsid), so ten busy trainers
+session of its own (the worker starts each with setsid, in the sandbox or not), so ten busy trainers
 hold ten shares against the API's one, whatever their threads' nice values. So the trainer lowers
 its own priority as the first thing it does: its session's nice value, through
 /proc/self/autogroup, and each of its threads' (the threads it starts after inherit it). Lowering one's
 priority needs no privilege; a value at or below the current one changes nothing. The kernel takes
 one session's change every tenth of a second, so trainers that start together take turns.
+
+It is cooperative, not enforced: a user's code may set its own session back to nice 0 (the kernel
+lets any process do that for its own), as it may use every core it is given. The limits that hold
+against a hostile job are the sandbox's and the worker's (workers/limits.py).
 """
 
 from __future__ import annotations
@@ -35,16 +39,27 @@ def yield_cpu(env: Mapping[str, str] = os.environ) -> int:
     if want > current:
         # every thread already running (importing torch starts one), then this one's, which the
         # threads it starts later inherit
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), want)
-            except OSError:
-                pass  # ended meanwhile
+        done: set[str] = set()
+        while todo := set(_threads()) - done:  # again: one it reniced may have started another
+            for tid in todo:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), want)
+                except OSError:
+                    pass  # ended meanwhile
+            done |= todo
+        os.setpriority(os.PRIO_PROCESS, 0, want)  # this one, whatever /proc shows
     # the kernel takes one session's nice value at a time every tenth of a second from a process
     # without CAP_SYS_ADMIN (EAGAIN otherwise): trainers that start together take turns, in a
     # thread of their own so that none waits to start
     threading.Thread(target=_session_nice, args=(want,), daemon=True, name="session-nice").start()
     return max(want, current)
+
+
+def _threads() -> list[str]:
+    try:
+        return os.listdir("/proc/self/task")
+    except OSError:
+        return []  # no /proc: this thread alone
 
 
 def _session_nice(want: int, *, tries: int = 100) -> bool:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from core.telemetry import GC_PAUSE, flush_gc_pauses, time_gc
 
@@ -73,3 +74,25 @@ def test_a_collection_inside_the_metrics_lock_does_not_hang_the_process() -> Non
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 1
+
+
+def test_collections_while_new_series_are_made_in_multiprocess_mode_do_not_hang(tmp_path: Path) -> None:
+    """As the service runs (PROMETHEUS_MULTIPROC_DIR set): one lock for every value of the process,
+    held while a new labelled series makes its file's entry, with a collection after every
+    allocation. The callback that observed from inside a collection hung here."""
+    code = (
+        "import gc\n"
+        "from prometheus_client import Counter\n"
+        "from core.telemetry import flush_gc_pauses, time_gc\n"
+        "time_gc(flush_s=0)\n"
+        "c = Counter('probe', 'probe', ['k'])\n"
+        "gc.set_threshold(1)\n"
+        "for i in range(200):\n"
+        "    c.labels(str(i)).inc()\n"
+        "gc.set_threshold(700)\n"
+        "print(flush_gc_pauses())\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 200

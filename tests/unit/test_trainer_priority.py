@@ -163,3 +163,20 @@ def test_threads_started_before_it_yields_yield_too() -> None:
     assert out.returncode == 0, out.stderr
     nices = json.loads(out.stdout)
     assert len(nices) >= 3 and set(nices) == {7}, nices
+
+
+@pytest.mark.parametrize("module", ["trainer", "trainer.selection"])
+def test_both_programs_a_worker_starts_yield(module: str) -> None:
+    """A job's trainer and a selection batch's both take the nice value before their first line."""
+    code = (
+        "import os, runpy, sys\n"
+        f"sys.argv = [{module!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.getpriority(os.PRIO_PROCESS, 0), file=sys.stderr)\n"
+    )
+    env = {**os.environ, "SHARDYARD_TRAINER_NICE": "9"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stderr.strip().splitlines()[-1] == "9", out.stderr

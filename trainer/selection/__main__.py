@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import torch
 
 from jobrules.spec import SpecError
+from trainer.priority import yield_cpu
 from trainer.protocol import FileStopSignal, ProtocolLines, protocol_channel
 from trainer.workspace import add_environment, set_workspace
 
@@ -203,4 +204,5 @@ def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> in
 
 
 if __name__ == "__main__":
+    yield_cpu()
     sys.exit(main(protocol=protocol_channel()))
