@@ -24,6 +24,9 @@ from datetime import datetime
 
 from db.scheduling import Order
 
+BACKOFF_MAX = 64
+"""The longest wait before asking again, in grace periods (10 s: about 11 minutes)."""
+
 
 class Intake:
     """One worker's readiness over time and the unclaimed orders its heartbeat has seen."""
@@ -37,6 +40,11 @@ class Intake:
         self.seen: dict[tuple[int, datetime], float] = {}
         """(reservation id, sent_at) -> when the heartbeat first saw that order unclaimed. A
         re-sent order has a new sent_at, so its wait starts again."""
+        self.asked: dict[int, int] = {}
+        """Reservation id -> how often this worker asked for it again. Each ask doubles the next
+        wait (up to BACKOFF_MAX times grace_s): an order the worker gets and drops without a claim
+        (a task it does not know, from a newer or older release) is asked for ever less often,
+        not every few seconds for ever."""
         self.lock = threading.Lock()
 
     def sample(self, free: bool) -> None:
@@ -63,14 +71,26 @@ class Intake:
                 for o in unclaimed
             }
             self.seen = seen
+            self.asked = {o.reservation_id: self.asked.get(o.reservation_id, 0) for o in unclaimed}
             if since is None:
                 return []
             out = [
-                o for o in unclaimed if now - max(seen[(o.reservation_id, o.sent_at)], since) >= self.grace_s
+                o
+                for o in unclaimed
+                if now - max(seen[(o.reservation_id, o.sent_at)], since) >= self.wait_s(o.reservation_id)
             ]
             for o in out:
                 del seen[(o.reservation_id, o.sent_at)]
+                self.asked[o.reservation_id] += 1
             return out
+
+    def wait_s(self, reservation_id: int) -> float:
+        """How long the worker waits, free, before it asks for this order (again)."""
+        return self.grace_s * min(2 ** self.asked.get(reservation_id, 0), BACKOFF_MAX)
+
+    def times_asked(self, reservation_id: int) -> int:
+        with self.lock:
+            return self.asked.get(reservation_id, 0)
 
 
 __all__ = ["Intake"]

@@ -195,9 +195,11 @@ def resend_lost(settings: Settings, *, name: str, intake: Intake) -> list[int]:
             if not order_lost(s, order=order):
                 continue  # claimed or sent again meanwhile
             asked.append(order.job_id)
+            times = intake.times_asked(order.reservation_id)
             why = f"its order never reached {name}, free to take it for {intake.grace_s:g} s: sent again"
-            log.warning("job %s: %s", order.job_id, why)
-            add_event(s, job_id=order.job_id, kind="log", message=why)
+            log.warning("job %s: %s (time %d)", order.job_id, why, times)
+            if times == 1:  # the job's log says it once, not at each ask after
+                add_event(s, job_id=order.job_id, kind="log", message=why)
     return asked
 
 

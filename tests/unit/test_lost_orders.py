@@ -130,3 +130,27 @@ def test_an_order_marked_lost_is_sent_again_next_tick_and_only_then(db_url: str)
         assert not dbs.order_lost(s, order=again), "claimed: nothing to send"
         (row,) = s.query(Reservation).filter_by(job_id=job).all()
         assert row.claimed_at is not None and row.sent_at is not None
+
+
+def test_an_order_asked_for_again_and_again_waits_twice_as_long_each_time() -> None:
+    """An order the worker gets and drops without a claim (a task it does not know) stays
+    unclaimed after each re-send: the asks come ever less often, up to BACKOFF_MAX grace periods,
+    not every few seconds for ever."""
+    from workers.intake import BACKOFF_MAX
+
+    clock = Clock()
+    intake = Intake(grace_s=5, clock=clock)
+    intake.sample(True)
+    waits = []
+    for k in range(9):
+        o = _order(sent=datetime(2026, 1, 1, 0, k, tzinfo=UTC))  # each re-send has a new sent_at
+        assert intake.lost([o]) == []
+        waited = 0.0
+        while not intake.lost([o]):
+            clock.t += 1
+            waited += 1
+        waits.append(waited)
+    assert waits == [5, 10, 20, 40, 80, 160, 320, 5 * BACKOFF_MAX, 5 * BACKOFF_MAX]
+    assert intake.times_asked(1) == 9
+    intake.lost([])  # claimed at last: forgotten
+    assert intake.times_asked(1) == 0
