@@ -195,7 +195,14 @@ def _client(stack: Stack) -> httpx.Client:
 
 
 def run(
-    stack: Stack, *, streams: int, rate: float, seconds: float, jobs: int = 1, clients_nice: int = 0
+    stack: Stack,
+    *,
+    streams: int,
+    rate: float,
+    seconds: float,
+    jobs: int = 1,
+    clients_nice: int = 0,
+    trainer_nice: int = 0,
 ) -> dict:
     timed = _Timed(stack)
     with _client(stack) as c:
@@ -239,7 +246,7 @@ def run(
     return {
         "streams": streams,
         "jobs": jobs,
-        "trainers_nice": 19 if jobs > 1 else 0,
+        "trainers_nice": trainer_nice,
         # each trainer's [session nice value, its threads' nice values...] as the run began
         "trainer_priorities": priorities,
         "clients_nice": clients_nice,
@@ -457,6 +464,12 @@ def main() -> None:
     add_load_options(ap, name="api_load")
     ap.add_argument("--jobs", type=int, default=1, help="running jobs the streams are spread over")
     ap.add_argument(
+        "--trainer-nice",
+        type=int,
+        default=19,
+        help="the trainers' nice value with --jobs above 1 (SHARDYARD_TRAINER_NICE; 19: GPU nodes' stand-ins)",
+    )
+    ap.add_argument(
         "--clients-nice",
         type=int,
         default=0,
@@ -471,7 +484,7 @@ def main() -> None:
         # the worker takes every streamed job at once, whatever this machine's core count
         env["SHARDYARD_WORKER_SLOTS"] = str(max(args.jobs, 2))
         if args.jobs > 1:  # the trainers stand in for GPU nodes (_trainer_priorities)
-            env["SHARDYARD_TRAINER_NICE"] = "19"
+            env["SHARDYARD_TRAINER_NICE"] = str(args.trainer_nice)
         env["SHARDYARD_QUOTA_RUNNING_JOBS"] = str(max(args.jobs, 4))  # the admin's, who runs them
         # one worker runs every streamed job at once (a task each)
         with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:
@@ -482,6 +495,7 @@ def main() -> None:
                 seconds=args.seconds,
                 jobs=args.jobs,
                 clients_nice=args.clients_nice,
+                trainer_nice=args.trainer_nice if args.jobs > 1 else 0,
             )
             # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
             api_log = (Path(tmp) / "api.log").read_text(errors="replace")
