@@ -146,7 +146,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         # the API shares this machine with the trainers: they yield to it (trainer/priority.py)
         extra_env={
             **_trusted_hosts_env(),
-            "SHARDYARD_TRAINER_NICE": os.environ.get("SHARDYARD_TRAINER_NICE", "10"),
+            "SHARDYARD_TRAINER_NICE": os.environ.get("SHARDYARD_TRAINER_NICE", "19"),
         },
     )
     console.print(
