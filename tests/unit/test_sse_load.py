@@ -201,6 +201,8 @@ def test_a_jobs_streams_share_one_look_at_it_per_half_interval(
 
     monkeypatch.setattr(api.sse, "_read_look", counted_look)
     monkeypatch.setattr(api.sse, "_replay", counted_replay)
+    settle_s = 1.0
+    monkeypatch.setattr(api.sse, "_SETTLE_S", settle_s)  # 5 s in the service: a shorter wait here
     n, seconds = 20, 3.0
 
     async def main() -> None:
@@ -216,7 +218,7 @@ def test_a_jobs_streams_share_one_look_at_it_per_half_interval(
         tasks = [asyncio.ensure_future(drain(s)) for s in streams]
         # the job's status event, sent by each opening replay, settles below the streams' horizons
         # (until then a recheck reads for itself: a lower event of another writer may still come)
-        await asyncio.sleep(api.sse._SETTLE_S + 0.5)
+        await asyncio.sleep(settle_s + 0.5)
         replays.clear()
         looks.clear()
         await asyncio.sleep(seconds)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,15 @@ JOB = {
     "data": {"max_chars": 20_000},
     "train": {"steps": 1_000_000, "batch_size": 2, "eval_every": 100_000, "eval_batches": 1},
 }
+
+
+@pytest.fixture(autouse=True)
+def _our_session_keeps_its_priority() -> Iterator[None]:
+    """No trainer here may renice the session of the tests that start it (a CI run, whose every
+    other test it would slow down): each runs in a session of its own, as a worker starts it."""
+    before = _autogroup(os.getpid())
+    yield
+    assert _autogroup(os.getpid()) == before
 
 
 def _autogroup(pid: int) -> tuple[str, int] | None:
@@ -159,7 +169,15 @@ def test_threads_started_before_it_yields_yield_too() -> None:
         "print([n for n in map(nice, os.listdir('/proc/self/task')) if n is not None])\n"
     )
     env = {**os.environ, "SHARDYARD_TRAINER_NICE": "7"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    # in a session of its own, as a worker starts a trainer: its session's nice value is its own
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
     assert out.returncode == 0, out.stderr
     nices = json.loads(out.stdout)
     assert len(nices) >= 3 and set(nices) == {7}, nices
@@ -178,5 +196,12 @@ def test_both_programs_a_worker_starts_yield(module: str) -> None:
         "print(os.getpriority(os.PRIO_PROCESS, 0), file=sys.stderr)\n"
     )
     env = {**os.environ, "SHARDYARD_TRAINER_NICE": "9"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert out.stderr.strip().splitlines()[-1] == "9", out.stderr
