@@ -54,7 +54,7 @@ from core.broker import broker_signing_key, job_channel
 from core.settings import Settings
 from core.telemetry import SSE_READS, SSE_ROWS
 from db.connection import session_for
-from db.ingest import events_after, last_status_event, metrics_after, newest_event_ids, newest_metric_id
+from db.ingest import events_after, last_status_event, metrics_after, newest_event_id, newest_metric_id
 from db.jobs import job_status
 from db.models import TERMINAL, JobEvent
 
@@ -305,14 +305,7 @@ class _Look:
     """When the read began (monotonic)."""
     terminal: bool
     newest_metric: int
-    newest_events: tuple[int, ...]
-    """The ids of the job's newest `_LOOK_EVENTS` events, newest first."""
-
-    def lacks_events(self, cur: Cursor) -> bool:
-        """Whether the job may hold an event above the cursor's horizon that the stream has not
-        sent: one the look saw and the stream did not send, or more above it than the look holds."""
-        above = [i for i in self.newest_events if i > cur.horizon]
-        return len(above) == _LOOK_EVENTS or any(i not in cur.sent for i in above)
+    newest_event: int
 
 
 _LOOKS: dict[tuple[str, int], _Look] = {}
@@ -320,7 +313,6 @@ _LOOKING: dict[tuple[str, int], tuple[float, asyncio.Future[_Look]]] = {}
 """Reads under way (when each began), of this process's event loop: one left by a loop that
 closed is never awaited from another."""
 _LOOKS_KEPT = 4096
-_LOOK_EVENTS = 16
 
 
 def _read_look(settings: Settings, job_id: int) -> _Look:
@@ -331,7 +323,7 @@ def _read_look(settings: Settings, job_id: int) -> _Look:
             at=at,
             terminal=terminal,
             newest_metric=newest_metric_id(s, job_id=job_id),
-            newest_events=tuple(newest_event_ids(s, job_id=job_id, limit=_LOOK_EVENTS)),
+            newest_event=newest_event_id(s, job_id=job_id),
         )
 
 
@@ -431,8 +423,8 @@ async def _recheck(
 ) -> tuple[list[str], bool]:
     """A following stream's periodic look: the job's shared state (`_look`, read at `since` or
     later), then rows of its own only when the job is over, a point up to `how.upto` has not come
-    live, or an event above the cursor's horizon may be missing (`_Look.lacks_events`). `how.newest`
-    gets the newest metric id the look saw. Half an interval's age keeps each look newer than the
+    live, or the job has an event above the cursor's horizon. `how.newest` gets the newest metric
+    id the look saw. Half an interval's age keeps each look newer than the
     stream's previous one."""
     try:
         look = await _look(settings, job_id, since=since)
@@ -444,7 +436,8 @@ async def _recheck(
     how.newest = look.newest_metric
     # while the stream has sent events above its horizon (the last `_SETTLE_S`), a lower one of
     # another writer may still commit; the look, up to half an interval old, may predate it
-    if not look.terminal and upto <= cur.metric and not cur.recent and not look.lacks_events(cur):
+    # with nothing sent above its horizon in that window, any event above it is one not sent
+    if not look.terminal and upto <= cur.metric and not cur.recent and look.newest_event <= cur.horizon:
         return [], True
     return await _catch_up(settings, job_id, cur, how)
 

@@ -275,10 +275,9 @@ def newest_metric_id(session: Session, *, job_id: int) -> int:
     return session.scalar(select(func.max(MetricPoint.id)).where(MetricPoint.job_id == job_id)) or 0
 
 
-def newest_event_ids(session: Session, *, job_id: int, limit: int) -> list[int]:
-    """The ids of the job's newest `limit` events, newest first: read from its (job_id, id) index."""
-    q = select(JobEvent.id).where(JobEvent.job_id == job_id).order_by(JobEvent.id.desc()).limit(limit)
-    return list(session.scalars(q))
+def newest_event_id(session: Session, *, job_id: int) -> int:
+    """The id of the job's newest event (0 when none): one step down its (job_id, id) index."""
+    return session.scalar(select(func.max(JobEvent.id)).where(JobEvent.job_id == job_id)) or 0
 
 
 def events_after(
