@@ -154,6 +154,20 @@ def test_trainers_that_start_together_all_get_their_sessions_nice_value(tmp_path
             proc.wait()
 
 
+def _python_yielding(code: str, *, nice: int) -> subprocess.CompletedProcess[str]:
+    """`python -c code` with SHARDYARD_TRAINER_NICE=`nice`, in a session of its own as a worker
+    starts a trainer (its session's nice value is then its own, not the tests')."""
+    env = {**os.environ, "SHARDYARD_TRAINER_NICE": str(nice)}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+
+
 def test_threads_started_before_it_yields_yield_too() -> None:
     """Importing torch starts a thread before the trainer's first line runs: that one and the
     threads started after all take the nice value."""
@@ -168,16 +182,7 @@ def test_threads_started_before_it_yields_yield_too() -> None:
         "    except FileNotFoundError: return None  # ended: the session's own, its work done\n"
         "print([n for n in map(nice, os.listdir('/proc/self/task')) if n is not None])\n"
     )
-    env = {**os.environ, "SHARDYARD_TRAINER_NICE": "7"}
-    # in a session of its own, as a worker starts a trainer: its session's nice value is its own
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-    )
+    out = _python_yielding(code, nice=7)
     assert out.returncode == 0, out.stderr
     nices = json.loads(out.stdout)
     assert len(nices) >= 3 and set(nices) == {7}, nices
@@ -195,13 +200,5 @@ def test_both_programs_a_worker_starts_yield(module: str) -> None:
         "    pass\n"
         "print(os.getpriority(os.PRIO_PROCESS, 0), file=sys.stderr)\n"
     )
-    env = {**os.environ, "SHARDYARD_TRAINER_NICE": "9"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,
-    )
+    out = _python_yielding(code, nice=9)
     assert out.stderr.strip().splitlines()[-1] == "9", out.stderr
