@@ -679,6 +679,15 @@ def main() -> None:
         help="write this run as the section SECTION of bench/results/<out>.json, the file's other "
         "contents left as they are (a rerun of one comparison of the committed result)",
     )
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds to wait before each REST batch, so that it meets its worker's spare sandboxed "
+        "trainer ready, as a worker idle a while has it (workers/spare.py). 0: as the sides fall; a "
+        "REST batch right after another then waits for the spare that batch's end started to finish "
+        "its imports (about 2 s here)",
+    )
     ap.add_argument("--search", action="store_true", help="TPE over REST beside Ray Tune's OptunaSearch")
     ap.add_argument("--search-sides", default="rest-grid,rest-tpe,ray-optuna", help="--search: the sides run")
     ap.add_argument(
@@ -719,6 +728,8 @@ def main() -> None:
                         if side == "bare" and mode == "asha":
                             continue
                         on = bare_client if side == "rest-unsandboxed" else client
+                        if side.startswith("rest") and args.pause:
+                            time.sleep(args.pause)
                         runs.append(
                             _one_run(side, mode, rep=rep, ts=ts, steps=args.steps, client=on, tmp=tmp)
                         )

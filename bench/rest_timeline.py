@@ -297,6 +297,14 @@ def main() -> None:
         help="rest_timeline, or rest_gaps with --gaps (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
     )
     ap.add_argument("--gaps", action="store_true", help="the executor alone, orders sent ahead or not")
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds between one batch's end (the warm-up's too) and the next submit (0: back to back, so each batch "
+        "meets the spare sandboxed trainer the last one's end started, still importing; about 10: "
+        "a worker that was idle a while, its spare ready)",
+    )
     args = ap.parse_args()
     if args.gaps:
         args.out = args.out or "rest_gaps"
@@ -310,6 +318,8 @@ def main() -> None:
         db = tmp / "stack" / "shardyard.db"
         try:
             for rep in range(args.reps):
+                if args.pause:
+                    time.sleep(args.pause)
                 before = os.getloadavg()[0]
                 with ReservationWatch(db) as watch:
                     sid = _run_batch(client, args.steps, args.mode)

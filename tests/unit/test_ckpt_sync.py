@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core import storage
 from core.storage import Storage, open_storage
 from jobrules.applied import APPLIED_FILE, write_applied_step
 from tests.s3 import S3Server
@@ -117,7 +118,13 @@ def _until(pred, timeout: float = 60) -> None:  # noqa: ANN001
         time.sleep(0.1)
 
 
-def test_a_failed_upload_is_reported_retried_and_never_raised(s3: S3Server, tmp_path: Path) -> None:
+def test_a_failed_upload_is_reported_retried_and_never_raised(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the hung store is given up on sooner than a deployment's (10 s a request, 30 s an operation):
+    # the same client and deadlines, read as the store is opened and as each operation starts
+    monkeypatch.setattr(storage, "READ_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(storage, "OP_TIMEOUT_S", 6.0)
     store = open_storage(url="s3://shardyard/u", data_dir=tmp_path, endpoint_url=s3.endpoint)
     host = tmp_path / "host"
     told: list[str] = []
