@@ -28,12 +28,15 @@ device fork, first step, tail (last trial's end in the executor to the batch's e
 packing (how long one device was idle while the other trained the batch's last trials).
 Writes bench/results/<out>.json with the machine and the load average.
 
-    python -m bench.rest_timeline --gaps [--reps 3] [--steps 100] [--out rest_gaps]
+    python -m bench.rest_timeline --gaps [--reps 3] [--steps 100] [--mode fifo] [--out rest_gaps]
 
 The executor alone on the same batch (in this process, device processes, the trace of every
 task), with the next order sent ahead (`ExecutorConfig.send_ahead`, the default) and without,
 interleaved: per device the gaps between one task's end and the next one's start (the dispatch
-round trip, evaluations included), their median, and the devices' busy share of the run.
+round trip, evaluations included), their median, and the devices' busy share of the run. Each
+run also records every device's tasks as runs of one trial (`segments`); with `--mode asha` it
+prints them, to show where a device idled and which trial trained alone at the end
+(bench/results/rest_gaps_asha.json).
 """
 
 from __future__ import annotations
@@ -214,8 +217,21 @@ def _worker_marks(stack_root: Path, selection_id: int) -> dict[str, float]:
     return found
 
 
-def run_gaps(steps: int, *, send_ahead: bool) -> dict[str, Any]:
-    """The peer FIFO batch through the executor in this process; the devices' gaps between tasks."""
+def device_segments(trace: list[Any], device: int, t0: float) -> list[dict[str, Any]]:
+    """`device`'s tasks in order, runs of one trial's consecutive tasks (less than 50 ms apart)
+    merged: the trial, how many tasks, and the span in seconds from `t0`."""
+    segs: list[dict[str, Any]] = []
+    for x in sorted((x for x in trace if x.device == device), key=lambda x: x.start):
+        if segs and segs[-1]["trial"] == x.trial and x.start - t0 - segs[-1]["end_s"] < 0.05:
+            segs[-1].update(end_s=x.end - t0, tasks=segs[-1]["tasks"] + 1)
+        else:
+            segs.append({"trial": x.trial, "tasks": 1, "start_s": x.start - t0, "end_s": x.end - t0})
+    return segs
+
+
+def run_gaps(steps: int, *, send_ahead: bool, mode: str = "fifo") -> dict[str, Any]:
+    """The peer batch through the executor in this process; the devices' gaps between tasks, and
+    each device's runs of one trial's tasks (where a device idled, and what ran alone)."""
     import torch
 
     from bench.peer import batch_doc, trials
@@ -224,7 +240,7 @@ def run_gaps(steps: int, *, send_ahead: bool) -> dict[str, Any]:
     from trainer.selection.executor import Executor, TrialEntry
     from trainer.selection.job import parse_batch
 
-    spec = parse_batch(batch_doc(trials(steps), "fifo"))
+    spec = parse_batch(batch_doc(trials(steps), mode))
     spec.executor.send_ahead = send_ahead
     entries = [TrialEntry(index=t.index, job=load_job(t.spec), sink=NullSink()) for t in spec.trials]
     ex = Executor(entries, devices=[torch.device("cpu")] * 2, cfg=spec.executor)
@@ -237,9 +253,12 @@ def run_gaps(steps: int, *, send_ahead: bool) -> dict[str, Any]:
         gaps += [b.start - a.end for a, b in zip(sl, sl[1:], strict=False)]
         busy += sum(x.end - x.start for x in sl)
         spans.append(sl[-1].end - sl[0].start)
+    t0_trace = min(x.start for x in ex.trace)
     return {
         "send_ahead": send_ahead,
+        "mode": mode,
         "wall_s": wall,
+        "segments": [device_segments(ex.trace, d, t0_trace) for d in range(2)],
         "tasks": len(ex.trace),
         "orders": sum(r.orders for r in ex.runs.values()),
         "orders_ahead": ex.orders_ahead,
@@ -255,7 +274,7 @@ def gaps_main(args: argparse.Namespace) -> None:
     for rep in range(args.reps):
         for ahead in (False, True):
             before = os.getloadavg()[0]
-            r = run_gaps(args.steps, send_ahead=ahead)
+            r = run_gaps(args.steps, send_ahead=ahead, mode=args.mode)
             r.update(rep=rep, load_before=before, load_after=os.getloadavg()[0])
             runs.append(r)
             print(
@@ -264,6 +283,18 @@ def gaps_main(args: argparse.Namespace) -> None:
                 f"gaps {r['gaps_s']:.2f} s, busy {r['busy_share']:.3f}, load {before:.1f}->{r['load_after']:.1f}",
                 flush=True,
             )
+            if args.mode == "asha":  # who trained where, and what ran alone at the end
+                for d, segs in enumerate(r["segments"]):
+                    tail = [g for g in segs if g["tasks"] > 1]
+                    last = segs[-1]
+                    print(
+                        f"  device {d}: {len(segs)} runs, idle after {last['end_s']:.2f} s; runs of more "
+                        "than one task: "
+                        + ", ".join(
+                            f"trial {g['trial']} x{g['tasks']} {g['start_s']:.2f}-{g['end_s']:.2f} s"
+                            for g in tail
+                        )
+                    )
     assert len({json.dumps(r["val_loss"], sort_keys=True) for r in runs}) == 1, "the runs' numbers differ"
     med = {
         str(ahead): {
@@ -294,7 +325,7 @@ def main() -> None:
     ap.add_argument(
         "--out",
         default=None,
-        help="rest_timeline, or rest_gaps with --gaps (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
+        help="rest_timeline, or with --gaps rest_gaps (rest_gaps_asha with --mode asha) (the default is the one current result, which is committed; another name is a scratch run for a comparison, not to be committed)",
     )
     ap.add_argument("--gaps", action="store_true", help="the executor alone, orders sent ahead or not")
     ap.add_argument(
@@ -307,7 +338,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.gaps:
-        args.out = args.out or "rest_gaps"
+        args.out = args.out or ("rest_gaps" if args.mode == "fifo" else "rest_gaps_asha")
         gaps_main(args)
         return
     args.out = args.out or "rest_timeline"
