@@ -533,6 +533,8 @@ def run_search(args: argparse.Namespace) -> None:
             for rep in range(args.reps):
                 seed = rep
                 for side in args.search_sides.split(","):
+                    if side.startswith("rest") and args.pause:
+                        time.sleep(args.pause)
                     before = load()
                     if side == "rest-grid":
                         out = run_rest_search(
@@ -683,7 +685,7 @@ def main() -> None:
         "--pause",
         type=float,
         default=0.0,
-        help="seconds to wait before each REST batch, so that it meets its worker's spare sandboxed "
+        help="seconds to wait before each REST batch (with --search too), so that it meets its worker's spare sandboxed "
         "trainer ready, as a worker idle a while has it (workers/spare.py). 0: as the sides fall; a "
         "REST batch right after another then waits for the spare that batch's end started to finish "
         "its imports (about 2 s here)",
