@@ -236,12 +236,15 @@ def test_max_runtime_counts_every_attempt(faults: StackHandle) -> None:
     _kill_worker(faults.stack)
     faults.stack.start_worker(1)
     done = faults.wait(job["id"], ("failed",), timeout=180)
-    assert done["attempts"] == 2
+    # 2: the killed attempt and its re-claim. More where the suite's load held the new attempt's
+    # lease renewal past this stack's 3 s lease and it was taken back again (a CI run saw 3): each
+    # later attempt, too, gets only what is left, which the bounds below check
+    assert done["attempts"] >= 2, _logs(faults, job["id"])
     assert f"max_runtime_s ({limit} s over all its attempts" in done["error"], done["error"]
     earlier = float(re.search(r"([\d.]+) s of it in earlier attempts", done["error"])[1])
     assert earlier >= used - 0.05
     # it ran to the limit, and the second attempt did not get a fresh 10 s (that would be >= 15)
-    assert limit <= done["run_seconds"] < limit + limit / 2, done["run_seconds"]
+    assert limit <= done["run_seconds"] < limit + limit / 2, (done["run_seconds"], _logs(faults, job["id"]))
     assert _trainer_pids(faults.stack.root, job["id"]) == []
 
 

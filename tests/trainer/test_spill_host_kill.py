@@ -68,7 +68,10 @@ def hold(opt, args, kwargs):  # before every optimizer step of this process
         return
     first = opt.param_groups[0]["params"][0]
     if int(opt.state[first]["step"]) + 1 == hold_at:  # the training step this call steps
-        marker.write_text(threading.current_thread().name)
+        # written aside and renamed: the test, polling for the marker, never reads it half written
+        part = marker.with_name(marker.name + ".part")
+        part.write_text(threading.current_thread().name)
+        part.replace(marker)
         threading.Event().wait()  # never set: the kill lands here
 
 
