@@ -483,8 +483,9 @@ def main() -> None:
         env = {"SHARDYARD_SSE_MAX_PER_CLIENT": str(args.streams + 10), "SHARDYARD_STALL_LOG_S": "0.5"}
         # the worker takes every streamed job at once, whatever this machine's core count
         env["SHARDYARD_WORKER_SLOTS"] = str(max(args.jobs, 2))
+        trainer_nice = args.trainer_nice if args.jobs > 1 else 0
         if args.jobs > 1:  # the trainers stand in for GPU nodes (_trainer_priorities)
-            env["SHARDYARD_TRAINER_NICE"] = str(args.trainer_nice)
+            env["SHARDYARD_TRAINER_NICE"] = str(trainer_nice)
         env["SHARDYARD_QUOTA_RUNNING_JOBS"] = str(max(args.jobs, 4))  # the admin's, who runs them
         # one worker runs every streamed job at once (a task each)
         with Stack(root=Path(tmp), workers=1, concurrency=args.jobs, extra_env=env, shutdown_s=60) as stack:
@@ -495,7 +496,7 @@ def main() -> None:
                 seconds=args.seconds,
                 jobs=args.jobs,
                 clients_nice=args.clients_nice,
-                trainer_nice=args.trainer_nice if args.jobs > 1 else 0,
+                trainer_nice=trainer_nice,
             )
             # what the API logged of requests that waited over SHARDYARD_STALL_LOG_S (api/stalls.py)
             api_log = (Path(tmp) / "api.log").read_text(errors="replace")

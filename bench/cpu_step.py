@@ -65,7 +65,6 @@ def profile(layers: int, steps: int) -> dict[str, Any]:
     from torch.profiler import profile as torch_profile
 
     _run(layers, 3, threads=1)  # warm
-    torch.set_num_threads(1)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         _run(layers, steps, threads=1)
     events = prof.key_averages()

@@ -533,8 +533,7 @@ def run_search(args: argparse.Namespace) -> None:
             for rep in range(args.reps):
                 seed = rep
                 for side in args.search_sides.split(","):
-                    if side.startswith("rest") and args.pause:
-                        time.sleep(args.pause)
+                    pause_before(side, args.pause)
                     before = load()
                     if side == "rest-grid":
                         out = run_rest_search(
@@ -664,6 +663,12 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def pause_before(side: str, seconds: float) -> None:
+    """`--pause`: wait before a REST side's batch, so that it meets its worker's spare ready."""
+    if side.startswith("rest") and seconds:
+        time.sleep(seconds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__)
     ap.add_argument("--reps", type=int, default=3)
@@ -730,8 +735,7 @@ def main() -> None:
                         if side == "bare" and mode == "asha":
                             continue
                         on = bare_client if side == "rest-unsandboxed" else client
-                        if side.startswith("rest") and args.pause:
-                            time.sleep(args.pause)
+                        pause_before(side, args.pause)
                         runs.append(
                             _one_run(side, mode, rep=rep, ts=ts, steps=args.steps, client=on, tmp=tmp)
                         )

@@ -217,11 +217,11 @@ def _worker_marks(stack_root: Path, selection_id: int) -> dict[str, float]:
     return found
 
 
-def device_segments(trace: list[Any], device: int, t0: float) -> list[dict[str, Any]]:
-    """`device`'s tasks in order, runs of one trial's consecutive tasks (less than 50 ms apart)
-    merged: the trial, how many tasks, and the span in seconds from `t0`."""
+def device_segments(tasks: list[Any], t0: float) -> list[dict[str, Any]]:
+    """One device's `tasks` (in start order) as runs of one trial's consecutive tasks (less than
+    50 ms apart) merged: the trial, how many tasks, and the span in seconds from `t0`."""
     segs: list[dict[str, Any]] = []
-    for x in sorted((x for x in trace if x.device == device), key=lambda x: x.start):
+    for x in tasks:
         if segs and segs[-1]["trial"] == x.trial and x.start - t0 - segs[-1]["end_s"] < 0.05:
             segs[-1].update(end_s=x.end - t0, tasks=segs[-1]["tasks"] + 1)
         else:
@@ -247,18 +247,19 @@ def run_gaps(steps: int, *, send_ahead: bool, mode: str = "fifo") -> dict[str, A
     t0 = time.perf_counter()
     res = ex.run()
     wall = time.perf_counter() - t0
-    gaps, busy, spans = [], 0.0, []
+    gaps, busy, spans, segments = [], 0.0, [], []
+    t0_trace = min(x.start for x in ex.trace)
     for d in range(2):
         sl = sorted((x for x in ex.trace if x.device == d), key=lambda x: x.start)
         gaps += [b.start - a.end for a, b in zip(sl, sl[1:], strict=False)]
         busy += sum(x.end - x.start for x in sl)
         spans.append(sl[-1].end - sl[0].start)
-    t0_trace = min(x.start for x in ex.trace)
+        segments.append(device_segments(sl, t0_trace))
     return {
         "send_ahead": send_ahead,
         "mode": mode,
         "wall_s": wall,
-        "segments": [device_segments(ex.trace, d, t0_trace) for d in range(2)],
+        "segments": segments,
         "tasks": len(ex.trace),
         "orders": sum(r.orders for r in ex.runs.values()),
         "orders_ahead": ex.orders_ahead,
