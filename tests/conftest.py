@@ -18,7 +18,7 @@ import pytest
 
 from api.stack import Stack
 from core.messages import parse_line
-from db.connection import session_for
+from db.connection import get_engine, session_for
 from db.migrate import upgrade
 from db.workers import record_heartbeat
 from tests.sse import TOKENS
@@ -277,9 +277,13 @@ def pg_server() -> Iterator[str]:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh database brought to the latest migration by the real Alembic scripts: a SQLite file,
-    or a new schema-less database on a real PostgreSQL server (same code; the URL decides)."""
+    or a new schema-less database on a real PostgreSQL server (same code; the URL decides).
+
+    At the test's end this process's engine for it is disposed: `db.connection.get_engine` keeps one
+    per URL for the process's life, so each test's pooled connections would otherwise stay open on
+    the session's one server until it refused new clients (its max_connections)."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'test.db'}"
     else:
@@ -294,4 +298,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         admin.dispose()
         url = base.rsplit("/", 1)[0] + f"/{name}"
     upgrade(url)
-    return url
+    try:
+        yield url
+    finally:
+        get_engine(url).dispose()
