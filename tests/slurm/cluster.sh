@@ -103,7 +103,7 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 KillWait=20
-SlurmdTimeout=20
+SlurmdTimeout=10
 InactiveLimit=0
 MinJobAge=300
 NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=$(hostname) Port=$p_n1 CPUs=4 RealMemory=4000 State=UNKNOWN
