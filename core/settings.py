@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     """Single-process trainer runs start warm: sandboxed, from a spare trainer each worker pool
     process keeps imported in a sandbox of its own (workers/spare.py); unsandboxed, forked from a
     zygote that imported torch once (workers/warm.py). False: every run starts a fresh Python."""
+    spare_ahead: Literal["auto", "always", "never"] = "auto"
+    """When a pool process starts its next spare sandboxed trainer (workers/spare.py) after a run
+    took the last one. auto: at once for a run whose compute is on a GPU (it holds GPUs, or asks
+    for any device on a host with NVIDIA device nodes), since the spare's imports then use a core
+    the run leaves idle; when the run has ended for a run on the CPU, whose threads use every core.
+    always: at once for every run (a host whose runs leave cores idle). never: when the run has
+    ended. Started at once, a job right after another on the same pool process starts warm."""
     scheduler_s: float = 1.0
     """The scheduler's tick: how often it frees ended reservations and places queued jobs (a
     submit also wakes the API's embedded scheduler at once)."""

@@ -108,9 +108,15 @@ def execute_job(job_id: int, *, settings: Settings, worker: str) -> str:
 
     workdir = settings.data_dir / "jobs" / str(job_id)
     # a one-process job takes this pool process's sandboxed trainer made ahead (workers/spare.py):
-    # its folder becomes the job's before anything is written there
+    # its folder becomes the job's before anything is written there; the next is started now
+    # where the run leaves the cores idle (a GPU's), else when it has ended
     spec = stored_job(doc)
-    used = spare.take(settings, workdir, fits=world_size == 1 and not spec.requirements)
+    used = spare.take(
+        settings,
+        workdir,
+        fits=world_size == 1 and not spec.requirements,
+        start_next=spare.ahead(settings, gpus=spec.gpus, device=spec.resources.device),
+    )
     try:
         return _run_job(
             settings,

@@ -200,7 +200,13 @@ class Group:
         # the batch's first group on this host takes this pool process's sandboxed trainer made
         # ahead (workers/spare.py); a later one finds the folder its sandbox must bind in use
         fresh = not root.exists() and not base.requirements
-        used = spare.take(settings, root, fits=fresh, move_existing=False)
+        used = spare.take(
+            settings,
+            root,
+            fits=fresh,
+            move_existing=False,
+            start_next=spare.ahead(settings, gpus=base.gpus, device=base.resources.device),
+        )
         root.mkdir(parents=True, exist_ok=True)
         self.group = group = f"group-{won[0][0].index}"
         self.batch = self._batch()

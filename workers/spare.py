@@ -17,8 +17,10 @@ From then on it is the job's folder on the host. Inside the sandbox it keeps the
 the run's command line and environment name that path instead (`translate`), and a symlink from
 the spare's old name to the job's folder lets the host resolve a path the trainer reports. The run
 gets its command, environment and memory limit as one JSON line, sets the limit on itself before
-any of the job's code runs, and becomes `python -m trainer ...`. The spare is used once: the next
-one is started when the job has ended (`replenish`), so its imports never compete with a run.
+any of the job's code runs, and becomes `python -m trainer ...`. The spare is used once. The next
+one is started when the job has ended (`replenish`), so its imports never compete with a run on
+the CPU, whose threads use every core; for a run whose compute is on a GPU it is started as soon
+as the run took this one (`ahead`, Settings.spare_ahead), so a job right after it starts warm.
 
 Supervision is unchanged: the spare's bubblewrap process is the run's process (its own session,
 its pipes, its exit code, SIGKILL when the worker dies). A spare that died, is not ready in time or
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import logging
 import os
@@ -246,13 +249,30 @@ def _start(settings: Settings) -> None:
         _POOL.spare = None
 
 
-def take(settings: Settings, folder: Path, *, fits: bool, move_existing: bool = True) -> Spare | None:
+GPU_NODES = "/dev/nvidia[0-9]*"
+"""The device nodes of a host's NVIDIA GPUs (what a run asking for any device trains on, when there)."""
+
+
+def ahead(settings: Settings, *, gpus: int, device: str) -> bool:
+    """Whether a run that took this pool process's spare has the next one started at once
+    (Settings.spare_ahead): `gpus` it holds, the `device` its spec asks for."""
+    if settings.spare_ahead != "auto":
+        return settings.spare_ahead == "always"
+    return gpus > 0 or (device != "cpu" and bool(glob.glob(GPU_NODES)))
+
+
+def take(
+    settings: Settings, folder: Path, *, fits: bool, move_existing: bool = True, start_next: bool = False
+) -> Spare | None:
     """The spare, adopted as `folder` (Spare.adopt), for a run that `fits` it: one process of the
-    worker's own Python, with no workspace to bind (None: the run starts cold)."""
+    worker's own Python, with no workspace to bind (None: the run starts cold). `start_next`
+    (`ahead`): the pool's next spare is started now, not when the run has ended."""
     if not fits:
         return None
     with _POOL.lock:
         spare, _POOL.spare = _POOL.spare, None
+        if spare is not None and start_next and _POOL.on:
+            _start(settings)
     if spare is None:
         return None
     if not spare.alive():

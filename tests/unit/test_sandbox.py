@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.settings import Settings
+from workers import spare as spare_module
 from workers.sandbox import Sandbox, SandboxUnavailable, allowed_environment, describe, probe
 from workers.spare import Spare
 
@@ -155,3 +156,61 @@ def test_a_spare_is_sandboxed_as_a_cold_run_is_and_becomes_nothing_but_a_trainer
         assert proc.stderr is not None and "cannot run" in (err := proc.stderr.read()), err
     finally:
         spare.discard()
+
+
+def test_the_next_spare_starts_at_once_only_where_the_run_leaves_the_cores_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings.spare_ahead: auto starts the next spare when a run took the last one only for a
+    run on a GPU (it holds GPUs, or asks for any device on a host with GPU device nodes); a CPU
+    run's threads use every core, so its spare waits for the run's end."""
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    monkeypatch.setattr(spare_module, "GPU_NODES", str(nodes / "nvidia[0-9]*"))
+
+    def settings(mode: str) -> Settings:
+        return Settings(data_dir=tmp_path, spare_ahead=mode)
+
+    auto = settings("auto")
+    assert spare_module.ahead(auto, gpus=1, device="cuda")
+    assert spare_module.ahead(auto, gpus=1, device="auto")
+    assert not spare_module.ahead(auto, gpus=0, device="cpu")
+    assert not spare_module.ahead(auto, gpus=0, device="auto")  # no GPU on this host
+    (nodes / "nvidiactl").touch()  # the driver's control node is no GPU
+    assert not spare_module.ahead(auto, gpus=0, device="auto")
+    (nodes / "nvidia0").touch()
+    assert spare_module.ahead(auto, gpus=0, device="auto")
+    assert not spare_module.ahead(auto, gpus=0, device="cpu")  # a run on the CPU, GPU or not
+    assert spare_module.ahead(settings("always"), gpus=0, device="cpu")
+    assert not spare_module.ahead(settings("never"), gpus=2, device="cuda")
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_a_spare_taken_with_start_next_leaves_a_ready_one_for_the_next_run(tmp_path: Path) -> None:
+    """A run that takes its pool process's spare with `start_next` has the next one started at
+    once, a sandbox and imports of its own, ready while the first is still the run's; the run's
+    end keeps that one rather than starting a third. Without `start_next` the pool holds none
+    until the run's end (the CPU run's rule)."""
+    data = tmp_path / "data"
+    settings = Settings(data_dir=data, database_url=f"sqlite:///{data / 'shardyard.db'}")
+    assert spare_module.prestart(settings)
+    try:
+        first = spare_module._POOL.spare
+        assert first is not None
+        used = spare_module.take(settings, data / "jobs" / "1", fits=True, start_next=True)
+        assert used is first and used.adopted == data / "jobs" / "1"
+        following = spare_module._POOL.spare
+        assert following is not None and following is not first and following.adopted is None
+        assert following.inside.is_dir() and following.inside != first.inside
+        assert following.wait_ready(120) and first.alive()
+        spare_module.replenish(settings, used)
+        assert spare_module._POOL.spare is following and following.alive()
+
+        again = spare_module.take(settings, data / "jobs" / "2", fits=True)
+        assert again is following and spare_module._POOL.spare is None
+        spare_module.replenish(settings, again)
+        assert spare_module._POOL.spare is not None and spare_module._POOL.spare is not following
+        assert not following.alive()  # adopted, never started: discarded at the run's end
+    finally:
+        spare_module.shutdown()
+    assert sorted(p.name for p in (data / "jobs").iterdir()) == ["1", "2"]
