@@ -42,9 +42,12 @@ RUNNABLE = ("trainer", "trainer.selection")
 PR_SET_PDEATHSIG = 1
 WARM_MARK = "warm trainer: this run was forked from zygote"
 SPARE_MARK = "warm trainer: this run's sandbox and imports were made before the job came"
+"""The first stderr line of a forked run (the job's stderr.log says how its trainer started)."""
+SPARE_STARTED = "shardyard-spare-started"
+"""The spare's first line on stdout, before its imports: its sandbox is made (workers/spare.py
+STARTED_LINE; the worker may rename the folder it binds from then on)."""
 SPARE_READY = "shardyard-spare-ready"
 """The spare's line on stdout once its imports are done (workers/spare.py READY_LINE)."""
-"""The first stderr line of a forked run (the job's stderr.log says how its trainer started)."""
 
 
 def preload() -> None:
@@ -192,6 +195,7 @@ def spare() -> NoReturn:
     code runs, and become that run."""
 
     def body() -> int:
+        os.write(1, f"{SPARE_STARTED}\n".encode())
         preload()
         os.write(1, f"{SPARE_READY}\n".encode())
         line = sys.stdin.buffer.readline()

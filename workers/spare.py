@@ -52,8 +52,12 @@ log = logging.getLogger(__name__)
 
 PREFIX = ".spare-"
 """A spare's folder in the data dir's jobs/ (no job's: jobs' folders are named by their ids)."""
+STARTED_LINE = "shardyard-spare-started"
+"""What the spare prints on its stdout first, before its imports: its sandbox is made."""
 READY_LINE = "shardyard-spare-ready"
 """What the spare prints on its stdout once its imports are done."""
+BOUND_TIMEOUT_S = 30.0
+"""How long a run that takes the spare waits for its sandbox to be made; after it, cold."""
 READY_TIMEOUT_S = 120.0
 """How long a run waits for its spare's imports (a loaded machine is slow); after it, cold."""
 RUNNABLE = ("trainer", "trainer.selection")
@@ -86,6 +90,10 @@ class Spare:
         )
         self.adopted: Path | None = None
         self.ready = False
+        self._lines_seen = 0  # of STARTED_LINE, READY_LINE
+        self._pending = b""  # read from its stdout, not yet a whole line
+        self.why_not = ""
+        """Why wait_ready said no (set when it does)."""
         self.started = False
         limits = sandbox_limits(self.sandbox)
 
@@ -108,23 +116,65 @@ class Spare:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def wait_bound(self, timeout: float) -> bool:
+        """Whether the sandbox has bound the spare's folder (its started line: bubblewrap makes
+        every mount before it runs Python) within `timeout` seconds. Its folder may be renamed
+        (adopted) only then: a rename before would leave bubblewrap no source to bind."""
+        return self._wait_for(STARTED_LINE, timeout)
+
     def wait_ready(self, timeout: float) -> bool:
-        """Whether the spare finished its imports (its ready line) within `timeout` seconds."""
-        if self.ready:
+        """Whether the spare finished its imports (its ready line) within `timeout` seconds; when
+        not, `why_not` says what it did instead."""
+        return self._wait_for(READY_LINE, timeout)
+
+    def _wait_for(self, want: str, timeout: float) -> bool:
+        """Reads the spare's lines (started, then ready) until `want` has come. Read from the pipe
+        itself, never through the text wrapper, whose buffer would hold a line select cannot see
+        (and that the run's protocol, read through it after the start, must not find)."""
+        order = (STARTED_LINE, READY_LINE)
+        if self._lines_seen > order.index(want):
             return True
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         while self.alive():
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                text = line.decode(errors="replace").strip()
+                due = order[self._lines_seen] if self._lines_seen < len(order) else "nothing"
+                if text != due:
+                    self.why_not = f"it printed {text[:200]!r} where {due!r} was due"
+                    return False
+                self._lines_seen += 1
+                self.ready = self._lines_seen == len(order)
+                if self._lines_seen > order.index(want):
+                    return True
             left = deadline - time.monotonic()
             if left <= 0:
+                self.why_not = f"it had not printed {want!r} within {timeout:g} s"
                 return False
             got, _, _ = select.select([fd], [], [], min(left, 1.0))
             if got:
-                line = self.proc.stdout.readline()
-                self.ready = line.strip() == READY_LINE
-                return self.ready
+                chunk = os.read(fd, 4096)
+                if not chunk:  # its stdout closed: it is ending
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=min(max(left, 0.1), 5.0))
+                    break
+                self._pending += chunk
+        self.why_not = f"it exited with code {self.proc.poll()}: {self._stderr_tail()}"
         return False
+
+    def _stderr_tail(self) -> str:
+        """The end of what a spare that exited wrote on its stderr (none read before)."""
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)  # a process of the sandbox may still hold the pipe open
+        chunks = []
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        text = b"".join(chunks).decode(errors="replace").strip()
+        return text[-500:] or "nothing on its stderr"
 
     def adopt(self, folder: Path, *, move_existing: bool) -> None:
         """Make the spare's folder the run's `folder` (before the attempt writes into it). A job's
@@ -179,7 +229,7 @@ class Spare:
     ) -> subprocess.Popen[str]:
         """The spare becomes `cmd`; returns its process (the run's). Raises when it cannot."""
         if not self.wait_ready(READY_TIMEOUT_S):
-            raise ConnectionError("the spare trainer was not ready in time")
+            raise ConnectionError(f"the spare trainer was not ready: {self.why_not}")
         assert self.proc.stdin is not None
         req = {
             "cmd": [self.translate(a) for a in cmd],
@@ -275,7 +325,10 @@ def take(
             _start(settings)
     if spare is None:
         return None
-    if not spare.alive():
+    if not spare.wait_bound(BOUND_TIMEOUT_S):  # a spare started just now (the last run's end)
+        log.warning(
+            "the spare sandboxed trainer cannot be used (%s); this run starts a fresh one", spare.why_not
+        )
         spare.discard()
         return None
     try:

@@ -4,6 +4,7 @@ sees of the file system in a real bubblewrap sandbox, and the refusal where none
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,48 @@ def test_a_spare_taken_with_start_next_leaves_a_ready_one_for_the_next_run(tmp_p
     finally:
         spare_module.shutdown()
     assert sorted(p.name for p in (data / "jobs").iterdir()) == ["1", "2"]
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"bubblewrap cannot run here: {probe()}")
+def test_a_spare_taken_the_moment_it_was_started_is_adopted_once_its_sandbox_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job right after another takes the spare that run's end started a moment ago. Its folder
+    is renamed to the job's only once bubblewrap has bound it (the spare's started line): renamed
+    before, bubblewrap found no source to bind and the spare died, and the job started cold. A
+    spare that dies says why (its exit code and stderr). A bubblewrap that takes a second to start
+    (a loaded host's) makes sure the take comes before the sandbox is made."""
+    bound_at_adopt: list[bool] = []
+    adopt = Spare.adopt
+
+    def watched(self: Spare, folder: Path, *, move_existing: bool) -> None:
+        bound_at_adopt.append(self._lines_seen >= 1)  # its started line read: the sandbox is made
+        adopt(self, folder, move_existing=move_existing)
+
+    monkeypatch.setattr(Spare, "adopt", watched)
+    slow = tmp_path / "slow-bwrap"
+    slow.write_text(f'#!/bin/sh\nsleep 1\nexec {shutil.which("bwrap")} "$@"\n')
+    slow.chmod(0o755)
+    data = tmp_path / "data"
+    settings = Settings(
+        data_dir=data, database_url=f"sqlite:///{data / 'shardyard.db'}", sandbox_bwrap=str(slow)
+    )
+    used = None
+    assert spare_module.prestart(settings)
+    try:
+        used = spare_module.take(settings, data / "jobs" / "7", fits=True)  # no wait before
+        assert used is not None and used.adopted == data / "jobs" / "7"
+        assert bound_at_adopt == [True]
+        assert used.wait_ready(120), used.why_not
+        assert used.alive()
+    finally:
+        spare_module.shutdown()
+        if used is not None:
+            used.discard()
+    broken = Spare(settings)
+    broken.inside.rename(broken.inside.with_name("elsewhere"))  # what the early rename did
+    try:
+        assert not broken.wait_ready(120)
+        assert "exited with code" in broken.why_not and "bwrap" in broken.why_not, broken.why_not
+    finally:
+        broken.discard()
