@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.egress import EgressAllow
@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     max(lease_s, worker_alive_s) + reconcile_s."""
     worker_slots: int = 0
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
+    trainer_cores: int = Field(0, ge=0)
+    """Cores one run may use, which it keeps its torch threads to (split between its processes on
+    the host: a job's ranks, a selection batch's devices). 0: the worker's cores over its
+    --concurrency, so the jobs it runs at once do not put two threads on a core (workers/cores.py)."""
     trainer_nice: int = 0
     """The CPU priority (nice value, 0-19) each trainer takes at its start, for its session as a
     whole (/proc/self/autogroup) and its threads: where the API shares a machine with trainers

@@ -1,4 +1,5 @@
-"""A trainer's CPU priority beside the service (`SHARDYARD_TRAINER_NICE`, core/settings.py).
+"""A trainer's CPU priority beside the service (`SHARDYARD_TRAINER_NICE`, core/settings.py), and
+its share of the host's cores beside the other runs of its worker (`SHARDYARD_TRAINER_CORES`).
 
 Where the API, the scheduler and a worker share a machine with trainers that use every core, the
 service must keep answering. A nice value set from outside does not do it: most Linux kernels
@@ -13,6 +14,14 @@ one session's change every tenth of a second, so trainers that start together ta
 It is cooperative, not enforced: a user's code may set its own session back to nice 0 (the kernel
 lets any process do that for its own), as it may use every core it is given. The limits that hold
 against a hostile job are the sandbox's and the worker's (workers/limits.py).
+
+The cores: a worker that runs several jobs at once gives each run its share of the host's cores
+(workers/cores.py), and the run keeps its torch threads to it (`use_cores`), split between the
+processes of the run on this host (torchrun's ranks). torch's default, a thread per core in every
+run, puts two runs' threads on each core of a worker that runs two at once: each parallel region
+then waits for a thread that has no core, and two such jobs on the 2-core dev VM took 2.2x as
+long as with a thread each (docs/benchmarks.md). A run started without the variable (by hand,
+by a benchmark) keeps torch's default.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ENV = "SHARDYARD_TRAINER_NICE"
+CORES_ENV = "SHARDYARD_TRAINER_CORES"
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
@@ -76,4 +86,25 @@ def _session_nice(want: int, *, tries: int = 100) -> bool:
     return False
 
 
-__all__ = ["ENV", "yield_cpu"]
+def cores_given(env: Mapping[str, str] = os.environ) -> int | None:
+    """The cores this run's worker gives it (a whole number >= 1), or None: not given."""
+    raw = env.get(CORES_ENV, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
+def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
+    """Keep this process's torch threads to its share of the cores given to the run: the run's
+    cores over its processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one. Returns
+    the threads set, or None (no cores given: torch's default stays)."""
+    given = cores_given(env)
+    if given is None:
+        return None
+    local = env.get("LOCAL_WORLD_SIZE", "1").strip()
+    threads = max(1, given // (int(local) if local.isdigit() and int(local) >= 1 else 1))
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads
+
+
+__all__ = ["CORES_ENV", "ENV", "cores_given", "use_cores", "yield_cpu"]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from core.settings import Settings
+from workers.cores import run_share
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ class Sandbox:
             env["TMPDIR"] = "/tmp"
         if self.settings.trainer_nice:
             env["SHARDYARD_TRAINER_NICE"] = str(self.settings.trainer_nice)  # trainer/priority.py
+        if (share := run_share(self.settings)) is not None:  # a worker running several jobs at once
+            env["SHARDYARD_TRAINER_CORES"] = str(share)  # trainer/priority.py use_cores
         env.update(self.env)
         return env
 

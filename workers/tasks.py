@@ -16,6 +16,7 @@ from typing import Any
 from billiard.exceptions import WorkerLostError
 from celery.signals import (
     celeryd_after_setup,
+    worker_init,
     worker_process_init,
     worker_ready,
     worker_shutdown,
@@ -35,7 +36,7 @@ from db.scheduling import order_lost, unclaimed_orders
 from db.selections import settle_selection, sync_trials, unsettled_selections
 from db.workers import mark_draining, record_heartbeat
 from jobrules.restarts import max_restarts
-from workers import lost, spare
+from workers import cores, lost, spare
 from workers.celery_app import app
 from workers.devices import host_inventory, local_devices
 from workers.execute import execute_job
@@ -213,6 +214,14 @@ def _consume_node_queue(sender: str = "", instance=None, **_kwargs) -> None:  # 
     there after reserving this worker's slots."""
     if instance is not None and sender:
         instance.app.amqp.queues.select_add(node_queue(sender))
+
+
+@worker_init.connect
+def _share_cores(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
+    # before the pool processes are forked: each run gets the cores over --concurrency
+    # (workers/cores.py); "auto" is not a number yet here, and is not used by this project
+    concurrency = getattr(sender, "concurrency", None)
+    cores.set_tasks(concurrency if isinstance(concurrency, int) else 1)
 
 
 @worker_ready.connect

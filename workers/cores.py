@@ -1,0 +1,33 @@
+"""Each run's share of this host's cores, for a worker that runs several jobs at once.
+
+A Celery worker started with `--concurrency N` runs up to N jobs (or selection groups) at once,
+one per pool process. Each run is told its share, the cores this worker may use over N (at least
+one), as `SHARDYARD_TRAINER_CORES` in its environment (workers/sandbox.py), and keeps its torch
+threads to it (trainer/priority.py `use_cores`). The worker learns N before its pool processes
+are forked (`set_tasks`, at Celery's worker_init), so every pool process knows it. Outside a
+worker (a benchmark, the Slurm node agent's one attempt) no share is given and a run keeps
+torch's default. `SHARDYARD_TRAINER_CORES` sets the share instead (an operator's choice).
+"""
+
+from __future__ import annotations
+
+import os
+
+from core.settings import Settings
+
+_TASKS: list[int] = []
+
+
+def set_tasks(tasks: int) -> None:
+    """This worker runs up to `tasks` runs at once (its --concurrency)."""
+    _TASKS[:] = [max(1, int(tasks))]
+
+
+def run_share(settings: Settings) -> int | None:
+    """The cores one run of this worker may use: SHARDYARD_TRAINER_CORES where set, else the
+    cores over the runs it holds at once, or None where no worker said how many that is."""
+    if settings.trainer_cores:
+        return settings.trainer_cores
+    if not _TASKS:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // _TASKS[0])
