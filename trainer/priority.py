@@ -94,13 +94,17 @@ def cores_given(env: Mapping[str, str] = os.environ) -> int | None:
 
 def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
     """Keep this process's torch threads to its share of the cores given to the run: the run's
-    cores over its processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one. Returns
-    the threads set, or None (no cores given: torch's default stays)."""
+    cores over its processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one, and no
+    more than OMP_NUM_THREADS where that is set (the operator's, passed on by the worker; torchrun
+    sets 1 for its ranks). Returns the threads set, or None (no cores given: torch's default)."""
     given = cores_given(env)
     if given is None:
         return None
     local = env.get("LOCAL_WORLD_SIZE", "1").strip()
     threads = max(1, given // (int(local) if local.isdigit() and int(local) >= 1 else 1))
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1:
+        threads = min(threads, int(omp))
     import torch
 
     torch.set_num_threads(threads)

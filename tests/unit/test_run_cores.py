@@ -25,7 +25,8 @@ def _threads_after_use_cores(env: dict[str, str]) -> tuple[str, int]:
     code = (
         "import torch\nfrom trainer.priority import use_cores\nprint(use_cores(), torch.get_num_threads())\n"
     )
-    base = {k: v for k, v in os.environ.items() if k not in ("SHARDYARD_TRAINER_CORES", "LOCAL_WORLD_SIZE")}
+    mine = ("SHARDYARD_TRAINER_CORES", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+    base = {k: v for k, v in os.environ.items() if k not in mine}
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**base, **env},
@@ -46,6 +47,9 @@ def test_a_run_keeps_its_torch_threads_to_the_cores_it_is_given() -> None:
     # torchrun's ranks on this host share the run's cores; never below one thread
     assert _threads_after_use_cores({"SHARDYARD_TRAINER_CORES": "4", "LOCAL_WORLD_SIZE": "2"}) == ("2", 2)
     assert _threads_after_use_cores({"SHARDYARD_TRAINER_CORES": "1", "LOCAL_WORLD_SIZE": "4"}) == ("1", 1)
+    # OMP_NUM_THREADS, where the worker's environment sets it (torchrun does for its ranks), caps it
+    assert _threads_after_use_cores({"SHARDYARD_TRAINER_CORES": "4", "OMP_NUM_THREADS": "1"}) == ("1", 1)
+    assert _threads_after_use_cores({"SHARDYARD_TRAINER_CORES": "2", "OMP_NUM_THREADS": "8"}) == ("2", 2)
     # anything but a whole number >= 1 is no share: torch's default stays
     for bad in ("0", "-2", "two", ""):
         assert _threads_after_use_cores({"SHARDYARD_TRAINER_CORES": bad}) == default, bad
