@@ -19,8 +19,8 @@ The cores: a worker that runs several jobs at once gives each run its share of t
 (workers/cores.py), and the run keeps its torch threads to it (`use_cores`), split between the
 processes of the run on this host (torchrun's ranks). torch's default, a thread per core in every
 run, puts two runs' threads on each core of a worker that runs two at once: each parallel region
-then waits for a thread that has no core, and two such jobs on the 2-core dev VM took 2.2x as
-long as with a thread each (docs/benchmarks.md). A run started without the variable (by hand,
+then waits for a thread that has no core, and two such jobs on the 2-core dev VM took 3.0x as
+long as with a thread each (bench/run_cores.py). A run started without the variable (by hand,
 by a benchmark) keeps torch's default.
 """
 
