@@ -5,8 +5,10 @@ one per pool process. Each run is told its share, the cores this worker may use 
 one), as `SHARDYARD_TRAINER_CORES` in its environment (workers/sandbox.py), and keeps its torch
 threads to it (trainer/priority.py `use_cores`). The worker learns N before its pool processes
 are forked (`set_tasks`, at Celery's worker_init), so every pool process knows it. Outside a
-worker (a benchmark, the Slurm node agent's one attempt) no share is given and a run keeps
-torch's default. `SHARDYARD_TRAINER_CORES` sets the share instead (an operator's choice).
+worker (a benchmark, `python -m trainer` by hand) no share is given and a run keeps torch's
+default. The Slurm node agent gives its run the CPUs Slurm allocated it on the node (`set_share`),
+which the host's other jobs do not use. `SHARDYARD_TRAINER_CORES` sets the share instead (an
+operator's choice).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from core.settings import Settings
 
 _TASKS: list[int] = []
+_FIXED: list[int] = []
 
 
 def set_tasks(tasks: int) -> None:
@@ -23,11 +26,20 @@ def set_tasks(tasks: int) -> None:
     _TASKS[:] = [max(1, int(tasks))]
 
 
+def set_share(cores: int) -> None:
+    """Each run of this process gets `cores` (the Slurm node agent: the CPUs of its allocation on
+    its node, core/slurm.py's `srun --cpus-per-task`)."""
+    _FIXED[:] = [max(1, int(cores))]
+
+
 def run_share(settings: Settings) -> int | None:
     """The cores one run of this worker may use: SHARDYARD_TRAINER_CORES where set, else the
-    cores over the runs it holds at once, or None where no worker said how many that is."""
+    share this process was given (`set_share`), else the cores over the runs it holds at once,
+    or None where no worker said how many that is."""
     if settings.trainer_cores:
         return settings.trainer_cores
+    if _FIXED:
+        return _FIXED[0]
     if not _TASKS:
         return None
     return max(1, len(os.sched_getaffinity(0)) // _TASKS[0])

@@ -59,6 +59,7 @@ def test_a_worker_gives_each_run_its_cores_over_its_concurrency(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cores, "_TASKS", [])
+    monkeypatch.setattr(cores, "_FIXED", [])
     settings = Settings(data_dir=tmp_path)
     assert cores.run_share(settings) is None  # no worker said how many runs it holds
     assert "SHARDYARD_TRAINER_CORES" not in Sandbox(settings=settings, read_write=[tmp_path]).environment()
@@ -74,6 +75,10 @@ def test_a_worker_gives_each_run_its_cores_over_its_concurrency(
     assert Sandbox(settings=fixed, read_write=[tmp_path]).environment()["SHARDYARD_TRAINER_CORES"] == "5"
     monkeypatch.setattr(cores, "_TASKS", [])
     assert cores.run_share(fixed) == 5
+    # the Slurm node agent's run: the CPUs of its allocation, whatever the host has
+    cores.set_tasks(2)
+    cores.set_share(3)
+    assert cores.run_share(settings) == 3 and cores.run_share(fixed) == 5
 
 
 def test_a_selection_batchs_devices_share_the_runs_cores(monkeypatch: pytest.MonkeyPatch) -> None:
