@@ -97,7 +97,8 @@ class Settings(BaseSettings):
     """When a pool process starts its next spare sandboxed trainer (workers/spare.py) after a run
     took the last one. auto: at once for a run whose compute is on a GPU (it holds GPUs, or asks
     for any device on a host with NVIDIA device nodes), since the spare's imports then use a core
-    the run leaves idle; when the run has ended for a run on the CPU, whose threads use every core.
+    the run leaves idle; when the run has ended for a run on the CPU, whose threads use its share
+    of the cores (workers/cores.py).
     always: at once for every run (a host whose runs leave cores idle). never: when the run has
     ended. Started at once, a job right after another on the same pool process starts warm."""
     scheduler_s: float = 1.0

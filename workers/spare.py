@@ -19,7 +19,7 @@ the spare's old name to the job's folder lets the host resolve a path the traine
 gets its command, environment and memory limit as one JSON line, sets the limit on itself before
 any of the job's code runs, and becomes `python -m trainer ...`. The spare is used once. The next
 one is started when the job has ended (`replenish`), so its imports never compete with a run on
-the CPU, whose threads use every core; for a run whose compute is on a GPU it is started as soon
+the CPU, whose threads use its share of the cores (workers/cores.py); for a run whose compute is on a GPU it is started as soon
 as the run took this one (`ahead`, Settings.spare_ahead), so a job right after it starts warm.
 
 Supervision is unchanged: the spare's bubblewrap process is the run's process (its own session,
