@@ -18,7 +18,7 @@ from typing import TextIO
 from jobrules.spec import JobSpec, SpecError
 from trainer.config import load_job
 from trainer.distributed import env_rank, env_world_size, teardown
-from trainer.priority import use_cores, yield_cpu
+from trainer.priority import cores_given, use_cores, yield_cpu
 from trainer.protocol import FileStopSignal, JsonlSink, protocol_channel
 from trainer.workspace import UserCodeError, add_environment, set_workspace
 
@@ -91,5 +91,8 @@ def exit_now(code: int) -> None:
 if __name__ == "__main__":
     yield_cpu()
     if (threads := use_cores()) is not None:
-        print(f"trainer: {threads} torch thread(s), this run's share of its worker's cores", file=sys.stderr)
+        print(
+            f"trainer: {threads} torch thread(s), of the {cores_given()} core(s) its worker gave this run",
+            file=sys.stderr,
+        )
     exit_now(main(protocol=protocol_channel()))

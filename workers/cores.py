@@ -8,7 +8,7 @@ are forked (`set_tasks`, at Celery's worker_init), so every pool process knows i
 worker (a benchmark, `python -m trainer` by hand) no share is given and a run keeps torch's
 default. The Slurm node agent gives its run the CPUs Slurm allocated it on the node (`set_share`),
 which the host's other jobs do not use. `SHARDYARD_TRAINER_CORES` sets the share instead (an
-operator's choice).
+operator's choice; on a Slurm node it can only lower the allocation's).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ def set_share(cores: int) -> None:
 
 
 def run_share(settings: Settings) -> int | None:
-    """The cores one run of this worker may use: SHARDYARD_TRAINER_CORES where set, else the
-    share this process was given (`set_share`), else the cores over the runs it holds at once,
-    or None where no worker said how many that is."""
+    """The cores one run of this worker may use: the share this process was given (`set_share`,
+    a Slurm allocation), no more than SHARDYARD_TRAINER_CORES where that is set too; else that
+    setting; else the cores over the runs it holds at once; or None where no worker said how
+    many that is."""
+    if _FIXED:
+        return min(_FIXED[0], settings.trainer_cores or _FIXED[0])
     if settings.trainer_cores:
         return settings.trainer_cores
-    if _FIXED:
-        return _FIXED[0]
     if not _TASKS:
         return None
     return max(1, len(os.sched_getaffinity(0)) // _TASKS[0])

@@ -155,12 +155,14 @@ def execute_selection(
         retry_db(settings, "give back", lambda: _give_back(settings, reservation_id, worker))
         return "skipped"
     marks["claimed"] = time.time()
-    group = None
+    taken: list[spare.Spare] = []  # the spare the group took, even where its set-up then failed
     try:
-        group = Group(settings, won=won, worker=worker, reservation_id=reservation_id, marks=marks)
+        group = Group(
+            settings, won=won, worker=worker, reservation_id=reservation_id, marks=marks, taken=taken
+        )
         return group.run()
     finally:
-        spare.replenish(settings, group.run_.spare if group is not None else None)
+        spare.replenish(settings, taken[0] if taken else None)
 
 
 class Group:
@@ -175,7 +177,9 @@ class Group:
         worker: str,
         reservation_id: int,
         marks: dict[str, Any],
+        taken: list[spare.Spare],
     ) -> None:
+        """`taken`: the spare this group takes is appended to it, for its caller to give back."""
         self.settings, self.won, self.worker, self.reservation_id, self.marks = (
             settings,
             won,
@@ -207,6 +211,8 @@ class Group:
             move_existing=False,
             start_next=spare.ahead(settings, gpus=base.gpus, device=base.resources.device),
         )
+        if used is not None:
+            taken.append(used)
         root.mkdir(parents=True, exist_ok=True)
         self.group = group = f"group-{won[0][0].index}"
         self.batch = self._batch()

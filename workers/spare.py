@@ -89,11 +89,10 @@ class Spare:
             settings=settings, read_write=[self.inside], read_only=[self.inside / WORKSPACE], user_code=True
         )
         self.adopted: Path | None = None
-        self.ready = False
         self._lines_seen = 0  # of STARTED_LINE, READY_LINE
         self._pending = b""  # read from its stdout, not yet a whole line
         self.why_not = ""
-        """Why wait_ready said no (set when it does)."""
+        """Why wait_bound or wait_ready said no (set when one does)."""
         self.started = False
         limits = sandbox_limits(self.sandbox)
 
@@ -146,7 +145,6 @@ class Spare:
                     self.why_not = f"it printed {text[:200]!r} where {due!r} was due"
                     return False
                 self._lines_seen += 1
-                self.ready = self._lines_seen == len(order)
                 if self._lines_seen > order.index(want):
                     return True
             left = deadline - time.monotonic()
@@ -161,7 +159,9 @@ class Spare:
                         self.proc.wait(timeout=min(max(left, 0.1), 5.0))
                     break
                 self._pending += chunk
-        self.why_not = f"it exited with code {self.proc.poll()}: {self._stderr_tail()}"
+        code = self.proc.poll()
+        how = "it closed its stdout" if code is None else f"it exited with code {code}"
+        self.why_not = f"{how}: {self._stderr_tail()}"
         return False
 
     def _stderr_tail(self) -> str:
@@ -308,7 +308,9 @@ def ahead(settings: Settings, *, gpus: int, device: str) -> bool:
     (Settings.spare_ahead): `gpus` it holds, the `device` its spec asks for."""
     if settings.spare_ahead != "auto":
         return settings.spare_ahead == "always"
-    return gpus > 0 or (device != "cpu" and bool(glob.glob(GPU_NODES)))
+    # a worker shown no GPU (CUDA_VISIBLE_DEVICES empty, or from an invalid index on) runs on the CPU
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() in ("", "-1")
+    return gpus > 0 or (device != "cpu" and not hidden and bool(glob.glob(GPU_NODES)))
 
 
 def take(

@@ -22,6 +22,7 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.utils.sysinfo import cpu_budget
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
@@ -219,9 +220,12 @@ def _consume_node_queue(sender: str = "", instance=None, **_kwargs) -> None:  # 
 @worker_init.connect
 def _share_cores(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
     # before the pool processes are forked: each run gets the cores over --concurrency
-    # (workers/cores.py); "auto" is not a number yet here, and is not used by this project
+    # (workers/cores.py). Celery resolves "auto" after this signal, to the prefork pool's CPU
+    # budget: the same number here
     concurrency = getattr(sender, "concurrency", None)
-    cores.set_tasks(concurrency if isinstance(concurrency, int) else 1)
+    if not isinstance(concurrency, int):
+        concurrency = cpu_budget(use_cgroup_quota=True).count
+    cores.set_tasks(concurrency)
 
 
 @worker_ready.connect

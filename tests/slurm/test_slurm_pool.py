@@ -101,9 +101,9 @@ def test_a_one_node_job_succeeds(pool: StackHandle) -> None:
     assert _slurm_ids(pool, job["id"]), _logs(pool, job["id"])
     got = pool.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
     assert got["series"]["loss"]["steps"] == list(range(1, TINY_SPEC["train"]["steps"] + 1))
-    # its trainer kept to the one CPU of its allocation (srun --cpus-per-task, workers/cores.py)
+    # its trainer was given the one CPU of its allocation (srun --cpus-per-task, workers/cores.py)
     stderr = (pool.stack.root / "jobs" / str(job["id"]) / "stderr.log").read_text()
-    assert "trainer: 1 torch thread(s), this run's share of its worker's cores" in stderr, stderr
+    assert "trainer: 1 torch thread(s), of the 1 core(s) its worker gave this run" in stderr, stderr
     # its Slurm job ends with it
     deadline = time.monotonic() + 30
     while job["id"] in squeue() and time.monotonic() < deadline:

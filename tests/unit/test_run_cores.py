@@ -75,10 +75,12 @@ def test_a_worker_gives_each_run_its_cores_over_its_concurrency(
     assert Sandbox(settings=fixed, read_write=[tmp_path]).environment()["SHARDYARD_TRAINER_CORES"] == "5"
     monkeypatch.setattr(cores, "_TASKS", [])
     assert cores.run_share(fixed) == 5
-    # the Slurm node agent's run: the CPUs of its allocation, whatever the host has
+    # the Slurm node agent's run: the CPUs of its allocation, whatever the host has; the
+    # operator's setting can lower it, never raise it
     cores.set_tasks(2)
     cores.set_share(3)
-    assert cores.run_share(settings) == 3 and cores.run_share(fixed) == 5
+    assert cores.run_share(settings) == 3 and cores.run_share(fixed) == 3
+    assert cores.run_share(Settings(data_dir=tmp_path, trainer_cores=2)) == 2
 
 
 def test_a_selection_batchs_devices_share_the_runs_cores(monkeypatch: pytest.MonkeyPatch) -> None:

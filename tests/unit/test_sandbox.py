@@ -168,6 +168,7 @@ def test_the_next_spare_starts_at_once_only_where_the_run_leaves_the_cores_idle(
     nodes = tmp_path / "dev"
     nodes.mkdir()
     monkeypatch.setattr(spare_module, "GPU_NODES", str(nodes / "nvidia[0-9]*"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     def settings(mode: str) -> Settings:
         return Settings(data_dir=tmp_path, spare_ahead=mode)
@@ -182,6 +183,11 @@ def test_the_next_spare_starts_at_once_only_where_the_run_leaves_the_cores_idle(
     (nodes / "nvidia0").touch()
     assert spare_module.ahead(auto, gpus=0, device="auto")
     assert not spare_module.ahead(auto, gpus=0, device="cpu")  # a run on the CPU, GPU or not
+    for hidden in ("", "-1", "-1,0"):  # a worker shown no GPU runs on the CPU
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not spare_module.ahead(auto, gpus=0, device="auto"), hidden
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert spare_module.ahead(auto, gpus=0, device="auto")
     assert spare_module.ahead(settings("always"), gpus=0, device="cpu")
     assert not spare_module.ahead(settings("never"), gpus=2, device="cuda")
 
