@@ -86,10 +86,15 @@ def _session_nice(want: int, *, tries: int = 100) -> bool:
     return False
 
 
+def positive(raw: str | None) -> int | None:
+    """`raw` as a whole number >= 1, or None (unset, empty or anything else)."""
+    raw = (raw or "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
 def cores_given(env: Mapping[str, str] = os.environ) -> int | None:
     """The cores this run's worker gives it (a whole number >= 1), or None: not given."""
-    raw = env.get(CORES_ENV, "").strip()
-    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+    return positive(env.get(CORES_ENV))
 
 
 def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
@@ -100,15 +105,13 @@ def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
     given = cores_given(env)
     if given is None:
         return None
-    local = env.get("LOCAL_WORLD_SIZE", "1").strip()
-    threads = max(1, given // (int(local) if local.isdigit() and int(local) >= 1 else 1))
-    omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) >= 1:
-        threads = min(threads, int(omp))
+    threads = max(1, given // (positive(env.get("LOCAL_WORLD_SIZE")) or 1))
+    if (omp := positive(env.get("OMP_NUM_THREADS"))) is not None:
+        threads = min(threads, omp)
     import torch
 
     torch.set_num_threads(threads)
     return threads
 
 
-__all__ = ["CORES_ENV", "ENV", "cores_given", "use_cores", "yield_cpu"]
+__all__ = ["CORES_ENV", "ENV", "cores_given", "positive", "use_cores", "yield_cpu"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import Any, TextIO
 import torch
 
 from jobrules.spec import SpecError
-from trainer.priority import cores_given, yield_cpu
+from trainer.priority import yield_cpu
 from trainer.protocol import FileStopSignal, ProtocolLines, protocol_channel
 from trainer.workspace import add_environment, set_workspace
 
@@ -173,10 +172,10 @@ def main(argv: list[str] | None = None, *, protocol: TextIO | None = None) -> in
         return 2
     if devices[0].type == "cpu":
         # one CPU 'device' runs in this process, several in forked device processes that share the
-        # cores out themselves (trainer/selection/devices.py); either way, no oversubscription:
-        # the cores are the run's share of the host's where its worker gives one (trainer/priority.py)
-        cores = cores_given() or os.cpu_count() or 1
-        torch.set_num_threads(args.threads or max(1, cores // len(devices)))
+        # cores out themselves (trainer/selection/devices.py); either way, no oversubscription
+        from trainer.selection.devices import threads_per_device
+
+        torch.set_num_threads(args.threads or threads_per_device(len(devices)))
     try:
         from trainer.selection.job import run_selection
 
