@@ -33,7 +33,6 @@ from core.slurm import is_pool_node
 from db.connection import session_for
 from db.ingest import add_event
 from db.models import TERMINAL, Job, Reservation
-from trainer.priority import positive
 from workers import cores
 
 log = logging.getLogger("workers.slurm_agent")
@@ -179,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     settings = get_settings()
-    if (cpus := positive(os.environ.get("SLURM_CPUS_PER_TASK"))) is not None:
-        cores.set_share(cpus)  # the run keeps to the CPUs Slurm gave it (workers/cores.py)
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if cpus.isdigit() and int(cpus) >= 1:  # the run keeps to the CPUs Slurm gave it (workers/cores.py)
+        cores.set_share(int(cpus))
     # before any thread or process starts: they inherit the block
     take_stop_signals(settings, args.job)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
