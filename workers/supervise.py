@@ -88,9 +88,10 @@ def kill_group(proc: subprocess.Popen[str], sig: int) -> None:
 
 def _pump_stderr(proc: subprocess.Popen[str], path: Path, out: Outcome, on_output: Emit | None) -> None:
     assert proc.stderr is not None
-    # the run's folder is its trainer's too: appended to, never through a link it left there
+    # the run's folder is its trainer's too: appended to, never through a link it left there;
+    # line by line, so the file shows the run as it goes (tail -f)
     raw = open_append(path, root=path.parent)
-    with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as f:
+    with io.TextIOWrapper(raw, encoding="utf-8", errors="replace", line_buffering=True) as f:
         for line in proc.stderr:
             f.write(line)
             rank, text = split_rank(line.rstrip())
