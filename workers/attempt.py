@@ -358,13 +358,17 @@ class AttemptRun:
         # the run sits on the worker's board while its trainer runs: its share of the cores is
         # the worker's over the runs seated, written again as runs start and end beside it
         seat = cores.Seat(self.settings, self.cores_file, follows=self.follows_cores)
-        self.sandbox.env.update(seat.environment())
 
         def poll_and_share() -> Ask:
-            seat.update()
-            return poll()
+            ask = poll()
+            try:
+                seat.update()
+            except Exception:  # never in the stop poll's way
+                log.exception("%s: the share of the cores was not updated", self.what)
+            return ask
 
         try:
+            self.sandbox.env.update(seat.environment())
             rc = supervise(
                 full,
                 on_message=on_message,

@@ -50,7 +50,9 @@ def test_a_worker_advertises_its_concurrency_as_tasks(tmp_path_factory: pytest.T
 
         said(f"trainer: {threads} torch thread(s), of the {host} core(s) its worker gave this run")
         # long enough for the first to read its share (every second) while both run
-        beside = handle.submit({**TINY_SPEC, "name": "beside", "train": {**TINY_SPEC["train"], "steps": 600}})
+        beside = handle.submit(
+            {**TINY_SPEC, "name": "beside", "train": {**TINY_SPEC["train"], "steps": 1200}}
+        )
         said(f"trainer: its worker gives this run {host // 2} core(s) now: {min(host // 2, threads)} torch")
         assert handle.wait(beside["id"], timeout=180)["status"] == "succeeded"
         stderr = (st.root / "jobs" / str(beside["id"]) / "stderr.log").read_text()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import billiard.process
 import pytest
 
 from core.settings import Settings
@@ -96,8 +97,8 @@ def test_a_selection_batchs_devices_share_the_runs_cores(monkeypatch: pytest.Mon
     assert threads_per_device(1) == len(os.sched_getaffinity(0))
 
 
-def _seat_in_a_pool_process(settings: Settings, path: Path, ready: Any) -> None:
-    cores.Seat(settings, path, follows=False)  # a selection batch's run: seated, its share fixed
+def _seat_in_a_pool_process(settings: Settings, path: Path, slot: int, ready: Any) -> None:
+    cores.Seat(settings, path, follows=False, slot=slot)  # a selection batch's run: its share fixed
     ready.set()
     time.sleep(120)
 
@@ -106,6 +107,7 @@ def test_a_jobs_share_follows_the_runs_seated_beside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cores, "_TASKS", [])
+    monkeypatch.setattr(cores, "_CORES", [])
     monkeypatch.setattr(cores, "_FIXED", [])
     monkeypatch.setattr(cores, "_BOARD", [])
     cores.set_tasks(3)  # made before the pool processes are forked, as at Celery's worker_init
@@ -113,7 +115,10 @@ def test_a_jobs_share_follows_the_runs_seated_beside_it(
     host = len(os.sched_getaffinity(0))
     assert host >= 2, "a share that changes needs a host of two cores or more"
     path = tmp_path / "cores"
+    # a pool process sits in the slot of its index in the pool (billiard's)
+    monkeypatch.setattr(billiard.process.current_process(), "index", 0, raising=False)
     seat = cores.Seat(settings, path, follows=True)
+    assert seat.slot == 0 and list(cores._BOARD[0]) == [os.getpid(), 0, 0]
     # alone on the worker: every core
     assert seat.environment() == {
         "SHARDYARD_TRAINER_CORES": str(host),
@@ -124,7 +129,7 @@ def test_a_jobs_share_follows_the_runs_seated_beside_it(
     others = []
     for n in (2, 3):
         ready = ctx.Event()
-        p = ctx.Process(target=_seat_in_a_pool_process, args=(settings, tmp_path / f"other{n}", ready))
+        p = ctx.Process(target=_seat_in_a_pool_process, args=(settings, tmp_path / f"other{n}", n - 1, ready))
         p.start()
         others.append(p)
         assert ready.wait(30)
@@ -132,9 +137,10 @@ def test_a_jobs_share_follows_the_runs_seated_beside_it(
         seat.update()
         assert path.read_text() == f"{max(1, host // n)}\n", n
     assert not (tmp_path / "other2").exists()  # a run whose share is fixed is given no file
-    # a run beyond the board's slots (more than --concurrency) sits nowhere
-    assert cores.Seat(settings, tmp_path / "extra", follows=False) and cores.seated() == 3
-    # a pool process killed with its run frees its slot
+    # a run with no slot (not a prefork pool process) sits nowhere and does not follow
+    assert not cores.Seat(settings, tmp_path / "extra", follows=True, slot=None).follows
+    assert cores.seated() == 3
+    # a pool process killed with its run: its slot counts no more once it is gone
     os.kill(others[0].pid, signal.SIGKILL)
     others[0].join()
     seat.update()
@@ -152,10 +158,21 @@ def test_a_jobs_share_follows_the_runs_seated_beside_it(
     assert not path.is_symlink() and outside.read_text() == "keep\n"
     seat.leave()
     assert cores.seated() == 0
+    # the process that replaces a dead one takes its index: it empties the slot first, which may
+    # hold the dead one's pid (reused by now by another process: here, this one)
+    cores._BOARD[0][2] = os.getpid()
+    monkeypatch.setattr(billiard.process.current_process(), "index", 2, raising=False)
+    assert cores.seated() == 1
+    cores.clear_slot()
+    assert cores.seated() == 0
     # a fixed share (the operator's SHARDYARD_TRAINER_CORES) does not follow
     fixed = cores.Seat(Settings(data_dir=tmp_path, trainer_cores=1), tmp_path / "fixed", follows=True)
     assert fixed.environment() == {} and not (tmp_path / "fixed").exists()
     fixed.leave()
+    assert cores.seated() == 0
+    # the worker's CPU budget (a container's CPU quota) is what is shared, not the host's CPUs
+    cores.set_tasks(2, cores=1)
+    assert cores.Seat(settings, path, follows=True, slot=0).environment()["SHARDYARD_TRAINER_CORES"] == "1"
 
 
 FOLLOW = """
