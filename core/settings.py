@@ -66,12 +66,9 @@ class Settings(BaseSettings):
     """Ranks one job may run on this worker (reported in its heartbeat); 0: 4 per CPU core."""
     trainer_cores: int = Field(0, ge=0)
     """Cores one run may use, which it keeps its torch threads to (split between its processes on
-    the host: a job's ranks, a selection batch's devices). 0: a job gets the worker's cores over
-    the runs it holds now (every core while it runs alone, and less as others start beside it), a
-    selection batch the cores over --concurrency, so the runs at once do not put two threads on a
-    core (beyond the second or so a run takes to give up its threads to one starting beside it;
-    workers/cores.py). On a Slurm node (docs/slurm.md) the run's allocation is the share; this
-    can only lower it."""
+    the host: a job's ranks, a selection batch's devices). 0: the worker's cores over its
+    --concurrency, so the jobs it runs at once do not put two threads on a core (workers/cores.py).
+    On a Slurm node (docs/slurm.md) the run's allocation is the share; this can only lower it."""
     trainer_nice: int = 0
     """The CPU priority (nice value, 0-19) each trainer takes at its start, for its session as a
     whole (/proc/self/autogroup) and its threads: where the API shares a machine with trainers

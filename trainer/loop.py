@@ -30,7 +30,6 @@ from trainer.after_step import AfterStep, report_eval, report_step
 from trainer.checkpoint import CheckpointError, checkpoint_steps, load_checkpoint, save_checkpoint, set_aside
 from trainer.data import BatchStream, Dataset
 from trainer.device import peak_memory_mb
-from trainer.priority import follow_cores
 from trainer.protocol import MetricsSink, StopSignal, should_stop
 from trainer.recipe import ModelRecipe
 from trainer.report import NameLimit, Reports, collecting, emit, evaluation
@@ -114,7 +113,6 @@ class StepRange:
                 if should_stop(self._stop):
                     self.stopped = True
                     return
-                follow_cores()  # runs started or ended beside this one on its worker
                 yield step
                 self.last = step
         finally:

@@ -17,9 +17,7 @@ against a hostile job are the sandbox's and the worker's (workers/limits.py).
 
 The cores: a worker that runs several jobs at once gives each run its share of the host's cores
 (workers/cores.py), and the run keeps its torch threads to it (`use_cores`), split between the
-processes of the run on this host (torchrun's ranks). A job's share follows the runs beside it
-(every core while it runs alone): the worker writes the new share to a file in the run's folder,
-which the trainer reads between steps (`CoreShare`). torch's default, a thread per core in every
+processes of the run on this host (torchrun's ranks). torch's default, a thread per core in every
 run, puts two runs' threads on each core of a worker that runs two at once: each parallel region
 then waits for a thread that has no core, and two such jobs on the 2-core dev VM took 3.0x as
 long as with a thread each (bench/run_cores.py). A run started without the variable (by hand,
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -100,95 +97,21 @@ def cores_given(env: Mapping[str, str] = os.environ) -> int | None:
     return positive(env.get(CORES_ENV))
 
 
-def threads_of(given: int, env: Mapping[str, str] = os.environ) -> int:
-    """This process's torch threads for a run given `given` cores: the run's cores over its
-    processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one, and no more than
-    OMP_NUM_THREADS where that is set (the operator's, passed on by the worker; torchrun sets 1
-    for its ranks)."""
-    threads = max(1, given // (positive(env.get("LOCAL_WORLD_SIZE")) or 1))
-    if (omp := positive(env.get("OMP_NUM_THREADS"))) is not None:
-        threads = min(threads, omp)
-    return threads
-
-
 def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
-    """Keep this process's torch threads to its share of the cores given to the run
-    (`threads_of`). Returns the threads set, or None (no cores given: torch's default)."""
+    """Keep this process's torch threads to its share of the cores given to the run: the run's
+    cores over its processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one, and no
+    more than OMP_NUM_THREADS where that is set (the operator's, passed on by the worker; torchrun
+    sets 1 for its ranks). Returns the threads set, or None (no cores given: torch's default)."""
     given = cores_given(env)
     if given is None:
         return None
-    threads = threads_of(given, env)
+    threads = max(1, given // (positive(env.get("LOCAL_WORLD_SIZE")) or 1))
+    if (omp := positive(env.get("OMP_NUM_THREADS"))) is not None:
+        threads = min(threads, omp)
     import torch
 
     torch.set_num_threads(threads)
     return threads
 
 
-CORES_FILE_ENV = "SHARDYARD_TRAINER_CORES_FILE"
-
-
-class CoreShare:
-    """The run's share as its worker changes it: a worker that holds several runs at once gives a
-    job every core while it runs alone and a part of them while others run beside it, and writes
-    the share to a file in the run's folder (workers/cores.py Seat). `follow`, called between
-    steps, reads it at most every `every_s` seconds and sets the torch threads anew when it
-    changed. Changing the threads between steps changes no result beyond the order of a sum."""
-
-    def __init__(self, env: Mapping[str, str] = os.environ, *, every_s: float = 1.0) -> None:
-        raw = env.get(CORES_FILE_ENV, "")
-        self.path = Path(raw) if raw else None
-        self.env = dict(env)
-        self.given = cores_given(env)
-        self.every_s = every_s
-        self.next_at = time.monotonic() + every_s
-
-    def follow(self) -> int | None:
-        """The torch threads now, where the share changed (they may stay the same: a cap, or
-        the run's ranks); else None."""
-        if self.path is None or time.monotonic() < self.next_at:
-            return None
-        self.next_at = time.monotonic() + self.every_s
-        try:
-            with self.path.open("rb") as f:
-                given = positive(f.read(32).decode(errors="replace"))
-        except OSError:
-            return None  # not there (yet): the share the run started with holds
-        if given is None or given == self.given:
-            return None  # unreadable (being replaced, or written by the user's code): kept
-        import torch
-
-        self.given = given
-        threads = threads_of(given, self.env)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        return threads
-
-
-_SHARE: list[CoreShare] = []
-
-
-def follow_cores() -> None:
-    """Between two steps: take the run's new share of the cores, where its worker changed it
-    (`CoreShare`), and say so on stderr."""
-    if not _SHARE:
-        _SHARE.append(CoreShare())
-    if (threads := _SHARE[0].follow()) is not None:
-        print(
-            f"trainer: its worker gives this run {_SHARE[0].given} core(s) now: {threads} torch thread(s)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-__all__ = [
-    "CORES_ENV",
-    "CORES_FILE_ENV",
-    "ENV",
-    "CoreShare",
-    "cores_given",
-    "follow_cores",
-    "positive",
-    "threads_of",
-    "use_cores",
-    "yield_cpu",
-]
+__all__ = ["CORES_ENV", "ENV", "cores_given", "positive", "use_cores", "yield_cpu"]

@@ -50,7 +50,7 @@ from db.quotas import quota_gate
 from jobrules.applied import write_applied_step
 from jobrules.restarts import max_restarts
 from jobrules.spec import ParallelSpec
-from workers import cores, lost, pyenv
+from workers import lost, pyenv
 from workers.ckpt_sync import (
     Mirror,
     Uploader,
@@ -296,13 +296,6 @@ class AttemptRun:
     """The memory cgroup's OOM-kill count at the start (workers/failures.py)."""
     marks: dict[str, float] = field(default_factory=dict)
     """When the run reached `launch` and `exited` (Unix seconds)."""
-    follows_cores: bool = True
-    """Whether the trainer's share of the worker's cores follows the runs beside it (a job's);
-    a selection batch keeps the share of a full worker (workers/cores.py)."""
-
-    @property
-    def cores_file(self) -> Path:
-        return self.folder / f"{self.stem}cores"
 
     @property
     def stop_file(self) -> Path:
@@ -355,20 +348,7 @@ class AttemptRun:
             return 1
         samplers: list[HardwareSampler] = []
         full = cmd + (self.env.args if self.env is not None else [])
-        # the run sits on the worker's board while its trainer runs: its share of the cores is
-        # the worker's over the runs seated, written again as runs start and end beside it
-        seat = cores.Seat(self.settings, self.cores_file, follows=self.follows_cores)
-
-        def poll_and_share() -> Ask:
-            ask = poll()
-            try:
-                seat.update()
-            except Exception:  # never in the stop poll's way
-                log.exception("%s: the share of the cores was not updated", self.what)
-            return ask
-
         try:
-            self.sandbox.env.update(seat.environment())
             rc = supervise(
                 full,
                 on_message=on_message,
@@ -376,7 +356,7 @@ class AttemptRun:
                 on_start=lambda pid: samplers.append(
                     HardwareSampler(pid, emit=on_sample, every_s=self.settings.hw_sample_s).start()
                 ),
-                poll=poll_and_share,
+                poll=poll,
                 stop_file=self.stop_file,
                 stderr_log=self.stderr_log,
                 grace_s=self.settings.cancel_grace_s,
@@ -387,7 +367,6 @@ class AttemptRun:
                 spare=self.spare,
             )
         finally:
-            seat.leave()
             self.marks["exited"] = time.time()
             for sm in samplers:
                 sm.stop()

@@ -248,7 +248,6 @@ class Group:
             relay=self.relay,
             folder=root,
             stem=f"{group}.",
-            follows_cores=False,  # its device processes keep the split they start with
             what=f"selection {selection_id} {group}",
             # every trial of the group lives in this one process (idle ones in host memory)
             memory_limit=group_memory_limit_bytes([stored_job(self.specs[i]) for i in sorted(self.mine)]),

@@ -219,9 +219,9 @@ def _consume_node_queue(sender: str = "", instance=None, **_kwargs) -> None:  # 
 
 @worker_init.connect
 def _share_cores(sender=None, **_kwargs) -> None:  # noqa: ANN001 - Celery signal
-    # before the pool processes are forked: they share the board of the runs held at once, and
-    # each run gets its share of the worker's CPU budget (workers/cores.py). Celery resolves
-    # "auto" after this signal, to the prefork pool's CPU budget: the same number here
+    # before the pool processes are forked: each run gets the worker's CPU budget over
+    # --concurrency (workers/cores.py). Celery resolves "auto" after this signal, to the prefork
+    # pool's CPU budget: the same number here
     budget = cpu_budget(use_cgroup_quota=True).count
     concurrency = getattr(sender, "concurrency", None)
     if not isinstance(concurrency, int):
@@ -294,7 +294,6 @@ def can_take(consumer: Any, *, tasks: int, processes: int) -> bool:
 
 @worker_process_init.connect
 def _start_warm_trainer(**_kwargs) -> None:
-    cores.clear_slot()  # this process may replace one that died with a run seated
     # this pool process's warm start imports torch now, so its first run is warm too: a spare
     # sandboxed trainer where runs are sandboxed (workers/spare.py), else the zygote
     if not spare.prestart(get_settings()):
