@@ -120,8 +120,9 @@ def test_the_sampler_finds_each_rank_and_measures_cpu_and_rss() -> None:
         sampler.stop()
         values = dict(got)
         assert values["hw.rss_mb.r0"] > 1 and values["hw.rss_mb.r1"] > 1
-        # two spinning processes on a shared 2-core machine: each gets some CPU, neither above one core
-        assert 1 < max(v for n, v in got if n == "hw.cpu_pct.r0") <= 105
+        # two spinning processes on a shared 2-core machine: each gets some CPU, neither near two
+        # cores (both ranks' CPU counted as one's would be about 200; a late sample adds a little)
+        assert 1 < max(v for n, v in got if n == "hw.cpu_pct.r0") <= 150
         assert not any(n.startswith("hw.gpu") for n, _ in got)  # no NVML here: no GPU series
     finally:
         os.killpg(proc.pid, 9)

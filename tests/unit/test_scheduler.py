@@ -10,8 +10,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import event, update
 
+from core import scheduler_loop
 from core.scheduler import Box, Quota, Running, Want, gang_shape, order_queue, plan
 from core.scheduler_loop import WAKE_GAP_S, Scheduler
 from core.settings import Settings
@@ -590,13 +592,17 @@ def test_a_burst_of_wakes_is_placed_by_few_ticks(tmp_path: Any) -> None:
     finally:
         sched.stop()
     woken = ticks[1:]  # the first is the loop's timed tick at start
-    assert 2 <= len(woken) <= 1.0 / WAKE_GAP_S + 1, ticks
-    assert min(b - a for a, b in zip(woken, woken[1:], strict=False)) >= WAKE_GAP_S - 0.02
+    # (a tick per submit would be about 100, 0.01 s apart; a late stop may let one more by)
+    assert 2 <= len(woken) <= 1.0 / WAKE_GAP_S + 2, ticks
+    assert min(b - a for a, b in zip(woken, woken[1:], strict=False)) >= WAKE_GAP_S / 2
 
 
-def test_a_lone_wake_just_after_a_timed_tick_is_answered_at_once(tmp_path: Any) -> None:
+def test_a_lone_wake_just_after_a_timed_tick_is_answered_at_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The gap holds back woken ticks only: a submit that lands just after the timed tick is placed
     now, not up to WAKE_GAP_S later (what a lone selection batch waited in bench.peer)."""
+    monkeypatch.setattr(scheduler_loop, "WAKE_GAP_S", 2.0)  # held back, it would wait about 2 s
     sched, ticks = _counting(tmp_path)
     try:
         while not ticks:
@@ -604,12 +610,12 @@ def test_a_lone_wake_just_after_a_timed_tick_is_answered_at_once(tmp_path: Any) 
         time.sleep(0.02)  # well inside WAKE_GAP_S of the timed tick
         woke = time.monotonic()
         sched.wake()
-        while len(ticks) < 2 and time.monotonic() < woke + 2:
+        while len(ticks) < 2 and time.monotonic() < woke + 5:
             time.sleep(0.001)
     finally:
         sched.stop()
     assert len(ticks) >= 2, ticks
-    assert ticks[1] - woke < WAKE_GAP_S / 2, ticks[1] - woke
+    assert ticks[1] - woke < 1.0, ticks[1] - woke
 
 
 def test_preemption_asks_a_running_job_not_one_only_reserved(db_url: str) -> None:
