@@ -125,8 +125,14 @@ def rerun_a_job(stack, page: Page, job_id: int) -> int:  # noqa: ANN001
 
 def check_the_queue(stack, page: Page, *, batch: int, trial_job: int, rerun: int) -> None:  # noqa: ANN001
     """The queue: every waiting entry, its place, owner, time waited and real reason."""
+    # every entry's reason is written by the scheduler's next tick after its submit
+    deadline = time.monotonic() + 30
+    while True:
+        entries = stack.client.get("/api/queue").json()["items"]
+        if all(e["wait_reason"] for e in entries) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     page.goto(f"{stack.base_url}/#/queue")
-    entries = stack.client.get("/api/queue").json()["items"]
     assert {e["job_id"] for e in entries} >= {rerun, trial_job}
     rows = page.locator("#queue-table tbody tr[data-job-id]")
     expect(rows).to_have_count(len(entries))
@@ -135,7 +141,7 @@ def check_the_queue(stack, page: Page, *, batch: int, trial_job: int, rerun: int
         expect(tr.locator('[data-col="position"]')).to_have_text(str(e["position"]))
         expect(tr.locator('[data-col="owner"]')).to_have_text(e["owner"])
         assert e["wait_reason"], e
-        expect(tr.locator('[data-col="reason"]')).to_have_text(e["wait_reason"])
+        expect(tr.locator('[data-col="reason"]')).to_have_text(e["wait_reason"], timeout=15_000)
         expect(tr.locator('[data-col="waited"]')).to_have_text(re.compile(r"^\d+:\d\d$"))
     group = page.locator(f'#queue-table tr[data-job-id="{trial_job}"]')
     expect(group.locator('[data-col="job"]')).to_contain_text(f"batch #{batch}")

@@ -96,7 +96,7 @@ def _slurm_ids(h: StackHandle, job_id: int) -> list[int]:
 
 def test_a_one_node_job_succeeds(pool: StackHandle) -> None:
     job = pool.submit({**TINY_SPEC, "name": "slurm-one"})
-    done = pool.wait(job["id"], timeout=60)
+    done = pool.wait(job["id"], timeout=240)  # the pool's first sbatch, a cold agent and trainer
     assert done["worker"].startswith("slurm:main:"), done["worker"]
     assert _slurm_ids(pool, job["id"]), _logs(pool, job["id"])
     got = pool.client.get(f"/api/jobs/{job['id']}/metrics", params={"names": "loss"}).json()
