@@ -13,7 +13,7 @@ operator's choice; on a Slurm node it can only lower the allocation's).
 
 The share is fixed, whatever runs beside a run: a job alone on a worker with `--concurrency 2`
 keeps to its half. A share that followed the runs beside it (every core while alone) was built
-and measured: on the 2-core dev VM, a job alone with both cores took 1.86x as long as on its one
+and measured: on the 2-core dev VM, a job alone with both cores took 2.33x as long as on its one
 (bench/run_cores.py), since the worker relaying its metrics, the API and the database share those
 cores with it and each parallel region of a step waits for the thread that has none. And a run's
 numbers depend on its thread count (the reductions split differently): with a share that follows,
