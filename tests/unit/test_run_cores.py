@@ -90,7 +90,12 @@ def test_a_worker_gives_each_run_its_cores_over_its_concurrency(
 
 
 def test_a_selection_batchs_devices_share_the_runs_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets 1
     monkeypatch.setenv("SHARDYARD_TRAINER_CORES", "6")
     assert [threads_per_device(n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]
+    # OMP_NUM_THREADS in the worker's environment caps a device's threads, as a job's
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [threads_per_device(n) for n in (1, 2, 4, 8)] == [2, 2, 1, 1]
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("SHARDYARD_TRAINER_CORES")
     assert threads_per_device(1) == len(os.sched_getaffinity(0))

@@ -52,7 +52,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling of shared tensors as fds
 
 from jobrules.spec import JobSpec
-from trainer.priority import cores_given
+from trainer.priority import cores_given, positive
 from trainer.report import Reports, collecting, evaluation
 from trainer.selection.shards import HOST, Place, ShardedTrial
 from trainer.spill.ledger import DeviceLedger
@@ -153,8 +153,12 @@ def execute(t: ShardedTrial, place: Place, *, evaluate: bool) -> Done:
 
 def threads_per_device(devices: int) -> int:
     """The cores this process may use (the run's share where its worker gives one,
-    trainer/priority.py), shared out: one torch thread each on a 2-core machine."""
-    return max(1, (cores_given() or len(os.sched_getaffinity(0))) // devices)
+    trainer/priority.py), shared out: one torch thread each on a 2-core machine; no more than
+    OMP_NUM_THREADS where the worker's environment sets it, as for a job's processes."""
+    threads = max(1, (cores_given() or len(os.sched_getaffinity(0))) // devices)
+    if (cap := positive(os.environ.get("OMP_NUM_THREADS"))) is not None:
+        threads = min(threads, cap)
+    return threads
 
 
 def _serve(
