@@ -53,7 +53,7 @@ from db.gangs import (
     set_rdzv_endpoint,
     unclaim_node,
 )
-from db.jobs import Attempt, finish_job, get_job
+from db.jobs import Attempt, NotFound, finish_job, get_job
 from db.models import JobStatus
 from jobrules.divergence import judge
 from jobrules.spec import JobSpec, stored_job
@@ -383,10 +383,22 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     # each node builds (or finds) the job's own requirements before its torchrun
     run.prepare(pyenv.for_job(spec, settings=settings, workdir=node_dir, relay=relay, job_id=job_id))
     rc = OneTarget(run, torchrun=True).launch(cmd, poll=poll)
-    # once the gang was given back, a newer attempt may already be restoring from the store
-    if not run.settle(final_upload=lambda: not relay.fenced and _view(settings, attempt, node_rank).intact):
+
+    # once the gang was given back, a newer attempt may already be restoring from the store; but
+    # node 0 may have ended the job succeeded (the result was in) while this node's trainer was
+    # still exiting: this node's pieces of the last checkpoints are the run's, still to be stored
+    def ended_here() -> bool:
+        return node_rank > 0 and _succeeded_on(settings, attempt)
+
+    def ours() -> bool:
+        return (not relay.fenced and _view(settings, attempt, node_rank).intact) or ended_here()
+
+    if not run.settle(final_upload=ours):
         return "lost"
     if relay.fenced:
+        if ended_here():  # its part is stored: it prunes as the node that ends last must
+            prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=run.mirrors)
+            return "done"
         return "lost"
     status = retry_db(
         settings,
@@ -396,6 +408,16 @@ def execute_gang_node(job_id: int, *, node_rank: int, nnodes: int, settings: Set
     # every node prunes its own folder and the store (the one that ends last sees every piece)
     prune_at_end(settings, attempt=attempt, ckpt_dir=ckpt_dir, mirrors=run.mirrors)
     return status
+
+
+def _succeeded_on(settings: Settings, attempt: Attempt) -> bool:
+    """The job ended succeeded on this very attempt (no newer one restores from the store)."""
+    with session_for(settings.database_url) as s:
+        try:
+            job = get_job(s, attempt.job_id)
+        except NotFound:
+            return False
+        return job.status == JobStatus.succeeded and job.attempts == attempt.attempt
 
 
 class GangEnd:
