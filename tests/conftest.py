@@ -111,7 +111,14 @@ class StackHandle:
         self.base_url = stack.base_url
         self.token = stack.admin_token
         self.headers = {"Authorization": f"Bearer {self.token}"}
-        self.client = httpx.Client(base_url=stack.base_url, timeout=30, headers=self.headers)
+        # a connection idle for 2 s is not used again: uvicorn closes one idle for 5 s, and a
+        # request sent on it as it closes gets no answer (one test of a shared stack, in CI)
+        self.client = httpx.Client(
+            base_url=stack.base_url,
+            timeout=30,
+            headers=self.headers,
+            limits=httpx.Limits(keepalive_expiry=2.0),
+        )
         TOKENS[stack.base_url] = self.token
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
