@@ -97,6 +97,13 @@ def cores_given(env: Mapping[str, str] = os.environ) -> int | None:
     return positive(env.get(CORES_ENV))
 
 
+def omp_capped(threads: int, env: Mapping[str, str] = os.environ) -> int:
+    """`threads`, no more than OMP_NUM_THREADS where that is set (the operator's cap, passed on by
+    the worker; torchrun sets 1 for its ranks): a job's processes and a batch's devices alike."""
+    cap = positive(env.get("OMP_NUM_THREADS"))
+    return threads if cap is None else min(threads, cap)
+
+
 def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
     """Keep this process's torch threads to its share of the cores given to the run: the run's
     cores over its processes on this host (torchrun's LOCAL_WORLD_SIZE), at least one, and no
@@ -105,13 +112,11 @@ def use_cores(env: Mapping[str, str] = os.environ) -> int | None:
     given = cores_given(env)
     if given is None:
         return None
-    threads = max(1, given // (positive(env.get("LOCAL_WORLD_SIZE")) or 1))
-    if (omp := positive(env.get("OMP_NUM_THREADS"))) is not None:
-        threads = min(threads, omp)
+    threads = omp_capped(max(1, given // (positive(env.get("LOCAL_WORLD_SIZE")) or 1)), env)
     import torch
 
     torch.set_num_threads(threads)
     return threads
 
 
-__all__ = ["CORES_ENV", "ENV", "cores_given", "positive", "use_cores", "yield_cpu"]
+__all__ = ["CORES_ENV", "ENV", "cores_given", "omp_capped", "positive", "use_cores", "yield_cpu"]

@@ -52,7 +52,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the pickling of shared tensors as fds
 
 from jobrules.spec import JobSpec
-from trainer.priority import cores_given, positive
+from trainer.priority import cores_given, omp_capped
 from trainer.report import Reports, collecting, evaluation
 from trainer.selection.shards import HOST, Place, ShardedTrial
 from trainer.spill.ledger import DeviceLedger
@@ -155,10 +155,7 @@ def threads_per_device(devices: int) -> int:
     """The cores this process may use (the run's share where its worker gives one,
     trainer/priority.py), shared out: one torch thread each on a 2-core machine; no more than
     OMP_NUM_THREADS where the worker's environment sets it, as for a job's processes."""
-    threads = max(1, (cores_given() or len(os.sched_getaffinity(0))) // devices)
-    if (cap := positive(os.environ.get("OMP_NUM_THREADS"))) is not None:
-        threads = min(threads, cap)
-    return threads
+    return omp_capped(max(1, (cores_given() or len(os.sched_getaffinity(0))) // devices))
 
 
 def _serve(
